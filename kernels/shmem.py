@@ -113,3 +113,26 @@ def wait_until(flag, value, spin_limit, status, heap_bases, rank):
     else:
         _report_timeout(flag, value, seen, status, tl.load(heap_bases + rank))
     return ok
+
+
+@triton.jit
+def epoch_next(counter):
+    """The epoch of the call now running: one more than the last published (counter = [epoch, done]).
+
+    Kept on the device so a call captured in a CUDA graph gets a fresh epoch on every replay.
+    Every program reads it at its start; `epoch_finish` publishes the next one.
+    """
+    return tl.load(counter, volatile=True) + 1
+
+
+@triton.jit
+def epoch_finish(counter, num_programs):
+    """Every program calls this once at its very end; the last one to arrive publishes the epoch.
+
+    By then every program of the launch has read the epoch, and the next launch on the stream
+    cannot start before this one ends, so no program ever sees a half-updated counter.
+    """
+    done = tl.atomic_add(counter + 1, 1, sem="acq_rel", scope="gpu")
+    if done == num_programs - 1:
+        tl.store(counter + 1, 0)
+        tl.atomic_add(counter, 1, sem="release", scope="gpu")

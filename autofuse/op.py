@@ -1,0 +1,187 @@
+"""Op, problem, variant, config: the concepts every other module is generic over (DESIGN.md).
+
+An *op* (e.g. `ag_gemm`) has a float64 reference, a bulk-synchronous variant `bsp` and fused
+variants. A *problem* is the key dispatch sees: op + named sizes + dtype + world size. A
+*variant* declares its search space, its known-good configs and its validity constraints, and
+builds a *runner* for a (problem, config) on a World. A *config* is a plain dict of the variant's
+parameters. The registry (`autofuse.registry`) maps op name -> Op.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Protocol, Sequence
+
+import torch
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+Config = dict[str, Any]
+
+
+class InvalidConfig(ValueError):
+    """A config that cannot run on a problem; the message says why (rejected before launch)."""
+
+
+class InvalidInput(ValueError):
+    """Arguments an op cannot take (shape, dtype, device, layout, world size): says which and why."""
+
+
+@dataclass(frozen=True)
+class Problem:
+    """op + sizes + dtype + world size: the key of measurements, policies and dispatch caches."""
+
+    op: str
+    dims: tuple[tuple[str, Any], ...]
+    dtype: str
+    world: int
+
+    @classmethod
+    def make(cls, op: str, dtype: str | torch.dtype, world: int, **dims: Any) -> "Problem":
+        if isinstance(dtype, torch.dtype):
+            dtype = dtype_name(dtype)
+        if dtype not in DTYPES:
+            raise InvalidInput(f"dtype {dtype!r} not supported: use one of {sorted(DTYPES)}")
+        return cls(op, tuple(sorted(dims.items())), dtype, int(world))
+
+    def __getitem__(self, name: str) -> Any:
+        for k, v in self.dims:
+            if k == name:
+                return v
+        raise KeyError(f"{self.op} problem has no dimension {name!r}")
+
+    def get(self, name: str, default: Any = None) -> Any:
+        try:
+            return self[name]
+        except KeyError:
+            return default
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    @property
+    def key(self) -> str:
+        """Canonical text form, e.g. 'ag_gemm|K=8192,M=1024,N=3584,gather=rows|bfloat16|w2'."""
+        dims = ",".join(f"{k}={v}" for k, v in self.dims)
+        return f"{self.op}|{dims}|{self.dtype}|w{self.world}"
+
+    @classmethod
+    def from_key(cls, key: str) -> "Problem":
+        op, dims, dtype, world = key.split("|")
+        parsed: dict[str, Any] = {}
+        for item in filter(None, dims.split(",")):
+            k, v = item.split("=")
+            parsed[k] = int(v) if v.lstrip("-").isdigit() else v
+        return cls.make(op, dtype, int(world[1:]), **parsed)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"op": self.op, "dtype": self.dtype, "world": self.world, **dict(self.dims)}
+
+    def __str__(self) -> str:
+        return self.key
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    for name, dt in DTYPES.items():
+        if dt == dtype:
+            return name
+    raise InvalidInput(f"dtype {dtype} not supported: use one of {sorted(DTYPES)}")
+
+
+def config_key(config: Mapping[str, Any]) -> str:
+    """Canonical JSON of a config (sorted keys), the form stored in the database."""
+    return json.dumps(dict(config), sort_keys=True, separators=(",", ":"))
+
+
+class Runner(Protocol):
+    """A built (problem, variant, config) on one rank: call it with this rank's inputs.
+
+    `out`, if given, is written in place (tests poison it first); the result is returned.
+    Calls may be captured in a CUDA graph: runners keep their epochs on the device.
+    """
+
+    def __call__(self, *inputs: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor: ...
+
+
+class SearchSpace(Protocol):
+    """What Optuna's trial offers: the subset of `optuna.Trial` a variant's space uses."""
+
+    def suggest_categorical(self, name: str, choices: Sequence[Any]) -> Any: ...
+    def suggest_int(self, name: str, low: int, high: int, step: int = 1, log: bool = False) -> int: ...
+
+
+@dataclass
+class Variant:
+    """One implementation of an op.
+
+    - `space(trial, problem)` draws a config from the variant's search space (Optuna define-by-run).
+    - `defaults(problem)` lists known-good configs, enqueued first by the tuner.
+    - `check(problem, config)` returns None or the reason the config cannot run (shared memory,
+      divisibility, ...); `build` must raise InvalidConfig for the same configs.
+    - `build(world, problem, config)` allocates what the variant needs (heap workspace, compiled
+      kernels) and returns a Runner.
+    - `available(world)` is False where the variant cannot run at all (e.g. torch_symm on CPU).
+    """
+
+    name: str
+    build: Callable[[Any, Problem, Config], Runner]
+    space: Callable[[SearchSpace, Problem], Config] = lambda trial, problem: {}
+    defaults: Callable[[Problem], list[Config]] = lambda problem: [{}]
+    check: Callable[[Problem, Config], str | None] = lambda problem, config: None
+    available: Callable[[Any], bool] = lambda world: True
+    fused: bool = True
+
+
+@dataclass
+class Op:
+    """A distributed operation: its inputs, float64 reference, tolerance and variants.
+
+    - `problem_of(world, *inputs)` validates call arguments and returns their Problem (raises
+      InvalidInput with a reason otherwise); dispatch calls it on every call, so keep it cheap.
+    - `inputs(world, problem, seed)` makes this rank's random inputs (never zeros), on the
+      World's device, deterministic in (seed, rank) so any rank can rebuild any rank's inputs.
+    - `reference(world, problem, seed)` is this rank's expected output in float64.
+    - `tolerance(problem)` is the allowed ||out - ref|| / ||ref|| for the problem's dtype and K.
+    - `features(problem)` are the numbers the policy learns from.
+    - `sweep(kind)` lists problems to tune/bench: kind in {'cpu', 'gpu', 'llama70b'}.
+    """
+
+    name: str
+    variants: dict[str, Variant]
+    problem_of: Callable[..., Problem]
+    inputs: Callable[[Any, Problem, int], tuple[torch.Tensor, ...]]
+    reference: Callable[[Any, Problem, int], torch.Tensor]
+    tolerance: Callable[[Problem], float]
+    features: Callable[[Problem], dict[str, float]]
+    sweep: Callable[[str, int], list[Problem]]
+    description: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def variant(self, name: str) -> Variant:
+        try:
+            return self.variants[name]
+        except KeyError:
+            raise KeyError(f"{self.name} has no variant {name!r}; it has {sorted(self.variants)}") from None
+
+
+def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """||out - ref|| / ||ref|| in float64; inf if `out` holds NaN/inf (e.g. poison left unwritten)."""
+    o = out.detach().to(torch.float64).cpu()
+    r = ref.detach().to(torch.float64).cpu()
+    if o.shape != r.shape:
+        raise ValueError(f"output shape {tuple(o.shape)} != reference shape {tuple(r.shape)}")
+    if not torch.isfinite(o).all():
+        return float("inf")
+    denom = r.norm().item()
+    return (o - r).norm().item() / (denom if denom > 0 else 1.0)
+
+
+def default_tolerance(dtype: str, k: int) -> float:
+    """Relative-error bound for a K-long dot product in `dtype`, accumulated in float32.
+
+    Inputs are rounded to the dtype (unit roundoff u: 2^-8 bf16, 2^-11 fp16, ~tf32 2^-11 for fp32
+    dots on tensor cores); the relative error of a random-sign sum grows like u * sqrt(log K)
+    at worst, so a small constant times u, floor-bounded, covers every K we run.
+    """
+    u = {"bfloat16": 2.0 ** -8, "float16": 2.0 ** -11, "float32": 2.0 ** -11}[dtype]
+    return 4 * u * max(1.0, (max(k, 2).bit_length() / 8) ** 0.5)

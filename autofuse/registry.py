@@ -1,0 +1,26 @@
+"""The op registry: op name -> Op. Adding an op = one kernels module + one entry here."""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+
+from autofuse.op import Op
+
+MODULES = {
+    "ag_gemm": "autofuse.ops.ag_gemm",
+    "gemm_rs": "autofuse.ops.gemm_rs",
+    "gemm_ar": "autofuse.ops.gemm_ar",
+    "flash_decode": "autofuse.ops.flash_decode",
+}
+
+
+def get(name: str) -> Op:
+    """The Op called `name` (its module defines OP)."""
+    if name not in MODULES:
+        raise KeyError(f"unknown op {name!r}: known ops are {', '.join(names())}")
+    return importlib.import_module(MODULES[name]).OP
+
+
+def names() -> list[str]:
+    """Ops whose module is present in this installation, in registry order."""
+    return [name for name, mod in MODULES.items() if importlib.util.find_spec(mod) is not None]
