@@ -192,8 +192,6 @@ def spawn(fn: Callable[..., Any], size: int, *args: Any, device_kind: str | None
         raise ValueError(f"asked for {size} ranks but only {gpu_count()} GPUs are visible")
     if size < 1:
         raise ValueError("world size must be >= 1")
-    if device_kind == "cpu":
-        os.environ["TRITON_INTERPRET"] = "1"
     ctx = mp.get_context("spawn")
     results = ctx.SimpleQueue()
     port = free_port()
@@ -202,8 +200,17 @@ def spawn(fn: Callable[..., Any], size: int, *args: Any, device_kind: str | None
                     daemon=False)
         for r in range(size)
     ]
-    for p in procs:
-        p.start()
+    saved = os.environ.get("TRITON_INTERPRET")
+    if device_kind == "cpu":
+        os.environ["TRITON_INTERPRET"] = "1"  # children read it when their kernels are imported
+    try:
+        for p in procs:
+            p.start()
+    finally:
+        if saved is None:
+            os.environ.pop("TRITON_INTERPRET", None)
+        else:
+            os.environ["TRITON_INTERPRET"] = saved
     outcomes: dict[int, tuple[str, Any]] = {}
     deadline = time.monotonic() + timeout_s
     failure: RankFailed | None = None
