@@ -1,0 +1,256 @@
+"""Measurement: check a (problem, variant, config) against the reference, then time it.
+
+Two timing modes (DESIGN.md, Measurement): `eager` (back-to-back calls, launch cost included) and
+`graph` (the calls captured in a CUDA graph and replayed: launch tax removed). Warm-up first, then
+the median of many timed batches with device events; input sets rotate when they fit in L2; every
+rank uses the same counts (agreed by collectives, since mismatched counts deadlock) and the group
+keeps the rank-max. A config is timed only after it matched the float64 reference; a wrong,
+failing or hanging config is returned as a failed measurement and never timed.
+"""
+from __future__ import annotations
+
+import math
+import time
+import traceback
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from autofuse import status
+from autofuse.op import Config, InvalidConfig, Op, Problem, rel_error
+
+MODES = ("eager", "graph")
+L2_BYTES = 50 << 20
+
+
+@dataclass
+class Timing:
+    """Rank-max statistics of one timing run, microseconds per call."""
+
+    mode: str
+    median_us: float
+    p10_us: float
+    p90_us: float
+    min_us: float
+    reps: int
+    inner: int
+
+
+@dataclass
+class Measurement:
+    """(problem, variant, config, mode) -> verdict and latency; identical on every rank."""
+
+    problem: Problem
+    variant: str
+    config: Config
+    mode: str
+    ok: bool
+    error: str = ""
+    rel_error: float = math.nan
+    median_us: float = math.nan
+    p10_us: float = math.nan
+    p90_us: float = math.nan
+    min_us: float = math.nan
+    reps: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def row(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["problem"] = self.problem.key
+        return d
+
+
+def modes_for(world) -> tuple[str, ...]:
+    """Timing modes this World supports: graph mode needs CUDA graphs."""
+    return MODES if world.device.type == "cuda" else ("eager",)
+
+
+def _agree(world, value: float, op: dist.ReduceOp) -> float:
+    t = torch.tensor([value], dtype=torch.float64, device=world.device)
+    dist.all_reduce(t, op=op, group=world.group)
+    return float(t.item())
+
+
+def sync(world) -> None:
+    if world.device.type == "cuda":
+        torch.cuda.synchronize(world.device)
+    dist.barrier(group=world.group)
+
+
+def check_correct(world, op: Op, problem: Problem, runner: Callable, seed: int) -> tuple[bool, float, str]:
+    """Run twice (the second call into a NaN-poisoned output) and compare to the float64 reference.
+
+    Returns (ok, rel_error, error) agreed by every rank: ok only if every rank is within tolerance.
+    """
+    err_text = ""
+    err = math.inf
+    try:
+        inputs = op.inputs(world, problem, seed)
+        first = runner(*inputs)
+        out = torch.full_like(first, math.nan)
+        runner(*inputs, out=out)
+        if world.device.type == "cuda":
+            torch.cuda.synchronize(world.device)
+        status.check(world.heap, f"{op.name}")
+        err = rel_error(out, op.reference(world, problem, seed))
+    except status.FlagTimeout as exc:
+        err_text = str(exc)
+    except Exception as exc:  # a config that crashes is a failed measurement, not a failed run
+        err_text = f"{type(exc).__name__}: {exc}"
+    tol = op.tolerance(problem)
+    worst = _agree(world, err if math.isfinite(err) else 1e300, dist.ReduceOp.MAX)
+    failed_somewhere = _agree(world, 1.0 if err_text else 0.0, dist.ReduceOp.MAX) > 0
+    ok = not failed_somewhere and worst <= tol
+    if not ok and not err_text:
+        err_text = ("error on another rank" if failed_somewhere
+                    else f"wrong result: rel error {worst:.3g} > tolerance {tol:.3g}")
+    return ok, worst, err_text
+
+
+def _events_time(fn: Callable[[], Any], inner: int) -> float:
+    a = torch.cuda.Event(enable_timing=True)
+    b = torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(inner):
+        fn()
+    b.record()
+    b.synchronize()
+    return a.elapsed_time(b) * 1e3 / inner
+
+
+def _cpu_time(fn: Callable[[], Any], inner: int) -> float:
+    t0 = time.perf_counter()
+    for _ in range(inner):
+        fn()
+    return (time.perf_counter() - t0) * 1e6 / inner
+
+
+def _stats(world, mode: str, samples: Sequence[float], inner: int) -> Timing:
+    s = sorted(samples)
+    q = lambda f: s[min(len(s) - 1, int(f * len(s)))]  # noqa: E731
+    mx = lambda v: _agree(world, v, dist.ReduceOp.MAX)  # noqa: E731
+    return Timing(mode, mx(s[len(s) // 2]), mx(q(0.1)), mx(q(0.9)), mx(s[0]), len(s), inner)
+
+
+class TooSlow(RuntimeError):
+    """The projected timing run would exceed its budget (agreed by every rank)."""
+
+
+def time_fn(world, fns: Sequence[Callable[[], Any]] | Callable[[], Any], mode: str = "eager",
+            warmup: int = 3, reps: int = 20, target_batch_us: float = 2000.0, max_inner: int = 50,
+            budget_s: float = math.inf) -> Timing:
+    """Time `fns` (one call each per step, rotating input sets) in `mode`; rank-max stats in us/call.
+
+    A batch repeats the rotation `inner` times so that one timed batch lasts about
+    `target_batch_us`; `inner` is agreed across ranks from the slowest rank's probe. Raises
+    TooSlow (on every rank alike) when the run would take longer than `budget_s`.
+    """
+    if callable(fns):
+        fns = [fns]
+    fns = list(fns)
+
+    def step() -> None:
+        for f in fns:
+            f()
+
+    if mode == "graph" and world.device.type != "cuda":
+        raise ValueError("graph mode needs CUDA graphs; on CPU only eager mode exists")
+    timer = _events_time if world.device.type == "cuda" else _cpu_time
+    sync(world)
+    for _ in range(warmup):
+        step()
+    sync(world)
+    probe = _agree(world, timer(step, 1), dist.ReduceOp.MAX)
+    inner = int(max(1, min(max_inner, target_batch_us // max(probe, 1e-3))))
+    if world.device.type != "cuda":
+        inner = 1
+    if probe * 1e-6 * (inner * reps + warmup) > budget_s:
+        raise TooSlow(f"{mode} timing would take {probe * 1e-6 * inner * reps:.1f} s > budget {budget_s:.0f} s")
+    per = len(fns)
+    if mode == "eager":
+        sync(world)
+        samples = [timer(step, inner) / per for _ in range(reps)]
+    else:
+        side = torch.cuda.Stream(device=world.device)
+        side.wait_stream(torch.cuda.current_stream(world.device))
+        with torch.cuda.stream(side):
+            step()
+        torch.cuda.current_stream(world.device).wait_stream(side)
+        sync(world)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(inner):
+                step()
+        sync(world)
+        graph.replay()
+        sync(world)
+        samples = [_events_time(graph.replay, 1) / (inner * per) for _ in range(reps)]
+        del graph
+    sync(world)
+    return _stats(world, mode, samples, inner)
+
+
+def rotation_count(input_bytes: int, l2_bytes: int = L2_BYTES) -> int:
+    """How many input sets to rotate through so repeated calls do not run from L2."""
+    return 1 if input_bytes >= 2 * l2_bytes else min(8, max(2, math.ceil(2 * l2_bytes / max(input_bytes, 1))))
+
+
+def _nbytes(tensors: Sequence[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+
+
+def measure(world, op: Op, problem: Problem, variant: str, config: Config, modes: Sequence[str] | None = None,
+            seed: int = 0, reps: int = 20, warmup: int = 3, budget_s: float = 60.0) -> list[Measurement]:
+    """Build, check, then time one (problem, variant, config) in each mode; never raises for a bad config.
+
+    Returns one Measurement per mode (ok=False with the reason when the config is invalid, crashes,
+    times out on a flag, is wrong, or would exceed `budget_s`). Every rank must call it with the same
+    arguments; every rank returns the same verdicts and the rank-max timings.
+    """
+    modes = tuple(modes or modes_for(world))
+    v = op.variant(variant)
+    fail = lambda why, err=math.nan: [Measurement(problem, variant, dict(config), m, False, why, err)  # noqa: E731
+                                      for m in modes]
+    reason = v.check(problem, config) if v.available(world) else f"{variant} is not available on {world.device.type}"
+    if reason:
+        return fail(f"invalid config: {reason}")
+    t0 = time.perf_counter()
+    try:
+        runner = v.build(world, problem, config)
+        build_error = ""
+    except InvalidConfig as exc:
+        runner, build_error = None, f"invalid config: {exc}"
+    except Exception as exc:
+        runner, build_error = None, f"build failed: {type(exc).__name__}: {exc}\n{traceback.format_exc(limit=3)}"
+    if _agree(world, 1.0 if build_error else 0.0, dist.ReduceOp.MAX) > 0:
+        return fail(build_error or "build failed on another rank")
+    ok, err, why = check_correct(world, op, problem, runner, seed)
+    if not ok:
+        return fail(why, err)
+    first_call_s = _agree(world, time.perf_counter() - t0, dist.ReduceOp.MAX)
+    sets = rotation_count(_nbytes(op.inputs(world, problem, seed)))
+    inputs = [op.inputs(world, problem, seed + 1 + i) for i in range(sets)]
+    outs = [runner(*x) for x in inputs]
+    fns = [lambda x=x, o=o: runner(*x, out=o) for x, o in zip(inputs, outs)]
+    results = []
+    for mode in modes:
+        left = budget_s - (time.perf_counter() - t0)
+        why = ""
+        try:
+            t = time_fn(world, fns, mode, warmup=warmup, reps=reps, budget_s=left)
+            if world.device.type == "cuda":
+                torch.cuda.synchronize(world.device)
+            status.check(world.heap, op.name)
+        except (status.FlagTimeout, TooSlow) as exc:
+            why = str(exc)
+        except Exception as exc:
+            why = f"{mode} timing failed: {type(exc).__name__}: {exc}"
+        if _agree(world, 1.0 if why else 0.0, dist.ReduceOp.MAX) > 0:
+            results.append(Measurement(problem, variant, dict(config), mode, False, why or "failed on another rank", err))
+            continue
+        results.append(Measurement(problem, variant, dict(config), mode, True, "", err, t.median_us, t.p10_us,
+                                   t.p90_us, t.min_us, t.reps,
+                                   {"inner": t.inner, "sets": sets, "build_check_s": first_call_s}))
+    return results
