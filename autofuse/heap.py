@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 ALIGN = 256
 STATUS_WORDS = 8
-DEFAULT_SIZE = {"cpu": 64 << 20, "cuda": 2 << 30}
+DEFAULT_SIZE = {"cpu": 64 << 20, "cuda": 8 << 30}
 SHM_DIR = "/dev/shm"
 SHM_PREFIX = "autofuse-heap"
 

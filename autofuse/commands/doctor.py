@@ -1,0 +1,97 @@
+"""`autofuse doctor`: what this machine has, and whether every device primitive works across its ranks."""
+from __future__ import annotations
+
+import json
+import platform
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+console = Console()
+
+
+def _rank_job(world, measure: bool) -> dict:
+    from autofuse import selftest
+
+    checks = selftest.check_primitives(world)
+    timeout = selftest.check_timeout(world)
+    out = {
+        "rank": world.rank,
+        "provider": world.heap.provider,
+        "heap_bytes": world.heap.size,
+        "checks": [(c.name, c.ok, c.detail) for c in checks],
+        "bounded_wait": str(timeout) if timeout else "",
+    }
+    if measure:
+        out["link"] = selftest.measure_link(world)
+    return out
+
+
+def doctor(
+    ranks: Optional[int] = typer.Option(None, help="Ranks to run (default: every local GPU, or 2 CPU ranks)."),
+    json_out: Optional[Path] = typer.Option(None, "--json", help="Also write the report as JSON here."),
+    skip_link: bool = typer.Option(False, help="Skip the bandwidth and latency measurements."),
+) -> None:
+    """Report GPUs, links, versions and heap provider; run every device primitive on all local ranks."""
+    import torch
+    import triton
+
+    from autofuse import environment
+    from autofuse.world import default_device_kind, gpu_count, spawn
+
+    kind = default_device_kind()
+    fp = environment.fingerprint(kind)
+    nccl = fp.get("nccl") or "-"
+    info = Table(title="autofuse doctor", show_header=False)
+    info.add_row("device", "CUDA GPUs" if kind == "cuda" else "no GPU: CPU emulation (shm heap, Triton interpreter)")
+    for i in range(gpu_count()):
+        p = torch.cuda.get_device_properties(i)
+        info.add_row(f"GPU {i}", f"{p.name}, {p.total_memory / 2**30:.0f} GiB, {p.multi_processor_count} SMs")
+    info.add_row("driver / CUDA", f"{fp.get('driver') or '-'} / {fp.get('cuda') or '-'}")
+    info.add_row("torch / Triton / NCCL", f"{torch.__version__} / {triton.__version__} / {nccl}")
+    info.add_row("python", platform.python_version())
+    info.add_row("fingerprint", fp["id"])
+    console.print(info)
+    topo = environment.topology_matrix()
+    if topo:
+        console.print("[bold]link topology[/] (nvidia-smi topo -m)")
+        console.print(topo, markup=False)
+    n = ranks or (gpu_count() if kind == "cuda" else 2)
+    console.print(f"running the device primitives on {n} {'GPU' if kind == 'cuda' else 'CPU'} ranks ...")
+    results = spawn(_rank_job, n, not skip_link, device_kind=kind, timeout_s=600)
+    console.print(f"heap provider: {results[0]['provider']} ({results[0]['heap_bytes'] >> 20} MiB per rank)")
+    checks = Table(title="device primitives")
+    checks.add_column("check")
+    for r in range(n):
+        checks.add_column(f"rank {r}")
+    for i, (name, _, _) in enumerate(results[0]["checks"]):
+        checks.add_row(name, *["ok" if res["checks"][i][1] else f"FAIL: {res['checks'][i][2]}" for res in results])
+    checks.add_row("bounded wait -> error", *["ok" if res["bounded_wait"] else "FAIL: no error" for res in results])
+    console.print(checks)
+    failed = any(not c[1] for res in results for c in res["checks"]) or any(not res["bounded_wait"] for res in results)
+    if not skip_link and n >= 2:
+        link = Table(title="links (rank r reads rank r+1)")
+        for col in ("rank", "pull GB/s", "copy engine GB/s", "flag round trip us"):
+            link.add_column(col)
+        for res in results:
+            lk = res.get("link", {})
+            fmt = lambda k: f"{lk[k]:.1f}" if k in lk else "-"  # noqa: E731
+            link.add_row(str(res["rank"]), fmt("pull_GBps"), fmt("copy_engine_GBps"), fmt("flag_round_trip_us"))
+        console.print(link)
+        if kind == "cpu":
+            console.print("(CPU emulation: latencies are the interpreter's, not a GPU's)")
+    if json_out:
+        json_out.parent.mkdir(parents=True, exist_ok=True)
+        json_out.write_text(json.dumps({"fingerprint": fp, "topology": topo, "ranks": results}, indent=2))
+        console.print(f"wrote {json_out}")
+    if failed:
+        console.print("[red]some device primitives failed[/]")
+        raise typer.Exit(1)
+    console.print("[green]all device primitives passed[/]")
+
+
+def register(app: typer.Typer) -> None:
+    app.command()(doctor)

@@ -1,0 +1,126 @@
+"""Foundation on the CPU emulation: primitives across 1, 2, 4 ranks, bounded waits, launcher failures,
+symmetric offsets and shared-memory cleanup. Real processes, gloo, the shm heap, Triton's interpreter."""
+from __future__ import annotations
+
+import glob
+import os
+import time
+
+import pytest
+import torch
+
+from autofuse import heap as heap_mod
+from autofuse import selftest
+from autofuse.world import RankFailed, spawn
+
+
+def _shm_files() -> set[str]:
+    return set(glob.glob(os.path.join(heap_mod.SHM_DIR, f"{heap_mod.SHM_PREFIX}-*")))
+
+
+def _primitives(world):
+    checks = selftest.check_primitives(world, n=300, epochs=24)
+    timeout = selftest.check_timeout(world, spin_limit=500)
+    offsets = [(a.name, a.offset) for a in world.heap._allocs]
+    return [(c.name, c.ok, c.detail) for c in checks], None if timeout is None else str(timeout), offsets
+
+
+@pytest.mark.parametrize("nranks", [1, 2, 4])
+def test_primitives_across_ranks(nranks):
+    before = _shm_files()
+    results = spawn(_primitives, nranks, timeout_s=300)
+    for rank, (checks, timeout, _) in enumerate(results):
+        bad = [c for c in checks if not c[1]]
+        assert not bad, f"rank {rank}: failed checks {bad}"
+        assert len(checks) == 7
+        assert timeout is not None, f"rank {rank}: the unreachable flag did not time out"
+        assert f"rank {rank} timed out" in timeout and "selftest.wait" in timeout and "selftest.never[0]" in timeout
+    offsets = [r[2] for r in results]
+    assert all(o == offsets[0] for o in offsets), "heap offsets differ across ranks"
+    assert _shm_files() <= before, "shared-memory heap files left behind"
+
+
+def _raise_on_rank_one(world):
+    world.heap  # every rank maps the heap first, so cleanup after a crash is exercised
+    if world.rank == 1:
+        raise ValueError("deliberate failure on rank 1")
+    time.sleep(60)  # the launcher must stop this rank instead of waiting for it
+    return "should not finish"
+
+
+def test_rank_failure_stops_the_job_and_names_the_rank():
+    before = _shm_files()
+    t0 = time.monotonic()
+    with pytest.raises(RankFailed) as info:
+        spawn(_raise_on_rank_one, 2, timeout_s=120)
+    assert info.value.rank == 1
+    assert "deliberate failure on rank 1" in str(info.value)
+    assert time.monotonic() - t0 < 50, "the healthy rank was waited for instead of stopped"
+    assert _shm_files() <= before
+
+
+def _die_hard(world):
+    world.heap
+    if world.rank == 0:
+        os._exit(3)  # no Python cleanup at all
+    time.sleep(60)
+
+
+def test_rank_killed_without_report_is_named():
+    before = _shm_files()
+    with pytest.raises(RankFailed) as info:
+        spawn(_die_hard, 2, timeout_s=120)
+    assert info.value.rank == 0 and "exit" in info.value.reason
+    assert _shm_files() <= before, "heap files survived a hard crash"
+
+
+def _sleep_forever(world):
+    time.sleep(600)
+
+
+def test_job_timeout_is_bounded():
+    with pytest.raises(RankFailed) as info:
+        spawn(_sleep_forever, 2, timeout_s=8)
+    assert "limit" in info.value.reason
+
+
+def _heap_api(world):
+    h = world.heap
+    a = h.zeros(3, 5, dtype=torch.bfloat16, name="a")
+    b = h.full((7,), 2.5, name="b")
+    c = h.randn(4, 4, dtype=torch.float16, name="c")
+    peer = h.peer_tensor(b, (world.rank + 1) % world.size)
+    errors = []
+    try:
+        h.empty(h.size, name="too-big")
+    except heap_mod.HeapFull as exc:
+        errors.append(str(exc))
+    return (tuple(a.shape), a.dtype == torch.bfloat16, float(a.abs().sum()), float(b.sum()),
+            bool(torch.isfinite(c).all()), float(peer.sum()), h.offset_of(b) % heap_mod.ALIGN, errors)
+
+
+def test_heap_allocation_api_and_full_heap_error(monkeypatch):
+    monkeypatch.setenv("AUTOFUSE_HEAP_SIZE", "1M")
+    for shape, is_bf16, zsum, bsum, finite, peer_sum, align, errors in spawn(_heap_api, 2, timeout_s=120):
+        assert shape == (3, 5) and is_bf16 and zsum == 0.0 and bsum == 17.5 and finite
+        assert peer_sum == 17.5 and align == 0
+        assert errors and "AUTOFUSE_HEAP_SIZE" in errors[0]
+
+
+def _mismatched_allocation(world):
+    world.heap.empty(10 + world.rank, name="lopsided")
+    world.heap.empty(4, name="next")
+
+
+def test_divergent_allocations_are_caught():
+    with pytest.raises(RankFailed) as info:
+        spawn(_mismatched_allocation, 2, timeout_s=120)
+    assert "disagrees across ranks" in info.value.reason
+
+
+def test_parse_size():
+    assert heap_mod.parse_size("64M") == 64 << 20
+    assert heap_mod.parse_size("2G") == 2 << 30
+    assert heap_mod.parse_size("4096") == 4096
+    with pytest.raises(ValueError):
+        heap_mod.parse_size("lots")
