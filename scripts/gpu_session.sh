@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# One call on the GPU machine: install the carried wheels and the project offline, then run the
+# named stages, logging each under $OUT. Usage (from the repo root on the GPU machine):
+#   bash scripts/gpu_session.sh doctor check bench:ag_gemm tune:ag_gemm ...
+# Stages: doctor | check (every scripts/gpu_check_*.py) | bench:OP[:SWEEP] | tune:OP | fit | dispatch
+set -uo pipefail
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+export TRITON_DEFAULT_FP_FUSION=1
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+  && export PYTHONPATH=/tmp/site || exit 1
+python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . || exit 1
+date -u +"%Y-%m-%dT%H:%M:%SZ" > "$OUT/date.txt"
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$OUT/gpus.txt" 2>&1
+status=0
+for stage in "$@"; do
+  IFS=: read -r what arg1 arg2 <<< "$stage"
+  log="$OUT/${what}${arg1:+-$arg1}${arg2:+-$arg2}.log"
+  echo "=== $stage ($(date -u +%H:%M:%S))"
+  t0=$(date +%s)
+  case "$what" in
+    doctor) python3 -m autofuse doctor --json "$OUT/doctor.json" ;;
+    check) for s in scripts/gpu_check_*.py; do echo "--- $s"; timeout 300 python3 "$s" || status=1; done ;;
+    bench) python3 -m autofuse bench "$arg1" --sweep "${arg2:-gpu}" --out "$OUT/bench-$arg1-${arg2:-gpu}.json" ;;
+    tune) python3 -m autofuse tune --op "$arg1" --sweep "${arg2:-gpu}" --db tuning_db/h200x2.db ;;
+    *) echo "unknown stage $stage"; status=1; continue ;;
+  esac > "$log" 2>&1
+  rc=$?
+  [ $rc -eq 0 ] || status=1
+  echo "    rc=$rc in $(( $(date +%s) - t0 )) s; tail:"; tail -n 25 "$log"
+done
+exit $status
