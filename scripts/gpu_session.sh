@@ -7,21 +7,22 @@ set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export TRITON_DEFAULT_FP_FUSION=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+W=/tmp/work; rm -rf "$W"; mkdir -p "$W"   # everything lands here, then one tarball goes to $OUT
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   && export PYTHONPATH=/tmp/site || exit 1
 python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . || exit 1
-date -u +"%Y-%m-%dT%H:%M:%SZ" > "$OUT/date.txt"
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$OUT/gpus.txt" 2>&1
+date -u +"%Y-%m-%dT%H:%M:%SZ" > "$W/date.txt"
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$W/gpus.txt" 2>&1
 status=0
 for stage in "$@"; do
   IFS=: read -r what arg1 arg2 <<< "$stage"
-  log="$OUT/${what}${arg1:+-$arg1}${arg2:+-$arg2}.log"
+  log="$W/${what}${arg1:+-$arg1}${arg2:+-$arg2}.log"
   echo "=== $stage ($(date -u +%H:%M:%S))"
   t0=$(date +%s)
   case "$what" in
-    doctor) python3 -m autofuse doctor --json "$OUT/doctor.json" ;;
+    doctor) python3 -m autofuse doctor --json "$W/doctor.json" ;;
     check) for s in scripts/gpu_check_*.py; do echo "--- $s"; timeout 300 python3 "$s" || status=1; done ;;
-    bench) python3 -m autofuse bench "$arg1" --sweep "${arg2:-gpu}" --out "$OUT/bench-$arg1-${arg2:-gpu}.json" ;;
+    bench) python3 -m autofuse bench "$arg1" --sweep "${arg2:-gpu}" --out "$W/bench-$arg1-${arg2:-gpu}.json" ;;
     tune) python3 -m autofuse tune --op "$arg1" --sweep "${arg2:-gpu}" --db tuning_db/h200x2.db ;;
     *) echo "unknown stage $stage"; status=1; continue ;;
   esac > "$log" 2>&1
@@ -29,4 +30,6 @@ for stage in "$@"; do
   [ $rc -eq 0 ] || status=1
   echo "    rc=$rc in $(( $(date +%s) - t0 )) s; tail:"; tail -n 25 "$log"
 done
+cp tuning_db/*.db "$W/" 2>/dev/null
+tar czf "$OUT/results.tgz" -C "$W" .
 exit $status
