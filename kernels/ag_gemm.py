@@ -1,0 +1,262 @@
+"""Fused all-gather + GEMM over the symmetric heap: pull, push and push_ws (host: autofuse/ops/ag_gemm.py).
+
+Every source rank s holds one shard of A, R x C elements with row stride C:
+  gather rows (GATHER_K=False): R = M/W rows, C = K; output rows s*R .. s*R+R-1 need shard s only.
+  gather k    (GATHER_K=True):  R = M rows, C = K/W columns; every output tile sums over all W
+                                shards, shard s multiplying rows s*C .. s*C+C-1 of B.
+The workspace `data` holds 2 x W slots of R x C elements: slot (p, s) holds shard s for calls of
+epoch parity p (double-buffered so a peer one call ahead never overwrites what is being read).
+  push: source s stores its shard into slot (p, s) of every peer (the inbox); the GEMM reads locally.
+  pull: source s copies its shard into slot (p, s) of its own heap; peers' GEMMs load it remotely.
+A rank's own shard is always read straight from the caller's `a`.
+
+Flags are int32 epochs at the consumer: flags[s * units + u] reaches the call's epoch when unit u
+of shard s is readable. A unit is one BLOCK_M x BLOCK_K tile (FLAG == TILE), BLOCK_M rows
+(ROW_BLOCK) or the whole shard (SHARD; the last producer program to finish a shard, counted with
+an atomic on `counts`, raises it). Producers are the lowest program ids and never wait, so the
+interpreter (programs run in id order) and GPUs (lower ids dispatch first) cannot deadlock.
+Output tiles are ordered local shard first, then the shard of rank+1, rank+2, ...; producers
+serve the peer that needs their shard soonest first.
+"""
+import triton
+import triton.language as tl
+
+from autofuse.kernels import shmem
+from autofuse.kernels.gemm_tile import swizzle
+
+TILE = tl.constexpr(0)
+ROW_BLOCK = tl.constexpr(1)
+SHARD = tl.constexpr(2)
+
+
+@triton.jit
+def _slot(data, parity, src, W, R, C):
+    """Slot (parity, src) of the workspace: where shard `src` lives for this call."""
+    return data + tl.cast(parity * W + src, tl.int64) * R * C
+
+
+@triton.jit
+def _raise(flag, epoch, rank, dest, W, heap_bases, PULL: tl.constexpr):
+    """Publish a unit: push raises it at `dest`; pull raises it at every peer."""
+    tl.debug_barrier()  # every thread's stores happen before the release
+    if PULL:
+        for peer in range(1, W):
+            shmem.signal(flag, epoch, rank, (rank + peer) % W, heap_bases)
+    else:
+        shmem.signal(flag, epoch, rank, dest, heap_bases)
+
+
+@triton.jit
+def _produce(worker, workers, a, data, flags, counts, heap_bases, rank, W, epoch, R, C,
+             BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, FLAG: tl.constexpr, PULL: tl.constexpr):
+    """Producer `worker` of `workers`: copy my shard where peers read it, raising flags per unit.
+
+    Work items are (destination, BLOCK_M rows); push visits rank-1 first (it needs my shard
+    right after its own), pull copies each row block once into my own slot.
+    """
+    RB = tl.cdiv(R, BLOCK_M)
+    KB = tl.cdiv(C, BLOCK_K)
+    if PULL:
+        n_items = tl.where(W > 1, RB, 0)
+    else:
+        n_items = (W - 1) * RB
+    slot = _slot(data, epoch % 2, rank, W, R, C)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_k = tl.arange(0, BLOCK_K)
+    for item in range(worker, n_items, workers):
+        if PULL:
+            dest = rank
+            rb = item
+        else:
+            dest = (rank + W - 1 - item // RB) % W
+            rb = item % RB
+        dst = shmem.translate(slot, rank, dest, heap_bases)
+        rows = rb * BLOCK_M + offs_m
+        for kb in range(0, KB):
+            cols = kb * BLOCK_K + offs_k
+            mask = (rows < R)[:, None] & (cols < C)[None, :]
+            offs = rows[:, None] * C + cols[None, :]
+            tl.store(dst + offs, tl.load(a + offs, mask=mask), mask=mask)
+            if FLAG == TILE:
+                _raise(flags + rank * RB * KB + rb * KB + kb, epoch, rank, dest, W, heap_bases, PULL)
+        if FLAG == ROW_BLOCK:
+            _raise(flags + rank * RB + rb, epoch, rank, dest, W, heap_bases, PULL)
+        if FLAG == SHARD:
+            tl.debug_barrier()
+            done = shmem.atomic_add(counts + rank, 1, rank, dest, heap_bases, sem="acq_rel", scope="sys")
+            if done == RB - 1:  # the last row block of my shard for `dest`: reset, then publish
+                shmem.atomic_xchg(counts + rank, 0, rank, dest, heap_bases, sem="relaxed", scope="sys")
+                _raise(flags + rank, epoch, rank, dest, W, heap_bases, PULL)
+
+
+@triton.jit
+def _masked_by(mask, ok):
+    """mask & ok for a scalar `ok` (tl.where: the interpreter mis-types a broadcast scalar compare)."""
+    return tl.where(ok, mask, False)
+
+
+@triton.jit
+def _wait(flag, epoch, ok, spin_limit, status, heap_bases, rank):
+    """Bounded wait for `flag` to reach `epoch`; after one timeout (ok False) waits no more."""
+    if ok:
+        ok = shmem.wait_until(flag, epoch, spin_limit, status, heap_bases, rank)
+        tl.debug_barrier()  # the acquire happens before any thread's loads
+    return ok
+
+
+@triton.jit
+def _mma(acc, ok, a_base, b_base, row0, col0, R, N, C, tile_flags, epoch, spin_limit, status, heap_bases, rank,
+         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, WAIT_TILES: tl.constexpr,
+         DOT_F32: tl.constexpr):
+    """acc += A[row0:+BLOCK_M, :C] @ B[:C, col0:+BLOCK_N] for one shard (A: R x C, B rows from b_base).
+
+    Rows and columns wrap modulo R and N (the tutorial's trick: no M/N masks; the caller masks
+    the store). With WAIT_TILES the flag of each BLOCK_K step is awaited first, and the A load is
+    masked by its outcome so no compiler pipelining can hoist the load above the wait. DOT_F32
+    multiplies in float32 (the interpreter's dot is wrong for bfloat16, which numpy lacks).
+    """
+    offs_m = (row0 + tl.arange(0, BLOCK_M)) % R
+    offs_n = (col0 + tl.arange(0, BLOCK_N)) % N
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_base + offs_m[:, None] * C + offs_k[None, :]
+    b_ptrs = b_base + offs_k[:, None] * N + offs_n[None, :]
+    for kb in range(0, tl.cdiv(C, BLOCK_K)):
+        k_mask = offs_k < C - kb * BLOCK_K
+        if WAIT_TILES:
+            ok = _wait(tile_flags + kb, epoch, ok, spin_limit, status, heap_bases, rank)
+            x = tl.load(a_ptrs, mask=_masked_by(k_mask[None, :], ok), other=0.0)
+        else:
+            x = tl.load(a_ptrs, mask=k_mask[None, :], other=0.0)
+        y = tl.load(b_ptrs, mask=k_mask[:, None], other=0.0)
+        if DOT_F32:
+            x = x.to(tl.float32)
+            y = y.to(tl.float32)
+        acc = tl.dot(x, y, acc)
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K * N
+    return acc, ok
+
+
+@triton.jit
+def _remote_mma(acc, ok, src, rb, col_b, n0, a_data, b, flags, status, heap_bases, rank, W, epoch, spin_limit,
+                N, R, C, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                FLAG: tl.constexpr, PULL: tl.constexpr, DOT_F32: tl.constexpr):
+    """acc += (row block rb of shard src) @ B[col_b:col_b+C] once its flags say it has arrived."""
+    RB = tl.cdiv(R, BLOCK_M)
+    KB = tl.cdiv(C, BLOCK_K)
+    base = _slot(a_data, epoch % 2, src, W, R, C)
+    if PULL:
+        base = shmem.translate(base, rank, src, heap_bases)
+    if FLAG == ROW_BLOCK:
+        ok = _wait(flags + src * RB + rb, epoch, ok, spin_limit, status, heap_bases, rank)
+    if FLAG == SHARD:
+        ok = _wait(flags + src, epoch, ok, spin_limit, status, heap_bases, rank)
+    return _mma(acc, ok, base, b + tl.cast(col_b, tl.int64) * N, rb * BLOCK_M, n0, R, N, C,
+                flags + src * RB * KB + rb * KB, epoch, spin_limit, status, heap_bases, rank,
+                BLOCK_M, BLOCK_N, BLOCK_K, FLAG == TILE, DOT_F32)
+
+
+@triton.jit
+def _compute_tile(tile, a, b, c, data, flags, status, heap_bases, rank, W, epoch, spin_limit, N, R, C,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                  FLAG: tl.constexpr, GATHER_K: tl.constexpr, PULL: tl.constexpr, DOT_F32: tl.constexpr):
+    """One BLOCK_M x BLOCK_N output tile; tile 0.. covers my own shard's rows (or K) first."""
+    RB = tl.cdiv(R, BLOCK_M)
+    if GATHER_K:
+        num_mt = RB
+    else:
+        num_mt = W * RB
+    mt, nt = swizzle(tile, num_mt, tl.cdiv(N, BLOCK_N), GROUP_M)
+    n0 = nt * BLOCK_N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    ok = tl.full((), 1, tl.int1)
+    if GATHER_K:
+        rb = mt
+        acc, ok = _mma(acc, ok, a, b + tl.cast(rank * C, tl.int64) * N, rb * BLOCK_M, n0, R, N, C, flags, epoch,
+                       spin_limit, status, heap_bases, rank, BLOCK_M, BLOCK_N, BLOCK_K, False, DOT_F32)
+        for step in range(1, W):
+            src = (rank + step) % W
+            acc, ok = _remote_mma(acc, ok, src, rb, src * C, n0, data, b, flags, status, heap_bases, rank, W,
+                                  epoch, spin_limit, N, R, C, BLOCK_M, BLOCK_N, BLOCK_K, FLAG, PULL, DOT_F32)
+        out_row0 = rb * BLOCK_M
+    else:
+        src = (rank + mt // RB) % W
+        rb = mt % RB
+        if src == rank:
+            acc, ok = _mma(acc, ok, a, b, rb * BLOCK_M, n0, R, N, C, flags, epoch, spin_limit, status,
+                           heap_bases, rank, BLOCK_M, BLOCK_N, BLOCK_K, False, DOT_F32)
+        else:
+            acc, ok = _remote_mma(acc, ok, src, rb, 0, n0, data, b, flags, status, heap_bases, rank, W,
+                                  epoch, spin_limit, N, R, C, BLOCK_M, BLOCK_N, BLOCK_K, FLAG, PULL, DOT_F32)
+        out_row0 = src * R + rb * BLOCK_M
+    offs_r = tl.arange(0, BLOCK_M)
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    mask = _masked_by((rb * BLOCK_M + offs_r < R)[:, None] & (offs_n < N)[None, :], ok)
+    c_ptrs = c + tl.cast(out_row0 + offs_r, tl.int64)[:, None] * N + offs_n[None, :]
+    tl.store(c_ptrs, acc.to(c.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def ag_gemm_pull_kernel(a, b, c, data, flags, counts, counter, status, heap_bases, rank, W, spin_limit,
+                        N, R, C, comm,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                        FLAG: tl.constexpr, GATHER_K: tl.constexpr, DOT_F32: tl.constexpr):
+    """Programs 0..comm-1 copy my shard into my heap slot and raise peers' flags; the rest compute one
+    output tile each, loading remote shards from their owners' heaps inside the K loop.
+
+    grid = (comm + tiles,)
+    """
+    pid = tl.program_id(0)
+    epoch = shmem.epoch_next(counter)
+    if pid < comm:
+        _produce(pid, comm, a, data, flags, counts, heap_bases, rank, W, epoch, R, C, BLOCK_M, BLOCK_K, FLAG, True)
+    else:
+        _compute_tile(pid - comm, a, b, c, data, flags, status, heap_bases, rank, W, epoch, spin_limit, N, R, C,
+                      BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, FLAG, GATHER_K, True, DOT_F32)
+    shmem.epoch_finish(counter, tl.num_programs(0))
+
+
+@triton.jit
+def ag_gemm_push_kernel(a, b, c, data, flags, counts, counter, status, heap_bases, rank, W, spin_limit,
+                        N, R, C, comm,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                        FLAG: tl.constexpr, GATHER_K: tl.constexpr, DOT_F32: tl.constexpr):
+    """Programs 0..comm-1 store my shard into every peer's inbox and raise its flags; the rest compute
+    one output tile each from local memory, waiting per flag for remote units.
+
+    grid = (comm + tiles,)
+    """
+    pid = tl.program_id(0)
+    epoch = shmem.epoch_next(counter)
+    if pid < comm:
+        _produce(pid, comm, a, data, flags, counts, heap_bases, rank, W, epoch, R, C, BLOCK_M, BLOCK_K, FLAG, False)
+    else:
+        _compute_tile(pid - comm, a, b, c, data, flags, status, heap_bases, rank, W, epoch, spin_limit, N, R, C,
+                      BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, FLAG, GATHER_K, False, DOT_F32)
+    shmem.epoch_finish(counter, tl.num_programs(0))
+
+
+@triton.jit
+def ag_gemm_push_ws_kernel(a, b, c, data, flags, counts, counter, status, heap_bases, rank, W, spin_limit,
+                           N, R, C, comm,
+                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                           GROUP_M: tl.constexpr, FLAG: tl.constexpr, GATHER_K: tl.constexpr, DOT_F32: tl.constexpr):
+    """Persistent, workgroup-specialised push: programs 0..comm-1 push (as in push), the other
+    programs loop over output tiles, local tiles first.
+
+    grid = (comm + compute programs,), at most one program per SM
+    """
+    pid = tl.program_id(0)
+    epoch = shmem.epoch_next(counter)
+    if pid < comm:
+        _produce(pid, comm, a, data, flags, counts, heap_bases, rank, W, epoch, R, C, BLOCK_M, BLOCK_K, FLAG, False)
+    else:
+        RB = tl.cdiv(R, BLOCK_M)
+        if GATHER_K:
+            tiles = RB * tl.cdiv(N, BLOCK_N)
+        else:
+            tiles = W * RB * tl.cdiv(N, BLOCK_N)
+        for tile in range(pid - comm, tiles, tl.num_programs(0) - comm):
+            _compute_tile(tile, a, b, c, data, flags, status, heap_bases, rank, W, epoch, spin_limit, N, R, C,
+                          BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, FLAG, GATHER_K, False, DOT_F32)
+    shmem.epoch_finish(counter, tl.num_programs(0))
