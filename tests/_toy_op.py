@@ -1,0 +1,106 @@
+"""A toy op for policy and dispatch tests: a local matmul whose variants cost known, different times.
+
+`bsp` costs about 20 + 0.5*M us, `fused` about 60 + 0.1*M us (+ a little per BLOCK), so fused wins
+above M ~ 100: real CPU measurements (busy waits, not sleeps) with a crossover the policy must find.
+No communication inside the runners, so any collective or file access during a cached call comes
+from dispatch itself. `gpu_only` is never available on CPU. Counters record builds and calls.
+"""
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+import torch
+
+from autofuse.op import InvalidConfig, InvalidInput, Op, Problem, Variant, default_tolerance
+
+NAME = "toy_mm"
+BUILDS = {"bsp": 0, "fused": 0}
+CALLS = {"bsp": 0, "fused": 0}
+
+
+def _spin(us: float) -> None:
+    end = time.perf_counter() + us * 1e-6
+    while time.perf_counter() < end:
+        pass
+
+
+def problem_of(world: Any, a: torch.Tensor, b: torch.Tensor) -> Problem:
+    if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0] or a.dtype != b.dtype:
+        raise InvalidInput(f"toy_mm: A (M x K) and B (K x N) of one dtype, got {tuple(a.shape)}, {tuple(b.shape)}")
+    return Problem.make(NAME, a.dtype, world.size, M=a.shape[0], N=b.shape[1], K=a.shape[1])
+
+
+def inputs(world: Any, problem: Problem, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed * 1000 + world.rank)
+    a = torch.randn(problem["M"], problem["K"], generator=g).to(problem.torch_dtype)
+    b = torch.randn(problem["K"], problem["N"], generator=g).to(problem.torch_dtype)
+    return a, b
+
+
+def reference(world: Any, problem: Problem, seed: int) -> torch.Tensor:
+    a, b = inputs(world, problem, seed)
+    return a.double() @ b.double()
+
+
+def _runner(variant: str, cost_us: float):
+    def run(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        CALLS[variant] += 1
+        _spin(cost_us)
+        r = torch.matmul(a, b)
+        if out is None:
+            return r
+        out.copy_(r)
+        return out
+
+    return run
+
+
+def _build_bsp(world: Any, problem: Problem, config: dict) -> Any:
+    BUILDS["bsp"] += 1
+    return _runner("bsp", 20 + 0.5 * problem["M"])
+
+
+def _check_fused(problem: Problem, config: dict) -> str | None:
+    block = config.get("BLOCK")
+    if block not in (16, 32):
+        return f"BLOCK must be 16 or 32, got {block!r}"
+    if problem["M"] % block:
+        return f"M={problem['M']} is not a multiple of BLOCK={block}"
+    return None
+
+
+def _build_fused(world: Any, problem: Problem, config: dict) -> Any:
+    why = _check_fused(problem, config)
+    if why:
+        raise InvalidConfig(why)
+    BUILDS["fused"] += 1
+    world.heap  # noqa: B018  (fused variants live on the heap; status.check reads it)
+    return _runner("fused", 60 + 0.1 * problem["M"] + (5 if config["BLOCK"] == 16 else 0))
+
+
+def _features(problem: Problem) -> dict[str, float]:
+    return {"log2_flops": math.log2(2.0 * problem["M"] * problem["N"] * problem["K"])}
+
+
+def _sweep(kind: str, world: int) -> list[Problem]:
+    return [Problem.make(NAME, "float32", world, M=m, N=n, K=16) for m in (16, 32, 64, 128, 256, 512, 1024)
+            for n in (16, 32)]
+
+
+OP = Op(
+    name=NAME,
+    variants={
+        "bsp": Variant("bsp", _build_bsp, fused=False),
+        "fused": Variant("fused", _build_fused, defaults=lambda p: [{"BLOCK": 32}, {"BLOCK": 16}],
+                         check=_check_fused),
+        "gpu_only": Variant("gpu_only", _build_bsp, available=lambda world: world.device.type == "cuda"),
+    },
+    problem_of=problem_of,
+    inputs=inputs,
+    reference=reference,
+    tolerance=lambda p: default_tolerance(p.dtype, p["K"]),
+    features=_features,
+    sweep=_sweep,
+)

@@ -1,0 +1,249 @@
+"""Policy: fit on real CPU measurements (a toy op with a known crossover), JSON round trip, unsure
+fallback, refusal of a foreign fingerprint, the held-out evaluation, and the fit/export/show CLI."""
+from __future__ import annotations
+
+import copy
+import json
+import math
+import random
+
+import numpy as np
+import pytest
+
+from _toy_op import OP as TOY
+from autofuse import environment, policy
+from autofuse.op import Problem
+from autofuse.policy import BSP, Policy, PolicyWarning
+from autofuse.world import spawn
+
+FP = environment.fingerprint("cpu")
+
+
+def _measure_toy(world) -> list:
+    """Every toy problem x (bsp, fused BLOCK 16, fused BLOCK 32), timed in eager mode on CPU ranks."""
+    import torch
+
+    from autofuse.measure import measure
+
+    torch.set_num_threads(1)  # two ranks on two cores: intra-op threads would fight the busy waits
+    out = []
+    for p in TOY.sweep("cpu", world.size):
+        for variant, config in (("bsp", {}), ("fused", {"BLOCK": 16}), ("fused", {"BLOCK": 32})):
+            out += measure(world, TOY, p, variant, config, modes=("eager",), reps=5, warmup=1, budget_s=30)
+    return out if world.rank == 0 else []
+
+
+@pytest.fixture(scope="module")
+def db(tmp_path_factory):
+    """A tuning database written through the store API from a real 2-rank CPU measurement run."""
+    from autofuse.store import Store
+
+    measurements = spawn(_measure_toy, 2)[0]
+    path = tmp_path_factory.mktemp("policy") / "autofuse.db"
+    store = Store(path)
+    store.add(measurements, FP, source="bench")
+    store.close()
+    return path
+
+
+@pytest.fixture(scope="module")
+def rows(db):
+    from autofuse.store import Store
+
+    store = Store(db)
+    try:
+        return store.best(op="toy_mm", mode="eager", fingerprint_id=FP["id"])
+    finally:
+        store.close()
+
+
+@pytest.fixture(scope="module")
+def fitted(rows):
+    return policy.fit(rows, FP, "eager", ops={"toy_mm": TOY})
+
+
+def _toy(m: int, n: int = 16, k: int = 16, world: int = 2) -> Problem:
+    return Problem.make("toy_mm", "float32", world, M=m, N=n, K=k)
+
+
+def _grid() -> list[Problem]:
+    return [_toy(m, n, k) for m in (2, 8, 48, 100, 128, 200, 1024, 3000, 8192) for n in (8, 16, 64) for k in (16, 32)]
+
+
+def test_measurements_cover_every_problem(rows):
+    problems = {r["problem"] for r in rows}
+    assert len(problems) == len(TOY.sweep("cpu", 2))
+    variants = {(r["problem"], r["variant"]) for r in rows}
+    assert all((p, "bsp") in variants for p in problems)
+    # BLOCK=32 cannot run M=16: the failed config is never a candidate
+    assert all(r["config"] == {"BLOCK": 16} for r in rows if r["problem"].startswith("toy_mm|K=16,M=16,") and r["variant"] == "fused")
+
+
+def test_fit_report_compares_both_models(fitted):
+    rep = fitted.report["ops"]["toy_mm"]
+    assert rep["problems"] == len(TOY.sweep("cpu", 2)) and rep["variants"] == ["bsp", "fused"]
+    assert set(rep["models"]) == {"gbr", "tree"} and rep["kept"] in ("gbr", "tree")
+    assert rep["why"].startswith(f"kept {rep['kept']}:")
+    for r in list(rep["models"].values()) + list(rep["baselines"].values()):
+        assert r["n"] == rep["problems"]
+        assert r["correct"] + r["wrong"] + r["unsure"] == r["n"]
+        assert 0 <= r["within_5pct"] <= 1 and r["geomean_vs_oracle"] >= 1 - 1e-12
+    assert rep["baselines"]["oracle"]["geomean_vs_oracle"] == pytest.approx(1.0)
+    held = fitted.data["ops"]["toy_mm"]["evaluation"]["held_out"]
+    assert held == rep["models"][rep["kept"]]
+    json.dumps(fitted.data, allow_nan=False)  # plain JSON: no NaN, no objects
+
+
+def test_policy_finds_the_crossover(fitted):
+    pol = fitted.policy
+    big = pol.decide(_toy(4096), TOY)
+    assert big.variant == "fused" and big.kind == "policy" and big.config == {"BLOCK": 32}, big
+    assert "nearest problem toy_mm|K=16,M=1024,N=16" in big.config_source
+    small = pol.decide(_toy(2), TOY)
+    assert small.variant == BSP, small
+    tuned = pol.decide(_toy(1024), TOY)
+    assert (tuned.variant, tuned.kind, tuned.config) == ("fused", "measured", {"BLOCK": 32}), tuned
+    assert pol.choose(_toy(1024), TOY) == (tuned.variant, tuned.config, tuned.reason)
+    # a variant the caller cannot run is never chosen
+    assert pol.decide(_toy(4096), TOY, available=["bsp"]).variant == BSP
+
+
+def test_json_round_trip_gives_identical_decisions(fitted, tmp_path):
+    path = fitted.policy.save(tmp_path / "p.json")
+    loaded = Policy.load(path, FP)
+    assert not loaded.refused
+    for p in _grid() + [_toy(m, 16) for m in (16, 64, 256, 1024)]:
+        a, b = fitted.policy.decide(p, TOY), loaded.decide(p, TOY)
+        assert (a.variant, a.config, a.reason, a.kind, a.config_source) == \
+            (b.variant, b.config, b.reason, b.kind, b.config_source), p.key
+
+
+def test_exported_trees_match_sklearn(rows):
+    d = policy.collect(rows, {"toy_mm": TOY})["toy_mm"]
+    everything = range(len(d.keys))
+    rng = random.Random(0)
+    xs = d.x + [[v * rng.uniform(0.7, 1.3) for v in x] for x in d.x for _ in range(3)]
+    gbr = policy._fit_gbr(d, everything)
+    for x in xs:
+        for v in d.variants:
+            onehot = [1.0 if u == v else 0.0 for u in d.variants]
+            want = gbr["_sk"].predict(np.asarray([x + onehot]))[0]
+            assert policy._gbr_log_latency(gbr, x, v) == pytest.approx(want, rel=1e-12, abs=1e-12)
+    tree = policy._fit_tree(d, everything)
+    for x in xs:
+        leaf = policy._walk(tree["tree"], policy._f32(x))
+        assert tree["classes"][tree["tree"]["label"][leaf]] == tree["_sk"].predict(np.asarray([x]))[0]
+        assert leaf == tree["_sk"].apply(np.asarray([x], dtype=np.float32))[0]
+
+
+def test_unsure_falls_back_to_bsp(fitted):
+    data = copy.deepcopy(fitted.data)
+    data["ops"]["toy_mm"]["margin"] = 10.0  # the model's error dwarfs any predicted gain
+    d = Policy(data).decide(_toy(4096), TOY)
+    assert d.variant == BSP and d.kind == "unsure" and d.reason.startswith("unsure:") and d.gain > 0, d
+    data["ops"]["toy_mm"]["margin"] = None  # no measured error at all: never leave BSP on a prediction
+    assert Policy(data).decide(_toy(4096), TOY).kind == "unsure"
+    data["ops"]["toy_mm"]["model"] = None
+    assert Policy(data).decide(_toy(4096), TOY).kind == "unsure"
+    # a tuned problem whose fused gain is within measurement noise stays on BSP
+    data = copy.deepcopy(fitted.data)
+    us = data["ops"]["toy_mm"]["problems"]["toy_mm|K=16,M=1024,N=16|float32|w2"]["us"]
+    us["fused"] = us["bsp"] / 1.01
+    d = Policy(data).decide(_toy(1024), TOY)
+    assert d.variant == BSP and d.kind == "unsure", d
+
+
+def _synthetic_rows(noise: float, gain: float, seed: int = 0) -> list[dict]:
+    rng = random.Random(seed)
+    out = []
+    for m in (16, 32, 64, 128, 256, 512, 1024, 2048):
+        for n in (16, 32, 64):
+            key = _toy(m, n).key
+            bsp = 50.0 + m
+            out.append({"problem": key, "op": "toy_mm", "variant": "bsp", "config": {}, "median_us": bsp})
+            out.append({"problem": key, "op": "toy_mm", "variant": "fused", "config": {"BLOCK": 16},
+                        "median_us": bsp / gain * math.exp(rng.gauss(0, noise))})
+    return out
+
+
+def test_fit_is_unsure_where_gains_are_noise():
+    """Fused and BSP equal under 5% noise: some held-out calls are unsure, and the policy costs little;
+    with a clear 1.5x gain it picks fused everywhere."""
+    for seed in range(3):
+        res = policy.fit(_synthetic_rows(noise=0.05, gain=1.0, seed=seed), FP, "eager", ops={"toy_mm": TOY})
+        rep = res.report["ops"]["toy_mm"]["models"][res.report["ops"]["toy_mm"]["kept"]]
+        assert rep["unsure"] > 0 and rep["margin"] > 0.01 and rep["speedup_vs_bsp"] > 0.97, rep
+        assert [m["margin_quantile"] for m in rep["margins_tried"]] == list(policy.MARGIN_QUANTILES)
+    clear = policy.fit(_synthetic_rows(noise=0.01, gain=1.5), FP, "eager", ops={"toy_mm": TOY})
+    rep = clear.report["ops"]["toy_mm"]["models"][clear.report["ops"]["toy_mm"]["kept"]]
+    assert rep["correct"] == rep["n"] and rep["picked"] == {"fused": rep["n"]}, rep
+
+
+def test_foreign_fingerprint_is_refused(fitted, tmp_path):
+    data = copy.deepcopy(fitted.data)
+    data["fingerprint"]["gpu_name"] = "Some Other GPU"
+    data["fingerprint"]["triton"] = "0.0.1"
+    path = tmp_path / "foreign.json"
+    path.write_text(json.dumps(data))
+    with pytest.warns(PolicyWarning, match="other hardware or versions.*gpu_name"):
+        pol = Policy.load(path, FP)
+    assert pol.refused
+    variant, config, reason = pol.choose(_toy(4096), TOY)
+    assert variant == BSP and config == {} and reason.startswith("fallback:") and "triton" in reason
+    bad = copy.deepcopy(fitted.data)
+    bad["format_version"] = 99
+    with pytest.warns(PolicyWarning, match="format version"):
+        assert Policy.from_dict(bad, FP).refused
+    (tmp_path / "junk.json").write_text("{not json")
+    with pytest.warns(PolicyWarning, match="cannot read"):
+        assert Policy.load(tmp_path / "junk.json", FP).choose(_toy(8), TOY)[0] == BSP
+
+
+def test_evaluate_counts():
+    us = {"a": {"bsp": 100.0, "f": 50.0}, "b": {"bsp": 100.0, "f": 99.0}, "c": {"bsp": 100.0, "f": 200.0},
+          "d": {"bsp": 100.0, "f": 80.0}}
+    decisions = {"a": ("f", "policy"), "b": ("bsp", "unsure"), "c": ("f", "policy"), "d": ("bsp", "unsure")}
+    r = policy.evaluate(decisions, us)
+    assert (r["correct"], r["wrong"], r["unsure"], r["unsure_ok"]) == (1, 1, 2, 1)
+    assert r["within_5pct"] == pytest.approx(0.5)
+    assert r["worst_vs_bsp"] == pytest.approx(2.0) and r["worst_problem"] == "c"
+    assert r["geomean_vs_bsp"] == pytest.approx((0.5 * 1 * 2 * 1) ** 0.25)
+    assert r["geomean_vs_oracle"] == pytest.approx((1 * (100 / 99) * 2 * (100 / 80)) ** 0.25)
+
+
+def test_cli_fit_export_show(db, tmp_path):
+    from typer.testing import CliRunner
+
+    from autofuse.cli import app
+
+    runner = CliRunner()
+    out = tmp_path / "models" / "toy.json"
+    res = runner.invoke(app, ["fit", "--db", str(db), "--mode", "eager", "--out", str(out),
+                              "--report", str(tmp_path / "report.json")])
+    assert res.exit_code == 0, res.output
+    assert "kept" in res.output and out.exists()
+    data = json.loads(out.read_text())
+    assert data["format"] == "autofuse-policy" and data["fingerprint"]["id"] == FP["id"] and data["mode"] == "eager"
+    assert json.loads((tmp_path / "report.json").read_text())["ops"]["toy_mm"]["kept"] in ("gbr", "tree")
+    res = runner.invoke(app, ["fit", "--db", str(db), "--mode", "eager", "--out", str(out), "--json"])
+    assert res.exit_code == 0 and json.loads(res.output)["ops"]["toy_mm"]["problems"] == 14, res.output
+    for fmt in ("csv", "json"):
+        target = tmp_path / f"table.{fmt}"
+        res = runner.invoke(app, ["export", "--format", fmt, "--db", str(db), "--mode", "eager", "--out", str(target)])
+        assert res.exit_code == 0, res.output
+    table = json.loads((tmp_path / "table.json").read_text())
+    assert len(table) == 14
+    row = next(r for r in table if r["M"] == 1024 and r["N"] == 16)
+    assert row["variant"] == "fused" and row["config"] == {"BLOCK": 32} and row["speedup_vs_bsp"] > 1
+    assert (tmp_path / "table.csv").read_text().splitlines()[0].startswith("op,problem,dtype,world")
+    res = runner.invoke(app, ["show", "--db", str(db), "--mode", "eager"])
+    assert res.exit_code == 0 and "toy_mm" in res.output, res.output
+    res = runner.invoke(app, ["show", "--db", str(db), "--mode", "eager", "--plot", str(tmp_path / "p.png")])
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert res.exit_code == 1 and "needs matplotlib" in res.output
+    else:
+        assert res.exit_code == 0 and (tmp_path / "p.png").stat().st_size > 0, res.output
+    res = runner.invoke(app, ["fit", "--db", str(tmp_path / "missing.db"), "--mode", "eager"])
+    assert res.exit_code == 1 and "no tuning database" in res.output
