@@ -6,9 +6,17 @@ returns one BLOCK_M x BLOCK_N tile of A @ B accumulated in float32; the caller d
 tile goes (a local output, a peer's inbox). Row and column indices wrap modulo the matrix size
 (the tutorial's trick), so loads need no M/N masks and only the K tail is masked; rows and
 columns past the edge hold garbage the caller must not store.
+
+Triton's interpreter multiplies bfloat16 blocks as raw uint16 in `tl.dot` (seen on 3.9: garbage
+results), so under TRITON_INTERPRET=1 bfloat16 operands are widened to float32 first: exact
+products, the same float32 accumulation. Compiled kernels keep the bfloat16 tensor-core dot.
 """
+import os
+
 import triton
 import triton.language as tl
+
+INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
 
 
 @triton.jit
@@ -44,6 +52,10 @@ def matmul_tile(a, b, row0, col0, rows, N, K, stride_am, stride_ak, stride_bk, s
         else:
             x = tl.load(a_ptrs, mask=offs_k[None, :] < K - k * BLOCK_K, other=0.0)
             y = tl.load(b_ptrs, mask=offs_k[:, None] < K - k * BLOCK_K, other=0.0)
+        if INTERPRETED:
+            if x.dtype == tl.bfloat16:
+                x = x.to(tl.float32)
+                y = y.to(tl.float32)
         acc = tl.dot(x, y, acc)
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
