@@ -1,0 +1,334 @@
+"""Dispatch on 2 CPU ranks: cached hot path (no I/O, no collective, no policy walk), overrides,
+explain, rank disagreement raising before launch, capture misses, policy search and refusal."""
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import pytest
+
+from _toy_op import OP as TOY
+from autofuse import environment, policy
+from autofuse.op import Problem
+from autofuse.world import spawn
+
+FP = environment.fingerprint("cpu")
+HOT_CALLS = 30
+
+
+def _rows() -> list[dict]:
+    """Toy measurements where fused wins from M=128 up."""
+    out = []
+    for m in (16, 32, 64, 128, 256, 512, 1024):
+        for n in (16, 32):
+            key = Problem.make("toy_mm", "float32", 2, M=m, N=n, K=16).key
+            bsp, fused = 20 + 0.5 * m, 60 + 0.1 * m
+            out.append({"problem": key, "op": "toy_mm", "variant": "bsp", "config": {}, "median_us": bsp})
+            out.append({"problem": key, "op": "toy_mm", "variant": "fused", "config": {"BLOCK": 16},
+                        "median_us": fused})
+    return out
+
+
+@pytest.fixture(scope="module")
+def policies(tmp_path_factory) -> dict:
+    """A fitted toy policy (data) and a folder; ranks write it with their own fingerprint (other helpers'
+    kernel edits change the kernel hash between this process and the ranks)."""
+    return {"data": policy.fit(_rows(), FP, "eager", ops={"toy_mm": TOY}).data,
+            "dir": str(tmp_path_factory.mktemp("dispatch"))}
+
+
+def _write_policies(policies: dict, rank: int) -> dict[str, str]:
+    fp = environment.fingerprint("cpu")
+    data = dict(policies["data"], fingerprint=fp)
+    foreign = dict(data, fingerprint=dict(fp, gpu_name="NVIDIA B200"))
+    paths = {}
+    for name, d in (("good", data), ("foreign", foreign)):
+        paths[name] = os.path.join(policies["dir"], f"{name}-{rank}.json")
+        with open(paths[name], "w") as f:
+            json.dump(d, f)
+    return paths
+
+
+class _Counter:
+    """Wrap attributes of objects with call counters; `restore()` puts them back."""
+
+    def __init__(self) -> None:
+        self.counts: dict[str, int] = {}
+        self._saved: list[tuple] = []
+
+    def wrap(self, obj, name: str, label: str) -> None:
+        orig = getattr(obj, name)
+        self.counts[label] = 0
+
+        def counted(*args, **kwargs):
+            self.counts[label] += 1
+            return orig(*args, **kwargs)
+
+        self._saved.append((obj, name, orig))
+        setattr(obj, name, counted)
+
+    def restore(self) -> None:
+        for obj, name, orig in reversed(self._saved):
+            setattr(obj, name, orig)
+        self._saved.clear()
+
+
+def _rel(out, a, b) -> float:
+    ref = a.double() @ b.double()
+    return float((out.double() - ref).norm() / ref.norm())
+
+
+def _inputs(world, m: int, n: int = 16, k: int = 16):
+    return TOY.inputs(world, Problem.make("toy_mm", "float32", world.size, M=m, N=n, K=k), seed=3)
+
+
+def _dispatch_job(world, policies: dict) -> dict:
+    import builtins
+    import io
+    import warnings
+
+    import torch
+    import torch.distributed as dist
+
+    import _toy_op as toy
+    from autofuse import dispatch
+    from autofuse.policy import Policy, PolicyWarning
+
+    torch.set_num_threads(1)
+    paths = _write_policies(policies, world.rank)
+    res: dict = {}
+    call = dispatch.call
+    dispatch.reset()
+    os.environ["AUTOFUSE_POLICY"] = paths["good"]
+
+    # first call of a problem: one decision, one collective, one build
+    a, b = _inputs(world, 256)
+    out = call(TOY, a, b)
+    res["first"] = {"rel": _rel(out, a, b), "stats": dict(vars(dispatch.stats)), "calls": dict(toy.CALLS)}
+
+    # the hot path: no I/O, no collective, no policy walk, no problem_of
+    c = _Counter()
+    for name in ("all_gather", "all_gather_object", "all_reduce", "broadcast", "broadcast_object_list", "barrier"):
+        c.wrap(dist, name, f"dist.{name}")
+    c.wrap(builtins, "open", "open")
+    c.wrap(io, "open", "io.open")
+    c.wrap(os, "open", "os.open")
+    c.wrap(Policy, "decide", "policy.decide")
+    c.wrap(TOY, "problem_of", "problem_of")
+    before = dict(vars(dispatch.stats))
+    target = torch.full((256, 16), math.nan)
+    try:
+        for _ in range(HOT_CALLS):
+            got = call(TOY, a, b, out=target)
+    finally:
+        c.restore()
+    after = dict(vars(dispatch.stats))
+    res["hot"] = {"counts": c.counts, "delta": {k: after[k] - before[k] for k in after}, "rel": _rel(got, a, b),
+                  "same_out": got is target}
+
+    # explain: the cached decision, and an unseen problem decided without building or collectives
+    res["explain_cached"] = vars(dispatch.explain(TOY, a, b)) | {"text": str(dispatch.explain(TOY, a, b))}
+    c.wrap(dist, "all_gather", "dist.all_gather")
+    try:
+        e = dispatch.explain(TOY, *_inputs(world, 8))
+    finally:
+        c.restore()
+    res["explain_new"] = {"variant": e.variant, "source": e.source, "cached": e.cached, "reason": e.reason,
+                          "gathers": c.counts["dist.all_gather"], "builds": dispatch.stats.builds}
+
+    # a new shape is a new decision (small M: bsp) with its own collective
+    a8, b8 = _inputs(world, 8)
+    out = call(TOY, a8, b8)
+    res["small"] = {"rel": _rel(out, a8, b8), "variant": dispatch.explain(TOY, a8, b8).variant,
+                    "collectives": dispatch.stats.collectives}
+
+    # overrides: the argument, then AUTOFUSE_VARIANT; a config without variant; a bad config
+    n = toy.CALLS["bsp"]
+    out = call(TOY, a, b, variant="bsp")
+    res["override_arg"] = {"rel": _rel(out, a, b), "bsp_calls": toy.CALLS["bsp"] - n,
+                           "source": dispatch.explain(TOY, a, b, variant="bsp").source}
+    out = call(TOY, a, b, variant="fused", config={"BLOCK": 16})
+    res["override_config"] = {"rel": _rel(out, a, b),
+                              "config": dispatch.explain(TOY, a, b, variant="fused", config={"BLOCK": 16}).config}
+    errors = {}
+    for label, kwargs in (("config_without_variant", {"config": {"BLOCK": 16}}),
+                          ("bad_config", {"variant": "fused", "config": {"BLOCK": 64}}),
+                          ("unavailable", {"variant": "gpu_only"})):
+        try:
+            call(TOY, a, b, **kwargs)
+            errors[label] = None
+        except Exception as exc:
+            errors[label] = f"{type(exc).__name__}: {exc}"
+    res["errors"] = errors
+    os.environ["AUTOFUSE_VARIANT"] = "other_op:fused,toy_mm:bsp"
+    a512, b512 = _inputs(world, 512)
+    call(TOY, a512, b512)
+    ex = dispatch.explain(TOY, a512, b512)
+    res["override_env"] = {"variant": ex.variant, "source": ex.source, "reason": ex.reason}
+    del os.environ["AUTOFUSE_VARIANT"]
+
+    # a miss during CUDA-graph capture raises (simulated: CPU tensors cannot be captured)
+    saved = dispatch._capturing
+    dispatch._capturing = lambda args: True
+    try:
+        call(TOY, *_inputs(world, 1024))
+        res["capture"] = None
+    except dispatch.CaptureMiss as exc:
+        res["capture"] = str(exc)
+    finally:
+        dispatch._capturing = saved
+    res["capture_cached_ok"] = _rel(call(TOY, a, b), a, b)
+
+    # a policy from other hardware: warning, then BSP for everything
+    dispatch.reset()
+    os.environ["AUTOFUSE_POLICY"] = paths["foreign"]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        call(TOY, a, b)
+    ex = dispatch.explain(TOY, a, b)
+    res["foreign"] = {"variant": ex.variant, "source": ex.source, "reason": ex.reason,
+                      "warnings": [str(w.message) for w in caught if issubclass(w.category, PolicyWarning)]}
+
+    # no policy anywhere: one warning for the process, BSP for everything
+    dispatch.reset()
+    del os.environ["AUTOFUSE_POLICY"]
+    saved_dirs = dispatch.models_dirs
+    dispatch.models_dirs = lambda: []
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            call(TOY, a, b)
+            call(TOY, a8, b8)
+    finally:
+        dispatch.models_dirs = saved_dirs
+    ex = dispatch.explain(TOY, a, b)
+    res["none"] = {"variant": ex.variant, "source": ex.source,
+                   "warnings": [str(w.message) for w in caught if "no policy" in str(w.message)]}
+
+    # ranks with different policies: a clear error on every rank before anything is built or run
+    dispatch.reset()
+    dispatch.set_policy(paths["good"] if world.rank == 0 else Policy.bsp("rank 1 has no policy"))
+    builds, calls = dict(toy.BUILDS), dict(toy.CALLS)
+    try:
+        call(TOY, a, b)
+        res["mismatch"] = None
+    except dispatch.DispatchMismatch as exc:
+        res["mismatch"] = str(exc)
+    res["mismatch_side_effects"] = {"builds": {k: toy.BUILDS[k] - builds[k] for k in builds},
+                                    "calls": {k: toy.CALLS[k] - calls[k] for k in calls},
+                                    "stats_builds": dispatch.stats.builds}
+    # and ranks that override differently
+    dispatch.reset()
+    dispatch.set_policy(paths["good"])
+    try:
+        call(TOY, a, b, variant="bsp" if world.rank else None)
+        res["mismatch_override"] = None
+    except dispatch.DispatchMismatch as exc:
+        res["mismatch_override"] = str(exc)
+    dispatch.reset()
+    return res
+
+
+@pytest.fixture(scope="module")
+def results(policies) -> list[dict]:
+    return spawn(_dispatch_job, 2, policies)
+
+
+def test_first_call_decides_once(results):
+    for r in results:
+        s = r["first"]["stats"]
+        assert (s["misses"], s["hits"], s["collectives"], s["builds"], s["policy_loads"]) == (1, 0, 1, 1, 1), s
+        assert r["first"]["rel"] < 1e-5 and r["first"]["calls"]["fused"] >= 1
+
+
+def test_hot_path_does_no_io_no_collective_no_policy_walk(results):
+    for rank, r in enumerate(results):
+        hot = r["hot"]
+        assert all(v == 0 for v in hot["counts"].values()), (rank, hot["counts"])
+        d = hot["delta"]
+        assert (d["hits"], d["misses"], d["collectives"], d["builds"], d["policy_loads"]) == (HOT_CALLS, 0, 0, 0, 0), d
+        assert d["checks"] == HOT_CALLS  # on CPU every fused call checks the flag status word
+        assert hot["rel"] < 1e-5 and hot["same_out"]
+
+
+def test_explain(results):
+    for r in results:
+        e = r["explain_cached"]
+        assert e["cached"] and e["variant"] == "fused" and e["source"] == "measured" and e["config"] == {"BLOCK": 16}
+        assert "variant: fused" in e["text"] and "measured:" in e["text"]
+        n = r["explain_new"]
+        assert n["variant"] == "bsp" and not n["cached"] and n["gathers"] == 0 and n["builds"] == 1, n
+        assert r["small"]["variant"] == "bsp" and r["small"]["collectives"] == 2 and r["small"]["rel"] < 1e-5
+
+
+def test_overrides(results):
+    for r in results:
+        assert r["override_arg"]["bsp_calls"] == 1 and r["override_arg"]["source"] == "override"
+        assert r["override_config"]["config"] == {"BLOCK": 16} and r["override_config"]["rel"] < 1e-5
+        assert r["override_env"]["variant"] == "bsp" and r["override_env"]["source"] == "env"
+        assert "AUTOFUSE_VARIANT" in r["override_env"]["reason"]
+        e = r["errors"]
+        assert e["config_without_variant"].startswith("ValueError") and "needs variant" in e["config_without_variant"]
+        assert e["bad_config"].startswith("InvalidConfig") and "BLOCK must be 16 or 32" in e["bad_config"]
+        assert e["unavailable"].startswith("ValueError") and "not available on cpu" in e["unavailable"]
+
+
+def test_capture_miss_raises_with_warmup_advice(results):
+    for r in results:
+        assert r["capture"] and "warm-up" in r["capture"] and "capture" in r["capture"]
+        assert r["capture_cached_ok"] < 1e-5
+
+
+def test_foreign_policy_refused_runs_bsp(results):
+    for r in results:
+        f = r["foreign"]
+        assert f["variant"] == "bsp" and f["source"] == "fallback" and "gpu_name" in f["reason"], f
+        assert f["warnings"] and "other hardware or versions" in f["warnings"][0]
+        n = r["none"]
+        assert n["variant"] == "bsp" and n["source"] == "fallback" and len(n["warnings"]) == 1, n
+
+
+def test_rank_disagreement_raises_before_launch(results):
+    for r in results:
+        msg = r["mismatch"]
+        assert msg and "ranks disagree" in msg and "rank 0: fused" in msg and "rank 1: bsp" in msg, msg
+        fx = r["mismatch_side_effects"]
+        assert fx["stats_builds"] == 0 and not any(fx["builds"].values()) and not any(fx["calls"].values()), fx
+        msg = r["mismatch_override"]
+        assert msg and "rank 1: bsp" in msg and "[override]" in msg, msg
+
+
+def test_import_is_cheap():
+    import subprocess
+    import sys
+
+    code = ("import sys, autofuse; assert 'torch' not in sys.modules and 'autofuse.dispatch' not in sys.modules; "
+            "f = autofuse.ag_gemm; import autofuse.dispatch as d; assert f is d.ag_gemm and autofuse.explain is d.explain; "
+            "import torch.distributed as dist; assert not dist.is_initialized()")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_env_override_parsing(monkeypatch):
+    from autofuse import dispatch
+
+    monkeypatch.setenv("AUTOFUSE_VARIANT", "*:bsp,ag_gemm:push")
+    assert dispatch._env_override("ag_gemm") == "push" and dispatch._env_override("gemm_rs") == "bsp"
+    monkeypatch.setenv("AUTOFUSE_VARIANT", "ag_gemm")
+    with pytest.raises(ValueError, match="op:variant"):
+        dispatch._env_override("ag_gemm")
+
+
+def test_find_shipped_policy(policies, tmp_path, monkeypatch):
+    from autofuse import dispatch
+
+    d = tmp_path / "models"
+    d.mkdir()
+    for name, mode in (("a.json", "graph"), ("b.json", "eager")):
+        (d / name).write_text(json.dumps(dict(policies["data"], mode=mode)))
+    (d / "foreign.json").write_text(json.dumps(dict(policies["data"], fingerprint=dict(FP, gpu_name="NVIDIA B200"))))
+    (d / "junk.json").write_text("[1, 2")
+    monkeypatch.setenv("AUTOFUSE_MODELS_DIR", str(d))
+    assert dispatch.find_policy(FP, "eager") == d / "b.json"
+    assert dispatch.find_policy(FP, "graph") == d / "a.json"
+    assert dispatch.find_policy(dict(FP, id="0" * 16), "graph") is None
