@@ -70,7 +70,7 @@ def _produce(worker, workers, a, data, flags, counts, heap_bases, rank, W, epoch
         else:
             dest = (rank + W - 1 - item // RB) % W
             rb = item % RB
-        dst = shmem.translate(slot, rank, dest, heap_bases)
+        dst = tl.multiple_of(shmem.translate(slot, rank, dest, heap_bases), 16)  # slots are 16-byte aligned
         rows = rb * BLOCK_M + offs_m
         for kb in range(0, KB):
             cols = kb * BLOCK_K + offs_k
@@ -138,22 +138,43 @@ def _mma(acc, ok, a_base, b_base, row0, col0, R, N, C, tile_flags, epoch, spin_l
 
 
 @triton.jit
-def _remote_mma(acc, ok, src, rb, col_b, n0, a_data, b, flags, status, heap_bases, rank, W, epoch, spin_limit,
-                N, R, C, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                FLAG: tl.constexpr, PULL: tl.constexpr, DOT_F32: tl.constexpr):
-    """acc += (row block rb of shard src) @ B[col_b:col_b+C] once its flags say it has arrived."""
+def _shard_mma(acc, ok, src, rb, n0, a, b, data, flags, status, heap_bases, rank, W, epoch, spin_limit, N, R, C,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FLAG: tl.constexpr,
+               GATHER_K: tl.constexpr, PULL: tl.constexpr, DOT_F32: tl.constexpr):
+    """acc += (row block rb of shard src) @ (the rows of B it multiplies), waiting for remote units.
+
+    My own shard comes from `a`; a peer's from its slot (my inbox, or the peer's heap for pull).
+    One K loop serves both (one set of pipeline buffers in shared memory), except with tile flags,
+    where the remote loop waits per BLOCK_K step and the local one keeps its pipelining.
+    """
     RB = tl.cdiv(R, BLOCK_M)
     KB = tl.cdiv(C, BLOCK_K)
-    base = _slot(a_data, epoch % 2, src, W, R, C)
-    if PULL:
-        base = shmem.translate(base, rank, src, heap_bases)
-    if FLAG == ROW_BLOCK:
-        ok = _wait(flags + src * RB + rb, epoch, ok, spin_limit, status, heap_bases, rank)
-    if FLAG == SHARD:
-        ok = _wait(flags + src, epoch, ok, spin_limit, status, heap_bases, rank)
-    return _mma(acc, ok, base, b + tl.cast(col_b, tl.int64) * N, rb * BLOCK_M, n0, R, N, C,
-                flags + src * RB * KB + rb * KB, epoch, spin_limit, status, heap_bases, rank,
-                BLOCK_M, BLOCK_N, BLOCK_K, FLAG == TILE, DOT_F32)
+    remote = src != rank
+    base = a
+    if remote:
+        base = _slot(data, epoch % 2, src, W, R, C)
+        if PULL:  # heap bases and slots are 16-byte aligned: keep vectorised, asynchronous loads
+            base = tl.multiple_of(shmem.translate(base, rank, src, heap_bases), 16)
+        if FLAG == ROW_BLOCK:
+            ok = _wait(flags + src * RB + rb, epoch, ok, spin_limit, status, heap_bases, rank)
+        if FLAG == SHARD:
+            ok = _wait(flags + src, epoch, ok, spin_limit, status, heap_bases, rank)
+    if GATHER_K:
+        b_rows = b + tl.cast(src * C, tl.int64) * N
+    else:
+        b_rows = b
+    tile_flags = flags + src * RB * KB + rb * KB
+    if FLAG == TILE:
+        if remote:
+            acc, ok = _mma(acc, ok, base, b_rows, rb * BLOCK_M, n0, R, N, C, tile_flags, epoch, spin_limit, status,
+                           heap_bases, rank, BLOCK_M, BLOCK_N, BLOCK_K, True, DOT_F32)
+        else:
+            acc, ok = _mma(acc, ok, base, b_rows, rb * BLOCK_M, n0, R, N, C, tile_flags, epoch, spin_limit, status,
+                           heap_bases, rank, BLOCK_M, BLOCK_N, BLOCK_K, False, DOT_F32)
+    else:
+        acc, ok = _mma(acc, ok, base, b_rows, rb * BLOCK_M, n0, R, N, C, tile_flags, epoch, spin_limit, status,
+                       heap_bases, rank, BLOCK_M, BLOCK_N, BLOCK_K, False, DOT_F32)
+    return acc, ok
 
 
 @triton.jit
@@ -169,25 +190,18 @@ def _compute_tile(tile, a, b, c, data, flags, status, heap_bases, rank, W, epoch
     mt, nt = swizzle(tile, num_mt, tl.cdiv(N, BLOCK_N), GROUP_M)
     n0 = nt * BLOCK_N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    ok = tl.full((), 1, tl.int1)
+    ok = tl.full([], 1, tl.int1)
     if GATHER_K:
         rb = mt
-        acc, ok = _mma(acc, ok, a, b + tl.cast(rank * C, tl.int64) * N, rb * BLOCK_M, n0, R, N, C, flags, epoch,
-                       spin_limit, status, heap_bases, rank, BLOCK_M, BLOCK_N, BLOCK_K, False, DOT_F32)
-        for step in range(1, W):
-            src = (rank + step) % W
-            acc, ok = _remote_mma(acc, ok, src, rb, src * C, n0, data, b, flags, status, heap_bases, rank, W,
-                                  epoch, spin_limit, N, R, C, BLOCK_M, BLOCK_N, BLOCK_K, FLAG, PULL, DOT_F32)
+        for step in range(0, W):
+            acc, ok = _shard_mma(acc, ok, (rank + step) % W, rb, n0, a, b, data, flags, status, heap_bases, rank, W,
+                                 epoch, spin_limit, N, R, C, BLOCK_M, BLOCK_N, BLOCK_K, FLAG, GATHER_K, PULL, DOT_F32)
         out_row0 = rb * BLOCK_M
     else:
         src = (rank + mt // RB) % W
         rb = mt % RB
-        if src == rank:
-            acc, ok = _mma(acc, ok, a, b, rb * BLOCK_M, n0, R, N, C, flags, epoch, spin_limit, status,
-                           heap_bases, rank, BLOCK_M, BLOCK_N, BLOCK_K, False, DOT_F32)
-        else:
-            acc, ok = _remote_mma(acc, ok, src, rb, 0, n0, data, b, flags, status, heap_bases, rank, W,
-                                  epoch, spin_limit, N, R, C, BLOCK_M, BLOCK_N, BLOCK_K, FLAG, PULL, DOT_F32)
+        acc, ok = _shard_mma(acc, ok, src, rb, n0, a, b, data, flags, status, heap_bases, rank, W, epoch,
+                             spin_limit, N, R, C, BLOCK_M, BLOCK_N, BLOCK_K, FLAG, GATHER_K, PULL, DOT_F32)
         out_row0 = src * R + rb * BLOCK_M
     offs_r = tl.arange(0, BLOCK_M)
     offs_n = n0 + tl.arange(0, BLOCK_N)
