@@ -332,3 +332,45 @@ def test_find_shipped_policy(policies, tmp_path, monkeypatch):
     assert dispatch.find_policy(FP, "eager") == d / "b.json"
     assert dispatch.find_policy(FP, "graph") == d / "a.json"
     assert dispatch.find_policy(dict(FP, id="0" * 16), "graph") is None
+
+
+def _real_ops_job(world) -> list[tuple[str, str, float, float, str]]:
+    """Each registered op through its public autofuse.<op> entry point, every CPU variant, 2 calls each."""
+    import autofuse
+    from autofuse import dispatch, registry
+
+    dispatch.reset()
+    dispatch.set_policy(None)
+    out = []
+    for name in registry.names():
+        op = registry.get(name)
+        problem = min(op.sweep("cpu", world.size), key=lambda p: math.prod(v for _, v in p.dims if isinstance(v, int)))
+        inputs = op.inputs(world, problem, 7)
+        ref = op.reference(world, problem, 7)
+        entry = getattr(autofuse, name)
+        for variant in [v for v, var in op.variants.items() if var.available(world)]:
+            try:
+                errs = [op_rel(entry(*inputs, group=world, variant=variant), ref) for _ in range(2)]
+                why = ""
+            except Exception as exc:
+                errs, why = [math.inf], f"{type(exc).__name__}: {exc}"
+            out.append((name, variant, max(errs), op.tolerance(problem), why))
+        explained = str(autofuse.explain(name, *inputs, group=world))
+        out.append((name, "explain", 0.0, 1.0, "" if "variant:" in explained else explained))
+    return out
+
+
+def op_rel(out, ref) -> float:
+    from autofuse.op import rel_error
+
+    return rel_error(out, ref)
+
+
+def test_real_ops_through_public_entry_points():
+    from autofuse import registry
+
+    if not registry.names():
+        pytest.skip("no op modules in this checkout yet")
+    results = spawn(_real_ops_job, 2)[0]
+    bad = [r for r in results if r[4] or not r[2] <= r[3]]
+    assert not bad, bad
