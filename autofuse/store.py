@@ -125,7 +125,7 @@ class Store:
         self.db["problems"].insert_all(problems.values(), pk="key", ignore=True)
         self.db["configs"].insert_all(configs.values(), pk="id", ignore=True)
         before = self.db.conn.total_changes
-        self.db["measurements"].insert_all(rows, pk="id", ignore=True)  # one transaction: all modes or none
+        self.db["measurements"].insert_all(rows, ignore=True)  # one transaction: all modes or none
         return self.db.conn.total_changes - before
 
     # -- reading ---------------------------------------------------------------------------------
