@@ -91,7 +91,7 @@ def test_stale_fingerprint_kept_not_used_and_reported(store):
     assert len(store.measurements(fingerprint_id=ALL)) == 3  # kept
     assert [r["config"] for r in store.measurements()] == [{"BLOCK": 32}]  # not used
     assert [r["median_us"] for r in store.best(mode="eager")] == [5.0]
-    assert [r["median_us"] for r in store.best(mode="eager", fingerprint_id=other["id"])] == [1.0]
+    assert [r["median_us"] for r in store.best(mode="eager", fingerprint_id=other["id"])] == [1.0, 2.0]
     assert store.lookup(P.key, config_id("fake_sum", "push", {"BLOCK": 16}), "eager") is None
     stale = store.stale(here["id"])
     assert stale["rows"] == 2 and stale["current"] == here["id"]
