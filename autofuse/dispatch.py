@@ -1,7 +1,7 @@
 """Runtime dispatch: `autofuse.ag_gemm(a, b, group=...)` and friends run the variant the policy picks.
 
 Hot path (a cached problem): a key from the op name, the group and each input's shape, dtype,
-device and strides, one dict lookup, the runner call. No I/O, no collective, no policy walk.
+device and contiguity, one dict lookup, the runner call. No I/O, no collective, no policy walk.
 
 Miss path (a problem this process has not seen, per op/group/shapes): the op's `problem_of`
 validates the inputs; the decision comes from, in order, the `variant=` argument,
@@ -112,34 +112,34 @@ def call(op: str | Op, *args: Any, group: Any = None, variant: str | None = None
     `group`: a torch.distributed process group (None: the default group) or an autofuse World.
     """
     name = op if op.__class__ is str else op.name
-    key = (name, id(group), variant, None if config is None else config_key(config),
-           *[(a.shape, a.dtype, a.device, a.stride()) if isinstance(a, torch.Tensor) else a for a in args])
-    entry = _cache.get(key)
-    if entry is None:
-        return _miss(key, op, args, group, variant, config, out)
-    stats.hits += 1
-    result = entry.runner(*args) if out is None else entry.runner(*args, out=out)
-    if entry.check:
-        _check(entry)
-    return result
+    return _run(_key(name, group, variant, config, args), op, args, group, variant, config, out)
+
+
+# The entry points below build the same key as `_key`, spelled out: they are the hot path.
 
 
 def ag_gemm(a: torch.Tensor, b: torch.Tensor, group: Any = None, *, variant: str | None = None,
             config: Config | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """all_gather_rows(a) @ b over `group`: rank r holds A_r (M/W x K) and B_r (K x N_r)."""
-    return call("ag_gemm", a, b, group=group, variant=variant, config=config, out=out)
+    key = ("ag_gemm", id(group), variant, None if config is None else config_key(config),
+           a.shape, a.dtype, a.device, a.is_contiguous(), b.shape, b.dtype, b.device, b.is_contiguous())
+    return _run(key, "ag_gemm", (a, b), group, variant, config, out)
 
 
 def gemm_rs(a: torch.Tensor, b: torch.Tensor, group: Any = None, *, variant: str | None = None,
             config: Config | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """reduce_scatter_rows(a @ b) over `group`: rank r holds A_r (M x K/W) and B_r (K/W x N)."""
-    return call("gemm_rs", a, b, group=group, variant=variant, config=config, out=out)
+    key = ("gemm_rs", id(group), variant, None if config is None else config_key(config),
+           a.shape, a.dtype, a.device, a.is_contiguous(), b.shape, b.dtype, b.device, b.is_contiguous())
+    return _run(key, "gemm_rs", (a, b), group, variant, config, out)
 
 
 def gemm_ar(a: torch.Tensor, b: torch.Tensor, group: Any = None, *, variant: str | None = None,
             config: Config | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """all_reduce(a @ b) over `group`: rank r holds A_r (M x K/W) and B_r (K/W x N)."""
-    return call("gemm_ar", a, b, group=group, variant=variant, config=config, out=out)
+    key = ("gemm_ar", id(group), variant, None if config is None else config_key(config),
+           a.shape, a.dtype, a.device, a.is_contiguous(), b.shape, b.dtype, b.device, b.is_contiguous())
+    return _run(key, "gemm_ar", (a, b), group, variant, config, out)
 
 
 def flash_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor, group: Any = None, *,
@@ -156,13 +156,26 @@ def explain(op: str | Op, *args: Any, group: Any = None, variant: str | None = N
     Returns this process's cached decision where there is one; `str()` of the result reads well.
     """
     name = op if isinstance(op, str) else op.name
-    key = (name, id(group), variant, None if config is None else config_key(config),
-           *[(a.shape, a.dtype, a.device, a.stride()) if isinstance(a, torch.Tensor) else a for a in args])
+    key = _key(name, group, variant, config, args)
     entry = _cache.get(key)
     if entry is not None:
         c = entry.choice
         return Choice(c.op, c.problem, c.variant, dict(c.config), c.reason, c.source, c.policy, c.config_source, True)
     return _decide(_get_op(op), _world(group), args, variant, config)
+
+
+def runner_of(op: str | Op, *args: Any, group: Any = None, variant: str | None = None,
+              config: Config | None = None) -> Any:
+    """The runner a cached call of `op(*args)` runs (to call it without dispatch, e.g. to time dispatch).
+
+    Raises LookupError if these shapes have not been called yet in this process.
+    """
+    name = op if isinstance(op, str) else op.name
+    key = _key(name, group, variant, config, args)
+    entry = _cache.get(key)
+    if entry is None:
+        raise LookupError(f"autofuse.{name}: no cached decision for these arguments; call it once first")
+    return entry.runner
 
 
 def set_policy(policy: Any) -> None:
@@ -195,6 +208,33 @@ def reset() -> None:
 
 # ---------------------------------------------------------------------------------------------
 # the miss path
+
+
+def _key(name: str, group: Any, variant: str | None, config: Config | None, args: tuple) -> tuple:
+    """The cache key: op, group, overrides, and each input's shape, dtype, device and contiguity.
+
+    Contiguity rather than strides: ops that need contiguous inputs reject the others in
+    `problem_of` (a new key is a miss, so it runs); ops that take strides read them per call.
+    """
+    key = [name, id(group), variant, None if config is None else config_key(config)]
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            key += (a.shape, a.dtype, a.device, a.is_contiguous())
+        else:
+            key.append(a)
+    return tuple(key)
+
+
+def _run(key: tuple, op: str | Op, args: tuple, group: Any, variant: str | None, config: Config | None,
+         out: torch.Tensor | None) -> torch.Tensor:
+    entry = _cache.get(key)
+    if entry is None:
+        return _miss(key, op, args, group, variant, config, out)
+    stats.hits += 1
+    result = entry.runner(*args) if out is None else entry.runner(*args, out=out)
+    if entry.check:
+        _check(entry)
+    return result
 
 
 def _miss(key: tuple, op: str | Op, args: tuple, group: Any, variant: str | None, config: Config | None,

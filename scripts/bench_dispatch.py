@@ -1,0 +1,151 @@
+"""CPU cost of a cached autofuse dispatch: `autofuse.<op>(...)` against calling its runner directly.
+
+Per rank, after a warm-up that decides, builds and caches each problem, interleaved batches of
+`--calls` back-to-back host calls are timed (time.perf_counter, and the thread's CPU time), with a
+device sync and a barrier between batches (untimed). Rows:
+- `noop`: an op whose runner returns at once: the pure dispatch overhead (key, lookup, call).
+- one row per variant of `--op` (GPU only; under the CPU interpreter a call takes milliseconds):
+  `autofuse.<op>(a, b, variant=v)` against `dispatch.runner_of(...)` of the same cached entry,
+  so both run the same runner and kernels; the difference is dispatch.
+- `auto`: no override, the policy's choice (or BSP without a policy).
+Prints a table, writes JSON, exits 1 if the noop overhead or the median variant overhead > 3 us.
+
+Usage (GPU machine): python scripts/bench_dispatch.py [--ranks 2] [--op ag_gemm] [--out PATH]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+LIMIT_US = 3.0
+
+
+def _noop_op():
+    from autofuse.op import Op, Problem, Variant
+
+    def run(*inputs, out=None):
+        return out
+
+    return Op(
+        name="noop",
+        variants={"bsp": Variant("bsp", lambda world, problem, config: run, fused=False)},
+        problem_of=lambda world, a, b: Problem.make("noop", a.dtype, world.size, M=a.shape[0], N=b.shape[1]),
+        inputs=lambda world, problem, seed: (), reference=lambda world, problem, seed: None,
+        tolerance=lambda problem: 0.0, features=lambda problem: {}, sweep=lambda kind, world: [],
+    )
+
+
+def _sync(world) -> None:
+    if world.device.type == "cuda":
+        torch.cuda.synchronize(world.device)
+    dist.barrier(group=world.group)
+
+
+def _batch(fn, n: int) -> tuple[float, float]:
+    w0, c0 = time.perf_counter(), time.thread_time()
+    for _ in range(n):
+        fn()
+    return (time.perf_counter() - w0) * 1e6 / n, (time.thread_time() - c0) * 1e6 / n
+
+
+def _compare(world, direct, dispatched, calls: int, rounds: int) -> dict:
+    for _ in range(3):
+        direct()
+        dispatched()
+    _sync(world)
+    d_wall, d_cpu, x_wall, x_cpu = [], [], [], []
+    for _ in range(rounds):
+        w, c = _batch(direct, calls)
+        d_wall.append(w)
+        d_cpu.append(c)
+        _sync(world)
+        w, c = _batch(dispatched, calls)
+        x_wall.append(w)
+        x_cpu.append(c)
+        _sync(world)
+    med = statistics.median
+    return {"direct_us": med(d_wall), "dispatch_us": med(x_wall), "overhead_us": med(x_wall) - med(d_wall),
+            "direct_cpu_us": med(d_cpu), "dispatch_cpu_us": med(x_cpu), "overhead_cpu_us": med(x_cpu) - med(d_cpu)}
+
+
+def _rank(world, op_name: str, calls: int, rounds: int) -> dict:
+    import autofuse
+    from autofuse import dispatch, registry
+    from autofuse.op import Problem
+
+    dispatch.reset()
+    rows: dict[str, dict] = {}
+    noop = _noop_op()
+    a = torch.empty(64, 64, device=world.device)
+    dispatch.call(noop, a, a, group=world)
+    runner = dispatch.runner_of(noop, a, a, group=world)
+    rows["noop"] = _compare(world, lambda: runner(a, a), lambda: dispatch.call(noop, a, a, group=world), calls, rounds)
+    if world.device.type == "cuda":
+        op = registry.get(op_name)
+        entry = getattr(autofuse, op_name)
+        problem = min(op.sweep("gpu", world.size), key=lambda p: [v for _, v in p.dims if isinstance(v, int)])
+        if op_name == "ag_gemm":
+            problem = Problem.make("ag_gemm", "bfloat16", world.size, M=64 * world.size, N=512, K=512, gather="rows")
+        inputs = op.inputs(world, problem, 0)
+        out = entry(*inputs, group=world)
+        rows["problem"] = {"key": problem.key}
+        for v in [v for v, var in op.variants.items() if var.available(world)] + [None]:
+            entry(*inputs, group=world, variant=v, out=out)
+            r = dispatch.runner_of(op_name, *inputs, group=world, variant=v)
+            label = v or f"auto ({dispatch.explain(op_name, *inputs, group=world).variant})"
+            rows[label] = _compare(world, lambda r=r: r(*inputs, out=out),
+                                   lambda v=v: entry(*inputs, group=world, variant=v, out=out), calls, rounds)
+    rows["stats"] = dict(vars(dispatch.stats))
+    return rows
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--ranks", type=int, default=None, help="ranks (default: every GPU, else 2 CPU ranks)")
+    ap.add_argument("--op", default="ag_gemm")
+    ap.add_argument("--calls", type=int, default=200, help="calls per timed batch")
+    ap.add_argument("--rounds", type=int, default=15, help="timed batches per row and side")
+    ap.add_argument("--out", type=Path, default=Path("tuning_db/bench_dispatch.json"))
+    args = ap.parse_args()
+
+    from rich.console import Console
+    from rich.table import Table
+
+    from autofuse import environment
+    from autofuse.world import default_device_kind, gpu_count, spawn
+
+    kind = default_device_kind()
+    ranks = args.ranks or (gpu_count() if kind == "cuda" else 2)
+    results = spawn(_rank, ranks, args.op, args.calls, args.rounds)
+    labels = [k for k in results[0] if k not in ("stats", "problem")]
+    merged = {k: {f: max(r[k][f] for r in results) for f in results[0][k]} for k in labels}  # worst rank
+    t = Table(title=f"dispatch overhead per cached call, us (worst of {ranks} ranks; median of {args.rounds} "
+                    f"batches of {args.calls} calls)" + (f"; {results[0]['problem']['key']}" if "problem" in results[0] else ""))
+    for col in ("row", "direct", "autofuse", "overhead", "CPU direct", "CPU autofuse", "CPU overhead"):
+        t.add_column(col, justify="left" if col == "row" else "right")
+    for k in labels:
+        m = merged[k]
+        t.add_row(k, *(f"{m[f]:.2f}" for f in ("direct_us", "dispatch_us", "overhead_us", "direct_cpu_us",
+                                                  "dispatch_cpu_us", "overhead_cpu_us")))
+    Console().print(t)
+    real = [merged[k]["overhead_us"] for k in labels if k != "noop"]
+    ok = merged["noop"]["overhead_us"] <= LIMIT_US and (not real or statistics.median(real) <= LIMIT_US)
+    report = {"fingerprint": environment.fingerprint(kind), "ranks": ranks, "calls": args.calls,
+              "rounds": args.rounds, "limit_us": LIMIT_US, "ok": ok, "rows": merged, "per_rank": results}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=1, sort_keys=True, default=str) + "\n")
+    print(f"{'PASS' if ok else 'FAIL'}: noop overhead {merged['noop']['overhead_us']:.2f} us"
+          + (f", median variant overhead {statistics.median(real):.2f} us" if real else "")
+          + f" (limit {LIMIT_US} us); JSON in {args.out}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
