@@ -172,10 +172,10 @@ def sweep(kind: str, world: int) -> list[Problem]:
 # ---------------------------------------------------------------------------------------------
 # GEMM configs (shared with gemm_ar)
 # ---------------------------------------------------------------------------------------------
-def check_gemm(problem: Problem, config: Config, rows: int, extra: dict[str, tuple]) -> str | None:
+def check_gemm(problem: Problem, config: Config, rows: int, extra: dict[str, Any]) -> str | None:
     """Why `config` cannot run a GEMM of `rows` x N x K/W tiles (None if it can).
 
-    `extra` maps each variant-specific key to its allowed values. Rejects unknown or missing
+    `extra` maps each variant-specific key to its allowed values (a tuple or a range). Rejects unknown or missing
     keys, blocks that are not powers of two in 16..256 or exceed the problem, shared memory
     beyond sm_90's 227 KiB and accumulators that would spill.
     """
@@ -196,8 +196,11 @@ def check_gemm(problem: Problem, config: Config, rows: int, extra: dict[str, tup
     if config["PARTIAL"] not in PARTIALS:
         return f"PARTIAL={config['PARTIAL']!r} must be one of {PARTIALS}"
     for key, allowed in extra.items():
+        if isinstance(allowed, range) and not isinstance(config[key], int):
+            return f"{key}={config[key]!r} must be an int in {allowed.start}..{allowed.stop - 1}"
         if config[key] not in allowed:
-            return f"{key}={config[key]!r} must be one of {allowed}"
+            bounds = f"an int in {allowed.start}..{allowed.stop - 1}" if isinstance(allowed, range) else f"one of {allowed}"
+            return f"{key}={config[key]!r} must be {bounds}"
     n, k_r = problem["N"], problem["K"] // problem.world
     for key, block, size in (("BLOCK_M", bm, rows), ("BLOCK_N", bn, n), ("BLOCK_K", bk, k_r)):
         if block > max(16, next_pow2(size)):
@@ -212,7 +215,10 @@ def check_gemm(problem: Problem, config: Config, rows: int, extra: dict[str, tup
 
 
 def gemm_space(trial: SearchSpace, extra: dict[str, tuple]) -> Config:
-    """Draw a GEMM config; fixed choices per key (Optuna), invalid draws are rejected by check()."""
+    """Draw a GEMM config; fixed choices per key (Optuna), invalid draws are rejected by check().
+
+    `extra` maps each variant-specific key to the choices to draw from.
+    """
     config: Config = {
         "BLOCK_M": trial.suggest_categorical("BLOCK_M", list(BLOCKS)),
         "BLOCK_N": trial.suggest_categorical("BLOCK_N", [32, 64, 128, 256]),
@@ -367,9 +373,13 @@ def _shapes(problem: Problem) -> tuple[int, int, int, int, int]:
     return problem["M"], problem["N"], problem["K"] // w, problem["M"] // w, w
 
 
+def _check_no_config(problem: Problem, config: Config) -> str | None:
+    return f"this variant takes no config, got {config}" if config else None
+
+
 def _build_bsp(world, problem: Problem, config: Config) -> GemmRunner:
     if config:
-        raise InvalidConfig(f"bsp takes no config, got {config}")
+        raise InvalidConfig(_check_no_config(problem, config))
     m, n, k_r, m_r, _ = _shapes(problem)
     partial = torch.empty(m, n, dtype=problem.torch_dtype, device=world.device)
 
@@ -396,7 +406,7 @@ def _torch_symm_available(world) -> bool:
 
 def _build_torch_symm(world, problem: Problem, config: Config) -> GemmRunner:
     if config:
-        raise InvalidConfig(f"torch_symm takes no config, got {config}")
+        raise InvalidConfig(_check_no_config(problem, config))
     if not _torch_symm_available(world):
         raise InvalidConfig("torch_symm needs CUDA and torch.ops.symm_mem.fused_matmul_reduce_scatter")
     import torch.distributed._symmetric_memory as symm
@@ -417,7 +427,8 @@ def _build_torch_symm(world, problem: Problem, config: Config) -> GemmRunner:
 
 
 PUSH_LAST_EXTRA: dict[str, tuple] = {}
-PUSH_REDUCER_EXTRA: dict[str, tuple] = {"FLAG_GRAN": FLAG_GRANS, "REDUCERS": (8, 16, 32, 64, 132, 264)}
+PUSH_REDUCER_EXTRA: dict[str, Any] = {"FLAG_GRAN": FLAG_GRANS, "REDUCERS": range(1, 1025)}
+PUSH_REDUCER_SPACE: dict[str, tuple] = {"FLAG_GRAN": FLAG_GRANS, "REDUCERS": (16, 32, 64, 132, 264)}
 
 
 def _check_push_last(problem: Problem, config: Config) -> str | None:
@@ -493,13 +504,14 @@ def bound(world, problem: Problem, seed: int) -> dict[str, Callable[[], Any]]:
 OP = Op(
     name=NAME,
     variants={
-        "bsp": Variant("bsp", _build_bsp, fused=False),
-        "torch_symm": Variant("torch_symm", _build_torch_symm, available=_torch_symm_available, fused=False),
+        "bsp": Variant("bsp", _build_bsp, check=_check_no_config, fused=False),
+        "torch_symm": Variant("torch_symm", _build_torch_symm, check=_check_no_config,
+                              available=_torch_symm_available, fused=False),
         "push_last": Variant("push_last", lambda w, p, c: _build_push(w, p, c, reducer=False),
                              space=lambda trial, p: gemm_space(trial, PUSH_LAST_EXTRA),
                              defaults=_push_last_defaults, check=_check_push_last),
         "push_reducer": Variant("push_reducer", lambda w, p, c: _build_push(w, p, c, reducer=True),
-                                space=lambda trial, p: gemm_space(trial, PUSH_REDUCER_EXTRA),
+                                space=lambda trial, p: gemm_space(trial, PUSH_REDUCER_SPACE),
                                 defaults=_push_reducer_defaults, check=_check_push_reducer),
     },
     problem_of=problem_of,
