@@ -88,6 +88,8 @@ def problem_of(world: Any, a: torch.Tensor, b: torch.Tensor, gather: str | None 
         raise InvalidInput("ag_gemm: A and B must be contiguous (row-major); call .contiguous() first")
     if a.data_ptr() % 16 or b.data_ptr() % 16:
         raise InvalidInput("ag_gemm: A and B must start at 16-byte aligned addresses")
+    if gather not in (None, *GATHERS):
+        raise InvalidInput(f"ag_gemm: gather must be one of {GATHERS}, got {gather!r}")
     w = world.size
     (ra, ca), (kb, n) = a.shape, b.shape
     if gather is None:
@@ -257,7 +259,8 @@ def _cfg(bm: int, bn: int, bk: int, warps: int, stages: int, flag: str, comm: in
 
 def _defaults_for(variant: str) -> Callable[[Problem], list[Config]]:
     def defaults(problem: Problem) -> list[Config]:
-        """Known-good configs (GPU-NOTES' GEMM tiles by M; small blocks for CPU problems)."""
+        """Known-good configs: GPU-NOTES' GEMM tiles by M (BLOCK_M capped at a shard's rows), small
+        blocks for CPU problems; only configs that pass `check` (none where K per rank < 16)."""
         m = problem["M"]
         if _tiny(problem):
             cands = [_cfg(16, 32, 16, 4, 2, "row_block", 2, 4), _cfg(32, 32, 32, 4, 2, "tile", 1, 4),
@@ -272,10 +275,14 @@ def _defaults_for(variant: str) -> Callable[[Problem], list[Config]]:
                 tiles = [(64, 64, 128, 4, 4), (32, 64, 128, 4, 4), (64, 128, 64, 4, 4)]
             else:
                 tiles = [(128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (128, 128, 64, 4, 4)]
-            flags = ("row_block", "shard", "row_block")
-            cands = [_cfg(*t, flag=f, comm=comm) for t, f in zip(tiles, flags)]
-        valid = [c for c in cands if check(problem, c) is None]
-        return valid[:3] if valid else cands[:1]
+            cap = max(16, _pow2ceil(_shard_shape(problem)[0]))
+            cands = [_cfg(min(bm, cap), bn, bk, warps, stages, flag, comm)
+                     for (bm, bn, bk, warps, stages), flag in zip(tiles, ("row_block", "shard", "row_block"))]
+        valid: list[Config] = []
+        for c in cands:
+            if check(problem, c) is None and c not in valid:
+                valid.append(c)
+        return valid[:3]
     return defaults
 
 
