@@ -226,7 +226,7 @@ def test_cli_fit_export_show(db, tmp_path):
     assert data["format"] == "autofuse-policy" and data["fingerprint"]["id"] == FP["id"] and data["mode"] == "eager"
     assert json.loads((tmp_path / "report.json").read_text())["ops"]["toy_mm"]["kept"] in ("gbr", "tree")
     res = runner.invoke(app, ["fit", "--db", str(db), "--mode", "eager", "--out", str(out), "--json"])
-    assert res.exit_code == 0 and json.loads(res.output)["ops"]["toy_mm"]["problems"] == 14, res.output
+    assert res.exit_code == 0 and json.loads(res.stdout)["ops"]["toy_mm"]["problems"] == 14, res.output
     for fmt in ("csv", "json"):
         target = tmp_path / f"table.{fmt}"
         res = runner.invoke(app, ["export", "--format", fmt, "--db", str(db), "--mode", "eager", "--out", str(target)])
@@ -247,3 +247,18 @@ def test_cli_fit_export_show(db, tmp_path):
         assert res.exit_code == 0 and (tmp_path / "p.png").stat().st_size > 0, res.output
     res = runner.invoke(app, ["fit", "--db", str(tmp_path / "missing.db"), "--mode", "eager"])
     assert res.exit_code == 1 and "no tuning database" in res.output
+
+
+def test_bound_rows_are_shown_never_chosen():
+    from autofuse.commands.policy import problem_table
+
+    rows = _synthetic_rows(noise=0.01, gain=1.5)
+    keys = sorted({r["problem"] for r in rows})
+    rows += [{"problem": keys[0], "op": "toy_mm", "variant": "bound", "config": {}, "median_us": 1.0},
+             {"problem": keys[1], "op": "toy_mm", "variant": "bound.allgather", "config": {}, "median_us": 2.0},
+             {"problem": keys[1], "op": "toy_mm", "variant": "bound.matmul", "config": {}, "median_us": 3.0}]
+    table = {e["problem"]: e for e in problem_table(rows)}
+    assert table[keys[0]]["bound"] == 1.0 and table[keys[1]]["bound"] == 3.0 and table[keys[2]]["bound"] is None
+    assert all(e["best"] == "fused" for e in table.values())
+    res = policy.fit(rows, FP, "eager", ops={"toy_mm": TOY})
+    assert res.data["ops"]["toy_mm"]["variants"] == ["bsp", "fused"]

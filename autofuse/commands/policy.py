@@ -13,6 +13,7 @@ from rich.console import Console
 from rich.table import Table
 
 console = Console()
+notes = Console(stderr=True)  # notes and errors: stdout stays machine-readable with --json
 DEFAULT_DB = Path("tuning_db/autofuse.db")
 ModeOpt = typer.Option("graph", "--mode", help="Timing mode of the measurements: graph or eager.")
 DbOpt = typer.Option(DEFAULT_DB, "--db", help="The tuning database.")
@@ -21,7 +22,7 @@ FpOpt = typer.Option(None, "--fingerprint", help="Environment id to read (defaul
 
 
 def _fail(text: str) -> None:
-    console.print(f"[red]{text}[/]")
+    notes.print(f"[red]{text}[/]")
     raise typer.Exit(1)
 
 
@@ -45,7 +46,7 @@ def load_rows(db: Path, mode: str, fingerprint: str | None, op: str | None = Non
                 _fail(f"{db} has no successful {mode}-mode measurements" + (f" of {op}" if op else ""))
             fingerprint = here["id"] if here["id"] in counts else max(sorted(counts), key=counts.get)
             if fingerprint != here["id"]:
-                console.print(f"[yellow]reading environment {fingerprint} ({counts[fingerprint]} rows), not this "
+                notes.print(f"[yellow]reading environment {fingerprint} ({counts[fingerprint]} rows), not this "
                               f"machine's ({here['id']})[/]")
         rows = store.best(op, mode, fingerprint_id=fingerprint)
         if fingerprint == here["id"]:
