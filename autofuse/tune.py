@@ -38,6 +38,7 @@
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import inspect
 import math
 import os
@@ -189,8 +190,21 @@ def _any(world, flag: bool) -> bool:
 
 # -- Optuna plumbing (rank 0) ------------------------------------------------------------------------
 
+def storage_url(url: str) -> str:
+    """'postgresql://' names SQLAlchemy's default driver (psycopg 3 in SQLAlchemy 2.1, psycopg2
+    before): pick whichever of the two is installed, psycopg2 being the 'postgres' extra."""
+    if not url.startswith(("postgresql://", "postgres://")):
+        return url
+    rest = url.split("://", 1)[1]
+    for module, driver in (("psycopg2", "psycopg2"), ("psycopg", "psycopg")):
+        if importlib.util.find_spec(module) is not None:
+            return f"postgresql+{driver}://{rest}"
+    raise RuntimeError(f"storage {url} needs a PostgreSQL driver: pip install psycopg2-binary (autofuse[postgres])")
+
+
 def open_storage(url: str) -> optuna.storages.RDBStorage:
     """An Optuna RDB storage with heartbeats (stale trials of dead hosts are failed and retried)."""
+    url = storage_url(url)
     engine_kwargs = {"connect_args": {"timeout": 60}} if url.startswith("sqlite") else {"pool_pre_ping": True}
     retry = getattr(optuna.storages, "RetryHeartbeatStaleTrialCallback", None) or optuna.storages.RetryFailedTrialCallback
     params = inspect.signature(optuna.storages.RDBStorage.__init__).parameters

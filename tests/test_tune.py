@@ -25,7 +25,7 @@ from autofuse import environment
 from autofuse.measure import Measurement
 from autofuse.op import InvalidConfig, Op, Problem, Variant
 from autofuse.store import ALL, Store
-from autofuse.tune import default_storage
+from autofuse.tune import default_storage, storage_url
 
 import pg
 
@@ -306,9 +306,9 @@ def test_two_workers_share_one_study_on_postgres(tmp_path):
     url = pg.pg_url()
     here = environment.fingerprint()
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    for s in optuna.get_all_study_summaries(url):  # the test database is ours: start from a clean slate
+    for s in optuna.get_all_study_summaries(storage_url(url)):  # the test database is ours: start clean
         if s.study_name.startswith("fake_sum|") and s.study_name.endswith(here["id"]):
-            optuna.delete_study(study_name=s.study_name, storage=url)
+            optuna.delete_study(study_name=s.study_name, storage=storage_url(url))
     dbs = [tmp_path / "host0.db", tmp_path / "host1.db"]
     procs = [subprocess.Popen(_tune_cmd(db, "--op", "test_tune:FAKE_OP", "--world", "1", "--trials", "6",
                                         "--shapes", "N=96", "--storage", url),
@@ -324,7 +324,7 @@ def test_two_workers_share_one_study_on_postgres(tmp_path):
     for p, (out, err) in zip(procs, outs):
         assert p.returncode == 0, f"{out[-2000:]}\n{err[-2000:]}"
     name = f"fake_sum|N=96|float32|w1|eager|{here['id']}"
-    trials = _studies(url)[name]
+    trials = _studies(storage_url(url))[name]
     measured = _measured(trials)
     assert 6 <= len(measured) <= 7
     assert not [t for t in trials if t.state == optuna.trial.TrialState.RUNNING]
