@@ -146,7 +146,11 @@ def flash_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: tor
                  variant: str | None = None, config: Config | None = None,
                  out: torch.Tensor | None = None) -> torch.Tensor:
     """Decode attention of q over a KV cache split along the sequence across `group`'s ranks."""
-    return call("flash_decode", q, k, v, lengths, group=group, variant=variant, config=config, out=out)
+    key = ("flash_decode", id(group), variant, None if config is None else config_key(config),
+           q.shape, q.dtype, q.device, q.is_contiguous(), k.shape, k.dtype, k.device, k.is_contiguous(),
+           v.shape, v.dtype, v.device, v.is_contiguous(), lengths.shape, lengths.dtype, lengths.device,
+           lengths.is_contiguous())
+    return _run(key, "flash_decode", (q, k, v, lengths), group, variant, config, out)
 
 
 def explain(op: str | Op, *args: Any, group: Any = None, variant: str | None = None,

@@ -374,3 +374,23 @@ def test_real_ops_through_public_entry_points():
     results = spawn(_real_ops_job, 2)[0]
     bad = [r for r in results if r[4] or not r[2] <= r[3]]
     assert not bad, bad
+
+
+def test_entry_point_keys_match_the_generic_key():
+    """The spelled-out keys of the public entry points equal `_key`, so explain/runner_of find them."""
+    import torch
+
+    from autofuse import dispatch
+
+    t = [torch.empty(4, 8), torch.empty(8, 4).t(), torch.empty(3, dtype=torch.int32), torch.empty(2, 2)]
+    seen = []
+    saved = dispatch._run
+    dispatch._run = lambda key, *rest: seen.append(key)
+    try:
+        for name in ("ag_gemm", "gemm_rs", "gemm_ar"):
+            getattr(dispatch, name)(t[0], t[1], variant="x", config={"A": 1})
+            assert seen[-1] == dispatch._key(name, None, "x", {"A": 1}, (t[0], t[1]))
+        dispatch.flash_decode(*t)
+        assert seen[-1] == dispatch._key("flash_decode", None, None, None, tuple(t))
+    finally:
+        dispatch._run = saved
