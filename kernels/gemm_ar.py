@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from autofuse.kernels import shmem
-from autofuse.kernels.gemm_rs import _store_rows
+from autofuse.kernels.gemm_rs import _store_rows, peer_ptr
 from autofuse.kernels.gemm_tile import matmul_tile, swizzle, tile_offsets
 
 
@@ -44,7 +44,7 @@ def _sum_in_rank_order(mine, base, slot_stride, rank, WORLD: tl.constexpr, offs)
     return total
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # one binary for every M
 def gemm_ar_one_shot_kernel(
         a, b, out, inbox, inbox_half, counters, counter_half, epoch_ptr, status, heap_bases,
         rank, M, N, K_r, stride_am, stride_ak, stride_bk, stride_bn, stride_om, stride_on, spin_limit,
@@ -72,7 +72,7 @@ def gemm_ar_one_shot_kernel(
     base = inbox + tl.cast(pos, tl.int64) * (BLOCK_M * BLOCK_N)
     for step in tl.static_range(1, WORLD):
         peer = (rank + step) % WORLD
-        shmem.store(base + (WORLD - 1 - step) * slot_stride + offs, mine, rank, peer, heap_bases)
+        tl.store(peer_ptr(base + (WORLD - 1 - step) * slot_stride, rank, peer, heap_bases) + offs, mine)
     tl.debug_barrier()  # every thread's stores precede the releases below
     count = counters + pos
     for step in tl.static_range(1, WORLD):
@@ -86,7 +86,7 @@ def gemm_ar_one_shot_kernel(
     shmem.epoch_finish(epoch_ptr, tl.num_programs(0))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # one binary for every M
 def gemm_ar_two_shot_kernel(
         a, b, out, inbox, inbox_half, gathered, gathered_half, counters, flags, counter_half, epoch_ptr,
         status, heap_bases,
@@ -121,15 +121,15 @@ def gemm_ar_two_shot_kernel(
     base = inbox + tl.cast(pos // WORLD, tl.int64) * (BLOCK_M * BLOCK_N)
     count = counters + pos // WORLD
     flag = flags + pos
-    result = gathered + tl.cast(pos, tl.int64) * (BLOCK_M * BLOCK_N) + offs
+    result = gathered + tl.cast(pos, tl.int64) * (BLOCK_M * BLOCK_N)
     if owner != rank:
         slot = (rank - owner - 1 + WORLD) % WORLD
-        shmem.store(base + slot * slot_stride + offs, mine, rank, owner, heap_bases)
+        tl.store(peer_ptr(base + slot * slot_stride, rank, owner, heap_bases) + offs, mine)
         tl.debug_barrier()  # every thread's stores precede the release below
         shmem.atomic_add(count, 1, rank, owner, heap_bases, sem="release", scope="sys")
         if shmem.wait_until(flag, 1, spin_limit, status, heap_bases, rank):
             tl.debug_barrier()  # the acquire in wait_until precedes every thread's loads
-            reduced = tl.load(result, cache_modifier=".cg")
+            reduced = tl.load(result + offs, cache_modifier=".cg")
             tl.store(flag, 0)
             _store_rows(out, reduced, pid_m * BLOCK_M, pid_n * BLOCK_N, M, N, stride_om, stride_on, BLOCK_M, BLOCK_N)
     else:
@@ -139,7 +139,7 @@ def gemm_ar_two_shot_kernel(
             tl.store(count, 0)
             _store_rows(out, reduced, pid_m * BLOCK_M, pid_n * BLOCK_N, M, N, stride_om, stride_on, BLOCK_M, BLOCK_N)
             for step in tl.static_range(1, WORLD):
-                shmem.store(result, reduced, rank, (rank + step) % WORLD, heap_bases)
+                tl.store(peer_ptr(result, rank, (rank + step) % WORLD, heap_bases) + offs, reduced)
             tl.debug_barrier()  # every thread's stores precede the releases below
             for step in tl.static_range(1, WORLD):
                 shmem.atomic_add(flag, 1, rank, (rank + step) % WORLD, heap_bases, sem="release", scope="sys")

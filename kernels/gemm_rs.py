@@ -36,6 +36,20 @@ from autofuse.kernels.gemm_tile import matmul_tile, swizzle, tile_offsets
 
 
 @triton.jit
+def peer_ptr(ptr, rank, peer, heap_bases):
+    """`ptr` (one pointer into my heap) as the same object in `peer`'s heap, alignment kept.
+
+    Same address as `shmem.translate`, but computed as `ptr + distance` with the distance between
+    the two heap bases hinted as a multiple of 16 elements (heap bases are page- or 256-byte
+    aligned), so the compiler still sees `ptr`'s alignment and a tile stored through it uses
+    16-byte vector stores; through `translate` (integer casts) they become 4-byte stores.
+    """
+    nbytes: tl.constexpr = ptr.dtype.element_ty.primitive_bitwidth // 8
+    distance = (tl.load(heap_bases + peer) - tl.load(heap_bases + rank)) // nbytes
+    return ptr + tl.multiple_of(distance, 16)
+
+
+@triton.jit
 def _owner_tile(pid, rank, M_r, N, WORLD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 GROUP_M: tl.constexpr):
     """GEMM program id -> (owner, pid_m, pid_n, position of the tile in the owner's tile grid)."""
@@ -57,7 +71,7 @@ def _store_rows(out, tile, row0, col0, rows, N, stride_om, stride_on, BLOCK_M: t
              tile.to(out.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M_r"])  # one binary for every M
 def gemm_rs_push_last_kernel(
         a, b, out, inbox, inbox_half, counters, counter_half, epoch_ptr, status, heap_bases,
         rank, M_r, N, K_r, stride_am, stride_ak, stride_bk, stride_bn, stride_om, stride_on, spin_limit,
@@ -83,8 +97,8 @@ def gemm_rs_push_last_kernel(
     slot_stride = tl.cast(per_owner, tl.int64) * (BLOCK_M * BLOCK_N)
     if owner != rank:
         slot = (rank - owner - 1 + WORLD) % WORLD
-        dst = box + slot * slot_stride
-        shmem.store(dst + offs, acc.to(inbox.dtype.element_ty), rank, owner, heap_bases)
+        dst = peer_ptr(box + slot * slot_stride, rank, owner, heap_bases)
+        tl.store(dst + offs, acc.to(inbox.dtype.element_ty))
         tl.debug_barrier()  # every thread's stores precede the release below
         shmem.atomic_add(count, 1, rank, owner, heap_bases, sem="release", scope="sys")
     else:
@@ -116,7 +130,7 @@ def _reduce_tile(out, inbox, pos, per_owner, tiles_n, M_r, N, stride_om, stride_
         _store_rows(out, total, pid_m * BLOCK_M + r0, pid_n * BLOCK_N, M_r, N, stride_om, stride_on, RED_M, BLOCK_N)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M_r", "num_gemm", "num_reducers"])  # one binary for every M
 def gemm_rs_push_reducer_kernel(
         a, b, out, inbox, inbox_half, counters, counter_half, epoch_ptr, status, heap_bases,
         rank, M_r, N, K_r, stride_am, stride_ak, stride_bk, stride_bn, stride_om, stride_on, spin_limit,
@@ -148,8 +162,8 @@ def gemm_rs_push_reducer_kernel(
         acc = matmul_tile(a + owner * M_r * stride_am, b, pid_m * BLOCK_M, pid_n * BLOCK_N, M_r, N, K_r,
                           stride_am, stride_ak, stride_bk, stride_bn, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K)
         slot = (rank - owner - 1 + WORLD) % WORLD
-        dst = inbox + tl.cast(slot * per_owner + pos, tl.int64) * (BLOCK_M * BLOCK_N)
-        shmem.store(dst + tile_offsets(BLOCK_M, BLOCK_N), acc.to(inbox.dtype.element_ty), rank, owner, heap_bases)
+        dst = peer_ptr(inbox + tl.cast(slot * per_owner + pos, tl.int64) * (BLOCK_M * BLOCK_N), rank, owner, heap_bases)
+        tl.store(dst + tile_offsets(BLOCK_M, BLOCK_N), acc.to(inbox.dtype.element_ty))
         tl.debug_barrier()  # every thread's stores precede the release below
         if ROW_BLOCK:
             unit = pid_m
