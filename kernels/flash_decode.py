@@ -15,11 +15,13 @@ Layout (host side: `autofuse/ops/flash_decode.py`):
   row = b * Hq + h. A rank partial (O_r, LSE_r) is a *slot* of rows * (D + 1) floats:
   O at [row * D + d], LSE at [rows * D + row]. BSP all-gathers slots; push stores its slot into
   every rank's inbox[(parity * W + src) * slot_stride], parity = epoch % 2.
+- Flags: int32 epochs, flags[src * n_flags + row // rows_per_flag] on every rank, raised by the
+  last row of the group to be pushed (local arrival counters, reset by that last arriver).
 
 Kernels, each with its launch grid:
 - `split_kernel` (units * NUM_SPLITS): attention of one split -> split partial.
-- `local_combine_kernel` (units): merge a unit's splits -> rank partial; BSP writes it to a local
-  slot, push stores it into every rank's inbox and raises per-group epoch flags.
+- `local_combine_kernel` (rows): merge a row's splits in one round trip -> rank partial; BSP
+  writes it to a local slot, push stores it into every rank's inbox and raises group flags.
 - `global_combine_kernel` (units): merge the W rank partials in rank order (every rank gets the
   same bits), waiting on flags first when pushed -> O in q's dtype.
 - `fused_kernel` (units * NUM_SPLITS): the three above in one launch; the last split program of
@@ -120,52 +122,58 @@ def _store_split(PartO, PartLse, row0, offs_h, hmask, split, num_splits, o, lse,
 
 
 @triton.jit
-def _combine_splits(PartO, PartLse, row0, offs_h, hmask, num_splits, D: tl.constexpr, BLOCK_H: tl.constexpr):
-    """Merge a unit's split partials (written by other programs: read past L1) -> (O_r, LSE_r)."""
-    offs_d = tl.arange(0, D)
-    rows = (row0 + offs_h).to(tl.int64) * num_splits
-    m = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    l = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, D], tl.float32)
-    for s in range(0, num_splits):
-        lse_s = tl.load(PartLse + rows + s, mask=hmask, other=float("-inf"), cache_modifier=".cg")
-        o_s = tl.load(PartO + (rows + s)[:, None] * D + offs_d[None, :], mask=hmask[:, None], other=0.0,
-                      cache_modifier=".cg")
-        m, l, acc = _merge(m, l, acc, lse_s, o_s)
-    return _finish(m, l, acc)
+def _combine_splits(PartO, PartLse, row, num_splits, D: tl.constexpr, SPLIT_BLOCK: tl.constexpr):
+    """Merge one row's split partials -> (O_r (D,), LSE_r); one round trip per SPLIT_BLOCK splits.
 
-
-@triton.jit
-def _store_slot(Slot, n_rows, row0, offs_h, hmask, o, lse, D: tl.constexpr):
-    """Write a rank partial into a local slot (BSP's all-gather send buffer)."""
-    rows = (row0 + offs_h).to(tl.int64)
-    tl.store(Slot + rows[:, None] * D + tl.arange(0, D)[None, :], o, mask=hmask[:, None])
-    tl.store(Slot + n_rows * D + rows, lse, mask=hmask)
-
-
-@triton.jit
-def _push(Inbox, Flags, Arrive, n_rows, slot_stride, row0, offs_h, hmask, o, lse, flag, group, n_flags,
-          epoch, rank, world, heap_bases, D: tl.constexpr):
-    """Store a rank partial into every rank's inbox (slot [parity, rank]) and raise the flags.
-
-    With group == 1 every unit raises its own flag; otherwise the last of the `group` units
-    sharing flag `flag` to arrive (counted in the local `Arrive`) raises it for all of them.
+    The partials were written by other programs: read past L1 (.cg).
     """
-    rows = (row0 + offs_h).to(tl.int64)
-    slot = Inbox + ((epoch % 2) * world + rank).to(tl.int64) * slot_stride
-    o_ptrs = slot + rows[:, None] * D + tl.arange(0, D)[None, :]
-    lse_ptrs = slot + n_rows * D + rows
+    offs_d = tl.arange(0, D)
+    offs_s = tl.arange(0, SPLIT_BLOCK)
+    base = tl.cast(row, tl.int64) * num_splits
+    m = tl.full([], float("-inf"), tl.float32)
+    l = tl.zeros([], tl.float32)
+    acc = tl.zeros([D], tl.float32)
+    for s0 in range(0, num_splits, SPLIT_BLOCK):
+        s = s0 + offs_s
+        valid = s < num_splits
+        lse = tl.load(PartLse + base + s, mask=valid, other=float("-inf"), cache_modifier=".cg")
+        o = tl.load(PartO + (base + s)[:, None] * D + offs_d[None, :], mask=valid[:, None], other=0.0,
+                    cache_modifier=".cg")
+        m_new = tl.maximum(m, tl.max(lse, 0))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m - m_safe)
+        w = tl.exp2(lse - m_safe)
+        l = l * alpha + tl.sum(w, 0)
+        acc = acc * alpha + tl.sum(w[:, None] * o, 0)
+        m = m_new
+    has = l > 0
+    l_safe = tl.where(has, l, 1.0)
+    return acc / l_safe, tl.where(has, m + tl.log2(l_safe), float("-inf"))
+
+
+@triton.jit
+def _push_row(Inbox, n_rows, slot_stride, row, o, lse, epoch, rank, world, heap_bases, D: tl.constexpr):
+    """Store one row of this rank's partial into every rank's inbox, slot [epoch % 2, rank]."""
+    slot = Inbox + tl.cast((epoch % 2) * world + rank, tl.int64) * slot_stride
+    row64 = tl.cast(row, tl.int64)
+    o_ptrs = slot + row64 * D + tl.arange(0, D)
     for i in range(0, world):
         peer = (rank + 1 + i) % world
-        shmem.store(o_ptrs, o, rank, peer, heap_bases, mask=hmask[:, None])
-        shmem.store(lse_ptrs, lse, rank, peer, heap_bases, mask=hmask)
+        shmem.store(o_ptrs, o, rank, peer, heap_bases)
+        shmem.store(slot + n_rows * D + row64, lse, rank, peer, heap_bases)
+
+
+@triton.jit
+def _raise(Flags, Arrive, flag, arrivals, n_flags, epoch, rank, world, heap_bases):
+    """After this program's pushes, count it in flag group `flag`; the last of its `arrivals`
+    programs (all of them when arrivals == 1) raises the flag to `epoch` on every rank."""
     tl.debug_barrier()  # every thread's stores precede the release below
-    last = group <= 1
-    if group > 1:
-        last = tl.atomic_add(Arrive + flag, 1, sem="acq_rel", scope="sys") == group - 1
+    last = arrivals <= 1
+    if arrivals > 1:
+        last = tl.atomic_add(Arrive + flag, 1, sem="acq_rel", scope="sys") == arrivals - 1
     if last:
-        if group > 1:
-            tl.store(Arrive + flag, 0)  # every unit of the group has counted: ready for the next call
+        if arrivals > 1:
+            tl.store(Arrive + flag, 0)  # the whole group has counted: ready for the next call
         for i in range(0, world):
             shmem.signal(Flags + rank * n_flags + flag, epoch, rank, (rank + 1 + i) % world, heap_bases)
 
@@ -219,34 +227,35 @@ def split_kernel(Q, K, V, Lengths, PartO, PartLse, S, Hq, Hkv, G, HEADS, num_spl
 
 
 @triton.jit
-def local_combine_kernel(PartO, PartLse, Dest, Flags, Arrive, Counter, n_rows, slot_stride, Hq, Hkv, G, HEADS,
-                         num_splits, group, n_flags, rank, world, heap_bases,
-                         PUSH: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr):
-    """Merge one unit's splits -> rank partial. Grid: (units,).
+def local_combine_kernel(PartO, PartLse, Dest, Flags, Arrive, Counter, n_rows, slot_stride, num_splits,
+                         rows_per_flag, n_flags, rank, world, heap_bases,
+                         PUSH: tl.constexpr, D: tl.constexpr, SPLIT_BLOCK: tl.constexpr):
+    """Merge one row's splits -> this rank's partial of the row. Grid: (rows,).
 
-    BSP (PUSH=False): into the local slot `Dest`. Push: into every rank's inbox `Dest`, then the
-    unit's flag group is raised to this call's epoch (read from `Counter`; the global combine
-    kernel, the last of the call, publishes the next one).
+    BSP (PUSH=False): into the local slot `Dest`. Push: into every rank's inbox `Dest`; the last
+    row of each flag group raises the group's flag to this call's epoch (read from `Counter`; the
+    global combine kernel, the last of the call, publishes the next one).
     """
-    unit = tl.program_id(0)
-    _, _, row0, offs_h, hmask = _unit_rows(unit, Hq, Hkv, G, HEADS, BLOCK_H)
-    o, lse = _combine_splits(PartO, PartLse, row0, offs_h, hmask, num_splits, D, BLOCK_H)
+    row = tl.program_id(0)
+    o, lse = _combine_splits(PartO, PartLse, row, num_splits, D, SPLIT_BLOCK)
     if PUSH:
         epoch = shmem.epoch_next(Counter)
-        _push(Dest, Flags, Arrive, n_rows, slot_stride, row0, offs_h, hmask, o, lse, unit // group, group, n_flags,
-              epoch, rank, world, heap_bases, D)
+        _push_row(Dest, n_rows, slot_stride, row, o, lse, epoch, rank, world, heap_bases, D)
+        _raise(Flags, Arrive, row // rows_per_flag, rows_per_flag, n_flags, epoch, rank, world, heap_bases)
     else:
-        _store_slot(Dest, n_rows, row0, offs_h, hmask, o, lse, D)
+        row64 = tl.cast(row, tl.int64)
+        tl.store(Dest + row64 * D + tl.arange(0, D), o)
+        tl.store(Dest + n_rows * D + row64, lse)
 
 
 @triton.jit
-def global_combine_kernel(Src, Out, Flags, Counter, status, n_rows, slot_stride, Hq, Hkv, G, HEADS, group,
+def global_combine_kernel(Src, Out, Flags, Counter, status, n_rows, slot_stride, Hq, Hkv, G, HEADS, rows_per_flag,
                           n_flags, rank, world, heap_bases, spin_limit,
                           WAIT: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr):
     """Merge the W rank partials of one unit -> O. Grid: (units,).
 
-    BSP (WAIT=False): `Src` is the all-gathered (W, slot) buffer. Push: `Src` is the inbox; the
-    half of this call's parity is read once each source's flag for the unit's group reached the
+    BSP (WAIT=False): `Src` is the all-gathered (W, slot) buffer. Push: `Src` is the inbox; this
+    call's parity half is read, each source once its flag for the unit's group reached the
     epoch; the last program to finish publishes the next epoch.
     """
     unit = tl.program_id(0)
@@ -256,7 +265,7 @@ def global_combine_kernel(Src, Out, Flags, Counter, status, n_rows, slot_stride,
     if WAIT:
         epoch = shmem.epoch_next(Counter)
         base = Src + ((epoch % 2) * world).to(tl.int64) * slot_stride
-    o, ok = _combine_ranks(base, slot_stride, Flags, n_rows, row0, offs_h, hmask, unit // group, n_flags, epoch,
+    o, ok = _combine_ranks(base, slot_stride, Flags, n_rows, row0, offs_h, hmask, row0 // rows_per_flag, n_flags, epoch,
                            rank, world, heap_bases, status, spin_limit, WAIT, D, BLOCK_H)
     if ok:
         _store_out(Out, row0, offs_h, hmask, o, D)
@@ -268,7 +277,8 @@ def global_combine_kernel(Src, Out, Flags, Counter, status, n_rows, slot_stride,
 def fused_kernel(Q, K, V, Lengths, PartO, PartLse, Inbox, Out, Flags, Arrive, Counter, status,
                  S, Hq, Hkv, G, HEADS, num_splits, n_rows, slot_stride, n_flags, rank, world, heap_bases, spin_limit,
                  stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs, scale,
-                 D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr, UPCAST: tl.constexpr):
+                 D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr, SPLIT_BLOCK: tl.constexpr,
+                 UPCAST: tl.constexpr):
     """Split attention, then the last split of each unit merges, pushes and combines. Grid: (units * num_splits,).
 
     Unit-major program ids: a unit's last arriver only waits for the same unit on the peers,
@@ -287,9 +297,10 @@ def fused_kernel(Q, K, V, Lengths, PartO, PartLse, Inbox, Out, Flags, Arrive, Co
     tl.debug_barrier()  # every thread's partial precedes the release below
     if tl.atomic_add(Arrive + unit, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
         tl.store(Arrive + unit, 0)  # all splits counted: ready for the next call
-        o_r, lse_r = _combine_splits(PartO, PartLse, row0, offs_h, hmask, num_splits, D, BLOCK_H)
-        _push(Inbox, Flags, Arrive, n_rows, slot_stride, row0, offs_h, hmask, o_r, lse_r, unit, 1, n_flags,
-              epoch, rank, world, heap_bases, D)
+        for j in range(0, HEADS):
+            o_r, lse_r = _combine_splits(PartO, PartLse, row0 + j, num_splits, D, SPLIT_BLOCK)
+            _push_row(Inbox, n_rows, slot_stride, row0 + j, o_r, lse_r, epoch, rank, world, heap_bases, D)
+        _raise(Flags, Arrive, unit, 1, n_flags, epoch, rank, world, heap_bases)
         base = Inbox + ((epoch % 2) * world).to(tl.int64) * slot_stride
         o, ok = _combine_ranks(base, slot_stride, Flags, n_rows, row0, offs_h, hmask, unit, n_flags, epoch, rank,
                                world, heap_bases, status, spin_limit, True, D, BLOCK_H)

@@ -163,11 +163,12 @@ def attention_reference(q: torch.Tensor, ks, vs, lengths) -> torch.Tensor:
     return merge_reference([partial_reference(q, k, v, n) for k, v, n in zip(ks, vs, lengths)])
 
 
-def reference(world, problem: Problem, seed: int) -> torch.Tensor:
-    """This rank's expected output in float64, rebuilding every rank's inputs one at a time."""
+def reference(world, problem: Problem, seed: int, ragged: bool | None = None) -> torch.Tensor:
+    """This rank's expected output in float64 for `make_inputs(..., seed, ragged=ragged)`,
+    rebuilding every rank's inputs one at a time."""
     parts = []
     for r in range(world.size):
-        q, k, v, n = make_inputs(world, problem, seed, rank=r)
+        q, k, v, n = make_inputs(world, problem, seed, rank=r, ragged=ragged)
         parts.append(partial_reference(q, k, v, n))
         del k, v
     return merge_reference(parts)
@@ -229,6 +230,13 @@ def _block_h(heads: int) -> int:
 KEYS = ("NUM_SPLITS", "BLOCK_N", "HEADS", "num_warps", "num_stages")
 
 
+def smem_bytes(problem: Problem, config: Config) -> int:
+    """Upper estimate of the split kernel's shared memory: K and V tiles in num_stages - 1
+    pipeline buffers, q, and the scores' layout conversion (checked against sm_90 builds)."""
+    bn, bh, D, e = config["BLOCK_N"], _block_h(config["HEADS"]), problem["D"], problem.torch_dtype.itemsize
+    return 2 * bn * D * e * max(1, config["num_stages"] - 1) + bh * D * e + bh * bn * 4
+
+
 def check(problem: Problem, config: Config, push_flags: bool = False) -> str | None:
     """Why `config` cannot run `problem` (None if it can)."""
     keys = set(KEYS) | ({"flags"} if push_flags else set())
@@ -249,8 +257,8 @@ def check(problem: Problem, config: Config, push_flags: bool = False) -> str | N
         return f"num_stages {stages} not in {STAGES}"
     if push_flags and config["flags"] not in FLAGS:
         return f"flags {config['flags']!r} not in {FLAGS}"
-    bh, e = _block_h(heads), problem.torch_dtype.itemsize
-    smem = 2 * bn * D * e * max(1, stages - 1) + bh * D * e + bh * bn * 4
+    bh = _block_h(heads)
+    smem = smem_bytes(problem, config)
     if smem > SMEM_LIMIT:
         return f"shared memory ~{smem} B > {SMEM_LIMIT} B (BLOCK_N={bn}, D={D}, stages={stages})"
     live = (bh * D + bh * bn + bn * D) / (32 * warps)
@@ -307,7 +315,7 @@ class Workspace:
     """Heap buffers of a pushing variant, shared by its runners on one World (never cleared).
 
     inbox: 2 parities x W sources x slot floats; flags: W sources x groups (int32 epochs);
-    arrive: local arrival counters (units of a flag group, or splits of a unit; reset by the last);
+    arrive: local arrival counters (rows of a flag group, or splits of a unit; reset by the last);
     counter: the epoch [published, programs done] (`shmem.epoch_next/epoch_finish`).
     """
 
@@ -356,6 +364,7 @@ class _Local:
         self.ns = config["NUM_SPLITS"]
         self.block_h = _block_h(self.heads)
         self.units = B * Hkv * (self.G // self.heads)
+        self.split_block = min(_pow2(self.ns), max(2, 4096 // D))  # splits merged per round trip
         self.rows = B * Hq
         self.slot = self.rows * (D + 1)
         self.scale = LOG2E / math.sqrt(D)
@@ -394,10 +403,10 @@ class _Local:
             num_stages=c["num_stages"])
 
     def merge_into(self, slot: torch.Tensor) -> None:
-        kern.local_combine_kernel[(self.units,)](
+        kern.local_combine_kernel[(self.rows,)](
             self.part_o, self.part_lse, slot, self.dummy_i32, self.dummy_i32, self.dummy_i32, self.rows, self.slot,
-            self.Hq, self.Hkv, self.G, self.heads, self.ns, 1, 1, self.world.rank, self.world.size, self.dummy_i64,
-            PUSH=False, D=self.D, BLOCK_H=self.block_h, num_warps=COMBINE_WARPS, num_stages=1)
+            self.ns, 1, 1, self.world.rank, self.world.size, self.dummy_i64,
+            PUSH=False, D=self.D, SPLIT_BLOCK=self.split_block, num_warps=COMBINE_WARPS, num_stages=1)
 
     def __call__(self, q, k, v, lengths, slot: torch.Tensor) -> torch.Tensor:
         """The local bound: split kernel + merge of splits into `slot`."""
@@ -436,9 +445,9 @@ class BspRunner:
         return out
 
 
-def _groups(loc: _Local, flags: str) -> int:
-    """Units per flag: 'head' 1, 'batch' the units of one sequence, 'all' every unit."""
-    return {"head": 1, "batch": loc.units // loc.B, "all": loc.units}[flags]
+def _rows_per_flag(loc: _Local, flags: str) -> int:
+    """Rows per flag: 'head' a unit (HEADS query heads of one KV head), 'batch' a sequence, 'all' every row."""
+    return {"head": loc.heads, "batch": loc.Hq, "all": loc.rows}[flags]
 
 
 class PushRunner:
@@ -447,8 +456,8 @@ class PushRunner:
     def __init__(self, world, problem: Problem, config: Config):
         self.local = _Local(world, problem, config)
         self.ws = workspace(world, "push", problem)
-        self.group = _groups(self.local, config["flags"])
-        self.n_flags = -(-self.local.units // self.group)
+        self.rows_per_flag = _rows_per_flag(self.local, config["flags"])
+        self.n_flags = self.local.rows // self.rows_per_flag
         self.spin = status.spin_limit(world.device.type)
 
     def __call__(self, q, k, v, lengths, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -457,13 +466,13 @@ class PushRunner:
         out = loc.out_for(q, out)
         heap = w.heap
         loc.split(q, k, v, lengths)
-        kern.local_combine_kernel[(loc.units,)](
-            loc.part_o, loc.part_lse, ws.inbox, ws.flags, ws.arrive, ws.counter, loc.rows, ws.slot_cap, loc.Hq,
-            loc.Hkv, loc.G, loc.heads, loc.ns, self.group, self.n_flags, w.rank, w.size, heap.bases,
-            PUSH=True, D=loc.D, BLOCK_H=loc.block_h, num_warps=COMBINE_WARPS, num_stages=1)
+        kern.local_combine_kernel[(loc.rows,)](
+            loc.part_o, loc.part_lse, ws.inbox, ws.flags, ws.arrive, ws.counter, loc.rows, ws.slot_cap, loc.ns,
+            self.rows_per_flag, self.n_flags, w.rank, w.size, heap.bases,
+            PUSH=True, D=loc.D, SPLIT_BLOCK=loc.split_block, num_warps=COMBINE_WARPS, num_stages=1)
         kern.global_combine_kernel[(loc.units,)](
             ws.inbox, out, ws.flags, ws.counter, heap.status, loc.rows, ws.slot_cap, loc.Hq, loc.Hkv, loc.G,
-            loc.heads, self.group, self.n_flags, w.rank, w.size, heap.bases, self.spin,
+            loc.heads, self.rows_per_flag, self.n_flags, w.rank, w.size, heap.bases, self.spin,
             WAIT=True, D=loc.D, BLOCK_H=loc.block_h, num_warps=COMBINE_WARPS, num_stages=1)
         return out
 
@@ -486,8 +495,8 @@ class PushFusedRunner:
             loc.S, loc.Hq, loc.Hkv, loc.G, loc.heads, loc.ns, loc.rows, ws.slot_cap, loc.units, w.rank, w.size,
             heap.bases, self.spin,
             k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2), loc.scale,
-            D=loc.D, BLOCK_N=c["BLOCK_N"], BLOCK_H=loc.block_h, UPCAST=loc.upcast, num_warps=c["num_warps"],
-            num_stages=c["num_stages"])
+            D=loc.D, BLOCK_N=c["BLOCK_N"], BLOCK_H=loc.block_h, SPLIT_BLOCK=loc.split_block, UPCAST=loc.upcast,
+            num_warps=c["num_warps"], num_stages=c["num_stages"])
         return out
 
 
@@ -514,7 +523,8 @@ def bound(world, problem: Problem, seed: int) -> dict[str, Callable[[], Any]]:
 
 
 def copy_rate(world, problem: Problem) -> Callable[[], Any]:
-    """A device-to-device copy of `kv_bytes(problem)` bytes: the memory rate to compare with."""
+    """A device-to-device copy of `kv_bytes(problem)` bytes, the memory rate to compare the local
+    kernel's kv_bytes / time with (the copy reads and writes: its HBM traffic is twice that)."""
     n = kv_bytes(problem)
     src = torch.empty(n, dtype=torch.uint8, device=world.device)
     src.fill_(1)
