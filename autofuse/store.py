@@ -144,7 +144,8 @@ class Store:
             d["ok"] = bool(d["ok"])
         return d
 
-    def _where(self, op: str | None, mode: str | None, fingerprint_id: str | None, prefix: str = "") -> tuple[str, dict]:
+    def _where(self, op: str | None, mode: str | None, fingerprint_id: str | None,
+               prefix: str = "") -> tuple[str, dict]:
         clauses, params = [], {}
         fp = self._current(fingerprint_id)
         if fp != ALL:

@@ -11,15 +11,18 @@
   latency of the study's mode, or PRUNED (with the error as a user attribute) for a wrong,
   crashing, hanging or too slow config, never a made-up number: TPE ranks pruned trials below
   every complete one, so it learns to avoid them, which it would not from FAIL. FAIL is kept for
-  trials that did not finish (process died, abandoned). Every timing mode the World has is recorded per trial (eager and graph on CUDA), since
-  the policy may serve either; the study optimises one of them (`mode`).
+  trials that did not finish (process died, abandoned). Every timing mode the World has is
+  recorded per trial (eager and graph on CUDA), since the policy may serve either; the study
+  optimises one of them (`mode`).
 - **Space**: a trial first picks the variant (categorical over the fused variants available), then
   the variant's own `space(trial, problem)`, its parameters namespaced `<variant>.<name>` so
-  variants may share names with different ranges. `variant.check` runs on rank 0 before anything is
-  launched; an invalid config is told PRUNED with its reason (attribute `invalid`). A config the store already holds for
-  this problem and environment is not measured again: the trial is told the stored verdict.
-- **Seeds**: every variant's `defaults(problem)` is enqueued first. BSP and torch_symm (the
-  non-fused variants) are measured once per problem as baselines (source 'baseline').
+  variants may share names with different ranges. `variant.check` runs on rank 0 before anything
+  is launched; an invalid config is told PRUNED with its reason (attribute `invalid`). A config
+  the store already holds for this problem and environment is not measured again: the trial is
+  told the stored verdict.
+- **Seeds**: every variant's `defaults(problem)` is enqueued first, round-robin over variants.
+  BSP and torch_symm (the non-fused variants) are measured once per problem as baselines
+  (source 'baseline').
 - **Resume**: studies live in Optuna's RDB storage (SQLite beside the database by default, any
   Optuna RDB URL, e.g. PostgreSQL for several tuning hosts on one study) and are loaded if they
   exist. A trial left RUNNING by a dead process of this host is settled on resume: told its
@@ -63,7 +66,7 @@ from autofuse.store import Store, config_id
 
 BASELINES = ("bsp", "torch_symm")
 DEFAULTS = {  # per device type: trials per study, timed reps, warm-up calls, seconds per trial
-    "cpu": {"trials": 4, "reps": 3, "warmup": 1, "budget_s": 120.0},
+    "cpu": {"trials": 2, "reps": 3, "warmup": 0, "budget_s": 120.0},  # the interpreter: slow, nothing to warm
     "cuda": {"trials": 24, "reps": 15, "warmup": 3, "budget_s": 20.0},
 }
 HEARTBEAT_S = 20
@@ -206,7 +209,8 @@ def open_storage(url: str) -> optuna.storages.RDBStorage:
     """An Optuna RDB storage with heartbeats (stale trials of dead hosts are failed and retried)."""
     url = storage_url(url)
     engine_kwargs = {"connect_args": {"timeout": 60}} if url.startswith("sqlite") else {"pool_pre_ping": True}
-    retry = getattr(optuna.storages, "RetryHeartbeatStaleTrialCallback", None) or optuna.storages.RetryFailedTrialCallback
+    retry = (getattr(optuna.storages, "RetryHeartbeatStaleTrialCallback", None)  # Optuna >= 4.x
+             or optuna.storages.RetryFailedTrialCallback)
     params = inspect.signature(optuna.storages.RDBStorage.__init__).parameters
     callback = {("heartbeat_stale_trial_callback" if "heartbeat_stale_trial_callback" in params
                  else "failed_trial_callback"): retry(max_retry=2)}
@@ -296,7 +300,8 @@ class StudyDriver:
 
     def __init__(self, storage: optuna.storages.RDBStorage, store: Store, fingerprint: dict, op: Op,
                  problem: Problem, mode: str, variants: list[str], settings: Settings, device_type: str):
-        self.storage, self.store, self.fp, self.op, self.problem, self.mode = storage, store, fingerprint, op, problem, mode
+        self.storage, self.store, self.fp = storage, store, fingerprint
+        self.op, self.problem, self.mode = op, problem, mode
         self.variants = variants
         self.trials = int(settings.value("trials", device_type))
         self.name = study_name(problem, mode, fingerprint["id"])
@@ -349,13 +354,17 @@ class StudyDriver:
         self.study.enqueue_trial(dict(t.params), user_attrs=attrs)
 
     def enqueue_defaults(self) -> None:
-        """Each fused variant's known-good configs first, unless the study already has them."""
+        """The fused variants' known-good configs first, round-robin over variants (the first default
+        of every variant, then the second, ...) so that a small budget still sees every variant;
+        configs the study already has are not queued again."""
         seen = {(t.params.get("variant"), config_key(t.user_attrs["config"]))
                 for t in self._trials() if "config" in t.user_attrs}
-        for v in self.variants:
-            for cfg in self.op.variants[v].defaults(self.problem):
-                if (v, config_key(cfg)) in seen:
+        lists = {v: list(self.op.variants[v].defaults(self.problem)) for v in self.variants}
+        for i in range(max((len(c) for c in lists.values()), default=0)):
+            for v, configs in lists.items():
+                if i >= len(configs) or (v, config_key(configs[i])) in seen:
                     continue
+                cfg = configs[i]
                 params = {"variant": v, **{f"{v}.{k}": val for k, val in cfg.items()}}
                 self.study.enqueue_trial(params, user_attrs={"config": dict(cfg), "default": True})
                 seen.add((v, config_key(cfg)))

@@ -145,7 +145,8 @@ def _tune_cmd(db: Path, *args: str) -> list[str]:
 
 def _run(cmd: list[str], timeout: float, **env: str) -> subprocess.CompletedProcess:
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=_env(**env), cwd=str(ROOT))
-    assert proc.returncode == 0, f"{' '.join(cmd)} exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    assert proc.returncode == 0, (f"{' '.join(cmd)} exited {proc.returncode}:\n"
+                                  f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     return proc
 
 

@@ -67,17 +67,19 @@ def tune(
     op: Optional[list[str]] = typer.Option(None, "--op", help="Op(s) to tune, repeatable or comma-separated "
                                            "(default: every registered op). 'module:attr' names an Op object."),
     shapes: Optional[list[str]] = typer.Option(None, "--shapes", help="Problems instead of the sweep, repeatable: "
-                                               "M values to keep ('64,128'), sizes ('M=64,N=64,K=64') or problem keys."),
+                                               "M values to keep ('64,128'), sizes ('M=64,N=64,K=64') "
+                                               "or problem keys."),
     world: Optional[list[str]] = typer.Option(None, "--world", help="World size(s), repeatable or comma-separated "
                                               "(default: every local GPU, or 2 CPU ranks)."),
     mode: Optional[str] = typer.Option(None, help="Timing mode the search minimises: graph (default on GPUs) "
                                        "or eager (the only one on CPU). Every available mode is recorded."),
     trials: Optional[int] = typer.Option(None, help="Measured trials per problem, across runs and workers "
-                                         "(default: 24 on GPUs, 4 on CPU)."),
+                                         "(default: 24 on GPUs, 2 on CPU)."),
     storage: Optional[str] = typer.Option(None, help="Optuna storage URL (default: sqlite file <db stem>.optuna.db "
                                           "beside --db). Several hosts on one study: postgresql://user@host/db."),
     db: Path = typer.Option(Path("tuning_db/autofuse.db"), help="Measurement database (SQLite)."),
-    sweep: Optional[str] = typer.Option(None, help="Problem set: cpu, gpu or llama70b (default: gpu with GPUs, else cpu)."),
+    sweep: Optional[str] = typer.Option(None, help="Problem set: cpu, gpu or llama70b "
+                                        "(default: gpu with GPUs, else cpu)."),
     reps: Optional[int] = typer.Option(None, help="Timed batches per measurement (default: 15 GPU, 3 CPU)."),
     budget: Optional[float] = typer.Option(None, help="Seconds one trial may take before it is failed as too slow."),
     time_limit: Optional[float] = typer.Option(None, help="Minutes: no new trial starts after this."),
