@@ -107,13 +107,14 @@ def _wait(flag, epoch, ok, spin_limit, status, heap_bases, rank):
 @triton.jit
 def _mma(acc, ok, a_base, b_base, row0, col0, R, N, C, tile_flags, epoch, spin_limit, status, heap_bases, rank,
          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, WAIT_TILES: tl.constexpr,
-         DOT_F32: tl.constexpr):
+         EVEN_K: tl.constexpr, DOT_F32: tl.constexpr):
     """acc += A[row0:+BLOCK_M, :C] @ B[:C, col0:+BLOCK_N] for one shard (A: R x C, B rows from b_base).
 
     Rows and columns wrap modulo R and N (the tutorial's trick: no M/N masks; the caller masks
     the store). With WAIT_TILES the flag of each BLOCK_K step is awaited first, and the A load is
-    masked by its outcome so no compiler pipelining can hoist the load above the wait. DOT_F32
-    multiplies in float32 (the interpreter's dot is wrong for bfloat16, which numpy lacks).
+    masked by its outcome so no compiler pipelining can hoist the load above the wait. EVEN_K
+    (C % BLOCK_K == 0) drops the K mask. DOT_F32 multiplies in float32 (the interpreter's dot is
+    wrong for bfloat16, which numpy lacks).
     """
     offs_m = (row0 + tl.arange(0, BLOCK_M)) % R
     offs_n = (col0 + tl.arange(0, BLOCK_N)) % N
@@ -125,9 +126,14 @@ def _mma(acc, ok, a_base, b_base, row0, col0, R, N, C, tile_flags, epoch, spin_l
         if WAIT_TILES:
             ok = _wait(tile_flags + kb, epoch, ok, spin_limit, status, heap_bases, rank)
             x = tl.load(a_ptrs, mask=_masked_by(k_mask[None, :], ok), other=0.0)
+        elif EVEN_K:
+            x = tl.load(a_ptrs)
         else:
             x = tl.load(a_ptrs, mask=k_mask[None, :], other=0.0)
-        y = tl.load(b_ptrs, mask=k_mask[:, None], other=0.0)
+        if EVEN_K:
+            y = tl.load(b_ptrs)
+        else:
+            y = tl.load(b_ptrs, mask=k_mask[:, None], other=0.0)
         if DOT_F32:
             x = x.to(tl.float32)
             y = y.to(tl.float32)
@@ -140,7 +146,7 @@ def _mma(acc, ok, a_base, b_base, row0, col0, R, N, C, tile_flags, epoch, spin_l
 @triton.jit
 def _shard_mma(acc, ok, src, rb, n0, a, b, data, flags, status, heap_bases, rank, W, epoch, spin_limit, N, R, C,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FLAG: tl.constexpr,
-               GATHER_K: tl.constexpr, PULL: tl.constexpr, DOT_F32: tl.constexpr):
+               GATHER_K: tl.constexpr, PULL: tl.constexpr, EVEN_K: tl.constexpr, DOT_F32: tl.constexpr):
     """acc += (row block rb of shard src) @ (the rows of B it multiplies), waiting for remote units.
 
     My own shard comes from `a`; a peer's from its slot (my inbox, or the peer's heap for pull).
@@ -167,20 +173,21 @@ def _shard_mma(acc, ok, src, rb, n0, a, b, data, flags, status, heap_bases, rank
     if FLAG == TILE:
         if remote:
             acc, ok = _mma(acc, ok, base, b_rows, rb * BLOCK_M, n0, R, N, C, tile_flags, epoch, spin_limit, status,
-                           heap_bases, rank, BLOCK_M, BLOCK_N, BLOCK_K, True, DOT_F32)
+                           heap_bases, rank, BLOCK_M, BLOCK_N, BLOCK_K, True, EVEN_K, DOT_F32)
         else:
             acc, ok = _mma(acc, ok, base, b_rows, rb * BLOCK_M, n0, R, N, C, tile_flags, epoch, spin_limit, status,
-                           heap_bases, rank, BLOCK_M, BLOCK_N, BLOCK_K, False, DOT_F32)
+                           heap_bases, rank, BLOCK_M, BLOCK_N, BLOCK_K, False, EVEN_K, DOT_F32)
     else:
         acc, ok = _mma(acc, ok, base, b_rows, rb * BLOCK_M, n0, R, N, C, tile_flags, epoch, spin_limit, status,
-                       heap_bases, rank, BLOCK_M, BLOCK_N, BLOCK_K, False, DOT_F32)
+                       heap_bases, rank, BLOCK_M, BLOCK_N, BLOCK_K, False, EVEN_K, DOT_F32)
     return acc, ok
 
 
 @triton.jit
 def _compute_tile(tile, a, b, c, data, flags, status, heap_bases, rank, W, epoch, spin_limit, N, R, C,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                  FLAG: tl.constexpr, GATHER_K: tl.constexpr, PULL: tl.constexpr, DOT_F32: tl.constexpr):
+                  FLAG: tl.constexpr, GATHER_K: tl.constexpr, PULL: tl.constexpr, EVEN_K: tl.constexpr,
+                  DOT_F32: tl.constexpr):
     """One BLOCK_M x BLOCK_N output tile; tile 0.. covers my own shard's rows (or K) first."""
     RB = tl.cdiv(R, BLOCK_M)
     if GATHER_K:
@@ -195,13 +202,15 @@ def _compute_tile(tile, a, b, c, data, flags, status, heap_bases, rank, W, epoch
         rb = mt
         for step in range(0, W):
             acc, ok = _shard_mma(acc, ok, (rank + step) % W, rb, n0, a, b, data, flags, status, heap_bases, rank, W,
-                                 epoch, spin_limit, N, R, C, BLOCK_M, BLOCK_N, BLOCK_K, FLAG, GATHER_K, PULL, DOT_F32)
+                                 epoch, spin_limit, N, R, C, BLOCK_M, BLOCK_N, BLOCK_K, FLAG, GATHER_K, PULL,
+                                 EVEN_K, DOT_F32)
         out_row0 = rb * BLOCK_M
     else:
         src = (rank + mt // RB) % W
         rb = mt % RB
         acc, ok = _shard_mma(acc, ok, src, rb, n0, a, b, data, flags, status, heap_bases, rank, W, epoch,
-                             spin_limit, N, R, C, BLOCK_M, BLOCK_N, BLOCK_K, FLAG, GATHER_K, PULL, DOT_F32)
+                             spin_limit, N, R, C, BLOCK_M, BLOCK_N, BLOCK_K, FLAG, GATHER_K, PULL, EVEN_K,
+                             DOT_F32)
         out_row0 = src * R + rb * BLOCK_M
     offs_r = tl.arange(0, BLOCK_M)
     offs_n = n0 + tl.arange(0, BLOCK_N)
@@ -214,7 +223,7 @@ def _compute_tile(tile, a, b, c, data, flags, status, heap_bases, rank, W, epoch
 def ag_gemm_pull_kernel(a, b, c, data, flags, counts, counter, status, heap_bases, rank, W, spin_limit,
                         N, R, C, comm,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                        FLAG: tl.constexpr, GATHER_K: tl.constexpr, DOT_F32: tl.constexpr):
+                        FLAG: tl.constexpr, GATHER_K: tl.constexpr, EVEN_K: tl.constexpr, DOT_F32: tl.constexpr):
     """Programs 0..comm-1 copy my shard into my heap slot and raise peers' flags; the rest compute one
     output tile each, loading remote shards from their owners' heaps inside the K loop.
 
@@ -226,7 +235,7 @@ def ag_gemm_pull_kernel(a, b, c, data, flags, counts, counter, status, heap_base
         _produce(pid, comm, a, data, flags, counts, heap_bases, rank, W, epoch, R, C, BLOCK_M, BLOCK_K, FLAG, True)
     else:
         _compute_tile(pid - comm, a, b, c, data, flags, status, heap_bases, rank, W, epoch, spin_limit, N, R, C,
-                      BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, FLAG, GATHER_K, True, DOT_F32)
+                      BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, FLAG, GATHER_K, True, EVEN_K, DOT_F32)
     shmem.epoch_finish(counter, tl.num_programs(0))
 
 
@@ -234,7 +243,7 @@ def ag_gemm_pull_kernel(a, b, c, data, flags, counts, counter, status, heap_base
 def ag_gemm_push_kernel(a, b, c, data, flags, counts, counter, status, heap_bases, rank, W, spin_limit,
                         N, R, C, comm,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                        FLAG: tl.constexpr, GATHER_K: tl.constexpr, DOT_F32: tl.constexpr):
+                        FLAG: tl.constexpr, GATHER_K: tl.constexpr, EVEN_K: tl.constexpr, DOT_F32: tl.constexpr):
     """Programs 0..comm-1 store my shard into every peer's inbox and raise its flags; the rest compute
     one output tile each from local memory, waiting per flag for remote units.
 
@@ -246,7 +255,7 @@ def ag_gemm_push_kernel(a, b, c, data, flags, counts, counter, status, heap_base
         _produce(pid, comm, a, data, flags, counts, heap_bases, rank, W, epoch, R, C, BLOCK_M, BLOCK_K, FLAG, False)
     else:
         _compute_tile(pid - comm, a, b, c, data, flags, status, heap_bases, rank, W, epoch, spin_limit, N, R, C,
-                      BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, FLAG, GATHER_K, False, DOT_F32)
+                      BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, FLAG, GATHER_K, False, EVEN_K, DOT_F32)
     shmem.epoch_finish(counter, tl.num_programs(0))
 
 
@@ -254,7 +263,8 @@ def ag_gemm_push_kernel(a, b, c, data, flags, counts, counter, status, heap_base
 def ag_gemm_push_ws_kernel(a, b, c, data, flags, counts, counter, status, heap_bases, rank, W, spin_limit,
                            N, R, C, comm,
                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                           GROUP_M: tl.constexpr, FLAG: tl.constexpr, GATHER_K: tl.constexpr, DOT_F32: tl.constexpr):
+                           GROUP_M: tl.constexpr, FLAG: tl.constexpr, GATHER_K: tl.constexpr, EVEN_K: tl.constexpr,
+                           DOT_F32: tl.constexpr):
     """Persistent, workgroup-specialised push: programs 0..comm-1 push (as in push), the other
     programs loop over output tiles, local tiles first.
 
@@ -272,5 +282,5 @@ def ag_gemm_push_ws_kernel(a, b, c, data, flags, counts, counter, status, heap_b
             tiles = W * RB * tl.cdiv(N, BLOCK_N)
         for tile in range(pid - comm, tiles, tl.num_programs(0) - comm):
             _compute_tile(tile, a, b, c, data, flags, status, heap_bases, rank, W, epoch, spin_limit, N, R, C,
-                          BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, FLAG, GATHER_K, False, DOT_F32)
+                          BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, FLAG, GATHER_K, False, EVEN_K, DOT_F32)
     shmem.epoch_finish(counter, tl.num_programs(0))

@@ -138,7 +138,8 @@ def _run_case(world, problem, variant, config, data) -> dict:
         except Exception as exc:
             error = f"capture: {type(exc).__name__}: {exc}"
         if _agree_any(world, bool(error)):
-            row.update(status="n/a" if variant == "torch_symm" else "FAIL", why=error or "capture failed on the other rank")
+            row.update(status="n/a" if variant == "torch_symm" else "FAIL",
+                       why=error or "capture failed on the other rank")
         else:
             try:
                 row["graph"] = _replays(world, captured, data, name)

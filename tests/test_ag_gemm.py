@@ -220,7 +220,8 @@ def test_sweeps_defaults_space_and_features():
 # sm_90 compile of every fused kernel at realistic GPU configs
 SIG = {**{n: "*bf16" for n in ("a", "b", "c", "data")}, **{n: "*i32" for n in ("flags", "counts", "counter", "status")},
        "heap_bases": "*i64", **{n: "i32" for n in ("rank", "W", "spin_limit", "N", "R", "C", "comm")},
-       **{n: "constexpr" for n in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "FLAG", "GATHER_K", "DOT_F32")}}
+       **{n: "constexpr" for n in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "FLAG", "GATHER_K", "EVEN_K",
+                                            "DOT_F32")}}
 
 
 @pytest.mark.parametrize("kernel, flag, gather_k, blocks, warps, stages", [
@@ -232,7 +233,7 @@ SIG = {**{n: "*bf16" for n in ("a", "b", "c", "data")}, **{n: "*i32" for n in ("
 def test_fused_kernels_compile_for_sm90(kernel, flag, gather_k, blocks, warps, stages):
     bm, bn, bk = blocks
     constexprs = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8, "FLAG": ag_gemm.FLAGS[flag],
-                  "GATHER_K": gather_k, "DOT_F32": False}
+                  "GATHER_K": gather_k, "EVEN_K": True, "DOT_F32": False}
     out = compile_sm90("autofuse.kernels.ag_gemm", kernel, SIG, constexprs, num_warps=warps, num_stages=stages)
     assert out["shared"] <= ag_gemm.SMEM_LIMIT
     ptx = out["ptx"]

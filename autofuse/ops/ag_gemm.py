@@ -232,7 +232,8 @@ def check(problem: Problem, config: Config) -> str | None:
         return f"COMM_SMS={config['COMM_SMS']} must be in 1..{MAX_COMM_SMS}"
     smem = config["num_stages"] * (bm * bk + bk * bn) * problem.torch_dtype.itemsize
     if smem > SMEM_LIMIT:
-        return f"shared memory estimate {smem // 1024} KB (stages x A and B tiles) exceeds {SMEM_LIMIT // 1024} KB on sm_90"
+        return (f"shared memory estimate {smem // 1024} KB (stages x A and B tiles) exceeds "
+                f"{SMEM_LIMIT // 1024} KB on sm_90")
     return None
 
 
@@ -377,6 +378,7 @@ class FusedRunner:
                      world.rank, problem.world, status.spin_limit(world.device.type), problem["N"], r, c, comm)
         self.meta = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=config["BLOCK_K"], GROUP_M=config["GROUP_M"],
                          FLAG=FLAGS[config["FLAG"]], GATHER_K=problem["gather"] == "k",
+                         EVEN_K=c % config["BLOCK_K"] == 0,
                          DOT_F32=world.device.type == "cpu" and problem.dtype == "bfloat16",
                          num_warps=config["num_warps"], num_stages=config["num_stages"])
 
