@@ -15,8 +15,8 @@ Layout (host side: `autofuse/ops/flash_decode.py`):
   row = b * Hq + h. A rank partial (O_r, LSE_r) is a *slot* of rows * (D + 1) floats:
   O at [row * D + d], LSE at [rows * D + row]. BSP all-gathers slots; push stores its slot into
   every rank's inbox[(parity * W + src) * slot_stride], parity = epoch % 2.
-- Flags: int32 epochs, flags[src * n_flags + row // rows_per_flag] on every rank, raised by the
-  last row of the group to be pushed (local arrival counters, reset by that last arriver).
+- Flags: int32 epochs at flags[src, row // rows_per_flag] (row stride flag_stride) on every rank,
+  raised by the last row of the group to be pushed (local arrival counters, reset by it).
 
 Kernels, each with its launch grid:
 - `split_kernel` (units * NUM_SPLITS): attention of one split -> split partial.
@@ -164,7 +164,7 @@ def _push_row(Inbox, n_rows, slot_stride, row, o, lse, epoch, rank, world, heap_
 
 
 @triton.jit
-def _raise(Flags, Arrive, flag, arrivals, n_flags, epoch, rank, world, heap_bases):
+def _raise(Flags, Arrive, flag, arrivals, flag_stride, epoch, rank, world, heap_bases):
     """After this program's pushes, count it in flag group `flag`; the last of its `arrivals`
     programs (all of them when arrivals == 1) raises the flag to `epoch` on every rank."""
     tl.debug_barrier()  # every thread's stores precede the release below
@@ -175,11 +175,11 @@ def _raise(Flags, Arrive, flag, arrivals, n_flags, epoch, rank, world, heap_base
         if arrivals > 1:
             tl.store(Arrive + flag, 0)  # the whole group has counted: ready for the next call
         for i in range(0, world):
-            shmem.signal(Flags + rank * n_flags + flag, epoch, rank, (rank + 1 + i) % world, heap_bases)
+            shmem.signal(Flags + rank * flag_stride + flag, epoch, rank, (rank + 1 + i) % world, heap_bases)
 
 
 @triton.jit
-def _combine_ranks(Src, src_stride, Flags, n_rows, row0, offs_h, hmask, flag, n_flags, epoch, rank, world,
+def _combine_ranks(Src, src_stride, Flags, n_rows, row0, offs_h, hmask, flag, flag_stride, epoch, rank, world,
                    heap_bases, status, spin_limit, WAIT: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr):
     """Merge the W rank partials of a unit in rank order; with WAIT, first wait for each one's flag.
 
@@ -194,7 +194,7 @@ def _combine_ranks(Src, src_stride, Flags, n_rows, row0, offs_h, hmask, flag, n_
     for src in range(0, world):
         if ok:
             if WAIT:
-                ok = shmem.wait_until(Flags + src * n_flags + flag, epoch, spin_limit, status, heap_bases, rank)
+                ok = shmem.wait_until(Flags + src * flag_stride + flag, epoch, spin_limit, status, heap_bases, rank)
             if ok:
                 slot = Src + tl.cast(src, tl.int64) * src_stride
                 lse_s = tl.load(slot + n_rows * D + rows, mask=hmask, other=float("-inf"), cache_modifier=".cg")
@@ -228,7 +228,7 @@ def split_kernel(Q, K, V, Lengths, PartO, PartLse, S, Hq, Hkv, G, HEADS, num_spl
 
 @triton.jit
 def local_combine_kernel(PartO, PartLse, Dest, Flags, Arrive, Counter, n_rows, slot_stride, num_splits,
-                         rows_per_flag, n_flags, rank, world, heap_bases,
+                         rows_per_flag, flag_stride, rank, world, heap_bases,
                          PUSH: tl.constexpr, D: tl.constexpr, SPLIT_BLOCK: tl.constexpr):
     """Merge one row's splits -> this rank's partial of the row. Grid: (rows,).
 
@@ -241,7 +241,7 @@ def local_combine_kernel(PartO, PartLse, Dest, Flags, Arrive, Counter, n_rows, s
     if PUSH:
         epoch = shmem.epoch_next(Counter)
         _push_row(Dest, n_rows, slot_stride, row, o, lse, epoch, rank, world, heap_bases, D)
-        _raise(Flags, Arrive, row // rows_per_flag, rows_per_flag, n_flags, epoch, rank, world, heap_bases)
+        _raise(Flags, Arrive, row // rows_per_flag, rows_per_flag, flag_stride, epoch, rank, world, heap_bases)
     else:
         row64 = tl.cast(row, tl.int64)
         tl.store(Dest + row64 * D + tl.arange(0, D), o)
@@ -250,7 +250,7 @@ def local_combine_kernel(PartO, PartLse, Dest, Flags, Arrive, Counter, n_rows, s
 
 @triton.jit
 def global_combine_kernel(Src, Out, Flags, Counter, status, n_rows, slot_stride, Hq, Hkv, G, HEADS, rows_per_flag,
-                          n_flags, rank, world, heap_bases, spin_limit,
+                          flag_stride, rank, world, heap_bases, spin_limit,
                           WAIT: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr):
     """Merge the W rank partials of one unit -> O. Grid: (units,).
 
@@ -265,8 +265,8 @@ def global_combine_kernel(Src, Out, Flags, Counter, status, n_rows, slot_stride,
     if WAIT:
         epoch = shmem.epoch_next(Counter)
         base = Src + ((epoch % 2) * world).to(tl.int64) * slot_stride
-    o, ok = _combine_ranks(base, slot_stride, Flags, n_rows, row0, offs_h, hmask, row0 // rows_per_flag, n_flags, epoch,
-                           rank, world, heap_bases, status, spin_limit, WAIT, D, BLOCK_H)
+    o, ok = _combine_ranks(base, slot_stride, Flags, n_rows, row0, offs_h, hmask, row0 // rows_per_flag, flag_stride,
+                           epoch, rank, world, heap_bases, status, spin_limit, WAIT, D, BLOCK_H)
     if ok:
         _store_out(Out, row0, offs_h, hmask, o, D)
     if WAIT:
@@ -275,8 +275,8 @@ def global_combine_kernel(Src, Out, Flags, Counter, status, n_rows, slot_stride,
 
 @triton.jit
 def fused_kernel(Q, K, V, Lengths, PartO, PartLse, Inbox, Out, Flags, Arrive, Counter, status,
-                 S, Hq, Hkv, G, HEADS, num_splits, n_rows, slot_stride, n_flags, rank, world, heap_bases, spin_limit,
-                 stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs, scale,
+                 S, Hq, Hkv, G, HEADS, num_splits, n_rows, slot_stride, flag_stride, rank, world, heap_bases,
+                 spin_limit, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs, scale,
                  D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr, SPLIT_BLOCK: tl.constexpr,
                  UPCAST: tl.constexpr):
     """Split attention, then the last split of each unit merges, pushes and combines. Grid: (units * num_splits,).
@@ -300,9 +300,9 @@ def fused_kernel(Q, K, V, Lengths, PartO, PartLse, Inbox, Out, Flags, Arrive, Co
         for j in range(0, HEADS):
             o_r, lse_r = _combine_splits(PartO, PartLse, row0 + j, num_splits, D, SPLIT_BLOCK)
             _push_row(Inbox, n_rows, slot_stride, row0 + j, o_r, lse_r, epoch, rank, world, heap_bases, D)
-        _raise(Flags, Arrive, unit, 1, n_flags, epoch, rank, world, heap_bases)
+        _raise(Flags, Arrive, unit, 1, flag_stride, epoch, rank, world, heap_bases)
         base = Inbox + ((epoch % 2) * world).to(tl.int64) * slot_stride
-        o, ok = _combine_ranks(base, slot_stride, Flags, n_rows, row0, offs_h, hmask, unit, n_flags, epoch, rank,
+        o, ok = _combine_ranks(base, slot_stride, Flags, n_rows, row0, offs_h, hmask, unit, flag_stride, epoch, rank,
                                world, heap_bases, status, spin_limit, True, D, BLOCK_H)
         if ok:
             _store_out(Out, row0, offs_h, hmask, o, D)

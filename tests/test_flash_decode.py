@@ -98,7 +98,30 @@ def _job2(world):
         q, k, v, n = fd.make_inputs(world, p, 3)
         rows.append(_row(f"{name}/{change}/{p}", _run(world, runner, q, k, v, n), fd.reference(world, p, 3),
                          fd.OP.tolerance(p)))
+    rows.append(("a lone rank's wait times out", _lone_call_times_out(world, problems[0]), 0.0, ""))
     return rows
+
+
+def _lone_call_times_out(world, p) -> float:
+    """Only rank 0 calls push: its bounded wait must give up and the host raise FlagTimeout
+    naming the op and flag (0.0 when it does). Leaves the flags out of step: run it last."""
+    from autofuse.status import FlagTimeout, check
+
+    os.environ["AUTOFUSE_SPIN_LIMIT"] = "200"
+    try:
+        runner = fd.OP.variant("push").build(world, p, fd.OP.variant("push").defaults(p)[0])
+    finally:
+        del os.environ["AUTOFUSE_SPIN_LIMIT"]
+    result = 0.0
+    if world.rank == 0:
+        runner(*fd.make_inputs(world, p, 1))
+        try:
+            check(world.heap, "flash_decode.push")
+            result = 1.0
+        except FlagTimeout as exc:
+            result = 0.0 if "flash_decode.push" in str(exc) and "flags[" in str(exc) else 2.0
+    world.barrier()
+    return result
 
 
 def _job4(world):
@@ -237,16 +260,16 @@ SPLIT_SIG = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "Lengths": "*i32", "PartO
              "D": "constexpr", "BLOCK_N": "constexpr", "BLOCK_H": "constexpr", "UPCAST": "constexpr"}
 LOCAL_SIG = {"PartO": "*fp32", "PartLse": "*fp32", "Dest": "*fp32", "Flags": "*i32", "Arrive": "*i32",
              "Counter": "*i32", "n_rows": _I, "slot_stride": _I, "num_splits": _I, "rows_per_flag": _I,
-             "n_flags": _I, "rank": _I, "world": _I, "heap_bases": "*i64",
+             "flag_stride": _I, "rank": _I, "world": _I, "heap_bases": "*i64",
              "PUSH": "constexpr", "D": "constexpr", "SPLIT_BLOCK": "constexpr"}
 GLOBAL_SIG = {"Src": "*fp32", "Out": "*bf16", "Flags": "*i32", "Counter": "*i32", "status": "*i32", "n_rows": _I,
-              "slot_stride": _I, "Hq": _I, "Hkv": _I, "G": _I, "HEADS": _I, "rows_per_flag": _I, "n_flags": _I, "rank": _I,
-              "world": _I, "heap_bases": "*i64", "spin_limit": _I, "WAIT": "constexpr", "D": "constexpr",
+              "slot_stride": _I, "Hq": _I, "Hkv": _I, "G": _I, "HEADS": _I, "rows_per_flag": _I, "flag_stride": _I,
+              "rank": _I, "world": _I, "heap_bases": "*i64", "spin_limit": _I, "WAIT": "constexpr", "D": "constexpr",
               "BLOCK_H": "constexpr"}
 FUSED_SIG = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "Lengths": "*i32", "PartO": "*fp32", "PartLse": "*fp32",
              "Inbox": "*fp32", "Out": "*bf16", "Flags": "*i32", "Arrive": "*i32", "Counter": "*i32", "status": "*i32",
              "S": _I, "Hq": _I, "Hkv": _I, "G": _I, "HEADS": _I, "num_splits": _I, "n_rows": _I, "slot_stride": _I,
-             "n_flags": _I, "rank": _I, "world": _I, "heap_bases": "*i64", "spin_limit": _I, "stride_kb": _I,
+             "flag_stride": _I, "rank": _I, "world": _I, "heap_bases": "*i64", "spin_limit": _I, "stride_kb": _I,
              "stride_kh": _I, "stride_ks": _I, "stride_vb": _I, "stride_vh": _I, "stride_vs": _I, "scale": "fp32",
              "D": "constexpr", "BLOCK_N": "constexpr", "BLOCK_H": "constexpr", "SPLIT_BLOCK": "constexpr",
              "UPCAST": "constexpr"}

@@ -314,7 +314,7 @@ def space(trial: SearchSpace, problem: Problem, push_flags: bool = False) -> Con
 class Workspace:
     """Heap buffers of a pushing variant, shared by its runners on one World (never cleared).
 
-    inbox: 2 parities x W sources x slot floats; flags: W sources x groups (int32 epochs);
+    inbox: 2 parities x W sources x slot floats; flags: (W sources, groups) int32 epochs;
     arrive: local arrival counters (rows of a flag group, or splits of a unit; reset by the last);
     counter: the epoch [published, programs done] (`shmem.epoch_next/epoch_finish`).
     """
@@ -343,7 +343,7 @@ def workspace(world, variant: str, problem: Problem) -> Workspace:
     prefix = f"{NAME}.{variant}.{len(cache.get(variant, []))}"
     ws = Workspace(
         inbox=heap.empty(2 * w * slot_cap, dtype=torch.float32, name=f"{prefix}.inbox"),
-        flags=heap.zeros(w * rows_cap, dtype=torch.int32, name=f"{prefix}.flags"),
+        flags=heap.zeros(w, rows_cap, dtype=torch.int32, name=f"{prefix}.flags"),
         arrive=heap.zeros(rows_cap, dtype=torch.int32, name=f"{prefix}.arrive"),
         counter=heap.zeros(2, dtype=torch.int32, name=f"{prefix}.epoch"),
         slot_cap=slot_cap, rows_cap=rows_cap,
@@ -457,7 +457,6 @@ class PushRunner:
         self.local = _Local(world, problem, config)
         self.ws = workspace(world, "push", problem)
         self.rows_per_flag = _rows_per_flag(self.local, config["flags"])
-        self.n_flags = self.local.rows // self.rows_per_flag
         self.spin = status.spin_limit(world.device.type)
 
     def __call__(self, q, k, v, lengths, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -468,11 +467,11 @@ class PushRunner:
         loc.split(q, k, v, lengths)
         kern.local_combine_kernel[(loc.rows,)](
             loc.part_o, loc.part_lse, ws.inbox, ws.flags, ws.arrive, ws.counter, loc.rows, ws.slot_cap, loc.ns,
-            self.rows_per_flag, self.n_flags, w.rank, w.size, heap.bases,
+            self.rows_per_flag, ws.rows_cap, w.rank, w.size, heap.bases,
             PUSH=True, D=loc.D, SPLIT_BLOCK=loc.split_block, num_warps=COMBINE_WARPS, num_stages=1)
         kern.global_combine_kernel[(loc.units,)](
             ws.inbox, out, ws.flags, ws.counter, heap.status, loc.rows, ws.slot_cap, loc.Hq, loc.Hkv, loc.G,
-            loc.heads, self.rows_per_flag, self.n_flags, w.rank, w.size, heap.bases, self.spin,
+            loc.heads, self.rows_per_flag, ws.rows_cap, w.rank, w.size, heap.bases, self.spin,
             WAIT=True, D=loc.D, BLOCK_H=loc.block_h, num_warps=COMBINE_WARPS, num_stages=1)
         return out
 
@@ -492,7 +491,7 @@ class PushFusedRunner:
         heap = w.heap
         kern.fused_kernel[(loc.units * loc.ns,)](
             q, k, v, lengths, loc.part_o, loc.part_lse, ws.inbox, out, ws.flags, ws.arrive, ws.counter, heap.status,
-            loc.S, loc.Hq, loc.Hkv, loc.G, loc.heads, loc.ns, loc.rows, ws.slot_cap, loc.units, w.rank, w.size,
+            loc.S, loc.Hq, loc.Hkv, loc.G, loc.heads, loc.ns, loc.rows, ws.slot_cap, ws.rows_cap, w.rank, w.size,
             heap.bases, self.spin,
             k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2), loc.scale,
             D=loc.D, BLOCK_N=c["BLOCK_N"], BLOCK_H=loc.block_h, SPLIT_BLOCK=loc.split_block, UPCAST=loc.upcast,
