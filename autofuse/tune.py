@@ -387,8 +387,15 @@ class StudyDriver:
     def next(self, deadline: float | None) -> Job | None:
         """The next trial to measure, or None when the study is done for this run."""
         idle_limit = max(30, 3 * self.trials)
-        while self.measured() < self.trials and self.idle_asks < idle_limit:
+        measured = self.measured()
+        if (self.study.user_attrs.get("exhausted_at") == measured
+                and not self._trials((TrialState.WAITING,))):
+            return None  # an earlier run found nothing new to measure, and nothing changed since
+        while measured < self.trials:
             if deadline is not None and time.monotonic() > deadline:
+                return None
+            if self.idle_asks >= idle_limit:
+                self.study.set_user_attr("exhausted_at", measured)
                 return None
             self.idle_asks += 1
             trial = self.study.ask()
@@ -401,6 +408,7 @@ class StudyDriver:
                 trial.set_user_attr("measured", True)
                 self.heartbeat = _Heartbeat(self.storage, trial._trial_id)
                 return job
+            measured = self.measured()
         return None
 
     def _config(self, trial: optuna.Trial) -> Job | None:
