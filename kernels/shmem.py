@@ -80,7 +80,11 @@ def atomic_xchg(pointer, val, from_rank, to_rank, heap_bases, mask=None, sem=Non
 
 @triton.jit
 def signal(flag, epoch, from_rank, to_rank, heap_bases):
-    """Raise `to_rank`'s copy of `flag` to `epoch`, releasing every write made before it."""
+    """Raise `to_rank`'s copy of `flag` to `epoch`, releasing every write made before it.
+
+    The barrier first makes every thread's stores of this program precede the one release.
+    """
+    tl.debug_barrier()
     tl.atomic_xchg(translate(flag, from_rank, to_rank, heap_bases), epoch, sem="release", scope="sys")
 
 
@@ -110,6 +114,7 @@ def wait_until(flag, value, spin_limit, status, heap_bases, rank):
     ok = seen >= value
     if ok:
         tl.atomic_add(flag, 0, sem="acquire", scope="sys")
+        tl.debug_barrier()  # no thread of the program reads the data before the acquire
     else:
         _report_timeout(flag, value, seen, status, tl.load(heap_bases + rank))
     return ok

@@ -13,7 +13,9 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 req = json.loads(sys.argv[1])
 fn = getattr(importlib.import_module(req["module"]), req["kernel"])
-src = ASTSource(fn=fn, signature=req["signature"], constexprs=req["constexprs"])
+names = list(req["signature"])
+attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in req["divisible"]}
+src = ASTSource(fn=fn, signature=req["signature"], constexprs=req["constexprs"], attrs=attrs)
 k = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                    options={"num_warps": req["num_warps"], "num_stages": req["num_stages"]})
 sys.stdout.write(json.dumps({"ptx": k.asm["ptx"], "shared": k.metadata.shared}))
@@ -21,15 +23,17 @@ sys.stdout.write(json.dumps({"ptx": k.asm["ptx"], "shared": k.metadata.shared}))
 
 
 def compile_sm90(module: str, kernel: str, signature: dict[str, str], constexprs: dict | None = None,
-                 num_warps: int = 4, num_stages: int = 3) -> dict:
+                 num_warps: int = 4, num_stages: int = 3, divisible: tuple[str, ...] = ()) -> dict:
     """Compile `module.kernel` for sm_90 (Hopper) without a GPU; returns {'ptx', 'shared'}.
 
     Catches what the interpreter cannot (pointer-cast types, unsupported ops, shared-memory size).
     Runs in a child process without TRITON_INTERPRET, since @triton.jit reads it at import.
-    `signature` maps every argument to its Triton type ('*bf16', 'i32', 'constexpr', ...).
+    `signature` maps every argument to its Triton type ('*bf16', 'i32', 'constexpr', ...);
+    `divisible` names the arguments to compile as multiples of 16 (what Triton specialises on at a
+    real launch with aligned pointers and sizes), without which it does not pipeline loads.
     """
     req = {"module": module, "kernel": kernel, "signature": signature, "constexprs": constexprs or {},
-           "num_warps": num_warps, "num_stages": num_stages}
+           "num_warps": num_warps, "num_stages": num_stages, "divisible": list(divisible)}
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     proc = subprocess.run([sys.executable, "-c", _COMPILE, json.dumps(req)], capture_output=True, text=True,
