@@ -605,9 +605,9 @@ def _tune_problem(world, op: Op, problem: Problem, mode: str, settings: Settings
 
 
 def tune_rank(world, settings: Settings) -> list[dict]:
-    """Run on every rank of `world` (spawned or torchrun); rank 0 returns the summary rows."""
-    if world.device.type == "cpu":
-        os.environ.setdefault("TRITON_INTERPRET", "1")
+    """Run on every rank of `world` (spawned or torchrun); rank 0 returns the summary rows.
+
+    CPU ranks need TRITON_INTERPRET=1 before Triton is imported (spawn and the CLI set it)."""
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
     warnings.filterwarnings("ignore", message="Heartbeat of storage is supposed to be used")  # ask/tell beats itself

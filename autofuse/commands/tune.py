@@ -87,8 +87,11 @@ def tune(
     quiet: bool = typer.Option(False, help="No progress output, only the summary table."),
 ) -> None:
     """Tune every fused variant's config per problem with Optuna; resumable, Ctrl-C stops cleanly."""
-    from autofuse.tune import Settings, tune_rank
     from autofuse.world import RankFailed, default_device_kind, gpu_count, init_from_env, spawn
+
+    if _torchrun() and default_device_kind() == "cpu":
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # read when Triton is first imported
+    from autofuse.tune import Settings, tune_rank
 
     try:
         worlds = [int(w) for w in _split(world)]
