@@ -70,8 +70,11 @@ def _build_bsp(world, problem: Problem, config: Config) -> GemmRunner:
     m, n, k_r, _ = _shapes(problem)
 
     def launch(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
-        torch.matmul(a, b, out=out)
-        dist.all_reduce(out, group=world.group)
+        target = out if out.is_contiguous() else torch.empty_like(out, memory_format=torch.contiguous_format)
+        torch.matmul(a, b, out=target)
+        dist.all_reduce(target, group=world.group)
+        if target is not out:
+            out.copy_(target)
 
     return GemmRunner(world, problem, (m, k_r), (k_r, n), (m, n), launch)
 
@@ -106,7 +109,7 @@ def _build_fused(world, problem: Problem, config: Config, two_shot: bool) -> Gem
         def launch(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
             k.gemm_ar_two_shot_kernel[grid](
                 a, b, out, inbox, inbox_half, gathered, gathered_half, counters, flags, ws.half_counters, ws.epoch,
-                heap.status, heap.bases, rank, m, n, k_r, *rs.launch_args(world, a, b, out), spin, **meta)
+                heap.status, heap.bases, rank, m, n, k_r, *rs.launch_args(a, b, out), spin, **meta)
     else:
         ws = rs.workspace(world, NAME, (w - 1) * tiles * bm * bn * pdtype.itemsize, tiles)
         inbox, inbox_half = ws.view(0, pdtype)
@@ -114,7 +117,7 @@ def _build_fused(world, problem: Problem, config: Config, two_shot: bool) -> Gem
         def launch(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
             k.gemm_ar_one_shot_kernel[grid](
                 a, b, out, inbox, inbox_half, ws.counters, ws.half_counters, ws.epoch, heap.status, heap.bases,
-                rank, m, n, k_r, *rs.launch_args(world, a, b, out), spin, **meta)
+                rank, m, n, k_r, *rs.launch_args(a, b, out), spin, **meta)
 
     return GemmRunner(world, problem, (m, k_r), (k_r, n), (m, n), launch)
 

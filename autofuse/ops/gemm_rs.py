@@ -338,7 +338,7 @@ class GemmRunner:
         return out
 
 
-def launch_args(world, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> tuple:
+def launch_args(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> tuple:
     """The strides every fused GEMM kernel takes after its sizes."""
     return (a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1))
 
@@ -396,11 +396,14 @@ def _build_bsp(world, problem: Problem, config: Config) -> GemmRunner:
 
 
 def _torch_symm_available(world) -> bool:
+    """CUDA, and a torch whose symmetric-memory module defines the op (importing it registers it)."""
     if world.device.type != "cuda":
         return False
     try:
+        import torch.distributed._symmetric_memory  # noqa: F401
+
         return hasattr(torch.ops.symm_mem, "fused_matmul_reduce_scatter")
-    except (AttributeError, RuntimeError):
+    except (ImportError, AttributeError, RuntimeError):
         return False
 
 
@@ -412,7 +415,8 @@ def _build_torch_symm(world, problem: Problem, config: Config) -> GemmRunner:
     import torch.distributed._symmetric_memory as symm
 
     group = _group_name(world)
-    if hasattr(symm, "enable_symm_mem_for_group") and not symm.is_symm_mem_enabled_for_group(group):
+    enabled = getattr(symm, "is_symm_mem_enabled_for_group", lambda name: True)
+    if hasattr(symm, "enable_symm_mem_for_group") and not enabled(group):  # needed before torch 2.13
         import warnings
 
         with warnings.catch_warnings():
@@ -468,7 +472,7 @@ def _build_push(world, problem: Problem, config: Config, reducer: bool) -> GemmR
     def launch(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
         kernel[grid](a, b, out, inbox, inbox_half, ws.counters, ws.half_counters, ws.epoch, heap.status,
                      heap.bases, rank, m_r, n, k_r,
-                     *launch_args(world, a, b, out), spin, *tail, **meta)
+                     *launch_args(a, b, out), spin, *tail, **meta)
 
     return GemmRunner(world, problem, (m, k_r), (k_r, n), (m_r, n), launch)
 
