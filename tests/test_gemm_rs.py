@@ -143,6 +143,8 @@ def test_invalid_configs_rejected_before_launch():
                                                                   "BLOCK_K": 128, "num_warps": 8, "num_stages": 4})
     assert "registers" in OP.variant("push_last").check(big, {**last, "BLOCK_M": 256, "BLOCK_N": 256,
                                                               "BLOCK_K": 32, "num_warps": 4})
+    huge = Problem.make("gemm_rs", "bfloat16", 2, M=65536, N=65536, K=1024)
+    assert "int32" in OP.variant("push_reducer").check(huge, red)
 
 
 def test_sweeps_defaults_and_features():

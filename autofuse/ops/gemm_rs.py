@@ -202,6 +202,8 @@ def check_gemm(problem: Problem, config: Config, rows: int, extra: dict[str, Any
             bounds = f"an int in {allowed.start}..{allowed.stop - 1}" if isinstance(allowed, range) else f"one of {allowed}"
             return f"{key}={config[key]!r} must be {bounds}"
     n, k_r = problem["N"], problem["K"] // problem.world
+    if max(problem["M"] * k_r, k_r * n, problem["M"] * n) >= 1 << 31:
+        return "A, B or C has 2^31 elements or more: the kernels index with int32 offsets"
     for key, block, size in (("BLOCK_M", bm, rows), ("BLOCK_N", bn, n), ("BLOCK_K", bk, k_r)):
         if block > max(16, next_pow2(size)):
             return f"{key}={block} exceeds the problem's {size} (rounded up to {max(16, next_pow2(size))})"
