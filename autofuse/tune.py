@@ -67,7 +67,7 @@ from autofuse.store import Store, config_id
 BASELINES = ("bsp", "torch_symm")
 DEFAULTS = {  # per device type: trials per study, timed reps, warm-up calls, seconds per trial
     "cpu": {"trials": 2, "reps": 3, "warmup": 0, "budget_s": 120.0},  # the interpreter: slow, nothing to warm
-    "cuda": {"trials": 24, "reps": 15, "warmup": 3, "budget_s": 20.0},
+    "cuda": {"trials": 16, "reps": 15, "warmup": 3, "budget_s": 20.0},  # ~10 min for ag_gemm's 12 problems
 }
 HEARTBEAT_S = 20
 GRACE_S = 120

@@ -74,7 +74,7 @@ def tune(
     mode: Optional[str] = typer.Option(None, help="Timing mode the search minimises: graph (default on GPUs) "
                                        "or eager (the only one on CPU). Every available mode is recorded."),
     trials: Optional[int] = typer.Option(None, help="Measured trials per problem, across runs and workers "
-                                         "(default: 24 on GPUs, 2 on CPU)."),
+                                         "(default: 16 on GPUs, 2 on CPU)."),
     storage: Optional[str] = typer.Option(None, help="Optuna storage URL (default: sqlite file <db stem>.optuna.db "
                                           "beside --db). Several hosts on one study: postgresql://user@host/db."),
     db: Path = typer.Option(Path("tuning_db/autofuse.db"), help="Measurement database (SQLite)."),
