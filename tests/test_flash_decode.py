@@ -220,8 +220,9 @@ def test_defaults_space_sweep_and_extras():
                 for cfg in var.defaults(p):
                     assert var.check(p, cfg) is None, (name, p, cfg)
             assert set(fd.OP.features(p)) and fd.OP.extra["bytes"](p) > 0
+    long = fd.make_problem(2, 1, 64 << 10)
+    assert fd.OP.variant("bsp").defaults(long)[0]["NUM_SPLITS"] * 8 >= 2 * fd.GPU_SMS   # fills the GPU
     p = fd.make_problem(2, 1, 1 << 10)
-    assert fd.OP.variant("bsp").defaults(p)[0]["NUM_SPLITS"] * 8 >= 128   # fills the GPU
     study = optuna.create_study()
     for _ in range(20):
         cfg = fd.OP.variant("push").space(study.ask(), p)

@@ -19,7 +19,7 @@ Variants (all share the split-KV kernel and the merge of splits, so the comparis
 - `push_fused`: one kernel; the last split program of a unit merges, pushes, waits for the
   peers' partials of that unit and writes O (flag per unit).
 Config: NUM_SPLITS (splits per unit), BLOCK_N (tokens per step), HEADS (query heads per
-program, a divisor of G: G reads K/V once), num_warps, num_stages, and `flags` for push.
+program, a divisor of G; HEADS = G reads K/V once), num_warps, num_stages, `flags` for push.
 
 Measurement inputs: random q/K/V; lengths full on GPUs (so bytes/time is the achieved bandwidth
 of the whole cache, see `extra["bytes"]`), ragged on CPU (random in [0, S], one full sequence
@@ -37,7 +37,7 @@ import torch.distributed as dist
 from autofuse import status
 from autofuse.kernels import flash_decode as kern
 from autofuse.op import (Config, InvalidConfig, InvalidInput, Op, Problem, SearchSpace, Variant,
-                         default_tolerance, dtype_name)
+                         default_tolerance)
 
 NAME = "flash_decode"
 HEAD_DIMS = (16, 32, 64, 128, 256)
@@ -267,13 +267,15 @@ def check(problem: Problem, config: Config, push_flags: bool = False) -> str | N
     return None
 
 
-def _splits_for(problem: Problem, block_n: int, heads: int, programs: int = 2 * GPU_SMS) -> int:
-    """Enough splits that units * splits fills `programs`, no more than the sequence's blocks."""
+def _splits_for(problem: Problem, block_n: int, heads: int) -> int:
+    """Enough splits that units * splits reaches 2 programs per SM (4 from 16K tokens on, where
+    more, shorter programs even out the last wave), keeping at least 2 blocks per split."""
     B, Hq, Hkv, D, S = _dims(problem)
+    programs = (4 if S >= 16 << 10 else 2) * GPU_SMS
     units = B * Hkv * (Hq // Hkv // heads)
     blocks = -(-S // block_n)
     ns = 1
-    while units * ns < programs and ns * 2 <= min(blocks, SPLITS[-1]):
+    while units * ns < programs and ns * 4 <= min(blocks, 2 * SPLITS[-1]):
         ns *= 2
     return ns
 
@@ -386,6 +388,9 @@ class _Local:
             _fail(f"input dtypes do not match the built problem {self.problem}")
         if not q.is_contiguous() or k.stride(3) != 1 or v.stride(3) != 1:
             _fail("q must be contiguous and k, v need unit stride along D")
+        dev = self.world.device
+        if q.device != dev or k.device != dev or v.device != dev or lengths.device != dev:
+            _fail(f"inputs must be on this rank's device {dev}")
 
     def out_for(self, q, out):
         if out is None:
