@@ -26,12 +26,15 @@ TIMEOUT = tl.constexpr(1)
 
 @triton.jit
 def translate(pointer, from_rank, to_rank, heap_bases):
-    """`pointer` in `from_rank`'s heap -> the same object in `to_rank`'s heap (same type)."""
-    from_base = tl.load(heap_bases + from_rank)
-    to_base = tl.load(heap_bases + to_rank)
-    offset = tl.cast(pointer, tl.uint64) - tl.cast(from_base, tl.uint64)
-    translated = tl.cast(to_base, tl.pointer_type(tl.int8)) + tl.cast(offset, tl.int64)
-    return tl.cast(translated, pointer.dtype)
+    """`pointer` in `from_rank`'s heap -> the same object in `to_rank`'s heap (same type).
+
+    Computed as `pointer + distance` in elements, the distance between the two heap bases hinted
+    as a multiple of 16 elements (heap bases are page-aligned), so the compiler keeps `pointer`'s
+    alignment and tiles moved through it use 16-byte vector accesses; integer casts would lose it.
+    """
+    nbytes: tl.constexpr = pointer.dtype.element_ty.primitive_bitwidth // 8
+    distance = (tl.load(heap_bases + to_rank) - tl.load(heap_bases + from_rank)) // nbytes
+    return pointer + tl.multiple_of(distance, 16)
 
 
 @triton.jit
