@@ -55,8 +55,9 @@ def main() -> int:
         if bad_ok:
             fails.append(f"OK rows above tolerance: {bad_ok[:3]}")
         tune_rows = [r for r in rows if r["source"] == "tune"]
-        if len({r["trial"] for r in tune_rows}) != TRIALS * len(problems):
-            fails.append(f"{len({r['trial'] for r in tune_rows})} trials written, expected {TRIALS * len(problems)}")
+        written = {(r["study"], r["trial"]) for r in tune_rows}
+        if len(written) != TRIALS * len(problems):
+            fails.append(f"{len(written)} trials written, expected {TRIALS * len(problems)}")
         failed_cfgs = {(r["problem"], r["config_id"]) for r in rows if not r["ok"]}
         for mode in sorted(MODES):
             best = store.best(op="ag_gemm", mode=mode)
