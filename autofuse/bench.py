@@ -30,6 +30,7 @@ class BenchRow:
     config: dict[str, dict] = field(default_factory=dict)
     pieces: dict[str, float] = field(default_factory=dict)
     failures: dict[str, str] = field(default_factory=dict)
+    pieces_bw: dict[str, float] = field(default_factory=dict)
 
     @property
     def bound(self) -> float:
@@ -66,6 +67,19 @@ def bench_rank(world, op_name: str, kind: str, variants: Sequence[str] | None, m
             for mode in modes:
                 for pname, fn in pieces.items():
                     per_mode[mode].pieces[pname] = time_fn(world, fn, mode, reps=reps).median_us
+            del pieces
+        if "bytes" in op.extra and "copy_rate" in op.extra:
+            # HBM rate in the same run: a device copy of the same bytes (it reads and writes them).
+            copy = op.extra["copy_rate"](world, problem)
+            nbytes = op.extra["bytes"](problem)
+            for mode in modes:
+                t_copy = time_fn(world, copy, mode, reps=reps).median_us
+                row = per_mode[mode]
+                row.pieces_bw = {"bytes": nbytes, "copy_us": t_copy, "copy_GBps": 2 * nbytes / t_copy / 1e3}
+                if "local" in row.pieces:
+                    row.pieces_bw["local_GBps"] = nbytes / row.pieces["local"] / 1e3
+                    row.pieces_bw["local_vs_copy"] = row.pieces_bw["local_GBps"] / row.pieces_bw["copy_GBps"]
+            del copy
         rows.extend(per_mode.values())
         if world.rank == 0:
             print(f"[{i + 1}/{len(problems)}] {problem.key}", flush=True)
@@ -91,7 +105,7 @@ def _row_dict(row: BenchRow, op) -> dict[str, Any]:
         "best_us": row.best, "config": row.config, "pieces_us": row.pieces, "bound_us": row.bound,
         "best_fused": fv, "best_fused_us": ft, "speedup_vs_bsp": bsp / ft if ft and ft == ft else math.nan,
         "vs_bound": ft / row.bound if row.bound == row.bound and ft == ft else math.nan,
-        "failures": row.failures,
+        "failures": row.failures, "bandwidth": row.pieces_bw,
     }
 
 

@@ -36,9 +36,18 @@ def render(result: dict, op_name: str) -> None:
             f = lambda x, d=2: "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{d}f}"  # noqa: E731
             t.add_row(_short({k: r[k] for k in r if k not in ("best_us", "config", "pieces_us", "bound_us", "best_fused",
                                                               "best_fused_us", "speedup_vs_bsp", "vs_bound",
-                                                              "failures", "mode")}),
+                                                              "failures", "mode", "bandwidth")}),
                       *cells, f(r["bound_us"], 1), r["best_fused"], f(r["speedup_vs_bsp"]), f(r["vs_bound"]))
         console.print(t)
+        bw = [r for r in rows if r.get("bandwidth", {}).get("local_GBps")]
+        if bw:
+            b = Table(title=f"{op_name}, {mode} mode: local kernel bandwidth vs a device copy in the same run")
+            for col in ("problem", "local GB/s", "copy GB/s (read+write)", "local / copy"):
+                b.add_column(col, justify="right")
+            for r in bw:
+                x = r["bandwidth"]
+                b.add_row(r["problem"], f"{x['local_GBps']:.0f}", f"{x['copy_GBps']:.0f}", f"{x['local_vs_copy']:.2f}")
+            console.print(b)
         console.print(f"{mode}: geomean speedup of the best fused variant over BSP = "
                       f"{geomean([r['speedup_vs_bsp'] for r in rows]):.3f}x over {len(rows)} problems")
         fails = {(r["problem"], v): why for r in rows for v, why in r["failures"].items()}
