@@ -2,7 +2,7 @@
 # One call on the GPU machine: install the carried wheels and the project offline, then run the
 # named stages, logging each under $OUT. Usage (from the repo root on the GPU machine):
 #   bash scripts/gpu_session.sh doctor check bench:ag_gemm tune:ag_gemm ...
-# Stages: doctor | check (every scripts/gpu_check_*.py) | bench:OP[:SWEEP] | tune:OP | fit | dispatch
+# Stages: doctor | check[:NAME] (scripts/gpu_check_NAME.py, default all) | bench:OP[:SWEEP] | tune:OP | fit | dispatch
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export TRITON_DEFAULT_FP_FUSION=1
@@ -21,7 +21,7 @@ for stage in "$@"; do
   t0=$(date +%s)
   case "$what" in
     doctor) python3 -m autofuse doctor --json "$W/doctor.json" ;;
-    check) for s in scripts/gpu_check_*.py; do echo "--- $s"; timeout 300 python3 "$s" || status=1; done ;;
+    check) for s in scripts/gpu_check_${arg1:-*}.py; do echo "--- $s"; timeout 300 python3 "$s" || status=1; done ;;
     bench) python3 -m autofuse bench "$arg1" --sweep "${arg2:-gpu}" --out "$W/bench-$arg1-${arg2:-gpu}.json" ;;
     tune) python3 -m autofuse tune --op "$arg1" --sweep "${arg2:-gpu}" --db tuning_db/h200x2.db ;;
     *) echo "unknown stage $stage"; status=1; continue ;;
