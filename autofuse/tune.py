@@ -567,21 +567,28 @@ def _summary_row(store: Store, op: Op, problem: Problem, mode: str, fp: dict, dr
     return out
 
 
+def _should_stop(world, ctx: dict) -> bool:
+    """Ctrl-C on any rank, or rank 0's time limit: agreed by every rank (a collective)."""
+    late = world.rank == 0 and ctx["deadline"] is not None and time.monotonic() > ctx["deadline"]
+    if _any(world, STOP.requested or late):
+        ctx["stopped"] = True
+    return ctx["stopped"]
+
+
 def _tune_problem(world, op: Op, problem: Problem, mode: str, settings: Settings, ctx: dict) -> dict | None:
     dev = world.device.type
     modes = modes_for(world)
     store, fp, progress, storage = ctx.get("store"), ctx["fp"], ctx.get("progress"), ctx.get("storage")
     t0 = time.monotonic()
+    if _should_stop(world, ctx):
+        return None
     _measure_baselines(world, op, problem, mode, modes, settings, store, fp, progress)
     variants = fused_variants(op, world)
     driver = None
     if world.rank == 0 and variants:
         driver = StudyDriver(storage, store, fp, op, problem, mode, variants, settings, dev)
         progress.expect(-min(driver.initially_measured, driver.trials))
-    while True:
-        if _any(world, STOP.requested):
-            ctx["stopped"] = True
-            break
+    while not _should_stop(world, ctx):
         job = driver.next(ctx["deadline"]) if driver is not None else None
         job = _bcast(world, job)
         if job is None:
