@@ -211,14 +211,15 @@ def open_storage(url: str) -> optuna.storages.RDBStorage:
     engine_kwargs = {"connect_args": {"timeout": 60}} if url.startswith("sqlite") else {"pool_pre_ping": True}
     retry = (getattr(optuna.storages, "RetryHeartbeatStaleTrialCallback", None)  # Optuna >= 4.x
              or optuna.storages.RetryFailedTrialCallback)
-    params = inspect.signature(optuna.storages.RDBStorage.__init__).parameters
-    callback = {("heartbeat_stale_trial_callback" if "heartbeat_stale_trial_callback" in params
-                 else "failed_trial_callback"): retry(max_retry=2)}
+    key = ("heartbeat_stale_trial_callback"
+           if "heartbeat_stale_trial_callback" in inspect.signature(optuna.storages.RDBStorage.__init__).parameters
+           else "failed_trial_callback")
     last: Exception | None = None
     for attempt in range(5):  # several workers creating the schema at once may collide
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+                callback = {key: retry(max_retry=2)}
                 return optuna.storages.RDBStorage(
                     url, engine_kwargs=engine_kwargs, heartbeat_interval=HEARTBEAT_S, grace_period=GRACE_S,
                     **callback)
@@ -349,15 +350,16 @@ class StudyDriver:
 
     def _retry(self, t: optuna.trial.FrozenTrial) -> None:
         attrs = {"retry_of": t.number}
-        if "config" in t.user_attrs:
-            attrs["config"] = t.user_attrs["config"]
+        for key in ("variant", "config"):
+            if key in t.user_attrs:
+                attrs[key] = t.user_attrs[key]
         self.study.enqueue_trial(dict(t.params), user_attrs=attrs)
 
     def enqueue_defaults(self) -> None:
         """The fused variants' known-good configs first, round-robin over variants (the first default
         of every variant, then the second, ...) so that a small budget still sees every variant;
         configs the study already has are not queued again."""
-        seen = {(t.params.get("variant"), config_key(t.user_attrs["config"]))
+        seen = {(t.user_attrs.get("variant", t.params.get("variant")), config_key(t.user_attrs["config"]))
                 for t in self._trials() if "config" in t.user_attrs}
         lists = {v: list(self.op.variants[v].defaults(self.problem)) for v in self.variants}
         for i in range(max((len(c) for c in lists.values()), default=0)):
@@ -366,7 +368,7 @@ class StudyDriver:
                     continue
                 cfg = configs[i]
                 params = {"variant": v, **{f"{v}.{k}": val for k, val in cfg.items()}}
-                self.study.enqueue_trial(params, user_attrs={"config": dict(cfg), "default": True})
+                self.study.enqueue_trial(params, user_attrs={"variant": v, "config": dict(cfg), "default": True})
                 seen.add((v, config_key(cfg)))
 
     def measured(self) -> int:
@@ -398,7 +400,9 @@ class StudyDriver:
                 self.study.set_user_attr("exhausted_at", measured)
                 return None
             self.idle_asks += 1
-            trial = self.study.ask()
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message="Heartbeat of storage")  # ask/tell beats on its own
+                trial = self.study.ask()
             trial.set_user_attr("worker", self.worker)
             trial.set_user_attr("measured", False)  # a retried trial carries its original's attributes
             job = self._config(trial)
@@ -429,6 +433,7 @@ class StudyDriver:
             config = {}  # an enqueued config outside the declared space: measured as given
         if fixed is not None:
             config = dict(fixed)
+        trial.set_user_attr("variant", variant)
         trial.set_user_attr("config", config)
         reason = v.check(self.problem, config)
         if reason:
@@ -617,7 +622,6 @@ def tune_rank(world, settings: Settings) -> list[dict]:
     CPU ranks need TRITON_INTERPRET=1 before Triton is imported (spawn and the CLI set it)."""
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
-    warnings.filterwarnings("ignore", message="Heartbeat of storage is supposed to be used")  # ask/tell beats itself
     STOP.install()
     try:
         return _tune(world, settings)

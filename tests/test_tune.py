@@ -259,7 +259,7 @@ def test_resume_after_ctrl_c_and_kill_9(tmp_path):
     db = tmp_path / "r.db"
     url = default_storage(db)
     cmd = _tune_cmd(db, "--op", "test_tune:FAKE_OP", "--world", "2", "--trials", "5", "--shapes", "N=64")
-    env = _env(AUTOFUSE_FAKE_DELAY_MS="15")
+    env = _env(AUTOFUSE_FAKE_DELAY_MS="30")
 
     # 1. Ctrl-C (SIGINT to the whole process group, as a terminal sends it): a clean stop, exit 0.
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=str(ROOT),
@@ -274,11 +274,17 @@ def test_resume_after_ctrl_c_and_kill_9(tmp_path):
     (trials,) = _studies(url).values()
     assert not [t for t in trials if t.state == optuna.trial.TrialState.RUNNING]
 
-    # 2. kill -9 of every process while a trial runs.
+    # 2. kill -9 of every process while a trial runs (after one trial of this run was written).
     p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, cwd=str(ROOT),
                          start_new_session=True)
     _wait_for(lambda: len(_tune_rows(db)) >= len(first) + 1, 180, p, "a trial of the second run")
-    time.sleep(0.3)
+    written = {r["trial"] for r in _tune_rows(db)}
+
+    def running() -> bool:
+        (ts,) = _studies(url).values()
+        return any(t.state == optuna.trial.TrialState.RUNNING and t.user_attrs.get("measured")
+                   and t.number not in written for t in ts)
+    _wait_for(running, 180, p, "a running trial")
     os.killpg(p.pid, signal.SIGKILL)
     p.wait(timeout=30)
     second = _tune_rows(db)
@@ -286,12 +292,18 @@ def test_resume_after_ctrl_c_and_kill_9(tmp_path):
     before = max(t.number for t in next(iter(_studies(url).values())))
 
     # 3. Rerun: settles the killed trial, measures the rest, writes every row once.
-    _run(cmd, timeout=300, AUTOFUSE_FAKE_DELAY_MS="15")
+    _run(cmd, timeout=300, AUTOFUSE_FAKE_DELAY_MS="30")
     final = _tune_rows(db)
     assert {r["id"] for r in second} <= {r["id"] for r in final}, "a measurement was lost"
     studies = _check_consistent(db, url, 5)
     (trials,) = studies.values()
     assert max(t.number for t in _measured(trials)) > before, "the study did not continue"
+    # The killed trial (unless it ended in the few ms between the check and the kill) was failed on
+    # resume and its config measured again in a new trial.
+    for killed in [t for t in trials if t.state == optuna.trial.TrialState.FAIL]:
+        assert killed.user_attrs["abandoned"] == "process died during the trial"
+        (retry,) = [t for t in trials if t.user_attrs.get("retry_of") == killed.number]
+        assert retry in _measured(trials) and retry.user_attrs["config"] == killed.user_attrs["config"]
     # Known-bad configs stay in the store and out of best().
     store = Store(db)
     try:
@@ -336,3 +348,41 @@ def test_two_workers_share_one_study_on_postgres(tmp_path):
     assert sorted(r["trial"] for r in rows) == sorted(t.number for t in measured)
     for db in dbs:
         assert {r["study"] for r in _tune_rows(db)} == {name}
+
+
+@pytest.mark.filterwarnings("ignore:Heartbeat of storage")
+def test_recovery_of_a_dead_workers_running_trials(tmp_path):
+    """On resume, a RUNNING trial of a dead process is told its stored result if its rows were written
+    (killed between the write and the tell), else failed and its parameters enqueued again."""
+    from autofuse.tune import Settings, StudyDriver, open_storage, study_name
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait(timeout=60)
+    fp = environment.fingerprint()
+    problem = FAKE_OP.sweep("cpu", 2)[0]
+    store = Store(tmp_path / "x.db")
+    storage = open_storage(default_storage(tmp_path / "x.db"))
+    name = study_name(problem, "eager", fp["id"])
+    study = optuna.create_study(study_name=name, storage=storage)
+    worker = {"host": __import__("socket").gethostname(), "pid": dead.pid, "start": ""}
+    for number, config in enumerate(({"chunk": 8, "bias": 0}, {"chunk": 4, "bias": 0})):
+        t = study.ask({"variant": optuna.distributions.CategoricalDistribution(["chunked"])})
+        for k, v in (("worker", worker), ("measured", True), ("variant", "chunked"), ("config", config)):
+            t.set_user_attr(k, v)
+        assert t.number == number
+    store.add([Measurement(problem, "chunked", {"chunk": 8, "bias": 0}, "eager", True, "", 0.0, 42.0, 40.0, 44.0,
+                           39.0, 3)], fp, study=name, trial=0)
+    settings = Settings(db=str(tmp_path / "x.db"), trials=3)
+    driver = StudyDriver(storage, store, fp, FAKE_OP, problem, "eager", ["chunked"], settings, "cpu")
+    trials = driver.study.get_trials(deepcopy=False)
+    assert trials[0].state == optuna.trial.TrialState.COMPLETE and trials[0].value == 42.0
+    assert trials[1].state == optuna.trial.TrialState.FAIL and trials[1].user_attrs["abandoned"]
+    waiting = [t for t in trials if t.state == optuna.trial.TrialState.WAITING]
+    assert [t.user_attrs.get("retry_of") for t in waiting][0] == 1
+    assert waiting[0].user_attrs["config"] == {"chunk": 4, "bias": 0}
+    # The known-good configs follow (enqueued once: a rerun does not queue them again).
+    assert [t.user_attrs["config"] for t in waiting[1:]] == [{"chunk": 16, "bias": 0}, {"chunk": 32, "bias": 1}]
+    assert driver.measured() == 1
+    again = StudyDriver(storage, store, fp, FAKE_OP, problem, "eager", ["chunked"], settings, "cpu")
+    assert len(again.study.get_trials(deepcopy=False)) == len(trials)
+    store.close()
