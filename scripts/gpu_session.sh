@@ -29,6 +29,7 @@ for stage in "$@"; do
   rc=$?
   [ $rc -eq 0 ] || status=1
   echo "    rc=$rc in $(( $(date +%s) - t0 )) s; tail:"; tail -n 25 "$log"
+  tar czf "$OUT/results.tgz" -C "$W" .   # after every stage, so a run cut short still returns its results
 done
 cp tuning_db/*.db "$W/" 2>/dev/null
 tar czf "$OUT/results.tgz" -C "$W" .
