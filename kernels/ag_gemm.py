@@ -284,3 +284,151 @@ def ag_gemm_push_ws_kernel(a, b, c, data, flags, counts, counter, status, heap_b
             _compute_tile(tile, a, b, c, data, flags, status, heap_bases, rank, W, epoch, spin_limit, N, R, C,
                           BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, FLAG, GATHER_K, False, EVEN_K, DOT_F32)
     shmem.epoch_finish(counter, tl.num_programs(0))
+
+
+# ------------------------------------------------------------------------------------------------
+# gathered layout (push, push_ws with LAYOUT="gathered"): every rank's inbox slot `epoch % 2` holds
+# the whole gathered A (rows form: W*R x C, shard s at rows s*R..; k form: R x W*C, shard s at
+# columns s*C..), own shard included. Consumers wait once for the shards their tile covers, then
+# run the tutorial's K loop over local memory, which the compiler pipelines (no wait inside it).
+@triton.jit
+def _produce_gathered(worker, workers, a, data, flags, counts, heap_bases, rank, W, epoch, R, C,
+                      BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, GATHER_K: tl.constexpr):
+    """Producer `worker` of `workers`: copy my shard to its place in every rank's gathered A.
+
+    The shard's BLOCK_M x BLOCK_K tiles are split into `workers` contiguous ranges; each worker
+    copies its range to every destination (peers first, mine last), then counts itself done at
+    that destination; the last of the `workers` to arrive resets the count and raises flags[rank].
+    """
+    RB = tl.cdiv(R, BLOCK_M)
+    KB = tl.cdiv(C, BLOCK_K)
+    if GATHER_K:
+        ld = W * C
+        place = rank * C
+    else:
+        ld = C
+        place = rank * R * C
+    slot = data + tl.cast(epoch % 2, tl.int64) * W * R * C + place
+    first = worker * (RB * KB) // workers
+    last = (worker + 1) * (RB * KB) // workers
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_k = tl.arange(0, BLOCK_K)
+    for i in range(1, W + 1):
+        dest = (rank + i) % W
+        dst = tl.multiple_of(shmem.translate(slot, rank, dest, heap_bases), 16)  # rows stay 16-byte aligned
+        for t in range(first, last):
+            rows = (t // KB) * BLOCK_M + offs_m
+            cols = (t % KB) * BLOCK_K + offs_k
+            mask = (rows < R)[:, None] & (cols < C)[None, :]
+            x = tl.load(a + rows[:, None] * C + cols[None, :], mask=mask)
+            tl.store(dst + rows[:, None] * ld + cols[None, :], x, mask=mask)
+        tl.debug_barrier()  # every thread's stores happen before the count's release
+        done = shmem.atomic_add(counts + rank, 1, rank, dest, heap_bases, sem="acq_rel", scope="sys")
+        if done == workers - 1:
+            shmem.atomic_xchg(counts + rank, 0, rank, dest, heap_bases, sem="relaxed", scope="sys")
+            _raise(flags + rank, epoch, rank, dest, W, heap_bases, False)
+
+
+@triton.jit
+def _gathered_tile(tile, b, c, data, flags, status, heap_bases, rank, W, epoch, spin_limit, N, R, C,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                   GATHER_K: tl.constexpr, EVEN_K: tl.constexpr, DOT_F32: tl.constexpr):
+    """One BLOCK_M x BLOCK_N tile of (gathered A) @ B: wait for its shards, then a pipelined K loop.
+
+    Rows form: tiles start at my own rows (their shard arrives first, by a local copy) and wait for
+    the shards their rows span; k form: every tile waits for all W shards. A timed-out wait leaves
+    the K loop empty and the store masked off.
+    """
+    if GATHER_K:
+        M = R
+        K = W * C
+    else:
+        M = W * R
+        K = C
+    num_mt = tl.cdiv(M, BLOCK_M)
+    mt, nt = swizzle(tile, num_mt, tl.cdiv(N, BLOCK_N), GROUP_M)
+    if GATHER_K:
+        s_first = 0
+        s_end = W
+    else:
+        mt = (mt + rank * R // BLOCK_M) % num_mt
+        s_first = mt * BLOCK_M // R
+        s_end = min(tl.cdiv(mt * BLOCK_M + BLOCK_M, R), W)
+    ok = tl.full([], 1, tl.int1)
+    for s in range(s_first, s_end):
+        ok = _wait(flags + s, epoch, ok, spin_limit, status, heap_bases, rank)
+    m0 = mt * BLOCK_M
+    n0 = nt * BLOCK_N
+    offs_m = (m0 + tl.arange(0, BLOCK_M)) % M
+    offs_n = (n0 + tl.arange(0, BLOCK_N)) % N
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = data + tl.cast(epoch % 2, tl.int64) * M * K + offs_m[:, None] * K + offs_k[None, :]
+    b_ptrs = b + offs_k[:, None] * N + offs_n[None, :]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kb in range(0, tl.where(ok, tl.cdiv(K, BLOCK_K), 0)):
+        if EVEN_K:
+            x = tl.load(a_ptrs)
+            y = tl.load(b_ptrs)
+        else:
+            x = tl.load(a_ptrs, mask=offs_k[None, :] < K - kb * BLOCK_K, other=0.0)
+            y = tl.load(b_ptrs, mask=offs_k[:, None] < K - kb * BLOCK_K, other=0.0)
+        if DOT_F32:
+            x = x.to(tl.float32)
+            y = y.to(tl.float32)
+        acc = tl.dot(x, y, acc)
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K * N
+    offs_r = m0 + tl.arange(0, BLOCK_M)
+    offs_c = n0 + tl.arange(0, BLOCK_N)
+    mask = _masked_by((offs_r < M)[:, None] & (offs_c < N)[None, :], ok)
+    c_ptrs = c + tl.cast(offs_r, tl.int64)[:, None] * N + offs_c[None, :]
+    tl.store(c_ptrs, acc.to(c.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def ag_gemm_push_gathered_kernel(a, b, c, data, flags, counts, counter, status, heap_bases, rank, W, spin_limit,
+                                 N, R, C, comm,
+                                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                                 GROUP_M: tl.constexpr, FLAG: tl.constexpr, GATHER_K: tl.constexpr,
+                                 EVEN_K: tl.constexpr, DOT_F32: tl.constexpr):
+    """push, gathered layout: programs 0..comm-1 copy my shard into every rank's gathered A (mine
+    too); the rest compute one output tile each. FLAG is always SHARD here.
+
+    grid = (comm + cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N),)
+    """
+    pid = tl.program_id(0)
+    epoch = shmem.epoch_next(counter)
+    if pid < comm:
+        _produce_gathered(pid, comm, a, data, flags, counts, heap_bases, rank, W, epoch, R, C, BLOCK_M, BLOCK_K,
+                          GATHER_K)
+    else:
+        _gathered_tile(pid - comm, b, c, data, flags, status, heap_bases, rank, W, epoch, spin_limit, N, R, C,
+                       BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, GATHER_K, EVEN_K, DOT_F32)
+    shmem.epoch_finish(counter, tl.num_programs(0))
+
+
+@triton.jit
+def ag_gemm_push_ws_gathered_kernel(a, b, c, data, flags, counts, counter, status, heap_bases, rank, W,
+                                    spin_limit, N, R, C, comm,
+                                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                                    GROUP_M: tl.constexpr, FLAG: tl.constexpr, GATHER_K: tl.constexpr,
+                                    EVEN_K: tl.constexpr, DOT_F32: tl.constexpr):
+    """push_ws, gathered layout: programs 0..comm-1 copy as in push; the others loop over tiles.
+
+    grid = (comm + compute programs,), at most one program per SM
+    """
+    pid = tl.program_id(0)
+    epoch = shmem.epoch_next(counter)
+    if pid < comm:
+        _produce_gathered(pid, comm, a, data, flags, counts, heap_bases, rank, W, epoch, R, C, BLOCK_M, BLOCK_K,
+                          GATHER_K)
+    else:
+        if GATHER_K:
+            rows = R
+        else:
+            rows = W * R
+        tiles = tl.cdiv(rows, BLOCK_M) * tl.cdiv(N, BLOCK_N)
+        for tile in range(pid - comm, tiles, tl.num_programs(0) - comm):
+            _gathered_tile(tile, b, c, data, flags, status, heap_bases, rank, W, epoch, spin_limit, N, R, C,
+                           BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, GATHER_K, EVEN_K, DOT_F32)
+    shmem.epoch_finish(counter, tl.num_programs(0))

@@ -22,9 +22,17 @@ from conftest import compile_sm90
 FUSED = ("pull", "push", "push_ws")
 
 
+GATHERED = ("push", "push_ws")
+
+
 def cfg(bm=16, bn=32, bk=16, flag="row_block", comm=2, group=4) -> dict:
     return {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": group, "num_warps": 4, "num_stages": 2,
             "FLAG": flag, "COMM_SMS": comm}
+
+
+def gcfg(bm=16, bn=32, bk=16, comm=2, group=4) -> dict:
+    """A gathered-layout config (FLAG is always shard there)."""
+    return {**cfg(bm, bn, bk, "shard", comm, group), "LAYOUT": "gathered"}
 
 
 def _cases(world: int) -> list[tuple[str, str, dict, dict, int]]:
@@ -44,16 +52,25 @@ def _cases(world: int) -> list[tuple[str, str, dict, dict, int]]:
                 cases.append((v, "bfloat16", dict(M=m, N=40, K=32, gather="rows"), cfg(bn=bn, flag=flag, comm=3), 2))
         for v in FUSED:  # k form with 3 rows and a K tail (K/W = 48 = 3 x 16 with BLOCK_K 32)
             cases.append((v, "float32", dict(M=3, N=24, K=96, gather="k"), cfg(bk=32, flag="tile"), 2))
+        for v in GATHERED:  # gathered layout: tiles spanning shards, more producers than tiles, K tails
+            cases.append((v, "bfloat16", dict(M=24, N=48, K=64, gather="rows"), gcfg(bm=16, comm=3), 5))
+            cases.append((v, "bfloat16", dict(M=24, N=48, K=64, gather="k"), gcfg(bm=32, comm=2), 3))
+            cases.append((v, "float32", dict(M=6, N=40, K=96, gather="rows"), gcfg(bk=64, comm=5), 2))
+            cases.append((v, "float16", dict(M=3, N=24, K=96, gather="k"), gcfg(bk=32, bn=16, comm=1), 2))
     elif world == 4:
         for i, v in enumerate(FUSED):
             for j, g in enumerate(("rows", "k")):
                 flag = ("tile", "row_block", "shard")[(i + j) % 3]
                 cases.append((v, "bfloat16", dict(M=32, N=32, K=64, gather=g), cfg(flag=flag, comm=2), 3))
         cases.append(("push", "float32", dict(M=4, N=32, K=64, gather="rows"), cfg(flag="tile"), 2))
+        for v, g in zip(GATHERED, ("rows", "k")):
+            cases.append((v, "bfloat16", dict(M=32, N=32, K=64, gather=g), gcfg(bm=32, comm=3), 3))
     else:
         for v in FUSED:
             for g in ("rows", "k"):
                 cases.append((v, "float16", dict(M=20, N=32, K=32, gather=g), cfg(flag="tile"), 2))
+        for v in GATHERED:
+            cases.append((v, "float16", dict(M=20, N=32, K=32, gather="rows"), gcfg(comm=2), 2))
     for g in ("rows", "k"):
         for dt in ("bfloat16", "float16", "float32"):
             cases.append(("bsp", dt, dict(M=4 * world, N=32, K=16 * world, gather=g), {}, 2))
@@ -77,20 +94,22 @@ def _run(world) -> list[tuple[str, list[float], float]]:
             runner(a, b, out=out)
             status.check(world.heap, "ag_gemm")
             errors.append(rel_error(out, ref))
-        rows.append((f"{vname} {problem.key} {config.get('FLAG', '')}", errors, OP.tolerance(problem)))
+        rows.append((f"{vname} {problem.key} {config.get('FLAG', '')} {config.get('LAYOUT', '')}", errors,
+                     OP.tolerance(problem)))
     if world.size == 2:
-        rows.append(("flag timeout", [_timeout(world)], 0.5))
+        rows.append(("flag timeout", [_timeout(world, 128, cfg(flag="row_block"))], 0.5))
+        rows.append(("flag timeout gathered", [_timeout(world, 256, gcfg())], 0.5))
     return rows
 
 
-def _timeout(world) -> float:
+def _timeout(world, k: int, config: dict) -> float:
     """Only rank 0 calls: its waits must give up and the host must name the op, rank and flag."""
     from autofuse import status
 
-    problem = Problem.make("ag_gemm", "float32", 2, M=64, N=32, K=128, gather="rows")  # a workspace of its own
+    problem = Problem.make("ag_gemm", "float32", 2, M=64, N=32, K=k, gather="rows")  # a workspace of its own
     os.environ["AUTOFUSE_SPIN_LIMIT"] = "50"
     try:
-        runner = OP.variant("push").build(world, problem, cfg(flag="row_block"))
+        runner = OP.variant("push").build(world, problem, config)
     finally:
         del os.environ["AUTOFUSE_SPIN_LIMIT"]
     if world.rank != 0:
@@ -111,7 +130,7 @@ def test_variants_match_reference(nranks):
            for r, rows in enumerate(results) for name, errs, tol in rows
            if not all(e <= tol for e in errs)]
     assert not bad, "\n".join(bad)
-    assert len(results[0]) == len(_cases(nranks)) + (nranks == 2)
+    assert len(results[0]) == len(_cases(nranks)) + 2 * (nranks == 2)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -169,6 +188,7 @@ GPU = Problem.make("ag_gemm", "bfloat16", 2, M=4096, N=3584, K=8192, gather="row
     ({"num_warps": 3}, "num_warps"),
     ({"GROUP_M": 0}, "GROUP_M"),
     ({"extra": 1}, "unknown config keys"),
+    ({"LAYOUT": "rows"}, "LAYOUT"),
 ])
 def test_invalid_configs_rejected_before_launch(change, words):
     problem = Problem.make("ag_gemm", "bfloat16", 2, M=32, N=32, K=128, gather="k")  # 64 K per rank
@@ -177,6 +197,23 @@ def test_invalid_configs_rejected_before_launch(change, words):
         assert words in OP.variant(v).check(problem, config)
         with pytest.raises(InvalidConfig, match=words):  # before any heap use: this World has no group
             OP.variant(v).build(_world(2), problem, config)
+
+
+def test_gathered_layout_rules():
+    problem = Problem.make("ag_gemm", "bfloat16", 2, M=32, N=64, K=128, gather="rows")  # 16 rows per rank
+    assert "not pull" in OP.variant("pull").check(problem, gcfg())
+    with pytest.raises(InvalidConfig, match="not pull"):
+        OP.variant("pull").build(_world(2), problem, gcfg())
+    for v in GATHERED:
+        assert "FLAG must be shard" in OP.variant(v).check(problem, {**gcfg(), "FLAG": "tile"})
+        assert OP.variant(v).check(problem, gcfg(bm=32)) is None  # a tile may span shards
+        assert "gathered A's 32 rows" in OP.variant(v).check(problem, gcfg(bm=64))
+        assert "a shard's 16 rows" in OP.variant(v).check(problem, cfg(bm=32))
+        for m in (8, 64, 256, 1024):  # gathered first up to M=1024, existing configs kept after
+            defaults = OP.variant(v).defaults(Problem.make("ag_gemm", "bfloat16", 2, M=m, N=3584, K=8192,
+                                                          gather="rows"))
+            assert defaults[0]["LAYOUT"] == "gathered" and any("LAYOUT" not in c for c in defaults), (v, m)
+        assert all("LAYOUT" not in c for c in OP.variant(v).defaults(GPU))  # M=4096
 
 
 def test_shared_memory_and_missing_keys_rejected():
@@ -240,3 +277,24 @@ def test_fused_kernels_compile_for_sm90(kernel, flag, gather_k, blocks, warps, s
     assert "ld.volatile.global" in ptx  # flag polls are loads, not atomics
     assert "atom.global.sys.release.exch.b32" in ptx  # flags raised with a system-scope release
     assert "bar.sync" in ptx
+
+
+@pytest.mark.parametrize("kernel, gather_k, blocks, warps, stages", [
+    ("ag_gemm_push_gathered_kernel", False, (16, 32, 256), 4, 4),
+    ("ag_gemm_push_gathered_kernel", True, (64, 64, 128), 4, 4),
+    ("ag_gemm_push_ws_gathered_kernel", False, (128, 128, 64), 8, 3),
+])
+def test_gathered_kernels_compile_pipelined_for_sm90(kernel, gather_k, blocks, warps, stages):
+    """The gathered layout's K loop has no wait inside: with the divisibility a real launch sees
+    (aligned pointers, N and K multiples of 16), Triton must pipeline it with cp.async."""
+    bm, bn, bk = blocks
+    constexprs = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8, "FLAG": ag_gemm.FLAGS["shard"],
+                  "GATHER_K": gather_k, "EVEN_K": True, "DOT_F32": False}
+    out = compile_sm90("autofuse.kernels.ag_gemm", kernel, SIG, constexprs, num_warps=warps, num_stages=stages,
+                       divisible=("a", "b", "c", "data", "N", "C"))
+    assert out["shared"] <= ag_gemm.SMEM_LIMIT
+    ptx = out["ptx"]
+    assert "cp.async" in ptx, "the K loop is not pipelined"
+    assert "ld.volatile.global" in ptx
+    assert "atom.global.sys.release.exch.b32" in ptx
+    assert "wgmma" in ptx or "mma.sync" in ptx

@@ -18,7 +18,11 @@ fp32). Any M >= W, any number of rows per rank (1 included), blocks need not div
 Variants: `bsp` (all-gather with torch.distributed, then torch.matmul), `torch_symm` (torch's own
 symm_mem.fused_all_gather_matmul, CUDA only), and the fused Triton kernels of
 `autofuse.kernels.ag_gemm`: `pull`, `push`, `push_ws`. Fused configs: BLOCK_M/N/K, GROUP_M,
-num_warps, num_stages, FLAG (tile | row_block | shard) and COMM_SMS (producer programs).
+num_warps, num_stages, FLAG (tile | row_block | shard) and COMM_SMS (producer programs); push and
+push_ws also take LAYOUT: "shard" (the default: one inbox slot per peer shard, flags awaited inside
+the K loop) or "gathered" (every rank's inbox holds the whole gathered A, own shard included;
+each tile waits once for the shards it covers, then runs a pipelined K loop; FLAG must be shard).
+The gathered layout fills the GPU at small M, where the GEMM is bound by streaming B.
 """
 from __future__ import annotations
 
@@ -40,6 +44,8 @@ SMEM_LIMIT = 227 * 1024  # usable shared memory per block on sm_90
 MAX_COMM_SMS = 64
 CPU_PROGRAMS = 4  # compute programs of push_ws under the interpreter (one "SM" each)
 FUSED_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages", "FLAG", "COMM_SMS")
+LAYOUTS = ("shard", "gathered")
+GATHERED_VARIANTS = ("push", "push_ws")  # the variants with a gathered-layout kernel
 
 
 # ------------------------------------------------------------------------------------------------
@@ -195,14 +201,26 @@ def _tiny(problem: Problem) -> bool:
     return max(problem["M"], problem["N"], problem["K"]) <= 256
 
 
-def check(problem: Problem, config: Config) -> str | None:
-    """The reason `config` cannot run `problem` with a fused kernel, or None."""
+def _gathered_rows(problem: Problem) -> int:
+    """Rows of the gathered A (the output's rows): M in both forms."""
+    return problem["M"]
+
+
+def check(problem: Problem, config: Config, variant: str = "push") -> str | None:
+    """The reason `config` cannot run `problem` with fused `variant`, or None."""
     missing = [k for k in FUSED_KEYS if k not in config]
     if missing:
         return f"config lacks {', '.join(missing)}"
-    unknown = sorted(set(config) - set(FUSED_KEYS))
+    unknown = sorted(set(config) - set(FUSED_KEYS) - {"LAYOUT"})
     if unknown:
         return f"unknown config keys {unknown}"
+    layout = config.get("LAYOUT", "shard")
+    if layout not in LAYOUTS:
+        return f"LAYOUT={layout!r} must be one of {LAYOUTS}"
+    if layout == "gathered" and variant not in GATHERED_VARIANTS:
+        return f"LAYOUT=gathered is for {' and '.join(GATHERED_VARIANTS)}, not {variant}"
+    if layout == "gathered" and config["FLAG"] != "shard":
+        return f"LAYOUT=gathered waits per shard: FLAG must be shard, got {config['FLAG']!r}"
     try:
         validate(problem)
     except InvalidInput as exc:
@@ -216,8 +234,9 @@ def check(problem: Problem, config: Config) -> str | None:
     r, c = _shard_shape(problem)
     if bk > c:
         return f"BLOCK_K={bk} is larger than the K each rank holds ({c})"
-    if bm > max(16, _pow2ceil(r)):
-        return f"BLOCK_M={bm} is larger than a shard's {r} rows needs"
+    rows, what = (_gathered_rows(problem), "the gathered A's") if layout == "gathered" else (r, "a shard's")
+    if bm > max(16, _pow2ceil(rows)):
+        return f"BLOCK_M={bm} is larger than {what} {rows} rows needs"
     if bn > max(16, _pow2ceil(problem["N"])):
         return f"BLOCK_N={bn} is larger than N={problem['N']} needs"
     if not isinstance(config["GROUP_M"], int) or config["GROUP_M"] < 1:
@@ -237,41 +256,79 @@ def check(problem: Problem, config: Config) -> str | None:
     return None
 
 
-def space(trial: SearchSpace, problem: Problem) -> Config:
-    """The fused search space; tiny (CPU) problems search small blocks only."""
+def _space_for(variant: str) -> Callable[[SearchSpace, Problem], Config]:
+    def space(trial: SearchSpace, problem: Problem) -> Config:
+        """The fused search space (LAYOUT first where the variant has one; gathered implies FLAG
+        shard); tiny (CPU) problems search small blocks only."""
+        if variant not in GATHERED_VARIANTS:
+            return _space(trial, problem, "shard")
+        return _space(trial, problem, trial.suggest_categorical("LAYOUT", LAYOUTS))
+    return space
+
+
+def _space(trial: SearchSpace, problem: Problem, layout: str) -> Config:
     tiny = _tiny(problem)
     blocks = (16, 32) if tiny else (16, 32, 64, 128, 256)
-    return {
+    config = {
         "BLOCK_M": trial.suggest_categorical("BLOCK_M", blocks),
         "BLOCK_N": trial.suggest_categorical("BLOCK_N", blocks if tiny else (32, 64, 128, 256)),
         "BLOCK_K": trial.suggest_categorical("BLOCK_K", blocks if tiny else (32, 64, 128, 256)),
         "GROUP_M": trial.suggest_categorical("GROUP_M", (1, 4, 8, 16)),
         "num_warps": trial.suggest_categorical("num_warps", (2, 4) if tiny else (2, 4, 8)),
         "num_stages": trial.suggest_int("num_stages", 2, 5),
-        "FLAG": trial.suggest_categorical("FLAG", tuple(FLAGS)),
+        "FLAG": "shard" if layout == "gathered" else trial.suggest_categorical("FLAG", tuple(FLAGS)),
         "COMM_SMS": trial.suggest_int("COMM_SMS", 1, 4 if tiny else 32, log=not tiny),
     }
+    if layout == "gathered":
+        config["LAYOUT"] = "gathered"
+    return config
 
 
-def _cfg(bm: int, bn: int, bk: int, warps: int, stages: int, flag: str, comm: int, group: int = 8) -> Config:
-    return {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": group, "num_warps": warps,
-            "num_stages": stages, "FLAG": flag, "COMM_SMS": comm}
+def _cfg(bm: int, bn: int, bk: int, warps: int, stages: int, flag: str, comm: int, group: int = 8,
+         layout: str = "shard") -> Config:
+    config = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": group, "num_warps": warps,
+              "num_stages": stages, "FLAG": flag, "COMM_SMS": comm}
+    if layout != "shard":
+        config["LAYOUT"] = layout
+    return config
+
+
+def _gathered_defaults(problem: Problem, comm: int) -> list[Config]:
+    """Gathered-layout tiles for M <= 1024, where streaming B bounds the GEMM: narrow BLOCK_N so
+    about one program per SM streams its own columns of B (M <= 64: 112 tiles of 32 columns at
+    N=3584), a deep pipeline over long BLOCK_K steps; BLOCK_M capped at the gathered rows."""
+    m = problem["M"]
+    if m <= 64:
+        tiles = [(64, 32, 256, 4, 4), (16, 64, 256, 4, 4)]
+    elif m <= 256:
+        tiles = [(64, 64, 128, 4, 4), (128, 64, 128, 8, 3)]
+    elif m <= 1024:
+        tiles = [(128, 128, 64, 8, 3), (128, 64, 128, 8, 3)]
+    else:
+        return []
+    cap = max(16, _pow2ceil(_gathered_rows(problem)))
+    return [_cfg(min(bm, cap), bn, bk, warps, stages, "shard", comm, layout="gathered")
+            for bm, bn, bk, warps, stages in tiles]
 
 
 def _defaults_for(variant: str) -> Callable[[Problem], list[Config]]:
     def defaults(problem: Problem) -> list[Config]:
-        """Known-good configs: GPU-NOTES' GEMM tiles by M (BLOCK_M capped at a shard's rows), small
-        blocks for CPU problems; only configs that pass `check` (none where K per rank < 16)."""
+        """Known-good configs: GPU-NOTES' GEMM tiles by M (BLOCK_M capped at a shard's rows), the
+        gathered layout first for push and push_ws at M <= 1024, small blocks for CPU problems;
+        at most 4, only configs that pass `check` (none where K per rank < 16)."""
         m = problem["M"]
+        gathered = variant in GATHERED_VARIANTS
         if _tiny(problem):
             cands = [_cfg(16, 32, 16, 4, 2, "row_block", 2, 4), _cfg(32, 32, 32, 4, 2, "tile", 1, 4),
                      _cfg(16, 16, 16, 4, 2, "shard", 3, 1), _cfg(16, 32, 32, 4, 2, "shard", 2, 4)]
+            if gathered:
+                cands.insert(0, _cfg(16, 32, 16, 4, 2, "shard", 2, 4, layout="gathered"))
         else:
             comm = 4 if m <= 256 else 8 if m <= 2048 else 16
             if variant == "push_ws":
                 comm *= 2
             if m <= 64:
-                tiles = [(16, 64, 128, 4, 4), (16, 128, 128, 4, 4), (16, 64, 256, 4, 3)]
+                tiles = [(16, 64, 256, 4, 3), (16, 64, 128, 4, 4), (16, 128, 128, 4, 4)]
             elif m <= 256:
                 tiles = [(64, 64, 128, 4, 4), (32, 64, 128, 4, 4), (64, 128, 64, 4, 4)]
             else:
@@ -279,11 +336,13 @@ def _defaults_for(variant: str) -> Callable[[Problem], list[Config]]:
             cap = max(16, _pow2ceil(_shard_shape(problem)[0]))
             cands = [_cfg(min(bm, cap), bn, bk, warps, stages, flag, comm)
                      for (bm, bn, bk, warps, stages), flag in zip(tiles, ("row_block", "shard", "row_block"))]
+            if gathered and m <= 1024:
+                cands = _gathered_defaults(problem, comm) + cands[:2]
         valid: list[Config] = []
         for c in cands:
-            if check(problem, c) is None and c not in valid:
+            if check(problem, c, variant) is None and c not in valid:
                 valid.append(c)
-        return valid[:3]
+        return valid[:4]
     return defaults
 
 
@@ -361,8 +420,10 @@ class FusedRunner:
         self.shapes = _shapes(problem)
         r, c = _shard_shape(problem)
         bm, bn = config["BLOCK_M"], config["BLOCK_N"]
-        rb = -(-r // bm)
-        tiles = rb * -(-problem["N"] // bn) * (1 if problem["gather"] == "k" else problem.world)
+        if config.get("LAYOUT", "shard") == "gathered":
+            tiles = -(-_gathered_rows(problem) // bm) * -(-problem["N"] // bn)
+        else:
+            tiles = -(-r // bm) * -(-problem["N"] // bn) * (1 if problem["gather"] == "k" else problem.world)
         comm = config["COMM_SMS"]
         if persistent:
             sms = (torch.cuda.get_device_properties(world.device).multi_processor_count
@@ -390,17 +451,22 @@ class FusedRunner:
 
 
 def _fused(name: str, kernel_name: str, persistent: bool) -> Variant:
+    def check_variant(problem: Problem, config: Config) -> str | None:
+        return check(problem, config, name)
+
     def build(world: Any, problem: Problem, config: Config) -> FusedRunner:
-        reason = check(problem, config)
+        reason = check_variant(problem, config)
         if reason:
             raise InvalidConfig(reason)
         if problem.world != world.size:
             raise InvalidInput(f"problem is for {problem.world} ranks, this World has {world.size}")
         from autofuse.kernels import ag_gemm as kernels
 
-        return FusedRunner(world, problem, config, getattr(kernels, kernel_name), persistent)
+        gathered = config.get("LAYOUT", "shard") == "gathered"
+        kernel = getattr(kernels, kernel_name.replace("_kernel", "_gathered_kernel") if gathered else kernel_name)
+        return FusedRunner(world, problem, config, kernel, persistent)
 
-    return Variant(name, build, space=space, defaults=_defaults_for(name), check=check)
+    return Variant(name, build, space=_space_for(name), defaults=_defaults_for(name), check=check_variant)
 
 
 class BspRunner:
