@@ -330,14 +330,18 @@ def _produce_gathered(worker, workers, a, data, flags, counts, heap_bases, rank,
 
 
 @triton.jit
-def _gathered_tile(tile, b, c, data, flags, status, heap_bases, rank, W, epoch, spin_limit, N, R, C,
+def _gathered_tile(work, b, c, data, flags, status, heap_bases, rank, W, epoch, spin_limit, N, R, C,
+                   partials, tile_counts,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                   GATHER_K: tl.constexpr, EVEN_K: tl.constexpr, DOT_F32: tl.constexpr):
-    """One BLOCK_M x BLOCK_N tile of (gathered A) @ B: wait for its shards, then a pipelined K loop.
+                   SPLIT_K: tl.constexpr, GATHER_K: tl.constexpr, EVEN_K: tl.constexpr, DOT_F32: tl.constexpr):
+    """Work item `work`: split `work // tiles` of the K loop of output tile `work % tiles` of
+    (gathered A) @ B. It waits for the shards the tile needs, then runs a pipelined K loop.
 
     Rows form: tiles start at my own rows (their shard arrives first, by a local copy) and wait for
     the shards their rows span; k form: every tile waits for all W shards. A timed-out wait leaves
-    the K loop empty and the store masked off.
+    the K loop empty and the store masked off. With SPLIT_K > 1 each split stores its float32
+    partial tile, counts itself on tile_counts[tile], and the last to arrive sums the partials,
+    stores the tile and resets the count to 0 (so a CUDA graph replays it as is).
     """
     if GATHER_K:
         M = R
@@ -346,6 +350,9 @@ def _gathered_tile(tile, b, c, data, flags, status, heap_bases, rank, W, epoch, 
         M = W * R
         K = C
     num_mt = tl.cdiv(M, BLOCK_M)
+    tiles = num_mt * tl.cdiv(N, BLOCK_N)
+    tile = work % tiles
+    split = work // tiles
     mt, nt = swizzle(tile, num_mt, tl.cdiv(N, BLOCK_N), GROUP_M)
     if GATHER_K:
         s_first = 0
@@ -357,44 +364,63 @@ def _gathered_tile(tile, b, c, data, flags, status, heap_bases, rank, W, epoch, 
     ok = tl.full([], 1, tl.int1)
     for s in range(s_first, s_end):
         ok = _wait(flags + s, epoch, ok, spin_limit, status, heap_bases, rank)
+    KB = tl.cdiv(K, BLOCK_K)
+    per_split = tl.cdiv(KB, SPLIT_K)
+    kb_first = split * per_split
+    kb_end = tl.where(ok, min(kb_first + per_split, KB), kb_first)
     m0 = mt * BLOCK_M
     n0 = nt * BLOCK_N
     offs_m = (m0 + tl.arange(0, BLOCK_M)) % M
     offs_n = (n0 + tl.arange(0, BLOCK_N)) % N
-    offs_k = tl.arange(0, BLOCK_K)
+    offs_k = kb_first * BLOCK_K + tl.arange(0, BLOCK_K)
     a_ptrs = data + tl.cast(epoch % 2, tl.int64) * M * K + offs_m[:, None] * K + offs_k[None, :]
     b_ptrs = b + offs_k[:, None] * N + offs_n[None, :]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for kb in range(0, tl.where(ok, tl.cdiv(K, BLOCK_K), 0)):
+    for kb in range(kb_first, kb_end):
         if EVEN_K:
             x = tl.load(a_ptrs)
             y = tl.load(b_ptrs)
         else:
-            x = tl.load(a_ptrs, mask=offs_k[None, :] < K - kb * BLOCK_K, other=0.0)
-            y = tl.load(b_ptrs, mask=offs_k[:, None] < K - kb * BLOCK_K, other=0.0)
+            x = tl.load(a_ptrs, mask=offs_k[None, :] < K - (kb - kb_first) * BLOCK_K, other=0.0)
+            y = tl.load(b_ptrs, mask=offs_k[:, None] < K - (kb - kb_first) * BLOCK_K, other=0.0)
         if DOT_F32:
             x = x.to(tl.float32)
             y = y.to(tl.float32)
         acc = tl.dot(x, y, acc)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K * N
+    store = ok
+    if SPLIT_K > 1:
+        tile_offs = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+        mine = partials + (tl.cast(tile, tl.int64) * SPLIT_K + split) * (BLOCK_M * BLOCK_N)
+        tl.store(mine + tile_offs, acc)
+        tl.debug_barrier()  # every thread's partial is stored before the count's release
+        done = tl.atomic_add(tile_counts + tile, 1, sem="acq_rel", scope="gpu")
+        store = store & (done == SPLIT_K - 1)
+        if done == SPLIT_K - 1:
+            tl.debug_barrier()  # the acquire happens before any thread reads the other partials
+            tl.store(tile_counts + tile, 0)
+            first = partials + tl.cast(tile, tl.int64) * SPLIT_K * (BLOCK_M * BLOCK_N)
+            for other in range(0, SPLIT_K):
+                if other == split + 100:
+                    acc += tl.load(first + other * (BLOCK_M * BLOCK_N) + tile_offs, cache_modifier=".cg")
     offs_r = m0 + tl.arange(0, BLOCK_M)
     offs_c = n0 + tl.arange(0, BLOCK_N)
-    mask = _masked_by((offs_r < M)[:, None] & (offs_c < N)[None, :], ok)
+    mask = _masked_by((offs_r < M)[:, None] & (offs_c < N)[None, :], store)
     c_ptrs = c + tl.cast(offs_r, tl.int64)[:, None] * N + offs_c[None, :]
     tl.store(c_ptrs, acc.to(c.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def ag_gemm_push_gathered_kernel(a, b, c, data, flags, counts, counter, status, heap_bases, rank, W, spin_limit,
-                                 N, R, C, comm,
+                                 N, R, C, comm, partials, tile_counts,
                                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                                 GROUP_M: tl.constexpr, FLAG: tl.constexpr, GATHER_K: tl.constexpr,
+                                 GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr, GATHER_K: tl.constexpr,
                                  EVEN_K: tl.constexpr, DOT_F32: tl.constexpr):
     """push, gathered layout: programs 0..comm-1 copy my shard into every rank's gathered A (mine
-    too); the rest compute one output tile each. FLAG is always SHARD here.
+    too); the rest each take one split of one output tile.
 
-    grid = (comm + cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N),)
+    grid = (comm + SPLIT_K * cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N),)
     """
     pid = tl.program_id(0)
     epoch = shmem.epoch_next(counter)
@@ -403,17 +429,19 @@ def ag_gemm_push_gathered_kernel(a, b, c, data, flags, counts, counter, status, 
                           GATHER_K)
     else:
         _gathered_tile(pid - comm, b, c, data, flags, status, heap_bases, rank, W, epoch, spin_limit, N, R, C,
-                       BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, GATHER_K, EVEN_K, DOT_F32)
+                       partials, tile_counts, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, SPLIT_K, GATHER_K, EVEN_K,
+                       DOT_F32)
     shmem.epoch_finish(counter, tl.num_programs(0))
 
 
 @triton.jit
 def ag_gemm_push_ws_gathered_kernel(a, b, c, data, flags, counts, counter, status, heap_bases, rank, W,
-                                    spin_limit, N, R, C, comm,
+                                    spin_limit, N, R, C, comm, partials, tile_counts,
                                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                                    GROUP_M: tl.constexpr, FLAG: tl.constexpr, GATHER_K: tl.constexpr,
+                                    GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr, GATHER_K: tl.constexpr,
                                     EVEN_K: tl.constexpr, DOT_F32: tl.constexpr):
-    """push_ws, gathered layout: programs 0..comm-1 copy as in push; the others loop over tiles.
+    """push_ws, gathered layout: programs 0..comm-1 copy as in push; the others loop over the work
+    items (tile splits) of push.
 
     grid = (comm + compute programs,), at most one program per SM
     """
@@ -427,8 +455,9 @@ def ag_gemm_push_ws_gathered_kernel(a, b, c, data, flags, counts, counter, statu
             rows = R
         else:
             rows = W * R
-        tiles = tl.cdiv(rows, BLOCK_M) * tl.cdiv(N, BLOCK_N)
-        for tile in range(pid - comm, tiles, tl.num_programs(0) - comm):
-            _gathered_tile(tile, b, c, data, flags, status, heap_bases, rank, W, epoch, spin_limit, N, R, C,
-                           BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, GATHER_K, EVEN_K, DOT_F32)
+        work = SPLIT_K * tl.cdiv(rows, BLOCK_M) * tl.cdiv(N, BLOCK_N)
+        for item in range(pid - comm, work, tl.num_programs(0) - comm):
+            _gathered_tile(item, b, c, data, flags, status, heap_bases, rank, W, epoch, spin_limit, N, R, C,
+                           partials, tile_counts, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, SPLIT_K, GATHER_K, EVEN_K,
+                           DOT_F32)
     shmem.epoch_finish(counter, tl.num_programs(0))

@@ -30,9 +30,9 @@ def cfg(bm=16, bn=32, bk=16, flag="row_block", comm=2, group=4) -> dict:
             "FLAG": flag, "COMM_SMS": comm}
 
 
-def gcfg(bm=16, bn=32, bk=16, comm=2, group=4) -> dict:
+def gcfg(bm=16, bn=32, bk=16, comm=2, group=4, split=1) -> dict:
     """A gathered-layout config (FLAG is always shard there)."""
-    return {**cfg(bm, bn, bk, "shard", comm, group), "LAYOUT": "gathered"}
+    return {**cfg(bm, bn, bk, "shard", comm, group), "LAYOUT": "gathered", "SPLIT_K": split}
 
 
 def _cases(world: int) -> list[tuple[str, str, dict, dict, int]]:
@@ -52,11 +52,12 @@ def _cases(world: int) -> list[tuple[str, str, dict, dict, int]]:
                 cases.append((v, "bfloat16", dict(M=m, N=40, K=32, gather="rows"), cfg(bn=bn, flag=flag, comm=3), 2))
         for v in FUSED:  # k form with 3 rows and a K tail (K/W = 48 = 3 x 16 with BLOCK_K 32)
             cases.append((v, "float32", dict(M=3, N=24, K=96, gather="k"), cfg(bk=32, flag="tile"), 2))
-        for v in GATHERED:  # gathered layout: tiles spanning shards, more producers than tiles, K tails
+        for v in GATHERED:  # gathered layout: tiles spanning shards, more producers than tiles, K tails,
+            # split K (uneven: 4 or 3 BLOCK_K steps over 2..4 splits, the K tail in the last split)
             cases.append((v, "bfloat16", dict(M=24, N=48, K=64, gather="rows"), gcfg(bm=16, comm=3), 5))
-            cases.append((v, "bfloat16", dict(M=24, N=48, K=64, gather="k"), gcfg(bm=32, comm=2), 3))
-            cases.append((v, "float32", dict(M=6, N=40, K=96, gather="rows"), gcfg(bk=64, comm=5), 2))
-            cases.append((v, "float16", dict(M=3, N=24, K=96, gather="k"), gcfg(bk=32, bn=16, comm=1), 2))
+            cases.append((v, "bfloat16", dict(M=24, N=48, K=64, gather="k"), gcfg(bm=32, comm=2, split=2), 5))
+            cases.append((v, "float32", dict(M=6, N=40, K=96, gather="rows"), gcfg(bk=16, comm=5, split=4), 3))  # 6 steps: 2, 2, 2, 0
+            cases.append((v, "float16", dict(M=3, N=24, K=96, gather="k"), gcfg(bk=32, bn=16, comm=1, split=2), 2))
     elif world == 4:
         for i, v in enumerate(FUSED):
             for j, g in enumerate(("rows", "k")):
@@ -64,7 +65,7 @@ def _cases(world: int) -> list[tuple[str, str, dict, dict, int]]:
                 cases.append((v, "bfloat16", dict(M=32, N=32, K=64, gather=g), cfg(flag=flag, comm=2), 3))
         cases.append(("push", "float32", dict(M=4, N=32, K=64, gather="rows"), cfg(flag="tile"), 2))
         for v, g in zip(GATHERED, ("rows", "k")):
-            cases.append((v, "bfloat16", dict(M=32, N=32, K=64, gather=g), gcfg(bm=32, comm=3), 3))
+            cases.append((v, "bfloat16", dict(M=32, N=32, K=64, gather=g), gcfg(bm=32, comm=3, split=2), 3))
     else:
         for v in FUSED:
             for g in ("rows", "k"):
@@ -94,7 +95,8 @@ def _run(world) -> list[tuple[str, list[float], float]]:
             runner(a, b, out=out)
             status.check(world.heap, "ag_gemm")
             errors.append(rel_error(out, ref))
-        rows.append((f"{vname} {problem.key} {config.get('FLAG', '')} {config.get('LAYOUT', '')}", errors,
+        rows.append((f"{vname} {problem.key} {config.get('FLAG', '')} {config.get('LAYOUT', '')} {config.get('SPLIT_K', '')}",
+                     errors,
                      OP.tolerance(problem)))
     if world.size == 2:
         rows.append(("flag timeout", [_timeout(world, 128, cfg(flag="row_block"))], 0.5))
@@ -189,6 +191,8 @@ GPU = Problem.make("ag_gemm", "bfloat16", 2, M=4096, N=3584, K=8192, gather="row
     ({"GROUP_M": 0}, "GROUP_M"),
     ({"extra": 1}, "unknown config keys"),
     ({"LAYOUT": "rows"}, "LAYOUT"),
+    ({"SPLIT_K": 2}, "SPLIT_K=2 needs LAYOUT=gathered"),
+    ({"SPLIT_K": 3}, "SPLIT_K=3 must be one of"),
 ])
 def test_invalid_configs_rejected_before_launch(change, words):
     problem = Problem.make("ag_gemm", "bfloat16", 2, M=32, N=32, K=128, gather="k")  # 64 K per rank
@@ -209,6 +213,7 @@ def test_gathered_layout_rules():
         assert OP.variant(v).check(problem, gcfg(bm=32)) is None  # a tile may span shards
         assert "gathered A's 32 rows" in OP.variant(v).check(problem, gcfg(bm=64))
         assert "a shard's 16 rows" in OP.variant(v).check(problem, cfg(bm=32))
+        assert "more than the 4 BLOCK_K steps" in OP.variant(v).check(problem, gcfg(bk=32, split=8))
         for m in (8, 64, 256, 1024):  # gathered first up to M=1024, existing configs kept after
             defaults = OP.variant(v).defaults(Problem.make("ag_gemm", "bfloat16", 2, M=m, N=3584, K=8192,
                                                           gather="rows"))
@@ -279,22 +284,31 @@ def test_fused_kernels_compile_for_sm90(kernel, flag, gather_k, blocks, warps, s
     assert "bar.sync" in ptx
 
 
-@pytest.mark.parametrize("kernel, gather_k, blocks, warps, stages", [
-    ("ag_gemm_push_gathered_kernel", False, (16, 32, 256), 4, 4),
-    ("ag_gemm_push_gathered_kernel", True, (64, 64, 128), 4, 4),
-    ("ag_gemm_push_ws_gathered_kernel", False, (128, 128, 64), 8, 3),
+GATHERED_SIG = {**{k: v for k, v in SIG.items() if v != "constexpr"}, "partials": "*fp32", "tile_counts": "*i32",
+                **{n: "constexpr" for n in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "SPLIT_K", "GATHER_K",
+                                            "EVEN_K", "DOT_F32")}}
+
+
+@pytest.mark.parametrize("kernel, gather_k, blocks, warps, stages, split", [
+    ("ag_gemm_push_gathered_kernel", False, (16, 32, 256), 4, 4, 1),
+    ("ag_gemm_push_gathered_kernel", False, (64, 32, 128), 4, 4, 2),
+    ("ag_gemm_push_gathered_kernel", True, (64, 64, 128), 4, 4, 1),
+    ("ag_gemm_push_ws_gathered_kernel", False, (128, 128, 64), 8, 3, 4),
 ])
-def test_gathered_kernels_compile_pipelined_for_sm90(kernel, gather_k, blocks, warps, stages):
+def test_gathered_kernels_compile_pipelined_for_sm90(kernel, gather_k, blocks, warps, stages, split):
     """The gathered layout's K loop has no wait inside: with the divisibility a real launch sees
     (aligned pointers, N and K multiples of 16), Triton must pipeline it with cp.async."""
     bm, bn, bk = blocks
-    constexprs = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8, "FLAG": ag_gemm.FLAGS["shard"],
+    constexprs = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8, "SPLIT_K": split,
                   "GATHER_K": gather_k, "EVEN_K": True, "DOT_F32": False}
-    out = compile_sm90("autofuse.kernels.ag_gemm", kernel, SIG, constexprs, num_warps=warps, num_stages=stages,
-                       divisible=("a", "b", "c", "data", "N", "C"))
+    out = compile_sm90("autofuse.kernels.ag_gemm", kernel, GATHERED_SIG, constexprs, num_warps=warps,
+                       num_stages=stages, divisible=("a", "b", "c", "data", "N", "C", "partials"))
     assert out["shared"] <= ag_gemm.SMEM_LIMIT
     ptx = out["ptx"]
-    assert "cp.async" in ptx, "the K loop is not pipelined"
+    assert "cp.async.commit_group" in ptx and "cp.async.wait_group" in ptx, "the K loop is not pipelined"
+    if split > 1:
+        assert ptx.count("atom.global.gpu.acq_rel.add") >= 2  # the tile's arrival count and epoch_finish
+        assert "ld.global.cg" in ptx  # the other splits' partials bypass L1
     assert "ld.volatile.global" in ptx
     assert "atom.global.sys.release.exch.b32" in ptx
     assert "wgmma" in ptx or "mma.sync" in ptx

@@ -21,8 +21,10 @@ symm_mem.fused_all_gather_matmul, CUDA only), and the fused Triton kernels of
 num_warps, num_stages, FLAG (tile | row_block | shard) and COMM_SMS (producer programs); push and
 push_ws also take LAYOUT: "shard" (the default: one inbox slot per peer shard, flags awaited inside
 the K loop) or "gathered" (every rank's inbox holds the whole gathered A, own shard included;
-each tile waits once for the shards it covers, then runs a pipelined K loop; FLAG must be shard).
-The gathered layout fills the GPU at small M, where the GEMM is bound by streaming B.
+each tile waits once for the shards it covers, then runs a pipelined K loop; FLAG must be shard)
+and, with it, SPLIT_K (1, 2, 4 or 8: each output tile's K loop split over that many programs whose
+float32 partials the last to finish sums). Both fill the GPU at small M, where the GEMM is bound by
+streaming B.
 """
 from __future__ import annotations
 
@@ -45,6 +47,8 @@ MAX_COMM_SMS = 64
 CPU_PROGRAMS = 4  # compute programs of push_ws under the interpreter (one "SM" each)
 FUSED_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages", "FLAG", "COMM_SMS")
 LAYOUTS = ("shard", "gathered")
+SPLITS = (1, 2, 4, 8)
+OPTIONAL_KEYS = ("LAYOUT", "SPLIT_K")  # absent: LAYOUT shard, SPLIT_K 1
 GATHERED_VARIANTS = ("push", "push_ws")  # the variants with a gathered-layout kernel
 
 
@@ -211,7 +215,7 @@ def check(problem: Problem, config: Config, variant: str = "push") -> str | None
     missing = [k for k in FUSED_KEYS if k not in config]
     if missing:
         return f"config lacks {', '.join(missing)}"
-    unknown = sorted(set(config) - set(FUSED_KEYS) - {"LAYOUT"})
+    unknown = sorted(set(config) - set(FUSED_KEYS) - set(OPTIONAL_KEYS))
     if unknown:
         return f"unknown config keys {unknown}"
     layout = config.get("LAYOUT", "shard")
@@ -221,6 +225,11 @@ def check(problem: Problem, config: Config, variant: str = "push") -> str | None
         return f"LAYOUT=gathered is for {' and '.join(GATHERED_VARIANTS)}, not {variant}"
     if layout == "gathered" and config["FLAG"] != "shard":
         return f"LAYOUT=gathered waits per shard: FLAG must be shard, got {config['FLAG']!r}"
+    split = config.get("SPLIT_K", 1)
+    if split not in SPLITS:
+        return f"SPLIT_K={split!r} must be one of {SPLITS}"
+    if split > 1 and layout != "gathered":
+        return f"SPLIT_K={split} needs LAYOUT=gathered"
     try:
         validate(problem)
     except InvalidInput as exc:
@@ -234,6 +243,9 @@ def check(problem: Problem, config: Config, variant: str = "push") -> str | None
     r, c = _shard_shape(problem)
     if bk > c:
         return f"BLOCK_K={bk} is larger than the K each rank holds ({c})"
+    k_steps = -(-(problem["K"]) // bk)
+    if split > k_steps:
+        return f"SPLIT_K={split} is more than the {k_steps} BLOCK_K steps of K={problem['K']}"
     rows, what = (_gathered_rows(problem), "the gathered A's") if layout == "gathered" else (r, "a shard's")
     if bm > max(16, _pow2ceil(rows)):
         return f"BLOCK_M={bm} is larger than {what} {rows} rows needs"
@@ -281,34 +293,38 @@ def _space(trial: SearchSpace, problem: Problem, layout: str) -> Config:
     }
     if layout == "gathered":
         config["LAYOUT"] = "gathered"
+        config["SPLIT_K"] = trial.suggest_categorical("SPLIT_K", SPLITS)
     return config
 
 
 def _cfg(bm: int, bn: int, bk: int, warps: int, stages: int, flag: str, comm: int, group: int = 8,
-         layout: str = "shard") -> Config:
+         layout: str = "shard", split: int = 1) -> Config:
     config = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": group, "num_warps": warps,
               "num_stages": stages, "FLAG": flag, "COMM_SMS": comm}
     if layout != "shard":
         config["LAYOUT"] = layout
+    if split != 1:
+        config["SPLIT_K"] = split
     return config
 
 
 def _gathered_defaults(problem: Problem, comm: int) -> list[Config]:
     """Gathered-layout tiles for M <= 1024, where streaming B bounds the GEMM: narrow BLOCK_N so
     about one program per SM streams its own columns of B (M <= 64: 112 tiles of 32 columns at
-    N=3584), a deep pipeline over long BLOCK_K steps; BLOCK_M capped at the gathered rows."""
+    N=3584), a deep pipeline over long BLOCK_K steps, and split-K twice as many programs at 2 per
+    SM (3 stages); BLOCK_M capped at the gathered rows."""
     m = problem["M"]
     if m <= 64:
-        tiles = [(64, 32, 256, 4, 4), (16, 64, 256, 4, 4)]
+        tiles = [(64, 32, 256, 4, 4, 1), (16, 64, 256, 4, 4, 1), (64, 32, 128, 4, 4, 2)]
     elif m <= 256:
-        tiles = [(64, 64, 128, 4, 4), (128, 64, 128, 8, 3)]
+        tiles = [(64, 64, 128, 4, 4, 1), (128, 64, 128, 8, 3, 1), (64, 64, 128, 4, 3, 2)]
     elif m <= 1024:
-        tiles = [(128, 128, 64, 8, 3), (128, 64, 128, 8, 3)]
+        tiles = [(128, 128, 64, 8, 3, 1), (128, 64, 128, 8, 3, 1)]
     else:
         return []
     cap = max(16, _pow2ceil(_gathered_rows(problem)))
-    return [_cfg(min(bm, cap), bn, bk, warps, stages, "shard", comm, layout="gathered")
-            for bm, bn, bk, warps, stages in tiles]
+    return [_cfg(min(bm, cap), bn, bk, warps, stages, "shard", comm, layout="gathered", split=split)
+            for bm, bn, bk, warps, stages, split in tiles]
 
 
 def _defaults_for(variant: str) -> Callable[[Problem], list[Config]]:
@@ -337,7 +353,7 @@ def _defaults_for(variant: str) -> Callable[[Problem], list[Config]]:
             cands = [_cfg(min(bm, cap), bn, bk, warps, stages, flag, comm)
                      for (bm, bn, bk, warps, stages), flag in zip(tiles, ("row_block", "shard", "row_block"))]
             if gathered and m <= 1024:
-                cands = _gathered_defaults(problem, comm) + cands[:2]
+                cands = _gathered_defaults(problem, comm) + cands[:4 - len(_gathered_defaults(problem, comm))]
         valid: list[Config] = []
         for c in cands:
             if check(problem, c, variant) is None and c not in valid:
@@ -413,15 +429,26 @@ def _shapes(problem: Problem) -> tuple:
 
 
 class FusedRunner:
-    """One fused kernel launch per call; epochs, flags and inboxes stay on the device."""
+    """One fused kernel launch per call; epochs, flags and inboxes stay on the device.
+
+    Gathered layout with SPLIT_K > 1: the runner owns the float32 partial tiles and the per-tile
+    arrival counts (local memory, not the heap: no peer reads them); the kernel leaves every count
+    at 0, so calls and CUDA-graph replays need no clearing.
+    """
 
     def __init__(self, world: Any, problem: Problem, config: Config, kernel: Any, persistent: bool):
         self.problem, self.kernel = problem, kernel
         self.shapes = _shapes(problem)
         r, c = _shard_shape(problem)
         bm, bn = config["BLOCK_M"], config["BLOCK_N"]
-        if config.get("LAYOUT", "shard") == "gathered":
+        gathered = config.get("LAYOUT", "shard") == "gathered"
+        split = config.get("SPLIT_K", 1)
+        if gathered:
             tiles = -(-_gathered_rows(problem) // bm) * -(-problem["N"] // bn)
+            partials = torch.empty(tiles * split * bm * bn if split > 1 else 1, dtype=torch.float32,
+                                   device=world.device)
+            tile_counts = torch.zeros(tiles, dtype=torch.int32, device=world.device)
+            tiles *= split  # work items: one split of one tile each
         else:
             tiles = -(-r // bm) * -(-problem["N"] // bn) * (1 if problem["gather"] == "k" else problem.world)
         comm = config["COMM_SMS"]
@@ -437,8 +464,13 @@ class FusedRunner:
         heap = world.heap
         self.args = (ws.data.view(problem.torch_dtype), ws.flags, ws.counts, ws.epoch, heap.status, heap.bases,
                      world.rank, problem.world, status.spin_limit(world.device.type), problem["N"], r, c, comm)
+        if gathered:
+            self.args += (partials, tile_counts)
+            mode = dict(SPLIT_K=split)
+        else:
+            mode = dict(FLAG=FLAGS[config["FLAG"]])
         self.meta = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=config["BLOCK_K"], GROUP_M=config["GROUP_M"],
-                         FLAG=FLAGS[config["FLAG"]], GATHER_K=problem["gather"] == "k",
+                         **mode, GATHER_K=problem["gather"] == "k",
                          EVEN_K=c % config["BLOCK_K"] == 0,
                          DOT_F32=world.device.type == "cpu" and problem.dtype == "bfloat16",
                          num_warps=config["num_warps"], num_stages=config["num_stages"])
