@@ -1,0 +1,166 @@
+#!/usr/bin/env python3
+"""Markdown tables from `autofuse bench` JSON: `python3 scripts/results_tables.py JSON... > out.md`.
+
+Per file and timing mode (graph first, then eager), one row per problem, labelled by the problem
+dimensions that vary within the file (the constant ones go in the heading). Columns: every
+variant's best time (us per call, rank-max median over the variant's known-good configs), the
+pieces of the bound and the bound (= max of the pieces), the best fused variant, its speedup over
+BSP (BSP us / fused us), over torch_symm where the op has it, the fused time over the bound, and the
+p10-p90 spread of the BSP and the best-fused measurement (% of their medians, from the raw rows:
+a noise gauge). A geomean line follows each table; ops that report `bandwidth` (flash_decode) get a
+bandwidth table. Deterministic, stdlib only.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+RESULT_KEYS = {"problem", "op", "dtype", "world", "mode", "best_us", "config", "pieces_us", "bound_us", "best_fused",
+               "best_fused_us", "speedup_vs_bsp", "vs_bound", "failures", "bandwidth"}
+MODE_ORDER = ("graph", "eager")
+
+
+def finite(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def geomean(xs: Iterable[float]) -> float:
+    xs = [x for x in xs if finite(x) and x > 0]
+    return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else math.nan
+
+
+def fmt(x: Any, digits: int = 1) -> str:
+    return f"{x:.{digits}f}" if finite(x) else "-"
+
+
+def dims(row: dict) -> dict[str, Any]:
+    """The problem's own dimensions (M, N, K, B, S, ...), in the JSON's order."""
+    return {k: v for k, v in row.items() if k not in RESULT_KEYS}
+
+
+def varying(rows: Sequence[dict]) -> tuple[list[str], dict[str, Any]]:
+    """(names of the dimensions that vary across rows, the constant ones with their value)."""
+    names = list(dims(rows[0])) if rows else []
+    vary = [k for k in names if len({json.dumps(r.get(k)) for r in rows}) > 1]
+    return vary, {k: rows[0][k] for k in names if k not in vary}
+
+
+def spreads(doc: dict) -> dict[tuple[str, str, str, str], float]:
+    """(problem, mode, variant, config json) -> (p90 - p10) / median of that measurement."""
+    out = {}
+    for m in doc.get("raw", []):
+        if m.get("ok") and finite(m.get("median_us")) and m["median_us"] > 0:
+            key = (m["problem"], m["mode"], m["variant"], json.dumps(m["config"], sort_keys=True))
+            out[key] = (m["p90_us"] - m["p10_us"]) / m["median_us"]
+    return out
+
+
+def spread_of(sp: dict, row: dict, variant: str) -> float:
+    if variant not in row["best_us"]:
+        return math.nan
+    key = (row["problem"], row["mode"], variant, json.dumps(row["config"].get(variant, {}), sort_keys=True))
+    return sp.get(key, math.nan)
+
+
+def table(header: Sequence[str], body: Sequence[Sequence[str]], right_from: int = 1) -> list[str]:
+    align = ["---" if i < right_from else "---:" for i in range(len(header))]
+    return ["| " + " | ".join(header) + " |", "| " + " | ".join(align) + " |"] + \
+           ["| " + " | ".join(cells) + " |" for cells in body]
+
+
+def machine(doc: dict) -> str:
+    fp = doc.get("fingerprint", {})
+    return (f"{fp.get('gpu_count', '?')}x {fp.get('gpu_name', '?')} (topology {fp.get('topology', '?')}), "
+            f"driver {fp.get('driver', '?')}, CUDA {fp.get('cuda', '?')}, torch {fp.get('torch', '?')}, "
+            f"Triton {fp.get('triton', '?')}, NCCL {fp.get('nccl', '?')}, kernel hash {fp.get('kernel_hash', '?')}")
+
+
+def mode_table(doc: dict, rows: list[dict], vary: list[str], sp: dict) -> list[str]:
+    variants = doc["variants"]
+    pieces = list(dict.fromkeys(p for r in rows for p in r["pieces_us"]))
+    symm = "torch_symm" in variants
+    header = [*vary, *(f"{v} us" for v in variants), *(f"{p} us" for p in pieces), "bound us", "best fused",
+              "x BSP", *(["x torch_symm"] if symm else []), "fused / bound", "spread % bsp / fused"]
+    body = []
+    for r in rows:
+        cells = [str(r[k]) for k in vary]
+        cells += [fmt(r["best_us"][v]) if v in r["best_us"] else ("fail" if v in r["failures"] else "-")
+                  for v in variants]
+        cells += [fmt(r["pieces_us"].get(p)) for p in pieces]
+        fused, fused_us = r["best_fused"], r["best_fused_us"]
+        cells += [fmt(r["bound_us"]), fused, fmt(r["speedup_vs_bsp"], 2)]
+        if symm:
+            cells.append(fmt(r["best_us"].get("torch_symm", math.nan) / fused_us if finite(fused_us) else math.nan, 2))
+        cells.append(fmt(r["vs_bound"], 2))
+        cells.append(f"{fmt(100 * spread_of(sp, r, 'bsp'), 0)} / {fmt(100 * spread_of(sp, r, fused), 0)}")
+        body.append(cells)
+    lines = table(header, body, right_from=len(vary))
+    symm_gm = ""
+    if symm:
+        symm_gm = ", over torch_symm " + fmt(geomean(r["best_us"].get("torch_symm", math.nan) / r["best_fused_us"]
+                                                     for r in rows if finite(r["best_fused_us"])), 3) + "x"
+    lines += ["", f"Geomean over {len(rows)} problems: best fused over BSP {fmt(geomean(r['speedup_vs_bsp'] for r in rows), 3)}x"
+              f"{symm_gm}, best fused / bound {fmt(geomean(r['vs_bound'] for r in rows), 3)}."]
+    fails = [(r, v, why) for r in rows for v, why in r["failures"].items()]
+    for r, v, why in fails:
+        lines.append(f"- failed: {v} on {' '.join(f'{k}={r[k]}' for k in vary)}: {why}")
+    return lines
+
+
+def bandwidth_table(rows: list[dict], vary: list[str], best_copy: dict[str, float]) -> list[str]:
+    header = [*vary, "KV MB", "local us", "local GB/s (read)", "copy us", "copy GB/s (read+write)", "local / copy",
+              "local / best copy"]
+    body = []
+    for r in rows:
+        bw = r["bandwidth"]
+        best = best_copy.get(r["problem"], math.nan)
+        body.append([*(str(r[k]) for k in vary), fmt(bw["bytes"] / 1e6, 1), fmt(r["pieces_us"].get("local")),
+                     fmt(bw.get("local_GBps"), 0), fmt(bw.get("copy_us")), fmt(bw.get("copy_GBps"), 0),
+                     fmt(bw.get("local_vs_copy"), 2), fmt(bw.get("local_GBps", math.nan) / best, 2)])
+    return table(header, body, right_from=len(vary))
+
+
+def render(doc: dict, source: str, level: int = 3) -> str:
+    """Markdown for one bench JSON document."""
+    h = "#" * level
+    rows = doc["rows"]
+    vary, const = varying(rows)
+    fixed = ", ".join(f"{k}={v}" for k, v in const.items() if k not in ("op",))
+    out = [f"{h} {doc['op']}, sweep `{doc['sweep']}`", "",
+           f"Source `{source}`; run {doc.get('date', '?')}; {machine(doc)}. Fixed: {fixed}. "
+           "Times in us per call (median of timed batches, max over ranks); each variant at the best of its "
+           "known-good configs.", ""]
+    sp = spreads(doc)
+    modes = sorted(doc["modes"], key=lambda m: (MODE_ORDER.index(m) if m in MODE_ORDER else len(MODE_ORDER), m))
+    best_copy: dict[str, float] = {}
+    for r in rows:
+        if r.get("bandwidth", {}).get("copy_GBps"):
+            best_copy[r["problem"]] = max(best_copy.get(r["problem"], 0.0), r["bandwidth"]["copy_GBps"])
+    for mode in modes:
+        mrows = [r for r in rows if r["mode"] == mode]
+        out += [f"{h}# {mode} mode", "", *mode_table(doc, mrows, vary, sp), ""]
+        bw = [r for r in mrows if r.get("bandwidth", {}).get("local_GBps")]
+        if bw:
+            out += [f"Local kernel (split-KV + merge of splits, the bound's `local` piece) vs a device copy of the same "
+                    f"bytes, {mode} mode. The local kernel reads the KV bytes once; the copy reads and writes them, so "
+                    "its rate counts 2 x bytes / time. `best copy` is the higher of the two modes' copy rates for the "
+                    "problem.", "", *bandwidth_table(bw, vary, best_copy), ""]
+    return "\n".join(out)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("json", nargs="+", type=Path, help="bench JSON files written by `autofuse bench`")
+    ap.add_argument("--level", type=int, default=3, help="Markdown heading level of each file's section")
+    args = ap.parse_args(argv)
+    parts = [render(json.loads(p.read_text()), p.as_posix(), args.level) for p in args.json]
+    sys.stdout.write("\n".join(parts))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,24 @@
+"""scripts/results_tables.py renders a committed bench JSON: header, every problem, both modes."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SOURCE = ROOT / "docs" / "results" / "bench-gemm_ar-gpu-h200x2-2026-11-22.json"
+
+
+def test_tables_from_committed_json():
+    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "results_tables.py"), str(SOURCE)], check=True,
+                         capture_output=True, text=True, timeout=60).stdout
+    doc = json.loads(SOURCE.read_text())
+    assert out.startswith("### gemm_ar, sweep `gpu`")
+    header = ("| M | bsp us | one_shot us | two_shot us | matmul us | all_reduce us | bound us | best fused | x BSP "
+              "| fused / bound | spread % bsp / fused |")
+    assert out.count(header) == 2  # graph and eager
+    assert out.index("#### graph mode") < out.index("#### eager mode")
+    lines = out.splitlines()
+    for row in doc["rows"]:
+        cells = f"| {row['M']} | {row['best_us']['bsp']:.1f} | "
+        assert sum(line.startswith(cells) for line in lines) == 1, f"missing {row['problem']} {row['mode']}"
+    assert out.count("Geomean over 8 problems") == 2
