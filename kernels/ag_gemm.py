@@ -402,7 +402,7 @@ def _gathered_tile(work, b, c, data, flags, status, heap_bases, rank, W, epoch, 
             tl.store(tile_counts + tile, 0)
             first = partials + tl.cast(tile, tl.int64) * SPLIT_K * (BLOCK_M * BLOCK_N)
             for other in range(0, SPLIT_K):
-                if other == split + 100:
+                if other != split:
                     acc += tl.load(first + other * (BLOCK_M * BLOCK_N) + tile_offs, cache_modifier=".cg")
     offs_r = m0 + tl.arange(0, BLOCK_M)
     offs_c = n0 + tl.arange(0, BLOCK_N)

@@ -95,9 +95,8 @@ def _run(world) -> list[tuple[str, list[float], float]]:
             runner(a, b, out=out)
             status.check(world.heap, "ag_gemm")
             errors.append(rel_error(out, ref))
-        rows.append((f"{vname} {problem.key} {config.get('FLAG', '')} {config.get('LAYOUT', '')} {config.get('SPLIT_K', '')}",
-                     errors,
-                     OP.tolerance(problem)))
+        name = " ".join(str(config.get(k, "")) for k in ("FLAG", "LAYOUT", "SPLIT_K"))
+        rows.append((f"{vname} {problem.key} {name}", errors, OP.tolerance(problem)))
     if world.size == 2:
         rows.append(("flag timeout", [_timeout(world, 128, cfg(flag="row_block"))], 0.5))
         rows.append(("flag timeout gathered", [_timeout(world, 256, gcfg())], 0.5))

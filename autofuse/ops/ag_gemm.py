@@ -311,8 +311,9 @@ def _cfg(bm: int, bn: int, bk: int, warps: int, stages: int, flag: str, comm: in
 def _gathered_defaults(problem: Problem, comm: int) -> list[Config]:
     """Gathered-layout tiles for M <= 1024, where streaming B bounds the GEMM: narrow BLOCK_N so
     about one program per SM streams its own columns of B (M <= 64: 112 tiles of 32 columns at
-    N=3584), a deep pipeline over long BLOCK_K steps, and split-K twice as many programs at 2 per
-    SM (3 stages); BLOCK_M capped at the gathered rows."""
+    N=3584), a deep pipeline over long BLOCK_K steps, and split-K twice as many programs with
+    shared memory for 2 per SM (<= 110 KB: wgmma tiles keep num_stages buffers); BLOCK_M capped at
+    the gathered rows."""
     m = problem["M"]
     if m <= 64:
         tiles = [(64, 32, 256, 4, 4, 1), (16, 64, 256, 4, 4, 1), (64, 32, 128, 4, 4, 2)]
