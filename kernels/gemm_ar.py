@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from autofuse.kernels import shmem
-from autofuse.kernels.gemm_rs import _store_rows, peer_ptr
+from autofuse.kernels.gemm_rs import _store_rows
 from autofuse.kernels.gemm_tile import matmul_tile, swizzle, tile_offsets
 
 
@@ -72,7 +72,7 @@ def gemm_ar_one_shot_kernel(
     base = inbox + tl.cast(pos, tl.int64) * (BLOCK_M * BLOCK_N)
     for step in tl.static_range(1, WORLD):
         peer = (rank + step) % WORLD
-        tl.store(peer_ptr(base + (WORLD - 1 - step) * slot_stride, rank, peer, heap_bases) + offs, mine)
+        tl.store(shmem.translate(base + (WORLD - 1 - step) * slot_stride, rank, peer, heap_bases) + offs, mine)
     tl.debug_barrier()  # every thread's stores precede the releases below
     count = counters + pos
     for step in tl.static_range(1, WORLD):
@@ -124,7 +124,7 @@ def gemm_ar_two_shot_kernel(
     result = gathered + tl.cast(pos, tl.int64) * (BLOCK_M * BLOCK_N)
     if owner != rank:
         slot = (rank - owner - 1 + WORLD) % WORLD
-        tl.store(peer_ptr(base + slot * slot_stride, rank, owner, heap_bases) + offs, mine)
+        tl.store(shmem.translate(base + slot * slot_stride, rank, owner, heap_bases) + offs, mine)
         tl.debug_barrier()  # every thread's stores precede the release below
         shmem.atomic_add(count, 1, rank, owner, heap_bases, sem="release", scope="sys")
         if shmem.wait_until(flag, 1, spin_limit, status, heap_bases, rank):
@@ -139,7 +139,7 @@ def gemm_ar_two_shot_kernel(
             tl.store(count, 0)
             _store_rows(out, reduced, pid_m * BLOCK_M, pid_n * BLOCK_N, M, N, stride_om, stride_on, BLOCK_M, BLOCK_N)
             for step in tl.static_range(1, WORLD):
-                tl.store(peer_ptr(result, rank, (rank + step) % WORLD, heap_bases) + offs, reduced)
+                tl.store(shmem.translate(result, rank, (rank + step) % WORLD, heap_bases) + offs, reduced)
             tl.debug_barrier()  # every thread's stores precede the releases below
             for step in tl.static_range(1, WORLD):
                 shmem.atomic_add(flag, 1, rank, (rank + step) % WORLD, heap_bases, sem="release", scope="sys")

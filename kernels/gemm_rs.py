@@ -36,20 +36,6 @@ from autofuse.kernels.gemm_tile import matmul_tile, swizzle, tile_offsets
 
 
 @triton.jit
-def peer_ptr(ptr, rank, peer, heap_bases):
-    """`ptr` (one pointer into my heap) as the same object in `peer`'s heap, alignment kept.
-
-    Same address as `shmem.translate`, but computed as `ptr + distance` with the distance between
-    the two heap bases hinted as a multiple of 16 elements (heap bases are page- or 256-byte
-    aligned), so the compiler still sees `ptr`'s alignment and a tile stored through it uses
-    16-byte vector stores; through `translate` (integer casts) they become 4-byte stores.
-    """
-    nbytes: tl.constexpr = ptr.dtype.element_ty.primitive_bitwidth // 8
-    distance = (tl.load(heap_bases + peer) - tl.load(heap_bases + rank)) // nbytes
-    return ptr + tl.multiple_of(distance, 16)
-
-
-@triton.jit
 def _owner_tile(pid, rank, M_r, N, WORLD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 GROUP_M: tl.constexpr):
     """GEMM program id -> (owner, pid_m, pid_n, position of the tile in the owner's tile grid)."""
@@ -97,7 +83,7 @@ def gemm_rs_push_last_kernel(
     slot_stride = tl.cast(per_owner, tl.int64) * (BLOCK_M * BLOCK_N)
     if owner != rank:
         slot = (rank - owner - 1 + WORLD) % WORLD
-        dst = peer_ptr(box + slot * slot_stride, rank, owner, heap_bases)
+        dst = shmem.translate(box + slot * slot_stride, rank, owner, heap_bases)
         tl.store(dst + offs, acc.to(inbox.dtype.element_ty))
         tl.debug_barrier()  # every thread's stores precede the release below
         shmem.atomic_add(count, 1, rank, owner, heap_bases, sem="release", scope="sys")
@@ -162,7 +148,7 @@ def gemm_rs_push_reducer_kernel(
         acc = matmul_tile(a + owner * M_r * stride_am, b, pid_m * BLOCK_M, pid_n * BLOCK_N, M_r, N, K_r,
                           stride_am, stride_ak, stride_bk, stride_bn, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K)
         slot = (rank - owner - 1 + WORLD) % WORLD
-        dst = peer_ptr(inbox + tl.cast(slot * per_owner + pos, tl.int64) * (BLOCK_M * BLOCK_N), rank, owner, heap_bases)
+        dst = shmem.translate(inbox + tl.cast(slot * per_owner + pos, tl.int64) * (BLOCK_M * BLOCK_N), rank, owner, heap_bases)
         tl.store(dst + tile_offsets(BLOCK_M, BLOCK_N), acc.to(inbox.dtype.element_ty))
         tl.debug_barrier()  # every thread's stores precede the release below
         if ROW_BLOCK:
