@@ -56,7 +56,8 @@ def _cases(world: int) -> list[tuple[str, str, dict, dict, int]]:
             # split K (uneven: 4 or 3 BLOCK_K steps over 2..4 splits, the K tail in the last split)
             cases.append((v, "bfloat16", dict(M=24, N=48, K=64, gather="rows"), gcfg(bm=16, comm=3), 5))
             cases.append((v, "bfloat16", dict(M=24, N=48, K=64, gather="k"), gcfg(bm=32, comm=2, split=2), 5))
-            cases.append((v, "float32", dict(M=6, N=40, K=96, gather="rows"), gcfg(bk=16, comm=5, split=4), 3))  # 6 steps: 2, 2, 2, 0
+            cases.append((v, "float32", dict(M=6, N=40, K=96, gather="rows"), gcfg(bk=16, comm=5, split=4),
+                          3))  # 6 K steps over 4 splits: 2, 2, 2, 0
             cases.append((v, "float16", dict(M=3, N=24, K=96, gather="k"), gcfg(bk=32, bn=16, comm=1, split=2), 2))
     elif world == 4:
         for i, v in enumerate(FUSED):
