@@ -16,8 +16,8 @@ date -u +"%Y-%m-%dT%H:%M:%SZ" > "$W/date.txt"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$W/gpus.txt" 2>&1
 status=0
 for stage in "$@"; do
-  IFS=: read -r what arg1 arg2 <<< "$stage"
-  log="$W/${what}${arg1:+-$arg1}${arg2:+-$arg2}.log"
+  IFS=: read -r what arg1 arg2 arg3 <<< "$stage"
+  log="$W/${what}${arg1:+-$arg1}.log"
   echo "=== $stage ($(date -u +%H:%M:%S))"
   t0=$(date +%s)
   case "$what" in
