@@ -8,13 +8,20 @@ pieces of the bound and the bound (= max of the pieces), the best fused variant,
 BSP (BSP us / fused us), over torch_symm where the op has it, the fused time over the bound, and the
 p10-p90 spread of the BSP and the best-fused measurement (% of their medians, from the raw rows:
 a noise gauge). A geomean line follows each table; ops that report `bandwidth` (flash_decode) get a
-bandwidth table. Deterministic, stdlib only.
+bandwidth table.
+
+`--db DB --op OP [--against LABEL=BENCH_JSON ...]` renders an `autofuse tune` database instead: per
+timing mode, one row per tuned problem with BSP, torch_symm, the best fused variant over every config
+the tuner measured (its config, its speedup over BSP), the fastest candidate of all, and optionally
+each bench file's best fused for the same problem and mode (the hand-picked configs) over the tuned
+one. Deterministic, stdlib only.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import math
+import sqlite3
 import sys
 from pathlib import Path
 from typing import Any, Iterable, Sequence
@@ -22,6 +29,9 @@ from typing import Any, Iterable, Sequence
 RESULT_KEYS = {"problem", "op", "dtype", "world", "mode", "best_us", "config", "pieces_us", "bound_us", "best_fused",
                "best_fused_us", "speedup_vs_bsp", "vs_bound", "failures", "bandwidth"}
 MODE_ORDER = ("graph", "eager")
+BASELINES = ("bsp", "torch_symm")  # not fused: "best fused" is the fastest of the other variants
+SHORT_KEYS = {"BLOCK_M": "BM", "BLOCK_N": "BN", "BLOCK_K": "BK", "GROUP_M": "G", "num_warps": "w",
+              "num_stages": "s", "COMM_SMS": "sms"}
 
 
 def finite(x: Any) -> bool:
@@ -152,12 +162,142 @@ def render(doc: dict, source: str, level: int = 3) -> str:
     return "\n".join(out)
 
 
+def short_config(config: dict) -> str:
+    """A config in one short cell: BLOCK sizes as BMxBNxBK, the rest as key=value (known keys abbreviated)."""
+    c = dict(config)
+    parts = []
+    if all(k in c for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K")):
+        parts.append(f"{c.pop('BLOCK_M')}x{c.pop('BLOCK_N')}x{c.pop('BLOCK_K')}")
+    parts += [f"{SHORT_KEYS.get(k, k)}={v}" for k, v in sorted(c.items())]
+    return " ".join(parts) or "-"
+
+
+def read_db(path: Path, op: str) -> tuple[list[dict], dict]:
+    """The op's successful measurements (with the problem's dims) and the environment rows, read-only."""
+    con = sqlite3.connect(f"file:{path.as_posix()}?mode=ro", uri=True)
+    con.row_factory = sqlite3.Row
+    try:
+        dims = {r["key"]: json.loads(r["dims"])
+                for r in con.execute("SELECT key, dims FROM problems WHERE op = ?", (op,))}
+        rows = [dict(r) for r in con.execute("SELECT problem, variant, config, mode, median_us, source, created_at "
+                                             "FROM measurements WHERE op = ? AND ok = 1 ORDER BY id", (op,))]
+        envs = {r["id"]: dict(r) for r in con.execute("SELECT * FROM environments")}
+    finally:
+        con.close()
+    for r in rows:
+        r["dims"], r["config"] = dims.get(r["problem"], {}), json.loads(r["config"] or "{}")
+    return rows, envs
+
+
+def best_per_problem(rows: list[dict]) -> dict[tuple[str, str], dict]:
+    """(problem, mode) -> {"dims", "trials", "best": {variant: (us, config)}} over every measured config."""
+    out: dict[tuple[str, str], dict] = {}
+    for r in rows:
+        if not finite(r["median_us"]):
+            continue
+        e = out.setdefault((r["problem"], r["mode"]), {"dims": r["dims"], "trials": 0, "best": {}})
+        e["trials"] += r["source"] == "tune"
+        old = e["best"].get(r["variant"])
+        if old is None or r["median_us"] < old[0]:
+            e["best"][r["variant"]] = (r["median_us"], r["config"])
+    return out
+
+
+def tuned_table(entries: list[dict], vary: list[str], against: Sequence[tuple[str, dict]], symm: bool) -> list[str]:
+    header = [*vary, "trials", "bsp us", *(["torch_symm us"] if symm else []), "best fused", "fused us", "x BSP",
+              "fused config", "fastest"]
+    for label, _ in against:
+        header += [f"{label} fused us", f"{label} / tuned"]
+    body, speedups, fastest_gain, fused_us = [], [], [], []
+    for e in entries:
+        best = e["best"]
+        bsp = best.get("bsp", (math.nan, {}))[0]
+        fused = {v: t for v, t in best.items() if v not in BASELINES}
+        fv = min(sorted(fused), key=lambda v: fused[v][0]) if fused else None
+        fus = fused[fv][0] if fv else math.nan
+        fused_us.append(fus)
+        fastest = min(sorted(best), key=lambda v: (best[v][0], v != "bsp"))
+        speedups.append(bsp / fus if finite(fus) else math.nan)
+        fastest_gain.append(bsp / best[fastest][0])
+        cells = [str(e["dims"].get(k)) for k in vary] + [str(e["trials"]), fmt(bsp)]
+        if symm:
+            cells.append(fmt(best.get("torch_symm", (math.nan,))[0]))
+        cells += [fv or "-", fmt(fus), fmt(speedups[-1], 2), short_config(fused[fv][1]) if fv else "-", fastest]
+        for _, ref in against:
+            hand = ref.get(e["key"], math.nan)
+            cells += [fmt(hand), fmt(hand / fus if finite(fus) else math.nan, 2)]
+        body.append(cells)
+    lines = table(header, body, right_from=len(vary))
+    lines += ["", f"Geomean over {len(entries)} problems: best fused over BSP {fmt(geomean(speedups), 3)}x; fastest "
+              f"candidate (BSP and torch_symm included) over BSP {fmt(geomean(fastest_gain), 3)}x."]
+    for label, ref in against:
+        ratios = [ref.get(e["key"], math.nan) / fus for e, fus in zip(entries, fused_us) if finite(fus)]
+        lines.append(f"Geomean {label} best fused / tuned best fused: {fmt(geomean(ratios), 3)} "
+                     "(> 1: the tuned configs are faster).")
+    return lines
+
+
+def bench_best_fused(doc: dict) -> dict[str, dict[str, float]]:
+    """mode -> problem -> the bench's best fused us."""
+    out: dict[str, dict[str, float]] = {}
+    for r in doc["rows"]:
+        out.setdefault(r["mode"], {})[r["problem"]] = r["best_fused_us"] if finite(r["best_fused_us"]) else math.nan
+    return out
+
+
+def render_tuned(db: Path, op: str, against: Sequence[tuple[str, dict]] = (), level: int = 3) -> str:
+    """Markdown for one op of an `autofuse tune` database: one table per timing mode."""
+    h = "#" * level
+    rows, envs = read_db(db, op)
+    if not rows:
+        return f"{h} {op}, tuned\n\nNo measurements of {op} in `{db.as_posix()}`.\n"
+    best = best_per_problem(rows)
+    probs = list(dict.fromkeys(r["problem"] for r in rows))
+    dims_of = {r["problem"]: r["dims"] for r in rows}
+    vary, const = varying([{**dims_of[p], "op": op} for p in probs])
+    fixed = ", ".join(f"{k}={v}" for k, v in const.items() if k != "op")
+    env = "; ".join(f"{e.get('gpu_count')}x {e.get('gpu_name')} (topology {e.get('topology')}), driver "
+                    f"{e.get('driver')}, CUDA {e.get('cuda')}, torch {e.get('torch')}, Triton {e.get('triton')}, "
+                    f"NCCL {e.get('nccl')}, kernel hash {e.get('kernel_hash')}, fingerprint {k}"
+                    for k, e in sorted(envs.items()))
+    times = sorted(r["created_at"] for r in rows)
+    symm = any(r["variant"] == "torch_symm" for r in rows)
+    out = [f"{h} {op}, tuned (`autofuse tune`)", "",
+           f"Source `{db.as_posix()}` ({len(rows)} measurements of {op}, written {times[0]} to {times[-1]}); {env}. "
+           f"Fixed: {fixed}. Times in us per call (median of timed batches, max over ranks); each variant at the "
+           "best of the configs the tuner measured; `trials` counts tuner trials (baselines excluded).", ""]
+    modes = sorted({r["mode"] for r in rows},
+                   key=lambda m: (MODE_ORDER.index(m) if m in MODE_ORDER else len(MODE_ORDER), m))
+    for mode in modes:
+        entries = [dict(best[(p, mode)], key=p) for p in probs if (p, mode) in best]
+        refs = [(label, bench_best_fused(doc).get(mode, {})) for label, doc in against]
+        out += [f"{h}# {mode} mode", "", *tuned_table(entries, vary, refs, symm), ""]
+    return "\n".join(out)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("json", nargs="+", type=Path, help="bench JSON files written by `autofuse bench`")
+    ap.add_argument("json", nargs="*", type=Path, help="bench JSON files written by `autofuse bench`")
     ap.add_argument("--level", type=int, default=3, help="Markdown heading level of each file's section")
+    ap.add_argument("--db", type=Path, help="an `autofuse tune` database (sqlite) to render instead")
+    ap.add_argument("--op", action="append", default=[], help="op(s) of --db to render")
+    ap.add_argument("--against", action="append", default=[], metavar="LABEL=JSON",
+                    help="a bench JSON whose best fused (hand-picked configs) is compared with the tuned one")
     args = ap.parse_args(argv)
-    parts = [render(json.loads(p.read_text()), p.as_posix(), args.level) for p in args.json]
+    if args.db is not None:
+        if not args.op:
+            ap.error("--db needs --op")
+        against = []
+        for spec in args.against:
+            label, sep, path = spec.partition("=")
+            if not sep:
+                ap.error(f"--against wants LABEL=JSON, got {spec!r}")
+            against.append((label, json.loads(Path(path).read_text())))
+        parts = [render_tuned(args.db, op, against, args.level) for op in args.op]
+    elif args.json:
+        parts = [render(json.loads(p.read_text()), p.as_posix(), args.level) for p in args.json]
+    else:
+        ap.error("give bench JSON files or --db")
     sys.stdout.write("\n".join(parts))
     return 0
 

@@ -1,5 +1,6 @@
-"""scripts/results_tables.py renders a committed bench JSON: header, every problem, both modes."""
+"""scripts/results_tables.py renders a committed bench JSON and the committed tuning database (both modes)."""
 import json
+import sqlite3
 import subprocess
 import sys
 from pathlib import Path
@@ -22,3 +23,23 @@ def test_tables_from_committed_json():
         cells = f"| {row['M']} | {row['best_us']['bsp']:.1f} | "
         assert sum(line.startswith(cells) for line in lines) == 1, f"missing {row['problem']} {row['mode']}"
     assert out.count("Geomean over 8 problems") == 2
+
+
+def test_tuned_tables_from_committed_db():
+    db = ROOT / "tuning_db" / "h200x2.db"
+    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "results_tables.py"), "--db", str(db), "--op", "gemm_ar",
+                          "--against", f"bench={SOURCE}"], check=True, capture_output=True, text=True, timeout=60).stdout
+    assert out.startswith("### gemm_ar, tuned (`autofuse tune`)")
+    header = ("| M | trials | bsp us | best fused | fused us | x BSP | fused config | fastest | bench fused us "
+              "| bench / tuned |")
+    assert out.count(header) == 2
+    assert out.index("#### graph mode") < out.index("#### eager mode")
+    con = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
+    bsp = dict(con.execute("SELECT problem || mode, median_us FROM measurements "
+                           "WHERE op = 'gemm_ar' AND variant = 'bsp' AND ok = 1").fetchall())
+    con.close()
+    lines = out.splitlines()
+    for row in json.loads(SOURCE.read_text())["rows"]:
+        cells = f"| {row['M']} | 2 | {bsp[row['problem'] + row['mode']]:.1f} | "
+        assert sum(line.startswith(cells) for line in lines) == 1, f"missing {row['problem']} {row['mode']}"
+    assert out.count("Geomean over 8 problems") == 2 and out.count("Geomean bench best fused / tuned") == 2
