@@ -27,8 +27,9 @@ def test_tables_from_committed_json():
 
 def test_tuned_tables_from_committed_db():
     db = ROOT / "tuning_db" / "h200x2.db"
-    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "results_tables.py"), "--db", str(db), "--op", "gemm_ar",
-                          "--against", f"bench={SOURCE}"], check=True, capture_output=True, text=True, timeout=60).stdout
+    cmd = [sys.executable, str(ROOT / "scripts" / "results_tables.py"), "--db", str(db), "--op", "gemm_ar",
+           "--against", f"bench={SOURCE}"]
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=60).stdout
     assert out.startswith("### gemm_ar, tuned (`autofuse tune`)")
     header = ("| M | trials | bsp us | best fused | fused us | x BSP | fused config | fastest | bench fused us "
               "| bench / tuned |")
