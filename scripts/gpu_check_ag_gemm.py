@@ -17,16 +17,19 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 import time
 
 import torch
-import torch.distributed as dist
 
-from autofuse import status
-from autofuse.op import Problem, rel_error
-from autofuse.ops.ag_gemm import OP
-from autofuse.world import spawn
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import checklib  # noqa: E402  (helpers shared by the GPU check scripts)
+
+from autofuse import status  # noqa: E402
+from autofuse.op import Problem, rel_error  # noqa: E402
+from autofuse.ops.ag_gemm import OP  # noqa: E402
+from autofuse.world import spawn  # noqa: E402
 
 VARIANTS = ("bsp", "torch_symm", "pull", "push", "push_ws")
 FUSED = ("pull", "push", "push_ws")
@@ -54,16 +57,8 @@ def _cases(problem: Problem, tiny: bool) -> list[tuple[str, dict]]:
     return cases
 
 
-def _sync(world) -> None:
-    if world.device.type == "cuda":
-        torch.cuda.synchronize(world.device)
 
 
-def _agree_any(world, flag: bool) -> bool:
-    """True on every rank if `flag` is True on any rank."""
-    t = torch.tensor([1.0 if flag else 0.0], device=world.device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=world.group)
-    return bool(t.item() > 0)
 
 
 def _eager(world, runner, problem, data, name) -> float:
@@ -72,43 +67,14 @@ def _eager(world, runner, problem, data, name) -> float:
         (a, b), ref = data[seed]
         out = torch.full((problem["M"], problem["N"]), math.nan, dtype=problem.torch_dtype, device=world.device)
         runner(a, b, out=out)
-        _sync(world)
+        checklib.sync(world)
         status.check(world.heap, name)
         worst = max(worst, rel_error(out, ref))
     return worst
 
 
-def _capture(world, runner, problem, data):
-    """Static buffers and a CUDA graph of one call into them (warm-up call on a side stream first)."""
-    (a0, b0), _ = data[1]
-    a_s, b_s = a0.clone(), b0.clone()
-    out_s = torch.full((problem["M"], problem["N"]), math.nan, dtype=problem.torch_dtype, device=world.device)
-    side = torch.cuda.Stream(device=world.device)
-    side.wait_stream(torch.cuda.current_stream(world.device))
-    with torch.cuda.stream(side):
-        runner(a_s, b_s, out=out_s)
-    torch.cuda.current_stream(world.device).wait_stream(side)
-    _sync(world)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        runner(a_s, b_s, out=out_s)
-    _sync(world)
-    return graph, a_s, b_s, out_s
 
 
-def _replays(world, captured, data, name) -> float:
-    graph, a_s, b_s, out_s = captured
-    worst = 0.0
-    for seed in (2, 3, 4):
-        (a, b), ref = data[seed]
-        a_s.copy_(a)
-        b_s.copy_(b)
-        out_s.fill_(math.nan)
-        graph.replay()
-        _sync(world)
-        status.check(world.heap, name)
-        worst = max(worst, rel_error(out_s, ref))
-    return worst
 
 
 def _run_case(world, problem, variant, config, data) -> dict:
@@ -127,22 +93,23 @@ def _run_case(world, problem, variant, config, data) -> dict:
         row["eager"] = _eager(world, runner, problem, data, name)
     except Exception as exc:  # reported, and the ranks agree to stop or go on below
         error = f"{type(exc).__name__}: {exc}"
-    if _agree_any(world, bool(error)):
+    if checklib.agree_any(world, bool(error)):
         row.update(status="n/a" if variant == "torch_symm" else "FAIL", why=error or "failed on the other rank")
         row["abort"] = variant != "torch_symm"
         return row
     if world.device.type == "cuda":
         captured, error = None, ""
         try:
-            captured = _capture(world, runner, problem, data)
+            out = torch.full((problem["M"], problem["N"]), math.nan, dtype=problem.torch_dtype, device=world.device)
+            captured = checklib.capture(world, runner, data[1][0], out)
         except Exception as exc:
             error = f"capture: {type(exc).__name__}: {exc}"
-        if _agree_any(world, bool(error)):
+        if checklib.agree_any(world, bool(error)):
             row.update(status="n/a" if variant == "torch_symm" else "FAIL",
                        why=error or "capture failed on the other rank")
         else:
             try:
-                row["graph"] = _replays(world, captured, data, name)
+                row["graph"] = checklib.replays(world, captured, [data[s] for s in (2, 3, 4)], name)
             except Exception as exc:
                 row.update(status="FAIL", why=f"replay: {type(exc).__name__}: {exc}")
             del captured

@@ -24,11 +24,13 @@ import sys
 import time
 
 import torch
-import torch.distributed as dist
 
-from autofuse import registry, status
-from autofuse.op import Problem, rel_error
-from autofuse.world import spawn
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import checklib  # noqa: E402  (helpers shared by the GPU check scripts)
+
+from autofuse import registry, status  # noqa: E402
+from autofuse.op import Problem, rel_error  # noqa: E402
+from autofuse.world import spawn  # noqa: E402
 
 VARIANTS = {"gemm_rs": ("bsp", "torch_symm", "push_last", "push_reducer"), "gemm_ar": ("bsp", "one_shot", "two_shot")}
 PEERS = ("torch_symm",)  # torch's own fused op: failures are reported, not counted
@@ -61,16 +63,8 @@ def _cases(op: str, problem: Problem, tiny: bool) -> list[tuple[str, dict]]:
     return cases
 
 
-def _sync(world) -> None:
-    if world.device.type == "cuda":
-        torch.cuda.synchronize(world.device)
 
 
-def _agree_any(world, flag: bool) -> bool:
-    """True on every rank if `flag` is True on any rank."""
-    t = torch.tensor([1.0 if flag else 0.0], device=world.device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=world.group)
-    return bool(t.item() > 0)
 
 
 def _out_shape(op: str, problem: Problem) -> tuple[int, int]:
@@ -89,44 +83,15 @@ def _eager(world, op, runner, problem, data, name) -> tuple[float, int]:
         (a, b), ref = data[seed]
         out = torch.full(_out_shape(op, problem), math.nan, dtype=problem.torch_dtype, device=world.device)
         runner(a, b, out=out)
-        _sync(world)
+        checklib.sync(world)
         status.check(world.heap, name)
         worst = max(worst, rel_error(out, ref))
         bits = _bits(out)
     return worst, bits
 
 
-def _capture(world, op, runner, problem, data):
-    """Static buffers and a CUDA graph of one call into them (warm-up call on a side stream first)."""
-    (a0, b0), _ = data[1]
-    a_s, b_s = a0.clone(), b0.clone()
-    out_s = torch.full(_out_shape(op, problem), math.nan, dtype=problem.torch_dtype, device=world.device)
-    side = torch.cuda.Stream(device=world.device)
-    side.wait_stream(torch.cuda.current_stream(world.device))
-    with torch.cuda.stream(side):
-        runner(a_s, b_s, out=out_s)
-    torch.cuda.current_stream(world.device).wait_stream(side)
-    _sync(world)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        runner(a_s, b_s, out=out_s)
-    _sync(world)
-    return graph, a_s, b_s, out_s
 
 
-def _replays(world, captured, data, name) -> float:
-    graph, a_s, b_s, out_s = captured
-    worst = 0.0
-    for seed in (2, 3, 4):
-        (a, b), ref = data[seed]
-        a_s.copy_(a)
-        b_s.copy_(b)
-        out_s.fill_(math.nan)
-        graph.replay()
-        _sync(world)
-        status.check(world.heap, name)
-        worst = max(worst, rel_error(out_s, ref))
-    return worst
 
 
 def _describe(config: dict) -> str:
@@ -153,21 +118,22 @@ def _run_case(world, op, problem, variant, config, data) -> dict:
         row["eager"], row["bits"] = _eager(world, op, runner, problem, data, name)
     except Exception as exc:  # reported, and the ranks agree to stop or go on below
         error = f"{type(exc).__name__}: {exc}"
-    if _agree_any(world, bool(error)):
+    if checklib.agree_any(world, bool(error)):
         row.update(status="n/a" if variant in PEERS else "FAIL", why=error or "failed on the other rank")
         row["abort"] = variant not in PEERS
         return row
     if world.device.type == "cuda":
         captured, error = None, ""
         try:
-            captured = _capture(world, op, runner, problem, data)
+            out = torch.full(_out_shape(op, problem), math.nan, dtype=problem.torch_dtype, device=world.device)
+            captured = checklib.capture(world, runner, data[1][0], out)
         except Exception as exc:
             error = f"capture: {type(exc).__name__}: {exc}"
-        if _agree_any(world, bool(error)):
+        if checklib.agree_any(world, bool(error)):
             row.update(status="n/a" if variant in PEERS else "FAIL", why=error or "capture failed on the other rank")
         else:
             try:
-                row["graph"] = _replays(world, captured, data, name)
+                row["graph"] = checklib.replays(world, captured, [data[s] for s in (2, 3, 4)], name)
             except Exception as exc:
                 row.update(status="FAIL", why=f"replay: {type(exc).__name__}: {exc}")
             del captured

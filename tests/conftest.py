@@ -11,33 +11,48 @@ import importlib, json, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-req = json.loads(sys.argv[1])
-fn = getattr(importlib.import_module(req["module"]), req["kernel"])
-names = list(req["signature"])
-attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in req["divisible"]}
-src = ASTSource(fn=fn, signature=req["signature"], constexprs=req["constexprs"], attrs=attrs)
-k = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                   options={"num_warps": req["num_warps"], "num_stages": req["num_stages"]})
-sys.stdout.write(json.dumps({"ptx": k.asm["ptx"], "shared": k.metadata.shared}))
+out = {}
+for req in json.loads(sys.argv[1]):
+    fn = getattr(importlib.import_module(req["module"]), req["kernel"])
+    names = list(req["signature"])
+    attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in req["divisible"]}
+    src = ASTSource(fn=fn, signature=req["signature"], constexprs=req["constexprs"], attrs=attrs)
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                       options={"num_warps": req["num_warps"], "num_stages": req["num_stages"]})
+    out[req["name"]] = {"ptx": k.asm["ptx"], "shared": k.metadata.shared}
+sys.stdout.write(json.dumps(out))
 """
+
+
+def compile_request(module: str, kernel: str, signature: dict[str, str], constexprs: dict | None = None,
+                    num_warps: int = 4, num_stages: int = 3, divisible: tuple[str, ...] | list[str] = (),
+                    name: str | None = None) -> dict:
+    """One kernel to compile: `signature` maps every argument to its Triton type ('*bf16', 'i32',
+    'constexpr', ...); `divisible` names the arguments to compile as multiples of 16 (what Triton
+    specialises on at a real launch with aligned pointers and sizes; without it, no pipelining)."""
+    return {"name": name or kernel, "module": module, "kernel": kernel, "signature": signature,
+            "constexprs": constexprs or {}, "num_warps": num_warps, "num_stages": num_stages,
+            "divisible": list(divisible)}
+
+
+def compile_sm90_many(requests: list[dict]) -> dict[str, dict]:
+    """Compile every request for sm_90 (Hopper) in one child process; {name: {'ptx', 'shared'}}.
+
+    Catches what the interpreter cannot (pointer-cast types, unsupported ops, shared-memory size).
+    The child runs without TRITON_INTERPRET, since @triton.jit reads it at import.
+    """
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    proc = subprocess.run([sys.executable, "-c", _COMPILE, json.dumps(requests)], capture_output=True, text=True,
+                          env=env, timeout=600)
+    if proc.returncode != 0:
+        names = ", ".join(f"{r['module']}.{r['kernel']}" for r in requests)
+        raise AssertionError(f"sm_90 compile failed ({names}):\n{proc.stderr[-4000:]}")
+    return json.loads(proc.stdout)
 
 
 def compile_sm90(module: str, kernel: str, signature: dict[str, str], constexprs: dict | None = None,
                  num_warps: int = 4, num_stages: int = 3, divisible: tuple[str, ...] = ()) -> dict:
-    """Compile `module.kernel` for sm_90 (Hopper) without a GPU; returns {'ptx', 'shared'}.
-
-    Catches what the interpreter cannot (pointer-cast types, unsupported ops, shared-memory size).
-    Runs in a child process without TRITON_INTERPRET, since @triton.jit reads it at import.
-    `signature` maps every argument to its Triton type ('*bf16', 'i32', 'constexpr', ...);
-    `divisible` names the arguments to compile as multiples of 16 (what Triton specialises on at a
-    real launch with aligned pointers and sizes), without which it does not pipeline loads.
-    """
-    req = {"module": module, "kernel": kernel, "signature": signature, "constexprs": constexprs or {},
-           "num_warps": num_warps, "num_stages": num_stages, "divisible": list(divisible)}
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    proc = subprocess.run([sys.executable, "-c", _COMPILE, json.dumps(req)], capture_output=True, text=True,
-                          env=env, timeout=300)
-    if proc.returncode != 0:
-        raise AssertionError(f"{module}.{kernel} failed to compile for sm_90:\n{proc.stderr[-4000:]}")
-    return json.loads(proc.stdout)
+    """Compile one kernel for sm_90; returns {'ptx', 'shared'} (see compile_request)."""
+    req = compile_request(module, kernel, signature, constexprs, num_warps, num_stages, divisible)
+    return compile_sm90_many([req])[req["name"]]

@@ -8,13 +8,13 @@ bf16 errors here are ~3x the GPU's: the interpreter truncates fp32 -> bf16 inste
 from __future__ import annotations
 
 import hashlib
-import json
 import os
-import subprocess
-import sys
+import re
 
 import pytest
 import torch
+
+from conftest import compile_request, compile_sm90_many
 
 from autofuse.op import InvalidConfig, InvalidInput, rel_error
 from autofuse.ops import flash_decode as fd
@@ -233,27 +233,6 @@ def test_defaults_space_sweep_and_extras():
 
 
 # ----------------------------------------------------------------------------- sm_90 compile
-_COMPILE = r"""
-import importlib, json, re, sys
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-out = {}
-for req in json.loads(sys.argv[1]):
-    fn = getattr(importlib.import_module(req["module"]), req["kernel"])
-    names = list(req["signature"])
-    attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in req["divisible"]}
-    src = ASTSource(fn=fn, signature=req["signature"], constexprs=req["constexprs"], attrs=attrs)
-    k = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                       options={"num_warps": req["num_warps"], "num_stages": req["num_stages"]})
-    ptx = k.asm["ptx"]
-    out[req["name"]] = {"shared": k.metadata.shared, "cp_async": ptx.count("cp.async.cg"),
-                        "v4_loads": len(re.findall(r"ld\.global(\.[a-z]+)*\.v4", ptx)),
-                        "sys_release": "atom.global.sys.release" in ptx or "atom.release.sys" in ptx,
-                        "volatile": "ld.volatile.global" in ptx, "mma": "mma.sync" in ptx}
-sys.stdout.write(json.dumps(out))
-"""
-
 _I = "i32"
 SPLIT_SIG = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "Lengths": "*i32", "PartO": "*fp32", "PartLse": "*fp32",
              "S": _I, "Hq": _I, "Hkv": _I, "G": _I, "HEADS": _I, "num_splits": _I, "stride_kb": _I, "stride_kh": _I,
@@ -279,17 +258,19 @@ FUSED_SIG = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "Lengths": "*i32", "PartO
 def _req(name, kernel, sig, constexprs, warps, stages):
     """A compile request; pointers and strides divisible by 16 as Triton's JIT specialises them at run time."""
     divisible = [a for a, t in sig.items() if t.startswith("*") or a.startswith("stride_") or a == "slot_stride"]
-    return {"name": name, "module": KMOD, "kernel": kernel, "signature": sig, "constexprs": constexprs,
-            "divisible": divisible, "num_warps": warps, "num_stages": stages}
+    return compile_request(KMOD, kernel, sig, constexprs, warps, stages, divisible, name=name)
 
 
 def compile_all(reqs: list[dict]) -> dict:
-    """Compile every request for sm_90 in one child process (without TRITON_INTERPRET)."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-c", _COMPILE, json.dumps(reqs)], capture_output=True, text=True,
-                          env=env, timeout=600)
-    assert proc.returncode == 0, f"sm_90 compile failed:\n{proc.stderr[-4000:]}"
-    return json.loads(proc.stdout)
+    """Compile every request for sm_90 in one child process; summarise what each PTX contains."""
+    out = {}
+    for name, k in compile_sm90_many(reqs).items():
+        ptx = k["ptx"]
+        out[name] = {"shared": k["shared"], "cp_async": ptx.count("cp.async.cg"),
+                     "v4_loads": len(re.findall(r"ld\.global(\.[a-z]+)*\.v4", ptx)),
+                     "sys_release": "atom.global.sys.release" in ptx or "atom.release.sys" in ptx,
+                     "volatile": "ld.volatile.global" in ptx, "mma": "mma.sync" in ptx}
+    return out
 
 
 @pytest.mark.timeout(600)

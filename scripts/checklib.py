@@ -1,0 +1,55 @@
+"""Helpers shared by the GPU check scripts: host sync, rank agreement, CUDA-graph capture and replay."""
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+from autofuse import status
+from autofuse.op import rel_error
+
+
+def sync(world) -> None:
+    """Finish this rank's device work (a no-op on the CPU emulation)."""
+    if world.device.type == "cuda":
+        torch.cuda.synchronize(world.device)
+
+
+def agree_any(world, flag: bool) -> bool:
+    """True on every rank if `flag` is True on any rank (so ranks skip or stop together)."""
+    t = torch.tensor([1.0 if flag else 0.0], device=world.device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=world.group)
+    return bool(t.item() > 0)
+
+
+def capture(world, runner, inputs: Sequence[torch.Tensor], out: torch.Tensor):
+    """Static copies of `inputs` and a CUDA graph of one call into `out` (warm-up on a side stream first)."""
+    static = [x.clone() for x in inputs]
+    side = torch.cuda.Stream(device=world.device)
+    side.wait_stream(torch.cuda.current_stream(world.device))
+    with torch.cuda.stream(side):
+        runner(*static, out=out)
+    torch.cuda.current_stream(world.device).wait_stream(side)
+    sync(world)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        runner(*static, out=out)
+    sync(world)
+    return graph, static, out
+
+
+def replays(world, captured, cases: Sequence[tuple[Sequence[torch.Tensor], torch.Tensor]], name: str) -> float:
+    """Copy each case's inputs into the static buffers, poison the output, replay, compare; worst error."""
+    graph, static, out = captured
+    worst = 0.0
+    for inputs, ref in cases:
+        for s, x in zip(static, inputs):
+            s.copy_(x)
+        out.fill_(math.nan)
+        graph.replay()
+        sync(world)
+        status.check(world.heap, name)
+        worst = max(worst, rel_error(out, ref))
+    return worst
