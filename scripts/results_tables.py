@@ -14,7 +14,10 @@ bandwidth table.
 timing mode, one row per tuned problem with BSP, torch_symm, the best fused variant over every config
 the tuner measured (its config, its speedup over BSP), the fastest candidate of all, and optionally
 each bench file's best fused for the same problem and mode (the hand-picked configs) over the tuned
-one. Deterministic, stdlib only.
+one. `--fit FIT_JSON` renders an `autofuse fit --report` (per op: each model's held-out metrics, the
+kept one, always-BSP and the oracle); `--eval EVAL_JSON` renders `scripts/eval_dispatch_gpu.py` output
+(the summary per op, then every call: pick, kind, its time, BSP, the fastest measured candidate).
+Deterministic, stdlib only.
 """
 from __future__ import annotations
 
@@ -275,6 +278,44 @@ def render_tuned(db: Path, op: str, against: Sequence[tuple[str, dict]] = (), le
     return "\n".join(out)
 
 
+def fit_table(doc: dict) -> list[str]:
+    """One row per (op, model): held-out quality (k folds by problem) of each model, always-BSP, the oracle."""
+    header = ["op", "problems", "model", "within 5%", "latency / oracle", "x BSP", "worst / BSP",
+              "correct / wrong / unsure", "unsure margin"]
+    body = []
+    for op, o in sorted(doc["ops"].items()):
+        entries = [(f"{name} (kept)" if name == o.get("kept") else name, r) for name, r in sorted(o["models"].items())]
+        entries += [("always bsp" if name == "bsp" else name, r) for name, r in sorted(o.get("baselines", {}).items())]
+        for name, r in entries:
+            margin = r.get("margin")
+            body.append([op, str(o["problems"]), name, f"{100 * r['within_5pct']:.0f}%", fmt(r["geomean_vs_oracle"], 3),
+                         fmt(r["speedup_vs_bsp"], 3), fmt(r["worst_vs_bsp"], 3),
+                         f"{r['correct']} / {r['wrong']} / {r['unsure']}",
+                         f"{math.exp(margin):.3f}x (q{r['margin_quantile']:.2f})" if finite(margin) else "-"])
+    return table(header, body, right_from=3)
+
+
+def eval_tables(doc: dict) -> list[str]:
+    """The summary per op, then one row per call of a held-out dispatch evaluation."""
+    header = ["op", "calls", "within 5%", "pick / oracle", "pick / BSP", "worst pick / BSP", "kinds"]
+    body = [[k, str(v["calls"]), f"{100 * v['within_5pct']:.0f}%", fmt(v["geomean_vs_oracle"], 3),
+             fmt(v["geomean_vs_bsp"], 3), fmt(v["worst_vs_bsp"], 3),
+             ", ".join(f"{n} {c}" for n, c in sorted(v["kinds"].items()))] for k, v in doc["summary"].items()]
+    lines = table(header, body, right_from=1) + [""]
+    header = ["op", "problem", "pick", "kind", "pick us", "bsp us", "fastest", "fastest us", "pick / fastest",
+              "pick / BSP", "within 5%"]
+    body = []
+    for r in doc["rows"]:
+        cands = dict(r["us"], **{r["pick"]: min(r["pick_us"], r["us"].get(r["pick"], math.inf))})
+        fastest = min(sorted(cands), key=lambda v: cands[v])
+        oracle = cands[fastest]
+        bsp = r["us"].get("bsp", math.nan)
+        body.append([r["op"], r["problem"].split("|")[1], r["pick"], r["kind"], fmt(r["pick_us"]), fmt(bsp), fastest,
+                     fmt(oracle), fmt(r["pick_us"] / oracle, 3), fmt(r["pick_us"] / bsp, 3),
+                     "yes" if r["pick_us"] <= 1.05 * oracle else "**no**"])
+    return lines + table(header, body, right_from=4)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("json", nargs="*", type=Path, help="bench JSON files written by `autofuse bench`")
@@ -283,8 +324,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--op", action="append", default=[], help="op(s) of --db to render")
     ap.add_argument("--against", action="append", default=[], metavar="LABEL=JSON",
                     help="a bench JSON whose best fused (hand-picked configs) is compared with the tuned one")
+    ap.add_argument("--fit", type=Path, help="an `autofuse fit --report` JSON to render instead")
+    ap.add_argument("--eval", type=Path, help="a scripts/eval_dispatch_gpu.py JSON to render instead")
     args = ap.parse_args(argv)
-    if args.db is not None:
+    if args.fit is not None:
+        parts = fit_table(json.loads(args.fit.read_text())) + [""]
+    elif args.eval is not None:
+        parts = eval_tables(json.loads(args.eval.read_text())) + [""]
+    elif args.db is not None:
         if not args.op:
             ap.error("--db needs --op")
         against = []
@@ -297,7 +344,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     elif args.json:
         parts = [render(json.loads(p.read_text()), p.as_posix(), args.level) for p in args.json]
     else:
-        ap.error("give bench JSON files or --db")
+        ap.error("give bench JSON files, --db, --fit or --eval")
     sys.stdout.write("\n".join(parts))
     return 0
 

@@ -44,3 +44,24 @@ def test_tuned_tables_from_committed_db():
         cells = f"| {row['M']} | 2 | {bsp[row['problem'] + row['mode']]:.1f} | "
         assert sum(line.startswith(cells) for line in lines) == 1, f"missing {row['problem']} {row['mode']}"
     assert out.count("Geomean over 8 problems") == 2 and out.count("Geomean bench best fused / tuned") == 2
+
+
+def test_fit_and_eval_tables_from_committed_reports():
+    script, results = str(ROOT / "scripts" / "results_tables.py"), ROOT / "docs" / "results"
+    fit = results / "fit-graph-h200x2-2026-11-22.json"
+    out = subprocess.run([sys.executable, script, "--fit", str(fit)], check=True, capture_output=True, text=True,
+                         timeout=60).stdout
+    doc = json.loads(fit.read_text())
+    for op, o in doc["ops"].items():
+        assert f"| {op} | {o['problems']} | {o['kept']} (kept) |" in out
+        assert f"| {op} | {o['problems']} | always bsp |" in out and f"| {op} | {o['problems']} | oracle |" in out
+    ev = results / "eval-dispatch-graph-h200x2-2026-11-22.json"
+    out = subprocess.run([sys.executable, script, "--eval", str(ev)], check=True, capture_output=True, text=True,
+                         timeout=60).stdout
+    doc = json.loads(ev.read_text())
+    assert out.startswith("| op | calls | within 5% |")
+    assert f"| all | {len(doc['rows'])} | {100 * doc['summary']['all']['within_5pct']:.0f}% |" in out
+    misses = sum(r["pick_us"] > 1.05 * min(list(r["us"].values()) + [r["pick_us"]]) for r in doc["rows"])
+    assert out.count("| **no** |") == misses
+    for r in doc["rows"]:
+        assert f"| {r['op']} | {r['problem'].split('|')[1]} | {r['pick']} | {r['kind']} | {r['pick_us']:.1f} |" in out
