@@ -530,6 +530,19 @@ class FitResult:
         return Policy(self.data, "<fit>")
 
 
+def feature_scale(cols: np.ndarray, n: int) -> list[float]:
+    """Per-feature spread of the tuned problems, for nearest-problem distances.
+
+    A feature that is constant over the tuned problems (its std is rounding noise, e.g. 1e-20 on
+    log N when every tuned problem has the same N) gets scale 1: it then adds the same amount to
+    every distance instead of swamping them, so the nearest problem is decided by the others.
+    """
+    if not len(cols):
+        return [1.0] * n
+    std, mag = cols.std(axis=0), np.abs(cols).mean(axis=0)
+    return [float(s) if s > 1e-9 * max(1.0, float(m)) else 1.0 for s, m in zip(std, mag)]
+
+
 def fit(rows: Iterable[Mapping[str, Any]], fingerprint: Mapping[str, Any], mode: str,
         ops: Mapping[str, Op] | None = None, folds: int = 5) -> FitResult:
     """Fit a policy on store rows (one per (problem, variant): the best measurement) of one mode.
@@ -569,7 +582,7 @@ def fit(rows: Iterable[Mapping[str, Any]], fingerprint: Mapping[str, Any], mode:
                     groups.setdefault(json.dumps(c, sort_keys=True), {"config": c, "problems": []})["problems"].append(key)
             candidates[v] = list(groups.values())
         cols = np.asarray(d.x, dtype=np.float64) if d.x else np.zeros((0, len(d.features)))
-        scale = [float(s) if s > 0 else 1.0 for s in (cols.std(axis=0) if len(cols) else [1.0] * len(d.features))]
+        scale = feature_scale(cols, len(d.features))
         out_ops[name] = {
             "features": d.features, "variants": d.variants, "scale": scale, "model": model, "margin": margin,
             "problems": {key: {"x": x, "us": d.us[key]} for key, x in zip(d.keys, d.x)},

@@ -264,3 +264,17 @@ def test_bound_rows_are_shown_never_chosen():
     assert all(e["best"] == "fused" for e in table.values())
     res = policy.fit(rows, FP, "eager", ops={"toy_mm": TOY})
     assert res.data["ops"]["toy_mm"]["variants"] == ["bsp", "fused"]
+
+
+def test_constant_feature_does_not_swamp_nearest_problem_distance():
+    """A feature constant over the tuned problems (std = rounding noise) gets scale 1, not ~1e-20."""
+    import numpy as np
+
+    from autofuse.policy import feature_scale
+
+    log_n = np.log2(3584.0)
+    cols = np.array([[3.0, log_n + 1e-16 * i, 13.0] for i in range(4)]) + np.array([[i, 0, 0] for i in range(4)])
+    scale = feature_scale(cols, 3)
+    assert scale[0] == pytest.approx(np.std([3, 4, 5, 6]))
+    assert scale[1] == 1.0 and scale[2] == 1.0
+    assert feature_scale(np.zeros((0, 2)), 2) == [1.0, 1.0]
