@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import time
 from typing import Sequence
 
 import torch
@@ -53,3 +54,30 @@ def replays(world, captured, cases: Sequence[tuple[Sequence[torch.Tensor], torch
         status.check(world.heap, name)
         worst = max(worst, rel_error(out, ref))
     return worst
+
+
+def graph_check(world, row: dict, runner, data: dict, out: torch.Tensor, name: str, optional: bool) -> None:
+    """Capture one call in a CUDA graph, replay it on seeds 2-4 of `data`, record the worst error in
+    `row['graph']`; a capture or replay failure marks the row (n/a for an optional peer variant)."""
+    captured, error = None, ""
+    try:
+        captured = capture(world, runner, data[1][0], out)
+    except Exception as exc:
+        error = f"capture: {type(exc).__name__}: {exc}"
+    if agree_any(world, bool(error)):
+        row.update(status="n/a" if optional else "FAIL", why=error or "capture failed on the other rank")
+        return
+    try:
+        row["graph"] = replays(world, captured, [data[s] for s in (2, 3, 4)], name)
+    except Exception as exc:
+        row.update(status="FAIL", why=f"replay: {type(exc).__name__}: {exc}")
+
+
+def finish(row: dict, t0: float) -> dict:
+    """Fail the row if its worst eager/graph error is over tolerance; stamp its duration."""
+    errors = [e for e in (row["eager"], row["graph"]) if not math.isnan(e)]
+    worst = max(errors) if errors else math.inf
+    if row["status"] == "ok" and not worst <= row["tol"]:
+        row.update(status="FAIL", why=f"rel error {worst:.3g} > tolerance {row['tol']:.3g}")
+    row["s"] = round(time.perf_counter() - t0, 2)
+    return row

@@ -123,26 +123,9 @@ def _run_case(world, op, problem, variant, config, data) -> dict:
         row["abort"] = variant not in PEERS
         return row
     if world.device.type == "cuda":
-        captured, error = None, ""
-        try:
-            out = torch.full(_out_shape(op, problem), math.nan, dtype=problem.torch_dtype, device=world.device)
-            captured = checklib.capture(world, runner, data[1][0], out)
-        except Exception as exc:
-            error = f"capture: {type(exc).__name__}: {exc}"
-        if checklib.agree_any(world, bool(error)):
-            row.update(status="n/a" if variant in PEERS else "FAIL", why=error or "capture failed on the other rank")
-        else:
-            try:
-                row["graph"] = checklib.replays(world, captured, [data[s] for s in (2, 3, 4)], name)
-            except Exception as exc:
-                row.update(status="FAIL", why=f"replay: {type(exc).__name__}: {exc}")
-            del captured
-    errors = [e for e in (row["eager"], row["graph"]) if not math.isnan(e)]
-    worst = max(errors) if errors else math.inf
-    if row["status"] == "ok" and not worst <= row["tol"]:
-        row.update(status="FAIL", why=f"rel error {worst:.3g} > tolerance {row['tol']:.3g}")
-    row["s"] = round(time.perf_counter() - t0, 2)
-    return row
+        out = torch.full(_out_shape(op, problem), math.nan, dtype=problem.torch_dtype, device=world.device)
+        checklib.graph_check(world, row, runner, data, out, name, optional=variant in PEERS)
+    return checklib.finish(row, t0)
 
 
 def rank_main(world, cpu: bool, ops: list[str], dtypes: list[str], variants: list[str]) -> list[dict]:
