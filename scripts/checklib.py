@@ -81,3 +81,29 @@ def finish(row: dict, t0: float) -> dict:
         row.update(status="FAIL", why=f"rel error {worst:.3g} > tolerance {row['tol']:.3g}")
     row["s"] = round(time.perf_counter() - t0, 2)
     return row
+
+
+def report(results: Sequence[Sequence[dict]], t0: float, columns: Sequence[tuple[str, str, int]],
+           extra_check=None) -> int:
+    """Print one line per case, merging the two ranks' rows (worst error, any FAIL fails); return the
+    exit code. `columns` are (row key, header, width) shown before the errors; `extra_check(r0, r1)`
+    may return a reason to fail an otherwise passing case."""
+    r0s, r1s = results
+    head = " ".join(f"{h:{w}}" for _, h, w in columns)
+    print(f"{head} {'eager':>9} {'graph':>9} {'tol':>8} {'s':>6}  status")
+    failed = 0
+    for r0, r1 in zip(r0s, r1s):
+        st = "FAIL" if "FAIL" in (r0["status"], r1["status"]) else r0["status"]
+        why = r0["why"] or r1["why"]
+        extra = extra_check(r0, r1) if extra_check and st == "ok" else None
+        if extra:
+            st, why = "FAIL", extra
+        failed += st == "FAIL"
+        cells = " ".join(f"{str(r0[k]):{w}}" for k, _, w in columns)
+        print(f"{cells} {max(r0['eager'], r1['eager']):9.2e} {max(r0['graph'], r1['graph']):9.2e} "
+              f"{r0['tol']:8.1e} {max(r0.get('s', 0), r1.get('s', 0)):6.1f}  {st}" + (f"  {why[:200]}" if why else ""))
+    if len(r0s) != len(r1s):
+        print("ranks ran different numbers of cases")
+        failed += 1
+    print(f"{len(r0s)} cases, {failed} failed, {time.perf_counter() - t0:.0f} s")
+    return 1 if failed else 0

@@ -137,21 +137,7 @@ def main() -> int:
     t0 = time.perf_counter()
     results = spawn(rank_main, 2, args.cpu, args.dtypes.split(","), args.gathers.split(","),
                     args.variants.split(","), device_kind="cpu" if args.cpu else "cuda", timeout_s=1200)
-    failed = 0
-    print(f"{'problem':54} {'variant':10} {'flag':9} {'blocks':10} {'eager':>9} {'graph':>9} {'tol':>8}  status")
-    for r0, r1 in zip(*results):
-        eager = max(r0["eager"], r1["eager"])
-        graph = max(r0["graph"], r1["graph"])
-        st = "FAIL" if "FAIL" in (r0["status"], r1["status"]) else r0["status"]
-        why = r0["why"] or r1["why"]
-        failed += st == "FAIL"
-        print(f"{r0['problem']:54} {r0['variant']:10} {r0['flag']:9} {r0['blocks']:10} {eager:9.2e} {graph:9.2e} "
-              f"{r0['tol']:8.1e}  {st}" + (f"  {why[:200]}" if why else ""))
-    if len(results[0]) != len(results[1]):
-        print("ranks ran different numbers of cases")
-        failed += 1
-    print(f"{len(results[0])} cases, {failed} failed, {time.perf_counter() - t0:.0f} s")
-    return 1 if failed else 0
+    return checklib.report(results, t0, [("problem", "problem", 54), ("variant", "variant", 10), ("flag", "flag", 9), ("blocks", "blocks", 10)])
 
 
 if __name__ == "__main__":

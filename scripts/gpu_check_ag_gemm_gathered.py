@@ -21,7 +21,8 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import gpu_check_ag_gemm as base  # noqa: E402  (the shared eager / graph / agreement helpers)
+import checklib  # noqa: E402  (helpers shared by the GPU check scripts)
+import gpu_check_ag_gemm as base  # noqa: E402  (its eager / graph case runner)
 
 from autofuse.op import Problem  # noqa: E402
 from autofuse.ops.ag_gemm import OP  # noqa: E402
@@ -74,21 +75,7 @@ def main() -> int:
         return 2
     t0 = time.perf_counter()
     results = spawn(rank_main, 2, args.cpu, device_kind="cpu" if args.cpu else "cuda", timeout_s=600)
-    failed = 0
-    print(f"{'problem':54} {'variant':8} {'split':7} {'blocks':11} {'eager':>9} {'graph':>9} {'tol':>8}  status")
-    for r0, r1 in zip(*results):
-        eager = max(r0["eager"], r1["eager"])
-        graph = max(r0["graph"], r1["graph"])
-        st = "FAIL" if "FAIL" in (r0["status"], r1["status"]) else r0["status"]
-        why = r0["why"] or r1["why"]
-        failed += st == "FAIL"
-        print(f"{r0['problem']:54} {r0['variant']:8} {r0['flag']:7} {r0['blocks']:11} {eager:9.2e} {graph:9.2e} "
-              f"{r0['tol']:8.1e}  {st}" + (f"  {why[:200]}" if why else ""))
-    if len(results[0]) != len(results[1]):
-        print("ranks ran different numbers of cases")
-        failed += 1
-    print(f"{len(results[0])} cases, {failed} failed, {time.perf_counter() - t0:.0f} s")
-    return 1 if failed else 0
+    return checklib.report(results, t0, [("problem", "problem", 54), ("variant", "variant", 8), ("flag", "split", 7), ("blocks", "blocks", 11)])
 
 
 if __name__ == "__main__":

@@ -149,6 +149,13 @@ def rank_main(world, cpu: bool, ops: list[str], dtypes: list[str], variants: lis
     return rows
 
 
+def _same_bits(r0: dict, r1: dict) -> str | None:
+    """gemm_ar's fused variants must return bitwise the same matrix on every rank."""
+    if r0["problem"].startswith("gemm_ar") and r0["fused"] and r0["bits"] != r1["bits"]:
+        return "ranks returned different bits"
+    return None
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cpu", action="store_true", help="dry run on 2 CPU ranks (interpreter, tiny sizes)")
@@ -163,23 +170,7 @@ def main() -> int:
     t0 = time.perf_counter()
     results = spawn(rank_main, 2, args.cpu, args.ops.split(","), args.dtypes.split(","), args.variants.split(","),
                     device_kind="cpu" if args.cpu else "cuda", timeout_s=1200)
-    failed = 0
-    print(f"{'problem':42} {'variant':12} {'config':24} {'eager':>9} {'graph':>9} {'tol':>8} {'s':>6}  status")
-    for r0, r1 in zip(*results):
-        eager = max(r0["eager"], r1["eager"])
-        graph = max(r0["graph"], r1["graph"])
-        st = "FAIL" if "FAIL" in (r0["status"], r1["status"]) else r0["status"]
-        why = r0["why"] or r1["why"]
-        if (st == "ok" and r0["problem"].startswith("gemm_ar") and r0["fused"] and r0["bits"] != r1["bits"]):
-            st, why = "FAIL", "ranks returned different bits"
-        failed += st == "FAIL"
-        print(f"{r0['problem']:42} {r0['variant']:12} {r0['config']:24} {eager:9.2e} {graph:9.2e} {r0['tol']:8.1e} "
-              f"{max(r0.get('s', 0), r1.get('s', 0)):6.1f}  {st}" + (f"  {why[:200]}" if why else ""))
-    if len(results[0]) != len(results[1]):
-        print("ranks ran different numbers of cases")
-        failed += 1
-    print(f"{len(results[0])} cases, {failed} failed, {time.perf_counter() - t0:.0f} s")
-    return 1 if failed else 0
+    return checklib.report(results, t0, [("problem", "problem", 42), ("variant", "variant", 12), ("config", "config", 24)], extra_check=_same_bits)
 
 
 if __name__ == "__main__":
