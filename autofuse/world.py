@@ -71,6 +71,12 @@ class World:
     def barrier(self) -> None:
         dist.barrier(group=self.group)
 
+    def sync(self) -> None:
+        """Finish this rank's device work, then wait for every rank of the group (the host-side barrier)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        dist.barrier(group=self.group)
+
     def sub(self, size: int) -> "World | None":
         """The sub-World of the first `size` ranks (collective: every rank must call it).
 

@@ -14,9 +14,15 @@ from triton.compiler import ASTSource
 out = {}
 for req in json.loads(sys.argv[1]):
     fn = getattr(importlib.import_module(req["module"]), req["kernel"])
-    names = list(req["signature"])
+    def typ(v):
+        if isinstance(v, dict):  # a named tuple argument, e.g. shmem.DeviceContext
+            module, name = v["namedtuple"].split(":")
+            return getattr(importlib.import_module(module), name)(*v["types"])
+        return tuple(v) if isinstance(v, list) else v
+    sig = {k: typ(v) for k, v in req["signature"].items()}
+    names = list(sig)
     attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in req["divisible"]}
-    src = ASTSource(fn=fn, signature=req["signature"], constexprs=req["constexprs"], attrs=attrs)
+    src = ASTSource(fn=fn, signature=sig, constexprs=req["constexprs"], attrs=attrs)
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                        options={"num_warps": req["num_warps"], "num_stages": req["num_stages"]})
     out[req["name"]] = {"ptx": k.asm["ptx"], "shared": k.metadata.shared}
@@ -24,11 +30,15 @@ sys.stdout.write(json.dumps(out))
 """
 
 
+# The Triton type of a shmem.DeviceContext argument (rank, world, heap_bases, status, counter, budget, mirror).
+CTX = {"namedtuple": "autofuse.kernels.shmem:DeviceContext", "types": ["i32", "i32", "*i64", "*i32", "*i32", "i64", "*i32"]}
+
+
 def compile_request(module: str, kernel: str, signature: dict[str, str], constexprs: dict | None = None,
                     num_warps: int = 4, num_stages: int = 3, divisible: tuple[str, ...] | list[str] = (),
                     name: str | None = None) -> dict:
     """One kernel to compile: `signature` maps every argument to its Triton type ('*bf16', 'i32',
-    'constexpr', ...); `divisible` names the arguments to compile as multiples of 16 (what Triton
+    'constexpr', ...; a list of types for a tuple argument such as shmem.DeviceContext); `divisible` names the arguments to compile as multiples of 16 (what Triton
     specialises on at a real launch with aligned pointers and sizes; without it, no pipelining)."""
     return {"name": name or kernel, "module": module, "kernel": kernel, "signature": signature,
             "constexprs": constexprs or {}, "num_warps": num_warps, "num_stages": num_stages,

@@ -20,22 +20,33 @@ def _shm_files() -> set[str]:
 
 def _primitives(world):
     checks = selftest.check_primitives(world, n=300, epochs=24)
-    timeout = selftest.check_timeout(world, spin_limit=500)
+    t0 = time.monotonic()
+    timeout, refused = selftest.check_timeout(world, waiter=world.size - 1, budget_s=1.0)
+    took = time.monotonic() - t0
+    again = [(c.name, c.ok, c.detail) for c in selftest.check_primitives(world, n=64, epochs=4)]
     offsets = [(a.name, a.offset) for a in world.heap._allocs]
-    return [(c.name, c.ok, c.detail) for c in checks], None if timeout is None else str(timeout), offsets
+    return ([(c.name, c.ok, c.detail) for c in checks], None if timeout is None else str(timeout),
+            None if refused is None else str(refused), took, again, offsets)
 
 
 @pytest.mark.parametrize("nranks", [1, 2, 4])
 def test_primitives_across_ranks(nranks):
     before = _shm_files()
     results = spawn(_primitives, nranks, timeout_s=300)
-    for rank, (checks, timeout, _) in enumerate(results):
-        bad = [c for c in checks if not c[1]]
+    waiter = nranks - 1
+    for rank, (checks, timeout, refused, took, again, _) in enumerate(results):
+        bad = [c for c in checks + again if not c[1]]
         assert not bad, f"rank {rank}: failed checks {bad}"
         assert len(checks) == 7
         assert timeout is not None, f"rank {rank}: the unreachable flag did not time out"
-        assert f"rank {rank} timed out" in timeout and "selftest.wait" in timeout and "selftest.never[0]" in timeout
-    offsets = [r[2] for r in results]
+        if rank == waiter:
+            assert f"rank {rank} timed out waiting on flag selftest.timeout.flags[0]" in timeout, timeout
+        else:  # aborted by the waiter, naming it and its flag
+            assert f"rank {rank} stopped because rank {waiter} timed out" in timeout, timeout
+            assert "selftest.timeout.flags[0]" in timeout, timeout
+        assert refused is not None and "refuses to compute until it is rebuilt" in refused, refused
+        assert took < 1.0 + 5.0, f"rank {rank}: {took:.1f} s to fail with a 1 s budget"
+    offsets = [r[-1] for r in results]
     assert all(o == offsets[0] for o in offsets), "heap offsets differ across ranks"
     assert _shm_files() <= before, "shared-memory heap files left behind"
 
