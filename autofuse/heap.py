@@ -11,8 +11,8 @@ One class, four providers (DESIGN.md, Heap providers):
 - `shm`: CPU emulation: one shared-memory file per rank, mapped into every rank's process; the
   files are unlinked as soon as every rank has mapped them, so nothing is left even after a crash.
 
-Why autofuse does not use torch's rendezvous for its heaps (issue 17). In torch up to at least
-2.13, `_SymmetricMemory.rendezvous` swaps its requests through a single file-static
+Why autofuse does not use torch's rendezvous for its heaps (issue 17). In torch 2.11 (and any
+release without the upstream fix, pytorch/pytorch#196350), `_SymmetricMemory.rendezvous` swaps its requests through a single file-static
 `StoreExchange` per backend (`CUDASymmetricMemory.cu`: `static StoreExchange storeExchange`)
 whose store keys are `<prefix>/<seq_id_>/<rank>`, and `seq_id_` is one counter per *process*,
 raised by every all-gather and barrier of every rendezvous on any group
@@ -20,7 +20,7 @@ raised by every all-gather and barrier of every rendezvous on any group
 group that leaves some ranks out (a 1-rank world, TP inside DP, the tuner's `--world 1,2`)
 advances the counter only on its members; the next rendezvous on a larger group then has its
 ranks write and wait on different keys, and every rank waits in `store->wait` until the store's
-timeout (pytorch/pytorch#196082, fixed upstream by scoping the counter to the group, #196350).
+timeout (pytorch/pytorch#196082; #196350 scopes the counter to the group).
 Nothing on the Python side can reset the counter, and making every rank of the job perform the
 same rendezvous sequence is impossible for groups that user code creates and uses on some ranks
 only (`World.from_group`). So heaps are exchanged by autofuse itself:
@@ -339,14 +339,17 @@ class SymmetricHeap:
         else:
             from torch.multiprocessing.reductions import reduce_tensor, rebuild_cuda_tensor
 
-            error = None
             try:
-                _, args = reduce_tensor(local)
+                exported: tuple = (reduce_tensor(local)[1], None)
             except Exception as exc:
-                args, error = None, f"cannot export the heap for CUDA IPC ({type(exc).__name__}: {exc})"
-            rv.agree("export", error, "exporting the heap (CUDA IPC; not available with "
-                     "PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync)")
-            every = rv.all_gather("handles", args)
+                exported = (None, f"{type(exc).__name__}: {exc}")
+            every = rv.all_gather("handles", exported)
+            failed = {rv.ranks[r]: g["data"][1] for r, g in enumerate(every) if g["data"][1]}
+            if failed:
+                raise HeapRendezvousError(
+                    f"symmetric heap of {rv.label}: exporting the heap for CUDA IPC failed on {failed} (CUDA IPC "
+                    "needs torch's caching allocator, not PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync)"
+                )
             hosts = sorted({g["host"] for g in every})
             if len(hosts) > 1:
                 raise HeapRendezvousError(
@@ -361,7 +364,7 @@ class SymmetricHeap:
                     if r == w.rank:
                         peers.append(local)
                         continue
-                    a = list(g["data"])
+                    a = list(g["data"][0])
                     a[6] = index  # open on this rank's device: the driver maps it there, peer access on
                     peers.append(rebuild_cuda_tensor(*a))
             except Exception as exc:
@@ -376,20 +379,19 @@ class SymmetricHeap:
         import torch.distributed._symmetric_memory as symm
 
         w = self.world
+        if rv is None:
+            raise RuntimeError("the symm heap provider needs torch.distributed initialised")
         buf = symm.empty(self.size, dtype=torch.uint8, device=w.device)
-        if rv is not None:
-            rv.all_gather("arrive", None)  # every rank is here: torch's exchange will not wait on an absent one
-            try:
-                with store_timeout(rv.remaining()):
-                    handle = symm.rendezvous(buf, rv.group_name)
-            except RuntimeError as exc:
-                raise HeapRendezvousError(
-                    f"torch's symmetric-memory rendezvous of {rv.label} failed or timed out ({exc}); in torch "
-                    "up to 2.13 it hangs after a rendezvous on a group that left ranks out "
-                    "(pytorch/pytorch#196082): use the default torch heap provider"
-                ) from None
-        else:
-            handle = symm.rendezvous(buf, dist.group.WORLD.group_name)
+        rv.all_gather("arrive", None)  # every rank is here: torch's exchange will not wait on an absent one
+        try:
+            with store_timeout(rv.remaining()):
+                handle = symm.rendezvous(buf, rv.group_name)
+        except RuntimeError as exc:
+            raise HeapRendezvousError(
+                f"torch's symmetric-memory rendezvous of {rv.label} failed or timed out ({exc}); torch 2.11 "
+                "hangs there after any rendezvous on a group that left ranks out (pytorch/pytorch#196082), "
+                "e.g. a torch_symm op on a sub-group: use the default torch heap provider"
+            ) from None
         self._local = buf
         self._handle = handle
         self.bases = torch.tensor(list(handle.buffer_ptrs), dtype=torch.int64, device=w.device)

@@ -168,7 +168,7 @@ class World:
             for key, (_, w) in list(_cache.items()):
                 if w is self:
                     del _cache[key]
-        for w in worlds:
+        for w in sorted(worlds, key=lambda w: (w.global_ranks, str(_group_name(w)))):  # one order on every rank
             if w._heap is not None:
                 heap, w._heap = w._heap, None
                 heap.close()
@@ -183,7 +183,7 @@ class World:
         _require_dist()
         _fresh_caches()
         pg = dist.group.WORLD if group is None else group
-        if pg is dist.GroupMember.NON_GROUP_MEMBER or dist.get_rank(pg) < 0:
+        if isinstance(pg, int) or dist.get_rank(pg) < 0:  # new_group gives non-members an int marker
             raise ValueError(
                 f"global rank {dist.get_rank()} is not a member of this process group: "
                 "only its members can make its World"
@@ -202,6 +202,13 @@ class World:
         world = cls(rank, size, device, backend, None if pg is dist.group.WORLD else pg, ranks)
         _cache[id(pg)] = (pg, world)  # holding the group keeps its id unique
         return world
+
+
+def _group_name(world: World) -> str:
+    try:
+        return (world.group if world.group is not None else dist.group.WORLD).group_name
+    except Exception:
+        return ""
 
 
 def _require_dist() -> None:

@@ -106,6 +106,9 @@ def _whole_first(world: World) -> list[int]:
     pairs = [dist.new_group(ranks) for ranks in _pairs(world.size)]
     again = dist.new_group(list(range(world.size)))  # a second group of every rank gets its own heap
     mine = next(g for g, ranks in zip(pairs, _pairs(world.size)) if dist.get_rank() in ranks)
+    if dist.get_rank() != world.size - 1:
+        with pytest.raises(ValueError, match="not a member"):
+            World.from_group(last)
     upper = dist.get_rank() >= world.size // 2
     if upper:
         _exchange(World.from_group(mine), 2, seen)
