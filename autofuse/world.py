@@ -98,7 +98,7 @@ class World:
 
     def barrier(self) -> None:
         """Wait for every rank of this World (host side only)."""
-        if "nccl" in self.backend and self.device.type == "cuda":
+        if "nccl" in self.backend and self.device.type == "cuda" and self.device.index is not None:
             dist.barrier(group=self.group, device_ids=[self.device.index])
         else:
             dist.barrier(group=self.group)
