@@ -448,6 +448,10 @@ def test_bench_shapes_and_candidates():
     assert len(shapes) == 64 and {n for _, n, _ in shapes} == set(bench.N_SET)
     assert len(bench.sweep_shapes("full")) == 88
     assert bench.select(shapes, [(64, 3584)]) == [(64, 3584, 8192), (64, 3584, 14336)]
+    assert bench.parse_variants(["tma,ptr", "swap"]) == {"tma", "ptr", "swap"}
+    with pytest.raises(ValueError, match="families"):
+        bench.parse_variants(["pull"])
+    assert bench.families({**BIG, "TMA": False, "SPLIT_K": 2}) == {"ptr", "splitk"}
     for m, n, k in shapes:
         configs = bench.candidates(m, n, k)
         assert 4 <= len(configs) <= 7 and all(gemm.check(c, m, n, k, "bfloat16") is None for c in configs)

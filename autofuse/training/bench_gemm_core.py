@@ -21,6 +21,9 @@ seconds: interpreter timings that only show the core runs and agrees with torch,
 
 --shapes: comma-separated items, each `M`, `MxN` or `MxNxK`; a shape of the sweep is kept if it
 matches any item (e.g. `--shapes 16,64x3584,1024x28672x8192`).
+--variants: the config families to time, from FAMILIES (default all): a config is timed when every
+family it belongs to is listed, e.g. `--variants tma,ptr,swap,splitk` leaves out warp
+specialisation. cuBLAS is always timed.
 """
 from __future__ import annotations
 
@@ -45,6 +48,7 @@ BATCH_US = 500.0           # work per timed batch
 MEASURE_S = 0.3            # at most this long per measurement (reps cut, never below MIN_REPS)
 MIN_REPS = 5
 CPU_REPS = 2
+FAMILIES = ("tma", "ptr", "swap", "splitk", "ws")
 CPU_NOTE = ("CPU: Triton-interpreter and torch CPU timings, not GPU timings: they show that the core runs "
             "and agrees with torch.matmul, not how fast it is. Run the same command on a GPU machine.")
 
@@ -103,6 +107,24 @@ def candidates(m: int, n: int, k: int, dtype: str = DTYPE) -> list[dict]:
         if gemm.check(d, m, n, k, dtype) is None and d not in configs:
             configs.append(d)
     return configs
+
+
+def families(config: dict) -> set[str]:
+    """The FAMILIES a config belongs to: its load path (tma or ptr) and each switch it turns on."""
+    c = GemmConfig.from_dict(config)
+    out = {"tma" if c.TMA else "ptr"}
+    out |= {name for name, on in (("swap", c.SWAP_AB), ("splitk", c.SPLIT_K > 1), ("ws", c.WARP_SPEC)) if on}
+    return out
+
+
+def parse_variants(items: Sequence[str] | None) -> set[str] | None:
+    if not items:
+        return None
+    chosen = {v.strip() for item in items for v in str(item).split(",") if v.strip()}
+    unknown = sorted(chosen - set(FAMILIES))
+    if unknown:
+        raise ValueError(f"gemm_core --variants are config families {', '.join(FAMILIES)}, not {', '.join(unknown)}")
+    return chosen
 
 
 def config_text(config: dict) -> str:
@@ -187,7 +209,7 @@ def _opt(options: Any, name: str, default: Any) -> Any:
 
 
 def _measure_shape(m: int, n: int, k: int, b: torch.Tensor, modes: Sequence[str], reps: int, device: torch.device,
-                   say: Callable[[str], None]) -> list[dict]:
+                   say: Callable[[str], None], allowed: set[str] | None = None) -> list[dict]:
     """Rows (one per mode) of one shape: every candidate checked, then timed; cuBLAS timed."""
     dtype = getattr(torch, DTYPE)
     a = torch.randn(m, k, device=device, dtype=torch.float32).to(dtype)
@@ -200,6 +222,8 @@ def _measure_shape(m: int, n: int, k: int, b: torch.Tensor, modes: Sequence[str]
     say(f"M={m} N={n} K={k} torch.matmul: " + ", ".join(f"{md} {t:.1f} us" for md, t in cublas.items()))
     results: list[dict] = []
     for config in candidates(m, n, k):
+        if allowed is not None and not families(config) <= allowed:
+            continue
         entry: dict[str, Any] = {"config": config, "text": config_text(config), "us": {}, "error": None}
         try:
             launch = gemm.prepare(a, b, config, c)
@@ -209,12 +233,13 @@ def _measure_shape(m: int, n: int, k: int, b: torch.Tensor, modes: Sequence[str]
                 torch.cuda.synchronize()
             err = _rel_err(c, ref)
             entry["rel_error"] = err if math.isfinite(err) else None
-            if not err <= 2 * tol:
+            if not err <= 2 * tol:  # torch.matmul rounds too: twice the float64 reference's allowance
                 entry["error"] = f"wrong result: rel error {err:.3g} vs torch.matmul > {2 * tol:.3g}"
             else:
                 entry["us"] = {mode: timer(launch, mode) for mode in modes}
         except Exception as exc:  # a config that fails to compile or launch is reported, not fatal
-            entry["error"] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ''}"
+            first_line = (str(exc).strip().splitlines() or [""])[0][:200]
+            entry["error"] = f"{type(exc).__name__}: {first_line}"
         say(f"M={m} N={n} K={k} {entry['text']}: " + (entry["error"] or ", ".join(
             f"{md} {t:.1f} us" for md, t in entry["us"].items())))
         results.append(entry)
@@ -255,9 +280,10 @@ def _run_rows(opts: dict) -> dict:
             b = torch.randn(k, n, device=device, dtype=torch.float32).to(getattr(torch, DTYPE))
             b_key = (n, k)
         say(f"[{i + 1}/{len(shapes)}] M={m} N={n} K={k}")
-        rows.extend(_measure_shape(m, n, k, b, modes, reps, device, say))
+        rows.extend(_measure_shape(m, n, k, b, modes, reps, device, say, opts["variants"]))
     notes = [] if cuda else [CPU_NOTE]
-    return {"rows": rows, "summary": summary(rows) if cuda else {}, "sweep": opts["sweep"], "world": 1, "device_kind": "cuda" if cuda else "cpu",
+    return {"rows": rows, "summary": summary(rows) if cuda else {}, "sweep": opts["sweep"], "world": 1,
+            "device_kind": "cuda" if cuda else "cpu",
             "device": torch.cuda.get_device_name(device) if cuda else "cpu (Triton interpreter)",
             "modes": modes, "seconds": round(time.perf_counter() - started, 1), "notes": notes}
 
@@ -267,14 +293,15 @@ def _child(world: Any, opts: dict) -> dict:
 
 
 def run(options: Any) -> dict:
-    """Run the benchmark (see the module docstring); options: sweep, shapes, reps, modes, limit,
-    progress, device_kind (attributes of autofuse bench's options, or a dict). Returns JSON-able
+    """Run the benchmark (see the module docstring); options: sweep, shapes, variants, reps, modes,
+    limit, progress, device_kind (attributes of autofuse bench's options, or a dict). Returns JSON-able
     data with "rows"; writes no file. On CPU it runs in one interpreter child process."""
     kind = _opt(options, "device_kind", "") or ("cuda" if torch.cuda.is_available() else "cpu")
     opts = {
         "device_kind": kind,
         "sweep": _opt(options, "sweep", "gpu" if kind == "cuda" else "cpu"),
         "keep": parse_shapes(_opt(options, "shapes", None)),
+        "variants": parse_variants(_opt(options, "variants", None)),
         "reps": int(_opt(options, "reps", 20)),
         "modes": list(_opt(options, "modes", ["graph", "eager"])),
         "limit": _opt(options, "limit", None),
