@@ -400,7 +400,7 @@ def test_sm90_split_k_swap_ab_and_warp_spec(compiled, version):
     assert "wgmma" not in k["noswap16"]["ptx"] and "mma.sync" in k["noswap16"]["ptx"]
     # warp specialisation: a producer warpgroup plus two consumers, registers rebalanced
     assert "setmaxnreg" in k["ws"]["ptx"] and "setmaxnreg" not in k["tma"]["ptx"]
-    assert "wgmma.mma_async.sync.aligned.m64n8k8.f32.tf32.tf32" in k["fp32"]["ptx"] or ".tf32" in k["fp32"]["ptx"]
+    assert ".f32.tf32.tf32" in k["fp32"]["ptx"]  # float32 inputs run tf32 wgmma (default_tolerance's u = 2^-11)
 
 
 @pytest.mark.parametrize("version", VERSIONS)
