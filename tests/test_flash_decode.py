@@ -348,7 +348,7 @@ COMPILES = [
          {"D": 128, "BLOCK_R": 8, "BLOCK_D": 32, "SPLIT_BLOCK": 32}, 4, 1),
     _req("combine_shard", "heap_combine_kernel", COMBINE_SIG,
          {"D": 128, "BLOCK_R": 16, "BLOCK_D": 128, "SPLIT_BLOCK": 4}, 4, 1),
-    _req("fused", "fused_kernel", FUSED_SIG, dict(GPU_BLOCKS, BLOCK_R=8, SPLIT_BLOCK=8), 4, 3),
+    _req("fused", "fused_kernel", FUSED_SIG, dict(GPU_BLOCKS, BLOCK_R=8, SPLIT_BLOCK=4), 4, 3),
 ]
 
 # Run conftest's compile script under another Python whose site-packages lack autofuse: the

@@ -74,6 +74,8 @@ SMEM_LIMIT = 227 * 1024          # H100/H200 shared memory per block
 GPU_SMS = 132                     # H100/H200 SXM: what the defaults aim to fill
 MERGE_WARPS = 4                   # merge and combine kernels
 MERGE_ELEMS = 8192                # floats of split partials one merge program loads per round trip
+FUSED_MERGE_ELEMS = 4096          # the same in the fused kernel: 168 registers on sm_90 (8192: 221), so it
+                                  # keeps the split kernel's 3 blocks per SM (shared memory allows 3)
 LOG2E = 1.4426950408889634
 LOCAL_KEYS = ("NUM_SPLITS", "BLOCK_N", "HEADS", "num_warps", "num_stages")
 
@@ -462,9 +464,9 @@ class _Plan:
         self.col_blocks = D // self.block_d
         self.programs = cdiv(self.rows, self.group_rows) * self.col_blocks
 
-    def split_block_for(self, block_r: int, block_d: int) -> int:
-        """Splits per merge round trip: MERGE_ELEMS floats of (split, row, column) at most."""
-        return max(1, min(next_pow2(self.ns), MERGE_ELEMS // (block_r * block_d)))
+    def split_block_for(self, block_r: int, block_d: int, elems: int = MERGE_ELEMS) -> int:
+        """Splits per merge round trip: `elems` floats of (split, row, column) at most."""
+        return max(1, min(next_pow2(self.ns), elems // (block_r * block_d)))
 
 
 class _Base(Runner):
@@ -574,7 +576,8 @@ class PushFusedRunner(_Base):
             p.heads, p.ns, p.slot_stride, self.inbox_half, ws.half_flags,
             k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2), p.scale,
             D=p.D, BLOCK_N=p.block_n, BLOCK_H=p.block_h, BLOCK_R=self.block_r,
-            SPLIT_BLOCK=p.split_block_for(self.block_r, p.D), num_warps=p.warps, num_stages=p.stages)
+            SPLIT_BLOCK=p.split_block_for(self.block_r, p.D, FUSED_MERGE_ELEMS), num_warps=p.warps,
+            num_stages=p.stages)
 
 
 # ------------------------------------------------------------------------------- bound, extras
