@@ -25,7 +25,7 @@ import torch
 import harness
 from conftest import CTX, compile_request
 
-from autofuse.op import InvalidConfig, InvalidInput, Problem
+from autofuse.op import InvalidConfig, InvalidInput, rel_error
 from autofuse.ops import flash_decode as fd
 from autofuse.workspace import workspace, workspaces
 from autofuse.world import World, spawn
@@ -100,14 +100,15 @@ FAULTS_FOUR = [("push_fused", SMALL, "skipped_call", 3)]
 
 
 def _empty_sequence_is_zero(world, case: harness.Case) -> float:
-    """Seed 1 leaves sequence B - 1 without tokens on every rank: its output must be exactly 0."""
+    """Seed 1 leaves sequence 0 without tokens on every rank (and rank 0 without any): its output
+    must be exactly 0; returns its largest magnitude."""
     name, dims, dtype, cfg = case
     p = harness.problem_of(fd.OP, world.size, dims, dtype)
     runner = fd.OP.variant(name).build(world, p, cfg)
     q, k, v, n = fd.make_inputs(world, p, 1, ragged=True)
     out = runner(q, k, v, n, out=torch.full_like(q, float("nan")))
     runner.check()
-    return float(out[-1].float().abs().max())
+    return float(out[0].float().abs().max())
 
 
 def _faults(world, runs: list[tuple], configs: dict = FAULT_CONFIGS) -> list[dict]:
@@ -124,9 +125,23 @@ def _faults(world, runs: list[tuple], configs: dict = FAULT_CONFIGS) -> list[dic
     return out
 
 
+def _entry_point(world, case: harness.Case) -> float:
+    """autofuse.flash_decode (the generated public entry point) with the case's variant forced, on a
+    sliced cache: relative error against the reference."""
+    import autofuse
+
+    name, dims, dtype, _ = case
+    p = harness.problem_of(fd.OP, world.size, dims, dtype)
+    q, k, v, n = fd.make_inputs(world, p, 0, ragged=True)
+    out = autofuse.flash_decode(q, k, v, n, group=world.group, variant=name)
+    return rel_error(out, fd.reference(world, p, 0, ragged=True))
+
+
 def _job(world, table: list[harness.Case], calls: int, faults: list[tuple]):
-    """The case table (harness.run_cases), the empty-sequence check, then the fault runs."""
+    """The case table (harness.run_cases), the empty-sequence check, the public entry point, then the fault runs."""
     rows = harness.run_cases(world, RAGGED, table, calls=calls)
+    rows.append(("entry point " + table[1][0], _entry_point(world, table[1]), fd.OP.tolerance(
+        harness.problem_of(fd.OP, world.size, table[1][1], table[1][2])), 0))
     zero = _empty_sequence_is_zero(world, table[1])
     return rows, zero, _faults(world, faults)
 
@@ -149,7 +164,7 @@ def four_ranks():
 @pytest.mark.timeout(600)
 def test_two_ranks_case_table(two_ranks):
     _assert_cases(two_ranks)
-    assert len(two_ranks[0][0]) == len(CPU_TWO) == 10
+    assert len(two_ranks[0][0]) == len(CPU_TWO) + 1 == 11  # the case table and the entry point
 
 
 @pytest.mark.timeout(600)
@@ -268,6 +283,7 @@ def test_sweeps_defaults_space_and_extras():
 
     sizes = {kind: len(fd.OP.sweep(kind, 2)) for kind in ("cpu", "gpu", "llama70b", "models", "default")}
     assert sizes == {"cpu": 3, "gpu": 23, "llama70b": 23, "models": 48, "default": 10}, sizes
+    assert [p["S"] <= 16 << 10 for p in fd.OP.sweep("gpu", 2)] == [True] * 15 + [False] * 8  # --limit 15
     heads = {(p["Hq"], p["Hkv"], p["D"]) for p in fd.OP.sweep("models", 2)}
     assert heads == {(32, 8, 128), (64, 8, 128), (128, 8, 128)}
     assert {p["B"] for p in fd.OP.sweep("models", 2)} == {1, 8, 32, 128}
@@ -302,9 +318,12 @@ def test_ragged_inputs_cover_the_patterns():
     _, k1, _, n1 = fd.make_inputs(world, p, 1, rank=0, ragged=True)
     _, _, _, n1b = fd.make_inputs(world, p, 1, rank=1, ragged=True)
     assert not k0.is_contiguous() and k0.stride(2) == 16 and k1.stride(2) == 2 * 16  # sliced; (B, S, H, D) view
-    assert n0[1] == 8 and n0[2] == 0          # a full and an empty sequence on this rank
-    assert n1.tolist() == [0, 0, 0]           # seed 1: rank 0 holds no tokens
-    assert n1b[2] == 0 and n1b[1] == 8        # and sequence B - 1 is empty on every rank
+    assert n0[1] == 8 and n0[2] == 0 and n0[0] > 0    # a full and an empty sequence on this rank
+    assert n1.tolist() == [0, 0, 0]                   # seed 1: rank 0 holds no tokens
+    assert n1b[0] == 0 and n1b[1] == 8                # and sequence 0 is empty on every rank
+    # at B = 2 both ranks hold tokens of both sequences (seed 0): the merge of ranks is exercised
+    p2 = fd.make_problem(2, 2, 8, Hq=4, Hkv=2, D=16, dtype="float16")
+    assert all(bool((fd.make_inputs(world, p2, 0, rank=r, ragged=True)[3] > 0).all()) for r in (0, 1))
 
 
 # ----------------------------------------------------------------------------- sm_90 compile

@@ -12,29 +12,35 @@ Every rank returns O (B, Hq, D) in q's dtype = softmax(q K^T / sqrt(D)) V over a
 tokens, bit-identical on every rank (rank partials are merged in rank order); a sequence with no
 tokens on any rank gets O = 0.
 
-Variants. Every one runs the same split-KV kernel (`split_kernel`, grid units x NUM_SPLITS, one unit
-= HEADS query heads of one KV head of one sequence, so K/V are read once when HEADS = G), so only
-the combine differs. Expected cost at KV <= 16K tokens per rank (two H200, graph mode; measured
-pieces from docs/results/flash_decode.md and GPU-NOTES.md: a graph-replayed launch ~1-2 us apart
-from its work, NCCL all-gather 10-23 us, a cross-GPU flag 1-3 us one way, the split kernel a few
-us at 1K tokens up to ~140 us at B=8, S=16K where it streams at ~3.8 TB/s):
-- `bsp` (family bsp): split kernel; merge of splits into this rank's (O_r, LSE_r) (fp32, local);
-  NCCL all-gather of the W slots; merge of ranks. 4 launches, no flags. Cost = split + merge
-  (~2 us) + all-gather (10-23 us) + merge (~2 us).
-- `split_heap` (family hybrid): split kernel, then ONE heap combine kernel: each program merges the
-  splits of its rows x BLOCK_D columns, stores the rank partial into every rank's inbox (parity
-  double-buffered), raises one flag per peer, waits for the peers' same flag (one one-way flag hop
-  on the critical path) and merges the W partials in rank order. 2 launches; per call each rank
-  raises and polls programs x (W - 1) flags, programs = groups x D / BLOCK_D with one group per
-  FLAG: tile = a unit (HEADS rows), row_block = a sequence (Hq rows), shard = every row (one
-  program per column block: only for tiny batches). Cost = split + ~1-2 us launch + merge of splits
-  (NUM_SPLITS x rows x BLOCK_D floats per program from L2, < 1 us when programs >= SMs) + push
-  (W - 1 peers x rows x (BLOCK_D + 1) x 4 B per program) + one flag hop (1-3 us) + merge (< 1 us):
-  about split + 5-8 us, against BSP's split + 14-27 us.
-- `push_fused` (family fused): one kernel, split kernel's grid; the last split program of a unit to
-  finish (an arrival counter) runs the heap combine for that unit alone (all D columns, flag per
-  unit). 1 launch; units x (W - 1) flags. Cost = split + the tail of one program merging HEADS x
-  NUM_SPLITS x D floats, pushing and waiting: good at few splits, slow at many (it is serial).
+Variants. All run the same split-KV kernel (`split_kernel`, grid units x NUM_SPLITS; a unit is HEADS
+query heads of one KV head of one sequence, so K/V are read once when HEADS = G) at the same default
+configs, so only the combine differs. Launches and flag hops per call, and the expected cost at KV
+<= 16K tokens per rank on two H200 in graph mode, from last round's pieces (docs/results/
+flash_decode.md, GPU-NOTES.md): a graph-replayed kernel costs ~1-2 us beyond its work, NCCL's
+all-gather of the partials 10-23 us, a cross-GPU flag 1-3 us one way; split = the split kernel alone
+(~4 us at B=1 S=1K, ~40 us at B=8 S=4K, ~520 us at B=32 S=16K, where it streams at ~4 TB/s):
+- `bsp` (family bsp): split kernel; `merge_splits_kernel` (this rank's (O_r, LSE_r), fp32, local);
+  NCCL all-gather of the W slots; `merge_ranks_kernel`. 4 launches, no flags.
+  Cost = split + ~2 us + all-gather (10-23 us) + ~2 us: split + 14-27 us.
+- `split_heap` (family hybrid): split kernel, then ONE `heap_combine_kernel`: each program merges
+  the splits of its rows x BLOCK_D columns (from L2), stores the rank partial into its slot of every
+  rank's inbox, raises one flag on each peer, waits for each peer's same flag and merges the W
+  partials in rank order. 2 launches; each rank raises and polls programs x (W - 1) flags, programs
+  = groups x D / BLOCK_D, a group per FLAG: tile = a unit (HEADS rows), row_block = a sequence (Hq
+  rows), shard = every row (one program per column block: for tiny batches only). One one-way flag
+  hop on the critical path. Cost = split + ~1-2 us (launch) + ~1 us (merge of splits: NUM_SPLITS x
+  rows x BLOCK_D floats per program, one L2 round trip when NUM_SPLITS <= SPLIT_BLOCK) + ~1-2 us
+  (push: rows x (BLOCK_D + 1) floats per peer, then a system-scope release) + 1-3 us (flag) + ~1 us
+  (merge of ranks): split + 5-9 us. Expected x BSP: ~1.5-1.8 at B=1 S=1K (~10-12 us vs 18), ~1.2-1.3
+  at B=8 S=4K (~46 us vs 57), and the bound BSP / split (1.04-1.10) where the split dominates
+  (B >= 8 at S = 16K).
+- `push_fused` (family fused): one `fused_kernel` on the split kernel's grid; the last split program
+  of a unit to finish (a local arrival counter) runs the heap combine for that unit alone (all D
+  columns, flag = unit). 1 launch; units x NUM_SPLITS arrival atomics; units x (W - 1) flags. Cost =
+  split + the serial tail of one program per unit (merge HEADS x NUM_SPLITS x D floats in
+  NUM_SPLITS / SPLIT_BLOCK round trips, push, one flag hop, merge): best at few splits (large B).
+The heap inbox and flags are parity double-buffered on the device epoch and read only by these
+kernels, which compute the parity themselves, so CUDA-graph replays need nothing from the host.
 Config keys: NUM_SPLITS (splits per unit), BLOCK_N (tokens per step), HEADS (query heads per unit, a
 divisor of G), num_warps and num_stages (of the split kernel), BLOCK_D (columns per merge program:
 bsp and split_heap), FLAG (split_heap: tile | row_block | shard).
@@ -135,10 +141,10 @@ def make_inputs(world: Any, problem: Problem, seed: int, rank: int | None = None
 
     q depends on the seed only (the same on every rank). ragged=None: ragged on CPU, full on GPU.
     Full: lengths S, contiguous K/V. Ragged (what the tests exercise; seeds 0 and 1 cover it all):
-    - lengths random in [0, S]; sequence rank % B full and, for B > 1, sequence (rank + 1) % B
-      empty on this rank;
-    - seed % 3 == 1: sequence B - 1 empty on every rank (its output must be exactly 0), and rank
-      (seed // 3) % W holds no tokens at all;
+    - lengths random in [1, S] (every rank contributes to every sequence unless said here);
+      sequence rank % B full and, for B >= 3, sequence (rank + 1) % B empty on this rank;
+    - seed % 3 == 1: rank z = (seed // 3) % W holds no tokens at all, and for B >= 2 sequence
+      z % B is empty on every rank (its output must be exactly 0);
     - K/V are views, never contiguous: seed % 3 == 0 slices [:, :, :S] of a cache 5 slots longer,
       the others view a (B, S, Hkv, D) cache as (B, Hkv, S, D).
     """
@@ -160,13 +166,15 @@ def make_inputs(world: Any, problem: Problem, seed: int, rank: int | None = None
         k = torch.randn((B, S, Hkv, D), generator=g, device=dev, dtype=dt).transpose(1, 2)
         v = torch.randn((B, S, Hkv, D), generator=g, device=dev, dtype=dt).transpose(1, 2)
     gl = torch.Generator().manual_seed(seed * 7919 + 5000 + rank)
-    lengths = torch.randint(0, S + 1, (B,), generator=gl, dtype=torch.int32)
+    lengths = torch.randint(1, S + 1, (B,), generator=gl, dtype=torch.int32)
     lengths[rank % B] = S
-    if B > 1:
+    if B >= 3:
         lengths[(rank + 1) % B] = 0
     if seed % 3 == 1:
-        lengths[B - 1] = 0
-        if rank == (seed // 3) % world.size:
+        empty_rank = (seed // 3) % world.size
+        if B >= 2:
+            lengths[empty_rank % B] = 0
+        if rank == empty_rank:
             lengths.zero_()
     return q, k, v, lengths.to(dev)
 
@@ -247,7 +255,8 @@ def features(problem: Problem) -> dict[str, float]:
 
 
 # The papers' sweep (Llama-3-70B attention: Hq=64, Hkv=8, D=128): B x S per rank, 256K at three B.
-GPU_GRID = [(b, s) for b in (1, 4, 8, 16, 32) for s in (1 << 10, 4 << 10, 16 << 10, 64 << 10)] + \
+# Short KV first: the first 15 problems are the KV <= 16K regime of the 1.2x target (`--limit 15`).
+GPU_GRID = [(b, s) for s in (1 << 10, 4 << 10, 16 << 10, 64 << 10) for b in (1, 4, 8, 16, 32)] + \
            [(b, 256 << 10) for b in (1, 8, 32)]
 MODEL_S = (4 << 10, 8 << 10, 16 << 10, 32 << 10)
 
@@ -262,7 +271,8 @@ def _model_heads() -> list[tuple[int, int, int]]:
 
 def sweep(kind: str, world: int) -> list[Problem]:
     """Problem sets (bf16):
-    - "gpu" / "llama70b": Hq=64, Hkv=8, D=128; B in 1..32 x S in 1K..64K per rank, 256K at B=1, 8, 32;
+    - "gpu" / "llama70b": Hq=64, Hkv=8, D=128; B in 1..32 x S in 1K..64K per rank, 256K at B=1, 8, 32
+      (S-major: the first 15 have S <= 16K);
     - "models": every model's (Hq, Hkv, D) in autofuse.shapes (the whole cache's heads on every rank:
       the sequence is split, not the heads) x decode batches 1/8/32/128 x S 4K..32K per rank;
     - "default" (what `autofuse tune` runs): 10 problems from "gpu" and "models", short KV first;
