@@ -347,9 +347,9 @@ COMBINE_SIG = {"o_split": "*fp32", "lse_split": "*fp32", "inbox": "*fp32", "flag
                "flags_half": _I, "D": "constexpr", "BLOCK_R": "constexpr", "BLOCK_D": "constexpr",
                "SPLIT_BLOCK": "constexpr"}
 FUSED_SIG = {"q": "*bf16", "k": "*bf16", "v": "*bf16", "lengths": "*i32", "o_split": "*fp32", "lse_split": "*fp32",
-             "arrivals": "*i32", "inbox": "*fp32", "flags": "*i32", "out": "*bf16", "ctx": CTX, "S": _I, "Hq": _I, "Hkv": _I,
-             "HEADS": _I, "num_splits": _I, "slot_stride": _I, "inbox_half": _I, "flags_half": _I, **_STRIDES,
-             "scale": "fp32", "D": "constexpr", "BLOCK_N": "constexpr", "BLOCK_H": "constexpr",
+             "arrivals": "*i32", "inbox": "*fp32", "flags": "*i32", "out": "*bf16", "ctx": CTX, "S": _I, "Hq": _I,
+             "Hkv": _I, "HEADS": _I, "num_splits": _I, "slot_stride": _I, "inbox_half": _I, "flags_half": _I,
+             **_STRIDES, "scale": "fp32", "D": "constexpr", "BLOCK_N": "constexpr", "BLOCK_H": "constexpr",
              "BLOCK_R": "constexpr", "SPLIT_BLOCK": "constexpr"}
 
 
@@ -409,7 +409,8 @@ def compiled() -> dict:
     return out
 
 
-VERSIONS = ["current", pytest.param("3.6", marks=pytest.mark.skipif(not T36.exists(), reason=f"no Triton 3.6 at {T36}"))]
+VERSIONS = ["current",
+            pytest.param("3.6", marks=pytest.mark.skipif(not T36.exists(), reason=f"no Triton 3.6 at {T36}"))]
 
 
 @pytest.mark.timeout(600)
