@@ -1,0 +1,1 @@
+"""Training side of autofuse: tuning with Optuna, fitting with scikit-learn (the runtime never imports it)."""
