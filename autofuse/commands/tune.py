@@ -18,7 +18,8 @@ CPU_INTRO = (
     "Triton's interpreter, gloo carries the collectives and a shared-memory file stands in for the GPUs' "
     "symmetric heap. It checks that every fused kernel matches the float64 reference and runs the whole "
     "tune -> fit -> dispatch loop on small problems. Its timings are the interpreter's, not a GPU's: the "
-    "interpreter runs a kernel element by element, so BSP wins every problem here.")
+    "interpreter runs a kernel element by element, so BSP (torch's own compute) wins almost everywhere, "
+    "and differences of a few tens of percent are noise of a busy CPU.")
 CPU_OUTRO = (
     "How to read it: one table per op, one row per problem; each variant's best latency in microseconds per "
     "call (median of the timed calls, slowest rank); bsp = collective + torch compute, the others are the fused "
