@@ -632,3 +632,65 @@ def test_runtime_never_imports_optuna_or_sklearn():
                           cwd=str(ROOT))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip().splitlines()[-1] == "[]", proc.stdout
+
+
+# -- on GPUs (the lead runs these with `pytest -m gpu tests/test_tune.py` on the GPU machine) -------------
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_tune_on_two_gpus_records_both_modes_and_resumes(tmp_path):
+    """A short ag_gemm study on 2 GPUs: baselines and trials in eager and graph mode, every OK row within
+    tolerance, BSP and a fused variant among the candidates, no failed config among them, recorded
+    parameters equal to the measured configs, nothing left RUNNING or WAITING; a rerun measures nothing."""
+    from autofuse import registry
+
+    db = tmp_path / "gpu.db"
+    cmd = _tune_cmd(db, "--op", "ag_gemm", "--shapes", "1024", "--world", "2", "--trials", "3")
+    first = _run(cmd, timeout=600)
+    assert "finding GPUs" in first.stdout.splitlines()[0] and "FutureWarning" not in first.stderr
+    with Store.open(db, readonly=True) as store:
+        rows = store.measurements(op="ag_gemm")
+        assert {r["mode"] for r in rows} == {"eager", "graph"}
+        here = environment.fingerprint("cuda")
+        assert {r["hardware_id"] for r in rows} == {here["hardware_id"]}
+        tol = registry.get("ag_gemm").tolerance
+        assert all(r["rel_error"] <= tol(Problem.from_key(r["problem"])) for r in rows if r["ok"])
+        failed = {(r["problem"], r["config_id"]) for r in rows if not r["ok"]}
+        for mode in ("eager", "graph"):
+            best = store.best(op="ag_gemm", mode=mode)
+            variants = {r["variant"] for r in best}
+            assert "bsp" in variants and variants - {"bsp", "torch_symm"}, (mode, variants)
+            assert not [r for r in best if (r["problem"], r["config_id"]) in failed]
+        n = len(rows)
+    _check_consistent(db, default_storage(db), 3)
+    _run(cmd, timeout=600)
+    with Store.open(db, readonly=True) as store:
+        assert len(store.measurements(op="ag_gemm")) == n, "the rerun measured again"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_sigterm_and_kill_9_on_gpus(tmp_path):
+    """On GPUs too: SIGTERM to the parent exits 143 with rows kept; kill -9 of the parent leaves no rank."""
+    db = tmp_path / "sig.db"
+    cmd = _tune_cmd(db, "--op", "ag_gemm", "--world", "2", "--trials", "40", "--shapes", "1024,2048")
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(), cwd=str(ROOT),
+                         start_new_session=True)
+    _wait_for(lambda: len(_tune_rows(db)) >= 2, 300, p, "two trials")
+    p.send_signal(signal.SIGTERM)
+    out, err = p.communicate(timeout=300)
+    assert p.returncode == 143, f"{out[-2000:]}\n{err[-2000:]}"
+    kept = len(_tune_rows(db))
+    p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=_env(), cwd=str(ROOT),
+                         start_new_session=True)
+    _wait_for(lambda: len(_tune_rows(db)) >= kept + 1, 300, p, "a trial of the second run")
+    ranks = _ranks_of(p.pid)
+    p.kill()
+    p.wait(timeout=30)
+    end = time.monotonic() + 10
+    while _alive(ranks) and time.monotonic() < end:
+        time.sleep(0.1)
+    left = _alive(ranks)
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    assert ranks and not left, f"ranks {left} outlived their parent"

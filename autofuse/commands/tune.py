@@ -136,7 +136,7 @@ def tune(
     """Tune every fused variant's config per problem with Optuna; resumable. SIGINT / SIGTERM finish the
     current trial and exit 130 / 143 (a second one abandons the trial)."""
     ops = _split(op)
-    if not quiet:
+    if not quiet and os.environ.get("RANK", "0") == "0":  # under torchrun, rank 0 speaks for the job
         say(f"autofuse tune: {', '.join(ops) if ops else 'every op'} into {db}; finding GPUs and reading the sweeps")
     from autofuse.world import RankFailed, default_device_kind, gpu_count
 

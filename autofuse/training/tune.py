@@ -372,6 +372,10 @@ def tune_rank(world: Any, settings: Settings, link: ParentLink | None = None) ->
     STOP.install(supervised=link is not None)
     try:
         return _tune(world, settings, supervised=link is not None)
+    except KeyboardInterrupt:
+        if link is None:
+            raise
+        raise SystemExit(STOP.exit_code() or 130) from None  # abandoned on the parent's word: no traceback
     finally:
         STOP.uninstall()
 
