@@ -414,6 +414,13 @@ def test_op_digest_counts_code_not_docstrings_or_comments(tmp_path):
     last = _digests(roots)
     assert all(last[op] != later[op] for op in base), "the device API is part of every op"
 
+    # An op may declare modules it depends on without importing them (DIGEST_EXTRA).
+    edit(roots["autofuse.ops"] / "flash_decode.py", "\nimport math\n",
+         "\nimport math\nDIGEST_EXTRA = ('autofuse.kernels.gemm_tile',)\n")
+    declared = _digests(roots)
+    edit(roots["autofuse.kernels"] / "gemm_tile.py", "\nimport triton\n", "\nimport triton\nUNUSED = 4\n")
+    assert _digests(roots)["flash_decode"] != declared["flash_decode"]
+
 
 def test_fingerprint_layers_and_ids():
     fp = environment.fingerprint()

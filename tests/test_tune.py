@@ -398,9 +398,7 @@ def test_signals_to_the_parent_alone_sigterm_exits_143_and_kill_9_leaves_no_rank
     for pid in left:  # do not leave them running if the test fails
         os.kill(pid, signal.SIGKILL)
     assert not left, f"ranks {left} outlived their parent"
-    assert {r["id"] for r in kept} <= {r["id"] for r in _tune_rows(db)}
-    _run(cmd, timeout=300, AUTOFUSE_FAKE_DELAY_MS="30")
-    _check_consistent(db, url, 6)
+    assert {r["id"] for r in kept} <= {r["id"] for r in _tune_rows(db)}  # resuming from here: the test above
 
 
 @pytest.mark.postgres

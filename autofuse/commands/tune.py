@@ -138,6 +138,20 @@ def tune(
     ops = _split(op)
     if not quiet and os.environ.get("RANK", "0") == "0":  # under torchrun, rank 0 speaks for the job
         say(f"autofuse tune: {', '.join(ops) if ops else 'every op'} into {db}; finding GPUs and reading the sweeps")
+    try:
+        _run(ops, world, settings_args=dict(sweep=sweep or "", shapes=list(shapes or []), mode=mode, trials=trials,
+                                            storage=storage, reps=reps, budget_s=budget, seed=seed,
+                                            time_limit_s=time_limit * 60 if time_limit is not None else None,
+                                            verbose=not quiet), db=db, quiet=quiet)
+    except KeyboardInterrupt:  # before the ranks started, or a torchrun rank's second signal
+        from autofuse.training.lifecycle import STOP
+
+        errors.print("autofuse tune: interrupted; what was measured is stored", style="yellow", markup=False)
+        raise typer.Exit(STOP.exit_code() or 130) from None
+
+
+def _run(ops: list[str], world: Optional[list[str]], settings_args: dict, db: Path, quiet: bool) -> None:
+    """The command after its first line: validate, plan, check the database, spawn the ranks, report."""
     from autofuse.world import RankFailed, default_device_kind, gpu_count
 
     kind = default_device_kind()
@@ -149,11 +163,8 @@ def tune(
         worlds = [int(w) for w in _split(world)]
     except ValueError:
         fail(f"--world takes integers, not {', '.join(world or [])}", 2)
-    settings = Settings(db=str(db.absolute()), ops=ops, sweep=sweep or "", shapes=list(shapes or []),
-                        worlds=worlds, mode=mode, trials=trials, storage=storage, reps=reps, budget_s=budget,
-                        seed=seed, time_limit_s=time_limit * 60 if time_limit is not None else None,
-                        verbose=not quiet)
-    job_timeout = (time_limit * 60 + 7200) if time_limit else 7 * 86400.0
+    settings = Settings(db=str(db.absolute()), ops=ops, worlds=worlds, **settings_args)
+    job_timeout = (settings.time_limit_s + 7200) if settings.time_limit_s else 7 * 86400.0
     if _torchrun():
         _tune_torchrun(settings, job_timeout)
         return
