@@ -17,7 +17,7 @@ def _rank_job(world, measure: bool) -> dict:
     from autofuse import selftest
 
     checks = selftest.check_primitives(world)
-    timeout = selftest.check_timeout(world)
+    timeout, _ = selftest.check_timeout(world)
     out = {
         "rank": world.rank,
         "provider": world.heap.provider,
