@@ -50,8 +50,8 @@ class OutputExists(FileExistsError):
     """An output file exists and --force was not given."""
 
 
-def write_new(path: Path, text: str, force: bool = False) -> Path:
-    """Write `text` to `path`, creating folders; an existing file is replaced only with `force`.
+def write_new(path: Path, text: str | bytes, force: bool = False) -> Path:
+    """Write `text` (str or bytes) to `path`, creating folders; an existing file is replaced only with `force`.
 
     Without `force` the file is created exclusively (no race with another writer); with it, the
     text goes to a temporary file beside `path` that then replaces it (never half-written).
@@ -60,17 +60,18 @@ def write_new(path: Path, text: str, force: bool = False) -> Path:
     if path.is_dir():
         raise OutputExists(f"{path} is a directory; name a file")
     path.parent.mkdir(parents=True, exist_ok=True)
+    data = text.encode("utf-8") if isinstance(text, str) else text
     if not force:
         try:
-            with open(path, "x", encoding="utf-8") as f:
-                f.write(text)
+            with open(path, "xb") as f:
+                f.write(data)
         except FileExistsError:
             raise OutputExists(f"{path} exists; pass --force to replace it, or --out to write elsewhere") from None
         return path
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -119,7 +120,9 @@ def split_problems(keys: Sequence[str]) -> tuple[list[str], dict[str, list[str]]
         for item in filter(None, dims.split(",")):
             k, _, v = item.partition("=")
             d[k] = v
-        d["dtype"], d["world"] = dtype, world.lstrip("w")
+        d["dtype"] = dtype
+        if world:  # keys without the world part (strong-scaling groups) have no world column
+            d["world"] = world.lstrip("w")
         parsed[key] = d
         names += [n for n in d if n not in names]
     vary = [n for n in names if len({parsed[k].get(n) for k in keys}) > 1]
