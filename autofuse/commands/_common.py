@@ -164,11 +164,16 @@ def print_split_table(console: Console, title: str, key_cols: Sequence[str], val
         used += w
     for n, chunk in enumerate(chunks):
         part = f" (part {n + 1} of {len(chunks)})" if len(chunks) > 1 else ""
-        t = Table(title=title + part, title_justify="left")
-        for h in key_cols:
-            t.add_column(h, overflow="fold")
+        console.print(title + part, style="bold", soft_wrap=False)
+        t = Table()
+        # fixed widths: each column as wide as its widest cell (cells never wrap), headers wrap at spaces;
+        # only a cell wider than the whole console folds onto a second line
+        cap = max(8, width - 4)
+        for i, h in enumerate(key_cols):
+            t.add_column(h, overflow="fold", width=min(cap, col_width(i, h) - 3))
         for j in chunk:
-            t.add_column(value_cols[j], justify="right", overflow="fold")
+            t.add_column(value_cols[j], justify="right", overflow="fold",
+                         width=min(cap, col_width(nkey + j, value_cols[j]) - 3))
         for row in body:
             t.add_row(*[str(c) for c in row[:nkey]], *[str(row[nkey + j]) for j in chunk])
         console.print(t)

@@ -445,13 +445,11 @@ def _pick_x(table: list[dict], x: str | None) -> tuple[str, dict]:
     for e in table:
         names += [k for k, v in Problem.from_key(e["problem"]).dims if _numeric(v) and k not in names]
     preferred = [d for d in ("M", "B") if d in names] + [d for d in names if d not in ("M", "B")] + ["size"]
-    best = None
-    for d in preferred:
-        s = _series(table, d)
-        length = max((len(v) for v in s.values()), default=0)
-        if best is None or length > best[0]:
-            best = (length, d, s)
-    return best[1], best[2]
+    tried = [(d, _series(table, d)) for d in preferred]
+    for d, s in tried:  # the first that gives some series two or more points
+        if max((len(v) for v in s.values()), default=0) >= 2:
+            return d, s
+    return tried[0]
 
 
 def draw(sections: list[tuple[str, list[dict], list[dict]]], path: Path, x: str | None, force: bool = False) -> None:
@@ -503,9 +501,11 @@ def draw(sections: list[tuple[str, list[dict], list[dict]]], path: Path, x: str 
         ax_s.set_title("speedup vs bsp", fontsize=9)
         ax_s.legend(fontsize=7)
     for (ax_t, ax_s), (mode, name, entries) in zip(axes[len(shown):], scaling[:4]):
+        _, cells, _ = split_problems([s["sizes"] + "|" for s in entries])
+        key_cols = split_problems([s["sizes"] + "|" for s in entries])[0]
         for s in entries[:8]:
             ws = s["worlds"]
-            label = s["sizes"].split("|")[1]
+            label = " ".join(f"{k}={v}" for k, v in zip(key_cols, cells[s["sizes"] + "|"]))
             line = ax_t.plot(ws, [s["per_world"][str(w)]["us"] for w in ws], marker="o", label=label)[0]
             for w in ws:
                 ax_t.annotate(s["per_world"][str(w)]["variant"], (w, s["per_world"][str(w)]["us"]), fontsize=6,
