@@ -59,7 +59,8 @@ def bench(
     if options.out is not None and not force and options.out.exists():
         fail(f"{options.out} exists; pass --force to replace it, or --out to write elsewhere")
     where = "GPU" if options.device_kind == "cuda" else "CPU"
-    out.print(f"bench {target}: sweep {options.sweep or 'default'}, {options.world} {where} ranks")
+    sweep_shown = options.sweep or (("gpu" if options.device_kind == "cuda" else "cpu") if is_op(target) else "default")
+    out.print(f"bench {target}: sweep {sweep_shown}, {options.world} {where} ranks")
     if options.device_kind == "cpu":
         note(CPU_NOTE)
     from autofuse.world import RankFailed
@@ -85,8 +86,6 @@ def bench(
     except OutputExists as exc:
         fail(str(exc))
     out.print(f"wrote {path}")
-    if is_op(target) and options.device_kind == "cpu":
-        out.print("(CPU emulation: interpreter timings, not GPU timings)", style="yellow")
 
 
 def register(app: typer.Typer) -> None:
