@@ -206,6 +206,9 @@ def test_fit_writes_to_the_user_data_dir_and_never_replaces(runner, db, tmp_path
     assert res.exit_code == 1 and "exists; pass --force" in res.output and _digest(written[0]) == before
     res = runner.invoke(app, ["fit", "--db", str(db), "--force"])
     assert res.exit_code == 0, res.output
+    res = runner.invoke(app, ["fit", "--db", str(db), "--op", "ag_gemm"])  # one op: not where dispatch looks
+    assert res.exit_code == 0, res.output
+    assert [p.name for p in (tmp_path / "autofuse-out").iterdir()] == [written[0].name.replace(".json", "-ag_gemm.json")]
 
 
 def test_default_outputs_leave_shipped_files_alone(runner, db, tmp_path):
@@ -246,7 +249,7 @@ def test_unrelated_sqlite_file_is_left_byte_identical(runner, unrelated, command
     res = runner.invoke(app, [*command, "--db", str(unrelated)])
     assert res.exit_code == 1
     lines = res.output.strip().splitlines()
-    assert len(lines) == 1 and str(unrelated) in lines[0] and "not an autofuse" in lines[0], res.output
+    assert len(lines) == 1 and str(unrelated) in lines[0], res.output
     assert _digest(unrelated) == before
     assert sorted(p.name for p in unrelated.parent.iterdir() if p.name.startswith("app.db")) == ["app.db"]
 
@@ -376,3 +379,15 @@ def test_readme_commands_use_existing_options(runner):
         help_text = runner.invoke(app, [name, "--help"]).output
         for opt in (w.split("=")[0] for w in words[1:] if w.startswith("--")):
             assert opt in help_text, f"README: `autofuse {cmd}` uses {opt}, which `autofuse {name}` lacks"
+
+
+def test_default_tuning_database_is_git_ignored():
+    if shutil.which("git") is None or not (ROOT / ".git").exists():
+        pytest.skip("not a git checkout")
+    paths = ["tuning_db/autofuse.db", "tuning_db/autofuse.db-wal", "tuning_db/autofuse.db-shm",
+             "tuning_db/autofuse.optuna.db", "autofuse-out/bench-x.json"]
+    res = subprocess.run(["git", "check-ignore", *paths], cwd=ROOT, capture_output=True, text=True, timeout=30)
+    assert sorted(res.stdout.split()) == sorted(paths), res.stdout
+    res = subprocess.run(["git", "check-ignore", "tuning_db/h200x2.db", "models/x.json"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=30)
+    assert res.stdout == ""

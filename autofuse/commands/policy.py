@@ -223,7 +223,8 @@ def fit(
     mode: Optional[str] = ModeOpt,
     out_path: Optional[Path] = typer.Option(None, "--out", help="Policy JSON to write (default: "
                                             "<user data dir>/autofuse/models/<gpu>-x<n>-<fingerprint>-<mode>.json, "
-                                            "where dispatch finds it; $XDG_DATA_HOME or ~/.local/share)."),
+                                            "where dispatch finds it; $XDG_DATA_HOME or ~/.local/share; with --op: "
+                                            "./autofuse-out/<that name>-<op>.json)."),
     fingerprint: Optional[str] = FpOpt,
     op: Optional[str] = typer.Option(None, "--op", help="Fit only this op."),
     folds: int = typer.Option(5, min=2, help="Folds (by problem) of the held-out evaluation."),
@@ -239,7 +240,12 @@ def fit(
     if (out_path or report) and len(found) > 1:
         fail(f"{db} holds {' and '.join(m for m, _, _ in found)} measurements and --out/--report name one file: "
              "add --mode to fit one of them")
-    targets = [(m, rows, fp, out_path or user_models_dir() / file_name(fp, m)) for m, rows, fp in found]
+    def default(fp: dict, m: str) -> Path:
+        if op:  # a one-op policy never lands where dispatch looks for whole-machine policies
+            return OUT_DIR / file_name(fp, m).replace(".json", f"-{op}.json")
+        return user_models_dir() / file_name(fp, m)
+
+    targets = [(m, rows, fp, out_path or default(fp, m)) for m, rows, fp in found]
     check_new([t[3] for t in targets] + ([report] if report else []), force)
     from autofuse.training import fit as fitting
 
