@@ -182,7 +182,12 @@ def short_config(config: dict) -> str:
 
 def read_db(path: Path, op: str) -> tuple[list[dict], dict]:
     """The op's successful measurements (with the problem's dims) and the environment rows, read-only."""
-    con = sqlite3.connect(f"file:{quote(str(path.absolute()))}?mode=ro", uri=True)
+    uri = f"file:{quote(str(path.absolute()))}?mode=ro"
+    with open(path, "rb") as f:
+        header = f.read(20)
+    if len(header) == 20 and header[18] == 2 and not Path(f"{path}-wal").exists():
+        uri += "&immutable=1"  # WAL mode, nobody writing: read without leaving -wal/-shm files behind
+    con = sqlite3.connect(uri, uri=True)
     con.row_factory = sqlite3.Row
     try:
         dims = {r["key"]: {**json.loads(r["dims"]), "world": r["world"]}

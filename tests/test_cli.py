@@ -256,9 +256,11 @@ def test_unrelated_sqlite_file_is_left_byte_identical(runner, unrelated, command
 
 def test_tuning_database_is_left_byte_identical(runner, db):
     before = _digest(db)
+    assert db.read_bytes()[18] == 2  # WAL mode, as the store writes it
     for args in (["show"], ["export"], ["fit", "--out", "p.json"]):
         assert runner.invoke(app, [*args, "--db", str(db)]).exit_code == 0
     assert _digest(db) == before
+    assert sorted(p.name for p in db.parent.iterdir()) == [db.name]  # no -wal / -shm left beside it
 
 
 @pytest.mark.parametrize("kind", ["directory", "truncated", "empty", "text", "missing"])

@@ -27,15 +27,17 @@ def test_tables_from_committed_json():
 
 def test_tuned_tables_from_committed_db():
     db = ROOT / "tuning_db" / "h200x2.db"
+    beside = sorted(db.parent.iterdir())
     cmd = [sys.executable, str(ROOT / "scripts" / "results_tables.py"), "--db", str(db), "--op", "gemm_ar",
            "--against", f"bench={SOURCE}"]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=60).stdout
+    assert sorted(db.parent.iterdir()) == beside  # read-only: no -wal / -shm left beside the database
     assert out.startswith("### gemm_ar, tuned (`autofuse tune`)")
     header = ("| M | trials | bsp us | best fused | fused us | x BSP | fused config | fastest | bench fused us "
               "| bench / tuned |")
     assert out.count(header) == 2
     assert out.index("#### graph mode") < out.index("#### eager mode")
-    con = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
+    con = sqlite3.connect(f"file:{db}?mode=ro&immutable=1", uri=True)
     bsp = dict(con.execute("SELECT problem || mode, median_us FROM measurements "
                            "WHERE op = 'gemm_ar' AND variant = 'bsp' AND ok = 1").fetchall())
     con.close()

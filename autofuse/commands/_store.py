@@ -31,7 +31,7 @@ class _ReadOnlyStore(Store):
         if self.path.is_dir():
             raise StoreError(f"{self.path}: is a directory, not a database file")
         try:
-            conn = sqlite3.connect(f"file:{quote(str(self.path.absolute()))}?mode=ro", uri=True, timeout=10)
+            conn = sqlite3.connect(readonly_uri(self.path), uri=True, timeout=10)
             tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
         except sqlite3.Error as exc:
             raise StoreError(f"{self.path}: cannot be read as SQLite ({exc})") from None
@@ -43,6 +43,25 @@ class _ReadOnlyStore(Store):
 
     def modes(self) -> list[str]:
         return [r["mode"] for r in self.db.query("SELECT DISTINCT mode FROM measurements ORDER BY mode")]
+
+
+def readonly_uri(path: Path) -> str:
+    """SQLite URI that reads `path` without writing anything beside it.
+
+    A WAL-mode database read with mode=ro still creates (and leaves) empty -wal and -shm files; when
+    no -wal file exists (nobody is writing, everything is in the main file) it is opened immutable,
+    which needs neither.
+    """
+    uri = f"file:{quote(str(path.absolute()))}?mode=ro"
+    try:
+        with open(path, "rb") as f:
+            header = f.read(20)
+    except OSError:
+        return uri
+    wal = len(header) == 20 and header[:16] == b"SQLite format 3\x00" and header[18] == 2
+    if wal and not Path(f"{path}-wal").exists():
+        uri += "&immutable=1"
+    return uri
 
 
 def open_readonly(path: str | Path) -> Store:
