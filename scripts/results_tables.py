@@ -356,7 +356,8 @@ def render_scaling(db: Path, op: str, level: int = 3) -> str:
     for mode in modes:
         keys = [k for k in groups if k[1] == mode]
         worlds = sorted({w for k in keys for w in groups[k]})
-        keys.sort(key=lambda k: [(n, v if isinstance(v, int) else 0, str(v)) for n, v in sorted(sizes_dims[k[0]].items())])
+        keys.sort(key=lambda k: [(n, v if isinstance(v, int) else 0, str(v))
+                                 for n, v in sorted(sizes_dims[k[0]].items())])
         vary, const = varying([sizes_dims[k[0]] for k in keys])
         header = [*vary]
         for w in worlds:
@@ -371,7 +372,8 @@ def render_scaling(db: Path, op: str, level: int = 3) -> str:
                 cells += [v, fmt(t)] + ([fmt(base / t if finite(t) else math.nan, 2)] if w != worlds[0] else [])
             body.append(cells)
         fixed = ", ".join(f"{n}={v}" for n, v in const.items())
-        out += [f"{h}# {mode} mode" + (f" ({fixed})" if fixed else ""), "", *table(header, body, right_from=len(vary)), ""]
+        title = f"{h}# {mode} mode" + (f" ({fixed})" if fixed else "")
+        out += [title, "", *table(header, body, right_from=len(vary)), ""]
     return "\n".join(out)
 
 

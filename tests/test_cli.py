@@ -199,7 +199,8 @@ def test_fit_writes_to_the_user_data_dir_and_never_replaces(runner, db, tmp_path
     assert res.exit_code == 0, res.output
     written = list((tmp_path / "xdg" / "autofuse" / "models").glob("*.json"))
     assert len(written) == 1, written
-    assert written[0].name == f"cpu-emulation-{FP['gpu_name'].split('(')[1].strip(')').replace('_', '-')}-{FP['id']}-eager.json"
+    machine = FP["gpu_name"].split("(")[1].strip(")").replace("_", "-")
+    assert written[0].name == f"cpu-emulation-{machine}-{FP['id']}-eager.json"
     assert "-x0-" not in written[0].name
     before = _digest(written[0])
     res = runner.invoke(app, ["fit", "--db", str(db)])
@@ -208,7 +209,8 @@ def test_fit_writes_to_the_user_data_dir_and_never_replaces(runner, db, tmp_path
     assert res.exit_code == 0, res.output
     res = runner.invoke(app, ["fit", "--db", str(db), "--op", "ag_gemm"])  # one op: not where dispatch looks
     assert res.exit_code == 0, res.output
-    assert [p.name for p in (tmp_path / "autofuse-out").iterdir()] == [written[0].name.replace(".json", "-ag_gemm.json")]
+    one_op = written[0].name.replace(".json", "-ag_gemm.json")
+    assert [p.name for p in (tmp_path / "autofuse-out").iterdir()] == [one_op]
 
 
 def test_default_outputs_leave_shipped_files_alone(runner, db, tmp_path):
@@ -298,7 +300,8 @@ def run(options) -> dict:
     """The fake bench target's run: one row per requested variant; 'explode' raises gloo-like text."""
     if options.variants and "explode" in options.variants:
         raise RuntimeError("[/home/ci/gloo/transport.cc:154] Connection closed by peer [/red] [/foo]")
-    print("[1/1] fake measurement", flush=True)
+    if options.progress:
+        print("[1/1] fake measurement", flush=True)
     return {"rows": [{"case": "a", "us": 1.5, "nan": float("nan")}], "sweep": "tiny", "world": options.world}
 
 
@@ -329,6 +332,8 @@ def test_bench_target_contract(runner, fake_target, tmp_path):
     assert json.loads(path.read_text()) == doc
     res = runner.invoke(app, ["bench", "fake", "--out", str(path)])
     assert res.exit_code == 1 and "exists" in res.output
+    res = runner.invoke(app, ["bench", "fake", "--json", "--out", "b.json"])  # stdout: the JSON document only
+    assert res.exit_code == 0 and json.loads(res.stdout) == json.loads((tmp_path / "b.json").read_text())
     assert not (tmp_path / "docs").exists()
 
 
@@ -356,7 +361,7 @@ def test_cpu_op_bench(tmp_path):
     assert re.search(r"^\[1/1\] problem 1/1 gemm_ar\|.* bsp default: eager [0-9.]+ us$", res.stdout, re.M), res.stdout
     assert "not GPU timings" in res.stdout + res.stderr
     written = list((tmp_path / "autofuse-out").glob("bench-gemm_ar-cpu-w2-*.json"))
-    assert len(written) == 1 and f"wrote {written[0].relative_to(tmp_path)}" in res.stdout
+    assert len(written) == 1 and f"wrote {written[0].relative_to(tmp_path)}" in res.stderr
     doc = json.loads(written[0].read_text())
     assert doc["op"] == "gemm_ar" and doc["sweep"] == "cpu" and len(doc["rows"]) == 1
     tables = [line for line in res.stdout.splitlines() if line[:1] in "┏┃┡│└"]

@@ -10,8 +10,8 @@ import random
 
 import numpy as np
 import pytest
-
 from _toy_op import OP as TOY
+
 from autofuse import environment, policy
 from autofuse.op import Problem
 from autofuse.policy import BSP, Policy, PolicyWarning
@@ -310,45 +310,53 @@ def clean():
     return out
 
 
-def _first_internal(tree: dict) -> int:
-    return next(i for i, left in enumerate(tree["left"]) if left != -1)
-
-
 def _leaf_of(tree: dict) -> int:
     return next(i for i, left in enumerate(tree["left"]) if left == -1)
 
 
+def _op(d: dict) -> dict:
+    return d["ops"]["toy_mm"]
+
+
+def _tree(d: dict) -> dict:
+    """The decision tree of a 'tree' model."""
+    return _op(d)["model"]["tree"]
+
+
+def _gbr(d: dict, i: int) -> dict:
+    """Tree i of a 'gbr' model."""
+    return _op(d)["model"]["trees"][i]
+
+
+def _share_child(d: dict) -> None:
+    t = _gbr(d, 3)
+    t["right"][0] = t["left"][0]  # both children of the root are the same node
+
+
 MALFORMED = {
     # name: (model kind, mutation, text the warning must contain)
-    "shared node": ("gbr", lambda d: d["ops"]["toy_mm"]["model"]["trees"][3].__setitem__(
-        "right", [d["ops"]["toy_mm"]["model"]["trees"][3]["left"][0]] + d["ops"]["toy_mm"]["model"]["trees"][3]["right"][1:]),
-        "reached twice"),
-    "missing nested key": ("gbr", lambda d: d["ops"]["toy_mm"]["model"]["trees"][5].pop("threshold"), "lacks 'threshold'"),
-    "missing candidate config": ("tree", lambda d: d["ops"]["toy_mm"]["candidates"]["fused"][0].pop("config"),
-                                 "lacks 'config'"),
-    "feature index out of range": ("tree", lambda d: d["ops"]["toy_mm"]["model"]["tree"]["feature"].__setitem__(
-        0, 99), "feature index 99 out of range"),
-    "child index out of range": ("gbr", lambda d: d["ops"]["toy_mm"]["model"]["trees"][0]["left"].__setitem__(0, 10**6),
-                                 "child index out of range"),
-    "zero scale": ("gbr", lambda d: d["ops"]["toy_mm"]["scale"].__setitem__(0, 0.0), "must be positive"),
-    "negative scale": ("tree", lambda d: d["ops"]["toy_mm"]["scale"].__setitem__(1, -1.0), "must be positive"),
-    "NaN threshold": ("tree", lambda d: d["ops"]["toy_mm"]["model"]["tree"]["threshold"].__setitem__(0, math.nan),
+    "shared node": ("gbr", _share_child, "reached twice"),
+    "missing nested key": ("gbr", lambda d: _gbr(d, 5).pop("threshold"), "lacks 'threshold'"),
+    "missing candidate config": ("tree", lambda d: _op(d)["candidates"]["fused"][0].pop("config"), "lacks 'config'"),
+    "feature index out of range": ("tree", lambda d: _tree(d)["feature"].__setitem__(0, 99),
+                                   "feature index 99 out of range"),
+    "child index out of range": ("gbr", lambda d: _gbr(d, 0)["left"].__setitem__(0, 10**6), "child index out of range"),
+    "zero scale": ("gbr", lambda d: _op(d)["scale"].__setitem__(0, 0.0), "must be positive"),
+    "negative scale": ("tree", lambda d: _op(d)["scale"].__setitem__(1, -1.0), "must be positive"),
+    "NaN threshold": ("tree", lambda d: _tree(d)["threshold"].__setitem__(0, math.nan),
                       "threshold[0]: nan is not a finite number"),
-    "NaN margin": ("gbr", lambda d: d["ops"]["toy_mm"].__setitem__("margin", math.nan), "margin: nan is not a finite"),
-    "infinite leaf value": ("gbr", lambda d: d["ops"]["toy_mm"]["model"]["trees"][2]["value"].__setitem__(
-        _leaf_of(d["ops"]["toy_mm"]["model"]["trees"][2]), math.inf), "is not a finite number"),
-    "NaN leaf gain": ("tree", lambda d: d["ops"]["toy_mm"]["model"]["leaf_gain"].__setitem__(
-        _leaf_of(d["ops"]["toy_mm"]["model"]["tree"]), {"bsp": 0.0, "fused": math.nan}), "leaf_gain"),
-    "label out of range": ("tree", lambda d: d["ops"]["toy_mm"]["model"]["tree"]["label"].__setitem__(0, 7),
-                           "is not a class index"),
-    "leaf with one child": ("tree", lambda d: d["ops"]["toy_mm"]["model"]["tree"]["right"].__setitem__(
-        _leaf_of(d["ops"]["toy_mm"]["model"]["tree"]), 1), "has one child"),
-    "huge integer": ("gbr", lambda d: d["ops"]["toy_mm"]["model"].__setitem__("init", 10**400), "not a finite number"),
-    "features not strings": ("gbr", lambda d: d["ops"]["toy_mm"]["features"].__setitem__(0, [[["x"]]]),
-                             "is not a string"),
-    "unknown problem in candidates": ("tree", lambda d: d["ops"]["toy_mm"]["candidates"]["bsp"][0]["problems"].append(
+    "NaN margin": ("gbr", lambda d: _op(d).__setitem__("margin", math.nan), "margin: nan is not a finite"),
+    "infinite leaf value": ("gbr", lambda d: _gbr(d, 2)["value"].__setitem__(_leaf_of(_gbr(d, 2)), math.inf),
+                            "is not a finite number"),
+    "NaN leaf gain": ("tree", lambda d: _op(d)["model"]["leaf_gain"].__setitem__(
+        _leaf_of(_tree(d)), {"bsp": 0.0, "fused": math.nan}), "leaf_gain"),
+    "label out of range": ("tree", lambda d: _tree(d)["label"].__setitem__(0, 7), "is not a class index"),
+    "leaf with one child": ("tree", lambda d: _tree(d)["right"].__setitem__(_leaf_of(_tree(d)), 1), "has one child"),
+    "huge integer": ("gbr", lambda d: _op(d)["model"].__setitem__("init", 10**400), "not a finite number"),
+    "features not strings": ("gbr", lambda d: _op(d)["features"].__setitem__(0, [[["x"]]]), "is not a string"),
+    "unknown problem in candidates": ("tree", lambda d: _op(d)["candidates"]["bsp"][0]["problems"].append(
         "toy_mm|K=1|float32|w2"), "which the policy does not hold"),
-    "zero latency": ("gbr", lambda d: next(iter(d["ops"]["toy_mm"]["problems"].values()))["us"].__setitem__("bsp", 0.0),
+    "zero latency": ("gbr", lambda d: next(iter(_op(d)["problems"].values()))["us"].__setitem__("bsp", 0.0),
                      "must be positive"),
 }
 

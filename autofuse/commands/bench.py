@@ -30,14 +30,24 @@ def bench(
                                             "autofuse-out/bench-ag_gemm-cpu-w2-2026-11-22.json; DATE in UTC)."),
     force: bool = typer.Option(False, "--force", help="Replace the output file if it exists."),
     quiet: bool = typer.Option(False, help="No line per measurement, only the tables."),
+    json_out: bool = typer.Option(False, "--json", help="Print the JSON document instead of tables (no progress "
+                                  "lines; the file is written as well)."),
 ) -> None:
     """Benchmark an op (each variant at its known-good configs vs BSP and the bound) or an extra target.
 
     On a machine without GPUs this runs the CPU emulation: the timings are the Triton interpreter's
     and gloo's, not a GPU's (they show that every variant runs, not which is faster).
     """
-    from autofuse.training.bench import (CPU_NOTE, BenchOptions, BenchTargetMissing, default_out, dumps,
-                                         is_op, load_target, report)
+    from autofuse.training.bench import (
+        CPU_NOTE,
+        BenchOptions,
+        BenchTargetMissing,
+        default_out,
+        dumps,
+        is_op,
+        load_target,
+        report,
+    )
 
     try:
         module = load_target(target)
@@ -48,7 +58,7 @@ def bench(
     options = BenchOptions(target=target, sweep=sweep, reps=reps, limit=limit, world=world, out=out_path,
                            variants=[v.strip() for v in variants.split(",") if v.strip()] if variants else None,
                            modes=[mode] if mode else None, shapes=list(shapes) if shapes else None, force=force,
-                           progress=not quiet).resolved()
+                           progress=not (quiet or json_out)).resolved()
     if options.device_kind == "cpu" and mode == "graph":
         fail("--mode graph needs CUDA graphs (a GPU); on CPU only eager mode exists")
     if options.device_kind == "cuda":
@@ -60,7 +70,7 @@ def bench(
         fail(f"{options.out} exists; pass --force to replace it, or --out to write elsewhere")
     where = "GPU" if options.device_kind == "cuda" else "CPU"
     sweep_shown = options.sweep or (("gpu" if options.device_kind == "cuda" else "cpu") if is_op(target) else "default")
-    out.print(f"bench {target}: sweep {sweep_shown}, {options.world} {where} ranks")
+    note(f"bench {target}: sweep {sweep_shown}, {options.world} {where} ranks", style="")
     if options.device_kind == "cpu":
         note(CPU_NOTE)
     from autofuse.world import RankFailed
@@ -72,7 +82,8 @@ def bench(
     except Exception as exc:  # a rank failed (RankFailed) or the target broke: one line, no traceback
         first = (str(exc).strip().splitlines() or [""])[0]
         fail(f"bench {target} failed: {first if isinstance(exc, RankFailed) else f'{type(exc).__name__}: {first}'}")
-    module.render(result, out)
+    if not json_out:
+        module.render(result, out)
     date = datetime.datetime.now(datetime.timezone.utc).date().isoformat()
     path = options.out or default_out(target, result.get("sweep", options.sweep), result.get("world", options.world),
                                       date)
@@ -85,7 +96,9 @@ def bench(
         write_new(path, dumps(doc), force=force)
     except OutputExists as exc:
         fail(str(exc))
-    out.print(f"wrote {path}")
+    if json_out:
+        print(dumps(doc), end="")
+    note(f"wrote {path}", style="")
 
 
 def register(app: typer.Typer) -> None:

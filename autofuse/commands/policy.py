@@ -23,8 +23,18 @@ from typing import Any, Optional
 
 import typer
 
-from autofuse.commands._common import (OutputExists, check_new, fail, note, order_modes, out, print_split_table,
-                                       problem_sort_key, split_problems, write_new)
+from autofuse.commands._common import (
+    OutputExists,
+    check_new,
+    fail,
+    note,
+    order_modes,
+    out,
+    print_split_table,
+    problem_sort_key,
+    split_problems,
+    write_new,
+)
 
 DEFAULT_DB = Path("tuning_db/autofuse.db")
 MODES = ("graph", "eager")
@@ -361,22 +371,21 @@ def export(
     if fmt not in ("csv", "json"):
         fail(f"--format must be csv or json, not {fmt!r}")
     found = load(db, mode, fingerprint, op)
-    files: dict[Path, list[dict]] = {}
+    files: dict[Path, tuple[str, list[dict]]] = {}  # path -> (what it holds, records)
     for m, rows, fp in found:
         table = problem_table(rows)
         main = out_path or OUT_DIR / f"tuning-{m}.{fmt}"
         side = main.with_name(f"{main.stem}-scaling{main.suffix}") if out_path else OUT_DIR / f"scaling-{m}.{fmt}"
-        files.setdefault(main, []).extend(_records(table, m, fp.get("id")))
+        files.setdefault(main, ("problems", []))[1].extend(_records(table, m, fp.get("id")))
         scaling = _scaling_records(scaling_table(table), m, fp.get("id"))
         if scaling:
-            files.setdefault(side, []).extend(scaling)
+            files.setdefault(side, ("strong-scaling rows", []))[1].extend(scaling)
     check_new(list(files), force)
-    for path, records in files.items():
+    for path, (what, records) in files.items():
         try:
             write_new(path, _serialise(records, fmt), force)
         except OutputExists as exc:
             fail(str(exc))
-        what = "strong-scaling rows" if path.stem.endswith("scaling") or path.stem.startswith("scaling-") else "problems"
         out.print(f"{len(records)} {what} written to {path}")
 
 

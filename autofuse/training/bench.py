@@ -9,7 +9,8 @@ module). Every target follows one contract, so the command treats them alike:
         writer turns non-finite floats into null), with a "rows" list (one dict per measured case).
         Optional keys the command reads: "sweep" (the problem set actually run), "world" (ranks),
         "device_kind" ("cuda" | "cpu"), "notes" (list of one-line strings printed after the tables).
-        Progress lines go to stdout as the work goes (one per measurement, not per problem).
+        While `options.progress` is true it prints a progress line to stdout per measurement (not
+        per problem) as the work goes; with it false (`--quiet`, `--json`) it prints nothing.
         It never writes files: the command writes the JSON.
     render(result: dict, console) -> None
         Prints the result for people on `console` (a rich Console with markup off: foreign text
