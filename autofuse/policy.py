@@ -485,8 +485,11 @@ def validate(data: Any) -> str | None:
               f"format version {_show(data.get('format_version'))}, this autofuse reads {FORMAT_VERSION}")
         _obj(data, "policy", ("fingerprint", "ops"))
         for k, v in _obj(data["fingerprint"], "fingerprint").items():
-            _need(v is None or isinstance(v, (str, bool)) or _is_finite(v), f"fingerprint[{k!r}]",
-                  f"{_show(v)} is not a string or number")
+            inner = v.items() if isinstance(v, Mapping) else [(None, v)]  # e.g. "ops": {op: code digest}
+            for k2, x in inner:
+                _need(x is None or isinstance(x, (str, bool)) or _is_finite(x),
+                      f"fingerprint[{k!r}]" + (f"[{k2!r}]" if k2 is not None else ""),
+                      f"{_show(x)} is not a string or number")
         _need(isinstance(data["fingerprint"].get("id"), str), "fingerprint", "lacks its id")
         _need(isinstance(data.get("mode", ""), str), "mode", "is not a string")
         for name, op in _obj(data["ops"], "ops").items():

@@ -356,6 +356,8 @@ MALFORMED = {
     "features not strings": ("gbr", lambda d: _op(d)["features"].__setitem__(0, [[["x"]]]), "is not a string"),
     "unknown problem in candidates": ("tree", lambda d: _op(d)["candidates"]["bsp"][0]["problems"].append(
         "toy_mm|K=1|float32|w2"), "which the policy does not hold"),
+    "nested fingerprint": ("gbr", lambda d: d["fingerprint"].__setitem__("ops", {"toy_mm": {"deeper": 1}}),
+                           "fingerprint['ops']['toy_mm']"),
     "zero latency": ("gbr", lambda d: next(iter(_op(d)["problems"].values()))["us"].__setitem__("bsp", 0.0),
                      "must be positive"),
 }
@@ -421,6 +423,8 @@ def test_valid_policies_pass_validation(clean):
 
     for data in clean.values():
         assert policy.validate(data) is None
+        with_digests = dict(data, fingerprint=dict(data["fingerprint"], ops={"toy_mm": "0123abcd"}))
+        assert policy.validate(with_digests) is None  # one level of nesting: per-op code digests
     shipped = sorted((Path(__file__).resolve().parents[1] / "models").glob("*.json"))
     assert shipped
     for path in shipped:
