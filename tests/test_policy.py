@@ -43,7 +43,7 @@ def db(tmp_path_factory):
     measurements = spawn(_measure_toy, 2)[0]
     path = tmp_path_factory.mktemp("policy") / "autofuse.db"
     store = Store(path)
-    store.add(measurements, FP, source="bench")
+    store.add(measurements, FP, source="tune")
     store.close()
     return path
 
