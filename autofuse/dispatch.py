@@ -437,28 +437,31 @@ def _env_override(op: str) -> str | None:
 
 
 def models_dirs() -> list[Path]:
-    """Where shipped policies are searched: AUTOFUSE_MODELS_DIR, models/ beside the package, installed data."""
+    """Where policies are searched, first match wins: AUTOFUSE_MODELS_DIR, this user's fitted policies
+    (`autofuse fit`'s default output), models/ beside the package, the installed shipped ones."""
+    from autofuse.policy import user_models_dir
+
     here = Path(__file__).resolve().parent
     dirs = [Path(p) for p in os.environ.get("AUTOFUSE_MODELS_DIR", "").split(os.pathsep) if p]
-    dirs += [here.parent / "models", here / "models", Path(sys.prefix) / "share" / "autofuse" / "models"]
+    dirs += [user_models_dir(), here.parent / "models", here / "models",
+             Path(sys.prefix) / "share" / "autofuse" / "models"]
     return [d for i, d in enumerate(dirs) if d.is_dir() and d not in dirs[:i]]
 
 
 def find_policy(fingerprint: dict, mode: str | None = None) -> Path | None:
-    """The shipped policy whose fingerprint matches (preferring `mode`), or None."""
+    """The first valid policy whose fingerprint matches (earlier folders first, `mode` preferred), or None."""
     from autofuse.environment import fingerprint_id
+    from autofuse.policy import read_file, validate
 
-    found: list[tuple[bool, str, Path]] = []
-    for d in models_dirs():
+    found: list[tuple[bool, int, str, Path]] = []
+    for index, d in enumerate(models_dirs()):
         for path in sorted(d.glob("*.json")):
-            try:
-                data = json.loads(path.read_text())
-                fp = data["fingerprint"]
-            except (OSError, ValueError, KeyError, TypeError):
+            data, _ = read_file(path)
+            if data is None or validate(data) is not None:
                 continue
-            if isinstance(fp, dict) and fingerprint_id(fp) == fingerprint["id"]:
-                found.append((data.get("mode") != mode, str(path), path))
-    return min(found)[2] if found else None
+            if fingerprint_id(data["fingerprint"]) == fingerprint["id"]:
+                found.append((data.get("mode") != mode, index, str(path), path))
+    return min(found)[3] if found else None
 
 
 def _policy(world: World) -> Any:

@@ -11,7 +11,8 @@ import time
 import pytest
 
 from _toy_op import OP as TOY
-from autofuse import environment, policy
+from autofuse import environment
+from autofuse.training.fit import fit
 from autofuse.op import Problem
 from autofuse.world import spawn
 
@@ -36,7 +37,7 @@ def _rows() -> list[dict]:
 def policies(tmp_path_factory) -> dict:
     """A fitted toy policy (data) and a folder; ranks write it with their own fingerprint (other helpers'
     kernel edits change the kernel hash between this process and the ranks)."""
-    return {"data": policy.fit(_rows(), FP, "eager", ops={"toy_mm": TOY}).data,
+    return {"data": fit(_rows(), FP, "eager", ops={"toy_mm": TOY}).data,
             "dir": str(tmp_path_factory.mktemp("dispatch"))}
 
 
