@@ -432,6 +432,8 @@ def main() -> None:
     p.add_argument("--context", type=int, default=8192, help="decode: tokens already in the KV cache")
     args = p.parse_args()
     cuda = torch.cuda.is_available()
+    if not cuda:
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # autofuse's kernels run in Triton's interpreter on CPU
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group("nccl" if cuda else "gloo")

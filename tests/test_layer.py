@@ -286,3 +286,106 @@ def test_tolerance_catches_small_bugs() -> None:
         _attend, _rope = attend, rope
     small = {k: v for k, v in bugs.items() if not v > 2 * TOL}
     assert not small, f"bugs the tolerance {TOL} would not catch: {small}"
+
+
+def test_bench_layer_cpu(tmp_path) -> None:
+    """`autofuse bench layer`'s run/render on 2 CPU ranks: one prefill and one decode shape, the
+    default choice and one forced configuration; JSON-able rows with every reported quantity."""
+    import io
+    import json
+    import warnings
+
+    from rich.console import Console
+
+    from autofuse.training import bench_layer
+
+    forced = "ag_gemm:pull,gemm_rs:push_last,gemm_ar:one_shot,flash_decode:push"
+    out = tmp_path / "layer.json"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        result = bench_layer.run({"shapes": "T=16,1x24", "reps": 1, "out": out, "autofuse": f"default;{forced}"})
+    rows = result["rows"]
+    assert [(r["phase"], r["shape"], r["autofuse"]) for r in rows] == [
+        ("prefill", "T=16", "default"), ("prefill", "T=16", forced),
+        ("decode", "B=1 S=24", "default"), ("decode", "B=1 S=24", forced)]
+    for r in rows:
+        assert r["mode"] == "eager" and r["ok"] and r["rel_diff"] <= TOL
+        assert r["autofuse_us"] > 0 and r["baseline_us"] > 0 and r["comm_us"] > 0
+        assert set(r["ops_us"]["autofuse"]) == {*bench_layer.OPS, "rest"}
+    assert {r["variants"]["o_proj"] for r in rows if r["autofuse"] == forced} == {"gemm_rs:push_last", "gemm_ar:one_shot"}
+    assert json.loads(out.read_text())["rows"][0]["shape"] == "T=16"
+    assert "interpreter" in result["note"]
+    text = io.StringIO()
+    bench_layer.render(result, Console(file=text, width=80))
+    assert "interpreter timings" in text.getvalue() and "geomean" in text.getvalue()
+
+
+def test_bench_layer_plan() -> None:
+    from autofuse.training.bench_layer import Options, plan
+
+    full = plan(Options(), "cuda")
+    assert [x["tokens"] for x in full if x["phase"] == "prefill"] == [512, 2048, 8192]
+    assert len([x for x in full if x["phase"] == "decode"]) == 16
+    got = plan(Options(shapes="T=2048,B=8,S=16K,1x4k", phases=None), "cuda")
+    assert got == [{"phase": "prefill", "tokens": 2048}, {"phase": "decode", "batch": 1, "context": 4096},
+                   {"phase": "decode", "batch": 8, "context": 16384}]
+    assert plan(Options(phases=["decode"], shapes="B=128"), "cuda")[-1] == {"phase": "decode", "batch": 128,
+                                                                          "context": 32768}
+    with pytest.raises(ValueError):
+        plan(Options(shapes="M=3"), "cuda")
+
+
+# --------------------------------------------------------------------------------------- GPU check
+def _gpu_job(world, model: str) -> list[tuple[str, float]]:
+    """Real sizes: both layers eager, and each captured in a CUDA graph and replayed, for autofuse's
+    default choice and every forced combination; (case, rel. difference) rows."""
+    import autofuse
+
+    m = example()
+    cfg, w, r, dev = m.CONFIGS[model], world.size, world.rank, world.device
+    fused, base = m.make_layers(cfg, world.group, seed=0, device=dev)
+    g = torch.Generator(device=dev).manual_seed(5 + r)
+    x = torch.randn(512 // w, cfg.hidden, generator=g, device=dev).to(torch.bfloat16)
+    xd = torch.randn(8, cfg.hidden, generator=torch.Generator(device=dev).manual_seed(6), device=dev).to(torch.bfloat16)
+    pos = torch.full((8,), 4096, device=dev)
+    cache = m.KVCache.random(cfg, 8, 4097, r, w, device=dev)
+    calls = {"prefill": (lambda: fused.prefill(x), lambda: base.prefill(x)),
+             "decode": (lambda: fused.decode(xd, pos, cache), lambda: base.decode(xd, pos, cache))}
+
+    def replayed(fn):
+        fn()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            fn()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = fn()
+        graph.replay()
+        torch.cuda.synchronize()
+        return out.clone()
+
+    rows = []
+    for combo in _combos(world):
+        os.environ["AUTOFUSE_VARIANT"] = combo
+        autofuse.set_policy(None)
+        for phase, (f, b) in calls.items():
+            expected = b()
+            label = f"{combo or 'default'}/{phase}"
+            rows.append((f"{label}/eager autofuse-vs-baseline", m.rel_diff(f(), expected)))
+            rows.append((f"{label}/graph autofuse-vs-baseline", m.rel_diff(replayed(f), expected)))
+            rows.append((f"{label}/graph baseline-vs-eager", m.rel_diff(replayed(b), expected)))
+    os.environ.pop("AUTOFUSE_VARIANT", None)
+    return rows
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+@pytest.mark.parametrize("model", ["8b", "70b"])
+def test_layer_gpu(model: str) -> None:
+    """Two GPUs, real Llama-3 sizes, prefill of 512 tokens and decode of 8 x 4K: the autofuse layer
+    matches the baseline (eager and replayed from a CUDA graph) with every forced combination."""
+    rows = spawn(_gpu_job, 2, model, device_kind="cuda", timeout_s=900)
+    bad = [(case, err) for case, err in rows[0] if not err <= TOL]
+    assert not bad, f"errors above {TOL}: {bad}\nall: {rows[0]}"
