@@ -50,7 +50,6 @@ tiny one for CPU tests. Run it (two GPUs, checks both layers agree, then times t
 from __future__ import annotations
 
 import argparse
-import math
 import os
 from dataclasses import dataclass
 from typing import Any, Protocol

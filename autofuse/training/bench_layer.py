@@ -62,7 +62,9 @@ class Options:
     kv_block: positions per KV-cache block (ranks own blocks round-robin; default 64, 4 on CPU); example: the layer file;
     autofuse: the autofuse configurations to time against the one baseline, each an AUTOFUSE_VARIANT
     value ('' or 'default': autofuse's own choice; 'ag_gemm:push,gemm_rs:push_last' forces those), a
-    list or one string split at ';' (default: this process's AUTOFUSE_VARIANT, else autofuse's choice).
+    list or one string split at ';' (default: this process's AUTOFUSE_VARIANT, else autofuse's choice);
+    'each' stands for one configuration per non-bsp variant: the i-th run forces every op's i-th
+    variant available on the device (cycling), as listed by autofuse.registry.
     """
 
     world: int | None = None
@@ -162,6 +164,24 @@ def autofuse_configs(opts: Options) -> list[str]:
     return list(dict.fromkeys("" if i.strip() in ("", "default") else i.strip() for i in items))
 
 
+def expand_configs(configs: Sequence[str], world: Any) -> list[str]:
+    """Replace 'each' by the forced combinations covering every non-bsp variant of every op available
+    on `world` (combination i takes each op's i-th variant, cycling); keeps the order, no repeats."""
+    from autofuse import registry
+
+    out: list[str] = []
+    for c in configs:
+        if c != "each":
+            out.append(c)
+            continue
+        per_op = {op: [n for n, v in registry.get(op).variants.items() if n != "bsp" and v.available(world)]
+                  for op in registry.names()}
+        per_op = {op: vs for op, vs in per_op.items() if vs}
+        runs = max((len(vs) for vs in per_op.values()), default=0)
+        out += [",".join(f"{op}:{vs[i % len(vs)]}" for op, vs in per_op.items()) for i in range(runs)]
+    return list(dict.fromkeys(out))
+
+
 def shape_label(item: dict) -> str:
     return f"T={item['tokens']}" if item["phase"] == "prefill" else f"B={item['batch']} S={item['context']}"
 
@@ -188,13 +208,13 @@ def run(options: Any = None) -> dict:
     per_rank = spawn(_rank, world, cfg, shapes, device_kind=kind, timeout_s=3600)
     result = dict(per_rank[0])
     result.update(date=started.isoformat(), world=world, device_kind=kind, model=model, modes=modes,
-                  autofuse=[c or "default" for c in cfg["autofuse"]],
                   reps=cfg["reps"], wall_s=(datetime.datetime.now(datetime.timezone.utc) - started).total_seconds(),
                   summary=summarize(result["rows"]), note=CPU_NOTE if kind == "cpu" else "",
                   method=("per-layer and per-op latency: median of reps timed batches, rank-max "
                           "(autofuse.measure.time_fn; graph mode: captured after warm-up, replayed); each op "
                           "timed alone with the layer's shapes in the same run and mode; rest = layer - ops; "
                           "comm = the baseline's collectives alone, c = comm / baseline layer"))
+    result = _finite(result)
     try:
         from autofuse import environment
 
@@ -204,9 +224,20 @@ def run(options: Any = None) -> dict:
     if opts.out:
         path = Path(opts.out)
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(result, indent=1, default=str))
+        path.write_text(json.dumps(result, indent=1, default=str, allow_nan=False))
         result["out"] = str(path)
     return result
+
+
+def _finite(obj: Any) -> Any:
+    """obj with NaN and infinite floats replaced by None, so the JSON is standard."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    return obj
 
 
 def _agree_max(world, value: float) -> float:
@@ -302,6 +333,7 @@ def _rank(world, cfg: dict, shapes: list[dict]) -> dict:
     layers = {"autofuse": m.TPLlamaLayer(model, weights, m.AutofuseOps(group), group),
               "baseline": m.TPLlamaLayer(model, weights, m.TorchOps(group), group)}
     reps, warmup = cfg["reps"], 3 if cuda else 1
+    configs = expand_configs(cfg["autofuse"], world)
 
     def timed(fn: Callable[[], Any], mode: str) -> float:
         return time_fn(world, fn, mode, warmup=warmup, reps=reps).median_us
@@ -335,11 +367,16 @@ def _rank(world, cfg: dict, shapes: list[dict]) -> dict:
             base = timed(s.layers["baseline"], mode)
             measured = {"baseline": base, "comm": timed(s.comm, mode),
                         "baseline_ops": op_times(s, "baseline", mode, base)}
-            for variants in cfg["autofuse"]:
+            for variants in configs:
                 select(variants, mode)
-                err = _agree_max(world, m.rel_diff(s.layers["autofuse"](), expected))
-                for fn, args in s.ops["autofuse"].values():
-                    fn(*args)
+                try:  # a forced variant that cannot run a shape is refused on every rank alike, before any launch
+                    err = _agree_max(world, m.rel_diff(s.layers["autofuse"](), expected))
+                    for fn, args in s.ops["autofuse"].values():
+                        fn(*args)
+                except (ValueError, NotImplementedError) as exc:  # InvalidConfig, InvalidInput, unavailable
+                    rows.append({**item, "shape": shape_label(item), "mode": mode, "autofuse": variants or "default",
+                                 "error": f"{type(exc).__name__}: {exc}"})
+                    continue
                 chosen = {label: f"{op}:{autofuse.explain(op, *s.ops['autofuse'][label][1], group=group).variant}"
                           for label, op in s.autofuse_ops.items()}
                 fused = timed(s.layers["autofuse"], mode)
@@ -357,7 +394,7 @@ def _rank(world, cfg: dict, shapes: list[dict]) -> dict:
         os.environ["AUTOFUSE_MODE"] = cfg["policy_mode"]
     else:
         os.environ.pop("AUTOFUSE_MODE", None)
-    return {"rows": rows, "config": asdict(model), "tolerance": TOLERANCE,
+    return {"rows": rows, "config": asdict(model), "tolerance": TOLERANCE, "autofuse": [c or "default" for c in configs],
             "device": torch.cuda.get_device_name(world.device) if cuda else "cpu"}
 
 
@@ -380,20 +417,29 @@ def geomean(xs: Sequence[float]) -> float:
     return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else math.nan
 
 
+def _num(x: Any) -> float:
+    return float(x) if isinstance(x, (int, float)) else math.nan
+
+
 def summarize(rows: Sequence[dict]) -> list[dict]:
     """Per mode, phase and autofuse configuration: geomean speedup and ceiling, the share of the
-    geomean ceiling captured, the worst speedup, and whether every output matched the baseline."""
+    geomean ceiling captured, the worst speedup, shapes refused, and whether every output matched."""
     groups: dict[tuple, list[dict]] = {}
     for r in rows:
         groups.setdefault((r["mode"], r["phase"], r["autofuse"]), []).append(r)
     out = []
-    for (mode, phase, config), rs in groups.items():
-        sp, ce = geomean([r["speedup"] for r in rs]), geomean([r["ceiling"] for r in rs])
-        worst = min(rs, key=lambda r: r["speedup"] if r["speedup"] == r["speedup"] else math.inf)
-        out.append({"mode": mode, "phase": phase, "autofuse": config, "shapes": len(rs), "speedup_geomean": sp,
-                    "ceiling_geomean": ce, "ceiling_captured": (sp - 1) / (ce - 1) if ce > 1 else math.nan,
-                    "comm_share_mean": sum(r["comm_share"] for r in rs) / len(rs),
-                    "worst_speedup": worst["speedup"], "worst_shape": worst["shape"],
+    for (mode, phase, config), group in groups.items():
+        rs = [r for r in group if "error" not in r]
+        if not rs:
+            out.append({"mode": mode, "phase": phase, "autofuse": config, "shapes": 0, "refused": len(group)})
+            continue
+        sp, ce = geomean([_num(r["speedup"]) for r in rs]), geomean([_num(r["ceiling"]) for r in rs])
+        worst = min(rs, key=lambda r: _num(r["speedup"]) if _num(r["speedup"]) == _num(r["speedup"]) else math.inf)
+        out.append({"mode": mode, "phase": phase, "autofuse": config, "shapes": len(rs),
+                    "refused": len(group) - len(rs), "speedup_geomean": sp, "ceiling_geomean": ce,
+                    "ceiling_captured": (sp - 1) / (ce - 1) if ce > 1 else math.nan,
+                    "comm_share_mean": sum(_num(r["comm_share"]) for r in rs) / len(rs),
+                    "worst_speedup": _num(worst["speedup"]), "worst_shape": worst["shape"],
                     "all_ok": all(r["ok"] for r in rs)})
     return out
 
@@ -436,11 +482,14 @@ def render(result: dict, console: Any) -> None:
             for col in ("shape", "base", "autofuse", "x base", "c", "ceiling", "captured", "diff"):
                 t.add_column(col, justify="left" if col == "shape" else "right")
             for r in rs:
+                if "error" in r:
+                    t.add_row(_short(r), "-", "-", "-", "-", "-", "-", "[red]refused[/]")
+                    continue
                 diff = f"{r['rel_diff']:.1e}" + ("" if r["ok"] else " [red]WRONG[/]")
                 t.add_row(_short(r), _f(r["baseline_us"], 0), _f(r["autofuse_us"], 0), _f(r["speedup"], 3),
                           _f(r["comm_share"], 3), _f(r["ceiling"], 3), _f(r["ceiling_captured"], 2), diff)
             console.print(t)
-            with_ops = [r for r in rs if r["ops_us"]]
+            with_ops = [r for r in rs if r.get("ops_us")]
             if not with_ops:
                 continue
             o = Table(title=escape(f"ops alone, {name}: % of the baseline layer, autofuse - baseline us"),
@@ -453,13 +502,45 @@ def render(result: dict, console: Any) -> None:
                 o.add_row(_short(r), *(f"{100 * share[op]:.0f}% {_f(a[op] - b[op], 0)}" for op in (*OPS, "rest")))
             console.print(o)
     for s in result.get("summary") or summarize(rows):
+        if not s["shapes"]:
+            console.print(escape(f"{s['mode']} {s['phase']} (autofuse {s['autofuse']}): every shape refused"))
+            continue
         console.print(escape(f"{s['mode']} {s['phase']}" + (f" (autofuse {s['autofuse']})" if len(configs) > 1 else "")
                              + f": x{_f(s['speedup_geomean'], 3)} geomean over {s['shapes']} shapes (worst "
                              f"x{_f(s['worst_speedup'], 3)} at {s['worst_shape']}), ceiling "
-                             f"x{_f(s['ceiling_geomean'], 3)}, captured {_f(s['ceiling_captured'], 2)} of it")
+                             f"x{_f(s['ceiling_geomean'], 3)}, captured {_f(s['ceiling_captured'], 2)} of it"
+                             + (f", {s['refused']} shapes refused" if s["refused"] else ""))
                       + ("" if s["all_ok"] else ", [red]some outputs differ from the baseline[/]"))
-    chosen = sorted({f"{k}={v}" for r in rows for k, v in r["variants"].items()})
+    for r in rows:
+        if "error" in r:
+            console.print(escape(f"{r['mode']} {r['phase']} {r['shape']} autofuse {r['autofuse']}: {r['error']}"),
+                          style="red")
+    chosen = sorted({f"{k}={v}" for r in rows for k, v in r.get("variants", {}).items()})
     if chosen:
         console.print(escape("autofuse ran: " + ", ".join(chosen)))
     if result.get("out"):
         console.print(escape(f"wrote {result['out']}"))
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """`python -m autofuse.training.bench_layer ...`: the same as `autofuse bench layer`."""
+    import argparse
+
+    from rich.console import Console
+
+    p = argparse.ArgumentParser(description="Llama-3 tensor-parallel layer: autofuse vs NCCL + cuBLAS")
+    p.add_argument("--world", type=int)
+    p.add_argument("--model", choices=["70b", "8b", "tiny"])
+    p.add_argument("--mode", action="append", dest="modes", choices=["eager", "graph"])
+    p.add_argument("--phase", action="append", dest="phases", choices=["prefill", "decode"])
+    p.add_argument("--shapes", help="e.g. T=2048,B=8,S=16K,8x4K")
+    p.add_argument("--reps", type=int)
+    p.add_argument("--no-op-shares", dest="op_shares", action="store_false")
+    p.add_argument("--autofuse", help="';'-separated AUTOFUSE_VARIANT values; 'default', 'each'")
+    p.add_argument("--out", help="JSON path")
+    opts = Options.of(p.parse_args(argv))
+    render(run(opts), Console())
+
+
+if __name__ == "__main__":
+    main()
