@@ -249,6 +249,7 @@ class KVCache:
     @classmethod
     def empty(cls, cfg: LlamaConfig, batch: int, max_tokens: int, rank: int, world: int, block: int = 64,
               device: Any = "cpu", dtype: torch.dtype = torch.bfloat16) -> "KVCache":
+        """An empty cache for `batch` sequences of up to `max_tokens` positions (fill it with `append`)."""
         shape = (batch, cfg.kv_heads, cls.slots_for(max_tokens, world, block) + 1, cfg.head_dim)
         return cls(torch.zeros(shape, device=device, dtype=dtype), torch.zeros(shape, device=device, dtype=dtype),
                    rank, world, block)
