@@ -288,36 +288,43 @@ def test_tolerance_catches_small_bugs() -> None:
     assert not small, f"bugs the tolerance {TOL} would not catch: {small}"
 
 
-def test_bench_layer_cpu(tmp_path) -> None:
-    """`autofuse bench layer`'s run/render on 2 CPU ranks: one prefill and one decode shape, the
-    default choice and one forced configuration; JSON-able rows with every reported quantity."""
+def test_bench_layer_cpu() -> None:
+    """`autofuse bench layer` through the bench contract (load_target, BenchOptions, run, render) on
+    2 CPU ranks: one prefill and one decode shape, autofuse's choice and one forced configuration
+    (op:variant items of --variants form one); JSON-able rows with every reported quantity."""
     import io
     import json
     import warnings
 
     from rich.console import Console
 
-    from autofuse.training import bench_layer
+    from autofuse.training.bench import BenchOptions, dumps, load_target
+    from autofuse.training.bench_layer import OPS
 
-    forced = "ag_gemm:pull,gemm_rs:push_last,gemm_ar:one_shot,flash_decode:push"
-    out = tmp_path / "layer.json"
+    module = load_target("layer")
+    forced = ["ag_gemm:pull", "gemm_rs:push_last", "gemm_ar:one_shot", "flash_decode:push"]
+    options = BenchOptions(target="layer", shapes=["T=16,1x24"], reps=1, variants=["default", *forced],
+                           progress=False).resolved()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        result = bench_layer.run({"shapes": "T=16,1x24", "reps": 1, "out": out, "autofuse": f"default;{forced}"})
-    rows = result["rows"]
+        result = module.run(options)
+    rows, config = result["rows"], ",".join(forced)
     assert [(r["phase"], r["shape"], r["autofuse"]) for r in rows] == [
-        ("prefill", "T=16", "default"), ("prefill", "T=16", forced),
-        ("decode", "B=1 S=24", "default"), ("decode", "B=1 S=24", forced)]
+        ("prefill", "T=16", "default"), ("prefill", "T=16", config),
+        ("decode", "B=1 S=24", "default"), ("decode", "B=1 S=24", config)]
     for r in rows:
         assert r["mode"] == "eager" and r["ok"] and r["rel_diff"] <= TOL
         assert r["autofuse_us"] > 0 and r["baseline_us"] > 0 and r["comm_us"] > 0
-        assert set(r["ops_us"]["autofuse"]) == {*bench_layer.OPS, "rest"}
-    assert {r["variants"]["o_proj"] for r in rows if r["autofuse"] == forced} == {"gemm_rs:push_last", "gemm_ar:one_shot"}
-    assert json.loads(out.read_text())["rows"][0]["shape"] == "T=16"
-    assert "interpreter" in result["note"]
+        assert set(r["ops_us"]["autofuse"]) == {*OPS, "rest"}
+    assert {r["variants"]["o_proj"] for r in rows if r["autofuse"] == config} == {"gemm_rs:push_last",
+                                                                                 "gemm_ar:one_shot"}
+    assert (result["sweep"], result["world"], result["device_kind"]) == ("tiny", 2, "cpu")
+    assert any("interpreter" in line for line in result["notes"])
+    json.loads(dumps(result))
     text = io.StringIO()
-    bench_layer.render(result, Console(file=text, width=80))
+    module.render(result, Console(file=text, width=80, markup=False))
     assert "interpreter timings" in text.getvalue() and "geomean" in text.getvalue()
+    assert max(len(line) for line in text.getvalue().splitlines()) <= 80
 
 
 def test_bench_layer_plan() -> None:
@@ -333,6 +340,25 @@ def test_bench_layer_plan() -> None:
                                                                           "context": 32768}
     with pytest.raises(ValueError):
         plan(Options(shapes="M=3"), "cuda")
+
+
+def test_bench_layer_options() -> None:
+    """The CLI's BenchOptions map onto the layer's: sweep names the model, --shapes items may hold
+    commas, --variants: default/each kept, a bare name forces it on every op that has it, op:variant
+    items form one configuration."""
+    from autofuse import registry
+    from autofuse.training.bench import BenchOptions
+    from autofuse.training.bench_layer import Options, autofuse_configs, plan
+
+    o = Options.of(BenchOptions(target="layer", sweep="8b", shapes=["T=512,B=1", "S=4K"], reps=5,
+                                variants=["default", "push", "ag_gemm:pull", "gemm_ar:one_shot"]))
+    assert (o.model, o.reps) == ("8b", 5)
+    assert plan(o, "cuda") == [{"phase": "prefill", "tokens": 512}, {"phase": "decode", "batch": 1, "context": 4096}]
+    with_push = ",".join(f"{op}:push" for op in registry.names() if "push" in registry.get(op).variants)
+    assert autofuse_configs(o) == ["", with_push, "ag_gemm:pull,gemm_ar:one_shot"]
+    assert autofuse_configs(Options(autofuse="default;each")) == ["", "each"]
+    with pytest.raises(ValueError):
+        autofuse_configs(Options(variants=["no_such_variant"]))
 
 
 # --------------------------------------------------------------------------------------- GPU check

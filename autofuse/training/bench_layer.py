@@ -20,7 +20,13 @@ weights; in the same run, per shape and timing mode:
 Shapes (GPU): prefill of one sequence of 512, 2048, 8192 tokens; decode of batch 1, 8, 32, 128
 with 4K, 8K, 16K, 32K tokens already in the KV cache of every sequence (split over the ranks).
 On CPU a tiny config and tiny shapes, eager only: interpreter timings, no GPU meaning.
-`run(options) -> dict` (JSON-able, "rows" one per shape and mode) and `render(result, console)`.
+
+The `autofuse bench` contract (autofuse/training/bench.py): `run(options) -> dict` (JSON-able,
+"rows" one per shape, mode and autofuse configuration; writes no file) and `render(result,
+console)`. `options` is the command's BenchOptions or this module's Options (or a dict): from
+BenchOptions, `sweep` names the model (70b, 8b, tiny), `shapes` the shape filter, `variants` the
+autofuse configurations (see Options), `progress` a line per measured row. `python -m
+autofuse.training.bench_layer` runs it without the CLI and writes `--out`.
 """
 from __future__ import annotations
 
@@ -47,24 +53,29 @@ DECODE_CONTEXT = {"cuda": (4096, 8192, 16384, 32768), "cpu": (24,)}
 KV_BLOCK = {"cuda": 64, "cpu": 4}
 CPU_NOTE = ("CPU emulation: Triton's interpreter and gloo on a tiny config; these are interpreter timings, "
             "not GPU numbers (run on a GPU machine for the layer's real latency)")
+CPU_REPS = 3  # timed batches per median on CPU at most: the interpreter takes ~0.1-0.5 s per attention call
 
 
 @dataclass
 class Options:
     """What `run` measures. Every field has a default (None: chosen from the device).
 
-    world: ranks (default every local GPU, or 2 CPU ranks); model: 70b | 8b | tiny (default 70b on
-    GPUs, tiny on CPU); modes: eager and/or graph (default both on GPUs, eager on CPU); phases:
+    world: ranks (default every local GPU, or 2 CPU ranks); model (or sweep): 70b | 8b | tiny (default
+    70b on GPUs, tiny on CPU); modes: eager and/or graph (default both on GPUs, eager on CPU); phases:
     prefill and/or decode; shapes: filter, items like 'T=2048' (prefill tokens), 'B=8', 'S=16K'
     (decode batch / context; a missing one takes the default grid), '8x16K' (one decode shape),
     'prefill' / 'decode' (that phase's default grid); shapes not in the grid are added; reps: timed
-    batches per median (default 30 GPU, 3 CPU); out: JSON path; op_shares: time each op alone;
+    batches per median (default 30 GPU; at most 3 on CPU); out: JSON path (written by `main` only,
+    never by `run`); op_shares: time each op alone;
     kv_block: positions per KV-cache block (ranks own blocks round-robin; default 64, 4 on CPU); example: the layer file;
     autofuse: the autofuse configurations to time against the one baseline, each an AUTOFUSE_VARIANT
     value ('' or 'default': autofuse's own choice; 'ag_gemm:push,gemm_rs:push_last' forces those), a
     list or one string split at ';' (default: this process's AUTOFUSE_VARIANT, else autofuse's choice);
     'each' stands for one configuration per non-bsp variant: the i-th run forces every op's i-th
     variant available on the device (cycling), as listed by autofuse.registry.
+    variants (the CLI's --variants, split at commas), used when `autofuse` is not given: 'default'
+    and 'each' as above; a bare variant name V is one configuration forcing V on every op that has
+    it; all op:variant items together form one configuration. progress: a line per measured row.
     """
 
     world: int | None = None
@@ -79,14 +90,20 @@ class Options:
     kv_block: int | None = None
     example: str | Path | None = None
     autofuse: Sequence[str] | str | None = None
+    variants: Sequence[str] | None = None
+    progress: bool = True
+    device_kind: str = ""
 
     @classmethod
     def of(cls, options: Any = None) -> "Options":
-        """Options from an Options, a dict, an object with these attributes (argparse, typer), or None."""
+        """Options from an Options, a dict, the CLI's BenchOptions (sweep = model), an argparse
+        namespace, or None (every default)."""
         if options is None or isinstance(options, cls):
             return options or cls()
         get = options.get if isinstance(options, dict) else lambda k, d: getattr(options, k, d)
-        return cls(**{f.name: get(f.name, f.default) for f in fields(cls)})
+        opts = cls(**{f.name: get(f.name, f.default) for f in fields(cls)})
+        opts.model = opts.model or get("sweep", None)
+        return opts
 
 
 def layer_module(path: str | Path | None = None) -> Any:
@@ -116,8 +133,8 @@ def _size(text: str) -> int:
 def plan(opts: Options, kind: str) -> list[dict]:
     """The shapes to run: [{'phase': 'prefill', 'tokens': T} | {'phase': 'decode', 'batch': B, 'context': S}]."""
     tokens, batches, contexts = PREFILL_TOKENS[kind], DECODE_BATCH[kind], DECODE_CONTEXT[kind]
-    items = opts.shapes.split(",") if isinstance(opts.shapes, str) else list(opts.shapes or [])
-    items = [i.strip() for i in items if i.strip()]
+    given = [opts.shapes] if isinstance(opts.shapes, str) else list(opts.shapes or [])
+    items = [i.strip() for text in given for i in str(text).split(",") if i.strip()]
     pre: list[int] = []
     dec: list[tuple[int, int]] = []
     bs: list[int] = []
@@ -155,13 +172,36 @@ def plan(opts: Options, kind: str) -> list[dict]:
 
 
 def autofuse_configs(opts: Options) -> list[str]:
-    """The AUTOFUSE_VARIANT values to run ('' = autofuse's own choice), without repeats."""
+    """The AUTOFUSE_VARIANT values to run ('' = autofuse's own choice, 'each' expanded in the ranks)."""
     items = opts.autofuse
+    if items is None and opts.variants:
+        items = _from_variants([v.strip() for v in opts.variants if v.strip()])
     if items is None:
         items = [os.environ.get("AUTOFUSE_VARIANT", "")]
     elif isinstance(items, str):
         items = items.split(";")
     return list(dict.fromkeys("" if i.strip() in ("", "default") else i.strip() for i in items))
+
+
+def _from_variants(names: Sequence[str]) -> list[str]:
+    """The CLI's --variants items as configurations (see Options.variants)."""
+    from autofuse import registry
+
+    out: list[str] = []
+    pairs = [n for n in names if ":" in n]
+    for name in names:
+        if ":" in name:
+            continue
+        if name in ("default", "each"):
+            out.append(name)
+            continue
+        ops = [op for op in registry.names() if name in registry.get(op).variants]
+        if not ops:
+            raise ValueError(f"no op has a variant {name!r}")
+        out.append(",".join(f"{op}:{name}" for op in ops))
+    if pairs:
+        out.append(",".join(pairs))
+    return out
 
 
 def expand_configs(configs: Sequence[str], world: Any) -> list[str]:
@@ -192,14 +232,21 @@ def run(options: Any = None) -> dict:
     from autofuse.world import default_device_kind, gpu_count, spawn
 
     opts = Options.of(options)
-    kind = default_device_kind()
+    kind = opts.device_kind or default_device_kind()
     world = opts.world or (gpu_count() if kind == "cuda" else 2)
     model = opts.model or ("70b" if kind == "cuda" else "tiny")
     modes = list(opts.modes or (("eager", "graph") if kind == "cuda" else ("eager",)))
     if kind != "cuda" and "graph" in modes:
         raise ValueError("graph mode needs CUDA graphs; on CPU only eager mode runs")
     shapes = plan(opts, kind)
-    cfg = {"model": model, "modes": modes, "reps": opts.reps or (30 if kind == "cuda" else 3),
+    if model not in layer_module(opts.example).CONFIGS:
+        raise ValueError(f"unknown model {model!r}: use one of {', '.join(layer_module(opts.example).CONFIGS)}")
+    reps = opts.reps or 30
+    notes = [CPU_NOTE] if kind == "cpu" else []
+    if kind == "cpu" and reps > CPU_REPS:
+        notes.append(f"reps capped at {CPU_REPS} on CPU (asked for {reps})")
+        reps = CPU_REPS
+    cfg = {"model": model, "modes": modes, "reps": reps, "progress": bool(opts.progress),
            "op_shares": opts.op_shares, "seed": opts.seed, "kv_block": opts.kv_block or KV_BLOCK[kind],
            "example": str(opts.example or EXAMPLE), "autofuse": autofuse_configs(opts),
            "policy_mode": os.environ.get("AUTOFUSE_MODE", "")}
@@ -207,26 +254,14 @@ def run(options: Any = None) -> dict:
     started = datetime.datetime.now(datetime.timezone.utc)
     per_rank = spawn(_rank, world, cfg, shapes, device_kind=kind, timeout_s=3600)
     result = dict(per_rank[0])
-    result.update(date=started.isoformat(), world=world, device_kind=kind, model=model, modes=modes,
-                  reps=cfg["reps"], wall_s=(datetime.datetime.now(datetime.timezone.utc) - started).total_seconds(),
-                  summary=summarize(result["rows"]), note=CPU_NOTE if kind == "cpu" else "",
+    result.update(sweep=model, world=world, device_kind=kind, model=model, modes=modes, reps=cfg["reps"],
+                  wall_s=(datetime.datetime.now(datetime.timezone.utc) - started).total_seconds(),
+                  summary=summarize(result["rows"]), notes=notes,
                   method=("per-layer and per-op latency: median of reps timed batches, rank-max "
                           "(autofuse.measure.time_fn; graph mode: captured after warm-up, replayed); each op "
                           "timed alone with the layer's shapes in the same run and mode; rest = layer - ops; "
                           "comm = the baseline's collectives alone, c = comm / baseline layer"))
-    result = _finite(result)
-    try:
-        from autofuse import environment
-
-        result["fingerprint"] = environment.fingerprint(kind)
-    except Exception as exc:  # informative only: never lose the measurements over it
-        result["fingerprint"] = {"error": f"{type(exc).__name__}: {exc}"}
-    if opts.out:
-        path = Path(opts.out)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(result, indent=1, default=str, allow_nan=False))
-        result["out"] = str(path)
-    return result
+    return _finite(result)
 
 
 def _finite(obj: Any) -> Any:
@@ -352,8 +387,9 @@ def _rank(world, cfg: dict, shapes: list[dict]) -> dict:
         out["rest"] = layer_us - sum(out.values())
         return out
 
+    say = world.rank == 0 and cfg["progress"]
     rows = []
-    for i, item in enumerate(shapes):
+    for item in shapes:
         if item["phase"] == "prefill":
             s = _prefill(world, m, model, layers, item["tokens"], cfg["seed"])
         else:
@@ -376,6 +412,8 @@ def _rank(world, cfg: dict, shapes: list[dict]) -> dict:
                 except (ValueError, NotImplementedError) as exc:  # InvalidConfig, InvalidInput, unavailable
                     rows.append({**item, "shape": shape_label(item), "mode": mode, "autofuse": variants or "default",
                                  "error": f"{type(exc).__name__}: {exc}"})
+                    if say:
+                        print(f"{item['phase']} {shape_label(item)} {mode} autofuse {variants}: refused", flush=True)
                     continue
                 chosen = {label: f"{op}:{autofuse.explain(op, *s.ops['autofuse'][label][1], group=group).variant}"
                           for label, op in s.autofuse_ops.items()}
@@ -383,12 +421,13 @@ def _rank(world, cfg: dict, shapes: list[dict]) -> dict:
                 ops = {"baseline": measured["baseline_ops"], "autofuse": op_times(s, "autofuse", mode, fused)}
                 rows.append(_row(item, mode, variants or "default", {"baseline": base, "autofuse": fused},
                                  measured["comm"], ops if cfg["op_shares"] else {}, err, chosen))
+                if say:
+                    print(f"{item['phase']} {shape_label(item)} {mode} autofuse {variants or 'default'}: baseline "
+                          f"{base:.0f} us, autofuse {fused:.0f} us, x{base / fused:.3f}, diff {err:.1e}", flush=True)
         select("", "eager")
         del s, expected
         if cuda:
             torch.cuda.empty_cache()
-        if world.rank == 0:
-            print(f"[{i + 1}/{len(shapes)}] {item['phase']} {shape_label(item)}", flush=True)
     os.environ.pop("AUTOFUSE_VARIANT", None)
     if cfg["policy_mode"]:
         os.environ["AUTOFUSE_MODE"] = cfg["policy_mode"]
@@ -458,19 +497,19 @@ def _short(r: dict) -> str:
 
 
 def render(result: dict, console: Any) -> None:
-    """Tables on a rich Console (readable at 80 columns): per mode and autofuse configuration, the
-    layer latencies, then where the time goes op by op; then the geomeans per phase."""
+    """Tables on a rich Console, readable at 80 columns and without markup: per mode and autofuse
+    configuration the layer latencies, then where the time goes op by op; the geomeans; the notes."""
     from rich import box
-    from rich.markup import escape
     from rich.table import Table
+    from rich.text import Text
+
+    def say(text: str, style: str = "") -> None:
+        console.print(Text(text, style=style))
 
     rows = result["rows"]
-    if result.get("note"):
-        console.print(f"[yellow]{escape(result['note'])}[/]")
-    console.print(escape(f"Llama-3 {result.get('model', '?')} layer, TP={result.get('world', '?')} on "
-                         f"{result.get('device', '?')}, bf16. Baseline: torch.distributed + torch.matmul, the "
-                         "same kernels otherwise. us per layer, median, rank-max. c: the baseline's "
-                         "collectives alone / its layer; ceiling 1/(1-c); captured (x-1)/(ceiling-1)."))
+    say(f"Llama-3 {result.get('model', '?')} layer, TP={result.get('world', '?')} on {result.get('device', '?')}, "
+        "bf16. Baseline: torch.distributed + torch.matmul, the same kernels otherwise. us per layer, median, "
+        "rank-max. c: the baseline's collectives alone / its layer; ceiling 1/(1-c); captured (x-1)/(ceiling-1).")
     configs = list(dict.fromkeys(r["autofuse"] for r in rows))
     for mode in result.get("modes") or list(dict.fromkeys(r["mode"] for r in rows)):
         for config in configs:
@@ -478,52 +517,51 @@ def render(result: dict, console: Any) -> None:
             if not rs:
                 continue
             name = f"{mode} mode" + (f", autofuse {config}" if len(configs) > 1 else "")
-            t = Table(title=escape(f"layer, {name}"), box=box.SIMPLE_HEAD)
+            t = Table(title=Text(f"layer, {name}"), box=box.SIMPLE_HEAD)
             for col in ("shape", "base", "autofuse", "x base", "c", "ceiling", "captured", "diff"):
                 t.add_column(col, justify="left" if col == "shape" else "right")
             for r in rs:
                 if "error" in r:
-                    t.add_row(_short(r), "-", "-", "-", "-", "-", "-", "[red]refused[/]")
+                    t.add_row(_short(r), "-", "-", "-", "-", "-", "-", Text("refused", style="red"))
                     continue
-                diff = f"{r['rel_diff']:.1e}" + ("" if r["ok"] else " [red]WRONG[/]")
+                diff = Text(f"{r['rel_diff']:.1e}" + ("" if r["ok"] else " WRONG"), style="" if r["ok"] else "red")
                 t.add_row(_short(r), _f(r["baseline_us"], 0), _f(r["autofuse_us"], 0), _f(r["speedup"], 3),
                           _f(r["comm_share"], 3), _f(r["ceiling"], 3), _f(r["ceiling_captured"], 2), diff)
             console.print(t)
             with_ops = [r for r in rs if r.get("ops_us")]
             if not with_ops:
                 continue
-            o = Table(title=escape(f"ops alone, {name}: % of the baseline layer, autofuse - baseline us"),
+            o = Table(title=Text(f"ops alone, {name}: % of the baseline layer, autofuse - baseline us"),
                       box=box.SIMPLE_HEAD)
             o.add_column("shape")
             for op in (*OPS, "rest"):
                 o.add_column(op, justify="right")
             for r in with_ops:
                 b, a, share = r["ops_us"]["baseline"], r["ops_us"]["autofuse"], r["ops_share"]["baseline"]
-                o.add_row(_short(r), *(f"{100 * share[op]:.0f}% {_f(a[op] - b[op], 0)}" for op in (*OPS, "rest")))
+                o.add_row(_short(r), *(f"{_f(100 * _num(share[op]), 0)}% {_f(_num(a[op]) - _num(b[op]), 0)}"
+                                       for op in (*OPS, "rest")))
             console.print(o)
     for s in result.get("summary") or summarize(rows):
+        head = f"{s['mode']} {s['phase']}" + (f" (autofuse {s['autofuse']})" if len(configs) > 1 else "")
         if not s["shapes"]:
-            console.print(escape(f"{s['mode']} {s['phase']} (autofuse {s['autofuse']}): every shape refused"))
+            say(f"{head}: every shape refused", "red")
             continue
-        console.print(escape(f"{s['mode']} {s['phase']}" + (f" (autofuse {s['autofuse']})" if len(configs) > 1 else "")
-                             + f": x{_f(s['speedup_geomean'], 3)} geomean over {s['shapes']} shapes (worst "
-                             f"x{_f(s['worst_speedup'], 3)} at {s['worst_shape']}), ceiling "
-                             f"x{_f(s['ceiling_geomean'], 3)}, captured {_f(s['ceiling_captured'], 2)} of it"
-                             + (f", {s['refused']} shapes refused" if s["refused"] else ""))
-                      + ("" if s["all_ok"] else ", [red]some outputs differ from the baseline[/]"))
+        say(f"{head}: x{_f(s['speedup_geomean'], 3)} geomean over {s['shapes']} shapes (worst "
+            f"x{_f(s['worst_speedup'], 3)} at {s['worst_shape']}), ceiling x{_f(s['ceiling_geomean'], 3)}, "
+            f"captured {_f(s['ceiling_captured'], 2)} of it" + (f", {s['refused']} shapes refused" if s["refused"] else "")
+            + ("" if s["all_ok"] else ", SOME OUTPUTS DIFFER FROM THE BASELINE"), "" if s["all_ok"] else "red")
     for r in rows:
         if "error" in r:
-            console.print(escape(f"{r['mode']} {r['phase']} {r['shape']} autofuse {r['autofuse']}: {r['error']}"),
-                          style="red")
+            say(f"{r['mode']} {r['phase']} {r['shape']} autofuse {r['autofuse']}: {r['error']}", "red")
     chosen = sorted({f"{k}={v}" for r in rows for k, v in r.get("variants", {}).items()})
     if chosen:
-        console.print(escape("autofuse ran: " + ", ".join(chosen)))
-    if result.get("out"):
-        console.print(escape(f"wrote {result['out']}"))
+        say("autofuse ran: " + ", ".join(chosen))
+    for line in result.get("notes", []):
+        say(line, "yellow")
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    """`python -m autofuse.training.bench_layer ...`: the same as `autofuse bench layer`."""
+    """`python -m autofuse.training.bench_layer ...`: `autofuse bench layer` without the CLI (writes --out)."""
     import argparse
 
     from rich.console import Console
@@ -538,8 +576,18 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--no-op-shares", dest="op_shares", action="store_false")
     p.add_argument("--autofuse", help="';'-separated AUTOFUSE_VARIANT values; 'default', 'each'")
     p.add_argument("--out", help="JSON path")
-    opts = Options.of(p.parse_args(argv))
-    render(run(opts), Console())
+    args = p.parse_args(argv)
+    result = run(Options.of(args))
+    render(result, Console())
+    if args.out:
+        from autofuse import environment
+
+        doc = {"target": "layer", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+               "fingerprint": environment.fingerprint(result["device_kind"]), **result}
+        path = Path(args.out)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(_finite(doc), indent=1, default=str, allow_nan=False) + "\n")
+        print(f"wrote {path}")
 
 
 if __name__ == "__main__":
