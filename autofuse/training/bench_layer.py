@@ -76,6 +76,7 @@ class Options:
     variants (the CLI's --variants, split at commas), used when `autofuse` is not given: 'default'
     and 'each' as above; a bare variant name V is one configuration forcing V on every op that has
     it; all op:variant items together form one configuration. progress: a line per measured row.
+    limit: only the first N shapes of the plan.
     """
 
     world: int | None = None
@@ -93,6 +94,7 @@ class Options:
     variants: Sequence[str] | None = None
     progress: bool = True
     device_kind: str = ""
+    limit: int | None = None
 
     @classmethod
     def of(cls, options: Any = None) -> "Options":
@@ -238,7 +240,7 @@ def run(options: Any = None) -> dict:
     modes = list(opts.modes or (("eager", "graph") if kind == "cuda" else ("eager",)))
     if kind != "cuda" and "graph" in modes:
         raise ValueError("graph mode needs CUDA graphs; on CPU only eager mode runs")
-    shapes = plan(opts, kind)
+    shapes = plan(opts, kind)[:opts.limit or None]
     if model not in layer_module(opts.example).CONFIGS:
         raise ValueError(f"unknown model {model!r}: use one of {', '.join(layer_module(opts.example).CONFIGS)}")
     reps = opts.reps or 30
