@@ -1,18 +1,22 @@
 """Op, problem, variant, config: the concepts every other module is generic over (DESIGN.md).
 
-An *op* (e.g. `ag_gemm`) has a float64 reference, a bulk-synchronous variant `bsp` and fused
-variants. A *problem* is the key dispatch sees: op + named sizes + dtype + world size. A
-*variant* declares its search space, its known-good configs and its validity constraints, and
-builds a *runner* for a (problem, config) on a World. A *config* is a plain dict of the variant's
-parameters. The registry (`autofuse.registry`) maps op name -> Op.
+An *op* (e.g. `ag_gemm`) has a float64 reference, a bulk-synchronous variant `bsp` and other
+variants (families: bsp, peer, hybrid, fused). A *problem* is the key dispatch sees: op + named
+sizes + dtype + world size. A *variant* declares its search space, its known-good configs and its
+validity constraints, and builds a *runner* (autofuse/runner.py) for a (problem, config) on a
+World. A *config* is a plain dict of the variant's parameters. The registry (`autofuse.registry`)
+maps op name -> Op.
 """
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol, Sequence
 
 import torch
+
+if TYPE_CHECKING:
+    from autofuse.runner import Runner
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 Config = dict[str, Any]
@@ -93,16 +97,6 @@ def config_key(config: Mapping[str, Any]) -> str:
     return json.dumps(dict(config), sort_keys=True, separators=(",", ":"))
 
 
-class Runner(Protocol):
-    """A built (problem, variant, config) on one rank: call it with this rank's inputs.
-
-    `out`, if given, is written in place (tests poison it first); the result is returned.
-    Calls may be captured in a CUDA graph: runners keep their epochs on the device.
-    """
-
-    def __call__(self, *inputs: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor: ...
-
-
 class SearchSpace(Protocol):
     """What Optuna's trial offers: the subset of `optuna.Trial` a variant's space uses."""
 
@@ -110,26 +104,66 @@ class SearchSpace(Protocol):
     def suggest_int(self, name: str, low: int, high: int, step: int = 1, log: bool = False) -> int: ...
 
 
-@dataclass
-class Variant:
-    """One implementation of an op.
+FAMILIES = ("bsp", "peer", "hybrid", "fused")
 
+
+class Variant:
+    """One implementation of an op; subclass it and override the hooks that differ.
+
+    - `family`: `bsp` (collective library + vendor compute), `peer` (torch's own symmetric-memory
+      ops), `hybrid` (a one-launch heap collective beside the vendor GEMM), `fused` (one kernel that
+      moves tiles itself). Hybrid and fused variants are `tunable`: they have a search space.
     - `space(trial, problem)` draws a config from the variant's search space (Optuna define-by-run).
     - `defaults(problem)` lists known-good configs, enqueued first by the tuner.
     - `check(problem, config)` returns None or the reason the config cannot run (shared memory,
-      divisibility, ...); `build` must raise InvalidConfig for the same configs.
-    - `build(world, problem, config)` allocates what the variant needs (heap workspace, compiled
-      kernels) and returns a Runner.
+      divisibility, ...); the default accepts only the empty config.
     - `available(world)` is False where the variant cannot run at all (e.g. torch_symm on CPU).
+    - `runner(world, problem, config)` allocates what the variant needs (heap workspace, compiled
+      kernels) and returns a Runner (autofuse/runner.py); `build` checks first and raises
+      InvalidConfig / InvalidInput, so `runner` may assume a valid config.
     """
 
-    name: str
-    build: Callable[[Any, Problem, Config], Runner]
-    space: Callable[[SearchSpace, Problem], Config] = lambda trial, problem: {}
-    defaults: Callable[[Problem], list[Config]] = lambda problem: [{}]
-    check: Callable[[Problem, Config], str | None] = lambda problem, config: None
-    available: Callable[[Any], bool] = lambda world: True
-    fused: bool = True
+    name: str = ""
+    family: str = "fused"
+
+    def __init__(self, name: str | None = None, family: str | None = None):
+        self.name = name or self.name
+        self.family = family or self.family
+        if not self.name or self.family not in FAMILIES:
+            raise ValueError(f"variant {self.name!r}: needs a name and a family in {FAMILIES}")
+
+    @property
+    def tunable(self) -> bool:
+        return self.family in ("hybrid", "fused")
+
+    def available(self, world: Any) -> bool:
+        return True
+
+    def space(self, trial: SearchSpace, problem: Problem) -> Config:
+        return {}
+
+    def defaults(self, problem: Problem) -> list[Config]:
+        return [{}]
+
+    def check(self, problem: Problem, config: Config) -> str | None:
+        return f"{self.name} takes no config, got {config_key(config)}" if config else None
+
+    def runner(self, world: Any, problem: Problem, config: Config) -> "Runner":
+        raise NotImplementedError(f"{self.name} builds no runner")
+
+    def build(self, world: Any, problem: Problem, config: Config) -> "Runner":
+        """Check, then build this variant's runner for `problem` on `world` (collective)."""
+        if problem.world != world.size:
+            raise InvalidInput(f"{problem.op}: problem is for {problem.world} ranks, this World has {world.size}")
+        if not self.available(world):
+            raise InvalidConfig(f"{problem.op}.{self.name} is not available on {world.device.type}")
+        reason = self.check(problem, config)
+        if reason:
+            raise InvalidConfig(f"{problem.op}.{self.name}: {reason}")
+        return self.runner(world, problem, dict(config))
+
+    def __repr__(self) -> str:
+        return f"<{self.family} variant {self.name}>"
 
 
 @dataclass
@@ -143,11 +177,13 @@ class Op:
     - `reference(world, problem, seed)` is this rank's expected output in float64.
     - `tolerance(problem)` is the allowed ||out - ref|| / ||ref|| for the problem's dtype and K.
     - `features(problem)` are the numbers the policy learns from.
-    - `sweep(kind)` lists problems to tune/bench: kind in {'cpu', 'gpu', 'llama70b'}.
+    - `sweep(kind, world)` lists problems to tune/bench (kinds: the op's docstring).
+    - `args` names the public entry point's tensor arguments in order (`autofuse.<op>(*args, group=...)`).
     """
 
     name: str
-    variants: dict[str, Variant]
+    args: tuple[str, ...]
+    variants: dict[str, Variant] | Sequence[Variant]
     problem_of: Callable[..., Problem]
     inputs: Callable[[Any, Problem, int], tuple[torch.Tensor, ...]]
     reference: Callable[[Any, Problem, int], torch.Tensor]
@@ -156,6 +192,10 @@ class Op:
     sweep: Callable[[str, int], list[Problem]]
     description: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.variants, dict):
+            self.variants = {v.name: v for v in self.variants}
 
     def variant(self, name: str) -> Variant:
         try:

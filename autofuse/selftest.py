@@ -13,6 +13,8 @@ import torch.distributed as dist
 
 from autofuse import status
 from autofuse.kernels import selftest as k
+from autofuse.sizes import cdiv
+from autofuse.workspace import workspace
 
 
 @dataclass
@@ -20,13 +22,6 @@ class Check:
     name: str
     ok: bool
     detail: str = ""
-
-
-def sync(world) -> None:
-    """Finish this rank's device work, then wait for every rank (the host-side barrier)."""
-    if world.device.type == "cuda":
-        torch.cuda.synchronize(world.device)
-    dist.barrier(group=world.group)
 
 
 def _pattern(rank: int, n: int, device: torch.device) -> torch.Tensor:
@@ -44,39 +39,38 @@ def _gather_ints(world, values: list[int]) -> list[list[int]]:
 def check_primitives(world, n: int = 300, epochs: int = 20) -> list[Check]:
     """Ring put, all-to-all load, atomic add/cas/xchg, and an epoch-flag ring for many epochs."""
     heap, r, w, dev = world.heap, world.rank, world.size, world.device
-    spin = status.spin_limit(dev.type)
+    ws = workspace(world, "selftest", flags=4)
     out: list[Check] = []
     block = 128
 
     src = heap.empty(n, name="selftest.src")
     src.copy_(_pattern(r, n, dev))
     dst = heap.full((n,), float("nan"), name="selftest.dst")
-    flags = heap.zeros(1, dtype=torch.int32, name="selftest.ring_flag")
-    sync(world)
-    k.ring_put_kernel[(1,)](src, dst, flags, heap.status, heap.bases, r, w, 1, spin, n, BLOCK=block)
-    sync(world)
-    status.check(heap, "selftest.ring_put")
+    world.sync()
+    k.ring_put_kernel[(1,)](src, dst, ws.flags[0:], ws.ctx, 1, n, BLOCK=block)
+    world.sync()
+    ws.check()
     prev = (r - 1) % w
     out.append(Check("ring put", bool(torch.equal(dst, _pattern(prev, n, dev))), f"rank {r} got rank {prev}'s data"))
 
     table = heap.full((w, n), float("nan"), name="selftest.a2a")
-    k.all_to_all_load_kernel[(w,)](src, table, heap.bases, r, w, n, BLOCK=block)
-    sync(world)
+    k.all_to_all_load_kernel[(w,)](src, table, heap.bases, r, n, BLOCK=block)
+    world.sync()
     ok = all(torch.equal(table[p], _pattern(p, n, dev)) for p in range(w))
     out.append(Check("all-to-all load", ok, f"rank {r} read all {w} ranks"))
 
     counter = heap.zeros(1, dtype=torch.int32, name="selftest.counter")
-    sync(world)
+    world.sync()
     k.atomic_add_kernel[(1,)](counter, heap.bases, r, w)
-    sync(world)
+    world.sync()
     got = int(counter.item())
     out.append(Check("atomic_add from all ranks", got == w, f"counter {got}, expected {w}"))
 
     lock = heap.zeros(1, dtype=torch.int32, name="selftest.lock")
     old = torch.full((1,), -1, dtype=torch.int32, device=dev)
-    sync(world)
+    world.sync()
     k.cas_claim_kernel[(1,)](lock, old, heap.bases, r)
-    sync(world)
+    world.sync()
     olds = [v[0] for v in _gather_ints(world, [int(old.item())])]
     winners = [i for i, v in enumerate(olds) if v == 0]
     final = _gather_ints(world, [int(lock.item())])[0][0]
@@ -85,48 +79,54 @@ def check_primitives(world, n: int = 300, epochs: int = 20) -> list[Check]:
 
     word = heap.zeros(1, dtype=torch.int32, name="selftest.xchg")
     old_x = torch.full((1,), -1, dtype=torch.int32, device=dev)
-    sync(world)
+    world.sync()
     k.xchg_kernel[(1,)](word, old_x, heap.bases, r, w)
-    sync(world)
+    world.sync()
     ok = int(word.item()) == prev + 1 and int(old_x.item()) == 0
     out.append(Check("atomic_xchg", ok, f"word {int(word.item())}, expected {prev + 1}"))
 
     got_buf = torch.full((n,), float("nan"), device=dev)
     peer = (r + 1) % w
-    k.get_kernel[(triton_cdiv(n, block),)](src, got_buf, heap.bases, r, peer, n, BLOCK=block)
-    sync(world)
+    k.get_kernel[(cdiv(n, block),)](src, got_buf, heap.bases, r, peer, n, BLOCK=block)
+    world.sync()
     out.append(Check("get from next rank", bool(torch.equal(got_buf, _pattern(peer, n, dev))), f"rank {r} <- {peer}"))
 
-    ring = heap.zeros(1, dtype=torch.int32, name="selftest.token")
-    sync(world)
+    ring = ws.flags[1:]
+    world.sync()
     calls, per_call = 4, max(1, epochs // 4)
     for c in range(calls):
-        k.ring_token_kernel[(1,)](ring, heap.status, heap.bases, r, w, 1 + c * per_call, per_call, spin)
-    sync(world)
-    status.check(heap, "selftest.ring_token")
+        k.ring_token_kernel[(1,)](ring, ws.ctx, 1 + c * per_call, per_call)
+    world.sync()
+    ws.check()
     last = calls * per_call
-    out.append(Check("epoch flags, no reset", int(ring.item()) == last,
-                     f"{calls} calls x {per_call} epochs, flag {int(ring.item())}, expected {last}"))
+    out.append(Check("epoch flags, no reset", int(ring[0].item()) == last,
+                     f"{calls} calls x {per_call} epochs, flag {int(ring[0].item())}, expected {last}"))
     return out
 
 
-def triton_cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def check_timeout(world, spin_limit: int = 2000) -> status.FlagTimeout | None:
-    """Wait on a flag no rank ever raises; returns the FlagTimeout the host raised (None: bug)."""
-    heap = world.heap
-    never = heap.zeros(1, dtype=torch.int32, name="selftest.never")
-    sync(world)
-    k.wait_kernel[(1,)](never, heap.status, heap.bases, world.rank, 1, spin_limit)
-    if world.device.type == "cuda":
-        torch.cuda.synchronize(world.device)
+def check_timeout(world, waiter: int = 0, budget_s: float = 0.5
+                  ) -> tuple[status.FlagTimeout | None, status.WorkspaceAborted | None]:
+    """Every rank waits on a flag nobody raises; rank `waiter` starts first, so its budget runs out
+    first and it aborts the others, which stop at once. Returns the FlagTimeout this rank's host
+    raised and the WorkspaceAborted of the next call (None where one is missing: a bug), then
+    rebuilds the workspace.
+    """
+    ws = workspace(world, "selftest.timeout", flags=1)
+    world.sync()
+    if world.rank != waiter:
+        time.sleep(budget_s / 2)  # start later than the waiter: its wait runs out first
+    k.wait_kernel[(1,)](ws.flags, ws.ctx._replace(budget=int(budget_s * 1e9)), 1)
+    timeout = aborted = None
     try:
-        status.check(heap, "selftest.wait")
+        ws.check()
     except status.FlagTimeout as exc:
-        return exc
-    return None
+        timeout = exc
+    try:
+        ws.refuse_if_faulty()
+    except status.WorkspaceAborted as exc:
+        aborted = exc
+    ws.rebuild()
+    return timeout, aborted
 
 
 def measure_link(world, nbytes: int = 256 << 20, iters: int = 5000) -> dict:
@@ -141,7 +141,7 @@ def measure_link(world, nbytes: int = 256 << 20, iters: int = 5000) -> dict:
         src = heap.randn(n, dtype=torch.float32, name="doctor.bw_src")
         dst = torch.empty(n, device=dev)
         block = 4096
-        grid = (triton_cdiv(n, block),)
+        grid = (cdiv(n, block),)
 
         def pull() -> None:
             k.get_kernel[grid](src, dst, heap.bases, r, peer, n, BLOCK=block, num_warps=8)
@@ -153,18 +153,17 @@ def measure_link(world, nbytes: int = 256 << 20, iters: int = 5000) -> dict:
         res["copy_ok"] = bool(ok)
     else:
         iters = min(iters, 50)
-    flags = heap.zeros(1, dtype=torch.int32, name="doctor.token")
-    spin = status.spin_limit(dev.type)
-    sync(world)
-    k.ring_token_kernel[(1,)](flags, heap.status, heap.bases, r, w, 1, 1, spin)  # compile + warm up
-    sync(world)
+    ws = workspace(world, "doctor", flags=1)
+    world.sync()
+    k.ring_token_kernel[(1,)](ws.flags, ws.ctx, 1, 1)  # compile + warm up
+    world.sync()
     t0 = time.perf_counter()
-    k.ring_token_kernel[(1,)](flags, heap.status, heap.bases, r, w, 2, iters, spin)
+    k.ring_token_kernel[(1,)](ws.flags, ws.ctx, 2, iters)
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
     dt = time.perf_counter() - t0
-    sync(world)
-    status.check(heap, "doctor.ring_token")
+    world.sync()
+    ws.check()
     res["flag_round_trip_us"] = dt / iters * 2 / w * 1e6
     res["flag_iters"] = iters
     return res
@@ -173,7 +172,7 @@ def measure_link(world, nbytes: int = 256 << 20, iters: int = 5000) -> dict:
 def _time_cuda(world, fn, reps: int = 10) -> float:
     for _ in range(2):
         fn()
-    sync(world)
+    world.sync()
     times = []
     for _ in range(reps):
         a = torch.cuda.Event(enable_timing=True)

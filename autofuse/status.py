@@ -1,35 +1,62 @@
-"""Host side of bounded flag waits: turn a kernel's timeout record into a clear exception."""
+"""Host side of bounded waits: the wait budget, and a workspace's fault record as a clear exception.
+
+Kernels record a fault in their workspace's status words (kernels/shmem.py: `give_up`): the rank
+whose wait ran out writes TIMEOUT in its own record and ABORTED in every peer's, with its rank, the
+flag and the epochs. `raise_fault` turns such a record into `FlagTimeout` on every rank; until the
+workspace is rebuilt every call on it raises `WorkspaceAborted`.
+"""
 from __future__ import annotations
 
+import math
 import os
 
 import numpy as np
 
 from autofuse.kernels import shmem
 
-DEFAULT_SPIN_LIMIT = {"cpu": 100_000, "cuda": 1 << 25}
+TIMEOUT_ENV = "AUTOFUSE_WAIT_TIMEOUT"
+DEFAULT_TIMEOUT_S = {"cuda": 10.0, "cpu": 120.0}  # the interpreter runs a peer's programs one by one: slow
 
 
 class FlagTimeout(RuntimeError):
-    """A kernel gave up waiting on a flag: names the op, the rank and the flag."""
+    """A flag wait ran out (here or on a peer): names the op, the rank that ran out and the flag."""
 
-    def __init__(self, op: str, rank: int, flag: str, expected: int, seen: int):
+    def __init__(self, op: str, rank: int, origin: int, flag: str, expected: int, seen: int):
+        where = (f"rank {rank} timed out waiting on flag {flag}" if origin == rank else
+                 f"rank {rank} stopped because rank {origin} timed out waiting on flag {flag}")
         super().__init__(
-            f"{op}: rank {rank} timed out waiting on flag {flag} for epoch {expected} (last saw {seen}); "
-            "a peer did not run its part of the call (crashed, hung, or launched a different op). "
-            "The op's flags are now out of step: rebuild its workspace or restart the job"
-        )
-        self.op, self.rank, self.flag, self.expected, self.seen = op, rank, flag, expected, seen
+            f"{op}: {where} for epoch {expected} (last saw {seen}); a peer did not run its part of the call "
+            f"(crashed, hung, skipped a call, or called with other shapes). Every rank's {op} workspace is "
+            "now aborted and refuses calls until rebuilt: call autofuse.rebuild(group) on every rank, or "
+            "restart the job")
+        self.op, self.rank, self.origin, self.flag, self.expected, self.seen = op, rank, origin, flag, expected, seen
 
 
-def spin_limit(device_type: str) -> int:
-    """Polls before a wait gives up: AUTOFUSE_SPIN_LIMIT, else a default per device type."""
-    env = os.environ.get("AUTOFUSE_SPIN_LIMIT")
-    return int(env) if env else DEFAULT_SPIN_LIMIT[device_type]
+class WorkspaceAborted(RuntimeError):
+    """A call on a workspace that saw a fault: refused until the workspace is rebuilt on every rank."""
+
+
+def wait_timeout_s(device_type: str) -> float:
+    """Seconds a flag wait may take: AUTOFUSE_WAIT_TIMEOUT (positive number), else a default per device."""
+    text = os.environ.get(TIMEOUT_ENV)
+    if text is None or text.strip() == "":
+        return DEFAULT_TIMEOUT_S[device_type]
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError(f"{TIMEOUT_ENV}={text!r} is not a number of seconds (e.g. 10 or 0.5)") from None
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{TIMEOUT_ENV}={text!r} must be a positive, finite number of seconds")
+    return value
+
+
+def wait_budget_ns(device_type: str) -> int:
+    """The wait budget kernels receive (DeviceContext.budget): nanoseconds of wall-clock time."""
+    return int(wait_timeout_s(device_type) * 1e9)
 
 
 def describe_flag(heap, word: int) -> str:
-    """'name[i, j]' for the flag at a heap offset given in 4-byte words."""
+    """'name[i, j]' for the flag at a heap offset given in 4-byte words (every rank's heap has one layout)."""
     offset = word * 4
     alloc = heap.owner_of(offset)
     if alloc is None:
@@ -41,15 +68,18 @@ def describe_flag(heap, word: int) -> str:
     return f"{alloc.name}[{index}]"
 
 
-def check(heap, op: str) -> None:
-    """Raise FlagTimeout if a kernel on this rank recorded a timeout; clears the record.
+def status_words(world_size: int) -> int:
+    """Words of a status record for `world_size` ranks (the code, then 3 per rank)."""
+    return shmem.RECORD.value + 3 * world_size
 
-    Reads device memory, so it synchronises with the device: call it where a sync is paid anyway
-    (tests, measurement, the first call of a problem) or every call with AUTOFUSE_CHECK=1.
-    """
-    words = heap.status[:4].tolist()
-    if words[shmem.STATUS_CODE.value] == 0:
-        return
-    heap.status.zero_()
-    raise FlagTimeout(op, heap.world.rank, describe_flag(heap, words[shmem.STATUS_FLAG_WORD.value]),
-                      words[shmem.STATUS_EXPECTED.value], words[shmem.STATUS_SEEN.value])
+
+def fault(heap, op: str, words: list[int]) -> FlagTimeout | None:
+    """The exception a status record (kernels/shmem.py, CODE and RECORD) stands for, or None if clean."""
+    code = words[shmem.CODE.value]
+    if code == 0:
+        return None
+    origin = code // 4 - 1
+    if not 0 <= origin < heap.world.size:
+        return FlagTimeout(op, heap.world.rank, origin, "<unknown: corrupt status record>", -1, -1)
+    flag_word, expected, seen = words[shmem.RECORD.value + 3 * origin:shmem.RECORD.value + 3 * origin + 3]
+    return FlagTimeout(op, heap.world.rank, origin, describe_flag(heap, flag_word), expected, seen)

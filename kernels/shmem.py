@@ -1,29 +1,60 @@
 """Iris-style device API over a symmetric heap (DESIGN.md, Device programming model).
 
-Every rank's heap has the same size and layout; `heap_bases[r]` is rank r's heap address as
-mapped in this process. A pointer `p` into `from_rank`'s heap names the same object on `to_rank`
-at `heap_bases[to_rank] + (p - heap_bases[from_rank])`. Each function below takes Iris's
-argument order (`from_rank`, `to_rank`, `heap_bases`): `pointer` lives in `from_rank`'s address
-space (normally the calling rank) and the access goes to `to_rank`'s memory.
+Every rank's heap has the same size and layout; `heap_bases[r]` is rank r's heap address as mapped
+in this process. Data moves from `from_rank` to `to_rank`, as in Iris:
 
-Flags are int32 epochs: a producer writes the call's epoch (release, system scope) and a consumer
-waits until the flag reaches it, so flags never need clearing between calls. Every wait is
-bounded: past `spin_limit` polls it records the flag and the values in the heap's status words
-and gives up; the host turns that into `autofuse.status.FlagTimeout` naming op, rank and flag.
+    load(pointer, to_rank, from_rank, heap_bases)        read from_rank's copy; to_rank = me
+    store(pointer, value, from_rank, to_rank, heap_bases) write to_rank's copy; from_rank = me
+    get(from_ptr, to_ptr, from_rank, to_rank, ...)        copy from_rank's data into my memory
+    put(from_ptr, to_ptr, from_rank, to_rank, ...)        copy my data into to_rank's memory
+    atomic_*(pointer, ..., from_rank, to_rank, ...)       update to_rank's copy; from_rank = me
 
-Everything here runs both compiled (CUDA, ROCm) and under TRITON_INTERPRET=1 (no inline asm).
+A pointer is always given in the calling rank's address space.
+
+**Device context.** Kernels that synchronise across ranks take one `DeviceContext` argument (a
+named tuple, passed as a single kernel argument): this rank, the world size, the heap bases, the
+workspace's status words (on the heap, so peers can write them), its epoch counter, the wait budget
+and a host-visible mirror of the status code. The host builds it (`autofuse.workspace.Workspace.ctx`).
+
+**Epochs.** `epoch_begin` gives every call a number one higher than the last (kept on the device,
+so CUDA-graph replays advance it); flags carry the epoch of the call that raised them, in two
+parity sets, so a peer one call ahead writes the other set. A wait is satisfied only by the exact
+epoch it expects: data of a later (or skipped) call never satisfies it.
+
+**Faults are collective.** `wait_until` gives up when the budget (wall-clock: `%globaltimer` ns on
+GPUs, the host clock under the interpreter) runs out, or at once when the status code says this
+rank or a peer already gave up. The first rank to give up records the flag and epochs in its
+status words and marks every peer's status "aborted" with its own rank, so every rank stops
+waiting and the host raises `autofuse.status.FlagTimeout` on every rank. A workspace whose status
+is not clean computes nothing: kernels fill their outputs with NaN until the host rebuilds it.
+
+Everything here runs compiled (CUDA) and under TRITON_INTERPRET=1 (no inline asm there).
 """
+import os
+import time
+from collections import namedtuple
+
 import triton
 import triton.language as tl
 
-# Status words (int32, at the heap's status allocation): the first timeout wins the CAS.
-STATUS_CODE = tl.constexpr(0)       # 0 = fine, 1 = a flag wait timed out
-STATUS_FLAG_WORD = tl.constexpr(1)  # the flag's offset in the waiting rank's heap, in 4-byte words
-STATUS_EXPECTED = tl.constexpr(2)   # the epoch waited for
-STATUS_SEEN = tl.constexpr(3)       # the last value read
+INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
+
+DeviceContext = namedtuple("DeviceContext", ["rank", "world", "heap_bases", "status", "counter", "budget",
+                                             "mirror"])
+
+# Status words (int32, a workspace's status allocation on the heap; see autofuse/status.py).
+# Word CODE is 0 while healthy, else (origin rank + 1) * 4 + kind: kind TIMEOUT where this rank's
+# wait ran out, ABORTED where a peer's did. Rank r's record of its timeout sits in words
+# RECORD + 3r .. RECORD + 3r + 2 (flag offset in 4-byte words, epoch waited for, last value seen),
+# written before the code is set (release), so whoever sees the code sees the origin's record.
+CODE = tl.constexpr(0)
+RECORD = tl.constexpr(1)
 TIMEOUT = tl.constexpr(1)
+ABORTED = tl.constexpr(2)
+POLLS_PER_CHECK = tl.constexpr(64)  # flag polls between two reads of the clock and the status word
 
 
+# -- address translation and remote access ------------------------------------------------------
 @triton.jit
 def translate(pointer, from_rank, to_rank, heap_bases):
     """`pointer` in `from_rank`'s heap -> the same object in `to_rank`'s heap (same type).
@@ -38,27 +69,27 @@ def translate(pointer, from_rank, to_rank, heap_bases):
 
 
 @triton.jit
-def load(pointer, from_rank, to_rank, heap_bases, mask=None, other=None):
-    """Read `to_rank`'s copy of `pointer` (a block of pointers in `from_rank`'s heap)."""
-    return tl.load(translate(pointer, from_rank, to_rank, heap_bases), mask=mask, other=other)
+def load(pointer, to_rank, from_rank, heap_bases, mask=None, other=None):
+    """Read `from_rank`'s copy of `pointer` (my address, `to_rank` = me)."""
+    return tl.load(translate(pointer, to_rank, from_rank, heap_bases), mask=mask, other=other)
 
 
 @triton.jit
 def store(pointer, value, from_rank, to_rank, heap_bases, mask=None):
-    """Write `value` into `to_rank`'s copy of `pointer`."""
+    """Write `value` into `to_rank`'s copy of `pointer` (my address, `from_rank` = me)."""
     tl.store(translate(pointer, from_rank, to_rank, heap_bases), value, mask=mask)
 
 
 @triton.jit
 def get(from_ptr, to_ptr, from_rank, to_rank, heap_bases, mask=None):
-    """Copy `to_rank`'s data at `from_ptr` into local memory at `to_ptr` (a pull)."""
-    data = tl.load(translate(from_ptr, from_rank, to_rank, heap_bases), mask=mask)
+    """Copy `from_rank`'s data at `from_ptr` into my memory at `to_ptr` (`to_rank` = me)."""
+    data = tl.load(translate(from_ptr, to_rank, from_rank, heap_bases), mask=mask)
     tl.store(to_ptr, data, mask=mask)
 
 
 @triton.jit
 def put(from_ptr, to_ptr, from_rank, to_rank, heap_bases, mask=None):
-    """Copy local data at `from_ptr` into `to_rank`'s memory at `to_ptr` (a push)."""
+    """Copy my data at `from_ptr` into `to_rank`'s memory at `to_ptr` (`from_rank` = me)."""
     data = tl.load(from_ptr, mask=mask)
     tl.store(translate(to_ptr, from_rank, to_rank, heap_bases), data, mask=mask)
 
@@ -81,9 +112,10 @@ def atomic_xchg(pointer, val, from_rank, to_rank, heap_bases, mask=None, sem=Non
     return tl.atomic_xchg(translate(pointer, from_rank, to_rank, heap_bases), val, mask=mask, sem=sem, scope=scope)
 
 
+# -- flags --------------------------------------------------------------------------------------
 @triton.jit
 def signal(flag, epoch, from_rank, to_rank, heap_bases):
-    """Raise `to_rank`'s copy of `flag` to `epoch`, releasing every write made before it.
+    """Set `to_rank`'s copy of `flag` to `epoch`, releasing every write this program made before.
 
     The barrier first makes every thread's stores of this program precede the one release.
     """
@@ -91,56 +123,108 @@ def signal(flag, epoch, from_rank, to_rank, heap_bases):
     tl.atomic_xchg(translate(flag, from_rank, to_rank, heap_bases), epoch, sem="release", scope="sys")
 
 
-@triton.jit
-def _report_timeout(flag, value, seen, status, my_base):
-    won = tl.atomic_cas(status + STATUS_CODE, 0, TIMEOUT, sem="relaxed", scope="sys") == 0
-    if won:
-        word = (tl.cast(flag, tl.uint64) - tl.cast(my_base, tl.uint64)) // 4
-        tl.store(status + STATUS_FLAG_WORD, tl.cast(word, tl.int32))
-        tl.store(status + STATUS_EXPECTED, value)
-        tl.store(status + STATUS_SEEN, seen)
+if os.environ.get("TRITON_INTERPRET", "0") == "1":
+    @triton.jit
+    def now_ns():
+        """Nanoseconds of a monotonic clock (the host's, under the interpreter)."""
+        return tl.full([], time.monotonic_ns(), tl.int64)
+else:
+    @triton.jit
+    def now_ns():
+        """Nanoseconds of the GPU's global timer."""
+        return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False,
+                                         pack=1)
 
 
 @triton.jit
-def wait_until(flag, value, spin_limit, status, heap_bases, rank):
-    """Wait until the local int32 `flag` reaches `value` (>=, since epochs only grow).
+def _record(kind, flag_word, value, seen, target, ctx):
+    """Write my timeout record into `target`'s status, then set its code unless it holds one already."""
+    slot = ctx.status + RECORD + 3 * ctx.rank
+    atomic_xchg(slot, flag_word, ctx.rank, target, ctx.heap_bases, sem="relaxed", scope="sys")
+    atomic_xchg(slot + 1, value, ctx.rank, target, ctx.heap_bases, sem="relaxed", scope="sys")
+    atomic_xchg(slot + 2, seen, ctx.rank, target, ctx.heap_bases, sem="relaxed", scope="sys")
+    atomic_cas(ctx.status + CODE, 0, (ctx.rank + 1) * 4 + kind, ctx.rank, target, ctx.heap_bases,
+               sem="release", scope="sys")
 
-    Polls with volatile loads (atomics poll ~5x slower across GPUs), then one acquire so the
-    data the producer released before the flag is visible. Gives up after `spin_limit` polls,
-    records the flag in `status` and returns False; callers then skip their remaining work.
+
+@triton.jit
+def give_up(flag, value, seen, ctx):
+    """This rank's wait on `flag` ran out: record it here, abort every peer, tell the host mirror."""
+    base = tl.load(ctx.heap_bases + ctx.rank)
+    word = tl.cast((tl.cast(flag, tl.uint64) - tl.cast(base, tl.uint64)) // 4, tl.int32)
+    _record(TIMEOUT, word, value, seen, ctx.rank, ctx)
+    for peer in range(0, ctx.world):
+        if peer != ctx.rank:
+            _record(ABORTED, word, value, seen, peer, ctx)
+    tl.store(ctx.mirror, tl.load(ctx.status + CODE, volatile=True))
+
+
+@triton.jit
+def wait_until(flag, value, ctx):
+    """Wait until the local int32 `flag` holds exactly `value`; True if it did.
+
+    Polls with volatile loads (atomics poll ~5x slower across GPUs), POLLS_PER_CHECK at a time
+    between reads of the clock and the status word, then one acquire so the data the producer
+    released before the flag is visible. Gives up (returns False) when this rank's
+    status is no longer clean (a peer or another program of this rank gave up: every wait then
+    returns at once, so the time to fail does not grow with the number of waiting programs) or
+    when `ctx.budget` ns pass; the first to run out calls `give_up`. Callers skip the work that
+    needed the flag and write NaN instead.
     """
     seen = tl.load(flag, volatile=True)
-    spins = 0
-    while (seen < value) & (spins < spin_limit):
-        seen = tl.load(flag, volatile=True)
-        spins += 1
-    ok = seen >= value
+    code = tl.load(ctx.status + CODE, volatile=True)
+    if (seen != value) & (code == 0):
+        start = now_ns()
+        elapsed = tl.full([], 0, tl.int64)
+        while (seen != value) & (code == 0) & (elapsed <= ctx.budget):
+            polls = 0
+            while (seen != value) & (polls < POLLS_PER_CHECK):  # the hot loop: one volatile load
+                seen = tl.load(flag, volatile=True)
+                polls += 1
+            code = tl.load(ctx.status + CODE, volatile=True)
+            elapsed = now_ns() - start
+    ok = seen == value
     if ok:
         tl.atomic_add(flag, 0, sem="acquire", scope="sys")
         tl.debug_barrier()  # no thread of the program reads the data before the acquire
+    elif code == 0:
+        give_up(flag, value, seen, ctx)
     else:
-        _report_timeout(flag, value, seen, status, tl.load(heap_bases + rank))
+        tl.store(ctx.mirror, code)
     return ok
 
 
+# -- epochs -------------------------------------------------------------------------------------
 @triton.jit
-def epoch_next(counter):
-    """The epoch of the call now running: one more than the last published (counter = [epoch, done]).
+def epoch_begin(ctx):
+    """(epoch of the call now running, whether the workspace is healthy).
 
-    Kept on the device so a call captured in a CUDA graph gets a fresh epoch on every replay.
-    Every program reads it at its start; `epoch_finish` publishes the next one.
+    The epoch is one more than the last published (`counter` = [epoch, programs done]); it stays
+    on the device so a call captured in a CUDA graph gets a fresh epoch on every replay. Every
+    program reads it at its start; `epoch_end` publishes the next one. An unhealthy workspace (a
+    fault was recorded and not yet cleared by the host) must not compute: callers write NaN.
     """
-    return tl.load(counter, volatile=True) + 1
+    epoch = tl.load(ctx.counter, volatile=True) + 1
+    code = tl.load(ctx.status + CODE, volatile=True)
+    if code != 0:
+        tl.store(ctx.mirror, code)
+    return epoch, code == 0
 
 
 @triton.jit
-def epoch_finish(counter, num_programs):
+def epoch_end(ctx, num_programs):
     """Every program calls this once at its very end; the last one to arrive publishes the epoch.
 
     By then every program of the launch has read the epoch, and the next launch on the stream
     cannot start before this one ends, so no program ever sees a half-updated counter.
     """
-    done = tl.atomic_add(counter + 1, 1, sem="acq_rel", scope="gpu")
+    done = tl.atomic_add(ctx.counter + 1, 1, sem="acq_rel", scope="gpu")
     if done == num_programs - 1:
-        tl.store(counter + 1, 0)
-        tl.atomic_add(counter, 1, sem="release", scope="gpu")
+        tl.store(ctx.counter + 1, 0)
+        tl.atomic_add(ctx.counter, 1, sem="release", scope="gpu")
+
+
+@triton.jit
+def parity(epoch):
+    """0 or 1: which of the two flag and inbox sets this call uses."""
+    return epoch % 2

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import glob
 import os
+import re
 import time
 
 import pytest
@@ -20,22 +21,33 @@ def _shm_files() -> set[str]:
 
 def _primitives(world):
     checks = selftest.check_primitives(world, n=300, epochs=24)
-    timeout = selftest.check_timeout(world, spin_limit=500)
+    t0 = time.monotonic()
+    timeout, refused = selftest.check_timeout(world, waiter=world.size - 1, budget_s=1.0)
+    took = time.monotonic() - t0
+    again = [(c.name, c.ok, c.detail) for c in selftest.check_primitives(world, n=64, epochs=4)]
     offsets = [(a.name, a.offset) for a in world.heap._allocs]
-    return [(c.name, c.ok, c.detail) for c in checks], None if timeout is None else str(timeout), offsets
+    return ([(c.name, c.ok, c.detail) for c in checks], None if timeout is None else str(timeout),
+            None if refused is None else str(refused), took, again, offsets)
 
 
 @pytest.mark.parametrize("nranks", [1, 2, 4])
 def test_primitives_across_ranks(nranks):
     before = _shm_files()
     results = spawn(_primitives, nranks, timeout_s=300)
-    for rank, (checks, timeout, _) in enumerate(results):
-        bad = [c for c in checks if not c[1]]
+    waiter = nranks - 1
+    for rank, (checks, timeout, refused, took, again, _) in enumerate(results):
+        bad = [c for c in checks + again if not c[1]]
         assert not bad, f"rank {rank}: failed checks {bad}"
         assert len(checks) == 7
         assert timeout is not None, f"rank {rank}: the unreachable flag did not time out"
-        assert f"rank {rank} timed out" in timeout and "selftest.wait" in timeout and "selftest.never[0]" in timeout
-    offsets = [r[2] for r in results]
+        if rank == waiter:
+            assert f"rank {rank} timed out waiting on flag selftest.timeout.flags[0]" in timeout, timeout
+        else:  # aborted by the waiter, naming it and its flag
+            assert f"rank {rank} stopped because rank {waiter} timed out" in timeout, timeout
+            assert "selftest.timeout.flags[0]" in timeout, timeout
+        assert refused is not None and "refuses to compute until it is rebuilt" in refused, refused
+        assert took < 1.0 + 5.0, f"rank {rank}: {took:.1f} s to fail with a 1 s budget"
+    offsets = [r[-1] for r in results]
     assert all(o == offsets[0] for o in offsets), "heap offsets differ across ranks"
     assert _shm_files() <= before, "shared-memory heap files left behind"
 
@@ -99,12 +111,16 @@ def _heap_api(world):
             bool(torch.isfinite(c).all()), float(peer.sum()), h.offset_of(b) % heap_mod.ALIGN, errors)
 
 
-def test_heap_allocation_api_and_full_heap_error(monkeypatch):
-    monkeypatch.setenv("AUTOFUSE_HEAP_SIZE", "1M")
+@pytest.mark.parametrize("size", ["1M", "256K"])
+def test_heap_allocation_api_and_full_heap_error(monkeypatch, size):
+    monkeypatch.setenv("AUTOFUSE_HEAP_SIZE", size)
     for shape, is_bf16, zsum, bsum, finite, peer_sum, align, errors in spawn(_heap_api, 2, timeout_s=120):
         assert shape == (3, 5) and is_bf16 and zsum == 0.0 and bsum == 17.5 and finite
         assert peer_sum == 17.5 and align == 0
-        assert errors and "AUTOFUSE_HEAP_SIZE" in errors[0]
+        assert errors and "raise AUTOFUSE_HEAP_SIZE (e.g. " in errors[0], errors
+        suggested = int(re.search(r"e\.g\. (\d+)M", errors[0]).group(1)) << 20
+        needed = int(re.search(r"needs (\d+) B at offset (\d+)", errors[0]).group(1))
+        assert suggested > heap_mod.parse_size(size) and suggested >= needed, errors  # never "e.g. 0M"
 
 
 def _mismatched_allocation(world):
@@ -121,6 +137,9 @@ def test_divergent_allocations_are_caught():
 def test_parse_size():
     assert heap_mod.parse_size("64M") == 64 << 20
     assert heap_mod.parse_size("2G") == 2 << 30
-    assert heap_mod.parse_size("4096") == 4096
+    assert heap_mod.parse_size("65536") == 65536
+    for tiny in ("0", "4096", "0M"):  # AUTOFUSE_HEAP_SIZE=0 gets a clear minimum, not an mmap error
+        with pytest.raises(ValueError, match="below the minimum"):
+            heap_mod.parse_size(tiny)
     with pytest.raises(ValueError):
         heap_mod.parse_size("lots")

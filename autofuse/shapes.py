@@ -1,0 +1,73 @@
+"""Tensor-parallel shapes of real models: where the tuning sweeps' N and K come from.
+
+A decoder layer with tensor parallelism over W ranks has four communicating GEMMs:
+- column-parallel (all-gather + GEMM in the sequence-parallel form: ag_gemm): QKV projection,
+  N = (Hq + 2 Hkv) * D / W, K = hidden; gate+up projection, N = 2 * ffn / W, K = hidden;
+- row-parallel (GEMM + reduce-scatter: gemm_rs, or + all-reduce: gemm_ar): output projection,
+  N = hidden, K = Hq * D (K / W per rank); down projection, N = hidden, K = ffn.
+Decode attention over a sequence-split KV cache (flash_decode) sees (Hq, Hkv, D).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Model:
+    """The sizes of one decoder layer."""
+
+    name: str
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    ffn: int
+
+
+MODELS = {m.name: m for m in (
+    Model("llama3-8b", 4096, 32, 8, 128, 14336),
+    Model("llama3-70b", 8192, 64, 8, 128, 28672),
+    Model("llama3-405b", 16384, 128, 8, 128, 53248),
+    Model("qwen2.5-72b", 8192, 64, 8, 128, 29568),
+    Model("mixtral-8x7b", 4096, 32, 8, 128, 14336),
+)}
+
+PREFILL_M = (512, 2048, 8192)   # tokens of a prefill chunk (global rows)
+DECODE_M = (1, 8, 32, 128)      # sequences in a decode batch
+
+
+@dataclass(frozen=True)
+class Gemm:
+    """One communicating GEMM of a layer at world size W: `kind` column (ag_gemm) or row (gemm_rs/ar);
+    N is per rank for column-parallel, K is global (the op splits it) for row-parallel."""
+
+    model: str
+    name: str
+    kind: str
+    N: int
+    K: int
+
+
+def layer_gemms(model: Model, world: int) -> list[Gemm]:
+    """The layer's communicating GEMMs at world size `world` (shapes that do not split evenly are left out)."""
+    qkv = (model.heads + 2 * model.kv_heads) * model.head_dim
+    out = []
+    for name, kind, n, k in (("qkv", "column", qkv, model.hidden), ("gate_up", "column", 2 * model.ffn, model.hidden),
+                             ("o_proj", "row", model.hidden, model.heads * model.head_dim),
+                             ("down", "row", model.hidden, model.ffn)):
+        if kind == "column":
+            if n % world == 0:
+                out.append(Gemm(model.name, name, kind, n // world, k))
+        elif k % world == 0:
+            out.append(Gemm(model.name, name, kind, n, k))
+    return out
+
+
+def gemms(kind: str, world: int, models: tuple[str, ...] | None = None) -> list[Gemm]:
+    """Distinct (N, K) of `kind` ("column" or "row") over the models (default: all), first model first."""
+    seen: dict[tuple[int, int], Gemm] = {}
+    for name in models or tuple(MODELS):
+        for g in layer_gemms(MODELS[name], world):
+            if g.kind == kind:
+                seen.setdefault((g.N, g.K), g)
+    return list(seen.values())

@@ -1,0 +1,117 @@
+"""Workspace: the part of the symmetric heap that one op's (or collective's) kernels share across ranks.
+
+Every op gets its workspace the same way (`workspace(world, name, data_bytes, flags)`), made of:
+- `data`: bytes in two parity halves (inboxes, gathered buffers), viewed in any dtype by `data_view`;
+- `flags`: int32 in two parity halves (epoch flags, arrival counters), zero when made;
+- `counter`: the epoch, [last epoch, programs done] (kernels/shmem.py: epoch_begin/epoch_end);
+- `status`: the fault record (shmem.CODE, RECORD), on the heap so that peers can abort it;
+- `mirror`: the status code where the host reads it without a device sync (pinned memory on GPUs,
+  written by kernels that see a fault), so a faulty workspace is refused at the next call.
+A call of epoch e uses parity e % 2 of data and flags, so a peer one call ahead never writes what
+is being read. Workspaces are cached per (heap, name); a problem that needs more capacity gets a
+new, bigger workspace (capacities are powers of two) with its own epoch. Making one is collective:
+every rank builds runners in the same order (dispatch and the tuner guarantee it), and a barrier
+after zeroing the flags keeps a fast peer from raising a flag before this rank has zeroed it.
+"""
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+
+from autofuse import status
+from autofuse.kernels import shmem
+from autofuse.sizes import next_pow2
+
+MIN_DATA = 1 << 12   # capacities are powers of two from these up, so growth steps stay few
+MIN_FLAGS = 1 << 6
+
+_by_heap: "weakref.WeakKeyDictionary[Any, dict[str, list[Workspace]]]" = weakref.WeakKeyDictionary()
+
+
+class Workspace:
+    """One named workspace on one World's heap (see the module docstring); made by `workspace()`."""
+
+    def __init__(self, world: Any, name: str, data_bytes: int, flags: int):
+        heap = world.heap
+        self.world, self.name = world, name
+        self.data = heap.empty(2 * data_bytes, dtype=torch.uint8, name=f"{name}.data")
+        self.flags = heap.zeros(2 * flags, dtype=torch.int32, name=f"{name}.flags")
+        self.counter = heap.zeros(2, dtype=torch.int32, name=f"{name}.epoch")
+        self.status = heap.zeros(status.status_words(world.size), dtype=torch.int32, name=f"{name}.status")
+        self.mirror = torch.zeros(1, dtype=torch.int32, pin_memory=world.device.type == "cuda")
+        self._mirror = self.mirror.numpy()
+        self.aborted: str | None = None
+        self._ctx = shmem.DeviceContext(world.rank, world.size, heap.bases, self.status, self.counter,
+                                        status.wait_budget_ns(world.device.type), self.mirror)
+        world.sync()  # every rank has zeroed its flags before any peer may raise one
+
+    @property
+    def half_bytes(self) -> int:
+        """Bytes of one parity half of `data`."""
+        return self.data.numel() // 2
+
+    @property
+    def half_flags(self) -> int:
+        """Flags in one parity half of `flags`."""
+        return self.flags.numel() // 2
+
+    @property
+    def ctx(self) -> shmem.DeviceContext:
+        """The device context kernels take (one argument)."""
+        return self._ctx
+
+    def data_view(self, dtype: torch.dtype, offset: int = 0) -> tuple[torch.Tensor, int]:
+        """(a `dtype` view of parity 0's data from byte `offset` on, the parity stride in elements)."""
+        if offset % dtype.itemsize or self.half_bytes % dtype.itemsize:
+            raise ValueError(f"{self.name}: offset {offset} is not aligned for {dtype}")
+        return self.data[offset:].view(dtype), self.half_bytes // dtype.itemsize
+
+    def refuse_if_faulty(self) -> None:
+        """Raise WorkspaceAborted if a fault was seen (no device sync: reads the host mirror)."""
+        if self.aborted is None and self._mirror[0] == 0:
+            return
+        if self.aborted is None:
+            self.check()
+        raise status.WorkspaceAborted(
+            f"{self.name}: this workspace saw a fault and refuses to compute until it is rebuilt on every rank "
+            f"(autofuse.rebuild(group)); the fault: {self.aborted}")
+
+    def check(self) -> None:
+        """Read the fault record (synchronises with the device) and raise FlagTimeout if there is one."""
+        if self.world.device.type == "cuda":
+            torch.cuda.synchronize(self.world.device)
+        exc = status.fault(self.world.heap, self.name, self.status.tolist())
+        if exc is not None:
+            self.aborted = str(exc)
+            self._mirror[0] = max(int(self._mirror[0]), 1)
+            raise exc
+
+    def rebuild(self) -> None:
+        """Clear flags, epoch and fault record on every rank (collective), so the workspace computes again."""
+        self.world.sync()
+        for t in (self.flags, self.counter, self.status):
+            t.zero_()
+        self.mirror.zero_()
+        self.aborted = None
+        self.world.sync()
+
+
+def workspace(world: Any, name: str, data_bytes: int = 0, flags: int = 0) -> Workspace:
+    """The workspace `name` on `world` with at least `data_bytes` per parity of data and `flags` per
+    parity of flags; the cached one if it is big enough, else a new one (collective)."""
+    made = _by_heap.setdefault(world.heap, {}).setdefault(name, [])
+    ws = made[-1] if made else None
+    if ws is None or ws.half_bytes < data_bytes or ws.half_flags < flags:
+        grow = (ws.half_bytes, ws.half_flags) if ws is not None else (0, 0)
+        ws = Workspace(world, name, next_pow2(max(data_bytes, grow[0], MIN_DATA if data_bytes else 0)),
+                       next_pow2(max(flags, MIN_FLAGS, grow[1])))
+        made.append(ws)
+    return ws
+
+
+def workspaces(world: Any) -> list[Workspace]:
+    """Every workspace made on `world`'s heap so far, outgrown ones included (runners may still use them)."""
+    heap = getattr(world, "_heap", None)
+    return [ws for made in _by_heap.get(heap, {}).values() for ws in made] if heap is not None else []
