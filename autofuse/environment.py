@@ -4,9 +4,12 @@
   measurement or policy does not apply at all.
 - **software** (`SOFTWARE_FIELDS`: driver, CUDA, torch, Triton, NCCL versions): a difference is
   reported, never strands rows; dispatch confirms its decisions on first use when it differs.
-- **ops** (`{op name: digest}`): `op_digest(op)` hashes the op's host module and every kernel or op
-  module it imports (transitively), as syntax trees without docstrings, comments or layout; an edit
-  to one op's code invalidates that op's rows, studies and policy entries only.
+- **ops** (`{op name: digest}`): `op_digest(op)` hashes the op's host module and every module it
+  imports (transitively) among the kernels (`autofuse.kernels.*`), the other op modules and the
+  shared op-building modules (`DIGEST_MODULES`: typed GEMM config, runner, workspace, collectives),
+  as syntax trees without docstrings, comments or layout; an edit to one op's code invalidates that
+  op's rows, studies and policy entries only. Generic infrastructure (op, heap, world, status) is
+  not hashed: it does not decide what one op computes or launches.
 
 `fingerprint()` returns one flat dict: the hardware and software fields, `python` (informative),
 `ops`, `hardware_id`, `software_id` and `id` (= `fingerprint_id`: hardware + software, for display).
@@ -21,6 +24,7 @@ import json
 import platform
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
@@ -28,8 +32,9 @@ HARDWARE_FIELDS = ("device_kind", "gpu_name", "gpu_count", "topology")
 SOFTWARE_FIELDS = ("driver", "cuda", "torch", "triton", "nccl")
 KEY_FIELDS = HARDWARE_FIELDS + SOFTWARE_FIELDS  # what `fingerprint_id` covers
 LAYERS = ("hardware", "software", "ops")
-# Packages whose modules count towards an op's digest when the op module imports them (directly or not).
+# Modules that count towards an op's digest when the op module imports them (directly or not).
 DIGEST_PACKAGES = ("autofuse.kernels", "autofuse.ops")
+DIGEST_MODULES = ("autofuse.gemm", "autofuse.runner", "autofuse.workspace", "autofuse.collectives")
 ALWAYS = ("autofuse.kernels.shmem",)  # the device API every fused kernel stands on
 
 
@@ -67,27 +72,44 @@ def source_digest(path: str | Path) -> str:
     return hashlib.sha256(_canonical(tree).encode()).hexdigest()
 
 
+def _counts(name: str) -> bool:
+    return name in DIGEST_MODULES or any(name == p or name.startswith(p + ".") for p in DIGEST_PACKAGES)
+
+
+@functools.lru_cache(maxsize=None)
+def _installed_roots() -> dict[str, Path]:
+    """Where the package's modules are, found without running any of them (an op module that does
+    not import cleanly still has a digest)."""
+    spec = importlib.util.find_spec("autofuse")
+    kernels = importlib.util.find_spec("autofuse.kernels")  # imports the autofuse package only
+    assert spec is not None and spec.origin and kernels is not None and kernels.submodule_search_locations
+    base = Path(spec.origin).parent
+    return {"autofuse": base, "autofuse.ops": base / "ops", "autofuse.kernels": Path(kernels.submodule_search_locations[0])}
+
+
 def _module_file(name: str, roots: Mapping[str, Path] | None) -> Path | None:
-    if roots is not None:
-        package, _, leaf = name.rpartition(".")
-        if package in roots:
-            f = Path(roots[package]) / f"{leaf}.py"
-            return f if f.is_file() else None
-        if name in roots:
-            f = Path(roots[name]) / "__init__.py"
-            return f if f.is_file() else None
+    """The source file of module `name` under `roots` (default: the installed package), else of an
+    already imported module or a top-level one (an op defined outside the package); None if none."""
+    roots = _installed_roots() if roots is None else roots
+    if name in roots:
+        f = Path(roots[name]) / "__init__.py"
+        return f if f.is_file() else None
+    package, _, leaf = name.rpartition(".")
+    if package in roots:
+        f = Path(roots[package]) / f"{leaf}.py"
+        return f if f.is_file() else None
+    if _counts(name) or name == "autofuse" or name.startswith("autofuse."):
         return None
-    try:
+    mod = sys.modules.get(name)
+    origin = getattr(mod, "__file__", None) if mod is not None else None
+    if origin is None and "." not in name:
         spec = importlib.util.find_spec(name)
-    except (ImportError, ValueError):
-        return None
-    if spec is None or not spec.origin or not spec.origin.endswith(".py"):
-        return None
-    return Path(spec.origin)
+        origin = spec.origin if spec is not None else None
+    return Path(origin) if origin and str(origin).endswith(".py") else None
 
 
 def _imports(path: Path, module: str, roots: Mapping[str, Path] | None) -> set[str]:
-    """The modules of DIGEST_PACKAGES that `path` (module `module`) imports anywhere in its code."""
+    """The modules counted in digests that `path` (module `module`) imports anywhere in its code."""
     out: set[str] = set()
     tree = ast.parse(path.read_text(), filename=str(path))
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
@@ -103,15 +125,14 @@ def _imports(path: Path, module: str, roots: Mapping[str, Path] | None) -> set[s
                 base = f"{parent}.{base}" if base else parent
             names = [base] + [f"{base}.{a.name}" for a in node.names if a.name != "*"]
         for name in names:
-            if any(name == p or name.startswith(p + ".") for p in DIGEST_PACKAGES):
-                if name in DIGEST_PACKAGES or _module_file(name, roots) is not None:
-                    out.add(name)
+            if _counts(name) and (name in DIGEST_PACKAGES or _module_file(name, roots) is not None):
+                out.add(name)
     return out
 
 
 def digest_modules(module: str, roots: Mapping[str, Path] | None = None,
                    extra: Iterable[str] = ()) -> dict[str, Path]:
-    """`module` and every module of DIGEST_PACKAGES it imports, transitively ({name: file}).
+    """`module` and every module counted in digests that it imports, transitively ({name: file}).
 
     `roots` maps package names to folders (tests hash a copy of the sources); by default modules are
     found where Python would import them from.
@@ -139,23 +160,25 @@ def _op_module(op: Any) -> str:
         if op not in registry.MODULES:
             raise KeyError(f"unknown op {op!r}: known ops are {', '.join(registry.MODULES)}")
         return registry.MODULES[op]
-    if op.name in registry.MODULES and importlib.util.find_spec(registry.MODULES[op.name]) is not None \
-            and registry.get(op.name) is op:
+    if op.name in registry.MODULES and getattr(sys.modules.get(registry.MODULES[op.name]), "OP", None) is op:
         return registry.MODULES[op.name]
-    if type(op).__module__ not in ("autofuse.op",):
+    if type(op).__module__ != "autofuse.op":
         return type(op).__module__
-    for value in vars(op).values():
+    for value in vars(op).values():  # the op's own functions (problem_of, inputs, ...)
         mod = getattr(value, "__module__", None)
-        if mod and mod != "autofuse.op":
+        if callable(value) and mod and mod != "autofuse.op":
             return mod
+    for v in getattr(op, "variants", {}).values():  # else where its variant classes live
+        if type(v).__module__ != "autofuse.op":
+            return type(v).__module__
     raise ValueError(f"cannot tell which module defines op {op.name!r}")
 
 
 def op_digest(op: Any, roots: Mapping[str, Path] | None = None) -> str:
-    """sha256 (16 hex) of an op's code: its host module and the kernel and op modules it imports
-    (its kernels module, kernels/shmem.py, shared kernel modules, another op it builds on), as
-    syntax trees without docstrings or comments. `op` is a registered name or an Op object; an op
-    module may list more modules to include in `DIGEST_EXTRA` (a tuple of module names)."""
+    """sha256 (16 hex) of an op's code: its host module and what it imports among the kernel modules
+    (its kernels module, kernels/shmem.py, shared kernel modules), other op modules it builds on and
+    DIGEST_MODULES, as syntax trees without docstrings or comments. `op` is a registered name or an
+    Op object; an op module may list more modules to include in `DIGEST_EXTRA` (a tuple of names)."""
     module = _op_module(op)
     files = digest_modules(module, roots)
     main = files.get(module)

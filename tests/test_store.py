@@ -372,9 +372,11 @@ def test_merge_keeps_every_real_measurement_once(tmp_path):
 # -- op digests --------------------------------------------------------------------------------------
 
 def _sources(tmp_path: Path) -> dict[str, Path]:
-    roots = {"autofuse.kernels": tmp_path / "kernels", "autofuse.ops": tmp_path / "ops"}
-    shutil.copytree(ROOT / "kernels", roots["autofuse.kernels"])
-    shutil.copytree(ROOT / "autofuse" / "ops", roots["autofuse.ops"])
+    """A copy of the package's sources (host modules, op modules, kernels) to edit."""
+    roots = {"autofuse": tmp_path / "autofuse", "autofuse.kernels": tmp_path / "kernels",
+             "autofuse.ops": tmp_path / "autofuse" / "ops"}
+    shutil.copytree(ROOT / "autofuse", roots["autofuse"], ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(ROOT / "kernels", roots["autofuse.kernels"], ignore=shutil.ignore_patterns("__pycache__"))
     return roots
 
 

@@ -1,4 +1,4 @@
-"""`autofuse tune`: Optuna search of the fused variants' configs, every measurement into SQLite."""
+"""`autofuse tune`: Optuna search of the tunable variants' configs, every measurement into SQLite."""
 from __future__ import annotations
 
 import os
@@ -16,14 +16,15 @@ errors = Console(stderr=True)
 CPU_INTRO = (
     "No GPU here, so this is the CPU emulation: each rank is a process, the real Triton kernels run under "
     "Triton's interpreter, gloo carries the collectives and a shared-memory file stands in for the GPUs' "
-    "symmetric heap. It checks that every fused kernel matches the float64 reference and runs the whole "
+    "symmetric heap. It checks that every tuned variant matches the float64 reference and runs the whole "
     "tune -> fit -> dispatch loop on small problems. Its timings are the interpreter's, not a GPU's: the "
     "interpreter runs a kernel element by element, so BSP (torch's own compute) wins almost everywhere, "
     "and differences of a few tens of percent are noise of a busy CPU.")
 CPU_OUTRO = (
     "How to read it: one table per op, one row per problem; each variant's best latency in microseconds per "
-    "call (median of the timed calls, slowest rank); bsp = collective + torch compute, the others are the fused "
-    "kernels; x BSP = BSP's latency / the fastest fused one (above 1: fusion pays). Every fused variant was "
+    "call (median of the timed calls, slowest rank); bsp = collective + torch compute, torch_symm = torch's own "
+    "symmetric-memory op, the others are autofuse's tuned variants (hybrid and fused kernels); x BSP = BSP's "
+    "latency / the fastest tuned one (above 1: it pays). Every tuned variant was "
     "checked against the reference and timed on every problem.\n"
     "Next: `autofuse fit --mode eager` fits a dispatch policy on these rows, `autofuse show --mode eager` lists "
     "them. On a machine with GPUs, `autofuse tune` tunes on every local GPU (graph and eager modes, 16 trials "
@@ -59,7 +60,7 @@ def _us(x: Optional[float]) -> str:
 
 
 def render(summary: list[dict]) -> None:
-    """One table per op: per problem, every variant's best latency, the best, and BSP / best fused."""
+    """One table per op: per problem, every variant's best latency, the best, and BSP / best tuned."""
     if not summary:
         say("nothing was tuned")
         return
@@ -81,7 +82,7 @@ def render(summary: list[dict]) -> None:
         t.add_column("x BSP", justify="right")
         for r in rows:
             us = r.get("variants_us", {})
-            speed = (r["bsp_us"] / r["best_fused_us"]) if r.get("bsp_us") and r.get("best_fused_us") else None
+            speed = (r["bsp_us"] / r["best_tuned_us"]) if r.get("bsp_us") and r.get("best_tuned_us") else None
             t.add_row(_short(r["problem"]), *[_us(us.get(v)) for v in variants], r["best_variant"] or "-",
                       "-" if speed is None else f"{speed:.2f}")
         console.print(t)
@@ -121,7 +122,7 @@ def tune(
     mode: Optional[str] = typer.Option(None, help="Timing mode the search minimises: graph (default on GPUs) "
                                        "or eager (the only one on CPU). Every available mode is recorded."),
     trials: Optional[int] = typer.Option(None, help="Measured trials per problem, across runs and workers "
-                                         "(default: 16 on GPUs; on CPU one per fused variant)."),
+                                         "(default: 16 on GPUs; on CPU one per tunable variant)."),
     storage: Optional[str] = typer.Option(None, help="Optuna storage URL (default: sqlite file <db stem>.optuna.db "
                                           "beside --db). Several hosts on one study: postgresql://user@host/db."),
     db: Path = typer.Option(Path("tuning_db/autofuse.db"), help="Measurement database (SQLite)."),
@@ -133,7 +134,7 @@ def tune(
     seed: int = typer.Option(0, help="Seed of inputs and sampler."),
     quiet: bool = typer.Option(False, help="No progress output, only the summary table."),
 ) -> None:
-    """Tune every fused variant's config per problem with Optuna; resumable. SIGINT / SIGTERM finish the
+    """Tune every hybrid and fused variant's config per problem with Optuna; resumable. SIGINT / SIGTERM finish the
     current trial and exit 130 / 143 (a second one abandons the trial)."""
     ops = _split(op)
     if not quiet and os.environ.get("RANK", "0") == "0":  # under torchrun, rank 0 speaks for the job

@@ -2,7 +2,7 @@
 
 - **Name**: `<problem key>|<mode>|<hardware id>|<op digest>`: new hardware or a change to the op's
   own code starts a fresh study; other ops' studies and a software upgrade do not.
-- **Space**: a trial first picks the variant (categorical over the fused variants available), then
+- **Space**: a trial first picks the variant (categorical over the tunable variants available), then
   the variant's own `space(trial, problem)`, its parameters namespaced `<variant>.<name>` so
   variants may share names with different ranges.
 - **Queue**: known-good configs (every variant's `defaults(problem)`, round-robin over variants),

@@ -1,4 +1,4 @@
-"""Tuning on every rank: an Optuna search per problem over the fused variants and their configs (DESIGN.md, Tuning).
+"""Tuning on every rank: an Optuna search per problem over the tunable variants' configs (DESIGN.md, Tuning).
 
 - **Plan**: the ops (every registered one by default), their problems (the device's sweep, or
   `--shapes`) and world sizes; `describe_plan` says what will run, on what, and roughly how long.
@@ -6,10 +6,11 @@
   trial's (variant, config) and every rank builds, checks and times it with `measure.measure`
   (identical verdicts and rank-max timings on every rank). Every timing mode the World has is
   recorded per trial (eager and graph on CUDA); the study optimises one of them (`mode`).
-- **Baselines**: BSP and torch_symm (the non-fused variants) are measured once per problem at their
-  default configs (source 'baseline').
+- **Variants**: the tunable ones (families `hybrid` and `fused`: they have a search space) are
+  searched; the others (`bsp`, `peer` such as torch_symm) are baselines, measured once per problem
+  at their default configs (source 'baseline').
 - **Budget**: `trials` counts measured trials per study (pruned and already-known configs are free),
-  across runs and workers; on CPU it defaults to one per fused variant, so every variant's first
+  across runs and workers; on CPU it defaults to one per tunable variant, so every variant's first
   known-good config is measured on every problem. A run also stops after many asks in a row found
   nothing new (small spaces), at its time limit, or on a signal (`training.lifecycle`).
 - **Compile time**: Triton compiles a config's kernels on its first call, inside `measure`'s
@@ -44,8 +45,7 @@ from autofuse.training.progress import Progress, first_line
 from autofuse.training.storage import check_writable, default_storage, open_storage
 from autofuse.training.study import Job, StudyDriver, study_name
 
-BASELINES = ("bsp", "torch_symm")
-DEFAULTS = {  # per device type: trials per study (None: one per fused variant), timed reps, warm-up calls, s per trial
+DEFAULTS = {  # per device type: trials per study (None: one per tunable variant), timed reps, warm-up calls, s per trial
     "cpu": {"trials": None, "reps": 5, "warmup": 0, "budget_s": 120.0},  # the interpreter: slow, nothing to warm
     "cuda": {"trials": 16, "reps": 15, "warmup": 3, "budget_s": 20.0},  # ~10 min for ag_gemm's 12 problems
 }
@@ -85,7 +85,7 @@ class Settings:
         return DEFAULTS[device_type][name] if given is None else given
 
     def trials_for(self, device_type: str, variants: Sequence[str]) -> int:
-        """Measured trials per study: --trials, else the device's default (CPU: one per fused variant)."""
+        """Measured trials per study: --trials, else the device's default (CPU: one per tunable variant)."""
         n = self.value("trials", device_type)
         return len(variants) if n is None else int(n)
 
@@ -165,19 +165,21 @@ def _available(v: Any, world: Any) -> bool:
         return True
 
 
-def fused_variants(op: Op, world: Any) -> list[str]:
-    return [n for n, v in op.variants.items() if v.fused and n not in BASELINES and _available(v, world)]
+def tunable_variants(op: Op, world: Any) -> list[str]:
+    """The variants searched (hybrid and fused: they have a search space) that can run on `world`."""
+    return [n for n, v in op.variants.items() if v.tunable and _available(v, world)]
 
 
 def baseline_variants(op: Op, world: Any) -> list[str]:
-    return [n for n, v in op.variants.items() if (not v.fused or n in BASELINES) and _available(v, world)]
+    """The variants measured once per problem at their defaults (bsp, peer)."""
+    return [n for n, v in op.variants.items() if not v.tunable and _available(v, world)]
 
 
 # -- the plan ----------------------------------------------------------------------------------------
 
 @dataclass
 class Plan:
-    """What a run will tune: per world size and op, the problems and the fused variants."""
+    """What a run will tune: per world size and op, the problems and the tunable variants."""
 
     device_type: str
     mode: str
@@ -205,7 +207,7 @@ def make_plan(settings: Settings, device_type: str, ranks: int) -> Plan:
     for w in worlds:
         stand_in = SimpleNamespace(device=torch.device(device_type), size=w, rank=0)
         for op in ops:
-            items.append((w, op, problems_for(op, sweep, w, settings.shapes), fused_variants(op, stand_in)))
+            items.append((w, op, problems_for(op, sweep, w, settings.shapes), tunable_variants(op, stand_in)))
     return Plan(device_type, mode, sweep, worlds, items)
 
 
@@ -221,7 +223,7 @@ def describe_plan(plan: Plan, settings: Settings, ranks: int) -> str:
     where = (f"{ranks} CPU ranks (Triton interpreter, gloo, shared-memory heap)" if plan.device_type == "cpu"
              else f"{ranks} GPU{'s' if ranks > 1 else ''}")
     trials_text = (f"{settings.trials} trials per problem" if settings.trials is not None
-                   else "one trial per fused variant per problem" if plan.device_type == "cpu"
+                   else "one trial per tunable variant per problem" if plan.device_type == "cpu"
                    else f"{DEFAULTS['cuda']['trials']} trials per problem")
     return (f"tuning {plan.problems} problems ({', '.join(f'{k} {v}' for k, v in per_op.items())}) at world "
             f"{', '.join(map(str, plan.worlds))} on {where}: baselines, then {trials_text} ({trials} in all), "
@@ -284,15 +286,14 @@ def _summary_row(state: RunState, op: Op, problem: Problem, mode: str, driver: S
                                                       op_digest=state.digests[op.name])
             if r["problem"] == problem.key}
     best = min(rows.values(), key=lambda r: r["median_us"]) if rows else None
-    fused = {v: r for v, r in rows.items() if v not in BASELINES and op.variants.get(v) is not None
-             and op.variants[v].fused}
-    best_fused = min(fused.values(), key=lambda r: r["median_us"]) if fused else None
+    tuned = {v: r for v, r in rows.items() if op.variants.get(v) is not None and op.variants[v].tunable}
+    best_tuned = min(tuned.values(), key=lambda r: r["median_us"]) if tuned else None
     bsp = rows.get("bsp")
     out = {"problem": problem.key, "op": op.name, "mode": mode, "best_variant": best["variant"] if best else None,
            "config": best["config"] if best else None, "latency_us": best["median_us"] if best else None,
            "bsp_us": bsp["median_us"] if bsp else None, "speedup_vs_bsp": None,
-           "best_fused": best_fused["variant"] if best_fused else None,
-           "best_fused_us": best_fused["median_us"] if best_fused else None,
+           "best_tuned": best_tuned["variant"] if best_tuned else None,
+           "best_tuned_us": best_tuned["median_us"] if best_tuned else None,
            "variants_us": {v: r["median_us"] for v, r in sorted(rows.items(), key=lambda kv: kv[1]["median_us"])},
            "trials_this_run": driver.measured_here if driver else 0,
            "compile_s": round(driver.compile_s, 2) if driver else 0.0, "seconds": round(seconds, 1),
@@ -317,7 +318,7 @@ def _tune_problem(world: Any, op: Op, problem: Problem, mode: str, settings: Set
     if _should_stop(world, state):
         return None
     _measure_baselines(world, op, problem, mode, settings, state)
-    variants = fused_variants(op, world)
+    variants = tunable_variants(op, world)
     driver = None
     if world.rank == 0 and variants:
         assert state.store is not None and state.storage is not None and state.progress is not None
