@@ -29,7 +29,6 @@ import datetime
 import hashlib
 import json
 import math
-import os
 import sqlite3
 import urllib.parse
 from pathlib import Path
