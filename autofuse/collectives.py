@@ -109,16 +109,17 @@ def _ce_allowed(kind: str, dim: int, config: Config) -> bool:
 
 
 def space(kind: str, trial: SearchSpace, world: Any, rows: int, cols: int, dtype: torch.dtype,
-          dim: int = 0) -> Config:
+          dim: int = 0, engines: Sequence[str] = ENGINES) -> Config:
     """Draw a config of collective `kind` from its search space (Optuna define-by-run).
 
-    The copy engine is offered where it can run; ALGO only with the SM engine (all_gather) and
-    before ENGINE (all_reduce: the copy engine only for one_shot). Sizes: COMM_SMS, BLOCK, num_warps.
+    The copy engine is offered where it can run and `engines` has it; ALGO only with the SM engine
+    (all_gather) and before ENGINE (all_reduce: the copy engine only for one_shot). Sizes:
+    COMM_SMS (COMM_SMS_CE, 1-4 flag programs, for the copy engine), BLOCK, num_warps.
     """
     cfg: Config = {}
     if kind == "all_reduce":
         cfg["ALGO"] = trial.suggest_categorical("ALGO", list(AR_ALGOS))
-    if _ce_allowed(kind, dim, cfg):
+    if "ce" in engines and _ce_allowed(kind, dim, cfg):
         cfg["ENGINE"] = trial.suggest_categorical("ENGINE", list(ENGINES))
     else:
         cfg["ENGINE"] = "sm"
