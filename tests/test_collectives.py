@@ -505,3 +505,29 @@ def _graph_late_peer(world):
 def test_gpu_graph_replay_with_a_late_peer_raises_everywhere():
     for raised, finite in spawn(_graph_late_peer, 2, device_kind="cuda", timeout_s=300):
         assert raised is not None and not finite
+
+
+# -- the bench on CPU (tiny, interpreter timings) -----------------------------------------------------
+def test_bench_collectives_runs_on_cpu_and_renders_at_80_columns():
+    import io
+    import json
+    from types import SimpleNamespace
+
+    from rich.console import Console
+
+    from autofuse.training import bench_collectives as bench
+
+    result = bench.run(SimpleNamespace(world=2, device_kind="cpu", shapes=["4K"], variants=["all_reduce", "inbox"],
+                                       progress=False))
+    assert result["kinds"] == ["all_gather", "all_reduce"]
+    impls = {(r["kind"], r["impl"]) for r in result["rows"]}
+    assert impls == {("all_gather", "gloo"), ("all_gather", "inbox"), ("all_reduce", "gloo"),
+                     ("all_reduce", "one_shot"), ("all_reduce", "two_shot"), ("all_reduce", "ce")}
+    assert not [r for r in result["rows"] if r["error"]], [r for r in result["rows"] if r["error"]]
+    assert all(b["best"] is not None for b in result["best"])
+    json.dumps(result, allow_nan=True)
+    text = io.StringIO()
+    bench.render(result, Console(file=text, width=80, markup=False))
+    out = text.getvalue()
+    assert "CPU emulation" in out and "one_shot" in out
+    assert max(len(line) for line in out.splitlines()) <= 80
