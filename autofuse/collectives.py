@@ -37,9 +37,10 @@ Configs (plain dicts; `space`, `defaults` and `check` take the kind "all_gather"
               tensors between two flag kernels; all_gather dim=0, reduce_scatter, one-shot all_reduce)
     ALGO      all_gather: "push" | "inbox" | "pull"; all_reduce: "one_shot" | "two_shot"
               (kernels/collectives.py explains each and its estimated cost)
-    COMM_SMS  programs of the launch (1..64): few for latency, many for bandwidth
+    COMM_SMS  programs of the launch (1..128): few for latency, many for bandwidth
     BLOCK     elements one program moves per step (1024..16384); num_warps 4 | 8 | 16
-    CHUNKS    row chunks per shard for overlap (1..8; absent: 1)
+    CHUNKS    row chunks per shard (1..8; absent: 1): flags per chunk, so a program pipelines its
+              chunks (sends chunk j while it copies or sums chunk j - 1), and overlap waits per chunk
 Missing keys take the first default for the shape, so `config=None` is a sensible choice.
 
 Workspaces (autofuse.workspace): `name` for the parity inboxes and flags (shared by every
@@ -62,15 +63,16 @@ KINDS = ("all_gather", "reduce_scatter", "all_reduce")
 ENGINES = ("sm", "ce")
 AG_ALGOS = ("push", "inbox", "pull")
 AR_ALGOS = ("one_shot", "two_shot")
-COMM_SMS = (1, 2, 4, 8, 16, 32, 64)
+COMM_SMS = (1, 2, 4, 8, 16, 32, 64, 128)
 BLOCKS = (1024, 2048, 4096, 8192, 16384)
 WARPS = (4, 8, 16)
 MAX_CHUNKS = 8
+CHUNK_SPACE = (1, 2, 4)  # CHUNKS the plain collectives' space offers (pipelining inside one launch)
 MAX_WORLD = 8
 MIN_WIDTH = 256  # elements: a contiguous row is split into rows no narrower than this
 KEYS = {"all_gather": ("ENGINE", "ALGO", "COMM_SMS", "BLOCK", "num_warps", "CHUNKS"),
         "reduce_scatter": ("ENGINE", "COMM_SMS", "BLOCK", "num_warps", "CHUNKS"),
-        "all_reduce": ("ENGINE", "ALGO", "COMM_SMS", "BLOCK", "num_warps")}
+        "all_reduce": ("ENGINE", "ALGO", "COMM_SMS", "BLOCK", "num_warps", "CHUNKS")}
 _AG_ALGO = {"push": 0, "inbox": 1, "pull": 2}
 _CE_READY, _CE_DONE = 3, 4
 _RS, _AR_ONE, _AR_TWO = 0, 1, 2
@@ -109,12 +111,13 @@ def _ce_allowed(kind: str, dim: int, config: Config) -> bool:
 
 
 def space(kind: str, trial: SearchSpace, world: Any, rows: int, cols: int, dtype: torch.dtype,
-          dim: int = 0, engines: Sequence[str] = ENGINES) -> Config:
+          dim: int = 0, engines: Sequence[str] = ENGINES, chunks: bool = True) -> Config:
     """Draw a config of collective `kind` from its search space (Optuna define-by-run).
 
     The copy engine is offered where it can run and `engines` has it; ALGO only with the SM engine
     (all_gather) and before ENGINE (all_reduce: the copy engine only for one_shot). Sizes:
-    COMM_SMS (COMM_SMS_CE, 1-4 flag programs, for the copy engine), BLOCK, num_warps.
+    COMM_SMS (COMM_SMS_CE, 1-4 flag programs, for the copy engine), BLOCK, num_warps, and CHUNKS
+    (1, 2, 4) unless `chunks` is False (the overlap variants draw their own).
     """
     cfg: Config = {}
     if kind == "all_reduce":
@@ -131,6 +134,8 @@ def space(kind: str, trial: SearchSpace, world: Any, rows: int, cols: int, dtype
         cfg["COMM_SMS"] = trial.suggest_categorical("COMM_SMS", list(COMM_SMS))
     cfg["BLOCK"] = trial.suggest_categorical("BLOCK", list(BLOCKS))
     cfg["num_warps"] = trial.suggest_categorical("num_warps", list(WARPS))
+    if chunks and cfg["ENGINE"] == "sm":
+        cfg["CHUNKS"] = trial.suggest_categorical("CHUNKS", list(CHUNK_SPACE))
     return cfg
 
 
@@ -146,7 +151,7 @@ def defaults(kind: str, world: Any, rows: int, cols: int, dtype: torch.dtype, di
     sms = 4 if nbytes <= 32 << 10 else 8 if small else 32 if not large else 64
     block = 2048 if nbytes <= 32 << 10 else 4096 if small else 8192
     warps = 4 if nbytes <= 32 << 10 else 8
-    base = {"COMM_SMS": sms, "BLOCK": block, "num_warps": warps}
+    base = {"COMM_SMS": sms, "BLOCK": block, "num_warps": warps, **({"CHUNKS": 4} if large else {})}
     ce = {"ENGINE": "ce", "COMM_SMS": 1, "BLOCK": 4096, "num_warps": 4}
     if kind == "all_gather":
         order = ("push", "inbox", "pull") if large else ("inbox", "push", "pull")
@@ -169,8 +174,10 @@ def defaults(kind: str, world: Any, rows: int, cols: int, dtype: torch.dtype, di
 
 def _complete(kind: str, config: Config) -> Config:
     cfg = {k: v for k, v in config.items() if k in KEYS[kind]}
-    if kind == "all_gather" and cfg.get("ENGINE") == "ce":
-        cfg["ALGO"] = "push"  # the copy engine pushes into the peers' fixed buffers
+    if cfg.get("ENGINE") == "ce":
+        cfg.pop("CHUNKS", None)  # the copy engine moves each shard in one copy
+        if kind == "all_gather":
+            cfg["ALGO"] = "push"  # the copy engine pushes into the peers' fixed buffers
     return cfg
 
 
@@ -397,7 +404,7 @@ class AllGather(_Base):
         _kernels().chunk_wait_kernel[(1,)](
             ws.ctx, ws.flags, ws.half_flags, self.buffer, c.source, c.index, c.start * self.split,
             c.stop * self.split, width, dst_ld, src_step, chunks, self.programs, LAST=i == len(self.chunks) - 1,
-            BLOCK_R=self.block_r, BLOCK_C=self.block_c, num_warps=4, num_stages=1)
+            WAIT_BLOCK=next_pow2(self.programs), BLOCK_R=self.block_r, BLOCK_C=self.block_c, num_warps=4, num_stages=1)
 
     def rows_of(self, c: Chunk) -> tuple[slice, slice]:
         """(row slice, column slice) of `self.buffer` that chunk `c` fills."""
@@ -532,7 +539,8 @@ class AllReduce(_Reduce):
         if self.algo == "one_shot":
             self.mode = _AR_ONE
             slot = rows * cols
-            self._setup(rows, rows, 1, w * slot if self.engine == "sm" else 0, w * slot if self.engine == "ce" else 0, 0)
+            self._setup(rows, rows, self.config["CHUNKS"], w * slot if self.engine == "sm" else 0,
+                        w * slot if self.engine == "ce" else 0, 0)
             if self.engine == "ce":
                 assert self._fixed_inbox is not None
                 self._peers = self._peer_views(self._fixed_inbox[r * slot:(r + 1) * slot].view(rows, cols))
@@ -540,7 +548,7 @@ class AllReduce(_Reduce):
             self.mode = _AR_TWO
             owner = cdiv(rows, w)
             slot = owner * cols
-            self._setup(owner, rows, 1, 2 * w * slot, 0, w * slot)
+            self._setup(owner, rows, self.config["CHUNKS"], 2 * w * slot, 0, w * slot)
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """Sum every rank's `x` into `out` (a new tensor if None; `out` may be `x`); one launch."""

@@ -24,9 +24,9 @@ gemm_ar (dims M, N, K; returns the whole sum, bitwise the same on every rank):
     mm_heap          torch.matmul into `out`, then the heap all-reduce in place (ALGO one_shot |
                      two_shot, ENGINE sm | ce for one_shot).
 
-Configs: the collective's keys (autofuse.collectives: ENGINE, ALGO, COMM_SMS, BLOCK, num_warps)
-plus, for the overlap variants, FLAG, CHUNKS (row_block only) and PRIORITY. Workspaces are named
-after the op ("<op>.hybrid"), shared by the op's hybrid runners.
+Configs: the collective's keys (autofuse.collectives: ENGINE, ALGO, COMM_SMS, BLOCK, num_warps,
+CHUNKS); the overlap variants draw CHUNKS through FLAG (row_block only) and add PRIORITY.
+Workspaces are named after the op ("<op>.hybrid"), shared by the op's hybrid runners.
 
 Expected costs (two H200, graph mode; paper estimates, see kernels/collectives.py): ag_gemm heap_mm
 at M=8..512, N=3584, K=8192: the all-gather drops from NCCL's 9-38 us to about 3.5-17 us beside
@@ -122,8 +122,7 @@ def _overlap_check(config: Config) -> str | None:
 
 
 def _collective_config(config: Config, kind: str) -> Config:
-    keys = tuple(k for k in collectives.KEYS[kind] if k != "CHUNKS")
-    cfg = _split_config(config, keys)
+    cfg = _split_config(config, collectives.KEYS[kind])
     if "FLAG" in config:
         cfg["CHUNKS"] = config.get("CHUNKS", 1) if config["FLAG"] == "row_block" else 1
     return cfg
@@ -152,7 +151,8 @@ class _HybridVariant(Variant):
 
     def space(self, trial: SearchSpace, problem: Problem) -> Config:
         rows, cols, dim = self.shape(problem)
-        cfg = collectives.space(self.kind, trial, problem.world, rows, cols, problem.torch_dtype, dim, self.engines)
+        cfg = collectives.space(self.kind, trial, problem.world, rows, cols, problem.torch_dtype, dim, self.engines,
+                                chunks=not self.overlap)
         return _overlap_space(trial, cfg) if self.overlap else cfg
 
     def defaults(self, problem: Problem) -> list[Config]:
@@ -161,9 +161,9 @@ class _HybridVariant(Variant):
         rows, cols, dim = self.shape(problem)
         base = [c for c in collectives.defaults(self.kind, problem.world, rows, cols, problem.torch_dtype, dim)
                 if c["ENGINE"] in self.engines]
-        base = [{k: v for k, v in c.items() if k != "CHUNKS"} for c in base]
         if not self.overlap:
             return base
+        base = [{k: v for k, v in c.items() if k != "CHUNKS"} for c in base]
         out = [dict(c, FLAG="shard", PRIORITY="high") for c in base[:2]]
         if base:
             out.append(dict(base[0], FLAG="row_block", CHUNKS=2, PRIORITY="high"))
@@ -173,7 +173,7 @@ class _HybridVariant(Variant):
         why = self.problem_error(problem)
         if why:
             return why
-        allowed = set(collectives.KEYS[self.kind]) - {"CHUNKS"} | (set(OVERLAP_KEYS) if self.overlap else set())
+        allowed = set(collectives.KEYS[self.kind]) | (set(OVERLAP_KEYS) if self.overlap else set())
         unknown = sorted(set(config) - allowed)
         if unknown:
             return f"unknown config keys {unknown} (takes {', '.join(sorted(allowed))})"

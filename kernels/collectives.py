@@ -270,23 +270,56 @@ def all_gather_kernel(x, out, buf, ctx, flags, half_flags, data_half, rows, widt
 
 
 @triton.jit
+def _wait_all(first, count, value, ctx, BLOCK: tl.constexpr):
+    """Wait until the `count` local int32 flags from `first` on all hold exactly `value`; True if they did.
+
+    shmem.wait_until for many flags at once: one vector of volatile loads per poll and ONE acquire at
+    the end (a successful wait_until costs a system-scope atomic each: ~P of them per chunk), with
+    the same exact-epoch, wall-clock budget and collective-abort semantics (the first missing flag is
+    the one reported). `count` <= BLOCK.
+    """
+    offs = tl.arange(0, BLOCK)
+    mask = offs < count
+    seen = tl.load(first + offs, mask=mask, other=value, volatile=True)
+    missing = tl.sum((seen != value).to(tl.int32), axis=0)
+    code = tl.load(ctx.status + shmem.CODE, volatile=True)
+    if (missing > 0) & (code == 0):
+        start = shmem.now_ns()
+        elapsed = tl.full([], 0, tl.int64)
+        while (missing > 0) & (code == 0) & (elapsed <= ctx.budget):
+            seen = tl.load(first + offs, mask=mask, other=value, volatile=True)
+            missing = tl.sum((seen != value).to(tl.int32), axis=0)
+            code = tl.load(ctx.status + shmem.CODE, volatile=True)
+            elapsed = shmem.now_ns() - start
+    ok = missing == 0
+    if ok:
+        tl.atomic_add(first, 0, sem="acquire", scope="sys")
+        tl.debug_barrier()
+    elif code == 0:
+        index = tl.min(tl.where(seen != value, offs, BLOCK), axis=0)
+        shmem.give_up(first + index, value, tl.load(first + index, volatile=True), ctx)
+    else:
+        tl.store(ctx.mirror, code)
+    return ok
+
+
+@triton.jit
 def chunk_wait_kernel(ctx, flags, half_flags, out, src, chunk, lo, hi, width, dst_ld, src_step, chunks, programs,
-                      LAST: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+                      LAST: tl.constexpr, WAIT_BLOCK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
     """Hold the stream it runs on until chunk `chunk` of source `src` is final in my gathered `out`.
 
     Launched by a consumer (e.g. the matmul's stream) beside an all-gather started with WAITED:
     the epoch it waits for is WDONE + 1, since WDONE advances once per call (here, when LAST, or
     by the collective itself when nobody waits). It does not touch the epoch counter (the
-    all-gather may be running on another stream). On a failed wait it writes NaN into rows
-    [lo, hi) of the chunk, so the consumer never reads stale data.
+    all-gather may be running on another stream). It polls the chunk's DONE flags (one per
+    all-gather program, contiguous; WAIT_BLOCK >= programs) as one vector. On a failed wait it
+    writes NaN into rows [lo, hi) of the chunk, so the consumer never reads stale data.
 
     grid = (1,)
     """
     epoch = tl.load(flags + WDONE, volatile=True) + 1
-    ok = tl.full([], 1, tl.int1)
-    for k in range(0, programs):
-        flag = _flag(flags, half_flags, epoch, DONE, src, chunk, k, ctx.world, chunks, programs)
-        ok = ok & shmem.wait_until(flag, epoch, ctx)
+    first = _flag(flags, half_flags, epoch, DONE, src, chunk, 0, ctx.world, chunks, programs)
+    ok = _wait_all(first, programs, epoch, ctx, WAIT_BLOCK)
     if ok == 0:
         _fill_nan(out + src * src_step, dst_ld, lo, hi, width, BLOCK_R, BLOCK_C)
     if LAST:
@@ -313,6 +346,9 @@ def reduce_kernel(x, out, buf, ctx, flags, half_flags, data_half, owner_rows, to
     launches on one stream (overlap: one SEND launch per owner chunk, `only_owner`/`only_chunk`
     >= 0, then one REDUCE launch): all read the same epoch, and only the last (PUBLISH) ends it.
 
+    Within a launch the chunks are pipelined: program k sends chunk t while it sums chunk t - 1
+    (and, AR_TWO, gathers chunk t - 2), so local sums overlap the transfer.
+
     grid = (P,): program k handles piece k of every chunk of every owner's rows.
     """
     k = tl.program_id(0)
@@ -324,74 +360,76 @@ def reduce_kernel(x, out, buf, ctx, flags, half_flags, data_half, owner_rows, to
     if not FIXED:
         box = buf + shmem.parity(epoch) * data_half
     slot = owner_rows * width
-    if SEND != SEND_NONE:
-        if healthy:
-            for j in range(0, chunks):
-                if (only_chunk < 0) | (only_chunk == j):
-                    lo, hi = _piece(j, k, owner_rows, chunk_rows, piece_rows)
-                    if SEND == SEND_DATA:
-                        if MODE == AR_ONE:
-                            _send(x, width, x, width, box + me * slot, width, lo, hi, width, ctx, False,
-                                  BLOCK_R, BLOCK_C)
-                        else:
-                            for i in range(1, world):
-                                q = (me + i) % world
-                                if (only_owner < 0) | (only_owner == q):
-                                    qlo, qhi = _clamp(lo, hi, q, owner_rows, total_rows)
-                                    _move(x + q * slot, width, shmem.translate(box + me * slot, me, q, ctx.heap_bases),
-                                          width, qlo, qhi, width, BLOCK_R, BLOCK_C)
-                    for i in range(1, world):
-                        q = (me + i) % world
-                        if (only_owner < 0) | (only_owner == q):
-                            flag = _flag(flags, half_flags, epoch, DATA, me, j, k, world, chunks, nprog)
-                            shmem.signal(flag, epoch, me, q, ctx.heap_bases)
-    if REDUCE:
-        x_mine = 0
-        out_mine = out
-        if MODE != AR_ONE:
-            x_mine = me * owner_rows
-        if MODE == AR_TWO:
-            out_mine = out + me * slot
-        for j in range(0, chunks):
-            lo, hi = _piece(j, k, owner_rows, chunk_rows, piece_rows)
-            if MODE != AR_ONE:
-                lo, hi = _clamp(lo, hi, me, owner_rows, total_rows)
-            ok = healthy
-            for i in range(1, world):
-                s = (me + world - i) % world
-                ok = ok & shmem.wait_until(_flag(flags, half_flags, epoch, DATA, s, j, k, world, chunks, nprog),
-                                           epoch, ctx)
-            if ok:
-                for r0 in range(lo, hi, BLOCK_R):
-                    for c0 in range(0, width, BLOCK_C):
-                        so, _, mask = _offsets(r0, c0, width, width, hi, width, BLOCK_R, BLOCK_C)
-                        acc = tl.zeros([BLOCK_R, BLOCK_C], tl.float32)
-                        for q in range(0, world):
-                            if q == me:
-                                v = tl.load(x + x_mine * width + so, mask=mask)
-                            else:
-                                v = tl.load(box + q * slot + so, mask=mask)
-                            acc += v.to(tl.float32)
-                        val = acc.to(out.dtype.element_ty)
-                        tl.store(out_mine + so, val, mask=mask)
-                        if MODE == AR_TWO:
-                            for i in range(1, world):
-                                shmem.store(box + box2 + me * slot + so, val, me, (me + i) % world, ctx.heap_bases,
-                                            mask=mask)
-                if MODE == AR_TWO:
-                    _signal_peers(flags, half_flags, epoch, DATA2, j, k, world, chunks, nprog, ctx)
-            else:
-                _fill_nan(out_mine, width, lo, hi, width, BLOCK_R, BLOCK_C)
-        if MODE == AR_TWO:
-            for j in range(0, chunks):
+    x_mine = 0
+    out_mine = out
+    if MODE != AR_ONE:
+        x_mine = me * owner_rows
+    if MODE == AR_TWO:
+        out_mine = out + me * slot
+    # a software pipeline over chunks: send chunk t, reduce chunk t - 1, gather chunk t - 2 (AR_TWO)
+    for t in range(0, chunks + 2):
+        if SEND != SEND_NONE:
+            if healthy & (t < chunks) & ((only_chunk < 0) | (only_chunk == t)):
+                lo, hi = _piece(t, k, owner_rows, chunk_rows, piece_rows)
+                if SEND == SEND_DATA:
+                    if MODE == AR_ONE:
+                        _send(x, width, x, width, box + me * slot, width, lo, hi, width, ctx, False, BLOCK_R, BLOCK_C)
+                    else:
+                        for i in range(1, world):
+                            q = (me + i) % world
+                            if (only_owner < 0) | (only_owner == q):
+                                qlo, qhi = _clamp(lo, hi, q, owner_rows, total_rows)
+                                _move(x + q * slot, width, shmem.translate(box + me * slot, me, q, ctx.heap_bases),
+                                      width, qlo, qhi, width, BLOCK_R, BLOCK_C)
+                for i in range(1, world):
+                    q = (me + i) % world
+                    if (only_owner < 0) | (only_owner == q):
+                        flag = _flag(flags, half_flags, epoch, DATA, me, t, k, world, chunks, nprog)
+                        shmem.signal(flag, epoch, me, q, ctx.heap_bases)
+        if REDUCE:
+            if (t >= 1) & (t <= chunks):
+                j = t - 1
                 lo, hi = _piece(j, k, owner_rows, chunk_rows, piece_rows)
+                if MODE != AR_ONE:
+                    lo, hi = _clamp(lo, hi, me, owner_rows, total_rows)
+                ok = healthy
                 for i in range(1, world):
                     s = (me + world - i) % world
-                    slo, shi = _clamp(lo, hi, s, owner_rows, total_rows)
-                    ok = shmem.wait_until(_flag(flags, half_flags, epoch, DATA2, s, j, k, world, chunks, nprog),
-                                          epoch, ctx)
-                    if ok:
-                        _move(box + box2 + s * slot, width, out + s * slot, width, slo, shi, width, BLOCK_R, BLOCK_C)
-                    else:
-                        _fill_nan(out + s * slot, width, slo, shi, width, BLOCK_R, BLOCK_C)
+                    ok = ok & shmem.wait_until(_flag(flags, half_flags, epoch, DATA, s, j, k, world, chunks, nprog),
+                                               epoch, ctx)
+                if ok:
+                    for r0 in range(lo, hi, BLOCK_R):
+                        for c0 in range(0, width, BLOCK_C):
+                            so, _, mask = _offsets(r0, c0, width, width, hi, width, BLOCK_R, BLOCK_C)
+                            acc = tl.zeros([BLOCK_R, BLOCK_C], tl.float32)
+                            for q in range(0, world):
+                                if q == me:
+                                    v = tl.load(x + x_mine * width + so, mask=mask)
+                                else:
+                                    v = tl.load(box + q * slot + so, mask=mask)
+                                acc += v.to(tl.float32)
+                            val = acc.to(out.dtype.element_ty)
+                            tl.store(out_mine + so, val, mask=mask)
+                            if MODE == AR_TWO:
+                                for i in range(1, world):
+                                    shmem.store(box + box2 + me * slot + so, val, me, (me + i) % world,
+                                                ctx.heap_bases, mask=mask)
+                    if MODE == AR_TWO:
+                        _signal_peers(flags, half_flags, epoch, DATA2, j, k, world, chunks, nprog, ctx)
+                else:
+                    _fill_nan(out_mine, width, lo, hi, width, BLOCK_R, BLOCK_C)
+            if MODE == AR_TWO:
+                if t >= 2:
+                    j = t - 2
+                    lo, hi = _piece(j, k, owner_rows, chunk_rows, piece_rows)
+                    for i in range(1, world):
+                        s = (me + world - i) % world
+                        slo, shi = _clamp(lo, hi, s, owner_rows, total_rows)
+                        ok = shmem.wait_until(_flag(flags, half_flags, epoch, DATA2, s, j, k, world, chunks, nprog),
+                                              epoch, ctx)
+                        if ok:
+                            _move(box + box2 + s * slot, width, out + s * slot, width, slo, shi, width, BLOCK_R,
+                                  BLOCK_C)
+                        else:
+                            _fill_nan(out + s * slot, width, slo, shi, width, BLOCK_R, BLOCK_C)
     _finish(ctx, flags, epoch, PUBLISH, False)

@@ -107,8 +107,10 @@ CASES = [
     ("all_reduce", _dims(5, 40), BF, {"ALGO": "one_shot", **SMALL}),
     ("all_reduce", _dims(5, 40), BF, {"ALGO": "two_shot", **SMALL}),
     ("all_reduce", _dims(3, 24), HALF, {"ALGO": "one_shot", "ENGINE": "ce", "COMM_SMS": 1}),
+    ("all_reduce", _dims(9, 40), F32, {"ALGO": "two_shot", **SMALL, "CHUNKS": 2}),
+    ("all_reduce", _dims(6, 24), BF, {"ALGO": "one_shot", **SMALL, "CHUNKS": 3}),
 ]
-FOUR_RANKS = [0, 1, 2, 4, 7, 9, 11]  # indices of CASES also run at 4 ranks
+FOUR_RANKS = [0, 1, 2, 4, 7, 8, 11, 13]  # indices of CASES also run at 4 ranks
 
 
 def _concrete(case, world_size):
@@ -383,7 +385,8 @@ RD_SIG = {"x": "*bf16", "out": "*bf16", "buf": "*bf16", "ctx": CTX, "flags": "*i
 RD_DIV = ["x", "out", "buf", "flags", "half_flags", "data_half", "width", "box2"]
 WAIT_SIG = {"ctx": CTX, "flags": "*i32", "half_flags": "i32", "out": "*bf16", "src": "i32", "chunk": "i32",
             "lo": "i32", "hi": "i32", "width": "i32", "dst_ld": "i32", "src_step": "i32", "chunks": "i32",
-            "programs": "i32", "LAST": "constexpr", "BLOCK_R": "constexpr", "BLOCK_C": "constexpr"}
+            "programs": "i32", "LAST": "constexpr", "WAIT_BLOCK": "constexpr", "BLOCK_R": "constexpr",
+            "BLOCK_C": "constexpr"}
 TILE = {"BLOCK_R": 4, "BLOCK_C": 1024}
 
 
@@ -401,7 +404,7 @@ def _sm90_requests():
                          "ar2": dict(MODE=2, SEND=1, REDUCE=True, FIXED=False, PUBLISH=True)}.items():
         reqs.append(compile_request(MOD, "reduce_kernel", RD_SIG, {**consts, **TILE}, num_warps=8, num_stages=1,
                                     divisible=RD_DIV, name=name))
-    reqs.append(compile_request(MOD, "chunk_wait_kernel", WAIT_SIG, {"LAST": True, **TILE}, num_warps=4, num_stages=1,
+    reqs.append(compile_request(MOD, "chunk_wait_kernel", WAIT_SIG, {"LAST": True, "WAIT_BLOCK": 64, **TILE}, num_warps=4, num_stages=1,
                                 divisible=["out", "flags", "width", "dst_ld"], name="wait"))
     return reqs
 
