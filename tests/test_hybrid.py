@@ -139,7 +139,8 @@ FAULTS = [
     ("ag_gemm", "heap_mm_overlap", _ag(8, 24, 32, "rows"), BF, {"ENGINE": "sm", "ALGO": "push", **SMALL, **OVER},
      ("late_peer", "skipped_call", "dead_peer")),
     ("ag_gemm", "heap_mm", _ag(6, 24, 32, "k"), BF, {"ENGINE": "sm", "ALGO": "inbox", **SMALL}, ("skipped_call",)),
-    ("gemm_rs", "mm_heap_overlap", _mk(8, 40, 32), BF, {"ENGINE": "sm", **SMALL, **OVER}, ("late_peer", "skipped_call")),
+    ("gemm_rs", "mm_heap_overlap", _mk(8, 40, 32), BF, {"ENGINE": "sm", **SMALL, **OVER},
+     ("late_peer", "skipped_call")),
     ("gemm_ar", "mm_heap", _mk(4, 40, 32), BF, {"ENGINE": "sm", "ALGO": "two_shot", **SMALL}, ("skipped_call",)),
 ]
 
@@ -242,7 +243,8 @@ def test_build_rejects_an_invalid_config_before_allocating():
 GPU_AG = {"COMM_SMS": 16, "BLOCK": 4096, "num_warps": 8}
 GPU_CASES = {
     "ag_gemm": [
-        ("heap_mm", _ag(8, 3584, 8192, "rows"), BF, {"ENGINE": "sm", "ALGO": a, **GPU_AG}) for a in ("inbox", "push", "pull")
+        ("heap_mm", _ag(8, 3584, 8192, "rows"), BF, {"ENGINE": "sm", "ALGO": a, **GPU_AG})
+        for a in ("inbox", "push", "pull")
     ] + [
         ("heap_mm", _ag(512, 3584, 8192, "rows"), BF, {"ENGINE": "ce", "COMM_SMS": 1}),
         ("heap_mm", _ag(200, 1000, 4096, "k"), HALF, {"ENGINE": "sm", "ALGO": "push", **GPU_AG}),

@@ -77,6 +77,8 @@ def candidates(kind: str, nbytes: int, device_type: str) -> dict[str, list[dict]
         small = {}
     ce = {"ENGINE": "ce", "COMM_SMS": 1, "BLOCK": 4096, "num_warps": 4}
     sm = [{"ENGINE": "sm", "COMM_SMS": s, "BLOCK": block, "num_warps": warps, **small} for s in sms]
+    if device_type == "cuda" and nbytes > 1 << 20:  # pipelined chunks: copies and sums overlap the transfer
+        sm.append(dict(sm[-1], CHUNKS=4))
     if kind == "all_gather":
         out = {a: [dict(c, ALGO=a) for c in sm] for a in ("push", "inbox", "pull")}
         out["ce"] = [dict(ce, ALGO="push")]
