@@ -141,19 +141,18 @@ def _agree_max(world: Any, value: float) -> float:
     return float(t.item())
 
 
-def _checksum_equal(world: Any, y: torch.Tensor) -> bool:
-    import torch.distributed as dist
-
-    bits = y.contiguous().view(torch.int16 if y.element_size() == 2 else torch.int32).to(torch.int64).sum()
-    lo, hi = bits.clone(), bits.clone()
-    dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=world.group)
-    dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=world.group)
-    return bool(lo.item() == hi.item())
+def _bits(y: torch.Tensor | None) -> int:
+    if y is None:
+        return -1
+    return int(y.contiguous().view(torch.int16 if y.element_size() == 2 else torch.int32).to(torch.int64).sum().item())
 
 
 def _verify(world: Any, kind: str, coll: Any, x: torch.Tensor, expected: torch.Tensor, tol: float) -> str:
-    """'' if `coll` matches the library on every rank (agreed), else why not."""
-    why = ""
+    """'' if `coll` matches the library on every rank (agreed), else why not. Every rank runs the
+    same host collectives whatever happened locally (mismatched collectives would hang)."""
+    import torch.distributed as dist
+
+    why, y = "", None
     try:
         y = coll(x)
         coll.check()
@@ -165,10 +164,14 @@ def _verify(world: Any, kind: str, coll: Any, x: torch.Tensor, expected: torch.T
             err = ((y.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
             if not err <= tol:
                 why = f"rel error {err:.3g} > {tol:.3g}"
-            elif kind == "all_reduce" and not _checksum_equal(world, y):
-                why = "ranks returned different bits"
     except Exception as exc:  # a config that fails is a reported failure, not a failed bench
         why = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
+    if kind == "all_reduce":
+        bits = torch.tensor([_bits(y if not why else None)] * 2, dtype=torch.int64, device=world.device)
+        bits[1] = -bits[1]
+        dist.all_reduce(bits, op=dist.ReduceOp.MAX, group=world.group)  # [max, -min]
+        if not why and int(bits[0]) != -int(bits[1]):
+            why = "ranks returned different bits"
     if _agree_max(world, 1.0 if why else 0.0) > 0 and not why:
         why = "failed on another rank"
     return why
@@ -218,7 +221,12 @@ def bench_rank(world: Any, kinds: Sequence[str], sizes: Sequence[int], modes: Se
                         for mode in modes:
                             record(kind, nbytes, shape, mode, impl, config, math.nan, why)
                         continue
-                    coll = C.build(kind, world, shape[0], shape[1], dtype, config, name=f"bench.{kind}")
+                    try:
+                        coll = C.build(kind, world, shape[0], shape[1], dtype, config, name=f"bench.{kind}")
+                    except Exception as exc:  # e.g. HeapFull: the same on every rank
+                        for mode in modes:
+                            record(kind, nbytes, shape, mode, impl, config, math.nan, f"{type(exc).__name__}: {exc}")
+                        continue
                     why = _verify(world, kind, coll, x, expected, tol)
                     if why:
                         world.sync()
