@@ -168,6 +168,11 @@ def test_four_ranks():
     harness.assert_ok(results, same_bits=("all_reduce", "interleaved all_reduce"))
 
 
+def test_one_rank_every_algorithm():
+    results = spawn(_cpu_job, 1, [0, 1, 2, 3, 4, 7, 9, 10, 11, 12], device_kind="cpu", timeout_s=600)
+    harness.assert_ok(results)
+
+
 def _one_and_two_shot_bits(world):
     rows = []
     for algo in C.AR_ALGOS:

@@ -134,6 +134,11 @@ def test_four_ranks():
     _assert_all(spawn(_cpu_job, 4, FOUR_RANKS, device_kind="cpu", timeout_s=900))
 
 
+def test_one_rank_overlap_variants_without_peers():
+    _assert_all(spawn(_cpu_job, 1, {"ag_gemm": [4, 6], "gemm_rs": [2], "gemm_ar": [0]}, device_kind="cpu",
+                      timeout_s=600))
+
+
 # -- faults (the overlap waits too) --------------------------------------------------------------------
 FAULTS = [
     ("ag_gemm", "heap_mm_overlap", _ag(8, 24, 32, "rows"), BF, {"ENGINE": "sm", "ALGO": "push", **SMALL, **OVER},
