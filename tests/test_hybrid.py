@@ -38,9 +38,11 @@ def _ag_inputs_of(problem: Problem, seed: int, rank: int, device) -> tuple[torch
 
 
 def _ag_reference(world, problem, seed):
-    shards = [_ag_inputs_of(problem, seed, q, "cpu")[0].double() for q in range(problem.world)]
+    """float64 on the World's device (inputs are drawn on the CPU, so every device sees the same)."""
+    dev = world.device
+    shards = [_ag_inputs_of(problem, seed, q, dev)[0].double() for q in range(problem.world)]
     full = torch.cat(shards, dim=0 if problem["gather"] == "rows" else 1)
-    return full @ _ag_inputs_of(problem, seed, world.rank, "cpu")[1].double()
+    return full @ _ag_inputs_of(problem, seed, world.rank, dev)[1].double()
 
 
 def _row_inputs_of(problem: Problem, seed: int, rank: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -51,10 +53,10 @@ def _row_inputs_of(problem: Problem, seed: int, rank: int, device) -> tuple[torc
     return a.to(device), b.to(device)
 
 
-def _sum_reference(problem, seed):
+def _sum_reference(world, problem, seed):
     total = None
     for q in range(problem.world):
-        a, b = _row_inputs_of(problem, seed, q, "cpu")
+        a, b = _row_inputs_of(problem, seed, q, world.device)
         part = a.double() @ b.double()
         total = part if total is None else total + part
     return total
@@ -62,7 +64,7 @@ def _sum_reference(problem, seed):
 
 def _rs_reference(world, problem, seed):
     per = problem["M"] // problem.world
-    return _sum_reference(problem, seed)[world.rank * per:(world.rank + 1) * per]
+    return _sum_reference(world, problem, seed)[world.rank * per:(world.rank + 1) * per]
 
 
 def _op(name, inputs_of, reference) -> Op:
@@ -74,7 +76,7 @@ def _op(name, inputs_of, reference) -> Op:
 
 OPS = {"ag_gemm": _op("ag_gemm", _ag_inputs_of, _ag_reference),
        "gemm_rs": _op("gemm_rs", _row_inputs_of, _rs_reference),
-       "gemm_ar": _op("gemm_ar", _row_inputs_of, lambda world, problem, seed: _sum_reference(problem, seed))}
+       "gemm_ar": _op("gemm_ar", _row_inputs_of, _sum_reference)}
 
 SMALL = {"COMM_SMS": 2, "BLOCK": 1024, "num_warps": 4}
 OVER = {"FLAG": "shard", "PRIORITY": "high"}

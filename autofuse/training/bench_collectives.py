@@ -341,3 +341,42 @@ def render(result: dict[str, Any], console: Any) -> None:
         console.print(f"  ... and {len(failures) - 10} more failed configs (see the JSON)", style="yellow")
     for line in result.get("notes", []):
         console.print(line, style="yellow")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`python -m autofuse.training.bench_collectives [--world N] [--shapes 4K,64K] [--modes graph]
+    [--variants all_gather] [--reps 20] [--out FILE] [--json]`: the same benchmark without the CLI."""
+    import argparse
+    import json
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    from rich.console import Console
+
+    p = argparse.ArgumentParser(prog="python -m autofuse.training.bench_collectives",
+                                description=__doc__.split("\n")[0])
+    p.add_argument("--world", type=int)
+    p.add_argument("--shapes", action="append", help="message sizes per rank, e.g. 4K,64K,16M")
+    p.add_argument("--modes", action="append", choices=["graph", "eager"])
+    p.add_argument("--variants", action="append", help="collectives or implementations, e.g. all_gather, push")
+    p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--out", type=Path, help="write the JSON here (never replaces an existing file)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    a = p.parse_args(argv)
+    if a.out is not None and a.out.exists():
+        p.error(f"{a.out} exists; choose another --out")
+    result = run(SimpleNamespace(world=a.world, shapes=a.shapes, modes=a.modes, variants=a.variants, reps=a.reps,
+                                 progress=not a.json))
+    text = json.dumps(result, indent=1, default=str)
+    if a.out is not None:
+        a.out.parent.mkdir(parents=True, exist_ok=True)
+        a.out.write_text(text + "\n")
+    if a.json:
+        print(text)
+    else:
+        render(result, Console(markup=False))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
