@@ -200,7 +200,7 @@ def bench_rank(world: Any, kinds: Sequence[str], sizes: Sequence[int], modes: Se
         rows.append(row)
         if say:
             what = f"{us:.1f} us" if not error else f"failed: {error}"
-            print(f"{kind} {nbytes >> 10} KB {mode} {impl} {C_text(config)}: {what}", flush=True)
+            print(f"{kind} {nbytes >> 10} KB {mode} {impl} {config_text(config)}: {what}", flush=True)
 
     for kind in kinds:
         for size in sizes:
@@ -246,7 +246,7 @@ def bench_rank(world: Any, kinds: Sequence[str], sizes: Sequence[int], modes: Se
             "dtype": str(dtype).split(".")[-1]}
 
 
-def C_text(config: dict) -> str:
+def config_text(config: dict) -> str:
     return ",".join(f"{k}={v}" for k, v in sorted(config.items())) or "-"
 
 
@@ -335,7 +335,7 @@ def render(result: dict[str, Any], console: Any) -> None:
             console.print(table)
     failures = [r for r in result["rows"] if r.get("error")]
     for r in failures[:10]:
-        console.print(f"  {r['kind']} {_size_text(r['bytes'])} {r['impl']} {C_text(r['config'])}: {r['error']}",
+        console.print(f"  {r['kind']} {_size_text(r['bytes'])} {r['impl']} {config_text(r['config'])}: {r['error']}",
                       style="yellow")
     if len(failures) > 10:
         console.print(f"  ... and {len(failures) - 10} more failed configs (see the JSON)", style="yellow")
