@@ -6,7 +6,8 @@
   reported, never strands rows; dispatch confirms its decisions on first use when it differs.
 - **ops** (`{op name: digest}`): `op_digest(op)` hashes the op's host module and every module it
   imports (transitively) among the kernels (`autofuse.kernels.*`), the other op modules and the
-  shared op-building modules (`DIGEST_MODULES`: typed GEMM config, runner, workspace, collectives),
+  shared op-building modules (`DIGEST_MODULES`: typed GEMM config, runner, workspace, heap
+  collectives, hybrid variants),
   as syntax trees without docstrings, comments or layout; an edit to one op's code invalidates that
   op's rows, studies and policy entries only. Generic infrastructure (op, heap, world, status) is
   not hashed: it does not decide what one op computes or launches.
@@ -34,7 +35,7 @@ KEY_FIELDS = HARDWARE_FIELDS + SOFTWARE_FIELDS  # what `fingerprint_id` covers
 LAYERS = ("hardware", "software", "ops")
 # Modules that count towards an op's digest when the op module imports them (directly or not).
 DIGEST_PACKAGES = ("autofuse.kernels", "autofuse.ops")
-DIGEST_MODULES = ("autofuse.gemm", "autofuse.runner", "autofuse.workspace", "autofuse.collectives")
+DIGEST_MODULES = ("autofuse.gemm", "autofuse.runner", "autofuse.workspace", "autofuse.collectives", "autofuse.hybrid")
 ALWAYS = ("autofuse.kernels.shmem",)  # the device API every fused kernel stands on
 
 

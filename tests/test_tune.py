@@ -660,7 +660,7 @@ def test_runtime_never_imports_optuna_or_sklearn():
     modules = ["autofuse", "autofuse.op", "autofuse.registry", "autofuse.world", "autofuse.heap", "autofuse.status",
                "autofuse.features", "autofuse.environment", "autofuse.policy", "autofuse.dispatch", "autofuse.confirm",
                "autofuse.measure", "autofuse.store", "autofuse.workspace", "autofuse.runner", "autofuse.gemm",
-               "autofuse.collectives"]
+               "autofuse.collectives", "autofuse.hybrid", "autofuse.shapes", "autofuse.sizes"]
     modules += [f"autofuse.ops.{p.stem}" for p in (ROOT / "autofuse" / "ops").glob("*.py") if p.stem != "__init__"]
     modules += [f"autofuse.kernels.{p.stem}" for p in (ROOT / "kernels").glob("*.py") if p.stem != "__init__"]
     present = [m for m in modules if importlib.util.find_spec(m) is not None]
