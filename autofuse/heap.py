@@ -76,14 +76,27 @@ class HeapRendezvousError(RuntimeError):
     """Creating a group's heap failed or timed out; the message names the group and what to do."""
 
 
+MIN_SIZE = 1 << 16
+
+
+def _mib(*sizes: int) -> int:
+    """The largest of `sizes` in MiB, rounded up (a size to suggest in a message)."""
+    return -(-max(sizes) // (1 << 20))
+
+
 def parse_size(text: str | int) -> int:
-    """'64M', '2G', '1048576' -> bytes."""
+    """'64M', '2G', '1048576' -> bytes (AUTOFUSE_HEAP_SIZE's syntax); at least 64 KiB."""
     if isinstance(text, int):
-        return text
-    m = re.fullmatch(r"\s*(\d+)\s*([kKmMgG]?)i?[bB]?\s*", str(text))
-    if not m:
-        raise ValueError(f"cannot read heap size {text!r}: use bytes or a number with K, M or G")
-    return int(m.group(1)) << {"": 0, "k": 10, "m": 20, "g": 30}[m.group(2).lower()]
+        size = text
+    else:
+        m = re.fullmatch(r"\s*(\d+)\s*([kKmMgG]?)i?[bB]?\s*", str(text))
+        if not m:
+            raise ValueError(f"cannot read heap size {text!r} (AUTOFUSE_HEAP_SIZE): use bytes or a number with "
+                             "K, M or G, e.g. 512M or 8G")
+        size = int(m.group(1)) << {"": 0, "k": 10, "m": 20, "g": 30}[m.group(2).lower()]
+    if size < MIN_SIZE:
+        raise ValueError(f"heap size {text!r} (AUTOFUSE_HEAP_SIZE) is below the minimum of {MIN_SIZE >> 10}K")
+    return size
 
 
 def rendezvous_timeout() -> float:
@@ -416,7 +429,7 @@ class SymmetricHeap:
         if offset + nbytes > self._local.numel():
             raise HeapFull(
                 f"symmetric heap full: {name!r} needs {nbytes} B at offset {offset}, heap is "
-                f"{self.size} B ({self._top} B used); raise AUTOFUSE_HEAP_SIZE (e.g. {2 * self.size >> 20}M)"
+                f"{self.size} B ({self._top} B used); raise AUTOFUSE_HEAP_SIZE (e.g. {_mib(2 * self.size, offset + nbytes)}M)"
             )
         if verify:
             self._verify_offset(offset, nbytes, name)

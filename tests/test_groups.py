@@ -15,8 +15,8 @@ import torch
 import torch.distributed as dist
 
 from autofuse import heap as heap_mod
-from autofuse import status
 from autofuse.kernels import selftest as k
+from autofuse.workspace import workspace
 from autofuse.world import World, gpu_count, spawn
 
 N = 64
@@ -35,13 +35,12 @@ def _exchange(world: World, tag: int, seen: list) -> None:
     src = h.empty(N, name=f"t{tag}.src")
     src.copy_(_pattern(tag, g[r]).to(world.device))
     dst = h.full((N,), float("nan"), name=f"t{tag}.dst")
-    flag = h.zeros(1, dtype=torch.int32, name=f"t{tag}.flag")
+    ws = workspace(world, f"test_groups.t{tag}", flags=1)
     mail = h.zeros(w, name=f"t{tag}.mail")
     world.sync()
-    k.ring_put_kernel[(1,)](src, dst, flag, h.status, h.bases, r, w, 1, status.spin_limit(world.device.type), N,
-                            BLOCK=BLOCK)
+    k.ring_put_kernel[(1,)](src, dst, ws.flags, ws.ctx, 1, N, BLOCK=BLOCK)
     world.sync()
-    status.check(h, f"test_groups.t{tag}")
+    ws.check()
     assert torch.equal(dst.cpu(), _pattern(tag, g[prev])), f"tag {tag}: ring put from global rank {g[prev]} wrong"
     peer_src = h.peer_tensor(src, nxt)
     assert torch.equal(peer_src.cpu(), _pattern(tag, g[nxt])), f"tag {tag}: peer read of global rank {g[nxt]} wrong"
