@@ -14,25 +14,20 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import re
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 import harness
-from conftest import CTX, compile_request
+from conftest import CTX, T36, compile_request, start_compile
 
 from autofuse.op import InvalidConfig, InvalidInput, rel_error
 from autofuse.ops import flash_decode as fd
 from autofuse.workspace import workspace, workspaces
 from autofuse.world import World, spawn
 
-ROOT = Path(__file__).resolve().parents[1]
-T36 = Path(os.environ.get("AUTOFUSE_T36_PYTHON", "/tmp/t36/bin/python"))
 SAME_BITS = ("bsp", "split_heap", "push_fused")
 
 # ------------------------------------------------------------------------------------ case table
@@ -78,12 +73,6 @@ CPU_FOUR = cases([(_dims(2, 4, 2, 16, 24), "float16")], [("bsp", {}), ("split_he
 GPU_PROBLEMS = [(_dims(1, 64, 8, 128, 1024), "bfloat16"), (_dims(3, 32, 8, 128, 5000), "float16"),
                 (_dims(8, 64, 8, 64, 2048), "bfloat16"), (_dims(2, 16, 2, 256, 777), "float16"),
                 (_dims(16, 64, 8, 128, 65536), "bfloat16"), (_dims(5, 128, 8, 128, 12345), "bfloat16")]
-
-
-def gpu_test(fn):
-    """harness.gpu() plus the skip it means to carry (today its skipif becomes an argument of the gpu
-    mark instead of a mark of its own, so without GPUs the test would run and fail)."""
-    return harness.gpu()(pytest.mark.skipif(harness.gpus() < 2, reason="needs 2 CUDA GPUs")(fn))
 
 
 # Ragged inputs on every device (the op's own inputs are full on GPUs, for the bandwidth figures).
@@ -195,14 +184,14 @@ def test_fault_four_ranks(four_ranks):
     assert all(faults[0]["first_fault_s"] is not None for _, _, faults in four_ranks)  # the victim too
 
 
-@gpu_test
+@harness.gpu()
 @pytest.mark.timeout(900)
 def test_gpu_case_table_with_graph_replay():
     """GPU sizes, every variant and flag granularity, eager calls and CUDA-graph replays."""
     _assert_cases(spawn(_job, 2, cases(GPU_PROBLEMS), 2, [], device_kind="cuda"))
 
 
-@gpu_test
+@harness.gpu()
 @pytest.mark.timeout(600)
 def test_gpu_faults():
     dims = _dims(4, 64, 8, 128, 4096)
@@ -374,37 +363,17 @@ COMPILES = [
     _req("fused", "fused_kernel", FUSED_SIG, dict(GPU_BLOCKS, BLOCK_R=8, SPLIT_BLOCK=4), 4, 3),
 ]
 
-# Run conftest's compile script under another Python whose site-packages lack autofuse: the
-# autofuse and autofuse.kernels packages are mapped onto this checkout first.
-_SHIM = """
-import os, sys, types
-for _name, _sub in (("autofuse", "autofuse"), ("autofuse.kernels", "kernels")):
-    _m = types.ModuleType(_name)
-    _m.__path__ = [os.path.join(os.environ["AUTOFUSE_SRC"], _sub)]
-    sys.modules[_name] = _m
-"""
-
-
 @pytest.fixture(scope="module")
 def compiled() -> dict:
-    """{version: {name: {'ptx', 'shared'}}}: "current" (this venv's Triton) and "3.6" (when /tmp/t36
-    exists), compiled in parallel child processes."""
-    import conftest
-
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    pythons = {"current": (sys.executable, conftest._COMPILE)}
-    if T36.exists():
-        pythons["3.6"] = (str(T36), _SHIM + conftest._COMPILE)
-    procs = {v: subprocess.Popen([py, "-c", script, json.dumps(COMPILES)], stdout=subprocess.PIPE,
-                                 stderr=subprocess.PIPE, text=True, env=dict(env, AUTOFUSE_SRC=str(ROOT)),
-                                 cwd=str(ROOT))
-             for v, (py, script) in pythons.items()}
+    """{version: {name: {'ptx', 'shared'}}}: "current" (this venv's Triton) and "3.6" (conftest.T36,
+    when it exists), compiled in parallel child processes."""
+    pythons = {"current": None, **({"3.6": T36} if T36.exists() else {})}
+    procs = {version: start_compile(COMPILES, python) for version, python in pythons.items()}
     out = {}
     for version, proc in procs.items():
         stdout, stderr = proc.communicate(timeout=600)
         if proc.returncode != 0:
-            raise AssertionError(f"sm_90 compile with {pythons[version][0]} failed:\n{stderr[-4000:]}")
+            raise AssertionError(f"sm_90 compile with {pythons[version] or sys.executable} failed:\n{stderr[-4000:]}")
         out[version] = json.loads(stdout)
     return out
 
