@@ -287,8 +287,11 @@ def space(trial: SearchSpace, rows: int, n: int, k: int, dtype: str | torch.dtyp
 
 
 def auto_split(tiles: int, steps: int, sms: int = H200_SMS, min_steps: int = 4) -> int:
-    """The SPLIT_K in (1, 2, 4, 8) whose work items fill the SMs' waves best (ties: fewer splits),
-    keeping at least `min_steps` BLOCK_K steps per split (the pipeline's depth)."""
+    """SPLIT_K for a problem of `tiles` output tiles: 1 when the tiles alone fill the SMs, else the
+    split in (1, 2, 4, 8) whose work items fill the SMs' waves best (ties: fewer splits), keeping
+    at least `min_steps` BLOCK_K steps per split (the pipeline's depth)."""
+    if tiles >= sms:
+        return 1
     best, best_eff = 1, 0.0
     for split in (1, 2, 4, 8):
         if split > 1 and steps // split < min_steps:

@@ -42,27 +42,30 @@ Device functions, in the order a kernel uses them:
                                       masked store of the tile in C's dtype (a descriptor with
                                       USE_TMA: TMA clips the edges).
 
-A fused consumer that waits per tile (ag_gemm gathered layout), B prefetched before the wait:
+A fused consumer that waits per tile (the ag_gemm gathered layout, say) keeps the same loop and
+puts its wait between B's prefetch and the K loop; `gemm_wait_kernel` below is that template,
+runnable alone (tests run it under the interpreter and compile it for sm_90):
 
     a_src, b_src = gemm_core.operands(a_gathered, b, M, N, K, ..., USE_TMA)   # once per program
-    for work in tl.range(pid, gemm_core.work_count(...), num_programs):
-        pid_m, pid_n, tile, split, k_first, k_end = gemm_core.schedule(work, ...)
-        gemm_core.prefetch_b(b, pid_n * BLOCK_N, k_first, k_end, ...)   # B first: no peer needed
-        ok = wait_for_the_shards_covering_rows(pid_m * BLOCK_M, BLOCK_M)  # the consumer's own wait
-        k_end = tl.where(ok, k_end, k_first)                  # a timed-out wait runs no K step
+    for work in tl.range(pid, gemm_core.work_count(M, N, ...), num_programs):
+        pid_m, pid_n, tile, split, k_first, k_end = gemm_core.schedule(work, M, N, K, ...)
+        gemm_core.prefetch_b(b, pid_n * BLOCK_N, k_first, k_end, ...)  # B first: it needs no peer
+        ok = shmem.wait_until(flag_of_rows(pid_m), epoch, ...)     # only the shards these rows read
+        k_end = tl.where(ok, k_end, k_first)                       # a timed-out wait runs no K step
         acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
         acc = gemm_core.gemm_tile(acc, a_src, b_src, pid_m * BLOCK_M, pid_n * BLOCK_N, k_first,
-                                  k_end, ...)                 # pipelined; no wait inside it
+                                  k_end, ...)                      # pipelined; no wait inside it
         acc, last = gemm_core.split_k_reduce(acc, partials, counts, tile, split, ...)
         if last & ok:
-            epilogue(acc)                                     # local store, or a peer's inbox
+            epilogue(acc)                                          # local store, or a peer's inbox
 
-The wait sits between the prefetch and the K loop, never inside the loop, so the compiler
-pipelines the loop as in the standalone kernel. Order the tiles so the local shard's come first
-(they wait for nothing), then peers' in arrival order: the schedule is GROUP_M-swizzled over pid_m,
-so a consumer that needs another order remaps pid_m (e.g. (pid_m + first) % num_pid_m) before it
-waits. Several K ranges (gather-k: one per shard, each its own descriptor) accumulate by calling
-gemm_tile again with the same acc.
+The wait sits before the K loop, never inside it, so the compiler pipelines the loop exactly as in
+gemm_kernel (same shared memory, same TMA/cp.async stages: checked by the AOT tests). A timeout
+is recorded in the status word and fails the call on the host (with split-K, other splits of the
+tile may still store: the output of a failed call is undefined). Order tiles so the local
+shard's come first (they wait for nothing) and peers' in arrival order: remap pid_m (e.g.
+(pid_m + first) % num_pid_m) before waiting. Several K ranges (gather-k: one per shard, each its
+own descriptor) accumulate by calling gemm_tile again with the same acc.
 
 Skinny problems: SPLIT_K splits each tile's K steps over SPLIT_K work items (float32 partials,
 the last arrival sums), so few output tiles still fill every SM; SWAP_AB computes the tile as
@@ -77,6 +80,8 @@ import os
 
 import triton
 import triton.language as tl
+
+from autofuse.kernels import shmem
 
 INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
 
@@ -283,4 +288,44 @@ def gemm_kernel(a, b, c, partials, counts, M, N, K,
                         BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, SWAP_AB, USE_TMA, WARP_SPEC)
         acc, last = split_k_reduce(acc, partials, counts, tile, split, SPLIT_K, BLOCK_M, BLOCK_N)
         if last:
+            store_tile(c_dst, acc, off_m, off_n, M, N, stride_cm, stride_cn, BLOCK_M, BLOCK_N, USE_TMA)
+
+
+@triton.jit
+def gemm_wait_kernel(a, b, c, partials, counts, ready, epoch, spin_limit, status, heap_bases, rank, M, N, K,
+                     stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                     NUM_STAGES: tl.constexpr, SPLIT_K: tl.constexpr, SWAP_AB: tl.constexpr,
+                     USE_TMA: tl.constexpr, PREFETCH: tl.constexpr):
+    """gemm_kernel as a fused consumer runs it: before each tile's K loop, B's first PREFETCH K
+    steps are sent to L2, then the program waits (bounded, shmem.wait_until) for ready[pid_m] to
+    reach `epoch`, as a consumer waits for the shard holding the tile's rows of A. A timed-out
+    wait is recorded in `status` and its tile is skipped (no K step, no store). The template the
+    fused kernels follow; tests run it, and the AOT checks show the wait keeps the K loop
+    pipelined. (No WARP_SPEC: Triton's Hopper warp specialisation rejects a kernel whose tile
+    loop holds a spin loop or inline PTX.)
+
+    grid = (min(cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N) * SPLIT_K, NUM_SMS),)
+    """
+    a_src, b_src = operands(a, b, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
+                            BLOCK_M, BLOCK_N, BLOCK_K, USE_TMA)
+    if USE_TMA:
+        c_dst = tl.make_tensor_descriptor(c, shape=[M, N], strides=[stride_cm, 1], block_shape=[BLOCK_M, BLOCK_N])
+    else:
+        c_dst = c
+    for work in tl.range(tl.program_id(0), work_count(M, N, BLOCK_M, BLOCK_N, SPLIT_K), tl.num_programs(0)):
+        pid_m, pid_n, tile, split, k_first, k_end = schedule(work, M, N, K, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
+                                                             SPLIT_K)
+        off_m = pid_m * BLOCK_M
+        off_n = pid_n * BLOCK_N
+        if PREFETCH > 0:
+            prefetch_b(b, off_n, k_first, k_end, N, K, stride_bk, stride_bn, BLOCK_K, BLOCK_N, PREFETCH)
+        ok = shmem.wait_until(ready + pid_m, epoch, spin_limit, status, heap_bases, rank)
+        k_end = tl.where(ok, k_end, k_first)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc = gemm_tile(acc, a_src, b_src, off_m, off_n, k_first, k_end, M, N, K,
+                        stride_am, stride_ak, stride_bk, stride_bn,
+                        BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, SWAP_AB, USE_TMA, False)
+        acc, last = split_k_reduce(acc, partials, counts, tile, split, SPLIT_K, BLOCK_M, BLOCK_N)
+        if last & ok:
             store_tile(c_dst, acc, off_m, off_n, M, N, stride_cm, stride_cn, BLOCK_M, BLOCK_N, USE_TMA)
