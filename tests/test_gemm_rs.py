@@ -34,13 +34,14 @@ CPU_CASES = [
     ("bsp", ODD, "bfloat16", {}), ("bsp", ODD, "float16", {}), ("bsp", ODD, "float32", {}),
     ("bsp", ONE_ROW, "float32", {}),
     ("push_last", ODD, "bfloat16", tiny(PARTIAL="out")),
-    ("push_last", ODD, "float16", tiny(PARTIAL="fp32", TMA=False, SPLIT_K=2)),
-    ("push_last", ODD, "float32", tiny(BLOCK_N=32, GROUP_M=1, PARTIAL="fp32", SWAP_AB=True)),
-    ("push_last", ONE_ROW, "bfloat16", tiny(PARTIAL="fp32", TMA=False)),
+    ("push_last", ODD, "float16", tiny(BLOCK_N=32, PARTIAL="fp32", TMA=False, SPLIT_K=2)),
+    ("push_last", ODD, "float32", tiny(BLOCK_M=32, BLOCK_N=32, BLOCK_K=32, GROUP_M=1, PARTIAL="fp32", SWAP_AB=True)),
+    ("push_last", ONE_ROW, "bfloat16", tiny(BLOCK_N=32, PARTIAL="fp32", TMA=False)),
     ("push_reducer", ODD, "float32", tiny(PARTIAL="fp32", FLAG="tile", COMM_SMS=2)),
-    ("push_reducer", ODD, "bfloat16", tiny(BLOCK_M=32, PARTIAL="out", FLAG="row_block", COMM_SMS=8, TMA=False)),
-    ("push_reducer", ODD, "float16", tiny(PARTIAL="out", FLAG="tile", COMM_SMS=1, SPLIT_K=2)),
-    ("push_reducer", ONE_ROW, "float32", tiny(PARTIAL="fp32", FLAG="row_block", COMM_SMS=2)),
+    ("push_reducer", ODD, "bfloat16", tiny(BLOCK_M=32, BLOCK_N=32, PARTIAL="out", FLAG="row_block", COMM_SMS=8,
+                                          TMA=False)),
+    ("push_reducer", ODD, "float16", tiny(BLOCK_N=32, PARTIAL="out", FLAG="tile", COMM_SMS=1, SPLIT_K=2)),
+    ("push_reducer", ONE_ROW, "float32", tiny(BLOCK_N=32, PARTIAL="fp32", FLAG="row_block", COMM_SMS=2)),
 ]
 FOUR = {"M": 20, "N": 24, "K": 32}  # 5 rows per rank
 CPU4_CASES = [
@@ -80,12 +81,12 @@ def _run(world, cases, calls):
     return harness.run_cases(world, OP, cases, calls=calls)
 
 
-# -- faults: a late peer, a skipped call, a dead peer (at 1 and at 32 tiles per rank) ------------------------
+# -- faults: a late peer, a skipped call, a dead peer (at 1 and at 8 tiles per rank) -------------------------
 SMALL_FAULT, LARGE_FAULT = {"M": 32, "N": 16, "K": 32}, {"M": 128, "N": 128, "K": 32}
 FAULT_PLAN = [(v, SMALL_FAULT, "float32", c, s) for s in ("late_peer", "skipped_call", "dead_peer")
               for v, c in (("push_last", tiny(PARTIAL="fp32")),
                            ("push_reducer", tiny(PARTIAL="out", FLAG="row_block", COMM_SMS=2)))]
-FAULT_PLAN.append(("push_last", LARGE_FAULT, "float32", tiny(PARTIAL="fp32"), "dead_peer"))
+FAULT_PLAN.append(("push_last", LARGE_FAULT, "float32", tiny(BLOCK_M=32, BLOCK_N=32, PARTIAL="fp32"), "dead_peer"))
 
 
 @pytest.fixture(scope="module")
@@ -136,7 +137,7 @@ def test_dead_peer_time_to_fail_does_not_grow_with_the_problem(two_ranks):
                  and d == SMALL_FAULT)
     large = faults[-1]
     for result in (small, large):
-        harness.check_fault_run(result)  # within budget + 5 s at 1 tile and at 32 tiles per rank
+        harness.check_fault_run(result)  # within budget + 5 s at 1 tile and at 8 tiles per rank
     assert large[0]["seen"][1][0] == "FlagTimeout"
 
 

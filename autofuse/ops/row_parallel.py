@@ -97,8 +97,8 @@ def features(problem: Problem, comm_bytes: float) -> dict[str, float]:
 
 
 # -- sweeps -------------------------------------------------------------------------------------------
-def sweep(op: str, kind: str, world: int, model_m: tuple[int, ...], default_gpu_m: tuple[int, ...],
-          default_model_m: tuple[int, ...]) -> list[Problem]:
+def sweep(op: str, kind: str, world: int, model_m: tuple[int, ...],
+          default: Mapping[str, tuple[int, ...]]) -> list[Problem]:
     """Problems of `kind` for `op` at `world` ranks (bf16 unless said):
 
     - "cpu": tiny problems of every dtype for the interpreter;
@@ -107,8 +107,8 @@ def sweep(op: str, kind: str, world: int, model_m: tuple[int, ...], default_gpu_
       512, 2048, 8192;
     - "models": every model's row-parallel GEMMs (autofuse.shapes: o_proj and down) at `model_m`
       (the op's regime: decode batches for gemm_ar, prefill chunks for gemm_rs);
-    - "default" (what `autofuse tune` runs): "gpu" at `default_gpu_m`, then Llama-3-70B's and
-      Llama-3-8B's o_proj and down at `default_model_m` (about 10 problems).
+    - "default" (what `autofuse tune` runs, about 10 problems): `default` maps "gpu" to the M of
+      the "gpu" sweep to take, and model names (autofuse.shapes) to the M of their o_proj and down.
     Problems whose M is not a multiple of the world size are left out (gemm_rs splits the rows).
     """
     if kind == "cpu":
@@ -121,8 +121,10 @@ def sweep(op: str, kind: str, world: int, model_m: tuple[int, ...], default_gpu_
     elif kind == "models":
         dims = [(m, g.N, g.K) for g in shapes.gemms("row", world) for m in model_m]
     elif kind == "default":
-        picked = shapes.gemms("row", world, ("llama3-70b", "llama3-8b"))
-        dims = [(m, GPU_N, GPU_K) for m in default_gpu_m] + [(m, g.N, g.K) for g in picked for m in default_model_m]
+        dims = [(m, GPU_N, GPU_K) for m in default.get("gpu", ())]
+        for model, ms in default.items():
+            if model != "gpu":
+                dims += [(m, g.N, g.K) for g in shapes.gemms("row", world, (model,)) for m in ms]
     else:
         raise ValueError(f"unknown sweep kind {kind!r}: use cpu, gpu, llama70b, models or default")
     seen: dict[str, Problem] = {}
