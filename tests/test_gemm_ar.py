@@ -22,7 +22,14 @@ from autofuse.world import spawn
 from conftest import CTX, compile_request, compile_sm90_many
 
 OP = gemm_ar.OP
-FUSED = ("one_shot", "two_shot")  # bitwise identical across ranks
+FUSED = ("one_shot", "two_shot")
+SAME_BITS = ("mm_heap", *FUSED)  # these sum in rank order: bitwise identical results on every rank
+
+def _defaults(variant: str, dims: dict, dtype: str = "bfloat16", count: int = 2, world: int = 2) -> list[tuple]:
+    """Cases of `variant` at its first `count` default configs for the problem."""
+    problem = Problem.make(OP.name, dtype, world, **dims)
+    return [(variant, dims, dtype, c) for c in OP.variant(variant).defaults(problem)[:count]]
+
 
 ODD = {"M": 20, "N": 40, "K": 48}   # M, N and K/W not multiples of the blocks
 FEW = {"M": 3, "N": 24, "K": 16}    # a decode batch: fewer rows than a block
@@ -37,6 +44,7 @@ CPU_CASES = [
     ("two_shot", ODD, "float16", tiny(BLOCK_M=32, BLOCK_N=32, PARTIAL="fp32", TMA=False, SPLIT_K=2)),
     ("two_shot", ODD, "float32", tiny(BLOCK_M=32, GROUP_M=1, BLOCK_K=32, PARTIAL="fp32")),
     ("two_shot", FEW, "float32", tiny(BLOCK_N=32, PARTIAL="fp32", SWAP_AB=True)),
+    *_defaults("mm_heap", ODD, "bfloat16"), *_defaults("mm_heap", FEW, "float32", count=1),
 ]
 FOUR = {"M": 5, "N": 24, "K": 64}
 CPU4_CASES = [
@@ -44,6 +52,7 @@ CPU4_CASES = [
     ("one_shot", FOUR, "bfloat16", tiny(PARTIAL="out")),
     ("one_shot", FOUR, "float32", tiny(PARTIAL="fp32", TMA=False)),
     ("two_shot", FOUR, "float16", tiny(PARTIAL="out")),
+    *_defaults("mm_heap", FOUR, "bfloat16", world=4),
 ]
 
 # GPU sizes: decode batches on Llama-3-70B's o_proj and down, the sweep's N=8192, K=14336, and
@@ -53,13 +62,10 @@ DOWN, QWEN, GPU_SWEEP = {"N": 8192, "K": 28672}, {"N": 8192, "K": 29568}, {"N": 
 SMALL_TILE = {"BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 8, "num_warps": 4, "num_stages": 4}
 
 
-def _defaults(variant: str, dims: dict, dtype: str = "bfloat16", count: int = 2) -> list[tuple]:
-    problem = Problem.make(OP.name, dtype, 2, **dims)
-    return [(variant, dims, dtype, c) for c in OP.variant(variant).defaults(problem)[:count]]
-
-
 GPU_CASES = [
     ("bsp", {"M": 128, **GPU_SWEEP}, "bfloat16", {}), ("bsp", {"M": 77, **QWEN}, "float32", {}),
+    *_defaults("mm_heap", {"M": 8, **O_PROJ}, count=4), *_defaults("mm_heap", {"M": 256, **GPU_SWEEP}),
+    *_defaults("mm_heap", {"M": 77, **QWEN}, "float16", count=1),
     *_defaults("one_shot", {"M": 1, **O_PROJ}), *_defaults("one_shot", {"M": 32, **DOWN}),
     *_defaults("one_shot", {"M": 256, **GPU_SWEEP}), *_defaults("two_shot", {"M": 128, **GPU_SWEEP}),
     *_defaults("one_shot", {"M": 1000, **GPU_SWEEP}, count=1), *_defaults("two_shot", {"M": 2048, **O_PROJ}, count=1),
@@ -91,12 +97,12 @@ def two_ranks() -> tuple[list, list[list[dict]]]:
 
 
 def test_two_ranks_every_variant_dtype_and_odd_shapes_bitwise_equal_across_ranks(two_ranks):
-    harness.assert_ok(two_ranks[0], same_bits=FUSED)
+    harness.assert_ok(two_ranks[0], same_bits=SAME_BITS)
 
 
 def test_four_ranks_and_a_dead_peer():
     per_rank = spawn(cases_then_faults, 4, OP, CPU4_CASES, 1, FAULT_PLAN4, timeout_s=900)
-    harness.assert_ok([r[0] for r in per_rank], same_bits=FUSED)
+    harness.assert_ok([r[0] for r in per_rank], same_bits=SAME_BITS)
     seen = by_scenario(per_rank, FAULT_PLAN4)[0]
     harness.check_fault_run(seen)
     assert all(r["seen"][1][0] != "returned" for r in seen[:-1]), seen
@@ -105,7 +111,7 @@ def test_four_ranks_and_a_dead_peer():
 @harness.gpu()
 @NEEDS_GPUS
 def test_gpu_cases_eager_and_graph_replay_bitwise_equal_across_ranks():
-    harness.assert_ok(spawn(_run, 2, GPU_CASES, 2, device_kind="cuda", timeout_s=1800), same_bits=FUSED)
+    harness.assert_ok(spawn(_run, 2, GPU_CASES, 2, device_kind="cuda", timeout_s=1800), same_bits=SAME_BITS)
 
 
 @harness.gpu()
@@ -196,10 +202,11 @@ def test_sweeps_defaults_and_features():
             problems = OP.sweep(kind, world)
             assert problems and all(p.op == "gemm_ar" and p["K"] % world == 0 for p in problems)
             for p in problems:
-                for name in FUSED:
-                    configs = OP.variant(name).defaults(p)
-                    assert configs and all(OP.variant(name).check(p, c) is None for c in configs), (name, p)
-                    assert not any(c["WARP_SPEC"] for c in configs)
+                for name, v in OP.variants.items():
+                    configs = v.defaults(p)
+                    assert configs and all(v.check(p, c) is None for c in configs), (name, p)
+                    if v.family == "fused":
+                        assert not any(c["WARP_SPEC"] for c in configs)
                 feats = OP.features(p)
                 assert set(feats) == {"log2_flops", "log2_comm_bytes", "comm_bytes_per_flop", "log2_M_per_rank"}
                 assert all(math.isfinite(v) for v in feats.values())
@@ -209,7 +216,7 @@ def test_sweeps_defaults_and_features():
     assert 8 <= len(default) <= 12 and max(p["M"] for p in default) <= 256
     decode = OP.variant("one_shot").defaults(Problem.make("gemm_ar", "bfloat16", 2, M=8, N=8192, K=8192))[0]
     assert decode["SWAP_AB"] and decode["SPLIT_K"] > 1  # skinny: N on the wgmma's M side, K split to fill SMs
-    assert {v.family for v in OP.variants.values()} >= {"bsp", "fused"}
+    assert {v.family for v in OP.variants.values()} == {"bsp", "hybrid", "fused"}
 
 
 # -- sm_90 -----------------------------------------------------------------------------------------------

@@ -28,6 +28,13 @@ from conftest import CTX, compile_request, compile_sm90_many
 OP = gemm_rs.OP
 
 
+def _defaults(variant: str, dims: dict, dtype: str = "bfloat16", pick: slice = slice(0, 2), world: int = 2
+              ) -> list[tuple]:
+    """Cases of `variant` at its default configs `pick` for the problem."""
+    problem = Problem.make(OP.name, dtype, world, **dims)
+    return [(variant, dims, dtype, c) for c in OP.variant(variant).defaults(problem)[pick]]
+
+
 ODD = {"M": 40, "N": 40, "K": 48}     # 20 rows per rank; N and K/W are not multiples of the blocks
 ONE_ROW = {"M": 2, "N": 24, "K": 16}  # one row per rank
 CPU_CASES = [
@@ -42,6 +49,7 @@ CPU_CASES = [
                                           TMA=False)),
     ("push_reducer", ODD, "float16", tiny(BLOCK_N=32, PARTIAL="out", FLAG="tile", COMM_SMS=1, SPLIT_K=2)),
     ("push_reducer", ONE_ROW, "float32", tiny(BLOCK_N=32, PARTIAL="fp32", FLAG="row_block", COMM_SMS=2)),
+    *_defaults("mm_heap", ODD, "bfloat16", slice(0, 1)), *_defaults("mm_heap_overlap", ODD, "float32", slice(2, 3)),
 ]
 FOUR = {"M": 20, "N": 24, "K": 32}  # 5 rows per rank
 CPU4_CASES = [
@@ -49,6 +57,7 @@ CPU4_CASES = [
     ("push_last", FOUR, "bfloat16", tiny(PARTIAL="out")),
     ("push_reducer", FOUR, "float32", tiny(PARTIAL="fp32", FLAG="tile", COMM_SMS=2, SWAP_AB=True)),
     ("push_reducer", FOUR, "float16", tiny(PARTIAL="out", FLAG="row_block", COMM_SMS=1, TMA=False)),
+    *_defaults("mm_heap_overlap", FOUR, "bfloat16", slice(0, 1), world=4),
 ]
 
 # GPU sizes: the sweeps' N=8192, K=14336 and shapes outside every sweep (odd, Qwen2.5-72B's down).
@@ -58,13 +67,10 @@ ODD_GPU, QWEN = {"M": 1002, "N": 3000, "K": 5000}, {"M": 640, "N": 8192, "K": 29
 MID_TILE = {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 4, "num_stages": 3}
 
 
-def _defaults(variant: str, dims: dict, dtype: str = "bfloat16") -> list[tuple]:
-    problem = Problem.make(OP.name, dtype, 2, **dims)
-    return [(variant, dims, dtype, c) for c in OP.variant(variant).defaults(problem)[:2]]
-
-
 GPU_CASES = [
     ("bsp", BIG, "bfloat16", {}), ("torch_symm", BIG, "bfloat16", {}), ("bsp", MID, "float32", {}),
+    *_defaults("mm_heap", BIG), *_defaults("mm_heap_overlap", BIG, pick=slice(0, 3)), *_defaults("mm_heap", QWEN),
+    *_defaults("mm_heap_overlap", ODD_GPU, "float16", slice(2, 3)),
     *_defaults("push_last", BIG), *_defaults("push_reducer", BIG), *_defaults("push_last", SMALL),
     *_defaults("push_reducer", SMALL), *_defaults("push_last", QWEN),
     ("push_last", MID, "float16", {**MID_TILE, "PARTIAL": "out"}),
@@ -227,12 +233,13 @@ def test_sweeps_defaults_and_features():
             assert problems and all(p.op == "gemm_rs" and p["M"] % world == 0 and p["K"] % world == 0
                                     for p in problems)
             for p in problems:
-                for name in ("push_last", "push_reducer"):
-                    configs = OP.variant(name).defaults(p)
-                    assert configs and all(OP.variant(name).check(p, c) is None for c in configs), (name, p)
-                    assert not any(c["WARP_SPEC"] for c in configs)
-                    if p.dtype == "bfloat16":
-                        assert configs[0]["PARTIAL"] == "out"  # half the NVLink bytes
+                for name, v in OP.variants.items():
+                    configs = v.defaults(p)
+                    assert configs and all(v.check(p, c) is None for c in configs), (name, p)
+                    if v.family == "fused":
+                        assert not any(c["WARP_SPEC"] for c in configs)
+                        if p.dtype == "bfloat16":
+                            assert configs[0]["PARTIAL"] == "out"  # half the NVLink bytes
                 feats = OP.features(p)
                 assert set(feats) == {"log2_flops", "log2_comm_bytes", "comm_bytes_per_flop", "log2_M_per_rank"}
                 assert all(math.isfinite(v) for v in feats.values())
@@ -243,7 +250,7 @@ def test_sweeps_defaults_and_features():
     assert {(p["N"], p["K"]) for p in models} >= {(8192, 8192), (8192, 28672), (4096, 14336), (16384, 53248)}
     assert 8 <= len(OP.sweep("default", 2)) <= 12
     assert OP.variant("torch_symm").available(fake_world()) is False
-    assert {v.family for v in OP.variants.values()} >= {"bsp", "peer", "fused"}
+    assert {v.family for v in OP.variants.values()} == {"bsp", "peer", "hybrid", "fused"}
     big = OP.variant("push_last").defaults(Problem.make("gemm_rs", "bfloat16", 2, M=8192, N=8192, K=14336))[0]
     assert (big["BLOCK_M"], big["BLOCK_N"], big["TMA"], big["SPLIT_K"]) == (128, 256, True, 1)
 

@@ -8,6 +8,9 @@ Variants:
 - `bsp`: torch.matmul, then the collective library's reduce-scatter. gloo (CPU) has no
   reduce_scatter_tensor, so on CPU it is all_reduce of the whole partial, then this rank's rows.
 - `torch_symm` (peer): torch's `torch.ops.symm_mem.fused_matmul_reduce_scatter` (CUDA only).
+- `mm_heap`, `mm_heap_overlap` (hybrid, autofuse/hybrid.py): torch.matmul, then the one-launch heap
+  reduce-scatter (autofuse/collectives.py); overlapped: the matmul in row chunks, each pushed to its
+  owner as soon as it is written.
 - `push_last` (fused): one persistent kernel; each partial tile goes from the GEMM to its owner's
   inbox with an epoch flag; the owner adds the arrivals to its own tile's accumulator.
 - `push_reducer` (fused): every partial tile, own ones too, goes to the owner's inbox; COMM_SMS
@@ -22,7 +25,7 @@ from typing import Any, Callable, Mapping
 import torch
 import torch.distributed as dist
 
-from autofuse import gemm
+from autofuse import gemm, hybrid
 from autofuse.op import Config, InvalidInput, Op, Problem, Variant
 from autofuse.ops import row_parallel as rp
 from autofuse.runner import Runner
@@ -204,7 +207,7 @@ def bound(world: Any, problem: Problem, seed: int) -> dict[str, Callable[[], Any
 OP = Op(
     name=NAME,
     args=("a", "b"),
-    variants=[Bsp(), TorchSymm(), PushLast(), PushReducer()],
+    variants=[Bsp(), TorchSymm(), *hybrid.variants(NAME), PushLast(), PushReducer()],
     problem_of=problem_of,
     inputs=rp.inputs,
     reference=reference,
