@@ -50,7 +50,6 @@ FOUR = {"M": 5, "N": 24, "K": 64}
 CPU4_CASES = [
     ("bsp", FOUR, "bfloat16", {}),
     ("one_shot", FOUR, "bfloat16", tiny(PARTIAL="out")),
-    ("one_shot", FOUR, "float32", tiny(PARTIAL="fp32", TMA=False)),
     ("two_shot", FOUR, "float16", tiny(PARTIAL="out")),
     *_defaults("mm_heap", FOUR, "bfloat16", world=4),
 ]

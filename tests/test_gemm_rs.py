@@ -54,10 +54,9 @@ CPU_CASES = [
 FOUR = {"M": 20, "N": 24, "K": 32}  # 5 rows per rank
 CPU4_CASES = [
     ("bsp", FOUR, "bfloat16", {}),
-    ("push_last", FOUR, "bfloat16", tiny(PARTIAL="out")),
-    ("push_reducer", FOUR, "float32", tiny(PARTIAL="fp32", FLAG="tile", COMM_SMS=2, SWAP_AB=True)),
+    ("push_last", FOUR, "bfloat16", tiny(PARTIAL="out", SWAP_AB=True)),
+    ("push_reducer", FOUR, "float32", tiny(PARTIAL="fp32", FLAG="tile", COMM_SMS=2)),
     ("push_reducer", FOUR, "float16", tiny(PARTIAL="out", FLAG="row_block", COMM_SMS=1, TMA=False)),
-    *_defaults("mm_heap_overlap", FOUR, "bfloat16", slice(0, 1), world=4),
 ]
 
 # GPU sizes: the sweeps' N=8192, K=14336 and shapes outside every sweep (odd, Qwen2.5-72B's down).
