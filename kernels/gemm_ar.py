@@ -56,11 +56,10 @@ def gemm_ar_kernel(a, b, out, inbox, inbox_half, gathered, gathered_half, flags,
                                                                        GROUP_M, SPLIT_K)
         pos = pid_m * tiles_n + pid_n
         alive = alive & partials.clean(ctx)
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        acc = gemm_core.gemm_tile(acc, a_src, b_src, pid_m * BLOCK_M, pid_n * BLOCK_N, k_first,
-                                  tl.where(alive, k_end, k_first), M, N, K_r, stride_am, stride_ak, stride_bk,
-                                  stride_bn, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, SWAP_AB, USE_TMA, False)
-        acc, last = gemm_core.split_k_reduce(acc, sk_partials, sk_counts, tile, split, SPLIT_K, BLOCK_M, BLOCK_N)
+        acc, last = partials.partial_tile(a_src, b_src, sk_partials, sk_counts, tile, split, pid_m * BLOCK_M,
+                                          pid_n * BLOCK_N, k_first, k_end, alive, M, N, K_r, stride_am, stride_ak,
+                                          stride_bk, stride_bn, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, SPLIT_K,
+                                          SWAP_AB, USE_TMA)
         if last:
             mine = acc.to(inbox.dtype.element_ty)
             ok = alive

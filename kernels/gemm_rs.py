@@ -7,10 +7,12 @@ split-K, swap-AB) and exchanges them with kernels/partials.py.
 
 Work. A work item is one (tile position, K split) of the M_r x N tile grid, the same on every
 rank; its program computes that tile for every owner in turn, owner = rank + 1, rank + 2, ...,
-rank: the peers' copies first (pushed to them), its own last. Peers run the same schedule, so
-while a rank computes its own tile the peers' pushes of that tile are arriving, and a program only
-ever waits for what the same program id of its peers pushes before waiting itself: no deadlock
-under the interpreter (programs run one by one in id order) nor on a GPU (every program resident).
+rank: the peers' copies first, each pushed as soon as it is summed, its own last. The flags of the
+pushes are raised after the own tile's K loop, which hides the transfers (a release waits until
+the program's stores have landed). Peers run the same schedule, so the peers' partials of a tile
+arrive while a rank computes its own, and a program only ever waits for what the same program id
+of its peers raised before waiting itself: no deadlock under the interpreter (programs run one by
+one in id order) nor on a GPU (lower ids are scheduled first and never wait for higher ones).
 
 Two algorithms, one kernel (constexpr PUSH_ALL):
 - push_last (PUSH_ALL False): after the own tile's GEMM the program waits for the W-1 peer
@@ -84,38 +86,52 @@ def gemm_rs_kernel(a, b, out, inbox, inbox_half, flags, half_flags, sk_partials,
             pid_m, pid_n, tile, split, k_first, k_end = gemm_core.schedule(work, M_r, N, K_r, BLOCK_M, BLOCK_N,
                                                                            BLOCK_K, GROUP_M, SPLIT_K)
             pos = pid_m * tiles_n + pid_n
-            for g in range(0, WORLD):
+            pushed = 0  # bit g: this program pushed the tile of owner rank + 1 + g
+            for g in range(0, WORLD - 1):
                 owner = (rank + 1 + g) % WORLD
                 alive = alive & partials.clean(ctx)
-                acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-                acc = gemm_core.gemm_tile(acc, a_src, b_src, owner * M_r + pid_m * BLOCK_M, pid_n * BLOCK_N, k_first,
-                                          tl.where(alive, k_end, k_first), M_r * WORLD, N, K_r,
-                                          stride_am, stride_ak, stride_bk, stride_bn,
-                                          BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, SWAP_AB, USE_TMA, False)
-                acc, last = gemm_core.split_k_reduce(acc, sk_partials, sk_counts, g * tiles + tile, split,
-                                                     SPLIT_K, BLOCK_M, BLOCK_N)
-                if last:
-                    if PUSH_ALL or owner != rank:
-                        if alive:
-                            s = partials.slot(rank, owner, WORLD)  # W - 1 for my own partial
-                            partials.push(partials.tile_ptr(inbox, s, pos, tiles, BLOCK_M, BLOCK_N), acc,
-                                          rank, owner, ctx.heap_bases, BLOCK_M, BLOCK_N)
-                            if ROW_BLOCK:
-                                tl.debug_barrier()  # every thread's stores precede the release
-                                shmem.atomic_add(flags + pid_m, 1, rank, owner, ctx.heap_bases, sem="release",
-                                                 scope="sys")
-                            else:
-                                shmem.signal(flags + s * tiles + pos, epoch, rank, owner, ctx.heap_bases)
+                acc, last = partials.partial_tile(a_src, b_src, sk_partials, sk_counts, g * tiles + tile, split,
+                                                  owner * M_r + pid_m * BLOCK_M, pid_n * BLOCK_N, k_first, k_end,
+                                                  alive, M_r * WORLD, N, K_r, stride_am, stride_ak, stride_bk,
+                                                  stride_bn, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, SPLIT_K,
+                                                  SWAP_AB, USE_TMA)
+                if last & alive:
+                    partials.push(partials.tile_ptr(inbox, partials.slot(rank, owner, WORLD), pos, tiles,
+                                                    BLOCK_M, BLOCK_N), acc, rank, owner, ctx.heap_bases,
+                                  BLOCK_M, BLOCK_N)
+                    pushed = pushed | (1 << g)
+            # my own tile last: its K loop runs while the pushes above cross the link, so raising
+            # their flags after it (a release waits for the stores) costs no stall
+            alive = alive & partials.clean(ctx)
+            acc, last = partials.partial_tile(a_src, b_src, sk_partials, sk_counts, (WORLD - 1) * tiles + tile, split,
+                                              rank * M_r + pid_m * BLOCK_M, pid_n * BLOCK_N, k_first, k_end, alive,
+                                              M_r * WORLD, N, K_r, stride_am, stride_ak, stride_bk, stride_bn,
+                                              BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, SPLIT_K, SWAP_AB, USE_TMA)
+            if PUSH_ALL:
+                if last & alive:  # into my own inbox's slot W - 1 (a local store)
+                    partials.push(partials.tile_ptr(inbox, WORLD - 1, pos, tiles, BLOCK_M, BLOCK_N), acc, rank, rank,
+                                  ctx.heap_bases, BLOCK_M, BLOCK_N)
+                    pushed = pushed | (1 << (WORLD - 1))
+            for g in range(0, WORLD):
+                if (pushed >> g) & 1:
+                    owner = (rank + 1 + g) % WORLD
+                    if ROW_BLOCK:
+                        tl.debug_barrier()  # every thread's stores precede the release
+                        shmem.atomic_add(flags + pid_m, 1, rank, owner, ctx.heap_bases, sem="release", scope="sys")
                     else:
-                        ok = partials.take(flags + pos, tiles, WORLD - 1, epoch, alive, ctx)
-                        if ok:
-                            for s in range(0, WORLD - 1):
-                                acc += partials.load(partials.tile_ptr(inbox, s, pos, tiles, BLOCK_M, BLOCK_N),
-                                                     BLOCK_M, BLOCK_N)
-                        else:
-                            acc = partials.nan_like(acc)
-                        gemm_core.store_tile(out, acc, pid_m * BLOCK_M, pid_n * BLOCK_N, M_r, N, stride_om, stride_on,
-                                             BLOCK_M, BLOCK_N, False)
+                        shmem.signal(flags + partials.slot(rank, owner, WORLD) * tiles + pos, epoch, rank, owner,
+                                     ctx.heap_bases)
+            if not PUSH_ALL:
+                if last:
+                    ok = partials.take(flags + pos, tiles, WORLD - 1, epoch, alive, ctx)
+                    if ok:
+                        for s in range(0, WORLD - 1):
+                            acc += partials.load(partials.tile_ptr(inbox, s, pos, tiles, BLOCK_M, BLOCK_N),
+                                                 BLOCK_M, BLOCK_N)
+                    else:
+                        acc = partials.nan_like(acc)
+                    gemm_core.store_tile(out, acc, pid_m * BLOCK_M, pid_n * BLOCK_N, M_r, N, stride_om, stride_on,
+                                         BLOCK_M, BLOCK_N, False)
     else:
         if ROW_BLOCK:
             for pid_m in range(pid - gemm_programs, tiles_m, tl.num_programs(0) - gemm_programs):

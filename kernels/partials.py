@@ -9,6 +9,10 @@ each tile stored row-major and contiguous (`gemm_core.tile_offsets`). The partia
 sends to rank `dst` sits in `dst`'s slot (src - dst - 1) mod W, so the W-1 peers fill slots
 0..W-2 and slot W-1 is free for the receiver's own partial where a kernel stores it there.
 
+  partial_tile(...) -> (acc, last)        this rank's float32 partial of one output tile over one K
+                                         split (gemm_core.gemm_tile, then split_k_reduce: `last` is
+                                         True in the program that holds the whole tile); no K step
+                                         runs once `alive` is False
   slot(src, dst, WORLD)                  the slot of src's partial in dst's inbox
   push(box, acc, me, peer, heap_bases)   store the float32 tile `acc`, converted to the inbox dtype,
                                          into `peer`'s copy of the tile at `box` (my address)
@@ -34,6 +38,21 @@ import triton
 import triton.language as tl
 
 from autofuse.kernels import gemm_core, shmem
+
+
+@triton.jit
+def partial_tile(a_src, b_src, sk_partials, sk_counts, sk_tile, split, off_m, off_n, k_first, k_end, alive,
+                 M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
+                 SPLIT_K: tl.constexpr, SWAP_AB: tl.constexpr, USE_TMA: tl.constexpr):
+    """(acc, last): A[off_m:+BLOCK_M] @ B[:, off_n:+BLOCK_N] over K steps [k_first, k_end) in float32,
+    combined with the tile's other K splits (split-K tile index `sk_tile`); `last` marks the program
+    that holds the summed tile. A program that is not `alive` (a fault was seen) runs no K step."""
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc = gemm_core.gemm_tile(acc, a_src, b_src, off_m, off_n, k_first, tl.where(alive, k_end, k_first), M, N, K,
+                              stride_am, stride_ak, stride_bk, stride_bn, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES,
+                              SWAP_AB, USE_TMA, False)
+    return gemm_core.split_k_reduce(acc, sk_partials, sk_counts, sk_tile, split, SPLIT_K, BLOCK_M, BLOCK_N)
 
 
 @triton.jit
