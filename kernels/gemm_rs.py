@@ -140,8 +140,10 @@ def gemm_rs_kernel(a, b, out, inbox, inbox_half, flags, half_flags, sk_partials,
                     _reduce_tile(out, inbox, pid_m * tiles_n + pid_n, pid_m, pid_n, tiles, ok, M_r, N,
                                  stride_om, stride_on, WORLD, BLOCK_M, BLOCK_N, RED_M)
         else:
-            for pos in range(pid - gemm_programs, tiles, tl.num_programs(0) - gemm_programs):
+            for tile in range(pid - gemm_programs, tiles, tl.num_programs(0) - gemm_programs):
+                pid_m, pid_n = gemm_core.swizzle(tile, tiles_m, tiles_n, GROUP_M)  # the order tiles are made in
+                pos = pid_m * tiles_n + pid_n
                 ok = partials.take(flags + pos, tiles, WORLD, epoch, healthy, ctx)
-                _reduce_tile(out, inbox, pos, pos // tiles_n, pos % tiles_n, tiles, ok, M_r, N,
-                             stride_om, stride_on, WORLD, BLOCK_M, BLOCK_N, RED_M)
+                _reduce_tile(out, inbox, pos, pid_m, pid_n, tiles, ok, M_r, N, stride_om, stride_on,
+                             WORLD, BLOCK_M, BLOCK_N, RED_M)
     shmem.epoch_end(ctx, tl.num_programs(0))
