@@ -104,10 +104,6 @@ class OneShot(rp.FusedVariant):
     def rows(self, problem: Problem) -> int:
         return problem["M"]
 
-    def op_defaults(self, problem: Problem) -> list[Config]:
-        first = "out" if problem.torch_dtype.itemsize == 2 else "fp32"
-        return [{"PARTIAL": p} for p in dict.fromkeys((first, "fp32"))]
-
     def runner(self, world: Any, problem: Problem, config: Config) -> Runner:
         return AllReduceRunner(world, problem, config, two_shot=False)
 

@@ -169,10 +169,6 @@ class PushLast(rp.FusedVariant):
     def rows(self, problem: Problem) -> int:
         return problem["M"] // problem.world
 
-    def op_defaults(self, problem: Problem) -> list[Config]:
-        first = "out" if problem.torch_dtype.itemsize == 2 else "fp32"
-        return [{"PARTIAL": p} for p in dict.fromkeys((first, "fp32"))]
-
     def runner(self, world: Any, problem: Problem, config: Config) -> Runner:
         return PushRunner(world, problem, config, reducer=False)
 

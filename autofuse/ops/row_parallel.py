@@ -169,8 +169,10 @@ class FusedVariant(Variant):
         return 0
 
     def op_defaults(self, problem: Problem) -> list[Config]:
-        """The op keys' known-good values, best first (the first goes with every GEMM default)."""
-        return [{"PARTIAL": "out" if problem.torch_dtype.itemsize == 2 else "fp32"}]
+        """The op keys' known-good values, best first (the first goes with every GEMM default): partials
+        in the output dtype for bf16/fp16 (half the bytes on the link), then float32."""
+        first = "out" if problem.torch_dtype.itemsize == 2 else "fp32"
+        return [{"PARTIAL": p} for p in dict.fromkeys((first, "fp32"))]
 
     def gemm_dims(self, problem: Problem) -> tuple[int, int, int]:
         return self.rows(problem), problem["N"], problem["K"] // problem.world
@@ -212,6 +214,8 @@ class FusedVariant(Variant):
                 c["num_warps"] = 8
             if gemm.check(c, *self.gemm_dims(problem), problem.dtype) is None and c not in tiles:
                 tiles.append(c)
+        if not tiles:
+            return []
         out = [{**tiles[0], **o} for o in op_configs] + [{**t, **op_configs[0]} for t in tiles[1:]]
         unique = {config_key(c): c for c in out if self.check(problem, c) is None}
         return list(unique.values())
