@@ -26,6 +26,7 @@ from typing import Any, Callable, Iterable, Mapping
 import torch
 
 from autofuse.op import Config, InvalidConfig, SearchSpace
+from autofuse.sizes import cdiv, next_pow2
 
 SMEM_LIMIT = 232448       # bytes of shared memory one program may use on sm_90 (227 KiB)
 SMEM_SLACK = 1024         # mbarriers and alignment, beyond the tile buffers (measured: 24-600 B)
@@ -43,16 +44,6 @@ ELEMENT_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 REQUIRED = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages")
 OPTIONAL: dict[str, Any] = {"SPLIT_K": 1, "SWAP_AB": False, "TMA": True, "WARP_SPEC": False}
 KEYS = REQUIRED + tuple(OPTIONAL)
-
-
-def cdiv(a: int, b: int) -> int:
-    """Ceiling of a / b for positive ints."""
-    return -(-a // b)
-
-
-def next_pow2(n: int) -> int:
-    """The smallest power of two >= n (1 for n <= 1)."""
-    return 1 << max(0, int(n) - 1).bit_length()
 
 
 def _dtype_name(dtype: str | torch.dtype) -> str:

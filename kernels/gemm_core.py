@@ -298,15 +298,16 @@ def gemm_kernel(a, b, c, partials, counts, M, N, K,
 
 
 @triton.jit
-def gemm_wait_kernel(a, b, c, partials, counts, ready, epoch, spin_limit, status, heap_bases, rank, M, N, K,
+def gemm_wait_kernel(a, b, c, partials, counts, ready, epoch, ctx, M, N, K,
                      stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                      NUM_STAGES: tl.constexpr, SPLIT_K: tl.constexpr, SWAP_AB: tl.constexpr,
                      USE_TMA: tl.constexpr, PREFETCH: tl.constexpr):
     """gemm_kernel as a fused consumer runs it: before each tile's K loop, B's first PREFETCH K
     steps are sent to L2, then the program waits (bounded, shmem.wait_until) for ready[pid_m] to
-    reach `epoch`, as a consumer waits for the shard holding the tile's rows of A. A timed-out
-    wait is recorded in `status` and its tile is skipped (no K step, no store). The template the
+    hold `epoch`, as a consumer waits for the shard holding the tile's rows of A. A timed-out
+    wait is recorded in the status words of `ctx` and its tile gets no K step and is stored as NaN
+    (a fault never looks like a result). The template the
     fused kernels follow; tests run it, and the AOT checks show the wait keeps the K loop
     pipelined. (No WARP_SPEC: Triton's Hopper warp specialisation rejects a kernel whose tile
     loop holds a spin loop or inline PTX.)
@@ -326,12 +327,13 @@ def gemm_wait_kernel(a, b, c, partials, counts, ready, epoch, spin_limit, status
         off_n = pid_n * BLOCK_N
         if PREFETCH > 0:
             prefetch_b(b, off_n, k_first, k_end, N, K, stride_bk, stride_bn, BLOCK_K, BLOCK_N, PREFETCH)
-        ok = shmem.wait_until(ready + pid_m, epoch, spin_limit, status, heap_bases, rank)
+        ok = shmem.wait_until(ready + pid_m, epoch, ctx)
         k_end = tl.where(ok, k_end, k_first)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc = gemm_tile(acc, a_src, b_src, off_m, off_n, k_first, k_end, M, N, K,
                         stride_am, stride_ak, stride_bk, stride_bn,
                         BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, SWAP_AB, USE_TMA, False)
         acc, last = split_k_reduce(acc, partials, counts, tile, split, SPLIT_K, BLOCK_M, BLOCK_N)
-        if last & ok:
+        if last:
+            acc = tl.where(ok, acc, float("nan"))
             store_tile(c_dst, acc, off_m, off_n, M, N, stride_cm, stride_cn, BLOCK_M, BLOCK_N, USE_TMA)
