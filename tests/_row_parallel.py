@@ -5,7 +5,6 @@ import dataclasses
 import random
 from typing import Any, Sequence
 
-import pytest
 import torch
 import torch.distributed as dist
 
@@ -14,8 +13,6 @@ from autofuse import workspace
 from autofuse.op import Op
 from autofuse.world import World
 
-# harness.gpu() marks a test `gpu` but its skipif is lost (a mark applied to a mark): skip here too.
-NEEDS_GPUS = pytest.mark.skipif(harness.gpus() < 2, reason="needs 2 CUDA GPUs")
 TINY = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "GROUP_M": 2, "num_warps": 4, "num_stages": 2}
 
 

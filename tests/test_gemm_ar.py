@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import harness
-from _row_parallel import NEEDS_GPUS, TINY, RandomTrial, by_scenario, cases_then_faults, fake_world, tiny
+from _row_parallel import TINY, RandomTrial, by_scenario, cases_then_faults, fake_world, tiny
 from autofuse import gemm
 from autofuse.op import InvalidConfig, InvalidInput, Problem
 from autofuse.ops import gemm_ar
@@ -108,13 +108,11 @@ def test_four_ranks_and_a_dead_peer():
 
 
 @harness.gpu()
-@NEEDS_GPUS
 def test_gpu_cases_eager_and_graph_replay_bitwise_equal_across_ranks():
     harness.assert_ok(spawn(_run, 2, GPU_CASES, 2, device_kind="cuda", timeout_s=1800), same_bits=SAME_BITS)
 
 
 @harness.gpu()
-@NEEDS_GPUS
 def test_gpu_faults():
     dims = {"M": 128, **O_PROJ}
     plan = [(v, dims, "bfloat16", c, s) for s in ("late_peer", "skipped_call", "dead_peer")

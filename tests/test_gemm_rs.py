@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import harness
-from _row_parallel import NEEDS_GPUS, TINY, RandomTrial, by_scenario, cases_then_faults, fake_world, tiny
+from _row_parallel import TINY, RandomTrial, by_scenario, cases_then_faults, fake_world, tiny
 from autofuse import gemm
 from autofuse.op import InvalidConfig, InvalidInput, Problem
 from autofuse.ops import gemm_rs
@@ -110,13 +110,11 @@ def test_four_ranks():
 
 
 @harness.gpu()
-@NEEDS_GPUS
 def test_gpu_cases_eager_and_graph_replay():
     harness.assert_ok(spawn(_run, 2, GPU_CASES, 2, device_kind="cuda", timeout_s=1800))
 
 
 @harness.gpu()
-@NEEDS_GPUS
 def test_gpu_faults():
     plan = [(v, MID, "bfloat16", c, s) for s in ("late_peer", "skipped_call", "dead_peer")
             for v, c in (("push_last", {**MID_TILE, "PARTIAL": "out"}),
