@@ -1,7 +1,6 @@
 """Helpers shared by tests/test_gemm_rs.py and tests/test_gemm_ar.py (the row-parallel GEMM ops)."""
 from __future__ import annotations
 
-import dataclasses
 import random
 from typing import Any, Sequence
 
@@ -28,9 +27,7 @@ def cases_then_faults(world: World, op: Op, cases: Sequence[harness.Case], calls
     fault_run set the short wait budget (the cases' workspaces keep the default one). The fresh
     World's workspaces are rebuilt (collectively) after each scenario and its heap closed at the end."""
     results = harness.run_cases(world, op, cases, calls=calls) if cases else []
-    ranks = list(world.global_ranks) if world.global_ranks else None
-    fresh = dataclasses.replace(world, group=dist.new_group(ranks=ranks, backend=world.backend), _heap=None,
-                                _subs={})
+    fresh = World.from_group(dist.new_group(ranks=list(world.global_ranks), backend=world.backend))
     seen = []
     try:
         for variant, dims, dtype, config, scenario in plan:
