@@ -136,20 +136,6 @@ def sweep(op: str, kind: str, world: int, model_m: tuple[int, ...],
 
 
 # -- the fused variants' config ----------------------------------------------------------------------
-class _NoWarpSpec:
-    """A search-space trial that never draws WARP_SPEC: the fused kernels wait and push inside their
-    tile loop, which Triton's Hopper warp specialisation rejects (autofuse/gemm.py, gemm_core)."""
-
-    def __init__(self, trial: SearchSpace):
-        self.trial = trial
-
-    def suggest_categorical(self, name: str, choices: Any) -> Any:
-        return False if name == "WARP_SPEC" else self.trial.suggest_categorical(name, choices)
-
-    def suggest_int(self, name: str, low: int, high: int, step: int = 1, log: bool = False) -> int:
-        return self.trial.suggest_int(name, low, high, step=step, log=log)
-
-
 class FusedVariant(Variant):
     """A fused kernel of a row-parallel op: the GEMM keys (autofuse/gemm.py) plus the op's own.
 
@@ -197,7 +183,7 @@ class FusedVariant(Variant):
         return None
 
     def space(self, trial: SearchSpace, problem: Problem) -> Config:
-        config = gemm.space(_NoWarpSpec(trial), *self.gemm_dims(problem), problem.dtype)
+        config = gemm.space(trial, *self.gemm_dims(problem), problem.dtype, warp_spec=False)
         for key, choices in self.space_keys.items():
             config[key] = trial.suggest_categorical(key, list(choices))
         return config
@@ -208,10 +194,7 @@ class FusedVariant(Variant):
         op_configs = self.op_defaults(problem)
         sms = gemm.H200_SMS - self.comm_programs(op_configs[0])
         tiles = []
-        for c in gemm.defaults(*self.gemm_dims(problem), problem.dtype, sms=sms):
-            c = dict(c, WARP_SPEC=False)
-            if gemm.check(c, *self.gemm_dims(problem), problem.dtype) is not None:
-                c["num_warps"] = 8
+        for c in gemm.defaults(*self.gemm_dims(problem), problem.dtype, sms=sms, warp_spec=False):
             if gemm.check(c, *self.gemm_dims(problem), problem.dtype) is None and c not in tiles:
                 tiles.append(c)
         if not tiles:
