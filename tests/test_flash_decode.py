@@ -19,13 +19,14 @@ import sys
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import harness
 from conftest import CTX, T36, compile_request, start_compile
 
 from autofuse.op import InvalidConfig, InvalidInput, rel_error
 from autofuse.ops import flash_decode as fd
-from autofuse.workspace import workspace, workspaces
+from autofuse.workspace import workspaces
 from autofuse.world import World, spawn
 
 SAME_BITS = ("bsp", "split_heap", "push_fused")
@@ -79,13 +80,11 @@ GPU_PROBLEMS = [(_dims(1, 64, 8, 128, 1024), "bfloat16"), (_dims(3, 32, 8, 128, 
 RAGGED = dataclasses.replace(fd.OP, inputs=lambda w, p, s: fd.make_inputs(w, p, s, ragged=True),
                              reference=lambda w, p, s: fd.reference(w, p, s, ragged=True))
 
-# Fault runs: (variant, dims, scenario, calls). One KV head read by one program per sequence (G = 32),
-# so B=8 has 4x the waiting programs of B=2. D=128 and 64 rows make the partials outgrow the
-# workspace the case table used, so fault_run's runners get a new workspace, made under its short
-# wait budget (the budget is fixed when a workspace is made).
-SMALL, LARGE = _dims(2, 32, 1, 128, 16), _dims(8, 32, 1, 128, 16)
-FAULT_LOCAL = {"NUM_SPLITS": 1, "BLOCK_N": 16, "HEADS": 32, "num_warps": 1, "num_stages": 1}
-FAULT_CONFIGS = {"split_heap": dict(FAULT_LOCAL, BLOCK_D=128, FLAG="tile"), "push_fused": FAULT_LOCAL}
+# Fault runs: (variant, dims, scenario, calls). One KV head read by one program per sequence (G = 8),
+# so B=8 has 4x the waiting programs of B=2.
+SMALL, LARGE = _dims(2, 8, 1, 16, 16), _dims(8, 8, 1, 16, 16)
+FAULT_LOCAL = {"NUM_SPLITS": 1, "BLOCK_N": 16, "HEADS": 8, "num_warps": 1, "num_stages": 1}
+FAULT_CONFIGS = {"split_heap": dict(FAULT_LOCAL, BLOCK_D=16, FLAG="tile"), "push_fused": FAULT_LOCAL}
 FAULTS_TWO = [(v, SMALL, s, 3 if s == "skipped_call" else 2) for v in ("split_heap", "push_fused")
               for s in ("late_peer", "skipped_call", "dead_peer")] + \
              [(v, LARGE, "dead_peer", 2) for v in ("split_heap", "push_fused")]
@@ -105,16 +104,19 @@ def _empty_sequence_is_zero(world, case: harness.Case) -> float:
 
 
 def _faults(world, runs: list[tuple], configs: dict = FAULT_CONFIGS) -> list[dict]:
-    """harness.fault_run for each (variant, dims, scenario, calls), rebuilding the workspaces after each."""
-    used = workspace(world, fd.NAME).half_bytes if workspaces(world) else 0
+    """harness.fault_run for each (variant, dims, scenario, calls) on a fresh World (a new process
+    group, so a heap and workspaces of its own, made under fault_run's short wait budget; the case
+    table's keep the default one), rebuilding its workspaces after each run."""
+    fresh = World.from_group(dist.new_group(ranks=list(world.global_ranks), backend=world.backend))
     out = []
-    for variant, dims, scenario, calls in runs:
-        p = harness.problem_of(fd.OP, world.size, dims, "float16")
-        assert world.size * fd.partial_bytes(p) > used, "fault runs would reuse a workspace with the long budget"
-        res = harness.fault_run(world, RAGGED, variant, dims, "float16", configs[variant], scenario, calls)
-        out.append(dict(res, variant=variant, B=dims["B"]))
-        for ws in workspaces(world):
-            ws.rebuild()
+    try:
+        for variant, dims, scenario, calls in runs:
+            res = harness.fault_run(fresh, RAGGED, variant, dims, "float16", configs[variant], scenario, calls)
+            out.append(dict(res, variant=variant, B=dims["B"]))
+            for ws in workspaces(fresh):
+                ws.rebuild()
+    finally:
+        fresh.close()
     return out
 
 
