@@ -1,77 +1,105 @@
-"""Dispatch quality on problems NOT used in fitting (run on the GPU machine after `autofuse fit`).
+"""Dispatch quality on problems no tuning run measured, as a user gets it (GPU machine, after `autofuse fit`).
 
-For each held-out problem (M, N, K or batch/KV values between and beyond the tuned ones), every
-variant is measured at the config the policy would give it (`Policy.config_for`: the config tuned on
-the nearest problem), and the policy's own pick is measured too. The oracle is the fastest measured
-candidate. Reports, per op and overall: the share of calls within 5% of the oracle, the geomean of
-pick / oracle and of pick / BSP, the worst pick / BSP, and the decision kinds. Prints a table and
-writes JSON. Usage:
+Held-out problems come from autofuse/shapes.py at sizes no sweep uses: M (or batch, KV length)
+between and beyond the tuned ones, other models' N and K, fp16 beside bf16, the K-gather form.
+For each, on every rank:
+1. the first call through the public entry point (`autofuse.<op>`, policy from --policy, mode
+   from --mode, confirm-on-first-use on unless --no-confirm): what dispatch chose, on which basis,
+   and what the first call cost (seconds, confirmation and compiles included);
+2. every available variant measured (autofuse.measure: checked, then timed) at the config the
+   policy would give it (its nearest tuned config), and the choice itself;
+The oracle is the fastest measured candidate. Reported per op and overall: the share of calls
+within 5% of the oracle, the geomean of choice / oracle and of choice / BSP, the worst choice / BSP,
+the bases, and the first-call cost. Prints a table and writes JSON. Usage:
 
-    python3 scripts/eval_dispatch_gpu.py --policy models/X.json --mode graph --out eval.json
+    python3 scripts/eval_dispatch_gpu.py --policy POLICY.json --mode graph --out eval.json
 """
 from __future__ import annotations
 
 import argparse
 import json
 import math
+import os
 import sys
+import tempfile
 import time
 
-from autofuse import registry
-from autofuse.measure import measure
+from autofuse import registry, shapes
 from autofuse.op import Problem, config_key
-from autofuse.policy import Policy
 from autofuse.world import spawn
+
+OPS = ("ag_gemm", "gemm_rs", "gemm_ar", "flash_decode")
 
 
 def held_out(op: str, world: int) -> list[Problem]:
-    """Problems between and beyond the tuned sweep (the gpu sweeps of each op)."""
-    bf = "bfloat16"
+    """Problems no sweep of the op uses (the sweeps take powers of two and the models' exact sizes)."""
+    bf, fp = "bfloat16", "float16"
     if op == "ag_gemm":
-        ms = [24, 96, 384, 768, 1536, 3072, 6144, 12288, 24576]
-        ps = [Problem.make(op, bf, world, M=m, N=3584, K=8192, gather="rows") for m in ms]
-        ps += [Problem.make(op, bf, world, M=m, N=5120, K=8192, gather="rows") for m in (64, 512, 2048)]
-        return ps + [Problem.make(op, bf, world, M=m, N=2048, K=4096, gather="rows") for m in (256, 4096)]
-    if op in ("gemm_rs", "gemm_ar"):
-        ps = [Problem.make(op, bf, world, M=m, N=8192, K=14336) for m in (192, 768, 3072, 12288)]
-        return ps + [Problem.make(op, bf, world, M=m, N=4096, K=8192) for m in (384, 1536, 6144)]
+        col = shapes.gemms("column", world, ("llama3-8b", "qwen2.5-72b", "llama3-405b"))
+        ps = [Problem.make(op, bf if i % 3 else fp, world, M=m * world, N=g.N, K=g.K, gather="rows")
+              for i, (g, m) in enumerate(zip(col, (48, 192, 768, 3072)))]
+        return ps + [Problem.make(op, bf, world, M=384, N=4096, K=4096 * world, gather="k")]
+    if op == "gemm_rs":
+        row = shapes.gemms("row", world, ("llama3-8b", "qwen2.5-72b"))
+        return [Problem.make(op, bf if i % 2 else fp, world, M=m * world, N=g.N, K=g.K)
+                for i, (g, m) in enumerate(zip(row + row, (384, 1536, 3072)))]
+    if op == "gemm_ar":
+        row = shapes.gemms("row", world, ("llama3-8b", "qwen2.5-72b", "llama3-405b"))
+        return [Problem.make(op, bf if i % 2 else fp, world, M=m, N=g.N, K=g.K)
+                for i, (g, m) in enumerate(zip(row + row, (4, 24, 96, 192)))]
     if op == "flash_decode":
-        return [Problem.make(op, bf, world, B=b, Hq=64, Hkv=8, D=128, S=s)
-                for b, s in ((2, 2048), (12, 8192), (24, 32768), (2, 131072), (12, 512))]
+        return [Problem.make(op, bf, world, B=b, Hq=hq, Hkv=hkv, D=128, S=s)
+                for b, s, hq, hkv in ((2, 3072, 64, 8), (12, 6144, 32, 8), (24, 12288, 128, 8))]
     return []
 
 
-def job(world, policy_path: str, ops: list[str], mode: str, reps: int, dry_run: bool) -> dict:
+def _measure(world, op, problem, variant, config, mode: str, reps: int) -> float:
+    from autofuse.measure import measure
+
+    got = [m for m in measure(world, op, problem, variant, config, modes=(mode,), reps=reps) if m.mode == mode]
+    return got[0].median_us if got and got[0].ok else math.inf
+
+
+def job(world, policy_path: str, ops: list[str], mode: str, reps: int, confirm: bool, cpu: bool) -> dict:
+    import autofuse
+    from autofuse import dispatch
+    from autofuse.policy import Policy
+
+    os.environ.update(AUTOFUSE_POLICY=policy_path, AUTOFUSE_MODE=mode, AUTOFUSE_ONLINE="1" if confirm else "0",
+                      AUTOFUSE_ONLINE_DB=os.path.join(tempfile.gettempdir(), f"eval-online-{os.getppid()}.db"))
+    dispatch.reset()
     policy = Policy.load(policy_path)
     out = []
     for name in ops:
         op = registry.get(name)
-        avail = [v for v in op.variants if op.variants[v].available(world)]
-        problems = op.sweep("cpu", world.size)[:2] if dry_run else held_out(name, world.size)
+        entry = getattr(autofuse, name)
+        avail = [v for v, var in op.variants.items() if var.available(world)]
+        problems = op.sweep("cpu", world.size)[:1] if cpu else held_out(name, world.size)
         for problem in problems:
+            inputs = op.inputs(world, problem, 3)
+            world.sync()
             t0 = time.perf_counter()
+            entry(*inputs, group=world)
+            world.sync()
+            first_s = time.perf_counter() - t0
+            choice = autofuse.explain(name, *inputs, group=world)
             us: dict[str, float] = {}
-            configs: dict[str, str] = {}
+            tried: dict[str, set[str]] = {}
             for v in avail:
-                config, _ = policy.config_for(problem, v, op)
-                if config is None:
-                    continue
-                m = [x for x in measure(world, op, problem, v, config, modes=(mode,), reps=reps) if x.mode == mode][0]
-                if m.ok:
-                    us[v] = m.median_us
-                    configs[v] = config_key(config)
-            d = policy.decide(problem, op, avail)
-            pick_us = us.get(d.variant) if configs.get(d.variant) == config_key(d.config) else None
-            if pick_us is None:
-                m = [x for x in measure(world, op, problem, d.variant, d.config, modes=(mode,), reps=reps)
-                     if x.mode == mode][0]
-                pick_us = m.median_us if m.ok else math.inf
-            out.append({"problem": problem.key, "op": name, "us": us, "pick": d.variant, "kind": d.kind,
-                        "reason": d.reason, "pick_us": pick_us, "seconds": time.perf_counter() - t0})
+                for config in policy.configs_for(problem, v, op, n=1) or ([{}] if v == "bsp" else []):
+                    t = _measure(world, op, problem, v, config, mode, reps)
+                    tried.setdefault(v, set()).add(config_key(config))
+                    us[v] = min(us.get(v, math.inf), t)
+            pick = (_measure(world, op, problem, choice.variant, choice.config, mode, reps)
+                    if config_key(choice.config) not in tried.get(choice.variant, set()) else us[choice.variant])
+            us = {v: t for v, t in us.items() if math.isfinite(t)}
+            row = {"problem": problem.key, "op": name, "us": us, "pick": choice.variant, "basis": choice.basis,
+                   "config": choice.config, "reason": choice.reason, "pick_us": pick, "first_call_s": first_s}
+            out.append(row)
             if world.rank == 0:
-                print(f"{problem.key}: pick {d.variant} ({d.kind}) {pick_us:.1f} us; "
-                      + ", ".join(f"{v} {t:.1f}" for v, t in sorted(us.items())), flush=True)
-    return {"rows": out, "policy": policy_path, "mode": mode, "refused": policy.refused}
+                print(f"{problem.key}: {choice.variant} [{choice.basis}] {pick:.1f} us, first call {first_s:.2f} s; "
+                      + ", ".join(f"{v} {t:.1f}" for v, t in sorted(us.items(), key=lambda x: x[1])), flush=True)
+    return {"rows": out, "policy": policy_path, "mode": mode, "refused": policy.refused, "confirm": confirm}
 
 
 def summarize(rows: list[dict]) -> dict:
@@ -83,26 +111,29 @@ def summarize(rows: list[dict]) -> dict:
         if "bsp" in r["us"]:
             vs_bsp.append(r["pick_us"] / r["us"]["bsp"])
     g = lambda xs: math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else math.nan  # noqa: E731
-    kinds: dict[str, int] = {}
+    bases: dict[str, int] = {}
     for r in rows:
-        kinds[r["kind"]] = kinds.get(r["kind"], 0) + 1
+        bases[r["basis"]] = bases.get(r["basis"], 0) + 1
+    first = sorted(r["first_call_s"] for r in rows)
     return {"calls": len(rows), "within_5pct": within / max(1, len(rows)), "geomean_vs_oracle": g(ratios),
-            "geomean_vs_bsp": g(vs_bsp), "worst_vs_bsp": max(vs_bsp) if vs_bsp else math.nan, "kinds": kinds}
+            "geomean_vs_bsp": g(vs_bsp), "worst_vs_bsp": max(vs_bsp) if vs_bsp else math.nan, "bases": bases,
+            "first_call_median_s": first[len(first) // 2] if first else math.nan}
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--policy", required=True)
-    ap.add_argument("--ops", default="ag_gemm,gemm_rs,gemm_ar,flash_decode")
+    ap.add_argument("--ops", default=",".join(OPS))
     ap.add_argument("--mode", default="graph")
     ap.add_argument("--reps", type=int, default=15)
-    ap.add_argument("--ranks", type=int, default=2)
+    ap.add_argument("--world", type=int, default=2)
+    ap.add_argument("--no-confirm", action="store_true", help="dispatch on the policy's prediction alone")
     ap.add_argument("--out", default="eval_dispatch.json")
-    ap.add_argument("--cpu", action="store_true", help="dry run of the code path on CPU ranks (tuned problems)")
+    ap.add_argument("--cpu", action="store_true", help="dry run of the code path on CPU ranks (tiny problems)")
     a = ap.parse_args()
     ops = [o for o in a.ops.split(",") if o]
-    res = spawn(job, a.ranks, a.policy, ops, a.mode, a.reps, a.cpu, device_kind="cpu" if a.cpu else "cuda",
-                timeout_s=1200)[0]
+    res = spawn(job, a.world, os.path.abspath(a.policy), ops, a.mode, a.reps, not a.no_confirm, a.cpu,
+                device_kind="cpu" if a.cpu else "cuda", timeout_s=1200)[0]
     res["summary"] = {"all": summarize(res["rows"])}
     for o in ops:
         rows = [r for r in res["rows"] if r["op"] == o]
@@ -110,11 +141,12 @@ def main() -> int:
             res["summary"][o] = summarize(rows)
     with open(a.out, "w") as f:
         json.dump(res, f, indent=1)
-    print(f"\nheld-out dispatch quality, {a.mode} mode, policy {a.policy}")
-    print(f"{'op':14s} {'calls':>5s} {'within5%':>9s} {'geo/oracle':>10s} {'geo/bsp':>8s} {'worst/bsp':>9s}  kinds")
+    print(f"\nheld-out dispatch quality, {a.mode} mode, confirm on first use {'on' if res['confirm'] else 'off'}, "
+          f"policy {a.policy}")
+    print(f"{'op':13s} {'calls':>5s} {'within5%':>8s} {'/oracle':>8s} {'/bsp':>6s} {'worst':>6s} {'1st s':>6s}  bases")
     for k, s in res["summary"].items():
-        print(f"{k:14s} {s['calls']:5d} {s['within_5pct']:9.0%} {s['geomean_vs_oracle']:10.3f} "
-              f"{s['geomean_vs_bsp']:8.3f} {s['worst_vs_bsp']:9.3f}  {s['kinds']}")
+        print(f"{k:13s} {s['calls']:5d} {s['within_5pct']:8.0%} {s['geomean_vs_oracle']:8.3f} "
+              f"{s['geomean_vs_bsp']:6.3f} {s['worst_vs_bsp']:6.3f} {s['first_call_median_s']:6.2f}  {s['bases']}")
     return 0
 
 
