@@ -1,0 +1,466 @@
+"""The GEMM config shared by ag_gemm, gemm_rs and gemm_ar, and the host side of the GEMM core.
+
+`GemmConfig` is the typed form of the GEMM part of a variant's plain config dict (the form the
+database stores): BLOCK_M/N/K, GROUP_M, num_warps, num_stages, plus the core's own switches
+SPLIT_K, SWAP_AB, TMA and WARP_SPEC (absent in a dict: 1, False, True, False). An op's own keys
+(FLAG, COMM_SMS, PARTIAL, LAYOUT, ...) stay in the dict: `check(..., extra=op_keys)` validates the
+GEMM part and accepts those names, and the op checks their values itself:
+
+    why = gemm.check(config, rows, n, k, problem.dtype, extra=("FLAG", "COMM_SMS"))
+    if why is None:
+        why = op_specific_checks(config)
+
+`space` draws the GEMM keys from an Optuna trial (the op adds its own), `defaults` lists known-good
+GEMM configs by problem size, `ensure_allocator` installs the allocator that device-side TMA
+descriptors need, and `matmul` launches the core's standalone kernel (kernels/gemm_core.py).
+Runtime module: no Optuna import (the trial is the op.SearchSpace protocol).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import threading
+from dataclasses import dataclass
+from typing import Any, Iterable, Mapping
+
+import torch
+
+from autofuse.op import Config, InvalidConfig, SearchSpace
+
+SMEM_LIMIT = 232448       # bytes of shared memory one program may use on sm_90 (227 KiB)
+SMEM_SLACK = 1024         # mbarriers and alignment, beyond the tile buffers (measured: 24-600 B)
+MAX_ACC_REGS = 128        # float32 accumulator registers per thread before a tile spills
+BLOCKS = (16, 32, 64, 128, 256)
+WARPS = (4, 8)
+MAX_STAGES = 8
+MAX_GROUP_M = 64
+MAX_SPLIT_K = 16
+INT32_LIMIT = 1 << 31
+H200_SMS = 132
+CPU_PROGRAMS = 4          # persistent programs under the interpreter: several tiles per program
+TINY_MACS = 1 << 22       # problems below this many multiply-adds get the interpreter's tiny configs
+ELEMENT_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+REQUIRED = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages")
+OPTIONAL: dict[str, Any] = {"SPLIT_K": 1, "SWAP_AB": False, "TMA": True, "WARP_SPEC": False}
+KEYS = REQUIRED + tuple(OPTIONAL)
+
+
+def cdiv(a: int, b: int) -> int:
+    """Ceiling of a / b for positive ints."""
+    return -(-a // b)
+
+
+def next_pow2(n: int) -> int:
+    """The smallest power of two >= n (1 for n <= 1)."""
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def _dtype_name(dtype: str | torch.dtype) -> str:
+    if isinstance(dtype, torch.dtype):
+        dtype = str(dtype).removeprefix("torch.")
+    if dtype not in ELEMENT_BYTES:
+        raise ValueError(f"GEMM dtype {dtype!r} not supported: use one of {sorted(ELEMENT_BYTES)}")
+    return dtype
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    """The GEMM part of a config: tile shape, launch options and the core's switches."""
+
+    BLOCK_M: int
+    BLOCK_N: int
+    BLOCK_K: int
+    GROUP_M: int = 8
+    num_warps: int = 4
+    num_stages: int = 3
+    SPLIT_K: int = 1
+    SWAP_AB: bool = False
+    TMA: bool = True
+    WARP_SPEC: bool = False
+
+    @classmethod
+    def from_dict(cls, config: Mapping[str, Any]) -> "GemmConfig":
+        """The GEMM keys of `config` (other keys are the op's and are ignored); absent optional
+        keys take their defaults. Raises InvalidConfig if a required key is missing."""
+        missing = [k for k in REQUIRED if k not in config]
+        if missing:
+            raise InvalidConfig(f"GEMM config lacks {', '.join(missing)}")
+        return cls(**{k: config[k] for k in KEYS if k in config})
+
+    def to_dict(self) -> Config:
+        """Every GEMM key, explicit (the canonical form stored in the database)."""
+        return dataclasses.asdict(self)
+
+    def replace(self, **changes: Any) -> "GemmConfig":
+        return dataclasses.replace(self, **changes)
+
+    def kernel_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments of a gemm_core kernel launch: the constexprs and launch options."""
+        return {"BLOCK_M": self.BLOCK_M, "BLOCK_N": self.BLOCK_N, "BLOCK_K": self.BLOCK_K, "GROUP_M": self.GROUP_M,
+                "NUM_STAGES": self.num_stages, "SPLIT_K": self.SPLIT_K, "SWAP_AB": self.SWAP_AB,
+                "USE_TMA": self.TMA, "WARP_SPEC": self.WARP_SPEC,
+                "num_warps": self.num_warps, "num_stages": self.num_stages}
+
+    def tiles(self, rows: int, n: int) -> int:
+        return cdiv(rows, self.BLOCK_M) * cdiv(n, self.BLOCK_N)
+
+    def work_items(self, rows: int, n: int) -> int:
+        """Output tiles times K splits: what a persistent grid loops over."""
+        return self.tiles(rows, n) * self.SPLIT_K
+
+    def grid(self, rows: int, n: int, programs: int) -> tuple[int]:
+        """Persistent grid: one program per SM (`programs`), never more than there are work items."""
+        return (max(1, min(self.work_items(rows, n), programs)),)
+
+    def smem_bytes(self, dtype: str | torch.dtype) -> int:
+        """Shared memory of one program on sm_90, as Triton 3.6 allocates it: num_stages buffers of
+        the A and B tiles, plus the C tile a TMA store stages through (measured exact to the
+        mbarriers' few bytes for TMA, pointer, split-K, swap-AB and warp-specialised kernels)."""
+        e = ELEMENT_BYTES[_dtype_name(dtype)]
+        pipeline = self.num_stages * (self.BLOCK_M * self.BLOCK_K + self.BLOCK_K * self.BLOCK_N) * e
+        epilogue = self.BLOCK_M * self.BLOCK_N * e if self.TMA else 0
+        return pipeline + epilogue + SMEM_SLACK
+
+    def acc_regs(self) -> int:
+        """float32 accumulator registers per thread of the warps that hold it (with WARP_SPEC two
+        consumer warpgroups, 8 warps, hold it; the producer warpgroup holds none)."""
+        warps = 8 if self.WARP_SPEC else self.num_warps
+        return self.BLOCK_M * self.BLOCK_N // (32 * warps)
+
+
+def op_keys(config: Mapping[str, Any]) -> Config:
+    """The keys of `config` that are not the GEMM's (the op's own: FLAG, COMM_SMS, ...)."""
+    return {k: v for k, v in config.items() if k not in KEYS}
+
+
+# ---------------------------------------------------------------------------------------------
+# the validator
+# ---------------------------------------------------------------------------------------------
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def check(config: Mapping[str, Any] | GemmConfig, rows: int, n: int, k: int, dtype: str | torch.dtype,
+          extra: Iterable[str] = ()) -> str | None:
+    """Why the GEMM part of `config` cannot run a rows x n x k GEMM (A rows x k, B k x n) in `dtype`
+    on sm_90, or None. `extra` names the op's own keys (accepted here, checked by the op).
+
+    The rules, and why (one set for every GEMM op; the two earlier validators disagreed):
+    - BLOCK_M/N/K powers of two in 16..256: tl.dot needs 16 on every side, a TMA box and a wgmma
+      N side stop at 256, and 512 tiles never fit the registers. No block beyond what the problem
+      needs (max(16, next_pow2(size))): a bigger one only computes padding.
+    - num_warps 4 or 8: a warpgroup (4 warps) issues Hopper's wgmma; 2 warps fall back to the
+      older mma.sync, and 16 warps halve each thread's registers for no tile we run.
+    - accumulator: BLOCK_M * BLOCK_N / (32 * warps holding it) <= 128 float32 registers per thread
+      (of 255), or the tile spills; 128x256 needs 8 warps (or WARP_SPEC's two consumer warpgroups).
+    - shared memory: num_stages x (A tile + B tile) plus the C tile of a TMA store <= 227 KiB
+      (GemmConfig.smem_bytes; Triton compiles bigger kernels and fails only at launch).
+    - num_stages 1..8, GROUP_M 1..64.
+    - TMA: A's and B's row strides (k and n elements) must be multiples of 16 bytes (a tensor
+      descriptor's rule; base addresses are checked at launch).
+    - SPLIT_K 1..16 and at most the number of BLOCK_K steps of k, so no split is empty.
+    - WARP_SPEC (Triton 3.6's Hopper warp specialisation, measured by AOT compiles): only with TMA
+      (the pointer path fails to compile), num_warps 4 (the pass builds one producer and two
+      consumer warpgroups, 12 warps; with 8 it silently does nothing), 16-bit inputs (float32
+      fails to compile), SPLIT_K 1 (silently not specialised) and an MMA M side (BLOCK_M, or
+      BLOCK_N with SWAP_AB) of at least 64 (smaller tiles use mma.sync: nothing to specialise).
+    - int32 offsets: A, B and C under 2^31 elements, and so the split-K partials.
+    """
+    extra = set(extra)
+    if isinstance(config, GemmConfig):
+        config = config.to_dict()
+    missing = [key for key in REQUIRED if key not in config]
+    unknown = sorted(set(config) - set(KEYS) - extra)
+    if missing or unknown:
+        return (f"config keys: missing {missing}, unknown {unknown} "
+                f"(GEMM keys {list(KEYS)}" + (f", op keys {sorted(extra)})" if extra else ")"))
+    try:
+        dt = _dtype_name(dtype)
+    except ValueError as exc:
+        return str(exc)
+    for key in ("BLOCK_M", "BLOCK_N", "BLOCK_K"):
+        if config[key] not in BLOCKS or not _is_int(config[key]):
+            return f"{key}={config[key]!r} must be one of {BLOCKS} (a power of two in 16..256)"
+    if not _is_int(config["GROUP_M"]) or not 1 <= config["GROUP_M"] <= MAX_GROUP_M:
+        return f"GROUP_M={config['GROUP_M']!r} must be an int in 1..{MAX_GROUP_M}"
+    if not _is_int(config["num_warps"]) or config["num_warps"] not in WARPS:
+        return f"num_warps={config['num_warps']!r} must be one of {WARPS} (a wgmma needs a 4-warp warpgroup)"
+    if not _is_int(config["num_stages"]) or not 1 <= config["num_stages"] <= MAX_STAGES:
+        return f"num_stages={config['num_stages']!r} must be an int in 1..{MAX_STAGES}"
+    split = config.get("SPLIT_K", OPTIONAL["SPLIT_K"])
+    if not _is_int(split) or not 1 <= split <= MAX_SPLIT_K:
+        return f"SPLIT_K={split!r} must be an int in 1..{MAX_SPLIT_K}"
+    for key in ("SWAP_AB", "TMA", "WARP_SPEC"):
+        if not isinstance(config.get(key, OPTIONAL[key]), bool):
+            return f"{key}={config[key]!r} must be true or false"
+    if min(rows, n, k) < 1:
+        return f"GEMM sizes must be positive (rows={rows}, n={n}, k={k})"
+    cfg = GemmConfig.from_dict(config)
+    for key, block, size in (("BLOCK_M", cfg.BLOCK_M, rows), ("BLOCK_N", cfg.BLOCK_N, n), ("BLOCK_K", cfg.BLOCK_K, k)):
+        cap = max(16, next_pow2(size))
+        if block > cap:
+            return f"{key}={block} is larger than {size} needs (at most {cap})"
+    regs = cfg.acc_regs()
+    if regs > MAX_ACC_REGS:
+        warps = "two consumer warpgroups" if cfg.WARP_SPEC else f"{cfg.num_warps} warps"
+        return (f"a {cfg.BLOCK_M}x{cfg.BLOCK_N} float32 accumulator over {warps} needs {regs} registers per thread "
+                f"(> {MAX_ACC_REGS}: it would spill)")
+    smem = cfg.smem_bytes(dt)
+    if smem > SMEM_LIMIT:
+        return (f"shared memory {smem} B ({cfg.num_stages} stages of {cfg.BLOCK_M}x{cfg.BLOCK_K} + {cfg.BLOCK_K}x"
+                f"{cfg.BLOCK_N} {dt}" + (" + the TMA store's C tile" if cfg.TMA else "") +
+                f") exceeds {SMEM_LIMIT} B on sm_90")
+    e = ELEMENT_BYTES[dt]
+    if cfg.TMA:
+        for what, size in (("k (A's row stride)", k), ("n (B's and C's row stride)", n)):
+            if size * e % 16:
+                return (f"TMA needs 16-byte aligned row strides: {what} = {size} {dt} elements is not a multiple "
+                        f"of {16 // e}; use TMA=false")
+    steps = cdiv(k, cfg.BLOCK_K)
+    if cfg.SPLIT_K > steps:
+        return f"SPLIT_K={cfg.SPLIT_K} is more than the {steps} BLOCK_K steps of k={k}"
+    if cfg.WARP_SPEC:
+        mma_m = cfg.BLOCK_N if cfg.SWAP_AB else cfg.BLOCK_M
+        why = ("needs TMA (the pointer path does not compile)" if not cfg.TMA else
+               f"needs num_warps=4 (got {cfg.num_warps}: Triton's Hopper pass builds 3 warpgroups from 4 warps)"
+               if cfg.num_warps != 4 else
+               "needs bfloat16 or float16 inputs (float32 does not compile)" if e != 2 else
+               "needs SPLIT_K=1 (Triton does not specialise the split-K kernel)" if cfg.SPLIT_K > 1 else
+               f"needs an MMA M side >= 64 ({'BLOCK_N' if cfg.SWAP_AB else 'BLOCK_M'}={mma_m} runs mma.sync)"
+               if mma_m < 64 else None)
+        if why:
+            return f"WARP_SPEC {why}"
+    biggest = max(rows * k, k * n, rows * n, cfg.tiles(rows, n) * cfg.SPLIT_K * cfg.BLOCK_M * cfg.BLOCK_N)
+    if biggest >= INT32_LIMIT:
+        return f"an operand or the split-K partials have {biggest} >= 2^31 elements: the core indexes with int32"
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# search space and defaults
+# ---------------------------------------------------------------------------------------------
+def tiny(rows: int, n: int, k: int) -> bool:
+    """Problems for the CPU interpreter: small blocks keep it fast."""
+    return rows * n * k <= TINY_MACS
+
+
+def _tma_ok(n: int, k: int, dtype: str) -> bool:
+    e = ELEMENT_BYTES[_dtype_name(dtype)]
+    return n * e % 16 == 0 and k * e % 16 == 0
+
+
+def space(trial: SearchSpace, rows: int, n: int, k: int, dtype: str | torch.dtype) -> Config:
+    """Draw the GEMM keys of a config (define-by-run); the op draws its own keys after.
+
+    Every key's choices depend only on the problem (Optuna needs fixed choices per parameter within
+    a study); combinations `check` rejects (shared memory, registers, WARP_SPEC limits) are
+    rejected by the tuner without running. Tiny (interpreter) problems search small blocks.
+    """
+    dt = _dtype_name(dtype)
+    cap = lambda size: max(16, next_pow2(size))  # noqa: E731
+    if tiny(rows, n, k):
+        blocks = (16, 32)
+        config: Config = {
+            "BLOCK_M": trial.suggest_categorical("BLOCK_M", [b for b in blocks if b <= cap(rows)]),
+            "BLOCK_N": trial.suggest_categorical("BLOCK_N", [b for b in blocks if b <= cap(n)]),
+            "BLOCK_K": trial.suggest_categorical("BLOCK_K", [b for b in blocks if b <= cap(k)]),
+            "GROUP_M": trial.suggest_categorical("GROUP_M", [1, 4]),
+            "num_warps": 4,
+            "num_stages": 2,
+        }
+    else:
+        config = {
+            "BLOCK_M": trial.suggest_categorical("BLOCK_M", [b for b in BLOCKS if b <= cap(rows)]),
+            "BLOCK_N": trial.suggest_categorical("BLOCK_N", [b for b in (32, 64, 128, 256) if b <= cap(n)]),
+            "BLOCK_K": trial.suggest_categorical("BLOCK_K", [b for b in (32, 64, 128, 256) if b <= cap(k)]),
+            "GROUP_M": trial.suggest_categorical("GROUP_M", [1, 4, 8, 16]),
+            "num_warps": trial.suggest_categorical("num_warps", list(WARPS)),
+            "num_stages": trial.suggest_int("num_stages", 2, 6),
+        }
+    config["TMA"] = trial.suggest_categorical("TMA", [True, False]) if _tma_ok(n, k, dt) else False
+    config["SWAP_AB"] = trial.suggest_categorical("SWAP_AB", [False, True]) if rows <= 64 else False
+    few_tiles = cdiv(rows, 64) * cdiv(n, 128) < H200_SMS
+    config["SPLIT_K"] = trial.suggest_categorical("SPLIT_K", [1, 2, 4, 8]) if few_tiles else 1
+    ws_possible = config["TMA"] and ELEMENT_BYTES[dt] == 2 and not tiny(rows, n, k)
+    config["WARP_SPEC"] = trial.suggest_categorical("WARP_SPEC", [False, True]) if ws_possible else False
+    return config
+
+
+def auto_split(tiles: int, steps: int, sms: int = H200_SMS, min_steps: int = 4) -> int:
+    """SPLIT_K for a problem of `tiles` output tiles: 1 when the tiles alone fill the SMs, else the
+    split in (1, 2, 4, 8) whose work items fill the SMs' waves best (ties: fewer splits), keeping
+    at least `min_steps` BLOCK_K steps per split (the pipeline's depth)."""
+    if tiles >= sms:
+        return 1
+    best, best_eff = 1, 0.0
+    for split in (1, 2, 4, 8):
+        if split > 1 and steps // split < min_steps:
+            break
+        items = tiles * split
+        eff = items / (cdiv(items, sms) * sms)
+        if eff > best_eff + 1e-9:
+            best, best_eff = split, eff
+    return best
+
+
+def _cfg(bm: int, bn: int, bk: int, warps: int, stages: int, group: int = 8, split: int = 1, swap: bool = False,
+         tma: bool = True, ws: bool = False) -> GemmConfig:
+    return GemmConfig(bm, bn, bk, group, warps, stages, split, swap, tma, ws)
+
+
+def defaults(rows: int, n: int, k: int, dtype: str | torch.dtype, sms: int = H200_SMS) -> list[Config]:
+    """Known-good GEMM configs for a rows x n x k GEMM, best guess first (every one passes `check`).
+
+    From GPU-NOTES (H200, bf16, graph mode): the persistent TMA kernel is best at 128x256x64,
+    3 stages, 8 warps from 1024 rows up, and at 64x128..256 with BLOCK_K 64-128 below; a plain
+    Triton GEMM was best at BLOCK 16 x 64..128 x 128-256 for <= 64 rows, where the core adds
+    swap-AB (BLOCK_N on the wgmma's M side) and split-K (auto_split fills the SMs when few tiles
+    exist). Tiny (interpreter) problems get 16x32 tiles. float32 halves BLOCK_K or the stages
+    until the tiles fit (`check`). TMA is off where row strides are not 16-byte aligned.
+    """
+    dt = _dtype_name(dtype)
+    tma = _tma_ok(n, k, dt)
+    small = min(64, max(16, next_pow2(rows)))
+    if tiny(rows, n, k):
+        cands = [_cfg(16, 32, 32, 4, 2, 4, tma=tma), _cfg(16, 16, 16, 4, 2, 1, split=2, tma=tma),
+                 _cfg(16, 32, 16, 4, 2, 4, swap=True, tma=tma), _cfg(32, 32, 32, 4, 2, 4, tma=False)]
+    elif rows <= 64:
+        cands = [_cfg(small, 128, 128, 4, 4, swap=True, tma=tma), _cfg(small, 64, 256, 4, 3, swap=True, tma=tma),
+                 _cfg(64, 128, 128, 4, 4, tma=tma), _cfg(16, 64, 256, 4, 3, tma=tma)]
+    elif rows <= 256:
+        cands = [_cfg(64, 128, 128, 4, 4, tma=tma), _cfg(64, 256, 64, 4, 3, tma=tma),
+                 _cfg(128, 128, 64, 8, 4, tma=tma), _cfg(64, 128, 64, 4, 4, tma=tma, ws=tma)]
+    elif rows <= 512:
+        cands = [_cfg(128, 128, 64, 8, 4, tma=tma), _cfg(64, 256, 64, 4, 3, tma=tma),
+                 _cfg(128, 256, 64, 8, 3, tma=tma), _cfg(128, 128, 64, 4, 3, tma=tma, ws=tma)]
+    else:
+        cands = [_cfg(128, 256, 64, 8, 3, tma=tma), _cfg(128, 128, 64, 8, 4, tma=tma),
+                 _cfg(128, 256, 64, 4, 3, tma=tma, ws=tma), _cfg(256, 128, 64, 8, 3, tma=tma)]
+    out: list[Config] = []
+    for c in cands:
+        if not tiny(rows, n, k) and not c.WARP_SPEC and c.SPLIT_K == 1:
+            c = c.replace(SPLIT_K=auto_split(c.tiles(rows, n), cdiv(k, c.BLOCK_K), sms))
+        while check(c, rows, n, k, dt) is not None and c.num_stages > 2:
+            c = c.replace(num_stages=c.num_stages - 1)
+        if dt == "float32" and check(c, rows, n, k, dt) is not None and c.BLOCK_K > 32:
+            c = c.replace(BLOCK_K=c.BLOCK_K // 2)
+        if c.WARP_SPEC and check(c, rows, n, k, dt) is not None:
+            c = c.replace(WARP_SPEC=False)
+        cap_m, cap_n, cap_k = (max(16, next_pow2(s)) for s in (rows, n, k))
+        c = c.replace(BLOCK_M=min(c.BLOCK_M, cap_m), BLOCK_N=min(c.BLOCK_N, cap_n), BLOCK_K=min(c.BLOCK_K, cap_k))
+        while c.SPLIT_K > 1 and check(c, rows, n, k, dt) is not None:
+            c = c.replace(SPLIT_K=c.SPLIT_K // 2)
+        d = c.to_dict()
+        if check(d, rows, n, k, dt) is None and d not in out:
+            out.append(d)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# host side of the core: allocator, split-K workspace, the standalone kernel
+# ---------------------------------------------------------------------------------------------
+_ALLOCATOR_LOCK = threading.Lock()
+_ALLOCATOR_SET = False
+
+
+def _scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
+    """Global scratch for device-side tensor descriptors (128 bytes per descriptor per program)."""
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    return torch.empty(size, dtype=torch.int8, device=device)
+
+
+def ensure_allocator() -> None:
+    """Install Triton's allocator for device-side TMA descriptors, once per process (idempotent).
+
+    `tl.make_tensor_descriptor` in a kernel writes its descriptor to global scratch that Triton
+    asks this allocator for at each launch (torch's caching allocator: cheap, CUDA-graph safe).
+    The CPU interpreter needs it too. Call it before the first launch of a TMA kernel."""
+    global _ALLOCATOR_SET
+    if _ALLOCATOR_SET:
+        return
+    import triton
+
+    with _ALLOCATOR_LOCK:
+        if not _ALLOCATOR_SET:
+            triton.set_allocator(_scratch)
+            _ALLOCATOR_SET = True
+
+
+def programs(device: torch.device) -> int:
+    """Persistent programs for `device`: its SM count on CUDA, CPU_PROGRAMS under the interpreter."""
+    if device.type == "cuda":
+        return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    return CPU_PROGRAMS
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+@dataclass
+class SplitKWorkspace:
+    """float32 partial tiles and int32 per-tile arrival counts (zero between launches: the last
+    split of each tile resets its count). One per stream: concurrent split-K launches on
+    different streams need their own."""
+
+    partials: torch.Tensor
+    counts: torch.Tensor
+
+
+_WORKSPACES: dict[tuple[str, int], SplitKWorkspace] = {}
+
+
+def split_k_workspace(device: torch.device, partial_elems: int, tiles: int) -> SplitKWorkspace:
+    """The cached workspace of `device` with room for `partial_elems` floats and `tiles` counts,
+    grown (to powers of two) when too small. Growing replaces it: do not grow during capture."""
+    key = (device.type, device.index if device.index is not None else -1)
+    ws = _WORKSPACES.get(key)
+    if ws is None or ws.partials.numel() < partial_elems or ws.counts.numel() < tiles:
+        p = next_pow2(max(partial_elems, 1 << 12, ws.partials.numel() if ws else 0))
+        c = next_pow2(max(tiles, 1 << 8, ws.counts.numel() if ws else 0))
+        ws = SplitKWorkspace(torch.empty(p, dtype=torch.float32, device=device),
+                             torch.zeros(c, dtype=torch.int32, device=device))
+        _WORKSPACES[key] = ws
+    return ws
+
+
+def matmul(a: torch.Tensor, b: torch.Tensor, config: Mapping[str, Any] | GemmConfig,
+           out: torch.Tensor | None = None, workspace: SplitKWorkspace | None = None,
+           num_programs: int | None = None) -> torch.Tensor:
+    """C = A @ B with the core's standalone kernel (`gemm_kernel`) at `config`.
+
+    A (M x K) and B (K x N) of one dtype (bf16, fp16, fp32) on one device; any strides on the
+    pointer path, unit column strides and 16-byte aligned rows and base addresses with TMA.
+    Raises InvalidConfig when `check` rejects the config or the tensors break TMA's alignment.
+    """
+    from autofuse.kernels import gemm_core
+
+    if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0]:
+        raise ValueError(f"matmul: shapes {tuple(a.shape)} and {tuple(b.shape)} do not multiply")
+    if a.dtype != b.dtype:
+        raise ValueError(f"matmul: A is {a.dtype} but B is {b.dtype}")
+    m, k = a.shape
+    n = b.shape[1]
+    cfg = config if isinstance(config, GemmConfig) else GemmConfig.from_dict(config)
+    why = check(cfg, m, n, k, a.dtype)
+    if why:
+        raise InvalidConfig(why)
+    if out is None:
+        out = torch.empty((m, n), dtype=a.dtype, device=a.device)
+    if cfg.TMA:
+        for name, t in (("A", a), ("B", b), ("C", out)):
+            if t.stride(1) != 1 or t.data_ptr() % 16 or t.stride(0) * t.element_size() % 16:
+                raise InvalidConfig(f"TMA needs {name} with unit column stride, 16-byte aligned base and rows "
+                                    f"(strides {t.stride()}, address % 16 = {t.data_ptr() % 16}); use TMA=false")
+        ensure_allocator()
+    if cfg.SPLIT_K > 1:
+        tiles = cfg.tiles(m, n)
+        workspace = workspace or split_k_workspace(a.device, tiles * cfg.SPLIT_K * cfg.BLOCK_M * cfg.BLOCK_N, tiles)
+        partials, counts = workspace.partials, workspace.counts
+    else:
+        partials, counts = out, out  # unused by the kernel when SPLIT_K == 1
+    grid = cfg.grid(m, n, num_programs or programs(a.device))
+    gemm_core.gemm_kernel[grid](a, b, out, partials, counts, m, n, k, a.stride(0), a.stride(1), b.stride(0),
+                                b.stride(1), out.stride(0), out.stride(1), **cfg.kernel_kwargs())
+    return out

@@ -1,0 +1,436 @@
+"""The GEMM core (kernels/gemm_core.py) and its typed config (autofuse/gemm.py).
+
+Interpreter (Triton's CPU interpreter, one spawned child for every case): the pointer and the
+TMA-descriptor paths, SPLIT_K 1/2/4, SWAP_AB, sizes that are not multiples of the blocks, bf16,
+fp16 and fp32, into NaN-poisoned outputs, against the float64 product of the dtype-rounded inputs
+at `default_tolerance(dtype, K)`: the interpreter's dot multiplies exactly (bf16 widened to fp32)
+and accumulates in float32, so the error is the final rounding to the dtype (~u/sqrt(3) rms,
+u = 2^-8 bf16, 2^-11 fp16) or float32 roundoff, far inside 4u * max(1, sqrt(log2 K / 8)).
+Repeated split-K calls check the arrival counts come back to zero. The waiting consumer template
+runs with its flags raised and with one flag left down (bounded wait, recorded timeout).
+
+Compiled (sm_90, ahead of time, no GPU): the same kernels with Triton 3.9 (this venv) and, where
+/tmp/t36/bin/python exists (the GPU machines' Triton 3.6), with that one too. The PTX must show
+what each path is for: TMA loads and stores, wgmma, pipelined stages, split-K atomics, swap-AB's
+wgmma with BLOCK_M on the N side, warp specialisation's extra warpgroups.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from autofuse import gemm
+from autofuse.gemm import GemmConfig
+from autofuse.op import InvalidConfig, default_tolerance, rel_error
+from autofuse.world import spawn
+from conftest import compile_request
+
+ROOT = Path(__file__).resolve().parents[1]
+T36 = Path(os.environ.get("AUTOFUSE_T36_PYTHON", "/tmp/t36/bin/python"))
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+TINY = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 16, "GROUP_M": 2, "num_warps": 4, "num_stages": 2}
+
+# (name, M, N, K, dtype, config changes): TMA cases keep N and K 16-byte aligned, pointer cases need not.
+CASES = [
+    ("ptr bf16 odd", 37, 70, 41, "bfloat16", {"TMA": False}),
+    ("ptr fp16 odd swap", 37, 70, 41, "float16", {"TMA": False, "SWAP_AB": True}),
+    ("ptr fp32 odd split2", 37, 70, 41, "float32", {"TMA": False, "SPLIT_K": 2}),
+    ("ptr bf16 split4 swap", 21, 40, 100, "bfloat16", {"TMA": False, "SPLIT_K": 4, "SWAP_AB": True}),
+    ("ptr bf16 32x32", 50, 72, 64, "bfloat16", {"TMA": False, "BLOCK_M": 32, "BLOCK_K": 32}),
+    ("tma bf16", 37, 72, 40, "bfloat16", {}),
+    ("tma fp16 swap", 37, 72, 40, "float16", {"SWAP_AB": True}),
+    ("tma fp32 split2", 37, 72, 40, "float32", {"SPLIT_K": 2}),
+    ("tma bf16 split4", 45, 40, 96, "bfloat16", {"SPLIT_K": 4, "GROUP_M": 1}),
+    ("tma bf16 split2 swap", 9, 104, 64, "bfloat16", {"SPLIT_K": 2, "SWAP_AB": True}),
+    ("tma bf16 warp_spec", 64, 64, 48, "bfloat16", {"WARP_SPEC": True, "BLOCK_M": 64}),
+    ("tma fp32 1 row", 1, 36, 20, "float32", {"BLOCK_K": 32}),
+]
+CALLS = 2  # every case twice, fresh inputs each time: split-K counts must reset themselves
+
+
+def _inputs(m: int, n: int, k: int, dtype: str, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    a = torch.randn(m, k, generator=g).to(DTYPES[dtype])
+    b = torch.randn(k, n, generator=g).to(DTYPES[dtype])
+    return a, b
+
+
+def _interpreter_cases(world) -> dict:
+    """In the interpreter child: every case CALLS times (errors, leftover counts), then the waiting
+    consumer template with and without a missing flag."""
+    out: dict = {}
+    for name, m, n, k, dtype, change in CASES:
+        config = {**TINY, **change}
+        errs, counts = [], 0
+        ws = gemm.SplitKWorkspace(torch.empty(1 << 14), torch.zeros(64, dtype=torch.int32))
+        for call in range(CALLS):
+            a, b = _inputs(m, n, k, dtype, seed=call)
+            c = torch.full((m, n), math.nan, dtype=DTYPES[dtype])
+            gemm.matmul(a, b, config, out=c, workspace=ws)
+            errs.append(rel_error(c, a.double() @ b.double()))
+        counts = int(ws.counts.abs().sum())
+        out[name] = {"errs": errs, "tol": default_tolerance(dtype, k), "counts": counts}
+    out["wait"] = _wait_cases()
+    return out
+
+
+def _wait_cases() -> dict:
+    """gemm_wait_kernel (the fused consumer's template): ready flags per BLOCK_M rows of A."""
+    from autofuse.kernels import gemm_core
+
+    gemm.ensure_allocator()
+    m, n, k = 40, 48, 64
+    res = {}
+    for name, down, split in (("all raised", None, 1), ("all raised split2", None, 2), ("row block 1 down", 1, 1)):
+        cfg = GemmConfig(**{**TINY, "SPLIT_K": split})
+        a, b = _inputs(m, n, k, "bfloat16", seed=7)
+        c = torch.full((m, n), math.nan, dtype=torch.bfloat16)
+        heap = torch.zeros(64, dtype=torch.int32)  # ready flags at words 0.., status at word 32
+        epoch = 5
+        heap[: gemm.cdiv(m, cfg.BLOCK_M)] = epoch
+        if down is not None:
+            heap[down] = epoch - 1
+        status = heap[32:36]
+        bases = torch.tensor([heap.data_ptr()], dtype=torch.int64)
+        ws = gemm.SplitKWorkspace(torch.empty(1 << 14), torch.zeros(64, dtype=torch.int32))
+        gemm_core.gemm_wait_kernel[cfg.grid(m, n, gemm.CPU_PROGRAMS)](
+            a, b, c, ws.partials, ws.counts, heap, epoch, 1000, status, bases, 0, m, n, k,
+            a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1),
+            BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,
+            NUM_STAGES=cfg.num_stages, SPLIT_K=cfg.SPLIT_K, SWAP_AB=False, USE_TMA=True, PREFETCH=2,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        ref = a.double() @ b.double()
+        rows = slice(16, 32)
+        kept = torch.ones(m, dtype=torch.bool)
+        if down is not None:
+            kept[rows] = False
+        res[name] = {"err": rel_error(c[kept], ref[kept]), "skipped_nan": bool(torch.isnan(c[~kept].float()).all()),
+                     "status": status.tolist(), "counts": int(ws.counts.abs().sum())}
+    return res
+
+
+@pytest.fixture(scope="module")
+def interpreted() -> dict:
+    return spawn(_interpreter_cases, 1, device_kind="cpu", timeout_s=300)[0]
+
+
+@pytest.mark.parametrize("name", [c[0] for c in CASES])
+def test_interpreter_matches_float64(interpreted, name):
+    case = interpreted[name]
+    assert all(e <= case["tol"] for e in case["errs"]), f"{name}: rel errors {case['errs']} > {case['tol']:.2e}"
+    assert case["counts"] == 0, f"{name}: split-K arrival counts not reset to 0"
+
+
+def test_wait_template_waits_and_times_out(interpreted):
+    res = interpreted["wait"]
+    tol = default_tolerance("bfloat16", 64)
+    for name in ("all raised", "all raised split2"):
+        assert res[name]["err"] <= tol and res[name]["status"] == [0, 0, 0, 0] and res[name]["counts"] == 0, res[name]
+    down = res["row block 1 down"]
+    assert down["err"] <= tol and down["skipped_nan"], down  # other tiles correct, the waiting one not stored
+    code, word, expected, seen = down["status"]
+    assert code != 0 and word == 1 and expected == 5 and seen == 4, down["status"]
+
+
+# ------------------------------------------------------------------------------------------------
+# the config: validator, round trip, space, defaults
+def test_config_round_trip_and_defaults_for_absent_keys():
+    cfg = GemmConfig.from_dict({**TINY, "FLAG": "shard", "COMM_SMS": 2})
+    assert (cfg.SPLIT_K, cfg.SWAP_AB, cfg.TMA, cfg.WARP_SPEC) == (1, False, True, False)
+    assert GemmConfig.from_dict(cfg.to_dict()) == cfg
+    assert set(cfg.to_dict()) == set(gemm.KEYS)
+    assert gemm.op_keys({**TINY, "FLAG": "shard", "COMM_SMS": 2}) == {"FLAG": "shard", "COMM_SMS": 2}
+    with pytest.raises(InvalidConfig, match="BLOCK_K"):
+        GemmConfig.from_dict({"BLOCK_M": 16, "BLOCK_N": 16, "GROUP_M": 1, "num_warps": 4, "num_stages": 2})
+    assert gemm.cdiv(7, 2) == 4 and gemm.next_pow2(1) == 1 and gemm.next_pow2(17) == 32 and gemm.next_pow2(64) == 64
+
+
+BIG = {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 3}
+
+
+@pytest.mark.parametrize("config, dims, dtype, reason", [
+    ({**BIG, "BLOCK_M": 96}, (4096, 3584, 8192), "bfloat16", "BLOCK_M=96 must be one of"),
+    ({**BIG, "BLOCK_K": 512}, (4096, 3584, 8192), "bfloat16", "BLOCK_K=512 must be one of"),
+    ({**BIG, "BLOCK_M": True}, (4096, 3584, 8192), "bfloat16", "BLOCK_M=True"),
+    (BIG, (64, 3584, 8192), "bfloat16", "BLOCK_M=128 is larger than 64 needs"),
+    ({**BIG, "num_warps": 2}, (4096, 3584, 8192), "bfloat16", "num_warps=2"),
+    ({**BIG, "num_warps": 4}, (4096, 3584, 8192), "bfloat16", "256 registers per thread"),
+    ({**BIG, "num_stages": 4}, (4096, 3584, 8192), "bfloat16", "shared memory 263168 B"),
+    ({**BIG, "num_stages": 3}, (4096, 3584, 8192), "float32", "shared memory"),
+    ({**BIG, "num_stages": 0}, (4096, 3584, 8192), "bfloat16", "num_stages=0"),
+    ({**BIG, "GROUP_M": 0}, (4096, 3584, 8192), "bfloat16", "GROUP_M=0"),
+    (BIG, (4096, 3583, 8192), "bfloat16", "TMA needs 16-byte aligned row strides: n"),
+    (BIG, (4096, 3584, 8190), "bfloat16", "TMA needs 16-byte aligned row strides: k"),
+    ({**BIG, "SPLIT_K": 8}, (4096, 3584, 256), "bfloat16", "SPLIT_K=8 is more than the 4 BLOCK_K steps"),
+    ({**BIG, "SPLIT_K": 3.0}, (4096, 3584, 8192), "bfloat16", "SPLIT_K=3.0"),
+    ({**BIG, "SWAP_AB": 1}, (4096, 3584, 8192), "bfloat16", "SWAP_AB=1 must be true or false"),
+    ({**BIG, "WARP_SPEC": True, "TMA": False}, (4096, 3584, 8192), "bfloat16", "WARP_SPEC needs TMA"),
+    ({**BIG, "WARP_SPEC": True}, (4096, 3584, 8192), "bfloat16", "WARP_SPEC needs num_warps=4"),
+    ({**BIG, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2, "WARP_SPEC": True}, (4096, 3584, 8192), "float32",
+     "WARP_SPEC needs bfloat16 or float16"),
+    ({**BIG, "BLOCK_N": 128, "num_warps": 4, "WARP_SPEC": True, "SPLIT_K": 2}, (4096, 3584, 8192), "bfloat16",
+     "WARP_SPEC needs SPLIT_K=1"),
+    ({**BIG, "BLOCK_M": 16, "num_warps": 4, "WARP_SPEC": True}, (16, 3584, 8192), "bfloat16", "MMA M side >= 64"),
+    ({**BIG, "FLAG": "tile"}, (4096, 3584, 8192), "bfloat16", "unknown ['FLAG']"),
+    ({k: v for k, v in BIG.items() if k != "GROUP_M"}, (4096, 3584, 8192), "bfloat16", "missing ['GROUP_M']"),
+    (BIG, (65536, 65536, 8192), "bfloat16", "2^31"),
+    (BIG, (4096, 3584, 8192), "int8", "dtype 'int8' not supported"),
+])
+def test_check_rejects_with_a_reason(config, dims, dtype, reason):
+    why = gemm.check(config, *dims, dtype)
+    assert why is not None and reason in why, why
+
+
+@pytest.mark.parametrize("config, dims, dtype", [
+    (BIG, (4096, 3584, 8192), "bfloat16"),
+    ({**BIG, "FLAG": "tile", "COMM_SMS": 8}, (4096, 3584, 8192), "bfloat16"),  # op keys named by the op
+    ({**BIG, "BLOCK_N": 128, "num_warps": 4, "WARP_SPEC": True}, (4096, 3584, 8192), "bfloat16"),
+    ({**BIG, "BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4, "SWAP_AB": True,
+      "SPLIT_K": 4}, (16, 3584, 8192), "bfloat16"),
+    ({**BIG, "BLOCK_M": 32, "BLOCK_N": 128, "num_warps": 4, "SWAP_AB": True, "WARP_SPEC": True}, (32, 3584, 8192),
+     "float16"),
+    ({**TINY, "TMA": False}, (37, 70, 41), "float32"),
+])
+def test_check_accepts(config, dims, dtype):
+    assert gemm.check(config, *dims, dtype, extra=("FLAG", "COMM_SMS")) is None
+
+
+def test_smem_model_matches_triton36_allocation():
+    """GemmConfig.smem_bytes against what Triton 3.6 allocated in AOT compiles (B, mbarriers aside)."""
+    measured = [((128, 256, 64, 8, 3, True), 213016), ((128, 256, 64, 8, 3, False), 147456),
+                ((16, 128, 128, 4, 4, True), 151584), ((128, 128, 64, 4, 3, True), 131544)]
+    for (bm, bn, bk, w, s, tma), shared in measured:
+        model = GemmConfig(bm, bn, bk, 8, w, s, TMA=tma).smem_bytes("bfloat16")
+        assert shared <= model <= shared + gemm.SMEM_SLACK, (bm, bn, bk, s, tma, shared, model)
+
+
+class _RandomTrial:
+    """The SearchSpace protocol with random draws that keep each name's choices fixed (as Optuna)."""
+
+    def __init__(self, seed: int, seen: dict):
+        self.rng, self.seen = random.Random(seed), seen
+
+    def suggest_categorical(self, name, choices):
+        assert self.seen.setdefault(name, list(choices)) == list(choices), f"{name}: choices changed in one study"
+        return self.rng.choice(list(choices))
+
+    def suggest_int(self, name, low, high, step=1, log=False):
+        assert self.seen.setdefault(name, (low, high)) == (low, high)
+        return self.rng.randint(low, high)
+
+
+@pytest.mark.parametrize("dims, dtype", [((16, 3584, 8192), "bfloat16"), ((4096, 28672, 8192), "bfloat16"),
+                                         ((37, 70, 41), "float32"), ((512, 5120, 14336), "float16")])
+def test_space_draws_gemm_keys_with_fixed_choices(dims, dtype):
+    seen: dict = {}
+    valid = 0
+    for seed in range(60):
+        config = gemm.space(_RandomTrial(seed, seen), *dims, dtype)
+        assert set(config) == set(gemm.KEYS)
+        valid += gemm.check(config, *dims, dtype) is None
+    assert valid >= 5  # the space is mostly runnable; check() rejects the rest before any launch
+
+
+@pytest.mark.parametrize("rows", [1, 16, 64, 128, 256, 512, 1024, 16384])
+@pytest.mark.parametrize("n, k", [(3584, 8192), (28672, 8192), (5120, 14336), (8192, 14336)])
+def test_defaults_pass_check_and_fill_the_gpu(rows, n, k):
+    configs = gemm.defaults(rows, n, k, "bfloat16")
+    assert 2 <= len(configs) <= 4
+    for c in configs:
+        assert gemm.check(c, rows, n, k, "bfloat16") is None, c
+    if rows <= 64:
+        assert any(c["SWAP_AB"] for c in configs)
+        first = GemmConfig.from_dict(configs[0])
+        assert first.work_items(rows, n) >= 0.8 * gemm.H200_SMS or first.SPLIT_K == 8, first
+    for dtype in ("float32", "float16"):
+        assert all(gemm.check(c, rows, n, k, dtype) is None for c in gemm.defaults(rows, n, k, dtype))
+
+
+def test_defaults_for_interpreter_problems_are_tiny_and_aligned_or_pointer():
+    for dims in ((37, 70, 41), (64, 64, 64), (4, 32, 64)):
+        configs = gemm.defaults(*dims, "bfloat16")
+        assert configs and all(c["BLOCK_M"] <= 32 and c["BLOCK_N"] <= 32 for c in configs)
+        assert all(gemm.check(c, *dims, "bfloat16") is None for c in configs)
+
+
+def test_auto_split_fills_waves():
+    assert gemm.auto_split(28, 64) == 4      # N=3584 / 128 at M<=64: 112 of 132 SMs
+    assert gemm.auto_split(224, 64) == 1     # N=28672: already 1.7 waves
+    assert gemm.auto_split(28, 8) == 2       # never fewer than 4 K steps per split
+
+
+def test_matmul_rejects_unaligned_tma_operands():
+    a = torch.randn(32, 48)[:, :40]  # row stride 48 floats is aligned; a view with offset is not
+    b = torch.randn(40, 32)
+    with pytest.raises(InvalidConfig, match="TMA needs A"):
+        gemm.matmul(a[:, 1:33], b[:32], TINY)
+    with pytest.raises(InvalidConfig, match="BLOCK_K=128 is larger"):
+        gemm.matmul(a, b, {**TINY, "BLOCK_K": 128})
+
+
+# ------------------------------------------------------------------------------------------------
+# sm_90 compiles with Triton 3.9 (this venv) and 3.6 (/tmp/t36, the GPU machines' version)
+MOD = "autofuse.kernels.gemm_core"
+_SIG = {"a": "*bf16", "b": "*bf16", "c": "*bf16", "partials": "*fp32", "counts": "*i32", "M": "i32", "N": "i32",
+        "K": "i32", "stride_am": "i32", "stride_ak": "constexpr", "stride_bk": "i32", "stride_bn": "constexpr",
+        "stride_cm": "i32", "stride_cn": "constexpr"}
+_CONST = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "NUM_STAGES", "SPLIT_K", "SWAP_AB", "USE_TMA")
+_DIV = ("a", "b", "c", "partials", "counts", "M", "N", "K", "stride_am", "stride_bk", "stride_cm")
+_WAIT_EXTRA = {"ready": "*i32", "epoch": "i32", "spin_limit": "i32", "status": "*i32", "heap_bases": "*i64",
+               "rank": "i32"}
+
+
+def _request(name: str, cfg: GemmConfig, dtype: str = "bf16", wait: bool = False) -> dict:
+    sig = {**_SIG, "a": f"*{dtype}", "b": f"*{dtype}", "c": f"*{dtype}"}
+    if wait:
+        sig = {**{k: v for k, v in sig.items() if k in ("a", "b", "c", "partials", "counts")}, **_WAIT_EXTRA,
+               **{k: v for k, v in sig.items() if k not in ("a", "b", "c", "partials", "counts")}}
+    consts = {"stride_ak": 1, "stride_bn": 1, "stride_cn": 1, **{k: v for k, v in cfg.kernel_kwargs().items()
+                                                                   if k in _CONST}}
+    consts["WARP_SPEC" if not wait else "PREFETCH"] = cfg.WARP_SPEC if not wait else 2
+    for k in consts:
+        sig[k] = "constexpr"
+    return compile_request(MOD, "gemm_wait_kernel" if wait else "gemm_kernel", sig, consts, cfg.num_warps,
+                           cfg.num_stages, _DIV + (("ready", "status", "heap_bases") if wait else ()), name=name)
+
+
+def _cfg(bm, bn, bk, warps, stages, **kw) -> GemmConfig:
+    return GemmConfig(bm, bn, bk, 8, warps, stages, **kw)
+
+
+COMPILES = {
+    "tma": (_cfg(128, 256, 64, 8, 3), "bf16", False),
+    "ptr": (_cfg(128, 128, 64, 8, 4, TMA=False), "bf16", False),
+    "split": (_cfg(64, 128, 128, 4, 4, SPLIT_K=4), "bf16", False),
+    "swap": (_cfg(16, 128, 128, 4, 4, SWAP_AB=True, SPLIT_K=4), "bf16", False),
+    "noswap16": (_cfg(16, 64, 256, 4, 3), "bf16", False),
+    "ws": (_cfg(128, 128, 64, 4, 3, WARP_SPEC=True), "bf16", False),
+    "fp32": (_cfg(64, 64, 32, 4, 3), "fp32", False),
+    "wait_tma": (_cfg(128, 256, 64, 8, 3), "bf16", True),
+    "wait_ptr": (_cfg(128, 128, 64, 8, 4, TMA=False), "bf16", True),
+}
+
+# Run the conftest compile script under another Python whose site-packages lack autofuse: the
+# autofuse and autofuse.kernels packages are mapped onto this checkout first.
+_SHIM = """
+import os, sys, types
+for _name, _sub in (("autofuse", "autofuse"), ("autofuse.kernels", "kernels")):
+    _m = types.ModuleType(_name)
+    _m.__path__ = [os.path.join(os.environ["AUTOFUSE_SRC"], _sub)]
+    sys.modules[_name] = _m
+"""
+
+
+def _start_compile(python: str, requests: list[dict]) -> subprocess.Popen:
+    import conftest
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    script = conftest._COMPILE
+    if python != sys.executable:
+        env["AUTOFUSE_SRC"] = str(ROOT)
+        script = _SHIM + script
+    return subprocess.Popen([python, "-c", script, json.dumps(requests)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env, cwd=str(ROOT))
+
+
+@pytest.fixture(scope="module")
+def compiled() -> dict:
+    """{version: {case: {'ptx', 'shared'}}} for "3.9" (this Python) and "3.6" (when /tmp/t36 exists),
+    compiled in parallel child processes."""
+    requests = [_request(name, cfg, dtype, wait) for name, (cfg, dtype, wait) in COMPILES.items()]
+    pythons = {"current": sys.executable}
+    if T36.exists():
+        pythons["3.6"] = str(T36)
+    procs = {v: _start_compile(py, requests) for v, py in pythons.items()}
+    out = {}
+    for version, proc in procs.items():
+        stdout, stderr = proc.communicate(timeout=600)
+        if proc.returncode != 0:
+            raise AssertionError(f"sm_90 compile with {pythons[version]} failed:\n{stderr[-4000:]}")
+        out[version] = json.loads(stdout)
+    return out
+
+
+VERSIONS = ["current", pytest.param("3.6", marks=pytest.mark.skipif(not T36.exists(),
+                                                                      reason=f"no Triton 3.6 at {T36}"))]
+
+
+def _pipeline_bytes(cfg: GemmConfig, elem: int = 2) -> int:
+    return cfg.num_stages * (cfg.BLOCK_M * cfg.BLOCK_K + cfg.BLOCK_K * cfg.BLOCK_N) * elem
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_sm90_tma_and_pointer_paths_are_pipelined_wgmma(compiled, version):
+    k = compiled[version]
+    for name in ("tma", "split", "swap", "wait_tma"):
+        ptx = k[name]["ptx"]
+        assert re.search(r"cp\.async\.bulk\.tensor\.2d\.shared::\w+\.global", ptx), f"{name}: no TMA loads"
+        assert "mbarrier.try_wait" in ptx, f"{name}: TMA loads without mbarrier waits"
+    assert "cp.async.bulk.tensor.2d.global.shared::cta" in k["tma"]["ptx"], "C is not stored by TMA"
+    for name in ("ptr", "wait_ptr"):
+        ptx = k[name]["ptx"]
+        assert "cp.async.bulk.tensor" not in ptx
+        assert "cp.async.commit_group" in ptx and "cp.async.wait_group" in ptx, f"{name}: K loop not pipelined"
+    for name in ("tma", "ptr", "split", "swap", "ws", "wait_tma", "wait_ptr", "fp32"):
+        assert "wgmma.mma_async" in k[name]["ptx"], f"{name}: no wgmma"
+    for name in ("tma", "ptr", "split", "swap", "wait_tma", "wait_ptr"):  # num_stages buffers of A and B tiles
+        cfg = COMPILES[name][0]
+        assert _pipeline_bytes(cfg) <= k[name]["shared"] <= gemm.SMEM_LIMIT, (name, k[name]["shared"])
+        assert k[name]["shared"] <= cfg.smem_bytes("bfloat16"), (name, "smem model too low")
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_sm90_split_k_swap_ab_and_warp_spec(compiled, version):
+    k = compiled[version]
+    assert "atom.global.gpu.acq_rel.add" in k["split"]["ptx"] and "ld.global.cg" in k["split"]["ptx"]
+    assert "atom.global" not in k["tma"]["ptx"]  # SPLIT_K=1 touches no counts
+    # swap-AB: BLOCK_N=128 on the wgmma's M side, the 16 rows of A as its N; without, BLOCK_M=16 rows
+    # cannot use wgmma at all (mma.sync)
+    assert "wgmma.mma_async.sync.aligned.m64n16k16" in k["swap"]["ptx"]
+    assert "wgmma" not in k["noswap16"]["ptx"] and "mma.sync" in k["noswap16"]["ptx"]
+    # warp specialisation: a producer warpgroup plus two consumers, registers rebalanced
+    assert "setmaxnreg" in k["ws"]["ptx"] and "setmaxnreg" not in k["tma"]["ptx"]
+    assert "wgmma.mma_async.sync.aligned.m64n8k8.f32.tf32.tf32" in k["fp32"]["ptx"] or ".tf32" in k["fp32"]["ptx"]
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_sm90_waiting_consumer_keeps_the_pipeline(compiled, version):
+    """A bounded wait and B's L2 prefetch before each tile's K loop leave the loop as pipelined as
+    the plain kernel's: num_stages buffers of the A and B tiles (the other test checks the TMA and
+    cp.async instructions); Triton 3.9 may also reuse them for the C tile of the TMA store."""
+    k = compiled[version]
+    for plain, waiting in (("tma", "wait_tma"), ("ptr", "wait_ptr")):
+        shared = k[waiting]["shared"]
+        assert _pipeline_bytes(COMPILES[plain][0]) <= shared <= k[plain]["shared"], (plain, k[plain]["shared"], shared)
+        assert "ld.volatile.global" in k[waiting]["ptx"] and "prefetch.global.L2" in k[waiting]["ptx"]
+
+
+# ------------------------------------------------------------------------------------------------
+# on a GPU (pytest -m gpu): the core against torch.matmul at the defaults of the bench's regimes
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("m, n, k", [(16, 3584, 8192), (128, 5120, 8192), (1024, 8192, 14336), (77, 1000, 520)])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+def test_gpu_defaults_match_torch(m, n, k, dtype):
+    torch.manual_seed(0)
+    a = torch.randn(m, k, device="cuda").to(DTYPES[dtype])
+    b = torch.randn(k, n, device="cuda").to(DTYPES[dtype])
+    ref = a.double() @ b.double()
+    configs = gemm.defaults(m, n, k, dtype)
+    configs += [dict(c, TMA=False) for c in configs if c["TMA"] and not c["WARP_SPEC"]][:1]
+    for config in configs:
+        for _ in range(3):  # repeated calls: split-K counts reset, graph-style reuse of the workspace
+            out = torch.full_like(ref, math.nan, dtype=DTYPES[dtype])
+            gemm.matmul(a, b, config, out=out)
+            torch.cuda.synchronize()
+            assert rel_error(out, ref) <= default_tolerance(dtype, k), (config, rel_error(out, ref))
