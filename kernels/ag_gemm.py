@@ -51,6 +51,7 @@ from autofuse.kernels import gemm_core, shmem
 TILE = tl.constexpr(0)
 ROW_BLOCK = tl.constexpr(1)
 SHARD = tl.constexpr(2)
+PREFETCH = tl.constexpr(2)  # K steps of B sent to L2 before a wait (a power of two)
 
 
 # -- producers ----------------------------------------------------------------------------------
@@ -190,21 +191,14 @@ def _source(ptr, rows, cols, ld, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, U
 
 
 @triton.jit
-def _mma(acc, ok, local, a_src, r_src, b_src, off_local, off_remote, off_n, k_first, k_end,
-         R, r_rows, r_cols, N, K,
+def _mma(acc, ok, src, b_src, off_m, off_n, k_first, k_end, rows, N, K,
          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
          SWAP_AB: tl.constexpr, USE_TMA: tl.constexpr):
-    """acc += A @ B over K steps [k_first, k_end): A from my own shard (`local`: a_src, R x K at row
-    off_local) or from peers' data (r_src, r_rows x r_cols at row off_remote); nothing when not ok."""
-    k_end = tl.where(ok, k_end, k_first)
-    if local:
-        acc = gemm_core.gemm_tile(acc, a_src, b_src, off_local, off_n, k_first, k_end, R, N, K, K, 1, N, 1,
-                                  BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, SWAP_AB, USE_TMA, False)
-    else:
-        _tma_visible(USE_TMA)
-        acc = gemm_core.gemm_tile(acc, r_src, b_src, off_remote, off_n, k_first, k_end, r_rows, N, r_cols, r_cols,
-                                  1, N, 1, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, SWAP_AB, USE_TMA, False)
-    return acc
+    """acc += A[off_m:+BLOCK_M, steps] @ B[steps, off_n:+BLOCK_N] over K steps [k_first, k_end) for
+    A (rows x K, row stride K) read through `src`; no step when not ok. Each caller's K loop is its
+    own pipeline: sequential loops share shared memory, loops in the two arms of an `if` do not."""
+    return gemm_core.gemm_tile(acc, src, b_src, off_m, off_n, k_first, tl.where(ok, k_end, k_first), rows, N, K,
+                               K, 1, N, 1, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, SWAP_AB, USE_TMA, False)
 
 
 @triton.jit
@@ -219,15 +213,67 @@ def _peer_source(data_p, g_src, s, ctx, R, C, BLOCK_M: tl.constexpr, BLOCK_K: tl
 
 
 @triton.jit
+def _rows_item(work, rank, R, MT, first, RB, N, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr, GATHERED: tl.constexpr,
+               PULL: tl.constexpr):
+    """Rows form: work item -> (tile, split, k_first, k_end, off_n, local, off_local, off_remote, s, rb, m0).
+
+    The schedule's row tiles are rotated to start at my own rows. GATHERED: rows [m0, m0 + BLOCK_M)
+    of the gathered A, local when inside my own shard. Shard layout: row block rb of shard s, local
+    when s is me; off_remote is in the stacked slots (push) or in s's own slot (pull).
+    """
+    pid_m, pid_n, tile, split, k_first, k_end = gemm_core.schedule(work, MT * BLOCK_M, N, K, BLOCK_M, BLOCK_N,
+                                                                   BLOCK_K, GROUP_M, SPLIT_K)
+    mt = (pid_m + first) % MT
+    if GATHERED:
+        s = mt
+        rb = mt
+        m0 = mt * BLOCK_M
+        local = (m0 >= rank * R) & (m0 + BLOCK_M <= rank * R + R)
+        off_local = m0 - rank * R
+        off_remote = m0
+    else:
+        s = mt // RB
+        rb = mt % RB
+        m0 = s * R + rb * BLOCK_M
+        local = s == rank
+        off_local = rb * BLOCK_M
+        off_remote = off_local
+        if not PULL:
+            off_remote += s * R
+    return tile, split, k_first, k_end, pid_n * BLOCK_N, local, off_local, off_remote, s, rb, m0
+
+
+@triton.jit
+def _finish(acc, ok, partials, counts, tile, split, c, c_dst, s, rb, m0, off_n, R, M, N,
+            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, USE_TMA: tl.constexpr,
+            SHARD_ROWS: tl.constexpr):
+    """NaN for a failed item, split-K reduction, then the store (by the last split)."""
+    acc = tl.where(ok, acc, float("nan"))
+    acc, last = gemm_core.split_k_reduce(acc, partials, counts, tile, split, SPLIT_K, BLOCK_M, BLOCK_N)
+    if last:
+        if SHARD_ROWS:  # rows past the shard's last row belong to the next shard: masked pointer store
+            gemm_core.store_tile(c + tl.cast(s, tl.int64) * R * N, acc, rb * BLOCK_M, off_n, R, N, N, 1,
+                                 BLOCK_M, BLOCK_N, False)
+        else:
+            gemm_core.store_tile(c_dst, acc, m0, off_n, M, N, N, 1, BLOCK_M, BLOCK_N, USE_TMA)
+
+
+@triton.jit
 def consume(a, b, c, data_p, flags_p, partials, counts, epoch, healthy, worker, workers, ctx, R, C, N,
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
             NUM_STAGES: tl.constexpr, SPLIT_K: tl.constexpr, SWAP_AB: tl.constexpr, USE_TMA: tl.constexpr,
             FLAG: tl.constexpr, GATHER_K: tl.constexpr, GATHERED: tl.constexpr, PULL: tl.constexpr):
-    """Consumer `worker` of `workers`: work items worker, worker + workers, ... (see the module doc)."""
+    """Consumer `worker` of `workers`: work items worker, worker + workers, ... (see the module doc).
+
+    Rows form: two passes over the items, those reading my own shard first (no wait), then the
+    others; k form: per tile my shard's K loop first (shard layout), or one K loop (gathered).
+    """
     W = ctx.world
     rank = ctx.rank
     RB = tl.cdiv(R, BLOCK_M)
     KB = tl.cdiv(C, BLOCK_K)
+    SHARD_ROWS: tl.constexpr = not GATHER_K and not GATHERED  # tiles are row blocks of one shard
     if GATHER_K:
         M = R
         K = W * C
@@ -262,76 +308,76 @@ def consume(a, b, c, data_p, flags_p, partials, counts, epoch, healthy, worker, 
         g_src = _source(data_p, g_rows, g_cols, g_cols, BLOCK_M, BLOCK_K, USE_TMA)
     if not (GATHER_K and not GATHERED):
         b_src = _source(b, K, N, N, BLOCK_K, BLOCK_N, USE_TMA)
-    SHARD_ROWS: tl.constexpr = not GATHER_K and not GATHERED  # tiles are row blocks of one shard
     c_dst = c
     if USE_TMA and not SHARD_ROWS:
         c_dst = tl.make_tensor_descriptor(c, shape=[M, N], strides=[N, 1], block_shape=[BLOCK_M, BLOCK_N])
-    for work in tl.range(worker, MT * tl.cdiv(N, BLOCK_N) * SPLIT_K, workers):
-        pid_m, pid_n, tile, split, k_first, k_end = gemm_core.schedule(work, MT * BLOCK_M, N, K, BLOCK_M, BLOCK_N,
-                                                                       BLOCK_K, GROUP_M, SPLIT_K)
-        mt = (pid_m + first) % MT
-        off_n = pid_n * BLOCK_N
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        ok = healthy
-        if GATHER_K and not GATHERED:  # one K loop per shard, mine first
-            for i in range(0, W):
-                s = (rank + i) % W
-                b_s = b + tl.cast(s, tl.int64) * C * N
-                local = s == rank
-                if not local:
-                    gemm_core.prefetch_b(b_s, off_n, 0, KB, N, C, N, 1, BLOCK_K, BLOCK_N, NUM_STAGES)
-                    ok = _wait(flags_p, s, mt, mt, 0, KB - 1, RB, KB, epoch, ok, ctx, FLAG)
-                r_src = _peer_source(data_p, g_src, s, ctx, R, C, BLOCK_M, BLOCK_K, USE_TMA, PULL)
-                off_remote = mt * BLOCK_M
-                if not PULL:
-                    off_remote += s * R
-                acc = _mma(acc, ok, local, a_src, r_src, _source(b_s, C, N, N, BLOCK_K, BLOCK_N, USE_TMA),
-                           mt * BLOCK_M, off_remote, off_n, 0, KB, R, r_rows, g_cols, N, C,
+    n_work = MT * tl.cdiv(N, BLOCK_N) * SPLIT_K
+    if GATHER_K:
+        for work in tl.range(worker, n_work, workers):
+            pid_m, pid_n, tile, split, k_first, k_end = gemm_core.schedule(work, MT * BLOCK_M, N, K, BLOCK_M,
+                                                                           BLOCK_N, BLOCK_K, GROUP_M, SPLIT_K)
+            m0 = pid_m * BLOCK_M
+            off_n = pid_n * BLOCK_N
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            ok = healthy
+            if GATHERED:  # one K loop; wait for the shards that K steps [k_first, k_end) cover
+                lo = k_first * BLOCK_K
+                hi = min(k_end * BLOCK_K, K)
+                gemm_core.prefetch_b(b, off_n, k_first, k_end, N, K, N, 1, BLOCK_K, BLOCK_N, PREFETCH)
+                for s in range(lo // C, tl.cdiv(hi, C)):
+                    first_col = max(lo - s * C, 0)
+                    last_col = min(hi - s * C, C) - 1
+                    ok = _wait(flags_p, s, pid_m, pid_m, first_col // BLOCK_K, last_col // BLOCK_K, RB, KB, epoch,
+                               ok, ctx, FLAG)
+                _tma_visible(USE_TMA)
+                acc = _mma(acc, ok, g_src, b_src, m0, off_n, k_first, k_end, g_rows, N, g_cols,
                            BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, SWAP_AB, USE_TMA)
-        elif SHARD_ROWS:  # row block rb of shard s
-            s = mt // RB
-            rb = mt % RB
-            local = s == rank
-            if not local:
-                gemm_core.prefetch_b(b, off_n, k_first, k_end, N, K, N, 1, BLOCK_K, BLOCK_N, NUM_STAGES)
-                ok = _wait(flags_p, s, rb, rb, k_first, k_end - 1, RB, KB, epoch, ok, ctx, FLAG)
-            r_src = _peer_source(data_p, g_src, s, ctx, R, C, BLOCK_M, BLOCK_K, USE_TMA, PULL)
-            off_remote = rb * BLOCK_M
-            if not PULL:
-                off_remote += s * R
-            acc = _mma(acc, ok, local, a_src, r_src, b_src, rb * BLOCK_M, off_remote, off_n, k_first, k_end,
-                       R, r_rows, g_cols, N, K, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, SWAP_AB, USE_TMA)
-        elif GATHER_K:  # gathered k: the shards that K steps [k_first, k_end) cover
-            lo = k_first * BLOCK_K
-            hi = min(k_end * BLOCK_K, K)
-            gemm_core.prefetch_b(b, off_n, k_first, k_end, N, K, N, 1, BLOCK_K, BLOCK_N, NUM_STAGES)
-            for s in range(lo // C, tl.cdiv(hi, C)):
-                first_col = max(lo - s * C, 0)
-                last_col = min(hi - s * C, C) - 1
-                ok = _wait(flags_p, s, mt, mt, first_col // BLOCK_K, last_col // BLOCK_K, RB, KB, epoch, ok, ctx,
-                           FLAG)
-            acc = _mma(acc, ok, False, a_src, g_src, b_src, 0, mt * BLOCK_M, off_n, k_first, k_end,
-                       R, g_rows, g_cols, N, K, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, SWAP_AB, USE_TMA)
-        else:  # gathered rows: the shards rows [m0, m0 + BLOCK_M) cover; inside my own rows, `a`
-            m0 = mt * BLOCK_M
-            local = (m0 >= rank * R) & (m0 + BLOCK_M <= rank * R + R)
-            if not local:
-                gemm_core.prefetch_b(b, off_n, k_first, k_end, N, K, N, 1, BLOCK_K, BLOCK_N, NUM_STAGES)
-                for s in range(m0 // R, min(tl.cdiv(m0 + BLOCK_M, R), W)):
-                    first_row = max(m0 - s * R, 0)
-                    last_row = min(m0 + BLOCK_M - s * R, R) - 1
-                    ok = _wait(flags_p, s, first_row // BLOCK_M, last_row // BLOCK_M, k_first, k_end - 1, RB, KB,
-                               epoch, ok, ctx, FLAG)
-            acc = _mma(acc, ok, local, a_src, g_src, b_src, m0 - rank * R, m0, off_n, k_first, k_end,
-                       R, g_rows, g_cols, N, K, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, SWAP_AB, USE_TMA)
-        acc = tl.where(ok, acc, float("nan"))
-        acc, last = gemm_core.split_k_reduce(acc, partials, counts, tile, split, SPLIT_K, BLOCK_M, BLOCK_N)
-        if last:
-            if SHARD_ROWS:  # rows past the shard's last row belong to the next shard: masked
-                gemm_core.store_tile(c + tl.cast(s, tl.int64) * R * N, acc, rb * BLOCK_M, off_n, R, N, N, 1,
-                                     BLOCK_M, BLOCK_N, False)
-            else:
-                gemm_core.store_tile(c_dst, acc, mt * BLOCK_M, off_n, M, N, N, 1, BLOCK_M, BLOCK_N, USE_TMA)
+            else:  # one K loop per shard: mine (straight from `a`), then rank+1, rank+2, ...
+                b_mine = b + tl.cast(rank, tl.int64) * C * N
+                acc = _mma(acc, ok, a_src, _source(b_mine, C, N, N, BLOCK_K, BLOCK_N, USE_TMA), m0, off_n, 0, KB,
+                           R, N, C, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, SWAP_AB, USE_TMA)
+                for i in range(1, W):
+                    s = (rank + i) % W
+                    b_s = b + tl.cast(s, tl.int64) * C * N
+                    gemm_core.prefetch_b(b_s, off_n, 0, KB, N, C, N, 1, BLOCK_K, BLOCK_N, PREFETCH)
+                    ok = _wait(flags_p, s, pid_m, pid_m, 0, KB - 1, RB, KB, epoch, ok, ctx, FLAG)
+                    _tma_visible(USE_TMA)
+                    off_remote = m0
+                    if not PULL:
+                        off_remote += s * R
+                    acc = _mma(acc, ok, _peer_source(data_p, g_src, s, ctx, R, C, BLOCK_M, BLOCK_K, USE_TMA, PULL),
+                               _source(b_s, C, N, N, BLOCK_K, BLOCK_N, USE_TMA), off_remote, off_n, 0, KB, r_rows,
+                               N, C, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, SWAP_AB, USE_TMA)
+            _finish(acc, ok, partials, counts, tile, split, c, c_dst, 0, 0, m0, off_n, R, M, N,
+                    BLOCK_M, BLOCK_N, SPLIT_K, USE_TMA, False)
+    else:
+        for LOCAL_PASS in tl.static_range(2):  # the items reading my own shard (`a`) first
+            for work in tl.range(worker, n_work, workers):
+                tile, split, k_first, k_end, off_n, local, off_local, off_remote, s, rb, m0 = _rows_item(
+                    work, rank, R, MT, first, RB, N, K, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, SPLIT_K, GATHERED, PULL)
+                if local == (LOCAL_PASS == 0):
+                    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                    ok = healthy
+                    if LOCAL_PASS == 0:
+                        acc = _mma(acc, ok, a_src, b_src, off_local, off_n, k_first, k_end, R, N, C,
+                                   BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, SWAP_AB, USE_TMA)
+                    else:
+                        gemm_core.prefetch_b(b, off_n, k_first, k_end, N, K, N, 1, BLOCK_K, BLOCK_N, PREFETCH)
+                        if GATHERED:  # every shard rows [m0, m0 + BLOCK_M) touch, mine included
+                            for s in range(m0 // R, min(tl.cdiv(m0 + BLOCK_M, R), W)):
+                                first_row = max(m0 - s * R, 0)
+                                last_row = min(m0 + BLOCK_M - s * R, R) - 1
+                                ok = _wait(flags_p, s, first_row // BLOCK_M, last_row // BLOCK_M, k_first,
+                                           k_end - 1, RB, KB, epoch, ok, ctx, FLAG)
+                        else:
+                            ok = _wait(flags_p, s, rb, rb, k_first, k_end - 1, RB, KB, epoch, ok, ctx, FLAG)
+                        _tma_visible(USE_TMA)
+                        acc = _mma(acc, ok, _peer_source(data_p, g_src, s, ctx, R, C, BLOCK_M, BLOCK_K, USE_TMA,
+                                                         PULL),
+                                   b_src, off_remote, off_n, k_first, k_end, r_rows, N, C,
+                                   BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, SWAP_AB, USE_TMA)
+                    _finish(acc, ok, partials, counts, tile, split, c, c_dst, s, rb, m0, off_n, R, M, N,
+                            BLOCK_M, BLOCK_N, SPLIT_K, USE_TMA, SHARD_ROWS)
 
 
 # -- the kernel ---------------------------------------------------------------------------------
