@@ -154,21 +154,30 @@ def produce(a, data_p, flags_p, counts_p, epoch, worker, producers, ctx, R, C,
 
 # -- consumers ----------------------------------------------------------------------------------
 @triton.jit
+def _wait_one(flag, epoch, ok, ctx):
+    """shmem.wait_until unless an earlier wait failed, then an acquire whose result is used:
+    Triton 3.6 drops wait_until's own acquire (an atomic whose result nobody reads)."""
+    if ok:
+        ok = shmem.wait_until(flag, epoch, ctx)
+        if ok:
+            ok = tl.atomic_add(flag, 0, sem="acquire", scope="sys") == epoch
+            tl.debug_barrier()  # no thread reads the data before the acquire
+    return ok
+
+
+@triton.jit
 def _wait(flags_p, s, rb_first, rb_last, kb_first, kb_last, RB, KB, epoch, ok, ctx, FLAG: tl.constexpr):
     """Wait (bounded, exact epoch) for shard s's units covering row blocks [rb_first, rb_last] and
     K blocks [kb_first, kb_last]; after one failure waits no more. True if every flag came."""
     if FLAG == SHARD:
-        if ok:
-            ok = shmem.wait_until(flags_p + s, epoch, ctx)
+        ok = _wait_one(flags_p + s, epoch, ok, ctx)
     elif FLAG == ROW_BLOCK:
         for rb in range(rb_first, rb_last + 1):
-            if ok:
-                ok = shmem.wait_until(flags_p + s * RB + rb, epoch, ctx)
+            ok = _wait_one(flags_p + s * RB + rb, epoch, ok, ctx)
     else:
         for rb in range(rb_first, rb_last + 1):
             for kb in range(kb_first, kb_last + 1):
-                if ok:
-                    ok = shmem.wait_until(flags_p + (s * RB + rb) * KB + kb, epoch, ctx)
+                ok = _wait_one(flags_p + (s * RB + rb) * KB + kb, epoch, ok, ctx)
     return ok
 
 
