@@ -1,33 +1,47 @@
 """autofuse: per-call choice between bulk-synchronous and fused multi-GPU Triton kernels.
 
-`autofuse.ag_gemm(a, b, group=...)`, `gemm_rs`, `gemm_ar`, `flash_decode` and `explain` are the
-runtime entry points (`autofuse.dispatch`). They are imported on first use, so `import autofuse`
-stays cheap: no torch import, no process group, no GPU work, no file or database I/O.
+`autofuse.<op>(...)` for every op in `autofuse.registry` (ag_gemm, gemm_rs, gemm_ar, flash_decode),
+`explain`, `call`, `rebuild` and `set_policy` are the runtime entry points (`autofuse.dispatch`).
+They are made on first use, so `import autofuse` stays cheap: no torch import, no process group, no
+GPU work, no file or database I/O.
+
+Without a GPU the kernels run under Triton's interpreter, which Triton reads from TRITON_INTERPRET
+when it is first imported: `import autofuse` sets TRITON_INTERPRET=1 when no NVIDIA device is
+present and Triton is not imported yet (set TRITON_INTERPRET yourself to decide otherwise).
 """
+import os
+import sys
+
+from autofuse import registry
+
 __version__ = "0.1.0"
 
-_LAZY = {
-    "ag_gemm": "autofuse.dispatch",
-    "gemm_rs": "autofuse.dispatch",
-    "gemm_ar": "autofuse.dispatch",
-    "flash_decode": "autofuse.dispatch",
-    "call": "autofuse.dispatch",
-    "explain": "autofuse.dispatch",
-    "set_policy": "autofuse.dispatch",
-    "Policy": "autofuse.policy",
-}
-__all__ = ["__version__", *_LAZY]
+_DISPATCH = ("call", "explain", "rebuild", "set_policy")
+__all__ = ["__version__", *registry.MODULES, *_DISPATCH, "Policy"]
+
+
+def _no_gpu() -> bool:
+    return not os.path.exists("/dev/nvidiactl") and not os.path.exists("/dev/kfd")
+
+
+if "TRITON_INTERPRET" not in os.environ and "triton" not in sys.modules and _no_gpu():
+    os.environ["TRITON_INTERPRET"] = "1"
 
 
 def __getattr__(name: str):
-    if name not in _LAZY:
-        raise AttributeError(f"module 'autofuse' has no attribute {name!r}")
     import importlib
 
-    value = getattr(importlib.import_module(_LAZY[name]), name)
+    if name in registry.MODULES:
+        value = importlib.import_module("autofuse.dispatch").entry_point(name)
+    elif name in _DISPATCH:
+        value = getattr(importlib.import_module("autofuse.dispatch"), name)
+    elif name == "Policy":
+        value = importlib.import_module("autofuse.policy").Policy
+    else:
+        raise AttributeError(f"module 'autofuse' has no attribute {name!r}")
     globals()[name] = value  # later lookups are plain module attributes
     return value
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
+    return sorted(set(globals()) | set(__all__))

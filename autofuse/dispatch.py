@@ -3,25 +3,36 @@
 Hot path (a cached problem): a key from the op name, the group and each input's shape, dtype,
 device and contiguity, one dict lookup, the runner call. No I/O, no collective, no policy walk.
 
+Entry points: `autofuse.<op>(*args, group=None, *, variant=None, config=None, out=None)` is
+generated from the op's declared argument names (`Op.args`) the first time it is used, so an op
+needs no hand-written entry point; the generated code builds the cache key inline.
+
 Miss path (a problem this process has not seen, per op/group/shapes): the op's `problem_of`
 validates the inputs; the decision comes from, in order, the `variant=` argument,
 `AUTOFUSE_VARIANT=op:variant,...` (`*:variant` for every op), the policy. The policy is
 `AUTOFUSE_POLICY` (a JSON path), else the file in `models/` whose fingerprint matches this machine
 (preferring `AUTOFUSE_MODE`, default graph on GPUs), else BSP for everything with a one-time
-warning. Every rank then all-gathers a hash of (problem, variant, config); a mismatch raises
-`DispatchMismatch` naming each rank's choice before any kernel is built or launched (so no rank
-waits in NCCL while another spins on a flag). Then the runner is built and cached.
+warning. Then every rank agrees: each publishes its validation outcome and a hash of (problem,
+variant, config) through the job's store and waits, bounded (the wait budget + 2 s), for all the
+others. If any rank's input was invalid, every rank raises InvalidInput naming that rank and the
+reason; if the choices differ, every rank raises DispatchMismatch naming each rank's choice; if a
+rank does not take part (it ran a cached call with other shapes, or died), the others raise
+DispatchMismatch when the wait runs out, while that rank's kernels time out on their flags. All
+of it happens before any kernel is built or launched. Then the runner is built and cached.
 
 CUDA graphs: a cached problem is safe to capture (the runner keeps its epochs on the device). A
 miss during capture raises `CaptureMiss`: building a runner allocates heap workspace collectively
 and the rank check is a collective, neither of which may run inside a capture; call each problem
 once before capturing (warm-up), as inference servers already do.
 
-Flag timeouts: on CPU `status.check` runs after every fused call; on GPUs after the first call of
-a problem (it synchronises) and after every call when AUTOFUSE_CHECK=1 (read per new problem).
+Faults: a runner refuses to run on a workspace that saw a fault (it reads a host-visible mirror of
+the fault record, no device sync) until `autofuse.rebuild(group)` is called on every rank. The full
+fault record is read (a device sync) after every call on CPU, after the first call of a problem on
+GPUs, and after every call when AUTOFUSE_CHECK=1.
 """
 from __future__ import annotations
 
+import datetime
 import hashlib
 import json
 import os
@@ -29,18 +40,18 @@ import sys
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
 from autofuse import status
-from autofuse.op import Config, InvalidConfig, Op, Problem, config_key
+from autofuse.op import Config, InvalidConfig, InvalidInput, Op, Problem, config_key
 from autofuse.world import World
 
 
 class DispatchMismatch(RuntimeError):
-    """Ranks chose different variants/configs (or saw different problems) for the same call."""
+    """Ranks chose different variants/configs, saw different problems, or did not all take part."""
 
 
 class CaptureMiss(RuntimeError):
@@ -53,7 +64,7 @@ class Stats:
 
     hits: int = 0
     misses: int = 0
-    collectives: int = 0
+    agreements: int = 0
     policy_loads: int = 0
     builds: int = 0
     checks: int = 0
@@ -61,15 +72,18 @@ class Stats:
 
 @dataclass
 class Choice:
-    """Which variant and config run a problem, and why (what `explain` returns)."""
+    """Which variant and config run a problem, and why (what `explain` returns).
+
+    basis: override | env | measured | confirmed | policy | unsure | fallback.
+    """
 
     op: str
     problem: Problem
     variant: str
     config: Config
     reason: str
-    source: str  # override | env | measured | policy | unsure | fallback
-    policy: str = ""
+    basis: str
+    policy_path: str = ""
     config_source: str = ""
     cached: bool = False
 
@@ -77,19 +91,21 @@ class Choice:
         lines = [f"{self.op}: {self.problem.key}",
                  f"  variant: {self.variant}",
                  f"  config:  {config_key(self.config)}" + (f"  ({self.config_source})" if self.config_source else ""),
-                 f"  why:     [{self.source}] {self.reason}"]
-        if self.policy:
-            lines.append(f"  policy:  {self.policy}")
+                 f"  why:     [{self.basis}] {self.reason}"]
+        if self.policy_path:
+            lines.append(f"  policy:  {self.policy_path}")
         if self.cached:
             lines.append("  (cached decision of this process)")
         return "\n".join(lines)
 
 
 class _Entry:
-    __slots__ = ("runner", "choice", "check", "heap", "op")
+    """A cached decision: the runner, why it was chosen, whether to read the fault record every call."""
 
-    def __init__(self, runner: Any, choice: Choice, check: bool, heap: Any, op: str):
-        self.runner, self.choice, self.check, self.heap, self.op = runner, choice, check, heap, op
+    __slots__ = ("runner", "choice", "check")
+
+    def __init__(self, runner: Any, choice: Choice, check: bool):
+        self.runner, self.choice, self.check = runner, choice, check
 
 
 stats = Stats()
@@ -99,6 +115,7 @@ _ops: dict[str, Op] = {}
 _policies: dict[str, Any] = {}
 _forced_policy: Any = None
 _warned: set[str] = set()
+_agreement_seq: dict[str, int] = {}  # per group name; never reset, so store keys are never reused
 
 
 # ---------------------------------------------------------------------------------------------
@@ -112,45 +129,45 @@ def call(op: str | Op, *args: Any, group: Any = None, variant: str | None = None
     `group`: a torch.distributed process group (None: the default group) or an autofuse World.
     """
     name = op if op.__class__ is str else op.name
-    return _run(_key(name, group, variant, config, args), op, args, group, variant, config, out)
+    key = _key(name, group, variant, config, args)
+    entry = _cache.get(key)
+    if entry is None:
+        return _miss(key, op, args, group, variant, config, out)
+    stats.hits += 1
+    return _run(entry, args, out)
 
 
-# The entry points below build the same key as `_key`, spelled out: they are the hot path.
+_ENTRY_TEMPLATE = """
+def {name}({params}, group=None, *, variant=None, config=None, out=None):
+    key = ({name!r}, id(group), variant, None if config is None else config_key(config), {key})
+    entry = _cache.get(key)
+    if entry is None:
+        return _miss(key, {name!r}, ({params},), group, variant, config, out)
+    stats.hits += 1
+    result = entry.runner({params}) if out is None else entry.runner({params}, out=out)
+    if entry.check:
+        _check(entry)
+    return result
+"""
 
 
-def ag_gemm(a: torch.Tensor, b: torch.Tensor, group: Any = None, *, variant: str | None = None,
-            config: Config | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
-    """all_gather_rows(a) @ b over `group`: rank r holds A_r (M/W x K) and B_r (K x N_r)."""
-    key = ("ag_gemm", id(group), variant, None if config is None else config_key(config),
-           a.shape, a.dtype, a.device, a.is_contiguous(), b.shape, b.dtype, b.device, b.is_contiguous())
-    return _run(key, "ag_gemm", (a, b), group, variant, config, out)
+def entry_point(name: str) -> Callable[..., torch.Tensor]:
+    """The public function `autofuse.<name>`, generated from the op's argument names (`Op.args`).
 
-
-def gemm_rs(a: torch.Tensor, b: torch.Tensor, group: Any = None, *, variant: str | None = None,
-            config: Config | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
-    """reduce_scatter_rows(a @ b) over `group`: rank r holds A_r (M x K/W) and B_r (K/W x N)."""
-    key = ("gemm_rs", id(group), variant, None if config is None else config_key(config),
-           a.shape, a.dtype, a.device, a.is_contiguous(), b.shape, b.dtype, b.device, b.is_contiguous())
-    return _run(key, "gemm_rs", (a, b), group, variant, config, out)
-
-
-def gemm_ar(a: torch.Tensor, b: torch.Tensor, group: Any = None, *, variant: str | None = None,
-            config: Config | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
-    """all_reduce(a @ b) over `group`: rank r holds A_r (M x K/W) and B_r (K/W x N)."""
-    key = ("gemm_ar", id(group), variant, None if config is None else config_key(config),
-           a.shape, a.dtype, a.device, a.is_contiguous(), b.shape, b.dtype, b.device, b.is_contiguous())
-    return _run(key, "gemm_ar", (a, b), group, variant, config, out)
-
-
-def flash_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor, group: Any = None, *,
-                 variant: str | None = None, config: Config | None = None,
-                 out: torch.Tensor | None = None) -> torch.Tensor:
-    """Decode attention of q over a KV cache split along the sequence across `group`'s ranks."""
-    key = ("flash_decode", id(group), variant, None if config is None else config_key(config),
-           q.shape, q.dtype, q.device, q.is_contiguous(), k.shape, k.dtype, k.device, k.is_contiguous(),
-           v.shape, v.dtype, v.device, v.is_contiguous(), lengths.shape, lengths.dtype, lengths.device,
-           lengths.is_contiguous())
-    return _run(key, "flash_decode", (q, k, v, lengths), group, variant, config, out)
+    Its body is the hot path: one key built inline from each argument's shape, dtype, device and
+    contiguity, one dict lookup, the runner call. `_key` builds the same key for `call`/`explain`.
+    """
+    op = _get_op(name)
+    params = ", ".join(op.args)
+    key = " ".join(f"{a}.shape, {a}.dtype, {a}.device, {a}.is_contiguous()," for a in op.args)
+    namespace = {"_cache": _cache, "_miss": _miss, "_check": _check, "stats": stats, "config_key": config_key}
+    exec(_ENTRY_TEMPLATE.format(name=name, params=params, key=key), namespace)  # noqa: S102 - our own template
+    fn = namespace[name]
+    fn.__doc__ = (f"{op.description}.\n\nEvery rank of `group` (None: the default group) calls it with its own "
+                  f"({params}); `variant=`/`config=` force a choice, `out=` is written in place.")
+    fn.__module__ = "autofuse"
+    fn.__qualname__ = name
+    return fn
 
 
 def explain(op: str | Op, *args: Any, group: Any = None, variant: str | None = None,
@@ -164,7 +181,8 @@ def explain(op: str | Op, *args: Any, group: Any = None, variant: str | None = N
     entry = _cache.get(key)
     if entry is not None:
         c = entry.choice
-        return Choice(c.op, c.problem, c.variant, dict(c.config), c.reason, c.source, c.policy, c.config_source, True)
+        return Choice(c.op, c.problem, c.variant, dict(c.config), c.reason, c.basis, c.policy_path, c.config_source,
+                      True)
     return _decide(_get_op(op), _world(group), args, variant, config)
 
 
@@ -180,6 +198,20 @@ def runner_of(op: str | Op, *args: Any, group: Any = None, variant: str | None =
     if entry is None:
         raise LookupError(f"autofuse.{name}: no cached decision for these arguments; call it once first")
     return entry.runner
+
+
+def rebuild(group: Any = None) -> None:
+    """Clear every fault of `group`'s workspaces so they compute again (collective: every rank calls it).
+
+    After a FlagTimeout or WorkspaceAborted, fix what made a rank late or absent, then call this on
+    every rank; cached decisions stay.
+    """
+    from autofuse.workspace import workspaces
+
+    world = _world(group)
+    for ws in workspaces(world):
+        ws.rebuild()
+    world.sync()
 
 
 def set_policy(policy: Any) -> None:
@@ -211,7 +243,7 @@ def reset() -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# the miss path
+# the hot path and the miss path
 
 
 def _key(name: str, group: Any, variant: str | None, config: Config | None, args: tuple) -> tuple:
@@ -229,12 +261,7 @@ def _key(name: str, group: Any, variant: str | None, config: Config | None, args
     return tuple(key)
 
 
-def _run(key: tuple, op: str | Op, args: tuple, group: Any, variant: str | None, config: Config | None,
-         out: torch.Tensor | None) -> torch.Tensor:
-    entry = _cache.get(key)
-    if entry is None:
-        return _miss(key, op, args, group, variant, config, out)
-    stats.hits += 1
+def _run(entry: _Entry, args: tuple, out: torch.Tensor | None) -> torch.Tensor:
     result = entry.runner(*args) if out is None else entry.runner(*args, out=out)
     if entry.check:
         _check(entry)
@@ -251,17 +278,20 @@ def _miss(key: tuple, op: str | Op, args: tuple, group: Any, variant: str | None
             "cannot run during capture. Call it once with the same shapes before capturing (warm-up).")
     stats.misses += 1
     world = _world(group)
-    choice = _decide(op, world, args, variant, config)
-    _verify_same(world, choice)
+    try:
+        choice, invalid = _decide(op, world, args, variant, config), None
+    except (InvalidInput, InvalidConfig, ValueError) as exc:
+        choice, invalid = None, exc
+    _agree(world, op.name, choice, invalid)
     v = op.variant(choice.variant)
     runner = v.build(world, choice.problem, choice.config)
     stats.builds += 1
-    every = v.fused and (world.device.type == "cpu" or os.environ.get("AUTOFUSE_CHECK") == "1")
-    entry = _Entry(runner, choice, every, world.heap if v.fused else None, op.name)
+    every = bool(getattr(runner, "workspaces", ())) and (
+        world.device.type == "cpu" or os.environ.get("AUTOFUSE_CHECK") == "1")
+    entry = _Entry(runner, choice, every)
     _cache[key] = entry
     result = runner(*args) if out is None else runner(*args, out=out)
-    if v.fused:
-        _check(entry)
+    _check(entry)
     return result
 
 
@@ -270,10 +300,10 @@ def _decide(op: Op, world: World, args: tuple, variant: str | None, config: Conf
     available = [n for n, v in op.variants.items() if v.available(world)]
     if variant is None and config is not None:
         raise ValueError(f"autofuse.{op.name}: config= needs variant= (a config belongs to one variant)")
-    source, reason = "override", f"override: variant={variant!r} argument"
+    basis, reason = "override", f"override: variant={variant!r} argument"
     if variant is None:
         variant = _env_override(op.name)
-        source, reason = "env", f"override: AUTOFUSE_VARIANT={os.environ.get('AUTOFUSE_VARIANT', '')}"
+        basis, reason = "env", f"override: AUTOFUSE_VARIANT={os.environ.get('AUTOFUSE_VARIANT', '')}"
     if variant is not None:
         v = op.variant(variant)
         if variant not in available:
@@ -288,40 +318,80 @@ def _decide(op: Op, world: World, args: tuple, variant: str | None, config: Conf
             why = v.check(problem, config)
             if why:
                 raise InvalidConfig(f"{op.name}.{variant} cannot run {problem.key} with {config_key(config)}: {why}")
-        return Choice(op.name, problem, variant, config, reason, source, _policy(world).source, config_source)
+        return Choice(op.name, problem, variant, config, reason, basis, _policy(world).source, config_source)
     policy = _policy(world)
     d = policy.decide(problem, op, available)
     return Choice(op.name, problem, d.variant, d.config, d.reason, d.kind, policy.source, d.config_source)
 
 
-def _verify_same(world: World, choice: Choice) -> None:
-    """All-gather a hash of (problem, variant, config); raise on any difference, before any launch."""
+def agree_timeout_s(device_type: str) -> float:
+    """How long a rank waits for the others to take part in an agreement: the flag-wait budget + 2 s,
+    so a rank left alone fails within seconds of its peers' flag timeouts."""
+    return status.wait_timeout_s(device_type) + 2.0
+
+
+def _agree(world: World, op: str, choice: Choice | None, invalid: Exception | None) -> None:
+    """Every rank publishes its validation outcome and choice; raise the same error on every rank if
+    any rank's input was invalid or the choices differ. Bounded: uses the job's store with a timeout
+    (a collective would block forever if a rank never comes), never NCCL."""
+    if invalid is not None:
+        mine = {"ok": False, "why": f"{type(invalid).__name__}: {invalid}"}
+    else:
+        mine = {"ok": True, "hash": hashlib.sha256(
+            f"{choice.problem.key}|{choice.variant}|{config_key(choice.config)}".encode()).hexdigest()[:16],
+            "said": f"{choice.variant} {config_key(choice.config)} for {choice.problem.key} "
+                    f"([{choice.basis}] {choice.reason})"}
+    every = _exchange(world, op, mine)
+    bad = [(r, e["why"]) for r, e in enumerate(every) if not e["ok"]]
+    if invalid is not None:
+        raise invalid  # this rank's own reason; the others raise naming this rank
+    if bad:
+        lines = "\n".join(f"  rank {r}: {why}" for r, why in bad)
+        raise InvalidInput(f"autofuse.{op}: invalid input on {len(bad)} of {world.size} ranks, so no rank ran it:\n"
+                           f"{lines}")
+    if len({e["hash"] for e in every}) > 1:
+        lines = "\n".join(f"  rank {r}: {e['said']}" for r, e in enumerate(every))
+        raise DispatchMismatch(
+            f"autofuse.{op}: ranks disagree on what to run, so nothing was launched:\n{lines}\n"
+            "Give every rank the same policy (AUTOFUSE_POLICY / models/), the same AUTOFUSE_VARIANT and "
+            "variant=/config= arguments, and the same input shapes.")
+
+
+def _exchange(world: World, op: str, mine: dict) -> list[dict]:
+    """One JSON value per rank, in rank order, through the job's key-value store (bounded wait)."""
     if world.size == 1:
-        return
-    text = f"{choice.problem.key}|{choice.variant}|{config_key(choice.config)}"
-    h = int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little", signed=True)
-    mine = torch.tensor([h], dtype=torch.int64, device=world.device)
-    every = [torch.empty_like(mine) for _ in range(world.size)]
-    dist.all_gather(every, mine, group=world.group)
-    stats.collectives += 1
-    if len({int(t.item()) for t in every}) == 1:
-        return
-    said: list[Any] = [None] * world.size
-    dist.all_gather_object(said, f"{choice.variant} {config_key(choice.config)} for {choice.problem.key} "
-                           f"([{choice.source}] {choice.reason})", group=world.group)
-    stats.collectives += 1
-    lines = "\n".join(f"  rank {r}: {s}" for r, s in enumerate(said))
-    raise DispatchMismatch(
-        f"autofuse.{choice.op}: ranks disagree on what to run, so nothing was launched:\n{lines}\n"
-        "Give every rank the same policy (AUTOFUSE_POLICY / models/), the same AUTOFUSE_VARIANT and "
-        "variant=/config= arguments, and the same input shapes.")
+        return [mine]
+    store = dist.distributed_c10d._get_default_store()
+    group = (world.group if world.group is not None else dist.group.WORLD).group_name
+    seq = _agreement_seq.get(group, 0)
+    _agreement_seq[group] = seq + 1
+    prefix = f"autofuse/agree/{group}/{seq}"
+    keys = [f"{prefix}/{r}" for r in range(world.size)]
+    store.set(keys[world.rank], json.dumps(mine))
+    stats.agreements += 1
+    timeout = agree_timeout_s(world.device.type)
+    try:
+        store.wait(keys, datetime.timedelta(seconds=timeout))
+    except Exception as exc:  # noqa: BLE001 - the store's timeout error type differs across torch versions
+        missing = [r for r, k in enumerate(keys) if not store.check([k])]
+        raise DispatchMismatch(
+            f"autofuse.{op}: rank(s) {missing} did not take part in the first call of this problem within "
+            f"{timeout:.0f} s ({type(exc).__name__}). A rank that ran a cached call with other shapes, skipped "
+            "the call or died leaves the others here; its own kernels time out on their flags.") from None
+    every = [json.loads(store.get(k)) for k in keys]
+    if seq > 0:  # every rank has published this round, so all have read the previous one
+        store.delete_key(f"autofuse/agree/{group}/{seq - 1}/{world.rank}")
+    return every
 
 
 def _check(entry: _Entry) -> None:
-    if entry.heap.world.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+    runner = entry.runner
+    if not getattr(runner, "workspaces", ()):
+        return
+    if runner.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         return
     stats.checks += 1
-    status.check(entry.heap, entry.op)
+    runner.check()
 
 
 def _capturing(args: tuple) -> bool:
@@ -367,28 +437,31 @@ def _env_override(op: str) -> str | None:
 
 
 def models_dirs() -> list[Path]:
-    """Where shipped policies are searched: AUTOFUSE_MODELS_DIR, models/ beside the package, installed data."""
+    """Where policies are searched, first match wins: AUTOFUSE_MODELS_DIR, this user's fitted policies
+    (`autofuse fit`'s default output), models/ beside the package, the installed shipped ones."""
+    from autofuse.policy import user_models_dir
+
     here = Path(__file__).resolve().parent
     dirs = [Path(p) for p in os.environ.get("AUTOFUSE_MODELS_DIR", "").split(os.pathsep) if p]
-    dirs += [here.parent / "models", here / "models", Path(sys.prefix) / "share" / "autofuse" / "models"]
+    dirs += [user_models_dir(), here.parent / "models", here / "models",
+             Path(sys.prefix) / "share" / "autofuse" / "models"]
     return [d for i, d in enumerate(dirs) if d.is_dir() and d not in dirs[:i]]
 
 
 def find_policy(fingerprint: dict, mode: str | None = None) -> Path | None:
-    """The shipped policy whose fingerprint matches (preferring `mode`), or None."""
+    """The first valid policy whose fingerprint matches (earlier folders first, `mode` preferred), or None."""
     from autofuse.environment import fingerprint_id
+    from autofuse.policy import read_file, validate
 
-    found: list[tuple[bool, str, Path]] = []
-    for d in models_dirs():
+    found: list[tuple[bool, int, str, Path]] = []
+    for index, d in enumerate(models_dirs()):
         for path in sorted(d.glob("*.json")):
-            try:
-                data = json.loads(path.read_text())
-                fp = data["fingerprint"]
-            except (OSError, ValueError, KeyError, TypeError):
+            data, _ = read_file(path)
+            if data is None or validate(data) is not None:
                 continue
-            if isinstance(fp, dict) and fingerprint_id(fp) == fingerprint["id"]:
-                found.append((data.get("mode") != mode, str(path), path))
-    return min(found)[2] if found else None
+            if fingerprint_id(data["fingerprint"]) == fingerprint["id"]:
+                found.append((data.get("mode") != mode, index, str(path), path))
+    return min(found)[3] if found else None
 
 
 def _policy(world: World) -> Any:

@@ -21,11 +21,12 @@ import dataclasses
 import functools
 import threading
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 import torch
 
 from autofuse.op import Config, InvalidConfig, SearchSpace
+from autofuse.sizes import cdiv, next_pow2
 
 SMEM_LIMIT = 232448       # bytes of shared memory one program may use on sm_90 (227 KiB)
 SMEM_SLACK = 1024         # mbarriers and alignment, beyond the tile buffers (measured: 24-600 B)
@@ -43,16 +44,6 @@ ELEMENT_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 REQUIRED = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages")
 OPTIONAL: dict[str, Any] = {"SPLIT_K": 1, "SWAP_AB": False, "TMA": True, "WARP_SPEC": False}
 KEYS = REQUIRED + tuple(OPTIONAL)
-
-
-def cdiv(a: int, b: int) -> int:
-    """Ceiling of a / b for positive ints."""
-    return -(-a // b)
-
-
-def next_pow2(n: int) -> int:
-    """The smallest power of two >= n (1 for n <= 1)."""
-    return 1 << max(0, int(n) - 1).bit_length()
 
 
 def _dtype_name(dtype: str | torch.dtype) -> str:
@@ -287,10 +278,11 @@ def space(trial: SearchSpace, rows: int, n: int, k: int, dtype: str | torch.dtyp
 
 
 def auto_split(tiles: int, steps: int, sms: int = H200_SMS, min_steps: int = 4) -> int:
-    """SPLIT_K for a problem of `tiles` output tiles: 1 when the tiles alone fill the SMs, else the
-    split in (1, 2, 4, 8) whose work items fill the SMs' waves best (ties: fewer splits), keeping
-    at least `min_steps` BLOCK_K steps per split (the pipeline's depth)."""
-    if tiles >= sms:
+    """SPLIT_K for a problem of `tiles` output tiles: 1 when the tiles fill at least half the SMs
+    (splitting then buys less than the float32 partials cost: SPLIT_K x M x N x 4 bytes written and
+    read), else the split in (1, 2, 4, 8) whose work items fill the SMs' waves best (ties: fewer
+    splits), keeping at least `min_steps` BLOCK_K steps per split (the pipeline's depth)."""
+    if 2 * tiles > sms:
         return 1
     best, best_eff = 1, 0.0
     for split in (1, 2, 4, 8):
@@ -337,17 +329,17 @@ def defaults(rows: int, n: int, k: int, dtype: str | torch.dtype, sms: int = H20
         cands = [_cfg(128, 256, 64, 8, 3, tma=tma), _cfg(128, 128, 64, 8, 4, tma=tma),
                  _cfg(128, 256, 64, 4, 3, tma=tma, ws=tma), _cfg(256, 128, 64, 8, 3, tma=tma)]
     out: list[Config] = []
+    caps = [max(16, next_pow2(size)) for size in (rows, n, k)]
     for c in cands:
-        if not tiny(rows, n, k) and not c.WARP_SPEC and c.SPLIT_K == 1:
-            c = c.replace(SPLIT_K=auto_split(c.tiles(rows, n), cdiv(k, c.BLOCK_K), sms))
-        while check(c, rows, n, k, dt) is not None and c.num_stages > 2:
-            c = c.replace(num_stages=c.num_stages - 1)
-        if dt == "float32" and check(c, rows, n, k, dt) is not None and c.BLOCK_K > 32:
+        c = c.replace(BLOCK_M=min(c.BLOCK_M, caps[0]), BLOCK_N=min(c.BLOCK_N, caps[1]), BLOCK_K=min(c.BLOCK_K, caps[2]))
+        if dt == "float32" and c.BLOCK_K > 32 and c.smem_bytes(dt) > SMEM_LIMIT:
             c = c.replace(BLOCK_K=c.BLOCK_K // 2)
+        while c.num_stages > 2 and c.smem_bytes(dt) > SMEM_LIMIT:
+            c = c.replace(num_stages=c.num_stages - 1)
         if c.WARP_SPEC and check(c, rows, n, k, dt) is not None:
             c = c.replace(WARP_SPEC=False)
-        cap_m, cap_n, cap_k = (max(16, next_pow2(s)) for s in (rows, n, k))
-        c = c.replace(BLOCK_M=min(c.BLOCK_M, cap_m), BLOCK_N=min(c.BLOCK_N, cap_n), BLOCK_K=min(c.BLOCK_K, cap_k))
+        if not tiny(rows, n, k) and not c.WARP_SPEC and c.SPLIT_K == 1:
+            c = c.replace(SPLIT_K=auto_split(c.tiles(rows, n), cdiv(k, c.BLOCK_K), sms))
         while c.SPLIT_K > 1 and check(c, rows, n, k, dt) is not None:
             c = c.replace(SPLIT_K=c.SPLIT_K // 2)
         d = c.to_dict()
@@ -425,29 +417,29 @@ def split_k_workspace(device: torch.device, partial_elems: int, tiles: int) -> S
     return ws
 
 
-def matmul(a: torch.Tensor, b: torch.Tensor, config: Mapping[str, Any] | GemmConfig,
-           out: torch.Tensor | None = None, workspace: SplitKWorkspace | None = None,
-           num_programs: int | None = None) -> torch.Tensor:
-    """C = A @ B with the core's standalone kernel (`gemm_kernel`) at `config`.
+def prepare(a: torch.Tensor, b: torch.Tensor, config: Mapping[str, Any] | GemmConfig, out: torch.Tensor,
+            workspace: SplitKWorkspace | None = None, num_programs: int | None = None) -> Callable[[], None]:
+    """Validate once and return a no-argument launcher of C = A @ B into `out` (the core's
+    standalone `gemm_kernel`): what benchmarks time and CUDA graphs capture, with no per-call checks.
 
     A (M x K) and B (K x N) of one dtype (bf16, fp16, fp32) on one device; any strides on the
-    pointer path, unit column strides and 16-byte aligned rows and base addresses with TMA.
+    pointer path; with TMA, unit column strides and 16-byte aligned rows and base addresses.
     Raises InvalidConfig when `check` rejects the config or the tensors break TMA's alignment.
     """
     from autofuse.kernels import gemm_core
 
     if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0]:
         raise ValueError(f"matmul: shapes {tuple(a.shape)} and {tuple(b.shape)} do not multiply")
-    if a.dtype != b.dtype:
-        raise ValueError(f"matmul: A is {a.dtype} but B is {b.dtype}")
+    if a.dtype != b.dtype or out.dtype != a.dtype:
+        raise ValueError(f"matmul: A is {a.dtype}, B is {b.dtype}, out is {out.dtype}: they must match")
     m, k = a.shape
     n = b.shape[1]
+    if tuple(out.shape) != (m, n):
+        raise ValueError(f"matmul: out is {tuple(out.shape)}, expected {(m, n)}")
     cfg = config if isinstance(config, GemmConfig) else GemmConfig.from_dict(config)
     why = check(cfg, m, n, k, a.dtype)
     if why:
         raise InvalidConfig(why)
-    if out is None:
-        out = torch.empty((m, n), dtype=a.dtype, device=a.device)
     if cfg.TMA:
         for name, t in (("A", a), ("B", b), ("C", out)):
             if t.stride(1) != 1 or t.data_ptr() % 16 or t.stride(0) * t.element_size() % 16:
@@ -460,7 +452,23 @@ def matmul(a: torch.Tensor, b: torch.Tensor, config: Mapping[str, Any] | GemmCon
         partials, counts = workspace.partials, workspace.counts
     else:
         partials, counts = out, out  # unused by the kernel when SPLIT_K == 1
-    grid = cfg.grid(m, n, num_programs or programs(a.device))
-    gemm_core.gemm_kernel[grid](a, b, out, partials, counts, m, n, k, a.stride(0), a.stride(1), b.stride(0),
-                                b.stride(1), out.stride(0), out.stride(1), **cfg.kernel_kwargs())
+    kernel = gemm_core.gemm_kernel[cfg.grid(m, n, num_programs or programs(a.device))]
+    args = (a, b, out, partials, counts, m, n, k, a.stride(0), a.stride(1), b.stride(0), b.stride(1),
+            out.stride(0), out.stride(1))
+    kwargs = cfg.kernel_kwargs()
+
+    def launch() -> None:
+        kernel(*args, **kwargs)
+
+    return launch
+
+
+def matmul(a: torch.Tensor, b: torch.Tensor, config: Mapping[str, Any] | GemmConfig,
+           out: torch.Tensor | None = None, workspace: SplitKWorkspace | None = None,
+           num_programs: int | None = None) -> torch.Tensor:
+    """C = A @ B with the core's standalone kernel at `config` (see `prepare`); returns `out`."""
+    if out is None:
+        out = torch.empty((a.shape[0], b.shape[1]) if a.dim() == 2 and b.dim() == 2 else (0,), dtype=a.dtype,
+                          device=a.device)
+    prepare(a, b, config, out, workspace, num_programs)()
     return out

@@ -1,24 +1,59 @@
-"""Symmetric heap: the same-sized region on every rank, addressable by every rank's kernels.
+"""Symmetric heap: the same-sized region on every rank of a group, addressable by every rank's kernels.
 
-One class, three providers (DESIGN.md, Heap providers):
-- `torch`: one torch symmetric-memory buffer per process, one rendezvous; heap bases are its
-  `buffer_ptrs` (CUDA, ROCm builds of torch too).
-- `iris`: Iris's own heap where `import iris` works (ROCm); optional.
+One class, four providers (DESIGN.md, Heap providers):
+- `torch` (default on GPUs): device memory from torch's caching allocator; the group's ranks swap
+  CUDA IPC handles (`torch.multiprocessing.reductions`) through autofuse's own bounded rendezvous
+  and each rank opens every peer's heap on its own device (the driver enables peer access).
+  Heap bases are those mapped addresses. Works for any group, of any size, in any order.
+- `symm`: torch's own symmetric memory (`_symmetric_memory.empty` + `rendezvous`), kept as a
+  fallback for groups that span the whole job only (see below why never on other groups).
+- `iris`: Iris's own heap where `import iris` works (ROCm); whole job only, optional.
 - `shm`: CPU emulation: one shared-memory file per rank, mapped into every rank's process; the
   files are unlinked as soon as every rank has mapped them, so nothing is left even after a crash.
+
+Why autofuse does not use torch's rendezvous for its heaps (issue 17). In torch 2.11 (and any
+release without the upstream fix, pytorch/pytorch#196350), `_SymmetricMemory.rendezvous` swaps its requests through a single file-static
+`StoreExchange` per backend (`CUDASymmetricMemory.cu`: `static StoreExchange storeExchange`)
+whose store keys are `<prefix>/<seq_id_>/<rank>`, and `seq_id_` is one counter per *process*,
+raised by every all-gather and barrier of every rendezvous on any group
+(`CUDASymmetricMemoryUtils.hpp`, `StoreExchange::all_gather`: `++seq_id_`). A rendezvous on a
+group that leaves some ranks out (a 1-rank world, TP inside DP, the tuner's `--world 1,2`)
+advances the counter only on its members; the next rendezvous on a larger group then has its
+ranks write and wait on different keys, and every rank waits in `store->wait` until the store's
+timeout (pytorch/pytorch#196082; #196350 scopes the counter to the group).
+Nothing on the Python side can reset the counter, and making every rank of the job perform the
+same rendezvous sequence is impossible for groups that user code creates and uses on some ranks
+only (`World.from_group`). So heaps are exchanged by autofuse itself:
+
+- `Rendezvous`: bounded all-gathers of small payloads through the job's store, keyed by the
+  group's global ranks, its name and a per-group sequence number, so groups never share keys
+  and ranks agree on keys whatever other groups they rendezvoused on before. Every wait has a
+  deadline (`AUTOFUSE_HEAP_TIMEOUT`, default 300 s); a timeout names the group, its ranks and the
+  ranks that never arrived. A last phase agrees on success, so either every rank has a working
+  heap or every rank raises.
+- A 1-rank heap needs no exchange at all: plain device memory, `bases = [its address]`.
+- CUDA IPC handles of caching-allocator memory (rather than carving sub-heaps out of one job-wide
+  heap, which would need every rank of the job at the first allocation of any group, or exporting
+  torch's symmetric-memory handles ourselves, which needs file descriptors passed over sockets).
+  The mapping is the same NVLink peer mapping that kernels and the copy engine read through.
 
 A bump allocator hands out tensors; every allocation is checked to sit at the same offset on
 every rank, since kernels translate addresses by offset.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import datetime
 import mmap
 import os
+import pickle
 import re
+import socket
+import time
 import uuid
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
@@ -26,22 +61,56 @@ import torch.distributed as dist
 ALIGN = 256
 STATUS_WORDS = 8
 DEFAULT_SIZE = {"cpu": 64 << 20, "cuda": 8 << 30}
+DEFAULT_TIMEOUT_S = 300.0
 SHM_DIR = "/dev/shm"
 SHM_PREFIX = "autofuse-heap"
+PROVIDERS = ("torch", "symm", "iris", "shm")
+WHOLE_JOB_ONLY = ("symm", "iris")
 
 
 class HeapFull(MemoryError):
     """An allocation did not fit in the symmetric heap."""
 
 
+class HeapRendezvousError(RuntimeError):
+    """Creating a group's heap failed or timed out; the message names the group and what to do."""
+
+
+MIN_SIZE = 1 << 16
+
+
+def _mib(*sizes: int) -> int:
+    """The largest of `sizes` in MiB, rounded up (a size to suggest in a message)."""
+    return -(-max(sizes) // (1 << 20))
+
+
 def parse_size(text: str | int) -> int:
-    """'64M', '2G', '1048576' -> bytes."""
+    """'64M', '2G', '1048576' -> bytes (AUTOFUSE_HEAP_SIZE's syntax); at least 64 KiB."""
     if isinstance(text, int):
-        return text
-    m = re.fullmatch(r"\s*(\d+)\s*([kKmMgG]?)i?[bB]?\s*", str(text))
-    if not m:
-        raise ValueError(f"cannot read heap size {text!r}: use bytes or a number with K, M or G")
-    return int(m.group(1)) << {"": 0, "k": 10, "m": 20, "g": 30}[m.group(2).lower()]
+        size = text
+    else:
+        m = re.fullmatch(r"\s*(\d+)\s*([kKmMgG]?)i?[bB]?\s*", str(text))
+        if not m:
+            raise ValueError(f"cannot read heap size {text!r} (AUTOFUSE_HEAP_SIZE): use bytes or a number with "
+                             "K, M or G, e.g. 512M or 8G")
+        size = int(m.group(1)) << {"": 0, "k": 10, "m": 20, "g": 30}[m.group(2).lower()]
+    if size < MIN_SIZE:
+        raise ValueError(f"heap size {text!r} (AUTOFUSE_HEAP_SIZE) is below the minimum of {MIN_SIZE >> 10}K")
+    return size
+
+
+def rendezvous_timeout() -> float:
+    """Seconds a heap rendezvous waits for the group's other ranks: AUTOFUSE_HEAP_TIMEOUT, else 300."""
+    text = os.environ.get("AUTOFUSE_HEAP_TIMEOUT", "").strip()
+    if not text:
+        return DEFAULT_TIMEOUT_S
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError(f"AUTOFUSE_HEAP_TIMEOUT={text!r}: give seconds, e.g. 300") from None
+    if value <= 0:
+        raise ValueError(f"AUTOFUSE_HEAP_TIMEOUT={text!r} must be positive")
+    return value
 
 
 def default_provider(device: torch.device) -> str:
@@ -56,6 +125,140 @@ def default_provider(device: torch.device) -> str:
         except ImportError:
             pass
     return "torch"
+
+
+# -- rendezvous --------------------------------------------------------------------------------------
+
+_seq: dict[tuple, int] = {}
+_seq_job: list[Any] = [None]
+
+
+def _group_of(world: Any) -> Any:
+    return world.group if world.group is not None else dist.group.WORLD
+
+
+def _global_ranks(world: Any) -> tuple[int, ...]:
+    return tuple(world.global_ranks) if world.global_ranks else tuple(range(world.size))
+
+
+def describe_group(world: Any) -> str:
+    """'group "3" (global ranks [0, 1])': how errors name a World's group."""
+    try:
+        name = _group_of(world).group_name
+    except Exception:
+        name = "?"
+    return f"group {name!r} (global ranks {list(_global_ranks(world))})"
+
+
+def _next_seq(key: tuple) -> int:
+    """This process's count of rendezvous on one group; reset when the job's default group changes."""
+    job = dist.group.WORLD
+    if _seq_job[0] is not job:
+        _seq.clear()
+        _seq_job[0] = job
+    n = _seq.get(key, 0)
+    _seq[key] = n + 1
+    return n
+
+
+def _base_stores(store: Any) -> list[Any]:
+    chain = [store]
+    while hasattr(chain[-1], "underlying_store"):
+        chain.append(chain[-1].underlying_store)
+    return chain
+
+
+@contextlib.contextmanager
+def store_timeout(seconds: float) -> Iterator[None]:
+    """Bound every blocking wait on the job's store (and the stores it wraps) for a while.
+
+    torch's symmetric-memory rendezvous waits on the store without its own timeout; this is the
+    only bound that reaches it.
+    """
+    chain = _base_stores(dist.distributed_c10d._get_default_store())
+    saved = [s.timeout for s in chain]
+    for s in chain:
+        s.set_timeout(datetime.timedelta(seconds=max(seconds, 0.001)))
+    try:
+        yield
+    finally:
+        for s, t in zip(chain, saved):
+            s.set_timeout(t)
+
+
+class Rendezvous:
+    """Bounded all-gathers of small picklable payloads among one World's ranks, via the job's store.
+
+    Keys are `autofuse/heap/<global ranks>/<group name>/<n>/<phase>/<rank>` where n counts this
+    group's rendezvous in this process; only the group's own members ever touch them, so what
+    other groups did on some ranks cannot shift them. Collective over the World's ranks.
+    """
+
+    def __init__(self, world: Any, provider: str, size: int, timeout_s: float | None = None):
+        self.world = world
+        self.timeout_s = rendezvous_timeout() if timeout_s is None else float(timeout_s)
+        self.ranks = _global_ranks(world)
+        self.group_name = str(_group_of(world).group_name)
+        self.header = {"group": self.group_name, "ranks": self.ranks, "provider": provider, "size": size}
+        seq = _next_seq((self.ranks, self.group_name))
+        self.prefix = f"autofuse/heap/{'_'.join(map(str, self.ranks))}/{self.group_name}/{seq}"
+        self.store = dist.distributed_c10d._get_default_store()
+        self.deadline = time.monotonic() + self.timeout_s
+
+    @property
+    def label(self) -> str:
+        return f"group {self.group_name!r} (global ranks {list(self.ranks)})"
+
+    def remaining(self) -> float:
+        return max(self.deadline - time.monotonic(), 0.001)
+
+    def all_gather(self, phase: str, payload: Any) -> list[dict]:
+        """Every rank's {'group', 'ranks', 'provider', 'size', 'host', 'pid', 'data': payload}."""
+        w = self.world
+        mine = dict(self.header, host=socket.gethostname(), pid=os.getpid(), data=payload)
+        keys = [f"{self.prefix}/{phase}/{r}" for r in range(w.size)]
+        if w.size == 1:
+            return [mine]
+        self.store.set(keys[w.rank], pickle.dumps(mine))
+        others = [k for r, k in enumerate(keys) if r != w.rank]
+        try:
+            self.store.wait(others, datetime.timedelta(seconds=self.remaining()))
+        except RuntimeError as exc:  # DistStoreError on timeout; RuntimeError where the store went away
+            missing = [self.ranks[r] for r, k in enumerate(keys) if r != w.rank and not self._present(k)]
+            raise HeapRendezvousError(
+                f"symmetric heap rendezvous of {self.label}, {self.header['provider']} provider, phase "
+                f"{phase!r}: global rank {self.ranks[w.rank]} waited {self.timeout_s:g} s and global ranks "
+                f"{missing or '(unknown)'} never arrived ({type(exc).__name__}: {exc}). Every rank of a group "
+                "must create the group's heap together (its first `world.heap`, or the first fused op on it); "
+                "a rank that skipped it, crashed or waits elsewhere (another collective, another group's "
+                "heap in a different order) leaves the others here. If the ranks are only slow, raise "
+                "AUTOFUSE_HEAP_TIMEOUT (seconds)."
+            ) from None
+        got = [mine if r == w.rank else pickle.loads(self.store.get(k)) for r, k in enumerate(keys)]
+        for field in ("group", "ranks", "provider", "size"):
+            seen = [g[field] for g in got]
+            if any(s != seen[0] for s in seen):
+                hint = " (set AUTOFUSE_HEAP_SIZE / AUTOFUSE_HEAP_PROVIDER alike on every rank)" \
+                    if field in ("size", "provider") else ""
+                raise HeapRendezvousError(
+                    f"symmetric heap rendezvous of {self.label}: ranks disagree on the heap's {field}, "
+                    f"{dict(zip(self.ranks, seen))}{hint}"
+                )
+        return got
+
+    def agree(self, phase: str, error: str | None, what: str) -> None:
+        """Raise on every rank if any rank reports an error for `what` (so no rank goes on alone)."""
+        every = self.all_gather(phase, error)
+        failed = {self.ranks[r]: g["data"] for r, g in enumerate(every) if g["data"]}
+        if failed:
+            lines = "; ".join(f"global rank {r}: {e}" for r, e in failed.items())
+            raise HeapRendezvousError(f"symmetric heap of {self.label}: {what} failed on {lines}")
+
+    def _present(self, key: str) -> bool:
+        try:
+            return bool(self.store.check([key]))
+        except RuntimeError:
+            return False
 
 
 @dataclass
@@ -73,69 +276,140 @@ class SymmetricHeap:
     `bases` is an int64 tensor on the World's device: `bases[r]` is rank r's heap address as
     mapped in this process, what the device API's `heap_bases` argument expects. `status` is
     a small int32 region at offset 0 that bounded waits write on timeout (see `autofuse.status`).
+    Creating a heap is collective over the World's ranks and bounded by `timeout_s`
+    (default AUTOFUSE_HEAP_TIMEOUT or 300 s); it raises HeapRendezvousError instead of hanging.
     """
 
-    def __init__(self, world: Any, size: int | str | None = None, provider: str | None = None):
+    def __init__(self, world: Any, size: int | str | None = None, provider: str | None = None,
+                 timeout_s: float | None = None):
         self.world = world
         env = os.environ.get("AUTOFUSE_HEAP_SIZE")
         self.size = parse_size(size if size is not None else env if env else DEFAULT_SIZE[world.device.type])
         self.provider = provider or os.environ.get("AUTOFUSE_HEAP_PROVIDER") or default_provider(world.device)
+        if self.provider not in PROVIDERS:
+            raise ValueError(f"unknown heap provider {self.provider!r}: use {', '.join(PROVIDERS)}")
         self._top = 0
         self._allocs: list[Allocation] = []
-        self._keep: list[Any] = []
-        if self.provider == "shm":
-            self._open_shm()
-        elif self.provider == "torch":
-            self._open_torch()
-        elif self.provider == "iris":
-            self._open_iris()
-        else:
-            raise ValueError(f"unknown heap provider {self.provider!r}: use torch, shm or iris")
+        self._peers: list[torch.Tensor] = []
+        self._maps: list[mmap.mmap] = []
+        self._handle: Any = None
+        if self.provider in WHOLE_JOB_ONLY and not _spans_job(world):
+            raise HeapRendezvousError(
+                f"the {self.provider} heap provider can only serve a group that spans the whole job, not "
+                f"{describe_group(world)} of a {dist.get_world_size()}-rank job"
+                + (": torch's symmetric-memory rendezvous hangs once groups that leave ranks out have "
+                   "rendezvoused (pytorch/pytorch#196082)" if self.provider == "symm" else "")
+                + "; use the default torch provider (unset AUTOFUSE_HEAP_PROVIDER)"
+            )
+        rv = Rendezvous(world, self.provider, self.size, timeout_s) if dist.is_initialized() else None
+        if rv is None and world.size > 1:
+            raise RuntimeError("a symmetric heap for several ranks needs torch.distributed initialised")
+        getattr(self, f"_open_{self.provider}")(rv)
         self.status = self.zeros(STATUS_WORDS, dtype=torch.int32, name="status")
 
     # providers -------------------------------------------------------------------------------
-    def _open_shm(self) -> None:
+    def _open_shm(self, rv: Rendezvous | None) -> None:
         w = self.world
         if w.device.type != "cpu":
             raise ValueError("the shm heap provider emulates GPUs on CPU; use torch or iris on GPUs")
-        tag = [uuid.uuid4().hex[:12] if w.rank == 0 else None]
-        dist.broadcast_object_list(tag, src=w.global_ranks[0], group=w.group)
-        paths = [os.path.join(SHM_DIR, f"{SHM_PREFIX}-{tag[0]}-{r}") for r in range(w.size)]
-        fd = os.open(paths[w.rank], os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        path = os.path.join(SHM_DIR, f"{SHM_PREFIX}-{uuid.uuid4().hex[:12]}-{w.rank}")
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             os.ftruncate(fd, self.size)
         finally:
             os.close(fd)
-        dist.barrier(group=w.group)
-        maps = []
+        maps: list[mmap.mmap] = []
         try:
-            for p in paths:
-                fd = os.open(p, os.O_RDWR)
-                try:
-                    maps.append(mmap.mmap(fd, self.size))
-                finally:
-                    os.close(fd)
+            paths = [g["data"] for g in rv.all_gather("paths", path)] if rv else [path]
+            error = None
+            try:
+                for p in paths:
+                    fd = os.open(p, os.O_RDWR)
+                    try:
+                        maps.append(mmap.mmap(fd, self.size))
+                    finally:
+                        os.close(fd)
+            except OSError as exc:
+                error = f"cannot map a peer's heap file: {exc}"
+            if rv:
+                rv.agree("mapped", error, "mapping the peers' heap files")
+            elif error:
+                raise HeapRendezvousError(error)
         finally:
-            dist.barrier(group=w.group)
-            os.unlink(paths[w.rank])  # every rank has mapped it: the mappings outlive the name
+            os.unlink(path)  # every rank has mapped it (or gave up): the mappings outlive the name
         self._maps = maps
         self._local = torch.frombuffer(maps[w.rank], dtype=torch.uint8)
         addrs = [ctypes.addressof(ctypes.c_char.from_buffer(m)) for m in maps]
         self.bases = torch.tensor(addrs, dtype=torch.int64)
         self.paths = paths
 
-    def _open_torch(self) -> None:
+    def _open_torch(self, rv: Rendezvous | None) -> None:
+        w = self.world
+        local = torch.empty(self.size, dtype=torch.uint8, device=w.device)
+        self._local = local
+        if w.size == 1:
+            self._peers = [local]
+        else:
+            from torch.multiprocessing.reductions import reduce_tensor, rebuild_cuda_tensor
+
+            try:
+                exported: tuple = (reduce_tensor(local)[1], None)
+            except Exception as exc:
+                exported = (None, f"{type(exc).__name__}: {exc}")
+            every = rv.all_gather("handles", exported)
+            failed = {rv.ranks[r]: g["data"][1] for r, g in enumerate(every) if g["data"][1]}
+            if failed:
+                raise HeapRendezvousError(
+                    f"symmetric heap of {rv.label}: exporting the heap for CUDA IPC failed on {failed} (CUDA IPC "
+                    "needs torch's caching allocator, not PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync)"
+                )
+            hosts = sorted({g["host"] for g in every})
+            if len(hosts) > 1:
+                raise HeapRendezvousError(
+                    f"the torch heap provider maps peers' memory with CUDA IPC, which needs every rank of "
+                    f"{rv.label} on one host; it spans {hosts}. Run fused ops on intra-node groups"
+                )
+            index = w.device.index if w.device.index is not None else torch.cuda.current_device()
+            peers: list[torch.Tensor] = []
+            error = None
+            try:
+                for r, g in enumerate(every):
+                    if r == w.rank:
+                        peers.append(local)
+                        continue
+                    a = list(g["data"][0])
+                    a[6] = index  # open on this rank's device: the driver maps it there, peer access on
+                    peers.append(rebuild_cuda_tensor(*a))
+            except Exception as exc:
+                error = (f"cannot open global rank {rv.ranks[len(peers)]}'s heap on cuda:{index} "
+                         f"({type(exc).__name__}: {exc}); every GPU of the group must be visible to every "
+                         "rank (CUDA_VISIBLE_DEVICES) and peer-capable")
+            rv.agree("opened", error, "opening the peers' heaps")
+            self._peers = peers
+        self.bases = torch.tensor([p.data_ptr() for p in self._peers], dtype=torch.int64, device=w.device)
+
+    def _open_symm(self, rv: Rendezvous | None) -> None:
         import torch.distributed._symmetric_memory as symm
 
         w = self.world
+        if rv is None:
+            raise RuntimeError("the symm heap provider needs torch.distributed initialised")
         buf = symm.empty(self.size, dtype=torch.uint8, device=w.device)
-        group_name = (w.group if w.group is not None else dist.group.WORLD).group_name
-        handle = symm.rendezvous(buf, group_name)
+        rv.all_gather("arrive", None)  # every rank is here: torch's exchange will not wait on an absent one
+        try:
+            with store_timeout(rv.remaining()):
+                handle = symm.rendezvous(buf, rv.group_name)
+        except RuntimeError as exc:
+            raise HeapRendezvousError(
+                f"torch's symmetric-memory rendezvous of {rv.label} failed or timed out ({exc}); torch 2.11 "
+                "hangs there after any rendezvous on a group that left ranks out (pytorch/pytorch#196082), "
+                "e.g. a torch_symm op on a sub-group: use the default torch heap provider"
+            ) from None
         self._local = buf
         self._handle = handle
         self.bases = torch.tensor(list(handle.buffer_ptrs), dtype=torch.int64, device=w.device)
 
-    def _open_iris(self) -> None:
+    def _open_iris(self, rv: Rendezvous | None) -> None:
         import iris
 
         shmem = iris.iris(self.size)
@@ -155,7 +429,7 @@ class SymmetricHeap:
         if offset + nbytes > self._local.numel():
             raise HeapFull(
                 f"symmetric heap full: {name!r} needs {nbytes} B at offset {offset}, heap is "
-                f"{self.size} B ({self._top} B used); raise AUTOFUSE_HEAP_SIZE (e.g. {2 * self.size >> 20}M)"
+                f"{self.size} B ({self._top} B used); raise AUTOFUSE_HEAP_SIZE (e.g. {_mib(2 * self.size, offset + nbytes)}M)"
             )
         if verify:
             self._verify_offset(offset, nbytes, name)
@@ -222,24 +496,49 @@ class SymmetricHeap:
         return self._top
 
     def peer_tensor(self, t: torch.Tensor, rank: int) -> torch.Tensor:
-        """A host-side tensor viewing `rank`'s copy of heap tensor `t` (copy engine, tests)."""
+        """A host-side tensor viewing `rank`'s copy of heap tensor `t` (copy engine, tests).
+
+        `rank` is the rank in this heap's World. On GPUs it is a tensor on this rank's device
+        whose memory is the peer's (reads and writes go over the peer link).
+        """
         off = self.offset_of(t)
+        nbytes = t.numel() * t.element_size()
         if self.provider == "torch":
-            return self._handle.get_buffer(rank, tuple(t.shape), t.dtype, off // t.element_size())
-        if self.provider == "shm":
+            raw = self._peers[rank]
+        elif self.provider == "shm":
             raw = torch.frombuffer(self._maps[rank], dtype=torch.uint8)
-            return raw[off:off + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
-        raise NotImplementedError(f"peer tensors are not available on the {self.provider} heap")
+        elif self.provider == "symm":
+            return self._handle.get_buffer(rank, tuple(t.shape), t.dtype, off // t.element_size())
+        else:
+            raise NotImplementedError(f"peer tensors are not available on the {self.provider} heap")
+        return raw[off:off + nbytes].view(t.dtype).view(t.shape)
 
     def close(self) -> None:
-        """Drop the mappings (shm) or the buffer (torch); tensors from this heap become invalid."""
+        """Drop the mappings and the buffer; tensors from this heap become invalid.
+
+        The torch provider first drops its views of the peers' heaps, then waits (briefly,
+        best effort) for the group's other ranks to do the same before freeing its own heap, so
+        no rank frees memory a peer still maps (torch would keep it and warn at exit).
+        """
         self._allocs.clear()
+        peers, self._peers = self._peers, []
+        if self.provider == "torch" and len(peers) > 1 and dist.is_initialized():
+            del peers
+            with contextlib.suppress(Exception):
+                Rendezvous(self.world, "torch", self.size, timeout_s=min(10.0, rendezvous_timeout())).all_gather(
+                    "closed", None)
         self._local = None
-        if self.provider == "shm":
-            for m in getattr(self, "_maps", []):
-                try:
-                    m.close()
-                except BufferError:
-                    pass  # a tensor still views it; the mapping goes with the process
-            self._maps = []
+        for m in self._maps:
+            try:
+                m.close()
+            except BufferError:
+                pass  # a tensor still views it; the mapping goes with the process
+        self._maps = []
         self._handle = None
+
+
+def _spans_job(world: Any) -> bool:
+    spans = getattr(world, "spans_job", None)
+    if spans is not None:
+        return bool(spans)
+    return not dist.is_initialized() or world.size == dist.get_world_size()

@@ -1,41 +1,39 @@
-"""Dispatch policy: which variant and config to run for a problem (DESIGN.md, Policy and dispatch).
+"""Dispatch policy at run time: load a fitted policy file, validate it, and decide per problem.
 
-Fitted on the tuning store's best measurement per (problem, variant). Two scikit-learn models are
-compared on problems held out of training (k folds by problem) and the better is kept:
+The runtime half of the policy (DESIGN.md, Policy and dispatch); fitting lives in
+`autofuse.training.fit` (scikit-learn), which this module never imports: it reads plain JSON and
+walks the exported trees in Python (no numpy, no scikit-learn).
 
+A policy file holds, per op, one of two fitted models:
 - `gbr`: a gradient-boosted regressor of log latency from the problem's features plus a one-hot
   of the variant; the predicted gain of variant v over BSP is pred(bsp) - pred(v).
 - `tree`: a decision-tree classifier of the fastest variant; each leaf also carries the mean
   measured log gain over BSP of every variant among the training problems that reach it.
-
 Either way a decision has a predicted gain over BSP; where that gain is within the model's measured
-error the policy says "unsure" and runs BSP, as PyTorch's AutoHeuristic does. The error is a
-quantile of |predicted - measured| log gain on held-out problems: the largest of the 50/75/90th
-percentiles whose held-out geomean latency is within 0.5% of the best of them (safety first). A problem that was tuned itself uses its measured best
-(BSP unless the gain beats `MEASURED_MARGIN`). The config of the chosen variant is the one tuned
-on the nearest measured problem (standardised feature distance) that the variant accepts.
+error (`margin`) the policy says "unsure" and runs BSP, as PyTorch's AutoHeuristic does. A problem
+that was tuned itself uses its measured best (BSP unless the gain beats `MEASURED_MARGIN`). The
+config of the chosen variant is the one tuned on the nearest measured problem (standardised feature
+distance) that the variant accepts.
 
-The fitted policy is plain JSON: the trees as arrays (left, right, feature, threshold, value) that
-`_walk` follows in Python, the feature names, the measured problems with their best configs, the
-error and the held-out evaluation, and the environment fingerprint. Loading runs no code; a policy
-whose fingerprint differs from this machine's is refused with a warning and BSP runs instead.
+Loading runs no code and trusts nothing: `validate` checks the whole structure (every key and type,
+feature and child indices in range, trees acyclic with every node reached once and bounded in size
+and depth, finite numbers everywhere, positive scales, well-formed leaves) and refuses a file with
+one `PolicyWarning` naming it and the first problem found; so does a policy fitted on other
+hardware or versions. A refused policy runs BSP for every op.
 """
 from __future__ import annotations
 
-import datetime
-import hashlib
 import json
 import math
+import os
 import re
-import statistics
 import warnings
-from dataclasses import dataclass, field
+from array import array
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
-import numpy as np
-
-from autofuse import __version__, environment
+from autofuse import environment
 from autofuse.features import problem_features, vector
 from autofuse.op import Config, Op, Problem
 
@@ -43,10 +41,11 @@ FORMAT = "autofuse-policy"
 FORMAT_VERSION = 1
 BSP = "bsp"
 MEASURED_MARGIN = 0.02  # a tuned problem leaves BSP only for a measured gain above 2% (timing noise)
-WITHIN = 0.05  # "within 5% of the best measured candidate"
-MARGIN_QUANTILES = (0.5, 0.75, 0.9)  # candidate unsure margins: quantiles of the held-out error
-SAFETY_COST = 0.005  # a larger margin (more BSP) is kept while it costs at most 0.5% geomean latency
-MODELS = ("gbr", "tree")
+# Bounds of what a policy file may hold (far above what `autofuse fit` writes: depth 6, 200 trees of depth 3).
+MAX_FILE_BYTES = 256 << 20
+MAX_TREE_NODES = 1 << 16
+MAX_TREE_DEPTH = 64
+MAX_TREES = 10_000
 
 
 class PolicyWarning(UserWarning):
@@ -75,7 +74,7 @@ class Decision:
 
 def _f32(x: Sequence[float]) -> list[float]:
     """Features as float32, exactly as scikit-learn's trees compare them against thresholds."""
-    return np.asarray(x, dtype=np.float32).tolist()
+    return array("f", [float(v) for v in x]).tolist()
 
 
 def _walk(tree: Mapping[str, list], x: Sequence[float]) -> int:
@@ -140,8 +139,9 @@ def _valid(op: Op | None, problem: Problem, variant: str, config: Config) -> boo
 class Policy:
     """A loaded policy (or the BSP-for-everything fallback): `choose(problem)`.
 
-    Build one with `Policy.load(path)`, `Policy.from_dict(data)` (both check the fingerprint) or
-    `Policy.bsp(reason)`; `fit()` returns the data of a new one.
+    Build one with `Policy.load(path)`, `Policy.from_dict(data)` (both validate the structure and
+    check the fingerprint) or `Policy.bsp(reason)`; `autofuse.training.fit.fit()` returns the data
+    of a new one. `Policy(data)` trusts `data` (fitted in this process).
     """
 
     def __init__(self, data: Mapping[str, Any] | None, source: str = "<memory>", refused: str = ""):
@@ -160,8 +160,9 @@ class Policy:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], fingerprint: Mapping[str, Any] | None = None,
                   source: str = "<memory>") -> "Policy":
-        """Check format and fingerprint; a refused policy warns and returns the BSP fallback."""
-        problem = _format_problem(data)
+        """Validate the whole structure, then the fingerprint; a refused policy warns once (naming
+        `source` and the first problem) and returns the BSP fallback."""
+        problem = validate(data)
         if problem is None:
             fp = fingerprint if fingerprint is not None else environment.fingerprint()
             diff = environment.differences(data["fingerprint"], fp)
@@ -176,20 +177,25 @@ class Policy:
 
     @classmethod
     def load(cls, path: str | Path, fingerprint: Mapping[str, Any] | None = None) -> "Policy":
-        """Read a policy JSON (no code runs); refuse it with a warning unless its fingerprint matches."""
+        """Read a policy JSON (no code runs); refuse it with one warning unless it is well-formed
+        throughout and its fingerprint matches this machine."""
         path = Path(path)
-        try:
-            data = json.loads(path.read_text())
-        except (OSError, ValueError) as exc:
-            reason = f"policy {path} refused: cannot read it ({type(exc).__name__}: {exc}); running BSP for every op"
+        data, why = read_file(path)
+        if why:
+            reason = f"policy {path} refused: {why}; running BSP for every op"
             warnings.warn(reason, PolicyWarning, stacklevel=2)
             return cls.bsp(reason)
         return cls.from_dict(data, fingerprint, source=str(path))
 
+    def to_json(self) -> str:
+        """The policy file's text (plain JSON: NaN or infinity would raise)."""
+        return json.dumps(self.data, indent=1, sort_keys=True, allow_nan=False) + "\n"
+
     def save(self, path: str | Path) -> Path:
+        """Write the policy file (replacing `path`; the CLI's `fit` refuses that without --force)."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(self.data, indent=1, sort_keys=True, allow_nan=False) + "\n")
+        path.write_text(self.to_json())
         return path
 
     @property
@@ -300,296 +306,228 @@ class Policy:
         return self._index[op]
 
 
-def _format_problem(data: Any) -> str | None:
-    """Why `data` is not a policy this version reads, or None."""
-    if not isinstance(data, Mapping) or data.get("format") != FORMAT:
-        return f"not an {FORMAT} file"
-    if data.get("format_version") != FORMAT_VERSION:
-        return f"format version {data.get('format_version')!r}, this autofuse reads {FORMAT_VERSION}"
-    if not isinstance(data.get("fingerprint"), Mapping) or not isinstance(data.get("ops"), Mapping):
-        return "it lacks a fingerprint or ops"
-    for name, op in data["ops"].items():
-        missing = {"features", "variants", "scale", "problems", "candidates", "model", "margin"} - set(op)
-        if missing:
-            return f"op {name} lacks {sorted(missing)}"
+# ---------------------------------------------------------------------------------------------
+# Validation: a policy file is data from disk, checked through before any of it is used
+
+
+class _Bad(Exception):
+    """The first problem found in a policy's structure: where, then what."""
+
+
+def _need(ok: bool, where: str, what: str) -> None:
+    if not ok:
+        raise _Bad(f"{where}: {what}")
+
+
+def _show(x: Any) -> str:
+    text = repr(x)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_finite(x: Any) -> bool:
+    if not isinstance(x, (int, float)) or isinstance(x, bool):
+        return False
+    try:
+        return math.isfinite(x)
+    except OverflowError:  # an int too large for a float
+        return False
+
+
+def _finite(x: Any, where: str, positive: bool = False) -> None:
+    _need(_is_finite(x), where, f"{_show(x)} is not a finite number")
+    if positive:
+        _need(x > 0, where, f"{_show(x)} must be positive")
+
+
+def _obj(x: Any, where: str, keys: Sequence[str] = ()) -> Mapping[str, Any]:
+    _need(isinstance(x, Mapping), where, f"must be an object, not {type(x).__name__}")
+    missing = [k for k in keys if k not in x]
+    _need(not missing, where, "lacks " + ", ".join(repr(k) for k in missing))
+    return x
+
+
+def _list(x: Any, where: str, n: int | None = None) -> list:
+    _need(isinstance(x, list), where, f"must be a list, not {type(x).__name__}")
+    if n is not None:
+        _need(len(x) == n, where, f"has {len(x)} entries, expected {n}")
+    return x
+
+
+def _names(x: Any, where: str, unique: bool = True) -> list[str]:
+    _list(x, where)
+    for i, v in enumerate(x):
+        _need(isinstance(v, str), f"{where}[{i}]", f"{_show(v)} is not a string")
+    if unique:
+        _need(len(set(x)) == len(x), where, "has duplicate entries")
+    return x
+
+
+def _check_tree(tree: Any, where: str, n_features: int, per_node: Sequence[str]) -> list[int]:
+    """Check one exported tree; returns its leaves. Every internal node has two children in range and
+    a feature index in range; every node is reached exactly once from the root (no cycle, no shared
+    node, nothing unreachable); size and depth are bounded; thresholds are finite."""
+    t = _obj(tree, where, ("left", "right", "feature", "threshold", *per_node))
+    left = _list(t["left"], f"{where}.left")
+    n = len(left)
+    _need(1 <= n <= MAX_TREE_NODES, f"{where}.left", f"{n} nodes (1 to {MAX_TREE_NODES} allowed)")
+    right = _list(t["right"], f"{where}.right", n)
+    feature = _list(t["feature"], f"{where}.feature", n)
+    threshold = _list(t["threshold"], f"{where}.threshold", n)
+    for key in per_node:
+        _list(t[key], f"{where}.{key}", n)
+    leaves = []
+    for i in range(n):
+        a, b, f = left[i], right[i], feature[i]
+        _need(_is_int(a) and _is_int(b), f"{where} node {i}", f"child indices {_show(a)}, {_show(b)} are not integers")
+        _need(_is_int(f), f"{where} node {i}", f"feature index {_show(f)} is not an integer")
+        _finite(threshold[i], f"{where}.threshold[{i}]")
+        if a == -1 or b == -1:
+            _need(a == b == -1, f"{where} node {i}", f"has one child ({a}, {b}); a leaf has left = right = -1")
+            leaves.append(i)
+            continue
+        _need(0 < a < n and 0 < b < n, f"{where} node {i}", f"child index out of range 1..{n - 1}: left {a}, right {b}")
+        _need(0 <= f < n_features, f"{where} node {i}", f"feature index {f} out of range 0..{n_features - 1}")
+    seen, depth, stack = [False] * n, [0] * n, [0]
+    seen[0] = True
+    while stack:
+        i = stack.pop()
+        if left[i] == -1:
+            continue
+        for c in (left[i], right[i]):
+            _need(not seen[c], f"{where} node {c}", "reached twice from the root (a cycle or a shared node)")
+            seen[c], depth[c] = True, depth[i] + 1
+            _need(depth[c] <= MAX_TREE_DEPTH, where, f"deeper than {MAX_TREE_DEPTH} levels")
+            stack.append(c)
+    unreached = [i for i in range(n) if not seen[i]]
+    _need(not unreached, f"{where} node {unreached[0] if unreached else 0}", "is never reached from the root")
+    return leaves
+
+
+def _check_model(model: Any, where: str, n_features: int, variants: Sequence[str]) -> None:
+    m = _obj(model, where, ("kind",))
+    if m["kind"] == "gbr":
+        _obj(m, where, ("variants", "init", "learning_rate", "trees"))
+        mv = _names(m["variants"], f"{where}.variants")
+        _need(BSP in mv, f"{where}.variants", "lacks bsp")
+        _finite(m["init"], f"{where}.init")
+        _finite(m["learning_rate"], f"{where}.learning_rate")
+        trees = _list(m["trees"], f"{where}.trees")
+        _need(len(trees) <= MAX_TREES, f"{where}.trees", f"{len(trees)} trees (at most {MAX_TREES})")
+        for j, tree in enumerate(trees):
+            w = f"{where}.trees[{j}]"
+            _check_tree(tree, w, n_features + len(mv), ("value",))
+            for i, v in enumerate(tree["value"]):
+                _finite(v, f"{w}.value[{i}]")
+    elif m["kind"] == "tree":
+        _obj(m, where, ("classes", "tree", "leaf_gain"))
+        classes = _names(m["classes"], f"{where}.classes")
+        _need(len(classes) > 0, f"{where}.classes", "is empty")
+        _check_tree(m["tree"], f"{where}.tree", n_features, ("label",))
+        n = len(m["tree"]["left"])
+        for i, label in enumerate(m["tree"]["label"]):
+            _need(_is_int(label) and 0 <= label < len(classes), f"{where}.tree.label[{i}]",
+                  f"{_show(label)} is not a class index 0..{len(classes) - 1}")
+        gains = _list(m["leaf_gain"], f"{where}.leaf_gain", n)
+        for i, g in enumerate(gains):
+            if g is None:
+                continue
+            _obj(g, f"{where}.leaf_gain[{i}]")
+            for v, x in g.items():
+                _finite(x, f"{where}.leaf_gain[{i}][{v!r}]")
+    else:
+        _need(False, f"{where}.kind", f"{_show(m['kind'])} is not a model kind (gbr or tree)")
+
+
+def _check_op(name: str, op: Any) -> None:
+    w = f"ops.{name}"
+    _obj(op, w, ("features", "variants", "scale", "problems", "candidates", "model", "margin"))
+    features = _names(op["features"], f"{w}.features")
+    variants = _names(op["variants"], f"{w}.variants")
+    _need(BSP in variants, f"{w}.variants", "lacks bsp")
+    for i, x in enumerate(_list(op["scale"], f"{w}.scale", len(features))):
+        _finite(x, f"{w}.scale[{i}]", positive=True)
+    problems = _obj(op["problems"], f"{w}.problems")
+    for key, p in problems.items():
+        wp = f"{w}.problems[{key!r}]"
+        _obj(p, wp, ("x", "us"))
+        for i, x in enumerate(_list(p["x"], f"{wp}.x", len(features))):
+            _finite(x, f"{wp}.x[{i}]")
+        for v, t in _obj(p["us"], f"{wp}.us").items():
+            _need(v in variants, f"{wp}.us", f"variant {v!r} is not among the op's variants")
+            _finite(t, f"{wp}.us[{v!r}]", positive=True)
+    for v, entries in _obj(op["candidates"], f"{w}.candidates").items():
+        wc = f"{w}.candidates[{v!r}]"
+        _need(v in variants, wc, f"variant {v!r} is not among the op's variants")
+        for j, entry in enumerate(_list(entries, wc)):
+            we = f"{wc}[{j}]"
+            _obj(entry, we, ("config", "problems"))
+            for k, x in _obj(entry["config"], f"{we}.config").items():
+                _need(isinstance(x, (str, int, float, bool)) and (not isinstance(x, float) or math.isfinite(x)),
+                      f"{we}.config[{k!r}]", f"{_show(x)} is not a finite number, string or boolean")
+            for key in _names(entry["problems"], f"{we}.problems", unique=False):
+                _need(key in problems, f"{we}.problems", f"names problem {key!r}, which the policy does not hold")
+    if op["margin"] is not None:
+        _finite(op["margin"], f"{w}.margin")
+        _need(op["margin"] >= 0, f"{w}.margin", f"{op['margin']!r} is negative")
+    if op["model"] is not None:
+        _check_model(op["model"], f"{w}.model", len(features), variants)
+
+
+def validate(data: Any) -> str | None:
+    """The first reason `data` is not a policy this version can use, or None (see the module docstring)."""
+    try:
+        _need(isinstance(data, Mapping) and data.get("format") == FORMAT, "file", f"not an {FORMAT} file")
+        _need(data.get("format_version") == FORMAT_VERSION, "file",
+              f"format version {_show(data.get('format_version'))}, this autofuse reads {FORMAT_VERSION}")
+        _obj(data, "policy", ("fingerprint", "ops"))
+        for k, v in _obj(data["fingerprint"], "fingerprint").items():
+            inner = v.items() if isinstance(v, Mapping) else [(None, v)]  # e.g. "ops": {op: code digest}
+            for k2, x in inner:
+                _need(x is None or isinstance(x, (str, bool)) or _is_finite(x),
+                      f"fingerprint[{k!r}]" + (f"[{k2!r}]" if k2 is not None else ""),
+                      f"{_show(x)} is not a string or number")
+        _need(isinstance(data["fingerprint"].get("id"), str), "fingerprint", "lacks its id")
+        _need(isinstance(data.get("mode", ""), str), "mode", "is not a string")
+        for name, op in _obj(data["ops"], "ops").items():
+            _check_op(name, op)
+    except _Bad as exc:
+        return str(exc)
     return None
 
 
+def read_file(path: str | Path) -> tuple[Any, str]:
+    """(the parsed JSON of a policy file, "") or (None, why it cannot be read). Never raises for a bad
+    file: missing, unreadable, larger than MAX_FILE_BYTES, not UTF-8, not JSON, nested too deeply."""
+    path = Path(path)
+    try:
+        size = path.stat().st_size
+        if size > MAX_FILE_BYTES:
+            return None, f"it is {size >> 20} MiB, larger than the {MAX_FILE_BYTES >> 20} MiB a policy may be"
+        return json.loads(path.read_bytes().decode("utf-8")), ""
+    except RecursionError:
+        return None, "cannot read it: JSON nested too deeply"
+    except (OSError, ValueError, MemoryError) as exc:
+        return None, f"cannot read it ({type(exc).__name__}: {str(exc)[:200]})"
+
+
 def file_name(fingerprint: Mapping[str, Any], mode: str) -> str:
-    """Conventional file name under models/: '<gpu>-x<count>-<fingerprint id>-<mode>.json'."""
-    gpu = re.sub(r"[^a-z0-9]+", "-", str(fingerprint.get("gpu_name", "unknown")).lower()).strip("-")
-    return f"{gpu}-x{fingerprint.get('gpu_count', 0)}-{fingerprint['id']}-{mode}.json"
+    """Conventional policy file name: '<gpu>-x<count>-<fingerprint id>-<mode>.json' on GPUs,
+    'cpu-emulation-<machine>-<fingerprint id>-<mode>.json' for the CPU emulation (no GPU count)."""
+    gpu = re.sub(r"[^a-z0-9]+", "-", str(fingerprint.get("gpu_name", "unknown")).lower()).strip("-") or "unknown"
+    count = fingerprint.get("gpu_count") or 0
+    if fingerprint.get("device_kind") == "cpu" or not count:
+        return f"{gpu}-{fingerprint['id']}-{mode}.json"
+    return f"{gpu}-x{count}-{fingerprint['id']}-{mode}.json"
 
 
-# ---------------------------------------------------------------------------------------------
-# Fitting
-
-
-@dataclass
-class OpData:
-    """One op's measurements, per problem: features and the best latency and config per variant."""
-
-    op: str
-    keys: list[str] = field(default_factory=list)
-    x: list[list[float]] = field(default_factory=list)
-    us: dict[str, dict[str, float]] = field(default_factory=dict)
-    configs: dict[str, dict[str, Config]] = field(default_factory=dict)
-    features: list[str] = field(default_factory=list)
-    variants: list[str] = field(default_factory=list)
-    skipped: list[str] = field(default_factory=list)
-
-
-def collect(rows: Iterable[Mapping[str, Any]], ops: Mapping[str, Op] | None = None) -> dict[str, OpData]:
-    """Group store rows (store.best) by op; drop 'bound*' rows and problems without a BSP row."""
-    ops = dict(ops or {})
-    best: dict[str, dict[str, dict[str, tuple[float, Config]]]] = {}
-    for row in rows:
-        variant = row["variant"]
-        t = float(row["median_us"])
-        if variant.startswith("bound") or not math.isfinite(t) or t <= 0:
-            continue
-        config = json.loads(row["config"]) if isinstance(row["config"], str) else dict(row["config"])
-        per = best.setdefault(row["op"], {}).setdefault(row["problem"], {})
-        if variant not in per or t < per[variant][0]:
-            per[variant] = (t, config)
-    out: dict[str, OpData] = {}
-    for name, problems in sorted(best.items()):
-        op = ops.get(name) or _op_or_none(name)
-        d = OpData(name)
-        feats: dict[str, dict[str, float]] = {}
-        for key in sorted(problems):
-            per = problems[key]
-            if BSP not in per:
-                d.skipped.append(f"{key}: no bsp measurement")
-                continue
-            feats[key] = problem_features(Problem.from_key(key), op)
-            d.keys.append(key)
-            d.us[key] = {v: t for v, (t, _) in per.items()}
-            d.configs[key] = {v: c for v, (_, c) in per.items()}
-        d.features = sorted({f for fs in feats.values() for f in fs})
-        d.x = [vector(feats[k], d.features) for k in d.keys]
-        d.variants = [BSP] + sorted({v for k in d.keys for v in d.us[k]} - {BSP})
-        out[name] = d
-    return out
-
-
-def _gain(us: Mapping[str, float], variant: str) -> float:
-    return math.log(us[BSP] / us[variant])
-
-
-def _fit_gbr(d: OpData, rows: Sequence[int], seed: int = 0) -> dict[str, Any]:
-    from sklearn.ensemble import GradientBoostingRegressor
-
-    X, y = [], []
-    for i in rows:
-        for v, t in d.us[d.keys[i]].items():
-            X.append(d.x[i] + [1.0 if u == v else 0.0 for u in d.variants])
-            y.append(math.log(t))
-    m = GradientBoostingRegressor(n_estimators=200, learning_rate=0.05, max_depth=3, random_state=seed)
-    m.fit(np.asarray(X), np.asarray(y))
-    trees = []
-    for est in m.estimators_[:, 0]:
-        t = est.tree_
-        trees.append({"left": t.children_left.tolist(), "right": t.children_right.tolist(),
-                      "feature": t.feature.tolist(), "threshold": t.threshold.tolist(),
-                      "value": t.value[:, 0, 0].tolist()})
-    return {"kind": "gbr", "variants": list(d.variants), "init": float(m.init_.constant_[0][0]),
-            "learning_rate": float(m.learning_rate), "trees": trees, "_sk": m}
-
-
-def _fit_tree(d: OpData, rows: Sequence[int], seed: int = 0) -> dict[str, Any]:
-    from sklearn.tree import DecisionTreeClassifier
-
-    X = np.asarray([d.x[i] for i in rows])
-    labels = [min(sorted(d.us[d.keys[i]]), key=lambda v, u=d.us[d.keys[i]]: (u[v], v != BSP)) for i in rows]
-    m = DecisionTreeClassifier(max_depth=6, min_samples_leaf=2 if len(rows) >= 8 else 1, random_state=seed)
-    m.fit(X, labels)
-    t = m.tree_
-    sums: dict[int, dict[str, list[float]]] = {}
-    for i, leaf in zip(rows, m.apply(X.astype(np.float32))):
-        us = d.us[d.keys[i]]
-        for v in us:
-            sums.setdefault(int(leaf), {}).setdefault(v, []).append(_gain(us, v))
-    leaf_gain = [{v: statistics.fmean(g) for v, g in sorted(sums[n].items())} if n in sums else None
-                 for n in range(t.node_count)]
-    tree = {"left": t.children_left.tolist(), "right": t.children_right.tolist(), "feature": t.feature.tolist(),
-            "threshold": t.threshold.tolist(), "label": np.argmax(t.value[:, 0, :], axis=1).tolist()}
-    return {"kind": "tree", "classes": [str(c) for c in m.classes_], "tree": tree, "leaf_gain": leaf_gain, "_sk": m}
-
-
-FITTERS = {"gbr": _fit_gbr, "tree": _fit_tree}
-
-
-def _folds(keys: Sequence[str], k: int) -> list[int]:
-    """Fold of each problem: problems sorted by a hash of their key, dealt round-robin (deterministic)."""
-    order = sorted(range(len(keys)), key=lambda i: hashlib.sha256(keys[i].encode()).hexdigest())
-    fold = [0] * len(keys)
-    for rank, i in enumerate(order):
-        fold[i] = rank % k
-    return fold
-
-
-def _choice(best: str, gain: float, margin: float) -> tuple[str, str]:
-    if best == BSP:
-        return BSP, "policy"
-    return (best, "policy") if gain > margin else (BSP, "unsure")
-
-
-def evaluate(decisions: Mapping[str, tuple[str, str]], us: Mapping[str, Mapping[str, float]]) -> dict[str, Any]:
-    """Held-out quality of decisions {problem: (variant, kind)} against measured latencies.
-
-    Share of calls within 5% of the best measured candidate, geomean latency vs that oracle and vs
-    BSP, the worst case vs BSP, and counts: correct (a model pick within 5% of the best), wrong,
-    unsure (BSP for lack of confidence; `unsure_ok` of them had BSP within 5% of the best).
-    """
-    n = len(decisions)
-    if n == 0:
-        return {"n": 0}
-    vs_oracle, vs_bsp = [], []
-    counts = {"correct": 0, "wrong": 0, "unsure": 0, "unsure_ok": 0}
-    within = 0
-    picked: dict[str, int] = {}
-    worst, worst_key = -math.inf, ""
-    for key, (variant, kind) in sorted(decisions.items()):
-        t = us[key][variant]
-        oracle = min(us[key].values())
-        close = t <= oracle * (1 + WITHIN)
-        within += close
-        vs_oracle.append(t / oracle)
-        vs_bsp.append(t / us[key][BSP])
-        if vs_bsp[-1] > worst:
-            worst, worst_key = vs_bsp[-1], key
-        if kind == "unsure":
-            counts["unsure"] += 1
-            counts["unsure_ok"] += close
-        else:
-            counts["correct" if close else "wrong"] += 1
-        picked[variant] = picked.get(variant, 0) + 1
-    geo = lambda xs: math.exp(statistics.fmean(math.log(v) for v in xs))  # noqa: E731
-    return {"n": n, "within_5pct": within / n, "geomean_vs_oracle": geo(vs_oracle), "geomean_vs_bsp": geo(vs_bsp),
-            "speedup_vs_bsp": 1 / geo(vs_bsp), "worst_vs_bsp": worst, "worst_problem": worst_key, **counts,
-            "picked": dict(sorted(picked.items()))}
-
-
-def _cross_validate(d: OpData, name: str, k: int) -> dict[str, Any]:
-    """Held-out predictions of model `name` (k folds by problem), its measured error and evaluation."""
-    fold = _folds(d.keys, k)
-    preds: dict[str, tuple[str, float]] = {}
-    errors: list[float] = []
-    for f in range(k):
-        train = [i for i in range(len(d.keys)) if fold[i] != f]
-        model = FITTERS[name](d, train)
-        for i in (i for i in range(len(d.keys)) if fold[i] == f):
-            us = d.us[d.keys[i]]
-            best, gain, gains = predict(model, d.x[i], us)
-            preds[d.keys[i]] = (best, gain)
-            errors += [abs(g - _gain(us, v)) for v, g in gains.items() if v != BSP and v in us]
-    tried = []
-    for q in MARGIN_QUANTILES if errors else (1.0,):
-        margin = float(np.quantile(errors, q)) if errors else math.inf
-        r = evaluate({key: _choice(best, gain, margin) for key, (best, gain) in preds.items()}, d.us)
-        r.update(margin=margin if math.isfinite(margin) else None, margin_quantile=q)
-        tried.append(r)
-    # the largest margin (the safest: most BSP) whose geomean latency is within SAFETY_COST of the best
-    top = min(r["geomean_vs_oracle"] for r in tried)
-    report = max((r for r in tried if r["geomean_vs_oracle"] <= top * (1 + SAFETY_COST)),
-                 key=lambda r: r["margin_quantile"])
-    report = dict(report, margins_tried=[{k: r[k] for k in ("margin_quantile", "margin", "geomean_vs_oracle",
-                                                             "worst_vs_bsp", "unsure")} for r in tried])
-    report["error"] = {"median_abs_log_gain": statistics.median(errors) if errors else None,
-                       "p90_abs_log_gain": float(np.quantile(errors, 0.9)) if errors else None,
-                       "pairs": len(errors)}
-    return report
-
-
-def _better(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
-    """Is held-out result `a` better than `b`: geomean vs oracle, then share within 5%, then worst case."""
-    ka = (round(a["geomean_vs_oracle"], 9), -round(a["within_5pct"], 9), round(a["worst_vs_bsp"], 9))
-    kb = (round(b["geomean_vs_oracle"], 9), -round(b["within_5pct"], 9), round(b["worst_vs_bsp"], 9))
-    return ka < kb
-
-
-def _why(kept: str, other: str, results: Mapping[str, Mapping[str, Any]]) -> str:
-    a, b = results[kept], results[other]
-    return (f"kept {kept}: on held-out problems its latency is {a['geomean_vs_oracle']:.3f}x the oracle's "
-            f"(geomean) vs {b['geomean_vs_oracle']:.3f}x for {other}; within 5% of the best on "
-            f"{a['within_5pct']:.0%} vs {b['within_5pct']:.0%}; worst case vs bsp {a['worst_vs_bsp']:.3f}x vs "
-            f"{b['worst_vs_bsp']:.3f}x")
-
-
-@dataclass
-class FitResult:
-    """What `fit` returns: the policy's JSON data, the report, and the fitted scikit-learn models."""
-
-    data: dict[str, Any]
-    report: dict[str, Any]
-    sklearn: dict[str, Any]
-
-    @property
-    def policy(self) -> Policy:
-        return Policy(self.data, "<fit>")
-
-
-def feature_scale(cols: np.ndarray, n: int) -> list[float]:
-    """Per-feature spread of the tuned problems, for nearest-problem distances.
-
-    A feature that is constant over the tuned problems (its std is rounding noise, e.g. 1e-20 on
-    log N when every tuned problem has the same N) gets scale 1: it then adds the same amount to
-    every distance instead of swamping them, so the nearest problem is decided by the others.
-    """
-    if not len(cols):
-        return [1.0] * n
-    std, mag = cols.std(axis=0), np.abs(cols).mean(axis=0)
-    return [float(s) if s > 1e-9 * max(1.0, float(m)) else 1.0 for s, m in zip(std, mag)]
-
-
-def fit(rows: Iterable[Mapping[str, Any]], fingerprint: Mapping[str, Any], mode: str,
-        ops: Mapping[str, Op] | None = None, folds: int = 5) -> FitResult:
-    """Fit a policy on store rows (one per (problem, variant): the best measurement) of one mode.
-
-    For every op: cross-validate both models by problem, keep the better (reason in the report),
-    refit it on every problem, and export it with the measured error as the unsure margin.
-    """
-    report: dict[str, Any] = {"mode": mode, "fingerprint": fingerprint.get("id"), "ops": {}}
-    out_ops: dict[str, Any] = {}
-    models: dict[str, Any] = {}
-    for name, d in collect(rows, ops).items():
-        rep: dict[str, Any] = {"problems": len(d.keys), "variants": d.variants, "skipped": d.skipped}
-        model, margin, evaluation = None, None, {}
-        fused = [v for v in d.variants if v != BSP]
-        if len(d.keys) < 3 or not fused:
-            rep["why"] = (f"no model: {len(d.keys)} tuned problems" if fused else "no model: only bsp was measured") + \
-                "; tuned problems use their measured best, others run bsp"
-        else:
-            k = min(folds, len(d.keys))
-            results = {m: _cross_validate(d, m, k) for m in MODELS}
-            bsp_only = evaluate({key: (BSP, "policy") for key in d.keys}, d.us)
-            oracle = evaluate({key: (min(sorted(u), key=lambda v, u=u: u[v]), "policy") for key, u in d.us.items()}, d.us)
-            kept = "gbr" if not _better(results["tree"], results["gbr"]) else "tree"
-            other = "tree" if kept == "gbr" else "gbr"
-            rep.update(folds=k, models=results, baselines={"bsp": bsp_only, "oracle": oracle}, kept=kept,
-                       why=_why(kept, other, results))
-            model = FITTERS[kept](d, range(len(d.keys)))
-            models[name] = model.pop("_sk")
-            margin = results[kept]["margin"]
-            evaluation = {"held_out": results[kept], "folds": k, "model": kept}
-        candidates: dict[str, list[dict[str, Any]]] = {}
-        for v in d.variants:
-            groups: dict[str, dict[str, Any]] = {}
-            for key in d.keys:
-                if v in d.configs[key]:
-                    c = d.configs[key][v]
-                    groups.setdefault(json.dumps(c, sort_keys=True), {"config": c, "problems": []})["problems"].append(key)
-            candidates[v] = list(groups.values())
-        cols = np.asarray(d.x, dtype=np.float64) if d.x else np.zeros((0, len(d.features)))
-        scale = feature_scale(cols, len(d.features))
-        out_ops[name] = {
-            "features": d.features, "variants": d.variants, "scale": scale, "model": model, "margin": margin,
-            "problems": {key: {"x": x, "us": d.us[key]} for key, x in zip(d.keys, d.x)},
-            "candidates": candidates, "evaluation": evaluation,
-        }
-        report["ops"][name] = rep
-    data = {"format": FORMAT, "format_version": FORMAT_VERSION, "autofuse_version": __version__,
-            "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "mode": mode, "fingerprint": dict(fingerprint), "ops": out_ops, "report": report}
-    return FitResult(data, report, models)
+def user_models_dir() -> Path:
+    """Where `autofuse fit` writes policies by default, for dispatch to find on this machine:
+    $XDG_DATA_HOME/autofuse/models, or ~/.local/share/autofuse/models where XDG_DATA_HOME is unset or
+    not an absolute path (as the XDG base directory spec says)."""
+    base = os.environ.get("XDG_DATA_HOME", "")
+    root = Path(base) if base and os.path.isabs(base) else Path.home() / ".local" / "share"
+    return root / "autofuse" / "models"

@@ -1,10 +1,17 @@
-"""The op registry: op name -> Op. Adding an op = one kernels module + one entry here."""
+"""The op registry: op name -> the module that defines it (its `OP`).
+
+Adding an op = a kernels module, an op module defining `OP` (with its variants and `args`), its
+tests, and one line here; the public entry point `autofuse.<op>`, the tuner, the store, the policy,
+the CLI and the benchmarks are generic over this table. Importing this module imports no torch.
+"""
 from __future__ import annotations
 
 import importlib
 import importlib.util
+from typing import TYPE_CHECKING
 
-from autofuse.op import Op
+if TYPE_CHECKING:
+    from autofuse.op import Op
 
 MODULES = {
     "ag_gemm": "autofuse.ops.ag_gemm",
@@ -14,7 +21,7 @@ MODULES = {
 }
 
 
-def get(name: str) -> Op:
+def get(name: str) -> "Op":
     """The Op called `name` (its module defines OP)."""
     if name not in MODULES:
         raise KeyError(f"unknown op {name!r}: known ops are {', '.join(names())}")

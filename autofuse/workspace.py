@@ -24,8 +24,8 @@ from autofuse import status
 from autofuse.kernels import shmem
 from autofuse.sizes import next_pow2
 
-MIN_DATA = 1 << 16
-MIN_FLAGS = 1 << 10
+MIN_DATA = 1 << 12   # capacities are powers of two from these up, so growth steps stay few
+MIN_FLAGS = 1 << 6
 
 _by_heap: "weakref.WeakKeyDictionary[Any, dict[str, list[Workspace]]]" = weakref.WeakKeyDictionary()
 
@@ -105,7 +105,7 @@ def workspace(world: Any, name: str, data_bytes: int = 0, flags: int = 0) -> Wor
     ws = made[-1] if made else None
     if ws is None or ws.half_bytes < data_bytes or ws.half_flags < flags:
         grow = (ws.half_bytes, ws.half_flags) if ws is not None else (0, 0)
-        ws = Workspace(world, name, next_pow2(max(data_bytes, MIN_DATA, grow[0])),
+        ws = Workspace(world, name, next_pow2(max(data_bytes, grow[0], MIN_DATA if data_bytes else 0)),
                        next_pow2(max(flags, MIN_FLAGS, grow[1])))
         made.append(ws)
     return ws

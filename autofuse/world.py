@@ -2,7 +2,13 @@
 
 One process per GPU (NCCL) or, without GPUs, one process per emulated rank (gloo + the `shm`
 heap + Triton's interpreter). `spawn` starts N local ranks itself and fails cleanly when any of
-them fails; `World.from_env` joins a job started by `torchrun`.
+them fails; `init_from_env` joins a job started by `torchrun`.
+
+Groups: `World.from_group(group)` wraps any torch process group (user code's TP group inside DP,
+say), `World.of_ranks(ranks)` and `World.sub(size)` create one (collectively over the job, as
+torch requires). All three cache per process group, so a group has one World and one symmetric
+heap whichever way it is reached, and heaps of different groups may be created on different
+ranks in any order (see autofuse.heap for why that needs autofuse's own rendezvous).
 """
 from __future__ import annotations
 
@@ -38,12 +44,29 @@ def default_device_kind() -> str:
     return "cuda" if gpu_count() > 0 else "cpu"
 
 
+_cache: dict[int, tuple[Any, "World"]] = {}  # id(process group) -> (the group, its World)
+_made: dict[tuple[int, ...], Any] = {}  # groups autofuse created (World.of_ranks), by global ranks
+_cache_job: list[Any] = [None]  # the default group the two caches belong to
+
+
+def _fresh_caches() -> None:
+    """Forget cached Worlds and groups of an earlier job (the default group was re-created)."""
+    job = dist.group.WORLD
+    if _cache_job[0] is not job:
+        _cache.clear()
+        _made.clear()
+        _cache_job[0] = job
+
+
 @dataclass
 class World:
     """A process group as seen from one rank: its rank, size, device, backend and heap.
 
     `group` is None for the default (whole-job) group. `heap` is created on first use, one
     symmetric heap per World, since symmetric offsets only agree among the ranks that allocate.
+    Worlds made by `from_group`, `of_ranks` and `sub` are cached per process group, so one group
+    has one World and one heap however it is reached (the launcher's World, `from_group(None)`,
+    dispatch's `group=`, the tuner's `sub`).
     """
 
     rank: int
@@ -53,15 +76,20 @@ class World:
     group: Any = None
     global_ranks: tuple[int, ...] = ()
     _heap: Any = field(default=None, repr=False)
-    _subs: dict = field(default_factory=dict, repr=False)
 
     @property
     def is_cpu(self) -> bool:
         return self.device.type == "cpu"
 
     @property
+    def spans_job(self) -> bool:
+        """True if this World holds every rank of the job (what torch's own symmetric memory needs)."""
+        return not dist.is_initialized() or self.size == dist.get_world_size()
+
+    @property
     def heap(self):
-        """This World's symmetric heap (created collectively on first access)."""
+        """This World's symmetric heap (created collectively on first access, bounded by
+        AUTOFUSE_HEAP_TIMEOUT; see autofuse.heap)."""
         if self._heap is None:
             from autofuse.heap import SymmetricHeap
 
@@ -69,7 +97,21 @@ class World:
         return self._heap
 
     def barrier(self) -> None:
-        dist.barrier(group=self.group)
+        """Wait for every rank of this World (host side only)."""
+        if "nccl" in self.backend and self.device.type == "cuda" and self.device.index is not None:
+            dist.barrier(group=self.group, device_ids=[self.device.index])
+        else:
+            dist.barrier(group=self.group)
+
+    def sync(self) -> None:
+        """Finish this rank's device work, then wait for every rank of this World.
+
+        The host-side fence between phases that touch peers' memory (before and after a
+        kernel that reads or writes the heap without its own flags, around timing loops).
+        """
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.barrier()
 
     def sync(self) -> None:
         """Finish this rank's device work, then wait for every rank of the group (the host-side barrier)."""
@@ -78,50 +120,109 @@ class World:
         dist.barrier(group=self.group)
 
     def sub(self, size: int) -> "World | None":
-        """The sub-World of the first `size` ranks (collective: every rank must call it).
+        """The World of this World's first `size` ranks; None on the ranks outside it.
 
-        Returns None on the ranks outside it. Sub-Worlds are cached, so calling again is free.
+        Creates a process group, which torch needs every rank of the job to do together and in
+        the same order: call it on every rank, on a World that spans the job. Cached: calling
+        again (from any World of the job) returns the same World and heap.
         """
         if size == self.size:
             return self
         if not 1 <= size <= self.size:
             raise ValueError(f"sub-world size {size} must be in 1..{self.size}")
-        if size not in self._subs:
-            ranks = list(self.global_ranks[:size])
-            group = dist.new_group(ranks=ranks, backend=self.backend)
-            if self.rank < size:
-                self._subs[size] = World(self.rank, size, self.device, self.backend, group, tuple(ranks))
-            else:
-                self._subs[size] = None
-        return self._subs[size]
+        if not self.spans_job:
+            raise ValueError(
+                f"World.sub({size}) on a {self.size}-rank World of a {dist.get_world_size()}-rank job: creating a "
+                "group needs every rank of the job, and the ranks outside this World do not call it. Call "
+                "World.of_ranks(ranks) on every rank of the job instead"
+            )
+        return World.of_ranks(self.global_ranks[:size])
+
+    @classmethod
+    def of_ranks(cls, ranks: Sequence[int]) -> "World | None":
+        """The World of these global ranks; None on ranks outside them (collective over the job).
+
+        Every rank of the job must call it with the same ranks, in the same order as its other
+        group creations (torch.distributed.new_group's rule). Cached by ranks.
+        """
+        _require_dist()
+        _fresh_caches()
+        job = dist.get_world_size()
+        key = tuple(sorted({int(r) for r in ranks}))
+        if not key or key[0] < 0 or key[-1] >= job:
+            raise ValueError(f"ranks {list(ranks)} must be a non-empty subset of 0..{job - 1}")
+        if key == tuple(range(job)):
+            return cls.from_group(None)
+        group = _made.get(key)
+        if group is None:
+            group = _made[key] = dist.new_group(ranks=list(key))
+        if dist.get_rank() not in key:
+            return None
+        return cls.from_group(group)
 
     def close(self) -> None:
-        """Release the heap and this World's sub-Worlds (the process group stays to its owner)."""
-        for sub in self._subs.values():
-            if sub is not None and sub is not self:
-                sub.close()
-        self._subs.clear()
-        if self._heap is not None:
-            self._heap.close()
-            self._heap = None
+        """Release this World's heap; on the default group's World, every cached World's heap too.
+
+        The process groups stay to their owner. Heaps are created again on next use.
+        """
+        worlds = [self]
+        if self.group is None:
+            worlds += [w for _, w in _cache.values() if w is not self]
+            _cache.clear()
+            _made.clear()
+        else:
+            for key, (_, w) in list(_cache.items()):
+                if w is self:
+                    del _cache[key]
+        for w in sorted(worlds, key=lambda w: (w.global_ranks, str(_group_name(w)))):  # one order on every rank
+            if w._heap is not None:
+                heap, w._heap = w._heap, None
+                heap.close()
 
     @classmethod
     def from_group(cls, group: Any = None) -> "World":
-        """The World of an initialised torch.distributed group (None: the default group)."""
-        if not dist.is_initialized():
-            raise RuntimeError(
-                "torch.distributed is not initialised: start the job with torchrun, "
-                "call autofuse.world.init_from_env(), or use autofuse.world.spawn()"
+        """The World of an initialised torch.distributed group (None: the default group).
+
+        Cached per group: the same group always gives the same World, hence the same heap.
+        Not collective (the heap, on first use, is collective over the group's ranks).
+        """
+        _require_dist()
+        _fresh_caches()
+        pg = dist.group.WORLD if group is None else group
+        if isinstance(pg, int) or dist.get_rank(pg) < 0:  # new_group gives non-members an int marker
+            raise ValueError(
+                f"global rank {dist.get_rank()} is not a member of this process group: "
+                "only its members can make its World"
             )
-        backend = str(dist.get_backend(group))
-        rank = dist.get_rank(group)
-        size = dist.get_world_size(group)
-        if group is None:
+        hit = _cache.get(id(pg))
+        if hit is not None and hit[0] is pg:
+            return hit[1]
+        backend = str(dist.get_backend(pg))
+        rank = dist.get_rank(pg)
+        size = dist.get_world_size(pg)
+        if pg is dist.group.WORLD:
             ranks = tuple(range(size))
         else:
-            ranks = tuple(dist.get_process_group_ranks(group))
-        device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
-        return cls(rank, size, device, backend, group, ranks)
+            ranks = tuple(dist.get_process_group_ranks(pg))
+        device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in backend else torch.device("cpu")
+        world = cls(rank, size, device, backend, None if pg is dist.group.WORLD else pg, ranks)
+        _cache[id(pg)] = (pg, world)  # holding the group keeps its id unique
+        return world
+
+
+def _group_name(world: World) -> str:
+    try:
+        return (world.group if world.group is not None else dist.group.WORLD).group_name
+    except Exception:
+        return ""
+
+
+def _require_dist() -> None:
+    if not dist.is_initialized():
+        raise RuntimeError(
+            "torch.distributed is not initialised: start the job with torchrun, "
+            "call autofuse.world.init_from_env(), or use autofuse.world.spawn()"
+        )
 
 
 def _backend_for(device_kind: str) -> str:

@@ -2,7 +2,8 @@
 
 Read it like Triton's tutorial 09 (persistent matmul): `gemm_kernel` at the bottom is a complete
 persistent GEMM, C = A @ B, built only from the device functions above it, with its launch grid
-in its docstring. The fused kernels (ag_gemm pull/push/push_ws, gemm_rs, gemm_ar) call the same
+in its docstring; `gemm_wait_kernel` is the same loop as a fused consumer runs it (a bounded wait
+per tile, B prefetched before it). The fused kernels (ag_gemm pull/push/push_ws, gemm_rs, gemm_ar) call the same
 functions with their own waits and epilogues. Host side (configs, checks, launch): autofuse/gemm.py.
 
 Operands. A is M x K, B is K x N, C is M x N, any strides with the last one 1 for the TMA path.
@@ -18,7 +19,7 @@ Device functions, in the order a kernel uses them:
                                       are widened to float32 first (the interpreter multiplies
                                       bfloat16 as raw integers). The one copy of that workaround.
   operands(a, b, M, N, K, strides.., BLOCK_M, BLOCK_N, BLOCK_K, USE_TMA) -> (a_src, b_src)
-  work_count(M, N, K, BLOCK_M, BLOCK_N, SPLIT_K) -> number of work items (tiles x splits)
+  work_count(M, N, BLOCK_M, BLOCK_N, SPLIT_K) -> number of work items (tiles x splits)
   schedule(work, M, N, K, ..., GROUP_M, SPLIT_K) -> (pid_m, pid_n, tile, split, k_first, k_end)
                                       work item -> output tile (GROUP_M swizzle) and its K steps
                                       [k_first, k_end) (in BLOCK_K units). Items are split-major:
@@ -73,8 +74,13 @@ C^T = B^T A^T so BLOCK_N (>= 64) fills the wgmma's M dimension while BLOCK_M (16
 becomes its N; the result is transposed back in registers once per K range.
 
 WARP_SPEC asks the compiler to warp-specialise the K loop (`tl.range(warp_specialize=True)`):
-producer warps issue the TMA loads, consumer warpgroups run the MMAs. It is optional; whether it
-compiles for sm_90 on the installed Triton is checked by autofuse.gemm (tests/test_gemm_core.py).
+producer warps issue the TMA loads, consumer warpgroups run the MMAs. It is optional. Seen in
+sm_90 AOT compiles with Triton 3.6 and 3.9: with TMA, 16-bit inputs, num_warps=4 and an MMA M side
+>= 64 the kernel becomes 12 warps (one producer, two consumer warpgroups, setmaxnreg); with 8 warps
+or split-K it is silently not applied; the pointer path, float32, and any kernel whose tile loop
+also holds a spin-wait loop or inline PTX (gemm_wait_kernel, prefetch_b) fail to compile
+("NVGPUWarpSpecialization" pass). autofuse.gemm.check rejects the first set with the reason;
+fused consumers that wait per tile must run WARP_SPEC=False.
 """
 import os
 
@@ -292,15 +298,16 @@ def gemm_kernel(a, b, c, partials, counts, M, N, K,
 
 
 @triton.jit
-def gemm_wait_kernel(a, b, c, partials, counts, ready, epoch, spin_limit, status, heap_bases, rank, M, N, K,
+def gemm_wait_kernel(a, b, c, partials, counts, ready, epoch, ctx, M, N, K,
                      stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                      NUM_STAGES: tl.constexpr, SPLIT_K: tl.constexpr, SWAP_AB: tl.constexpr,
                      USE_TMA: tl.constexpr, PREFETCH: tl.constexpr):
     """gemm_kernel as a fused consumer runs it: before each tile's K loop, B's first PREFETCH K
     steps are sent to L2, then the program waits (bounded, shmem.wait_until) for ready[pid_m] to
-    reach `epoch`, as a consumer waits for the shard holding the tile's rows of A. A timed-out
-    wait is recorded in `status` and its tile is skipped (no K step, no store). The template the
+    hold `epoch`, as a consumer waits for the shard holding the tile's rows of A. A timed-out
+    wait is recorded in the status words of `ctx` and its tile gets no K step and is stored as NaN
+    (a fault never looks like a result). The template the
     fused kernels follow; tests run it, and the AOT checks show the wait keeps the K loop
     pipelined. (No WARP_SPEC: Triton's Hopper warp specialisation rejects a kernel whose tile
     loop holds a spin loop or inline PTX.)
@@ -320,12 +327,13 @@ def gemm_wait_kernel(a, b, c, partials, counts, ready, epoch, spin_limit, status
         off_n = pid_n * BLOCK_N
         if PREFETCH > 0:
             prefetch_b(b, off_n, k_first, k_end, N, K, stride_bk, stride_bn, BLOCK_K, BLOCK_N, PREFETCH)
-        ok = shmem.wait_until(ready + pid_m, epoch, spin_limit, status, heap_bases, rank)
+        ok = shmem.wait_until(ready + pid_m, epoch, ctx)
         k_end = tl.where(ok, k_end, k_first)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc = gemm_tile(acc, a_src, b_src, off_m, off_n, k_first, k_end, M, N, K,
                         stride_am, stride_ak, stride_bk, stride_bn,
                         BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, SWAP_AB, USE_TMA, False)
         acc, last = split_k_reduce(acc, partials, counts, tile, split, SPLIT_K, BLOCK_M, BLOCK_N)
-        if last & ok:
+        if last:
+            acc = tl.where(ok, acc, float("nan"))
             store_tile(c_dst, acc, off_m, off_n, M, N, stride_cm, stride_cn, BLOCK_M, BLOCK_N, USE_TMA)

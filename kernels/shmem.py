@@ -51,6 +51,7 @@ CODE = tl.constexpr(0)
 RECORD = tl.constexpr(1)
 TIMEOUT = tl.constexpr(1)
 ABORTED = tl.constexpr(2)
+POLLS_PER_CHECK = tl.constexpr(64)  # flag polls between two reads of the clock and the status word
 
 
 # -- address translation and remote access ------------------------------------------------------
@@ -162,8 +163,9 @@ def give_up(flag, value, seen, ctx):
 def wait_until(flag, value, ctx):
     """Wait until the local int32 `flag` holds exactly `value`; True if it did.
 
-    Polls with volatile loads (atomics poll ~5x slower across GPUs), then one acquire so the data
-    the producer released before the flag is visible. Gives up (returns False) when this rank's
+    Polls with volatile loads (atomics poll ~5x slower across GPUs), POLLS_PER_CHECK at a time
+    between reads of the clock and the status word, then one acquire so the data the producer
+    released before the flag is visible. Gives up (returns False) when this rank's
     status is no longer clean (a peer or another program of this rank gave up: every wait then
     returns at once, so the time to fail does not grow with the number of waiting programs) or
     when `ctx.budget` ns pass; the first to run out calls `give_up`. Callers skip the work that
@@ -175,7 +177,10 @@ def wait_until(flag, value, ctx):
         start = now_ns()
         elapsed = tl.full([], 0, tl.int64)
         while (seen != value) & (code == 0) & (elapsed <= ctx.budget):
-            seen = tl.load(flag, volatile=True)
+            polls = 0
+            while (seen != value) & (polls < POLLS_PER_CHECK):  # the hot loop: one volatile load
+                seen = tl.load(flag, volatile=True)
+                polls += 1
             code = tl.load(ctx.status + CODE, volatile=True)
             elapsed = now_ns() - start
     ok = seen == value

@@ -1,44 +1,80 @@
 #!/usr/bin/env bash
-# One call on the GPU machine: install the carried wheels and the project offline, then run the
-# named stages, logging each under $OUT. Usage (from the repo root on the GPU machine):
-#   bash scripts/gpu_session.sh doctor check bench:ag_gemm tune:ag_gemm ...
-# Stages: doctor | check[:NAME] (scripts/gpu_check_NAME.py, default all) | bench:OP[:SWEEP]
-#   | tune:OP[:TRIALS[:MINUTES]] | fit[:MODE] | eval[:MODE] (held-out dispatch quality) | dispatch (overhead)
+# One call on the GPU machine: install the carried wheels and the project offline (once per
+# machine), then run the named stages in order, each with a time limit, logging each under the
+# session's folder; one tarball $OUT/NAME.tgz is rewritten after every stage, so a run cut short
+# still returns what it did. Several sessions may run at once on different GPUs, e.g.
+#   bash scripts/gpu_session.sh --name a --gpus 0,1 STAGE... & bash scripts/gpu_session.sh --name b --gpus 3 STAGE...
+# Stages (LIMIT: seconds, default 300):
+#   pytest:FILES[:LIMIT]            pytest -m gpu on tests/FILES (comma-separated file stems, e.g. test_ag_gemm)
+#   doctor[:PROVIDER]               autofuse doctor (AUTOFUSE_HEAP_PROVIDER=PROVIDER if given)
+#   bench:TARGET[:SWEEP[:LIMIT[:ARGS]]]  autofuse bench TARGET --sweep SWEEP (ARGS: extra options, '+' for spaces)
+#   tune:OPS:MINUTES[:WORLDS[:SWEEP]]    autofuse tune into NAME.db (ops comma-separated or 'all')
+#   fit[:MODE]                      autofuse fit on NAME.db (graph and eager by default): policy + report per mode
+#   export[:MODE]                   autofuse export (csv + json) and show --json of NAME.db
+#   eval[:MODE]                     held-out dispatch quality of the fitted policy (scripts/eval_dispatch_gpu.py)
+#   dispatch                        cached-call dispatch overhead (scripts/bench_dispatch.py)
+#   sh:COMMAND                      anything else ('+' for spaces)
 set -uo pipefail
+NAME=session; GPUS=""
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --name) NAME=$2; shift 2 ;;
+    --gpus) GPUS=$2; shift 2 ;;
+    *) break ;;
+  esac
+done
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
-export TRITON_DEFAULT_FP_FUSION=1
+export TRITON_DEFAULT_FP_FUSION=1 COLUMNS=${COLUMNS:-120} PYTHONWARNINGS=ignore::FutureWarning
+[ -n "$GPUS" ] && export CUDA_VISIBLE_DEVICES=$GPUS
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-W=/tmp/work; rm -rf "$W"; mkdir -p "$W"   # everything lands here, then one tarball goes to $OUT
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-  && export PYTHONPATH=/tmp/site || exit 1
-python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . || exit 1
-date -u +"%Y-%m-%dT%H:%M:%SZ" > "$W/date.txt"
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$W/gpus.txt" 2>&1
+W=/tmp/work-$NAME; rm -rf "$W"; mkdir -p "$W"
+DB=$W/$NAME.db
+if [ ! -f /tmp/site/.installed ]; then
+  ( flock 9
+    if [ ! -f /tmp/site/.installed ]; then
+      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        && PYTHONPATH=/tmp/site python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . >/dev/null \
+        && touch /tmp/site/.installed
+    fi ) 9>/tmp/site.lock
+fi
+export PYTHONPATH=/tmp/site
+[ -f /tmp/site/.installed ] || { echo "offline install failed"; exit 1; }
+{ date -u +"%Y-%m-%dT%H:%M:%SZ"; nvidia-smi --query-gpu=index,name,driver_version,memory.total --format=csv;
+  python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'nccl', torch.cuda.nccl.version(), 'gpus', torch.cuda.device_count())"
+  echo "CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-all}"; } > "$W/machine.txt" 2>&1
 status=0
 for stage in "$@"; do
-  IFS=: read -r what arg1 arg2 arg3 <<< "$stage"
-  log="$W/${what}${arg1:+-$arg1}.log"
-  echo "=== $stage ($(date -u +%H:%M:%S))"
+  IFS=: read -r what a1 a2 a3 a4 <<< "$stage"
+  log="$W/${what}${a1:+-${a1//[,\/]/_}}${a2:+-$a2}.log"
+  echo "=== [$NAME] $stage ($(date -u +%H:%M:%S))"
   t0=$(date +%s)
   case "$what" in
-    doctor) python3 -m autofuse doctor --json "$W/doctor.json" ;;
-    check) for s in scripts/gpu_check_${arg1:-*}.py; do echo "--- $s"; timeout 300 python3 "$s" || status=1; done ;;
-    bench) python3 -m autofuse bench "$arg1" --sweep "${arg2:-gpu}" --out "$W/bench-$arg1-${arg2:-gpu}.json" ;;
-    tune) python3 -m autofuse tune --op "$arg1" --sweep gpu --db tuning_db/h200x2.db --mode graph \
-            ${arg2:+--trials $arg2} ${arg3:+--time-limit $arg3} ;;
-    fit) python3 -m autofuse fit --db tuning_db/h200x2.db --mode "${arg1:-graph}" --report "$W/fit-${arg1:-graph}.json" \
-           && python3 -m autofuse export --db tuning_db/h200x2.db --mode "${arg1:-graph}" --format csv \
-           && python3 -m autofuse export --db tuning_db/h200x2.db --mode "${arg1:-graph}" --format json \
-           && cp models/*.json tuning_db/*.csv tuning_db/*.json "$W/" ;;
-    eval) python3 scripts/eval_dispatch_gpu.py --policy "$(ls models/*-"${arg1:-graph}".json | head -1)" \
-            --mode "${arg1:-graph}" --out "$W/eval-${arg1:-graph}.json" ;;
-    dispatch) python3 scripts/bench_dispatch.py --out "$W/bench_dispatch.json" ;;
-    *) echo "unknown stage $stage"; status=1; continue ;;
+    pytest) files=$(echo "$a1" | tr ',' '\n' | sed 's#^#tests/#; s#$#.py#' | tr '\n' ' ')
+            timeout "${a2:-300}" python3 -m pytest -q -m gpu -p no:cacheprovider -o addopts="" $files ;;
+    doctor) AUTOFUSE_HEAP_PROVIDER=${a1:-} timeout 180 python3 -m autofuse doctor --out "$W/doctor${a1:+-$a1}.json" ;;
+    bench) timeout "${a3:-300}" python3 -m autofuse bench "$a1" --sweep "${a2:-gpu}" ${a4//+/ } \
+             --out "$W/bench-$a1-${a2:-gpu}.json" --force ;;
+    tune) ops=$([ "$a1" = all ] && echo "" || echo "--op $a1")
+          timeout $(( ${a2:-5} * 60 + 120 )) python3 -m autofuse tune $ops --db "$DB" --time-limit "${a2:-5}" \
+            ${a3:+--world $a3} ${a4:+--sweep $a4} ;;
+    fit) for m in ${a1:-graph eager}; do
+           timeout 300 python3 -m autofuse fit --db "$DB" --mode "$m" --out "$W/policy-$m.json" \
+             --report "$W/fit-$m.json" --force || false
+         done ;;
+    export) for m in ${a1:-graph eager}; do
+              timeout 120 python3 -m autofuse export --db "$DB" --mode "$m" --format csv --out "$W/tuning-$m.csv" --force \
+                && timeout 120 python3 -m autofuse export --db "$DB" --mode "$m" --format json --out "$W/tuning-$m.json" --force \
+                && timeout 120 python3 -m autofuse show --db "$DB" --mode "$m" --json > "$W/show-$m.json" || false
+            done ;;
+    eval) timeout 400 python3 scripts/eval_dispatch_gpu.py --policy "$W/policy-${a1:-graph}.json" \
+            --mode "${a1:-graph}" --out "$W/eval-${a1:-graph}.json" ;;
+    dispatch) timeout 200 python3 scripts/bench_dispatch.py --out "$W/bench_dispatch.json" ;;
+    sh) timeout "${a2:-300}" bash -c "${a1//+/ }" ;;
+    *) echo "unknown stage $stage"; false ;;
   esac > "$log" 2>&1
   rc=$?
   [ $rc -eq 0 ] || status=1
-  echo "    rc=$rc in $(( $(date +%s) - t0 )) s; tail:"; tail -n 25 "$log"
-  cp tuning_db/*.db "$W/" 2>/dev/null
-  tar czf "$OUT/results.tgz" -C "$W" .   # after every stage, so a run cut short still returns its results
+  echo "    rc=$rc in $(( $(date +%s) - t0 )) s; tail:"; tail -n "${TAIL:-15}" "$log"
+  tar czf "$OUT/$NAME.tgz" -C "$W" .
 done
 exit $status

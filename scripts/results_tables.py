@@ -17,7 +17,11 @@ each bench file's best fused for the same problem and mode (the hand-picked conf
 one. `--fit FIT_JSON` renders an `autofuse fit --report` (per op: each model's held-out metrics, the
 kept one, always-BSP and the oracle); `--eval EVAL_JSON` renders `scripts/eval_dispatch_gpu.py` output
 (the summary per op, then every call: pick, kind, its time, BSP, the fastest measured candidate).
-Deterministic, stdlib only.
+`--db DB --op OP --scaling` renders the strong scaling instead: per timing mode, one row per problem
+size (the problem without its world size) measured at two or more world sizes, with the fastest
+candidate and its time per world size and the speedup over the smallest world size. A bench JSON of
+an extra target (`autofuse bench collectives|gemm_core|layer`: no `op`) renders as one plain table of
+its rows. Deterministic, stdlib only.
 """
 from __future__ import annotations
 
@@ -28,6 +32,7 @@ import sqlite3
 import sys
 from pathlib import Path
 from typing import Any, Iterable, Sequence
+from urllib.parse import quote
 
 RESULT_KEYS = {"problem", "op", "dtype", "world", "mode", "best_us", "config", "pieces_us", "bound_us", "best_fused",
                "best_fused_us", "speedup_vs_bsp", "vs_bound", "failures", "bandwidth"}
@@ -177,11 +182,16 @@ def short_config(config: dict) -> str:
 
 def read_db(path: Path, op: str) -> tuple[list[dict], dict]:
     """The op's successful measurements (with the problem's dims) and the environment rows, read-only."""
-    con = sqlite3.connect(f"file:{path.as_posix()}?mode=ro", uri=True)
+    uri = f"file:{quote(str(path.absolute()))}?mode=ro"
+    with open(path, "rb") as f:
+        header = f.read(20)
+    if len(header) == 20 and header[18] == 2 and not Path(f"{path}-wal").exists():
+        uri += "&immutable=1"  # WAL mode, nobody writing: read without leaving -wal/-shm files behind
+    con = sqlite3.connect(uri, uri=True)
     con.row_factory = sqlite3.Row
     try:
-        dims = {r["key"]: json.loads(r["dims"])
-                for r in con.execute("SELECT key, dims FROM problems WHERE op = ?", (op,))}
+        dims = {r["key"]: {**json.loads(r["dims"]), "world": r["world"]}
+                for r in con.execute("SELECT key, dims, world FROM problems WHERE op = ?", (op,))}
         rows = [dict(r) for r in con.execute("SELECT problem, variant, config, mode, median_us, source, created_at "
                                              "FROM measurements WHERE op = ? AND ok = 1 ORDER BY id", (op,))]
         envs = {r["id"]: dict(r) for r in con.execute("SELECT * FROM environments")}
@@ -258,6 +268,11 @@ def render_tuned(db: Path, op: str, against: Sequence[tuple[str, dict]] = (), le
     probs = list(dict.fromkeys(r["problem"] for r in rows))
     dims_of = {r["problem"]: r["dims"] for r in rows}
     vary, const = varying([{**dims_of[p], "op": op} for p in probs])
+    worlds = sorted({dims_of[p].get("world") for p in probs}, key=str)
+    if len(worlds) > 1:  # several world sizes (`tune --world 1,2`): a column; else it goes in the heading
+        vary.append("world")
+    else:
+        const["world"] = worlds[0]
     fixed = ", ".join(f"{k}={v}" for k, v in const.items() if k != "op")
     env = "; ".join(f"{e.get('gpu_count')}x {e.get('gpu_name')} (topology {e.get('topology')}), driver "
                     f"{e.get('driver')}, CUDA {e.get('cuda')}, torch {e.get('torch')}, Triton {e.get('triton')}, "
@@ -316,6 +331,64 @@ def eval_tables(doc: dict) -> list[str]:
     return lines + table(header, body, right_from=4)
 
 
+def render_scaling(db: Path, op: str, level: int = 3) -> str:
+    """Markdown strong-scaling tables for one op of a tune database: per mode, per problem size, the
+    fastest candidate and its time at each world size, and the speedup over the smallest world size."""
+    h = "#" * level
+    rows, _ = read_db(db, op)
+    best = best_per_problem(rows)
+    groups: dict[tuple[str, str], dict[int, tuple[str, float]]] = {}
+    sizes_dims: dict[str, dict] = {}
+    for (problem, mode), e in best.items():
+        world = e["dims"].get("world")
+        sizes = "|".join(problem.split("|")[:3])
+        variant = min(sorted(e["best"]), key=lambda v: (e["best"][v][0], v != "bsp"))
+        groups.setdefault((sizes, mode), {})[world] = (variant, e["best"][variant][0])
+        sizes_dims[sizes] = {k: v for k, v in e["dims"].items() if k != "world"}
+    groups = {k: v for k, v in groups.items() if len(v) >= 2}
+    out = [f"{h} {op}, strong scaling (`autofuse tune --world ...`)", ""]
+    if not groups:
+        return "\n".join(out + [f"No {op} problem of `{db.as_posix()}` was measured at two or more world sizes.", ""])
+    out += [f"Source `{db.as_posix()}`. Per problem size (the problem without its world size): the fastest "
+            "candidate over every config measured (BSP included), its time in us per call (median, max over "
+            "ranks), and the speedup = time at the smallest world size / time at this one.", ""]
+    modes = sorted({m for _, m in groups}, key=lambda m: (MODE_ORDER.index(m) if m in MODE_ORDER else 9, m))
+    for mode in modes:
+        keys = [k for k in groups if k[1] == mode]
+        worlds = sorted({w for k in keys for w in groups[k]})
+        keys.sort(key=lambda k: [(n, v if isinstance(v, int) else 0, str(v))
+                                 for n, v in sorted(sizes_dims[k[0]].items())])
+        vary, const = varying([sizes_dims[k[0]] for k in keys])
+        header = [*vary]
+        for w in worlds:
+            header += [f"w{w} fastest", f"w{w} us"] + ([f"w{w} speedup"] if w != worlds[0] else [])
+        body = []
+        for k in keys:
+            per = groups[k]
+            base = per.get(worlds[0], (None, math.nan))[1]
+            cells = [str(sizes_dims[k[0]].get(n)) for n in vary]
+            for w in worlds:
+                v, t = per.get(w, ("-", math.nan))
+                cells += [v, fmt(t)] + ([fmt(base / t if finite(t) else math.nan, 2)] if w != worlds[0] else [])
+            body.append(cells)
+        fixed = ", ".join(f"{n}={v}" for n, v in const.items())
+        title = f"{h}# {mode} mode" + (f" ({fixed})" if fixed else "")
+        out += [title, "", *table(header, body, right_from=len(vary)), ""]
+    return "\n".join(out)
+
+
+def render_generic(doc: dict, source: str, level: int = 3) -> str:
+    """Markdown for a bench JSON of an extra target (no `op`): its rows as one table, scalar cells only."""
+    h = "#" * level
+    rows = doc.get("rows", [])
+    cols = list(dict.fromkeys(k for r in rows for k, v in r.items() if not isinstance(v, (dict, list))))
+    cell = lambda v: fmt(v, 2) if isinstance(v, float) else "-" if v is None else str(v)  # noqa: E731
+    body = [[cell(r.get(c)) for c in cols] for r in rows]
+    return "\n".join([f"{h} {doc.get('target', '?')}, sweep `{doc.get('sweep', '-')}`", "",
+                      f"Source `{source}`; run {doc.get('date', '?')}; {machine(doc)}.", "",
+                      *table(cols, body, right_from=len(cols)), ""])
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("json", nargs="*", type=Path, help="bench JSON files written by `autofuse bench`")
@@ -326,6 +399,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="a bench JSON whose best fused (hand-picked configs) is compared with the tuned one")
     ap.add_argument("--fit", type=Path, help="an `autofuse fit --report` JSON to render instead")
     ap.add_argument("--eval", type=Path, help="a scripts/eval_dispatch_gpu.py JSON to render instead")
+    ap.add_argument("--scaling", action="store_true", help="with --db: the strong-scaling tables instead")
     args = ap.parse_args(argv)
     if args.fit is not None:
         parts = fit_table(json.loads(args.fit.read_text())) + [""]
@@ -340,9 +414,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             if not sep:
                 ap.error(f"--against wants LABEL=JSON, got {spec!r}")
             against.append((label, json.loads(Path(path).read_text())))
-        parts = [render_tuned(args.db, op, against, args.level) for op in args.op]
+        if args.scaling:
+            parts = [render_scaling(args.db, op, args.level) for op in args.op]
+        else:
+            parts = [render_tuned(args.db, op, against, args.level) for op in args.op]
     elif args.json:
-        parts = [render(json.loads(p.read_text()), p.as_posix(), args.level) for p in args.json]
+        docs = [(json.loads(p.read_text()), p.as_posix()) for p in args.json]
+        parts = [render(d, src, args.level) if "op" in d else render_generic(d, src, args.level) for d, src in docs]
     else:
         ap.error("give bench JSON files, --db, --fit or --eval")
     sys.stdout.write("\n".join(parts))

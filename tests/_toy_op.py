@@ -13,7 +13,9 @@ from typing import Any
 
 import torch
 
-from autofuse.op import InvalidConfig, InvalidInput, Op, Problem, Variant, default_tolerance
+from autofuse.op import InvalidInput, Op, Problem, Variant, default_tolerance
+from autofuse.runner import Runner, TensorSpec
+from autofuse.workspace import workspace
 
 NAME = "toy_mm"
 BUILDS = {"bsp": 0, "fused": 0}
@@ -44,40 +46,56 @@ def reference(world: Any, problem: Problem, seed: int) -> torch.Tensor:
     return a.double() @ b.double()
 
 
-def _runner(variant: str, cost_us: float):
-    def run(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        CALLS[variant] += 1
-        _spin(cost_us)
-        r = torch.matmul(a, b)
-        if out is None:
-            return r
-        out.copy_(r)
-        return out
+class _Runner(Runner):
+    """A local matmul after a busy wait of the variant's cost. The fused one owns a (never used)
+    heap workspace, as real fused variants do, so dispatch reads its fault record."""
 
-    return run
+    def __init__(self, world: Any, problem: Problem, variant: str, cost_us: float, workspaces: tuple = ()):
+        m, n, k = problem["M"], problem["N"], problem["K"]
+        dt = problem.torch_dtype
+        super().__init__(world, problem, [TensorSpec("a", (m, k), dt), TensorSpec("b", (k, n), dt)],
+                         TensorSpec("out", (m, n), dt), workspaces)
+        self.variant, self.cost_us = variant, cost_us
 
-
-def _build_bsp(world: Any, problem: Problem, config: dict) -> Any:
-    BUILDS["bsp"] += 1
-    return _runner("bsp", 20 + 0.5 * problem["M"])
-
-
-def _check_fused(problem: Problem, config: dict) -> str | None:
-    block = config.get("BLOCK")
-    if block not in (16, 32):
-        return f"BLOCK must be 16 or 32, got {block!r}"
-    if problem["M"] % block:
-        return f"M={problem['M']} is not a multiple of BLOCK={block}"
-    return None
+    def launch(self, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
+        CALLS[self.variant] += 1
+        _spin(self.cost_us)
+        torch.matmul(a, b, out=out)
 
 
-def _build_fused(world: Any, problem: Problem, config: dict) -> Any:
-    why = _check_fused(problem, config)
-    if why:
-        raise InvalidConfig(why)
-    BUILDS["fused"] += 1
-    world.heap  # noqa: B018  (fused variants live on the heap; status.check reads it)
-    return _runner("fused", 60 + 0.1 * problem["M"] + (5 if config["BLOCK"] == 16 else 0))
+class Bsp(Variant):
+    name, family = "bsp", "bsp"
+
+    def runner(self, world: Any, problem: Problem, config: dict) -> Any:
+        BUILDS["bsp"] += 1
+        return _Runner(world, problem, "bsp", 20 + 0.5 * problem["M"])
+
+
+class Fused(Variant):
+    name, family = "fused", "fused"
+
+    def defaults(self, problem: Problem) -> list[dict]:
+        return [{"BLOCK": 32}, {"BLOCK": 16}]
+
+    def check(self, problem: Problem, config: dict) -> str | None:
+        block = config.get("BLOCK")
+        if block not in (16, 32):
+            return f"BLOCK must be 16 or 32, got {block!r}"
+        if problem["M"] % block:
+            return f"M={problem['M']} is not a multiple of BLOCK={block}"
+        return None
+
+    def runner(self, world: Any, problem: Problem, config: dict) -> Any:
+        BUILDS["fused"] += 1
+        return _Runner(world, problem, "fused", 60 + 0.1 * problem["M"] + (5 if config["BLOCK"] == 16 else 0),
+                       (workspace(world, NAME),))
+
+
+class GpuOnly(Bsp):
+    name, family = "gpu_only", "fused"
+
+    def available(self, world: Any) -> bool:
+        return world.device.type == "cuda"
 
 
 def _features(problem: Problem) -> dict[str, float]:
@@ -91,12 +109,8 @@ def _sweep(kind: str, world: int) -> list[Problem]:
 
 OP = Op(
     name=NAME,
-    variants={
-        "bsp": Variant("bsp", _build_bsp, fused=False),
-        "fused": Variant("fused", _build_fused, defaults=lambda p: [{"BLOCK": 32}, {"BLOCK": 16}],
-                         check=_check_fused),
-        "gpu_only": Variant("gpu_only", _build_bsp, available=lambda world: world.device.type == "cuda"),
-    },
+    args=("a", "b"),
+    variants=[Bsp(), Fused(), GpuOnly()],
     problem_of=problem_of,
     inputs=inputs,
     reference=reference,

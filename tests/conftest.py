@@ -5,6 +5,11 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+# The GPU machines' Triton (3.6) in a side venv where developers have one; CI has only the current one.
+T36 = Path(os.environ.get("AUTOFUSE_T36_PYTHON", "/tmp/t36/bin/python"))
 
 _COMPILE = r"""
 import importlib, json, sys
@@ -45,20 +50,46 @@ def compile_request(module: str, kernel: str, signature: dict[str, str], constex
             "divisible": list(divisible)}
 
 
-def compile_sm90_many(requests: list[dict]) -> dict[str, dict]:
+# Another Python (Triton 3.6's venv) has no autofuse installed: map the package onto this checkout.
+_SHIM = """
+import os, sys, types
+for _name, _sub in (("autofuse", "autofuse"), ("autofuse.kernels", "kernels")):
+    _m = types.ModuleType(_name)
+    _m.__path__ = [os.path.join(os.environ["AUTOFUSE_SRC"], _sub)]
+    sys.modules[_name] = _m
+"""
+
+
+def start_compile(requests: list[dict], python: str | os.PathLike | None = None) -> subprocess.Popen:
+    """Start compiling `requests` for sm_90 in a child process (`python`: another interpreter, e.g. T36)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    script = _COMPILE
+    if python is not None and str(python) != sys.executable:
+        env["AUTOFUSE_SRC"] = str(ROOT)
+        script = _SHIM + script
+    return subprocess.Popen([str(python or sys.executable), "-c", script, json.dumps(requests)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=str(ROOT))
+
+
+def compile_sm90_many(requests: list[dict], python: str | os.PathLike | None = None) -> dict[str, dict]:
     """Compile every request for sm_90 (Hopper) in one child process; {name: {'ptx', 'shared'}}.
 
     Catches what the interpreter cannot (pointer-cast types, unsupported ops, shared-memory size).
-    The child runs without TRITON_INTERPRET, since @triton.jit reads it at import.
+    The child runs without TRITON_INTERPRET, since @triton.jit reads it at import. `python` runs the
+    compile under another interpreter (T36: the GPU machines' Triton 3.6).
     """
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    proc = subprocess.run([sys.executable, "-c", _COMPILE, json.dumps(requests)], capture_output=True, text=True,
-                          env=env, timeout=600)
+    proc = start_compile(requests, python)
+    try:
+        stdout, stderr = proc.communicate(timeout=600)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise
+    proc.returncode = proc.wait()
     if proc.returncode != 0:
         names = ", ".join(f"{r['module']}.{r['kernel']}" for r in requests)
-        raise AssertionError(f"sm_90 compile failed ({names}):\n{proc.stderr[-4000:]}")
-    return json.loads(proc.stdout)
+        raise AssertionError(f"sm_90 compile with {python or sys.executable} failed ({names}):\n{stderr[-4000:]}")
+    return json.loads(stdout)
 
 
 def compile_sm90(module: str, kernel: str, signature: dict[str, str], constexprs: dict | None = None,

@@ -1,15 +1,18 @@
 """Dispatch on 2 CPU ranks: cached hot path (no I/O, no collective, no policy walk), overrides,
-explain, rank disagreement raising before launch, capture misses, policy search and refusal."""
+explain, rank disagreement and one rank's bad input raising on every rank before launch, a rank
+that never joins the agreement, capture misses, policy search and refusal, generated entry points."""
 from __future__ import annotations
 
 import json
 import math
 import os
+import time
 
 import pytest
 
 from _toy_op import OP as TOY
-from autofuse import environment, policy
+from autofuse import environment
+from autofuse.training.fit import fit
 from autofuse.op import Problem
 from autofuse.world import spawn
 
@@ -34,7 +37,7 @@ def _rows() -> list[dict]:
 def policies(tmp_path_factory) -> dict:
     """A fitted toy policy (data) and a folder; ranks write it with their own fingerprint (other helpers'
     kernel edits change the kernel hash between this process and the ranks)."""
-    return {"data": policy.fit(_rows(), FP, "eager", ops={"toy_mm": TOY}).data,
+    return {"data": fit(_rows(), FP, "eager", ops={"toy_mm": TOY}).data,
             "dir": str(tmp_path_factory.mktemp("dispatch"))}
 
 
@@ -134,20 +137,20 @@ def _dispatch_job(world, policies: dict) -> dict:
         e = dispatch.explain(TOY, *_inputs(world, 8))
     finally:
         c.restore()
-    res["explain_new"] = {"variant": e.variant, "source": e.source, "cached": e.cached, "reason": e.reason,
+    res["explain_new"] = {"variant": e.variant, "basis": e.basis, "cached": e.cached, "reason": e.reason,
                           "gathers": c.counts["dist.all_gather"], "builds": dispatch.stats.builds}
 
     # a new shape is a new decision (small M: bsp) with its own collective
     a8, b8 = _inputs(world, 8)
     out = call(TOY, a8, b8)
     res["small"] = {"rel": _rel(out, a8, b8), "variant": dispatch.explain(TOY, a8, b8).variant,
-                    "collectives": dispatch.stats.collectives}
+                    "agreements": dispatch.stats.agreements}
 
     # overrides: the argument, then AUTOFUSE_VARIANT; a config without variant; a bad config
     n = toy.CALLS["bsp"]
     out = call(TOY, a, b, variant="bsp")
     res["override_arg"] = {"rel": _rel(out, a, b), "bsp_calls": toy.CALLS["bsp"] - n,
-                           "source": dispatch.explain(TOY, a, b, variant="bsp").source}
+                           "basis": dispatch.explain(TOY, a, b, variant="bsp").basis}
     out = call(TOY, a, b, variant="fused", config={"BLOCK": 16})
     res["override_config"] = {"rel": _rel(out, a, b),
                               "config": dispatch.explain(TOY, a, b, variant="fused", config={"BLOCK": 16}).config}
@@ -165,7 +168,7 @@ def _dispatch_job(world, policies: dict) -> dict:
     a512, b512 = _inputs(world, 512)
     call(TOY, a512, b512)
     ex = dispatch.explain(TOY, a512, b512)
-    res["override_env"] = {"variant": ex.variant, "source": ex.source, "reason": ex.reason}
+    res["override_env"] = {"variant": ex.variant, "basis": ex.basis, "reason": ex.reason}
     del os.environ["AUTOFUSE_VARIANT"]
 
     # a miss during CUDA-graph capture raises (simulated: CPU tensors cannot be captured)
@@ -187,7 +190,7 @@ def _dispatch_job(world, policies: dict) -> dict:
         warnings.simplefilter("always")
         call(TOY, a, b)
     ex = dispatch.explain(TOY, a, b)
-    res["foreign"] = {"variant": ex.variant, "source": ex.source, "reason": ex.reason,
+    res["foreign"] = {"variant": ex.variant, "basis": ex.basis, "reason": ex.reason,
                       "warnings": [str(w.message) for w in caught if issubclass(w.category, PolicyWarning)]}
 
     # no policy anywhere: one warning for the process, BSP for everything
@@ -203,7 +206,7 @@ def _dispatch_job(world, policies: dict) -> dict:
     finally:
         dispatch.models_dirs = saved_dirs
     ex = dispatch.explain(TOY, a, b)
-    res["none"] = {"variant": ex.variant, "source": ex.source,
+    res["none"] = {"variant": ex.variant, "basis": ex.basis,
                    "warnings": [str(w.message) for w in caught if "no policy" in str(w.message)]}
 
     # ranks with different policies: a clear error on every rank before anything is built or run
@@ -226,6 +229,31 @@ def _dispatch_job(world, policies: dict) -> dict:
         res["mismatch_override"] = None
     except dispatch.DispatchMismatch as exc:
         res["mismatch_override"] = str(exc)
+
+    # one rank's input is invalid: every rank raises InvalidInput naming that rank, nobody waits alone
+    dispatch.reset()
+    dispatch.set_policy(paths["good"])
+    bad_b = b if world.rank == 0 else torch.randn(15, 16)
+    try:
+        call(TOY, a, bad_b)
+        res["bad_input"] = None
+    except Exception as exc:
+        res["bad_input"] = f"{type(exc).__name__}: {exc}"
+
+    # a rank that never joins (it hit its cache with other shapes): the others raise within the bound
+    os.environ["AUTOFUSE_WAIT_TIMEOUT"] = "1"
+    dispatch.reset()
+    dispatch.set_policy(paths["good"])
+    t0 = time.monotonic()
+    try:
+        if world.rank == 0:
+            call(TOY, *_inputs(world, 64))
+        res["absent"] = None
+    except dispatch.DispatchMismatch as exc:
+        res["absent"] = str(exc)
+    res["absent_s"] = time.monotonic() - t0
+    del os.environ["AUTOFUSE_WAIT_TIMEOUT"]
+    dist.barrier()
     dispatch.reset()
     return res
 
@@ -238,7 +266,7 @@ def results(policies) -> list[dict]:
 def test_first_call_decides_once(results):
     for r in results:
         s = r["first"]["stats"]
-        assert (s["misses"], s["hits"], s["collectives"], s["builds"], s["policy_loads"]) == (1, 0, 1, 1, 1), s
+        assert (s["misses"], s["hits"], s["agreements"], s["builds"], s["policy_loads"]) == (1, 0, 1, 1, 1), s
         assert r["first"]["rel"] < 1e-5 and r["first"]["calls"]["fused"] >= 1
 
 
@@ -247,7 +275,7 @@ def test_hot_path_does_no_io_no_collective_no_policy_walk(results):
         hot = r["hot"]
         assert all(v == 0 for v in hot["counts"].values()), (rank, hot["counts"])
         d = hot["delta"]
-        assert (d["hits"], d["misses"], d["collectives"], d["builds"], d["policy_loads"]) == (HOT_CALLS, 0, 0, 0, 0), d
+        assert (d["hits"], d["misses"], d["agreements"], d["builds"], d["policy_loads"]) == (HOT_CALLS, 0, 0, 0, 0), d
         assert d["checks"] == HOT_CALLS  # on CPU every fused call checks the flag status word
         assert hot["rel"] < 1e-5 and hot["same_out"]
 
@@ -255,18 +283,18 @@ def test_hot_path_does_no_io_no_collective_no_policy_walk(results):
 def test_explain(results):
     for r in results:
         e = r["explain_cached"]
-        assert e["cached"] and e["variant"] == "fused" and e["source"] == "measured" and e["config"] == {"BLOCK": 16}
+        assert e["cached"] and e["variant"] == "fused" and e["basis"] == "measured" and e["config"] == {"BLOCK": 16}
         assert "variant: fused" in e["text"] and "measured:" in e["text"]
         n = r["explain_new"]
         assert n["variant"] == "bsp" and not n["cached"] and n["gathers"] == 0 and n["builds"] == 1, n
-        assert r["small"]["variant"] == "bsp" and r["small"]["collectives"] == 2 and r["small"]["rel"] < 1e-5
+        assert r["small"]["variant"] == "bsp" and r["small"]["agreements"] == 2 and r["small"]["rel"] < 1e-5
 
 
 def test_overrides(results):
     for r in results:
-        assert r["override_arg"]["bsp_calls"] == 1 and r["override_arg"]["source"] == "override"
+        assert r["override_arg"]["bsp_calls"] == 1 and r["override_arg"]["basis"] == "override"
         assert r["override_config"]["config"] == {"BLOCK": 16} and r["override_config"]["rel"] < 1e-5
-        assert r["override_env"]["variant"] == "bsp" and r["override_env"]["source"] == "env"
+        assert r["override_env"]["variant"] == "bsp" and r["override_env"]["basis"] == "env"
         assert "AUTOFUSE_VARIANT" in r["override_env"]["reason"]
         e = r["errors"]
         assert e["config_without_variant"].startswith("ValueError") and "needs variant" in e["config_without_variant"]
@@ -283,10 +311,25 @@ def test_capture_miss_raises_with_warmup_advice(results):
 def test_foreign_policy_refused_runs_bsp(results):
     for r in results:
         f = r["foreign"]
-        assert f["variant"] == "bsp" and f["source"] == "fallback" and "gpu_name" in f["reason"], f
+        assert f["variant"] == "bsp" and f["basis"] == "fallback" and "gpu_name" in f["reason"], f
         assert f["warnings"] and "other hardware or versions" in f["warnings"][0]
         n = r["none"]
-        assert n["variant"] == "bsp" and n["source"] == "fallback" and len(n["warnings"]) == 1, n
+        assert n["variant"] == "bsp" and n["basis"] == "fallback" and len(n["warnings"]) == 1, n
+
+
+def test_one_ranks_bad_input_raises_on_every_rank(results):
+    for rank, r in enumerate(results):
+        msg = r["bad_input"]
+        assert msg and msg.startswith("InvalidInput"), msg
+        if rank == 0:  # the healthy rank names the bad one and its reason
+            assert "rank 1" in msg and "toy_mm" in msg, msg
+
+
+def test_rank_that_never_joins_is_reported_within_the_bound(results):
+    r = results[0]
+    assert r["absent"] and "rank(s) [1] did not take part" in r["absent"], r["absent"]
+    assert r["absent_s"] < 1 + 2 + 5, r["absent_s"]
+    assert results[1]["absent"] is None
 
 
 def test_rank_disagreement_raises_before_launch(results):
@@ -304,7 +347,8 @@ def test_import_is_cheap():
     import sys
 
     code = ("import sys, autofuse; assert 'torch' not in sys.modules and 'autofuse.dispatch' not in sys.modules; "
-            "f = autofuse.ag_gemm; import autofuse.dispatch as d; assert f is d.ag_gemm and autofuse.explain is d.explain; "
+            "f = autofuse.ag_gemm; assert f is autofuse.ag_gemm and f.__name__ == 'ag_gemm'; "
+            "import autofuse.dispatch as d; assert autofuse.explain is d.explain; "
             "import torch.distributed as dist; assert not dist.is_initialized()")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
@@ -376,21 +420,31 @@ def test_real_ops_through_public_entry_points():
     assert not bad, bad
 
 
-def test_entry_point_keys_match_the_generic_key():
-    """The spelled-out keys of the public entry points equal `_key`, so explain/runner_of find them."""
+def test_entry_points_are_generated_from_the_ops_argument_names():
+    """`autofuse.<op>` takes the op's declared arguments and builds the same key as `_key`, so
+    explain/runner_of find its decisions; the toy op gets one too without any hand-written code."""
+    import inspect
+
     import torch
 
-    from autofuse import dispatch
+    import autofuse
+    from autofuse import dispatch, registry
 
-    t = [torch.empty(4, 8), torch.empty(8, 4).t(), torch.empty(3, dtype=torch.int32), torch.empty(2, 2)]
-    seen = []
-    saved = dispatch._run
-    dispatch._run = lambda key, *rest: seen.append(key)
+    for name in registry.names():
+        fn = getattr(autofuse, name)
+        assert list(inspect.signature(fn).parameters)[:len(registry.get(name).args)] == list(registry.get(name).args)
+    dispatch._ops["toy_mm"] = TOY
     try:
-        for name in ("ag_gemm", "gemm_rs", "gemm_ar"):
-            getattr(dispatch, name)(t[0], t[1], variant="x", config={"A": 1})
-            assert seen[-1] == dispatch._key(name, None, "x", {"A": 1}, (t[0], t[1]))
-        dispatch.flash_decode(*t)
-        assert seen[-1] == dispatch._key("flash_decode", None, None, None, tuple(t))
+        fn = dispatch.entry_point("toy_mm")
+        a, b = torch.empty(4, 8), torch.empty(8, 4).t()
+        seen = []
+        saved = dispatch._miss
+        dispatch._miss = lambda key, *rest: seen.append(key)
+        try:
+            fn(a, b, variant="x", config={"A": 1})
+        finally:
+            dispatch._miss = saved
+        assert seen == [dispatch._key("toy_mm", None, "x", {"A": 1}, (a, b))]
+        assert fn.__name__ == "toy_mm" and "a, b" in fn.__doc__
     finally:
-        dispatch._run = saved
+        dispatch.reset()

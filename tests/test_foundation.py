@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import glob
 import os
+import re
 import time
 
 import pytest
@@ -110,12 +111,16 @@ def _heap_api(world):
             bool(torch.isfinite(c).all()), float(peer.sum()), h.offset_of(b) % heap_mod.ALIGN, errors)
 
 
-def test_heap_allocation_api_and_full_heap_error(monkeypatch):
-    monkeypatch.setenv("AUTOFUSE_HEAP_SIZE", "1M")
+@pytest.mark.parametrize("size", ["1M", "256K"])
+def test_heap_allocation_api_and_full_heap_error(monkeypatch, size):
+    monkeypatch.setenv("AUTOFUSE_HEAP_SIZE", size)
     for shape, is_bf16, zsum, bsum, finite, peer_sum, align, errors in spawn(_heap_api, 2, timeout_s=120):
         assert shape == (3, 5) and is_bf16 and zsum == 0.0 and bsum == 17.5 and finite
         assert peer_sum == 17.5 and align == 0
-        assert errors and "AUTOFUSE_HEAP_SIZE" in errors[0]
+        assert errors and "raise AUTOFUSE_HEAP_SIZE (e.g. " in errors[0], errors
+        suggested = int(re.search(r"e\.g\. (\d+)M", errors[0]).group(1)) << 20
+        needed = int(re.search(r"needs (\d+) B at offset (\d+)", errors[0]).group(1))
+        assert suggested > heap_mod.parse_size(size) and suggested >= needed, errors  # never "e.g. 0M"
 
 
 def _mismatched_allocation(world):
@@ -132,6 +137,9 @@ def test_divergent_allocations_are_caught():
 def test_parse_size():
     assert heap_mod.parse_size("64M") == 64 << 20
     assert heap_mod.parse_size("2G") == 2 << 30
-    assert heap_mod.parse_size("4096") == 4096
+    assert heap_mod.parse_size("65536") == 65536
+    for tiny in ("0", "4096", "0M"):  # AUTOFUSE_HEAP_SIZE=0 gets a clear minimum, not an mmap error
+        with pytest.raises(ValueError, match="below the minimum"):
+            heap_mod.parse_size(tiny)
     with pytest.raises(ValueError):
         heap_mod.parse_size("lots")

@@ -1,5 +1,6 @@
 """Policy: fit on real CPU measurements (a toy op with a known crossover), JSON round trip, unsure
-fallback, refusal of a foreign fingerprint, the held-out evaluation, and the fit/export/show CLI."""
+fallback, refusal of a foreign fingerprint or of a malformed file (validated throughout), the
+held-out evaluation, the runtime's independence from scikit-learn, and the fit/export/show CLI."""
 from __future__ import annotations
 
 import copy
@@ -9,11 +10,12 @@ import random
 
 import numpy as np
 import pytest
-
 from _toy_op import OP as TOY
+
 from autofuse import environment, policy
 from autofuse.op import Problem
 from autofuse.policy import BSP, Policy, PolicyWarning
+from autofuse.training import fit as fitting
 from autofuse.world import spawn
 
 FP = environment.fingerprint("cpu")
@@ -41,7 +43,7 @@ def db(tmp_path_factory):
     measurements = spawn(_measure_toy, 2)[0]
     path = tmp_path_factory.mktemp("policy") / "autofuse.db"
     store = Store(path)
-    store.add(measurements, FP, source="bench")
+    store.add(measurements, FP, source="tune")
     store.close()
     return path
 
@@ -59,7 +61,7 @@ def rows(db):
 
 @pytest.fixture(scope="module")
 def fitted(rows):
-    return policy.fit(rows, FP, "eager", ops={"toy_mm": TOY})
+    return fitting.fit(rows, FP, "eager", ops={"toy_mm": TOY})
 
 
 def _toy(m: int, n: int = 16, k: int = 16, world: int = 2) -> Problem:
@@ -121,17 +123,17 @@ def test_json_round_trip_gives_identical_decisions(fitted, tmp_path):
 
 
 def test_exported_trees_match_sklearn(rows):
-    d = policy.collect(rows, {"toy_mm": TOY})["toy_mm"]
+    d = fitting.collect(rows, {"toy_mm": TOY})["toy_mm"]
     everything = range(len(d.keys))
     rng = random.Random(0)
     xs = d.x + [[v * rng.uniform(0.7, 1.3) for v in x] for x in d.x for _ in range(3)]
-    gbr = policy._fit_gbr(d, everything)
+    gbr = fitting._fit_gbr(d, everything)
     for x in xs:
         for v in d.variants:
             onehot = [1.0 if u == v else 0.0 for u in d.variants]
             want = gbr["_sk"].predict(np.asarray([x + onehot]))[0]
             assert policy._gbr_log_latency(gbr, x, v) == pytest.approx(want, rel=1e-12, abs=1e-12)
-    tree = policy._fit_tree(d, everything)
+    tree = fitting._fit_tree(d, everything)
     for x in xs:
         leaf = policy._walk(tree["tree"], policy._f32(x))
         assert tree["classes"][tree["tree"]["label"][leaf]] == tree["_sk"].predict(np.asarray([x]))[0]
@@ -172,11 +174,11 @@ def test_fit_is_unsure_where_gains_are_noise():
     """Fused and BSP equal under 5% noise: some held-out calls are unsure, and the policy costs little;
     with a clear 1.5x gain it picks fused everywhere."""
     for seed in range(3):
-        res = policy.fit(_synthetic_rows(noise=0.05, gain=1.0, seed=seed), FP, "eager", ops={"toy_mm": TOY})
+        res = fitting.fit(_synthetic_rows(noise=0.05, gain=1.0, seed=seed), FP, "eager", ops={"toy_mm": TOY})
         rep = res.report["ops"]["toy_mm"]["models"][res.report["ops"]["toy_mm"]["kept"]]
         assert rep["unsure"] > 0 and rep["margin"] > 0.01 and rep["speedup_vs_bsp"] > 0.97, rep
-        assert [m["margin_quantile"] for m in rep["margins_tried"]] == list(policy.MARGIN_QUANTILES)
-    clear = policy.fit(_synthetic_rows(noise=0.01, gain=1.5), FP, "eager", ops={"toy_mm": TOY})
+        assert [m["margin_quantile"] for m in rep["margins_tried"]] == list(fitting.MARGIN_QUANTILES)
+    clear = fitting.fit(_synthetic_rows(noise=0.01, gain=1.5), FP, "eager", ops={"toy_mm": TOY})
     rep = clear.report["ops"]["toy_mm"]["models"][clear.report["ops"]["toy_mm"]["kept"]]
     assert rep["correct"] == rep["n"] and rep["picked"] == {"fused": rep["n"]}, rep
 
@@ -205,7 +207,7 @@ def test_evaluate_counts():
     us = {"a": {"bsp": 100.0, "f": 50.0}, "b": {"bsp": 100.0, "f": 99.0}, "c": {"bsp": 100.0, "f": 200.0},
           "d": {"bsp": 100.0, "f": 80.0}}
     decisions = {"a": ("f", "policy"), "b": ("bsp", "unsure"), "c": ("f", "policy"), "d": ("bsp", "unsure")}
-    r = policy.evaluate(decisions, us)
+    r = fitting.evaluate(decisions, us)
     assert (r["correct"], r["wrong"], r["unsure"], r["unsure_ok"]) == (1, 1, 2, 1)
     assert r["within_5pct"] == pytest.approx(0.5)
     assert r["worst_vs_bsp"] == pytest.approx(2.0) and r["worst_problem"] == "c"
@@ -228,7 +230,10 @@ def test_cli_fit_export_show(db, tmp_path):
     assert data["format"] == "autofuse-policy" and data["fingerprint"]["id"] == FP["id"] and data["mode"] == "eager"
     assert json.loads((tmp_path / "report.json").read_text())["ops"]["toy_mm"]["kept"] in ("gbr", "tree")
     res = runner.invoke(app, ["fit", "--db", str(db), "--mode", "eager", "--out", str(out), "--json"])
+    assert res.exit_code == 1 and "exists; pass --force" in res.output, res.output  # never replaced silently
+    res = runner.invoke(app, ["fit", "--db", str(db), "--out", str(out), "--json", "--force"])
     assert res.exit_code == 0 and json.loads(res.stdout)["ops"]["toy_mm"]["problems"] == 14, res.output
+    assert "--mode not given: reading the eager mode" in res.stderr
     for fmt in ("csv", "json"):
         target = tmp_path / f"table.{fmt}"
         res = runner.invoke(app, ["export", "--format", fmt, "--db", str(db), "--mode", "eager", "--out", str(target)])
@@ -262,7 +267,7 @@ def test_bound_rows_are_shown_never_chosen():
     table = {e["problem"]: e for e in problem_table(rows)}
     assert table[keys[0]]["bound"] == 1.0 and table[keys[1]]["bound"] == 3.0 and table[keys[2]]["bound"] is None
     assert all(e["best"] == "fused" for e in table.values())
-    res = policy.fit(rows, FP, "eager", ops={"toy_mm": TOY})
+    res = fitting.fit(rows, FP, "eager", ops={"toy_mm": TOY})
     assert res.data["ops"]["toy_mm"]["variants"] == ["bsp", "fused"]
 
 
@@ -270,7 +275,7 @@ def test_constant_feature_does_not_swamp_nearest_problem_distance():
     """A feature constant over the tuned problems (std = rounding noise) gets scale 1, not ~1e-20."""
     import numpy as np
 
-    from autofuse.policy import feature_scale
+    from autofuse.training.fit import feature_scale
 
     log_n = np.log2(3584.0)
     cols = np.array([[3.0, log_n + 1e-16 * i, 13.0] for i in range(4)]) + np.array([[i, 0, 0] for i in range(4)])
@@ -278,3 +283,187 @@ def test_constant_feature_does_not_swamp_nearest_problem_distance():
     assert scale[0] == pytest.approx(np.std([3, 4, 5, 6]))
     assert scale[1] == 1.0 and scale[2] == 1.0
     assert feature_scale(np.zeros((0, 2)), 2) == [1.0, 1.0]
+
+
+# ---------------------------------------------------------------------------------------------
+# Malformed policy files: one warning naming the file and the first problem, then BSP for every op
+
+
+@pytest.fixture(scope="module")
+def clean():
+    """A valid policy (synthetic rows, no ranks) in both model kinds: {"gbr": data, "tree": data}."""
+    rows = _synthetic_rows(noise=0.01, gain=1.5)
+    for r in rows:  # a crossover: fused wins only from M = 256 on, so both models have internal nodes
+        if r["variant"] == "fused" and Problem.from_key(r["problem"])["M"] < 256:
+            r["median_us"] *= 2.5
+    res = fitting.fit(rows, FP, "eager", ops={"toy_mm": TOY})
+    d = fitting.collect(rows, {"toy_mm": TOY})["toy_mm"]
+    out = {}
+    for kind, fitter in (("gbr", fitting._fit_gbr), ("tree", fitting._fit_tree)):
+        data = copy.deepcopy(res.data)
+        model = fitter(d, range(len(d.keys)))
+        model.pop("_sk")
+        data["ops"]["toy_mm"]["model"] = model
+        assert policy.validate(data) is None
+        assert any(left != -1 for left in (model["tree"] if kind == "tree" else model["trees"][0])["left"])
+        out[kind] = data
+    return out
+
+
+def _leaf_of(tree: dict) -> int:
+    return next(i for i, left in enumerate(tree["left"]) if left == -1)
+
+
+def _op(d: dict) -> dict:
+    return d["ops"]["toy_mm"]
+
+
+def _tree(d: dict) -> dict:
+    """The decision tree of a 'tree' model."""
+    return _op(d)["model"]["tree"]
+
+
+def _gbr(d: dict, i: int) -> dict:
+    """Tree i of a 'gbr' model."""
+    return _op(d)["model"]["trees"][i]
+
+
+def _share_child(d: dict) -> None:
+    t = _gbr(d, 3)
+    t["right"][0] = t["left"][0]  # both children of the root are the same node
+
+
+MALFORMED = {
+    # name: (model kind, mutation, text the warning must contain)
+    "shared node": ("gbr", _share_child, "reached twice"),
+    "missing nested key": ("gbr", lambda d: _gbr(d, 5).pop("threshold"), "lacks 'threshold'"),
+    "missing candidate config": ("tree", lambda d: _op(d)["candidates"]["fused"][0].pop("config"), "lacks 'config'"),
+    "feature index out of range": ("tree", lambda d: _tree(d)["feature"].__setitem__(0, 99),
+                                   "feature index 99 out of range"),
+    "child index out of range": ("gbr", lambda d: _gbr(d, 0)["left"].__setitem__(0, 10**6), "child index out of range"),
+    "zero scale": ("gbr", lambda d: _op(d)["scale"].__setitem__(0, 0.0), "must be positive"),
+    "negative scale": ("tree", lambda d: _op(d)["scale"].__setitem__(1, -1.0), "must be positive"),
+    "NaN threshold": ("tree", lambda d: _tree(d)["threshold"].__setitem__(0, math.nan),
+                      "threshold[0]: nan is not a finite number"),
+    "NaN margin": ("gbr", lambda d: _op(d).__setitem__("margin", math.nan), "margin: nan is not a finite"),
+    "infinite leaf value": ("gbr", lambda d: _gbr(d, 2)["value"].__setitem__(_leaf_of(_gbr(d, 2)), math.inf),
+                            "is not a finite number"),
+    "NaN leaf gain": ("tree", lambda d: _op(d)["model"]["leaf_gain"].__setitem__(
+        _leaf_of(_tree(d)), {"bsp": 0.0, "fused": math.nan}), "leaf_gain"),
+    "label out of range": ("tree", lambda d: _tree(d)["label"].__setitem__(0, 7), "is not a class index"),
+    "leaf with one child": ("tree", lambda d: _tree(d)["right"].__setitem__(_leaf_of(_tree(d)), 1), "has one child"),
+    "huge integer": ("gbr", lambda d: _op(d)["model"].__setitem__("init", 10**400), "not a finite number"),
+    "features not strings": ("gbr", lambda d: _op(d)["features"].__setitem__(0, [[["x"]]]), "is not a string"),
+    "unknown problem in candidates": ("tree", lambda d: _op(d)["candidates"]["bsp"][0]["problems"].append(
+        "toy_mm|K=1|float32|w2"), "which the policy does not hold"),
+    "nested fingerprint": ("gbr", lambda d: d["fingerprint"].__setitem__("ops", {"toy_mm": {"deeper": 1}}),
+                           "fingerprint['ops']['toy_mm']"),
+    "zero latency": ("gbr", lambda d: next(iter(_op(d)["problems"].values()))["us"].__setitem__("bsp", 0.0),
+                     "must be positive"),
+}
+
+
+def _refused_once(path, must_contain: str) -> Policy:
+    """Load `path`: exactly one PolicyWarning naming it and the problem; every op then runs BSP."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        pol = Policy.load(path, FP)
+    msgs = [str(w.message) for w in caught if issubclass(w.category, PolicyWarning)]
+    assert len(msgs) == 1 and len(caught) == 1, [str(w.message) for w in caught]
+    assert str(path) in msgs[0] and must_contain in msgs[0], msgs[0]
+    assert pol.refused
+    for p in (_toy(4096), _toy(2)):
+        d = pol.decide(p, TOY)
+        assert d.variant == BSP and d.kind == "fallback", d
+    return pol
+
+
+@pytest.mark.parametrize("case", sorted(MALFORMED))
+def test_malformed_policy_is_refused_with_one_warning(clean, tmp_path, case):
+    kind, mutate, text = MALFORMED[case]
+    data = copy.deepcopy(clean[kind])
+    mutate(data)
+    path = tmp_path / f"{case.replace(' ', '_')}.json"
+    path.write_text(json.dumps(data))  # json writes NaN / Infinity tokens, which json.loads accepts
+    _refused_once(path, text)
+
+
+def test_cycle_in_a_tree_is_refused_not_walked(clean, tmp_path):
+    """A node that is its own child would make the walk loop forever: refused at load."""
+    data = copy.deepcopy(clean["tree"])
+    t = data["ops"]["toy_mm"]["model"]["tree"]
+    child = t["left"][0]
+    assert child != -1
+    t["left"][child], t["right"][child], t["feature"][child] = child, t["right"][0], 0
+    assert policy.validate(copy.deepcopy(clean["tree"])) is None
+    path = tmp_path / "cycle.json"
+    path.write_text(json.dumps(data))
+    _refused_once(path, "reached twice from the root (a cycle or a shared node)")
+
+
+def test_deeply_nested_and_oversized_json_are_refused(tmp_path, monkeypatch):
+    deep = tmp_path / "deep.json"
+    deep.write_text("[" * 200_000 + "]" * 200_000)
+    _refused_once(deep, "nested too deeply")
+    nested = tmp_path / "nested.json"  # deep inside a valid-looking structure
+    nested.write_text('{"format": "autofuse-policy", "format_version": 1, "fingerprint": {"id": "x"}, "ops": '
+                      + '{"a": ' * 50_000 + "1" + "}" * 50_000 + "}")
+    _refused_once(nested, str(nested))
+    monkeypatch.setattr(policy, "MAX_FILE_BYTES", 100)
+    big = tmp_path / "big.json"
+    big.write_text(json.dumps({"pad": "x" * 200}))
+    _refused_once(big, "larger than")
+
+
+def test_valid_policies_pass_validation(clean):
+    """Both model kinds fitted here, and the shipped policies, are accepted as they are."""
+    from pathlib import Path
+
+    for data in clean.values():
+        assert policy.validate(data) is None
+        with_digests = dict(data, fingerprint=dict(data["fingerprint"], ops={"toy_mm": "0123abcd"}))
+        assert policy.validate(with_digests) is None  # one level of nesting: per-op code digests
+    shipped = sorted((Path(__file__).resolve().parents[1] / "models").glob("*.json"))
+    assert shipped
+    for path in shipped:
+        data, why = policy.read_file(path)
+        assert not why and policy.validate(data) is None, path
+
+
+def test_runtime_policy_never_imports_sklearn(clean, tmp_path):
+    """Loading and deciding runs without scikit-learn (and policy.py imports neither it nor numpy)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    path = tmp_path / "p.json"
+    Policy(clean["gbr"]).save(path)
+    code = ("import sys, autofuse.policy as p; from autofuse.op import Problem; "
+            f"pol = p.Policy.load({str(path)!r}); assert not pol.refused, pol.refused; "
+            "d = pol.decide(Problem.make('toy_mm', 'float32', 2, M=4096, N=16, K=16)); "
+            "print(d.variant, d.kind); "
+            "bad = [m for m in sys.modules if m.split('.')[0] in ('sklearn', 'optuna', 'scipy')]; "
+            "assert not bad, bad")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    source = (Path(policy.__file__)).read_text()
+    assert "import numpy" not in source and "sklearn" not in source.replace("scikit-learn", "")
+
+
+def test_policy_file_names():
+    cpu = environment.fingerprint("cpu")
+    name = policy.file_name(cpu, "eager")
+    assert name.startswith("cpu-emulation-") and "-x0-" not in name and name.endswith(f"{cpu['id']}-eager.json")
+    gpu = {"gpu_name": "NVIDIA H200", "gpu_count": 2, "id": "abc", "device_kind": "cuda"}
+    assert policy.file_name(gpu, "graph") == "nvidia-h200-x2-abc-graph.json"
+
+
+def test_user_models_dir(monkeypatch, tmp_path):
+    from pathlib import Path
+
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path))
+    assert policy.user_models_dir() == tmp_path / "autofuse" / "models"
+    monkeypatch.setenv("XDG_DATA_HOME", "relative/dir")  # the XDG spec: relative paths are ignored
+    assert policy.user_models_dir() == Path.home() / ".local" / "share" / "autofuse" / "models"

@@ -27,15 +27,17 @@ def test_tables_from_committed_json():
 
 def test_tuned_tables_from_committed_db():
     db = ROOT / "tuning_db" / "h200x2.db"
+    beside = sorted(db.parent.iterdir())
     cmd = [sys.executable, str(ROOT / "scripts" / "results_tables.py"), "--db", str(db), "--op", "gemm_ar",
            "--against", f"bench={SOURCE}"]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=60).stdout
+    assert sorted(db.parent.iterdir()) == beside  # read-only: no -wal / -shm left beside the database
     assert out.startswith("### gemm_ar, tuned (`autofuse tune`)")
     header = ("| M | trials | bsp us | best fused | fused us | x BSP | fused config | fastest | bench fused us "
               "| bench / tuned |")
     assert out.count(header) == 2
     assert out.index("#### graph mode") < out.index("#### eager mode")
-    con = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
+    con = sqlite3.connect(f"file:{db}?mode=ro&immutable=1", uri=True)
     bsp = dict(con.execute("SELECT problem || mode, median_us FROM measurements "
                            "WHERE op = 'gemm_ar' AND variant = 'bsp' AND ok = 1").fetchall())
     con.close()
@@ -65,3 +67,60 @@ def test_fit_and_eval_tables_from_committed_reports():
     assert out.count("| **no** |") == misses
     for r in doc["rows"]:
         assert f"| {r['op']} | {r['problem'].split('|')[1]} | {r['pick']} | {r['kind']} | {r['pick_us']:.1f} |" in out
+
+
+def _scaling_db(path: Path) -> Path:
+    """A tune database (the tables results_tables reads) with gemm_ar at M=64 and 1024 on world 1, 2, 4."""
+    con = sqlite3.connect(path)
+    con.execute("CREATE TABLE problems (key TEXT PRIMARY KEY, op TEXT, dtype TEXT, world INTEGER, dims TEXT)")
+    con.execute("CREATE TABLE environments (id TEXT PRIMARY KEY, gpu_name TEXT)")
+    con.execute("CREATE TABLE measurements (id INTEGER PRIMARY KEY, problem TEXT, op TEXT, variant TEXT, config TEXT, "
+                "mode TEXT, ok INTEGER, median_us REAL, source TEXT, created_at TEXT)")
+    con.execute("INSERT INTO environments VALUES ('e1', 'cpu')")
+    for world in (1, 2, 4):
+        for m in (64, 1024):
+            key = f"gemm_ar|K=64,M={m},N=32|float32|w{world}"
+            con.execute("INSERT INTO problems VALUES (?, 'gemm_ar', 'float32', ?, ?)",
+                        (key, world, json.dumps({"K": 64, "M": m, "N": 32})))
+            for variant, us in (("bsp", 100.0 * m / world), ("one_shot", 80.0 * m / world if m > 100 else 1e6)):
+                con.execute("INSERT INTO measurements (problem, op, variant, config, mode, ok, median_us, source, "
+                            "created_at) VALUES (?, 'gemm_ar', ?, '{}', 'eager', 1, ?, 'tune', '2026-11-22')",
+                            (key, variant, us))
+    con.execute("INSERT INTO problems VALUES ('gemm_ar|K=64,M=8,N=32|float32|w2', 'gemm_ar', 'float32', 2, "
+                "'{\"K\": 64, \"M\": 8, \"N\": 32}')")  # one world size only: not in the scaling table
+    con.execute("INSERT INTO measurements (problem, op, variant, config, mode, ok, median_us, source, created_at) "
+                "VALUES ('gemm_ar|K=64,M=8,N=32|float32|w2', 'gemm_ar', 'bsp', '{}', 'eager', 1, 5.0, 'tune', 'x')")
+    con.commit()
+    con.close()
+    return path
+
+
+def test_strong_scaling_tables_from_db(tmp_path):
+    db = _scaling_db(tmp_path / "w.db")
+    before = db.read_bytes()
+    cmd = [sys.executable, str(ROOT / "scripts" / "results_tables.py"), "--db", str(db), "--op", "gemm_ar", "--scaling"]
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=60).stdout
+    assert out.startswith("### gemm_ar, strong scaling")
+    assert "#### eager mode (K=64, N=32)" in out
+    assert ("| M | w1 fastest | w1 us | w2 fastest | w2 us | w2 speedup | w4 fastest | w4 us | w4 speedup |"
+            in out)
+    assert "| 64 | bsp | 6400.0 | bsp | 3200.0 | 2.00 | bsp | 1600.0 | 4.00 |" in out
+    assert "| 1024 | one_shot | 81920.0 | one_shot | 40960.0 | 2.00 | one_shot | 20480.0 | 4.00 |" in out
+    assert "| 8 |" not in out
+    assert db.read_bytes() == before
+    # the tuned table shows the world size as a column when it varies
+    out = subprocess.run(cmd[:-1], check=True, capture_output=True, text=True, timeout=60).stdout
+    assert "| M | world | trials |" in out
+
+
+def test_extra_target_bench_json_renders_its_rows(tmp_path):
+    doc = {"target": "collectives", "sweep": "cpu", "date": "2026-11-22", "fingerprint": {"gpu_name": "cpu"},
+           "rows": [{"collective": "all_reduce", "bytes": 1024, "us": 12.345, "extra": {"x": 1}},
+                    {"collective": "all_gather", "bytes": 2048, "us": None}]}
+    path = tmp_path / "bench-collectives.json"
+    path.write_text(json.dumps(doc))
+    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "results_tables.py"), str(path)], check=True,
+                         capture_output=True, text=True, timeout=60).stdout
+    assert out.startswith("### collectives, sweep `cpu`")
+    assert "| collective | bytes | us |" in out
+    assert "| all_reduce | 1024 | 12.35 |" in out and "| all_gather | 2048 | - |" in out

@@ -1,91 +1,104 @@
-"""`autofuse bench OP`: every variant at its best quick-sweep config vs BSP and the bound; table + JSON."""
+"""`autofuse bench TARGET`: an op's variants at their known-good configs vs BSP and the bound, or an
+extra benchmark (collectives, gemm_core, layer); tables, then one JSON file (autofuse/training/bench.py)."""
 from __future__ import annotations
 
 import datetime
-import math
 from pathlib import Path
 from typing import Optional
 
 import typer
-from rich.console import Console
-from rich.table import Table
 
-console = Console()
-
-
-def _short(problem: dict) -> str:
-    skip = {"op", "dtype", "world", "problem"}
-    return " ".join(f"{k}={v}" for k, v in problem.items() if k not in skip)
-
-
-def render(result: dict, op_name: str) -> None:
-    """One table per mode, then the geomean speedup of the best fused variant over BSP."""
-    from autofuse.bench import geomean
-
-    for mode in result["modes"]:
-        rows = [r for r in result["rows"] if r["mode"] == mode]
-        t = Table(title=f"{op_name}, {mode} mode, us per call (median, rank-max)")
-        t.add_column("problem")
-        for v in result["variants"]:
-            t.add_column(v, justify="right")
-        for col in ("bound", "best fused", "x BSP", "/ bound"):
-            t.add_column(col, justify="right")
-        for r in rows:
-            cells = [f"{r['best_us'][v]:.1f}" if v in r["best_us"] else ("fail" if v in r["failures"] else "-")
-                     for v in result["variants"]]
-            f = lambda x, d=2: "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{d}f}"  # noqa: E731
-            t.add_row(_short({k: r[k] for k in r if k not in ("best_us", "config", "pieces_us", "bound_us", "best_fused",
-                                                              "best_fused_us", "speedup_vs_bsp", "vs_bound",
-                                                              "failures", "mode", "bandwidth")}),
-                      *cells, f(r["bound_us"], 1), r["best_fused"], f(r["speedup_vs_bsp"]), f(r["vs_bound"]))
-        console.print(t)
-        bw = [r for r in rows if r.get("bandwidth", {}).get("local_GBps")]
-        if bw:
-            b = Table(title=f"{op_name}, {mode} mode: local kernel bandwidth vs a device copy in the same run")
-            for col in ("problem", "local GB/s", "copy GB/s (read+write)", "local / copy"):
-                b.add_column(col, justify="right")
-            for r in bw:
-                x = r["bandwidth"]
-                b.add_row(r["problem"], f"{x['local_GBps']:.0f}", f"{x['copy_GBps']:.0f}", f"{x['local_vs_copy']:.2f}")
-            console.print(b)
-        console.print(f"{mode}: geomean speedup of the best fused variant over BSP = "
-                      f"{geomean([r['speedup_vs_bsp'] for r in rows]):.3f}x over {len(rows)} problems")
-        fails = {(r["problem"], v): why for r in rows for v, why in r["failures"].items()}
-        for (p, v), why in list(fails.items())[:10]:
-            console.print(f"  [yellow]{v} failed on {p}: {why}[/]")
+from autofuse.commands._common import OutputExists, fail, note, out, write_new
 
 
 def bench(
-    op: str = typer.Argument(..., help="Op to benchmark (ag_gemm, gemm_rs, gemm_ar, flash_decode)."),
-    sweep: Optional[str] = typer.Option(None, help="Problem set: gpu, llama70b or cpu (default: gpu with GPUs, else cpu)."),
+    target: str = typer.Argument(..., help="An op (ag_gemm, gemm_rs, gemm_ar, flash_decode, ...) or an extra "
+                                 "benchmark: collectives, gemm_core, layer."),
+    sweep: Optional[str] = typer.Option(None, help="Problem set: gpu, llama70b or cpu (default: gpu with GPUs, "
+                                        "else cpu)."),
     variants: Optional[str] = typer.Option(None, help="Comma-separated variants (default: all available)."),
-    mode: Optional[str] = typer.Option(None, help="eager or graph (default: both where CUDA graphs exist)."),
-    shapes: Optional[str] = typer.Option(None, help="Comma-separated M (or batch) values to keep from the sweep."),
-    reps: int = typer.Option(20, help="Timed batches per measurement (median taken)."),
-    limit: Optional[int] = typer.Option(None, help="Only the first N problems."),
-    ranks: Optional[int] = typer.Option(None, help="World size (default: every local GPU, or 2 CPU ranks)."),
-    out: Optional[Path] = typer.Option(None, help="JSON output (default: docs/results/bench-OP-SWEEP-DATE.json)."),
+    mode: Optional[str] = typer.Option(None, help="eager or graph (default: both where CUDA graphs exist; "
+                                       "eager on CPU)."),
+    shapes: Optional[list[str]] = typer.Option(None, "--shapes", help="Problems to keep, repeatable: for an op, "
+                                               "comma-separated M (flash_decode: B) values, e.g. 64,128."),
+    reps: int = typer.Option(20, min=1, help="Timed batches per measurement (median taken)."),
+    limit: Optional[int] = typer.Option(None, min=1, help="Only the first N problems."),
+    world: Optional[int] = typer.Option(None, "--world", min=1, help="World size (default: every local GPU, "
+                                        "or 2 CPU ranks)."),
+    out_path: Optional[Path] = typer.Option(None, "--out", help="JSON output (default: "
+                                            "./autofuse-out/bench-TARGET-SWEEP-wWORLD-DATE.json, e.g. "
+                                            "autofuse-out/bench-ag_gemm-cpu-w2-2026-11-22.json; DATE in UTC)."),
+    force: bool = typer.Option(False, "--force", help="Replace the output file if it exists."),
+    quiet: bool = typer.Option(False, help="No line per measurement, only the tables."),
+    json_out: bool = typer.Option(False, "--json", help="Print the JSON document instead of tables (no progress "
+                                  "lines; the file is written as well)."),
 ) -> None:
-    """Benchmark an op: each variant at its best known-good config, BSP and the bound, eager and graph."""
-    from autofuse import registry
-    from autofuse.bench import bench_rank, write_report
-    from autofuse.world import default_device_kind, gpu_count, spawn
+    """Benchmark an op (each variant at its known-good configs vs BSP and the bound) or an extra target.
 
-    if op not in registry.names():
-        raise typer.BadParameter(f"unknown op {op!r}; available: {', '.join(registry.names())}")
-    kind = default_device_kind()
-    sweep = sweep or ("gpu" if kind == "cuda" else "cpu")
-    n = ranks or (gpu_count() if kind == "cuda" else 2)
-    var = [v.strip() for v in variants.split(",")] if variants else None
-    modes = [mode] if mode else None
-    keep = [int(s) for s in shapes.split(",")] if shapes else None
-    console.print(f"bench {op}: sweep {sweep}, {n} {'GPU' if kind == 'cuda' else 'CPU'} ranks")
-    results = spawn(bench_rank, n, op, sweep, var, modes, reps, limit, keep, device_kind=kind, timeout_s=3600)
-    result = results[0]
-    render(result, op)
-    date = datetime.date.today().isoformat()
-    path = write_report(result, op, sweep, out or Path("docs/results") / f"bench-{op}-{sweep}-w{n}-{date}.json")
-    console.print(f"wrote {path}")
+    On a machine without GPUs this runs the CPU emulation: the timings are the Triton interpreter's
+    and gloo's, not a GPU's (they show that every variant runs, not which is faster).
+    """
+    from autofuse.training.bench import (
+        CPU_NOTE,
+        BenchOptions,
+        BenchTargetMissing,
+        default_out,
+        dumps,
+        is_op,
+        load_target,
+        report,
+    )
+
+    try:
+        module = load_target(target)
+    except BenchTargetMissing as exc:
+        fail(str(exc))
+    if mode is not None and mode not in ("eager", "graph"):
+        fail(f"--mode must be eager or graph, not {mode!r}")
+    options = BenchOptions(target=target, sweep=sweep, reps=reps, limit=limit, world=world, out=out_path,
+                           variants=[v.strip() for v in variants.split(",") if v.strip()] if variants else None,
+                           modes=[mode] if mode else None, shapes=list(shapes) if shapes else None, force=force,
+                           progress=not (quiet or json_out)).resolved()
+    if options.device_kind == "cpu" and mode == "graph":
+        fail("--mode graph needs CUDA graphs (a GPU); on CPU only eager mode exists")
+    if options.device_kind == "cuda":
+        from autofuse.world import gpu_count
+
+        if options.world > gpu_count():
+            fail(f"--world {options.world} needs {options.world} GPUs; {gpu_count()} are visible")
+    if options.out is not None and not force and options.out.exists():
+        fail(f"{options.out} exists; pass --force to replace it, or --out to write elsewhere")
+    where = "GPU" if options.device_kind == "cuda" else "CPU"
+    sweep_shown = options.sweep or (("gpu" if options.device_kind == "cuda" else "cpu") if is_op(target) else "default")
+    note(f"bench {target}: sweep {sweep_shown}, {options.world} {where} ranks", style="")
+    if options.device_kind == "cpu":
+        note(CPU_NOTE)
+    from autofuse.world import RankFailed
+
+    try:
+        result = module.run(options)
+    except ValueError as exc:
+        fail(f"bench {target}: {exc}")
+    except Exception as exc:  # a rank failed (RankFailed) or the target broke: one line, no traceback
+        first = (str(exc).strip().splitlines() or [""])[0]
+        fail(f"bench {target} failed: {first if isinstance(exc, RankFailed) else f'{type(exc).__name__}: {first}'}")
+    if not json_out:
+        module.render(result, out)
+    date = datetime.datetime.now(datetime.timezone.utc).date().isoformat()
+    path = options.out or default_out(target, result.get("sweep", options.sweep), result.get("world", options.world),
+                                      date)
+    doc = report(result, options)
+    if options.out is None and not force:
+        stem, n = path.with_suffix(""), 2
+        while path.exists():  # a default name never replaces an earlier run's file
+            path, n = Path(f"{stem}-{n}.json"), n + 1
+    try:
+        write_new(path, dumps(doc), force=force)
+    except OutputExists as exc:
+        fail(str(exc))
+    if json_out:
+        print(dumps(doc), end="")
+    note(f"wrote {path}", style="")
 
 
 def register(app: typer.Typer) -> None:

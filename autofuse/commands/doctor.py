@@ -7,17 +7,16 @@ from pathlib import Path
 from typing import Optional
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
-console = Console()
+from autofuse.commands._common import OutputExists, console_for, fail, write_new
 
 
 def _rank_job(world, measure: bool) -> dict:
     from autofuse import selftest
 
     checks = selftest.check_primitives(world)
-    timeout = selftest.check_timeout(world)
+    timeout, _ = selftest.check_timeout(world)
     out = {
         "rank": world.rank,
         "provider": world.heap.provider,
@@ -31,21 +30,32 @@ def _rank_job(world, measure: bool) -> dict:
 
 
 def doctor(
-    ranks: Optional[int] = typer.Option(None, help="Ranks to run (default: every local GPU, or 2 CPU ranks)."),
-    json_out: Optional[Path] = typer.Option(None, "--json", help="Also write the report as JSON here."),
+    world: Optional[int] = typer.Option(None, "--world", min=1, help="World size: ranks to run (default: every "
+                                        "local GPU, or 2 CPU ranks)."),
+    out_path: Optional[Path] = typer.Option(None, "--out", help="Also write the report as JSON to this file."),
+    json_out: bool = typer.Option(False, "--json", help="Print the report as JSON instead of tables."),
     skip_link: bool = typer.Option(False, help="Skip the bandwidth and latency measurements."),
+    force: bool = typer.Option(False, "--force", help="Replace the --out file if it exists."),
 ) -> None:
     """Report GPUs, links, versions and heap provider; run every device primitive on all local ranks."""
     import torch
     import triton
 
     from autofuse import environment
-    from autofuse.world import default_device_kind, gpu_count, spawn
+    from autofuse.world import RankFailed, default_device_kind, gpu_count, spawn
 
+    console = console_for(stderr=json_out)  # with --json, stdout holds only the JSON
+    if out_path is not None and out_path.exists() and not force:
+        fail(f"{out_path} exists; pass --force to replace it, or name another file")
     kind = default_device_kind()
+    n = world or (gpu_count() if kind == "cuda" else 2)
+    if kind == "cuda" and n > gpu_count():
+        fail(f"--world {n} needs {n} GPUs; {gpu_count()} are visible")
     fp = environment.fingerprint(kind)
     nccl = fp.get("nccl") or "-"
     info = Table(title="autofuse doctor", show_header=False)
+    info.add_column(overflow="fold")
+    info.add_column(overflow="fold")
     info.add_row("device", "CUDA GPUs" if kind == "cuda" else "no GPU: CPU emulation (shm heap, Triton interpreter)")
     for i in range(gpu_count()):
         p = torch.cuda.get_device_properties(i)
@@ -57,16 +67,18 @@ def doctor(
     console.print(info)
     topo = environment.topology_matrix()
     if topo:
-        console.print("[bold]link topology[/] (nvidia-smi topo -m)")
-        console.print(topo, markup=False)
-    n = ranks or (gpu_count() if kind == "cuda" else 2)
+        console.print("link topology (nvidia-smi topo -m)", style="bold")
+        console.print(topo)
     console.print(f"running the device primitives on {n} {'GPU' if kind == 'cuda' else 'CPU'} ranks ...")
-    results = spawn(_rank_job, n, not skip_link, device_kind=kind, timeout_s=600)
+    try:
+        results = spawn(_rank_job, n, not skip_link, device_kind=kind, timeout_s=600)
+    except RankFailed as exc:
+        fail(f"doctor: {(str(exc).strip().splitlines() or [''])[0]}")
     console.print(f"heap provider: {results[0]['provider']} ({results[0]['heap_bytes'] >> 20} MiB per rank)")
     checks = Table(title="device primitives")
-    checks.add_column("check")
+    checks.add_column("check", overflow="fold")
     for r in range(n):
-        checks.add_column(f"rank {r}")
+        checks.add_column(f"rank {r}", overflow="fold")
     for i, (name, _, _) in enumerate(results[0]["checks"]):
         checks.add_row(name, *["ok" if res["checks"][i][1] else f"FAIL: {res['checks'][i][2]}" for res in results])
     checks.add_row("bounded wait -> error", *["ok" if res["bounded_wait"] else "FAIL: no error" for res in results])
@@ -75,7 +87,7 @@ def doctor(
     if not skip_link and n >= 2:
         link = Table(title="links (rank r reads rank r+1)")
         for col in ("rank", "pull GB/s", "copy engine GB/s", "flag round trip us"):
-            link.add_column(col)
+            link.add_column(col, overflow="fold")
         for res in results:
             lk = res.get("link", {})
             fmt = lambda k: f"{lk[k]:.1f}" if k in lk else "-"  # noqa: E731
@@ -83,14 +95,20 @@ def doctor(
         console.print(link)
         if kind == "cpu":
             console.print("(CPU emulation: latencies are the interpreter's, not a GPU's)")
+    doc = json.dumps({"fingerprint": fp, "topology": topo, "world": n, "ranks": results, "ok": not failed},
+                     indent=2, default=str) + "\n"
+    if out_path:
+        try:
+            write_new(out_path, doc, force)
+        except OutputExists as exc:
+            fail(str(exc))
+        console.print(f"wrote {out_path}")
     if json_out:
-        json_out.parent.mkdir(parents=True, exist_ok=True)
-        json_out.write_text(json.dumps({"fingerprint": fp, "topology": topo, "ranks": results}, indent=2))
-        console.print(f"wrote {json_out}")
+        print(doc, end="")
     if failed:
-        console.print("[red]some device primitives failed[/]")
+        console.print("some device primitives failed", style="red")
         raise typer.Exit(1)
-    console.print("[green]all device primitives passed[/]")
+    console.print("all device primitives passed", style="green")
 
 
 def register(app: typer.Typer) -> None:

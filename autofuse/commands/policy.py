@@ -1,64 +1,131 @@
-"""`autofuse fit`, `autofuse export`, `autofuse show`: from the tuning store to a policy and tables."""
+"""`autofuse fit`, `autofuse export`, `autofuse show`: from the tuning store to a policy and tables.
+
+All three open the database read-only (nothing is created or converted; a file that is not an
+autofuse database is one line naming it and the cause) and, without `--mode`, read every timing
+mode the database holds (CPU tuning records eager only) and say so. Outputs never replace an
+existing file unless `--force`; by default `fit` writes to the user data directory that dispatch
+searches (`autofuse.policy.user_models_dir()`) and `export` to ./autofuse-out/, never over the
+shipped `models/` or `tuning_db/` files.
+
+Strong scaling: where the database holds the same op and sizes (the problem key without its world
+size) at several world sizes, `show` and `export` add a table per op: per world size the best
+variant and its latency, and the speedup over the smallest world size; `show --plot` draws it.
+"""
 from __future__ import annotations
 
 import csv
 import io
 import json
 import math
+import textwrap
 from pathlib import Path
 from typing import Any, Optional
 
 import typer
-from rich.console import Console
-from rich.table import Table
 
-console = Console()
-notes = Console(stderr=True)  # notes and errors: stdout stays machine-readable with --json
+from autofuse.commands._common import (
+    OutputExists,
+    check_new,
+    fail,
+    note,
+    order_modes,
+    out,
+    print_split_table,
+    problem_sort_key,
+    split_problems,
+    write_new,
+)
+
 DEFAULT_DB = Path("tuning_db/autofuse.db")
-ModeOpt = typer.Option("graph", "--mode", help="Timing mode of the measurements: graph or eager.")
-DbOpt = typer.Option(DEFAULT_DB, "--db", help="The tuning database.")
+MODES = ("graph", "eager")
+OUT_DIR = Path("autofuse-out")
+ModeOpt = typer.Option(None, "--mode", help="Timing mode: graph or eager (default: every mode the database holds).")
+DbOpt = typer.Option(DEFAULT_DB, "--db", help="The tuning database (opened read-only).")
 FpOpt = typer.Option(None, "--fingerprint", help="Environment id to read (default: this machine's if it has "
                      "rows in the mode, else the one with the most rows).")
+ForceOpt = typer.Option(False, "--force", help="Replace output files that exist.")
 
 
-def _fail(text: str) -> None:
-    notes.print(f"[red]{text}[/]")
-    raise typer.Exit(1)
+# ---------------------------------------------------------------------------------------------
+# reading the store
 
 
-def load_rows(db: Path, mode: str, fingerprint: str | None, op: str | None = None) -> tuple[list[dict], dict]:
-    """Best row per (problem, variant) of one environment, and that environment's fingerprint dict."""
-    from autofuse import environment
-    from autofuse.store import ALL, Store
+def _open(db: Path) -> Any:
+    from autofuse.commands._store import StoreError, open_readonly
 
-    if mode not in ("graph", "eager"):
-        _fail(f"--mode must be graph or eager, not {mode!r}")
     if not db.exists():
-        _fail(f"no tuning database at {db}: run `autofuse tune` first, or pass --db")
-    store = Store(db)
+        fail(f"no tuning database at {db}: run `autofuse tune` first, or pass --db")
     try:
-        here = environment.fingerprint()
-        if fingerprint is None:
-            counts: dict[str, int] = {}
-            for r in store.best(op, mode, fingerprint_id=ALL):
-                counts[r["fingerprint"]] = counts.get(r["fingerprint"], 0) + 1
-            if not counts:
-                _fail(f"{db} has no successful {mode}-mode measurements" + (f" of {op}" if op else ""))
-            fingerprint = here["id"] if here["id"] in counts else max(sorted(counts), key=counts.get)
-            if fingerprint != here["id"]:
-                notes.print(f"[yellow]reading environment {fingerprint} ({counts[fingerprint]} rows), not this "
-                              f"machine's ({here['id']})[/]")
-        rows = store.best(op, mode, fingerprint_id=fingerprint)
-        if fingerprint == here["id"]:
-            fp = dict(here)
-        else:
-            fp = store.environment(fingerprint) or {"id": fingerprint}
-            fp.pop("created_at", None)
+        return open_readonly(db)
+    except StoreError as exc:
+        fail(str(exc).strip().splitlines()[0] if str(exc).strip() else f"{db}: cannot be opened")
+
+
+def load(db: Path, mode: str | None, fingerprint: str | None, op: str | None = None) -> list[tuple[str, list, dict]]:
+    """Per timing mode to read: (mode, best row per (problem, variant) of one environment, its fingerprint).
+
+    Without `mode`: every mode the database holds, with a note saying so.
+    """
+    from autofuse.commands._store import query_errors
+
+    if mode is not None and mode not in MODES:
+        fail(f"--mode must be graph or eager, not {mode!r}")
+    store = _open(db)
+    try:
+        return _load(store, db, mode, fingerprint, op)
+    except query_errors() as exc:
+        fail(f"{db}: cannot be read ({type(exc).__name__}: {exc})")
     finally:
         store.close()
-    if not rows:
-        _fail(f"{db} has no successful {mode}-mode measurements in environment {fingerprint}")
-    return rows, fp
+
+
+def _load(store: Any, db: Path, mode: str | None, fingerprint: str | None, op: str | None) -> list:
+    from autofuse import environment
+    from autofuse.store import ALL
+
+    held = order_modes(store.modes())
+    if mode is not None:
+        if mode not in held:
+            hint = f"; it holds {', '.join(held)} mode: pass --mode {held[0]}" if held else ""
+            fail(f"{db} has no {mode}-mode measurements{hint}")
+        modes = [mode]
+    else:
+        if not held:
+            fail(f"{db} holds no measurements: run `autofuse tune` first")
+        modes = held
+        note(f"--mode not given: reading the {' and '.join(modes)} mode{'s' if len(modes) > 1 else ''} "
+             f"that {db} holds")
+    here = environment.fingerprint()
+    found = []
+    for m in modes:
+        fp_id = fingerprint
+        if fp_id is None:
+            counts: dict[str, int] = {}
+            for r in store.best(op, m, fingerprint_id=ALL):
+                counts[r["fingerprint"]] = counts.get(r["fingerprint"], 0) + 1
+            if not counts:
+                note(f"{db} has no successful {m}-mode measurements" + (f" of {op}" if op else ""))
+                continue
+            fp_id = here["id"] if here["id"] in counts else max(sorted(counts), key=counts.get)
+            if fp_id != here["id"]:
+                note(f"{m} mode: reading environment {fp_id} ({counts[fp_id]} rows), not this machine's ({here['id']})")
+        rows = store.best(op, m, fingerprint_id=fp_id)
+        if not rows:
+            note(f"{db} has no successful {m}-mode measurements in environment {fp_id}" + (f" of {op}" if op else ""))
+            continue
+        if fp_id == here["id"]:
+            fp = dict(here)
+        else:
+            fp = dict(store.environment(fp_id) or {"id": fp_id})
+            fp.pop("created_at", None)
+        found.append((m, rows, fp))
+    if not found:
+        fail(f"{db} has no successful measurements to use" + (f" of {op}" if op else ""))
+    return found
+
+
+# ---------------------------------------------------------------------------------------------
+# tables
 
 
 def problem_table(rows: list[dict]) -> list[dict]:
@@ -74,8 +141,8 @@ def problem_table(rows: list[dict]) -> list[dict]:
             e["bound_pieces"][v] = t
         elif v not in e["us"] or t < e["us"][v]:
             e["us"][v], e["configs"][v] = t, r["config"]
-    out = []
-    for key in sorted(by, key=_sort_key):
+    out_rows = []
+    for key in sorted(by, key=problem_sort_key):
         e = by[key]
         if "bound" not in e and e["bound_pieces"]:
             e["bound"] = max(e["bound_pieces"].values())
@@ -87,201 +154,408 @@ def problem_table(rows: list[dict]) -> list[dict]:
             e["best"], e["best_us"] = None, None
         e["bsp_us"] = e["us"].get("bsp")
         e["speedup_vs_bsp"] = e["bsp_us"] / e["best_us"] if e["bsp_us"] and e["best_us"] else None
-        out.append(e)
-    return out
+        out_rows.append(e)
+    return out_rows
 
 
-def _sort_key(key: str) -> tuple:
-    from autofuse.op import Problem
+def _without_world(key: str) -> tuple[str, int]:
+    """('op|dims|dtype', world) of a problem key: the sizes that strong scaling compares across world sizes."""
+    op, dims, dtype, world = key.split("|")
+    return f"{op}|{dims}|{dtype}", int(world.lstrip("w"))
 
-    p = Problem.from_key(key)
-    return (p.op, p.dtype, p.world, tuple((k, str(v).zfill(12)) for k, v in p.dims))
+
+def scaling_table(table: list[dict]) -> list[dict]:
+    """Strong scaling: per op and sizes (problem key without the world size) measured at two or more world
+    sizes, per world size the best variant, its latency, BSP's, and the speedup over the smallest world size."""
+    groups: dict[str, dict[int, dict]] = {}
+    for e in table:
+        if e["best_us"] is None:
+            continue
+        sizes, world = _without_world(e["problem"])
+        groups.setdefault(sizes, {})[world] = e
+    rows = []
+    for sizes in sorted(groups, key=lambda s: problem_sort_key(s + "|")):
+        per = groups[sizes]
+        if len(per) < 2:
+            continue
+        worlds = sorted(per)
+        base = per[worlds[0]]["best_us"]
+        rows.append({"op": sizes.split("|")[0], "sizes": sizes, "worlds": worlds, "smallest_world": worlds[0],
+                     "per_world": {str(w): {"variant": per[w]["best"], "us": per[w]["best_us"],
+                                            "bsp_us": per[w]["bsp_us"], "problem": per[w]["problem"],
+                                            "speedup_vs_smallest": base / per[w]["best_us"]} for w in worlds}})
+    return rows
 
 
 def _fmt(x: Any, digits: int = 1) -> str:
     return "-" if x is None or (isinstance(x, float) and not math.isfinite(x)) else f"{x:.{digits}f}"
 
 
+def _print_problems(table: list[dict], mode: str, fp_id: str) -> None:
+    for name in sorted({e["op"] for e in table}):
+        entries = [e for e in table if e["op"] == name]
+        variants = ["bsp"] + sorted({v for e in entries for v in e["us"]} - {"bsp"})
+        key_cols, cells, fixed = split_problems([e["problem"] for e in entries])
+        bound = any(e["bound"] is not None for e in entries)
+        body = [[*cells[e["problem"]], *[_fmt(e["us"].get(v)) for v in variants], e["best"] or "-",
+                 _fmt(e["speedup_vs_bsp"], 2), *([_fmt(e["bound"])] if bound else [])] for e in entries]
+        print_split_table(out, f"{name} {fixed}: {mode} mode, us per call (rank-max median), environment {fp_id}",
+                          key_cols, [*variants, "best", "x bsp", *(["bound"] if bound else [])], body)
+
+
+def _print_scaling(scaling: list[dict], mode: str) -> None:
+    for name in sorted({s["op"] for s in scaling}):
+        entries = [s for s in scaling if s["op"] == name]
+        worlds = sorted({w for s in entries for w in s["worlds"]})
+        key_cols, cells, fixed = split_problems([s["sizes"] + "|" for s in entries])
+        cols: list[str] = []
+        for w in worlds:
+            cols += [f"w{w} best", f"w{w} us"] + ([f"w{w} speedup"] if w != worlds[0] else [])
+        body = []
+        for s in entries:
+            row = list(cells[s["sizes"] + "|"])
+            for w in worlds:
+                pw = s["per_world"].get(str(w))
+                row += [pw["variant"] if pw else "-", _fmt(pw["us"]) if pw else "-"]
+                if w != worlds[0]:
+                    row.append(_fmt(pw["speedup_vs_smallest"], 2) if pw and s["smallest_world"] == worlds[0] else "-")
+            body.append(row)
+        print_split_table(out, f"{name} {fixed}: strong scaling, {mode} mode: best variant and us per call per "
+                          f"world size; speedup = w{worlds[0]} us / wN us", key_cols, cols, body)
+
+
 # ---------------------------------------------------------------------------------------------
+# fit
 
 
 def fit(
     db: Path = DbOpt,
-    mode: str = ModeOpt,
-    out: Optional[Path] = typer.Option(None, "--out", help="Policy JSON to write (default models/<gpu>-x<n>-<fingerprint>-<mode>.json)."),
+    mode: Optional[str] = ModeOpt,
+    out_path: Optional[Path] = typer.Option(None, "--out", help="Policy JSON to write (default: "
+                                            "<user data dir>/autofuse/models/<gpu>-x<n>-<fingerprint>-<mode>.json, "
+                                            "where dispatch finds it; $XDG_DATA_HOME or ~/.local/share; with --op: "
+                                            "./autofuse-out/<that name>-<op>.json)."),
     fingerprint: Optional[str] = FpOpt,
     op: Optional[str] = typer.Option(None, "--op", help="Fit only this op."),
-    folds: int = typer.Option(5, help="Folds (by problem) of the held-out evaluation."),
-    json_out: bool = typer.Option(False, "--json", help="Print the fit report as JSON instead of tables."),
+    folds: int = typer.Option(5, min=2, help="Folds (by problem) of the held-out evaluation."),
+    json_out: bool = typer.Option(False, "--json", help="Print the fit report as JSON instead of tables "
+                                  "(several modes: an object keyed by mode)."),
     report: Optional[Path] = typer.Option(None, "--report", help="Also write the fit report as JSON here."),
+    force: bool = ForceOpt,
 ) -> None:
     """Fit the dispatch policy on the store (gbr regressor vs tree classifier, held-out), write it as JSON."""
-    from autofuse import policy
+    from autofuse.policy import Policy, file_name, user_models_dir
 
-    rows, fp = load_rows(db, mode, fingerprint, op)
-    result = policy.fit(rows, fp, mode, folds=folds)
-    out = out or Path("models") / policy.file_name(fp, mode)
-    policy.Policy(result.data).save(out)
+    found = load(db, mode, fingerprint, op)
+    if (out_path or report) and len(found) > 1:
+        fail(f"{db} holds {' and '.join(m for m, _, _ in found)} measurements and --out/--report name one file: "
+             "add --mode to fit one of them")
+    def default(fp: dict, m: str) -> Path:
+        if op:  # a one-op policy never lands where dispatch looks for whole-machine policies
+            return OUT_DIR / file_name(fp, m).replace(".json", f"-{op}.json")
+        return user_models_dir() / file_name(fp, m)
+
+    targets = [(m, rows, fp, out_path or default(fp, m)) for m, rows, fp in found]
+    check_new([t[3] for t in targets] + ([report] if report else []), force)
+    from autofuse.training import fit as fitting
+
+    reports = {}
+    for m, rows, fp, path in targets:
+        result = fitting.fit(rows, fp, m, folds=folds)
+        try:
+            write_new(path, Policy(result.data).to_json(), force)
+        except OutputExists as exc:
+            fail(str(exc))
+        reports[m] = result.report
+        if not json_out:
+            for name, rep in result.report["ops"].items():
+                _print_fit(name, rep, m)
+        where = ("dispatch finds it there on this machine" if path.parent == user_models_dir()
+                 else f"use it with AUTOFUSE_POLICY={path}")
+        note(f"{m}-mode policy written to {path} (fingerprint {fp.get('id')}); {where}", style="green")
     if report:
-        report.parent.mkdir(parents=True, exist_ok=True)
-        report.write_text(json.dumps(result.report, indent=1, sort_keys=True) + "\n")
+        try:
+            write_new(report, json.dumps(reports[targets[0][0]], indent=1, sort_keys=True) + "\n", force)
+        except OutputExists as exc:
+            fail(str(exc))
     if json_out:
-        print(json.dumps(result.report, indent=1, sort_keys=True))
-        return
-    for name, rep in result.report["ops"].items():
-        _print_fit(name, rep)
-    console.print(f"policy written to [bold]{out}[/] (fingerprint {fp.get('id')}, {mode} mode)")
+        doc = reports[targets[0][0]] if len(reports) == 1 else reports
+        print(json.dumps(doc, indent=1, sort_keys=True))
 
 
-def _print_fit(name: str, rep: dict) -> None:
-    title = f"{name}: {rep['problems']} tuned problems, variants {', '.join(rep['variants'])}"
+def _print_fit(name: str, rep: dict, mode: str) -> None:
+    title = f"{name} ({mode} mode): {rep['problems']} tuned problems, variants {', '.join(rep['variants'])}"
     if "models" not in rep:
-        console.print(f"[bold]{title}[/]\n  {rep['why']}")
+        out.print(title, style="bold")
+        out.print(f"  {rep['why']}")
         return
-    t = Table(title=f"{title}; held out: {rep['folds']} folds by problem")
-    for col in ("", "within 5% of best", "latency / oracle", "speedup vs bsp", "worst vs bsp", "correct",
-                "wrong", "unsure", "error (x)"):
-        t.add_column(col, justify="left" if not col else "right")
-    rows = [(m, rep["models"][m]) for m in rep["models"]] + [(f"always {b}", rep["baselines"][b]) for b in ("bsp", "oracle")]
-    for label, r in rows:
+    cols = ["within 5%", "t / oracle", "x bsp", "worst / bsp", "correct", "wrong", "unsure", "margin (x)"]
+    body = []
+    entries = [(m, rep["models"][m]) for m in rep["models"]] + \
+        [(f"always {b}", rep["baselines"][b]) for b in ("bsp", "oracle")]
+    for label, r in entries:
         margin = r.get("margin")
-        t.add_row(label + (" (kept)" if label == rep["kept"] else ""), f"{r['within_5pct']:.0%}",
-                  _fmt(r["geomean_vs_oracle"], 3), _fmt(r["speedup_vs_bsp"], 3), _fmt(r["worst_vs_bsp"], 3),
-                  str(r["correct"]), str(r["wrong"]), str(r["unsure"]),
-                  _fmt(math.exp(margin), 3) if margin is not None else ("inf" if label in rep["models"] else "-"))
-    console.print(t)
-    console.print(f"  {rep['why']}")
+        body.append([label + (" (kept)" if label == rep["kept"] else ""), f"{r['within_5pct']:.0%}",
+                     _fmt(r["geomean_vs_oracle"], 3), _fmt(r["speedup_vs_bsp"], 3), _fmt(r["worst_vs_bsp"], 3),
+                     str(r["correct"]), str(r["wrong"]), str(r["unsure"]),
+                     _fmt(math.exp(margin), 3) if margin is not None else ("inf" if label in rep["models"] else "-")])
+    print_split_table(out, f"{title}; held out: {rep['folds']} folds by problem", ["model"], cols, body)
+    out.print(f"  {rep['why']}")
     if rep["skipped"]:
-        console.print(f"  skipped {len(rep['skipped'])} problems: {'; '.join(rep['skipped'][:5])}")
+        out.print(f"  skipped {len(rep['skipped'])} problems: {'; '.join(rep['skipped'][:5])}")
+
+
+# ---------------------------------------------------------------------------------------------
+# export
+
+
+def _records(table: list[dict], mode: str, fp_id: str) -> list[dict]:
+    from autofuse.op import Problem
+
+    variants = sorted({v for e in table for v in e["us"]})
+    records = []
+    for e in table:
+        p = Problem.from_key(e["problem"])
+        rec: dict[str, Any] = {"op": p.op, "problem": e["problem"], "dtype": p.dtype, "world": p.world,
+                               **dict(p.dims), "mode": mode, "fingerprint": fp_id, "variant": e["best"],
+                               "config": e["configs"].get(e["best"], {}), "latency_us": e["best_us"],
+                               "bsp_us": e["bsp_us"], "speedup_vs_bsp": e["speedup_vs_bsp"], "bound_us": e["bound"]}
+        rec.update({f"{v}_us": e["us"].get(v) for v in variants})
+        records.append(rec)
+    return records
+
+
+def _scaling_records(scaling: list[dict], mode: str, fp_id: str) -> list[dict]:
+    from autofuse.op import Problem
+
+    records = []
+    for s in scaling:
+        for w in s["worlds"]:
+            pw = s["per_world"][str(w)]
+            p = Problem.from_key(pw["problem"])
+            records.append({"op": p.op, "sizes": s["sizes"], "dtype": p.dtype, **dict(p.dims), "mode": mode,
+                            "fingerprint": fp_id, "world": w, "variant": pw["variant"], "latency_us": pw["us"],
+                            "bsp_us": pw["bsp_us"], "smallest_world": s["smallest_world"],
+                            "speedup_vs_smallest_world": pw["speedup_vs_smallest"]})
+    return records
+
+
+def _serialise(records: list[dict], fmt: str) -> str:
+    if fmt == "json":
+        return json.dumps(records, indent=1, sort_keys=True) + "\n"
+    fields: list[str] = []
+    for rec in records:
+        fields += [k for k in rec if k not in fields]
+    buf = io.StringIO()
+    w = csv.DictWriter(buf, fieldnames=fields, restval="")
+    w.writeheader()
+    for rec in records:
+        w.writerow({k: json.dumps(v, sort_keys=True) if isinstance(v, dict) else ("" if v is None else v)
+                    for k, v in rec.items()})
+    return buf.getvalue()
 
 
 def export(
     fmt: str = typer.Option("csv", "--format", help="csv or json."),
     db: Path = DbOpt,
-    out: Optional[Path] = typer.Option(None, "--out", help="Output file (default tuning_db/tuning-<mode>.<format>)."),
-    mode: str = ModeOpt,
+    out_path: Optional[Path] = typer.Option(None, "--out", help="Output file, every mode read in one file "
+                                            "(default: ./autofuse-out/tuning-<mode>.<format>, one per mode); "
+                                            "the strong-scaling table goes beside it as <name>-scaling.<format>."),
+    mode: Optional[str] = ModeOpt,
     fingerprint: Optional[str] = FpOpt,
     op: Optional[str] = typer.Option(None, "--op", help="Export only this op."),
+    force: bool = ForceOpt,
 ) -> None:
-    """Write the tuning table: per problem, the chosen variant and config, its latency and speedup vs BSP."""
+    """Write the tuning table (per problem: the best variant and config, its latency and speedup vs BSP) and,
+    where several world sizes were measured, the strong-scaling table."""
     if fmt not in ("csv", "json"):
-        _fail(f"--format must be csv or json, not {fmt!r}")
-    rows, fp = load_rows(db, mode, fingerprint, op)
-    table = problem_table(rows)
-    variants = sorted({v for e in table for v in e["us"]})
-    records = []
-    from autofuse.op import Problem
+        fail(f"--format must be csv or json, not {fmt!r}")
+    found = load(db, mode, fingerprint, op)
+    files: dict[Path, tuple[str, list[dict]]] = {}  # path -> (what it holds, records)
+    for m, rows, fp in found:
+        table = problem_table(rows)
+        main = out_path or OUT_DIR / f"tuning-{m}.{fmt}"
+        side = main.with_name(f"{main.stem}-scaling{main.suffix}") if out_path else OUT_DIR / f"scaling-{m}.{fmt}"
+        files.setdefault(main, ("problems", []))[1].extend(_records(table, m, fp.get("id")))
+        scaling = _scaling_records(scaling_table(table), m, fp.get("id"))
+        if scaling:
+            files.setdefault(side, ("strong-scaling rows", []))[1].extend(scaling)
+    check_new(list(files), force)
+    for path, (what, records) in files.items():
+        try:
+            write_new(path, _serialise(records, fmt), force)
+        except OutputExists as exc:
+            fail(str(exc))
+        out.print(f"{len(records)} {what} written to {path}")
 
-    for e in table:
-        p = Problem.from_key(e["problem"])
-        rec: dict[str, Any] = {"op": p.op, "problem": e["problem"], "dtype": p.dtype, "world": p.world,
-                               **dict(p.dims), "mode": mode, "fingerprint": fp.get("id"), "variant": e["best"],
-                               "config": e["configs"].get(e["best"], {}), "latency_us": e["best_us"],
-                               "bsp_us": e["bsp_us"], "speedup_vs_bsp": e["speedup_vs_bsp"], "bound_us": e["bound"]}
-        rec.update({f"{v}_us": e["us"].get(v) for v in variants})
-        records.append(rec)
-    out = out or Path("tuning_db") / f"tuning-{mode}.{fmt}"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    if fmt == "json":
-        out.write_text(json.dumps(records, indent=1, sort_keys=True) + "\n")
-    else:
-        fields: list[str] = []
-        for rec in records:
-            fields += [k for k in rec if k not in fields]
-        buf = io.StringIO()
-        w = csv.DictWriter(buf, fieldnames=fields, restval="")
-        w.writeheader()
-        for rec in records:
-            w.writerow({k: json.dumps(v, sort_keys=True) if isinstance(v, dict) else ("" if v is None else v)
-                        for k, v in rec.items()})
-        out.write_text(buf.getvalue())
-    console.print(f"{len(records)} problems written to [bold]{out}[/]")
+
+# ---------------------------------------------------------------------------------------------
+# show
 
 
 def show(
     db: Path = DbOpt,
-    mode: str = ModeOpt,
+    mode: Optional[str] = ModeOpt,
     fingerprint: Optional[str] = FpOpt,
     op: Optional[str] = typer.Option(None, "--op", help="Show only this op."),
-    plot: Optional[Path] = typer.Option(None, "--plot", help="Also draw latency and speedup vs M per variant (PNG)."),
-    x: Optional[str] = typer.Option(None, "--x", help="Dimension on the plot's x axis (default M, else B)."),
+    plot: Optional[Path] = typer.Option(None, "--plot", help="Also draw latency and speedup per variant, and the "
+                                        "strong scaling, into this PNG (needs matplotlib: "
+                                        "pip install 'autofuse[plot]')."),
+    x: Optional[str] = typer.Option(None, "--x", help="Dimension on the plot's x axis (default M, else B, else "
+                                    "the one giving the most points per series)."),
+    json_out: bool = typer.Option(False, "--json", help="Print the tables as JSON instead."),
+    force: bool = ForceOpt,
 ) -> None:
-    """The tuning table per op: latency per variant, the best, speedup vs BSP, the bound."""
-    rows, fp = load_rows(db, mode, fingerprint, op)
-    table = problem_table(rows)
-    for name in sorted({e["op"] for e in table}):
-        entries = [e for e in table if e["op"] == name]
-        variants = ["bsp"] + sorted({v for e in entries for v in e["us"]} - {"bsp"})
-        t = Table(title=f"{name}: {mode} mode, us per call (rank-max median), environment {fp.get('id')}")
-        t.add_column("problem")
-        for v in variants:
-            t.add_column(v, justify="right")
-        for col in ("best", "x bsp", "bound"):
-            t.add_column(col, justify="right")
-        for e in entries:
-            t.add_row(e["problem"], *[_fmt(e["us"].get(v)) for v in variants], e["best"] or "-",
-                      _fmt(e["speedup_vs_bsp"], 2), _fmt(e["bound"]))
-        console.print(t)
+    """The tuning table per op (latency per variant, the best, speedup vs BSP) and the strong-scaling table."""
     if plot:
-        draw(table, plot, x, mode)
+        check_new([plot], force)
+    found = load(db, mode, fingerprint, op)
+    sections = []
+    for m, rows, fp in found:
+        table = problem_table(rows)
+        scaling = scaling_table(table)
+        sections.append((m, table, scaling, fp.get("id")))
+        if not json_out:
+            _print_problems(table, m, fp.get("id"))
+            if scaling:
+                _print_scaling(scaling, m)
+    if json_out:
+        print(json.dumps({m: {"fingerprint": fp_id, "problems": table, "scaling": scaling}
+                          for m, table, scaling, fp_id in sections}, indent=1, sort_keys=True))
+    if plot:
+        draw([(m, table, scaling) for m, table, scaling, _ in sections], plot, x, force)
 
 
-def draw(table: list[dict], path: Path, x: str | None, mode: str) -> None:
-    """Per op and series (the problem without its x dimension): latency and speedup vs x per variant."""
+def _numeric(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _series(table: list[dict], xd: str) -> dict[tuple, list[tuple[float, dict]]]:
+    """Problems grouped into series along `xd` ('size' = the product of the numeric dims)."""
+    from autofuse.op import Problem
+
+    series: dict[tuple, list[tuple[float, dict]]] = {}
+    for e in table:
+        p = Problem.from_key(e["problem"])
+        dims = dict(p.dims)
+        if xd == "size":
+            xv = math.prod(v for v in dims.values() if _numeric(v))
+            rest = tuple((k, v) for k, v in p.dims if not _numeric(v))
+        elif xd in dims and _numeric(dims[xd]):
+            xv, rest = dims[xd], tuple((k, v) for k, v in p.dims if k != xd)
+        else:
+            continue
+        key = (p.op, p.dtype, p.world, tuple((k, (0, v, "") if _numeric(v) else (1, 0, str(v))) for k, v in rest))
+        series.setdefault(key, []).append((float(xv), e))
+    return series
+
+
+def _pick_x(table: list[dict], x: str | None) -> tuple[str, dict]:
+    """The x dimension for one op's problems: --x, else M or B, else whichever gives the longest series."""
+    if x:
+        return x, _series(table, x)
+    from autofuse.op import Problem
+
+    names: list[str] = []
+    for e in table:
+        names += [k for k, v in Problem.from_key(e["problem"]).dims if _numeric(v) and k not in names]
+    preferred = [d for d in ("M", "B") if d in names] + [d for d in names if d not in ("M", "B")] + ["size"]
+    tried = [(d, _series(table, d)) for d in preferred]
+    for d, s in tried:  # the first that gives some series two or more points
+        if max((len(v) for v in s.values()), default=0) >= 2:
+            return d, s
+    return tried[0]
+
+
+def draw(sections: list[tuple[str, list[dict], list[dict]]], path: Path, x: str | None, force: bool = False) -> None:
+    """Per op, mode and series: latency and speedup vs x per variant; then the strong scaling per op and mode."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        _fail("--plot needs matplotlib, which is not installed: pip install 'autofuse[plot]' (or matplotlib)")
-    from autofuse.op import Problem
-
-    series: dict[str, list[tuple[float, dict]]] = {}
-    for e in table:
-        p = Problem.from_key(e["problem"])
-        dims = dict(p.dims)
-        xd = x or ("M" if "M" in dims else "B" if "B" in dims else next(k for k, v in dims.items() if isinstance(v, int)))
-        if xd not in dims:
-            continue
-        rest = ",".join(f"{k}={v}" for k, v in p.dims if k != xd)
-        series.setdefault(f"{p.op} {rest} {p.dtype} w{p.world}|{xd}", []).append((float(dims[xd]), e))
-    if not series:
-        _fail("nothing to plot: no problem has the x dimension")
-    keys = sorted(series)[:12]
-    fig, axes = plt.subplots(len(keys), 2, figsize=(12, 3.6 * len(keys)), squeeze=False)
-    for (ax_t, ax_s), key in zip(axes, keys):
-        label, xd = key.rsplit("|", 1)
-        pts = sorted(series[key], key=lambda p: p[0])
+        fail("--plot needs matplotlib, which is not installed: pip install 'autofuse[plot]' (or matplotlib)")
+    panels: list[tuple[str, str, str, list]] = []  # (mode, label, x name, points)
+    single = True
+    for mode, table, _ in sections:
+        for name in sorted({e["op"] for e in table}):
+            xd, series = _pick_x([e for e in table if e["op"] == name], x)
+            for key in sorted(series):
+                pts = sorted(series[key], key=lambda p: p[0])
+                single &= len(pts) == 1
+                rest = ",".join(f"{k}={v[1] if v[0] == 0 else v[2]}" for k, v in key[3])
+                panels.append((mode, f"{key[0]} {rest} {key[1]} w{key[2]} ({mode} mode)", xd, pts))
+    scaling = [(mode, name, [s for s in sc if s["op"] == name]) for mode, _, sc in sections
+               for name in sorted({s["op"] for s in sc})]
+    if not panels and not scaling:
+        fail("nothing to plot: no problem has the x dimension")
+    shown = panels[:12]
+    rows = len(shown) + len(scaling[:4])
+    fig, axes = plt.subplots(rows, 2, figsize=(12, 3.6 * rows), squeeze=False, layout="constrained")
+    for (ax_t, ax_s), (mode, label, xd, pts) in zip(axes, shown):
         xs = [p[0] for p in pts]
         variants = ["bsp"] + sorted({v for _, e in pts for v in e["us"]} - {"bsp"})
         for v in variants:
             ys = [e["us"].get(v, math.nan) for _, e in pts]
             sp = [(e["bsp_us"] or math.nan) / e["us"].get(v, math.nan) for _, e in pts]
             style = {"color": "black", "linewidth": 2} if v == "bsp" else {}
-            ax_t.plot(xs, ys, marker="o", label=v, **style)
-            ax_s.plot(xs, sp, marker="o", label=v, **style)
+            ax_t.plot(xs, ys, marker="o", markersize=7 if single else 4, label=v, **style)
+            ax_s.plot(xs, sp, marker="o", markersize=7 if single else 4, label=v, **style)
         bounds = [e["bound"] if e["bound"] else math.nan for _, e in pts]
         if any(b == b for b in bounds):
             ax_t.plot(xs, bounds, linestyle="--", color="gray", label="bound")
-            ax_s.plot(xs, [(e["bsp_us"] or math.nan) / b for (_, e), b in zip(pts, bounds)], linestyle="--",
-                      color="gray", label="bound")
         for ax in (ax_t, ax_s):
             ax.set_xscale("log", base=2)
-            ax.set_xlabel(xd)
+            ax.set_xlabel("problem size (product of its numeric dims)" if xd == "size" else xd)
             ax.grid(True, alpha=0.3)
         ax_t.set_yscale("log")
         ax_t.set_ylabel(f"us per call ({mode})")
         ax_s.set_ylabel("speedup vs bsp")
-        ax_t.set_title(label, fontsize=9)
+        ax_t.set_title(textwrap.fill(label, 60), fontsize=9)
+        ax_s.set_title("speedup vs bsp", fontsize=9)
         ax_s.legend(fontsize=7)
-    if len(series) > len(keys):
-        fig.suptitle(f"first {len(keys)} of {len(series)} series (filter with --op)")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    for (ax_t, ax_s), (mode, name, entries) in zip(axes[len(shown):], scaling[:4]):
+        _, cells, _ = split_problems([s["sizes"] + "|" for s in entries])
+        key_cols = split_problems([s["sizes"] + "|" for s in entries])[0]
+        for s in entries[:8]:
+            ws = s["worlds"]
+            label = " ".join(f"{k}={v}" for k, v in zip(key_cols, cells[s["sizes"] + "|"]))
+            line = ax_t.plot(ws, [s["per_world"][str(w)]["us"] for w in ws], marker="o", label=label)[0]
+            for w in ws:
+                ax_t.annotate(s["per_world"][str(w)]["variant"], (w, s["per_world"][str(w)]["us"]), fontsize=6,
+                              xytext=(3, 3), textcoords="offset points", color=line.get_color())
+            ax_s.plot(ws, [s["per_world"][str(w)]["speedup_vs_smallest"] for w in ws], marker="o", label=label)
+        worlds = sorted({w for s in entries for w in s["worlds"]})
+        ax_s.plot(worlds, [w / worlds[0] for w in worlds], linestyle="--", color="gray", label="ideal")
+        for ax in (ax_t, ax_s):
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(worlds, [str(w) for w in worlds])
+            ax.set_xlabel("world size (GPUs)")
+            ax.grid(True, alpha=0.3)
+        ax_t.set_yscale("log")
+        ax_t.set_ylabel(f"best us per call ({mode})")
+        ax_s.set_ylabel(f"speedup over w{worlds[0]}")
+        ax_t.set_title(f"{name}: strong scaling, best variant per world size ({mode} mode)", fontsize=9)
+        ax_s.set_title(f"{name}: speedup over the smallest world size", fontsize=9)
+        ax_s.legend(fontsize=7)
+    heading = []
+    if len(panels) > len(shown):
+        heading.append(f"first {len(shown)} of {len(panels)} series (filter with --op or --mode)")
+    if single and shown:
+        heading.append("one point per series: each problem differs from the others in more than the x dimension")
+    if heading:
+        fig.suptitle("; ".join(heading), fontsize=10)
+    buf = io.BytesIO()
+    fig.savefig(buf, dpi=110, format="png")
     plt.close(fig)
-    console.print(f"plot written to [bold]{path}[/]")
+    try:
+        write_new(path, buf.getvalue(), force)
+    except OutputExists as exc:
+        fail(str(exc))
+    if single and shown:
+        note("plot: one point per series (each problem differs from the others in more than the x dimension)")
+    out.print(f"plot written to {path}")
 
 
 def register(app: typer.Typer) -> None:

@@ -1,0 +1,179 @@
+"""What every command shares: consoles that print foreign text as written, one-line failures, safe
+output files, tables readable at 80 columns, and read-only opening of the tuning store.
+
+Consoles here have rich markup off: error texts from gloo ("[/...]"), trial errors, paths and
+install hints such as `pip install 'autofuse[plot]'` print exactly as written; style comes from the
+`style=` argument, never from markup in the text.
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+from typing import Any, NoReturn, Sequence
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+MODE_ORDER = ("graph", "eager")
+
+
+def console_for(stderr: bool = False) -> Console:
+    """A console with markup and highlighting off (stdout, or stderr for notes and errors)."""
+    return Console(stderr=stderr, markup=False, highlight=False)
+
+
+out = console_for()
+notes = console_for(stderr=True)  # notes and errors: stdout stays machine-readable with --json
+
+
+def fail(text: str, code: int = 1) -> NoReturn:
+    """Print one line (as written, in red) on stderr and exit with `code`."""
+    notes.print(text, style="red", soft_wrap=True)
+    raise typer.Exit(code)
+
+
+def note(text: str, style: str = "yellow") -> None:
+    notes.print(text, style=style, soft_wrap=True)
+
+
+def order_modes(modes: Sequence[str]) -> list[str]:
+    return sorted(set(modes), key=lambda m: (MODE_ORDER.index(m) if m in MODE_ORDER else len(MODE_ORDER), m))
+
+
+# ---------------------------------------------------------------------------------------------
+# output files
+
+
+class OutputExists(FileExistsError):
+    """An output file exists and --force was not given."""
+
+
+def write_new(path: Path, text: str | bytes, force: bool = False) -> Path:
+    """Write `text` (str or bytes) to `path`, creating folders; an existing file is replaced only with `force`.
+
+    Without `force` the file is created exclusively (no race with another writer); with it, the
+    text goes to a temporary file beside `path` that then replaces it (never half-written).
+    """
+    path = Path(path)
+    if path.is_dir():
+        raise OutputExists(f"{path} is a directory; name a file")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data = text.encode("utf-8") if isinstance(text, str) else text
+    if not force:
+        try:
+            with open(path, "xb") as f:
+                f.write(data)
+        except FileExistsError:
+            raise OutputExists(f"{path} exists; pass --force to replace it, or --out to write elsewhere") from None
+        return path
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def check_new(paths: Sequence[Path], force: bool) -> None:
+    """Fail (one line) before any work if an output exists and --force was not given."""
+    if force:
+        return
+    for p in paths:
+        if Path(p).exists():
+            fail(f"{p} exists; pass --force to replace it, or --out to write elsewhere")
+
+
+# ---------------------------------------------------------------------------------------------
+# tables at 80 columns
+
+
+def _sort_value(v: Any) -> tuple:
+    return (0, v, "") if isinstance(v, (int, float)) and not isinstance(v, bool) else (1, 0, str(v))
+
+
+def problem_sort_key(key: str) -> tuple:
+    """Problems in numeric order of their sizes (1024 before 16384), then dtype and world size."""
+    op, dims, dtype, world = (key.split("|") + ["", "", ""])[:4]
+    parts = []
+    for item in filter(None, dims.split(",")):
+        k, _, v = item.partition("=")
+        parts.append((k, _sort_value(int(v) if v.lstrip("-").isdigit() else v)))
+    return (op, dtype, tuple(parts), _sort_value(int(world[1:]) if world[1:].isdigit() else world))
+
+
+def split_problems(keys: Sequence[str]) -> tuple[list[str], dict[str, list[str]], str]:
+    """Problem keys as table cells: (columns of the parts that vary, each key's cells, the fixed parts).
+
+    Parts are the op's dims, `dtype` and `world`; a part the keys share goes into the fixed text
+    (for the title), so tables show only what changes from row to row.
+    """
+    parsed: dict[str, dict[str, str]] = {}
+    names: list[str] = []
+    for key in keys:
+        op, dims, dtype, world = (key.split("|") + ["", "", ""])[:4]
+        d = {"op": op}
+        for item in filter(None, dims.split(",")):
+            k, _, v = item.partition("=")
+            d[k] = v
+        d["dtype"] = dtype
+        if world:  # keys without the world part (strong-scaling groups) have no world column
+            d["world"] = world.lstrip("w")
+        parsed[key] = d
+        names += [n for n in d if n not in names]
+    vary = [n for n in names if len({parsed[k].get(n) for k in keys}) > 1]
+    if not vary and keys:
+        vary = [next((n for n in names if n not in ("op", "dtype", "world")), "world")]
+    fixed = [f"{n}={parsed[keys[0]].get(n)}" if n not in ("op", "dtype") else str(parsed[keys[0]].get(n))
+             for n in names if n not in vary and n != "op"] if keys else []
+    fixed = [("w" + f[6:] if f.startswith("world=") else f) for f in fixed]
+    cells = {k: [parsed[k].get(n, "-") for n in vary] for k in keys}
+    return vary, cells, " ".join(fixed)
+
+
+def _width(text: str, wraps: bool) -> int:
+    return max((len(w) for w in text.split()), default=0) if wraps else len(text)
+
+
+def print_split_table(console: Console, title: str, key_cols: Sequence[str], value_cols: Sequence[str],
+                      body: Sequence[Sequence[str]], width: int | None = None) -> None:
+    """A table whose value columns are split over several tables when they do not fit the console width.
+
+    Key columns repeat in every part; headers may wrap at spaces, cells never truncate (long
+    words fold), so nothing is cut to '...' at 80 columns or in a pipe.
+    """
+    width = width or console.width
+    nkey = len(key_cols)
+
+    def col_width(i: int, header: str) -> int:
+        return max([_width(header, True)] + [len(str(row[i])) for row in body]) + 3
+
+    key_w = sum(col_width(i, h) for i, h in enumerate(key_cols)) + 1
+    chunks: list[list[int]] = [[]]
+    used = key_w
+    for j, h in enumerate(value_cols):
+        w = col_width(nkey + j, h)
+        if chunks[-1] and used + w > width:
+            chunks.append([])
+            used = key_w
+        chunks[-1].append(j)
+        used += w
+    for n, chunk in enumerate(chunks):
+        part = f" (part {n + 1} of {len(chunks)})" if len(chunks) > 1 else ""
+        console.print(title + part, style="bold", soft_wrap=False)
+        t = Table()
+        # fixed widths: each column as wide as its widest cell (cells never wrap), headers wrap at spaces;
+        # only a cell wider than the whole console folds onto a second line
+        cap = max(8, width - 4)
+        for i, h in enumerate(key_cols):
+            t.add_column(h, overflow="fold", width=min(cap, col_width(i, h) - 3))
+        for j in chunk:
+            t.add_column(value_cols[j], justify="right", overflow="fold",
+                         width=min(cap, col_width(nkey + j, value_cols[j]) - 3))
+        for row in body:
+            t.add_row(*[str(c) for c in row[:nkey]], *[str(row[nkey + j]) for j in chunk])
+        console.print(t)

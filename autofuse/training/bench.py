@@ -1,0 +1,348 @@
+"""Benchmarks (`autofuse bench TARGET`): an op's variants against BSP and the bound, or an extra target.
+
+TARGET is an op name (the op benchmark below) or one of `TARGETS` (an extra benchmark in its own
+module). Every target follows one contract, so the command treats them alike:
+
+    run(options: BenchOptions) -> dict
+        Called once in the command's process. Spawns its own ranks where it needs several
+        (`autofuse.world.spawn`) and returns rank 0's result: JSON-able data (no NaN needed: the
+        writer turns non-finite floats into null), with a "rows" list (one dict per measured case).
+        Optional keys the command reads: "sweep" (the problem set actually run), "world" (ranks),
+        "device_kind" ("cuda" | "cpu"), "notes" (list of one-line strings printed after the tables).
+        While `options.progress` is true it prints a progress line to stdout per measurement (not
+        per problem) as the work goes; with it false (`--quiet`, `--json`) it prints nothing.
+        It never writes files: the command writes the JSON.
+    render(result: dict, console) -> None
+        Prints the result for people on `console` (a rich Console with markup off: foreign text
+        prints as written) readable at 80 columns (split or wrap wide tables, no truncation).
+
+The command adds "target", "date", "fingerprint" and "options" to the result and writes it to
+`options.out`, or by default to `default_out(...)`: ./autofuse-out/bench-TARGET-SWEEP-wWORLD-DATE.json
+in the current directory; an existing file is never replaced unless `options.force`.
+
+The op benchmark: for each problem of `op.sweep(kind, world)`, each available variant is measured
+at each of its known-good configs (`variant.defaults(problem)`), correctness-checked first; the
+fastest correct config per variant is reported. The pieces of the op's bound (`op.extra["bound"]`,
+e.g. the all-gather alone and the matmul alone) are timed in the same run, and bound = max(pieces).
+On CPU the timings are the Triton interpreter's and gloo's, not a GPU's: they show that every
+variant runs, not how fast it would be.
+"""
+from __future__ import annotations
+
+import datetime
+import importlib
+import importlib.util
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from types import ModuleType
+from typing import Any, Sequence
+
+# The extra targets: name -> module that implements run/render (see the module docstring).
+TARGETS: dict[str, str] = {
+    "collectives": "autofuse.training.bench_collectives",
+    "gemm_core": "autofuse.training.bench_gemm_core",
+    "layer": "autofuse.training.bench_layer",
+}
+OUT_DIR = Path("autofuse-out")
+OUT_PATTERN = "autofuse-out/bench-TARGET-SWEEP-wWORLD-DATE.json"
+CPU_NOTE = ("CPU emulation: these are Triton-interpreter and gloo timings on CPU ranks, not GPU timings; "
+            "they show that every variant runs and agrees with the reference, not which is faster on a GPU. "
+            "Run the same command on a GPU machine for real numbers.")
+
+
+class BenchTargetMissing(LookupError):
+    """A bench target whose module is not part of this installation (one line: which and why)."""
+
+
+@dataclass
+class BenchOptions:
+    """What `autofuse bench` passes to a target's `run` (the command line, parsed; None = the target's default).
+
+    target: op name or a key of TARGETS. sweep: problem set name (op targets: gpu, llama70b, cpu;
+    None: gpu with GPUs, else cpu). variants: variant names to run (None: all available). modes:
+    timing modes (None: every mode this machine has: eager and graph on GPUs, eager on CPU).
+    shapes: the --shapes values as given (the op benchmark reads comma-separated M, or B for
+    flash_decode, values; other targets document their own syntax). reps: timed batches per
+    measurement (median taken). limit: only the first N problems. world: ranks (None: every local
+    GPU, or 2 CPU ranks). out: JSON path (None: `default_out`). device_kind: "cuda" or "cpu"
+    ("" = detect). force: replace an existing output file. progress: print a line per measurement.
+    """
+
+    target: str
+    sweep: str | None = None
+    variants: list[str] | None = None
+    modes: list[str] | None = None
+    shapes: list[str] | None = None
+    reps: int = 20
+    limit: int | None = None
+    world: int | None = None
+    out: Path | None = None
+    device_kind: str = ""
+    force: bool = False
+    progress: bool = True
+
+    def resolved(self) -> "BenchOptions":
+        """A copy with device_kind and world filled in for this machine."""
+        from autofuse.world import default_device_kind, gpu_count
+
+        kind = self.device_kind or default_device_kind()
+        world = self.world if self.world is not None else (gpu_count() if kind == "cuda" else 2)
+        return BenchOptions(**{**asdict(self), "device_kind": kind, "world": world})
+
+
+def is_op(target: str) -> bool:
+    from autofuse import registry
+
+    return target in registry.names()
+
+
+def target_names() -> list[str]:
+    """Every name `autofuse bench` accepts: the registered ops, then the extra targets."""
+    from autofuse import registry
+
+    return list(registry.names()) + sorted(TARGETS)
+
+
+def load_target(target: str) -> ModuleType:
+    """The module implementing `target` (this module for an op); BenchTargetMissing if it is absent."""
+    if is_op(target):
+        return importlib.import_module(__name__)
+    if target not in TARGETS:
+        raise BenchTargetMissing(f"unknown bench target {target!r}; available: {', '.join(target_names())}")
+    name = TARGETS[target]
+    try:
+        found = importlib.util.find_spec(name) is not None
+    except ImportError:
+        found = False
+    if not found:
+        raise BenchTargetMissing(f"bench target {target!r} is not available in this installation "
+                                 f"(its module {name} is missing)")
+    try:
+        module = importlib.import_module(name)
+    except ImportError as exc:
+        raise BenchTargetMissing(f"bench target {target!r} cannot be loaded: {type(exc).__name__}: {exc}") from None
+    missing = [f for f in ("run", "render") if not callable(getattr(module, f, None))]
+    if missing:
+        raise BenchTargetMissing(f"bench target {target!r}: module {name} lacks {', '.join(missing)}()")
+    return module
+
+
+def default_out(target: str, sweep: str | None, world: int | None, date: str | None = None) -> Path:
+    """./autofuse-out/bench-TARGET-SWEEP-wWORLD-DATE.json (SWEEP 'default' when the target has none)."""
+    date = date or datetime.datetime.now(datetime.timezone.utc).date().isoformat()
+    return OUT_DIR / f"bench-{target}-{sweep or 'default'}-w{world if world is not None else 0}-{date}.json"
+
+
+# ---------------------------------------------------------------------------------------------
+# The op benchmark
+
+
+@dataclass
+class BenchRow:
+    """One problem in one mode: best latency per variant, the bound and its pieces."""
+
+    problem: Any
+    mode: str
+    best: dict[str, float] = field(default_factory=dict)
+    config: dict[str, dict] = field(default_factory=dict)
+    pieces: dict[str, float] = field(default_factory=dict)
+    failures: dict[str, str] = field(default_factory=dict)
+    pieces_bw: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def bound(self) -> float:
+        return max(self.pieces.values()) if self.pieces else math.nan
+
+    def fused_best(self, fused: Sequence[str]) -> tuple[str, float]:
+        cands = [(v, t) for v, t in self.best.items() if v in fused]
+        return min(cands, key=lambda x: x[1]) if cands else ("-", math.nan)
+
+
+def parse_shapes(shapes: Sequence[str] | None) -> list[int] | None:
+    """The op benchmark's --shapes: comma-separated M (or B) values, repeatable."""
+    if not shapes:
+        return None
+    out = []
+    for item in shapes:
+        for s in item.split(","):
+            s = s.strip()
+            if not s:
+                continue
+            if not s.isdigit():
+                raise ValueError(f"--shapes takes M (or B) values such as 64,128, not {s!r}")
+            out.append(int(s))
+    return out or None
+
+
+def _config_text(config: dict) -> str:
+    return ",".join(f"{k}={v}" for k, v in sorted(config.items())) or "default"
+
+
+def bench_rank(world, op_name: str, kind: str, variants: Sequence[str] | None, modes: Sequence[str] | None,
+               reps: int, limit: int | None, shapes: Sequence[int] | None, progress: bool = True) -> dict[str, Any]:
+    """Run on every rank; returns plain data (rank 0's is printed). Rank 0 prints one line per measurement."""
+    from autofuse import registry
+    from autofuse.measure import measure, modes_for, time_fn
+
+    op = registry.get(op_name)
+    problems = op.sweep(kind, world.size)
+    if shapes:
+        problems = [p for p in problems if p.get("M", p.get("B")) in set(shapes)]
+    if limit:
+        problems = problems[:limit]
+    modes = tuple(modes or modes_for(world))
+    names = [v for v in op.variants if (variants is None or v in variants) and op.variants[v].available(world)]
+    plan = [(p, v, c) for p in problems for v in names for c in op.variants[v].defaults(p)]
+    rows: list[BenchRow] = []
+    raw: list[dict] = []
+    done = 0
+    say = world.rank == 0 and progress
+    for i, problem in enumerate(problems):
+        per_mode = {m: BenchRow(problem, m) for m in modes}
+        for vname, config in [(v, c) for p, v, c in plan if p is problem]:
+            got = measure(world, op, problem, vname, config, modes=modes, reps=reps)
+            done += 1
+            for ms in got:
+                raw.append(ms.row())
+                _keep_best(per_mode[ms.mode], ms)
+            if say:
+                times = "; ".join(f"{ms.mode} {ms.median_us:.1f} us" if ms.ok else
+                                  f"{ms.mode} failed: {(ms.error or 'failed').splitlines()[0][:80]}" for ms in got)
+                print(f"[{done}/{len(plan)}] problem {i + 1}/{len(problems)} {problem.key} {vname} "
+                      f"{_config_text(config)}: {times}", flush=True)
+        bound = op.extra.get("bound")
+        if bound is not None:
+            pieces = bound(world, problem, 0)
+            for mode in modes:
+                for pname, fn in pieces.items():
+                    per_mode[mode].pieces[pname] = time_fn(world, fn, mode, reps=reps).median_us
+            del pieces
+            if say:
+                print(f"  bound of {problem.key}: " + "; ".join(
+                    f"{m} {per_mode[m].bound:.1f} us" for m in modes), flush=True)
+        if "bytes" in op.extra and "copy_rate" in op.extra:
+            # HBM rate in the same run: a device copy of the same bytes (it reads and writes them).
+            copy = op.extra["copy_rate"](world, problem)
+            nbytes = op.extra["bytes"](problem)
+            for mode in modes:
+                t_copy = time_fn(world, copy, mode, reps=reps).median_us
+                row = per_mode[mode]
+                row.pieces_bw = {"bytes": nbytes, "copy_us": t_copy, "copy_GBps": 2 * nbytes / t_copy / 1e3}
+                if "local" in row.pieces:
+                    row.pieces_bw["local_GBps"] = nbytes / row.pieces["local"] / 1e3
+                    row.pieces_bw["local_vs_copy"] = row.pieces_bw["local_GBps"] / row.pieces_bw["copy_GBps"]
+            del copy
+        rows.extend(per_mode.values())
+    return {"rows": [_row_dict(r, op) for r in rows], "raw": raw, "variants": names, "modes": list(modes)}
+
+
+def _keep_best(row: BenchRow, ms: Any) -> None:
+    if not ms.ok:
+        row.failures.setdefault(ms.variant, ms.error.splitlines()[0][:160] if ms.error else "failed")
+        return
+    if ms.median_us < row.best.get(ms.variant, math.inf):
+        row.best[ms.variant] = ms.median_us
+        row.config[ms.variant] = ms.config
+        row.failures.pop(ms.variant, None)
+
+
+def _row_dict(row: BenchRow, op: Any) -> dict[str, Any]:
+    fused = [n for n, v in op.variants.items() if v.fused]
+    fv, ft = row.fused_best(fused)
+    bsp = row.best.get("bsp", math.nan)
+    return {
+        "problem": row.problem.key, **row.problem.as_dict(), "mode": row.mode,
+        "best_us": row.best, "config": row.config, "pieces_us": row.pieces, "bound_us": row.bound,
+        "best_fused": fv, "best_fused_us": ft, "speedup_vs_bsp": bsp / ft if ft and ft == ft else math.nan,
+        "vs_bound": ft / row.bound if row.bound == row.bound and ft == ft else math.nan,
+        "failures": row.failures, "bandwidth": row.pieces_bw,
+    }
+
+
+def run(options: BenchOptions) -> dict[str, Any]:
+    """The op benchmark on `options.world` ranks (the contract's `run` for every op target)."""
+    from autofuse import registry
+    from autofuse.world import spawn
+
+    o = options.resolved()
+    op = registry.get(o.target)
+    sweep = o.sweep or ("gpu" if o.device_kind == "cuda" else "cpu")
+    if o.variants:
+        unknown = sorted(set(o.variants) - set(op.variants))
+        if unknown:
+            raise ValueError(f"{o.target} has no variant {', '.join(unknown)}; it has {', '.join(op.variants)}")
+    results = spawn(bench_rank, o.world, o.target, sweep, o.variants, o.modes, o.reps, o.limit,
+                    parse_shapes(o.shapes), o.progress, device_kind=o.device_kind, timeout_s=3600)
+    result = dict(results[0], op=o.target, sweep=sweep, world=o.world, device_kind=o.device_kind)
+    if o.device_kind == "cpu":
+        result["notes"] = [CPU_NOTE]
+    return result
+
+
+def geomean(xs: Sequence[float]) -> float:
+    xs = [x for x in xs if x and x == x and x > 0]
+    return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else math.nan
+
+
+def _f(x: Any, digits: int = 2) -> str:
+    return "-" if x is None or (isinstance(x, float) and not math.isfinite(x)) else f"{x:.{digits}f}"
+
+
+def render(result: dict[str, Any], console: Any) -> None:
+    """One table per mode (the problem parts that vary as columns, the fixed ones in the title), the geomean."""
+    from autofuse.commands._common import print_split_table, split_problems
+
+    op_name = result.get("op") or result.get("target", "?")
+    for mode in result["modes"]:
+        rows = [r for r in result["rows"] if r["mode"] == mode]
+        key_cols, cells, fixed = split_problems([r["problem"] for r in rows])
+        body = []
+        for r in rows:
+            times = [f"{r['best_us'][v]:.1f}" if v in r["best_us"] else ("fail" if v in r["failures"] else "-")
+                     for v in result["variants"]]
+            body.append([*cells[r["problem"]], *times, _f(r["bound_us"], 1), r["best_fused"],
+                         _f(r["speedup_vs_bsp"]), _f(r["vs_bound"])])
+        print_split_table(console, f"{op_name} {fixed}, {mode} mode: us per call (median, rank-max)",
+                          key_cols, [*result["variants"], "bound", "best fused", "x BSP", "/ bound"], body)
+        bw = [r for r in rows if (r.get("bandwidth") or {}).get("local_GBps")]
+        if bw:
+            body = [[*cells[r["problem"]], f"{r['bandwidth']['local_GBps']:.0f}", f"{r['bandwidth']['copy_GBps']:.0f}",
+                     f"{r['bandwidth']['local_vs_copy']:.2f}"] for r in bw]
+            print_split_table(console, f"{op_name}, {mode} mode: local kernel bandwidth vs a device copy",
+                              key_cols, ["local GB/s", "copy GB/s (read+write)", "local / copy"], body)
+        console.print(f"{mode}: geomean speedup of the best fused variant over BSP = "
+                      f"{_f(geomean([r['speedup_vs_bsp'] for r in rows]), 3)}x over {len(rows)} problems")
+        fails = {(r["problem"], v): why for r in rows for v, why in r["failures"].items()}
+        for (p, v), why in list(fails.items())[:10]:
+            console.print(f"  {v} failed on {p}: {why}", style="yellow")
+    for line in result.get("notes", []):
+        console.print(line, style="yellow")
+
+
+def _finite(x: Any) -> Any:
+    """JSON without NaN/inf: non-finite floats become null (recursively)."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, dict):
+        return {k: _finite(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_finite(v) for v in x]
+    return x
+
+
+def report(result: dict[str, Any], options: BenchOptions) -> dict[str, Any]:
+    """The JSON document: the target's result plus target, date, fingerprint and the options."""
+    from autofuse import environment
+
+    opts = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(options).items()}
+    doc = {"target": options.target, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+           "fingerprint": environment.fingerprint(options.device_kind or None), "options": opts, **result}
+    if "op" in result:
+        doc.setdefault("sweep", result.get("sweep"))
+    return doc
+
+
+def dumps(doc: dict[str, Any]) -> str:
+    return json.dumps(_finite(doc), indent=1, default=str, allow_nan=False) + "\n"

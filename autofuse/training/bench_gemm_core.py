@@ -1,0 +1,398 @@
+"""`autofuse bench gemm_core`: the GEMM core alone (kernels/gemm_core.py) against cuBLAS, one GPU.
+
+For every shape (C = A @ B, A M x K, B K x N, bf16, row-major), in one run: each candidate config
+of the core (autofuse.gemm.defaults for the shape, the pointer-path twin of the first default, and
+a few regime extras: warp specialisation, other tiles) is first checked against torch.matmul on
+random inputs (NaN-poisoned output, relative error within default_tolerance); the correct ones are
+timed, and so is torch.matmul (cuBLAS). Per mode the row reports the best core config, its time,
+cuBLAS's time, their ratio and whether it meets issue 13's target (core within 1.05x of cuBLAS at
+M >= 512, within 1.15x at M <= 256).
+
+Modes: `graph` (the calls captured in a CUDA graph and replayed: launch cost removed) and `eager`
+(back-to-back launches between two events). Each measurement is the median of `reps` batches of
+`inner` calls, inner sized to ~0.5 ms of work; big shapes take fewer batches (at least 5) so a
+measurement stays under ~0.3 s.
+
+Sweeps: `gpu` (the default with a GPU): M in GPU_M x N in {3584, 5120, 8192, 28672} x K in {8192,
+14336}, 64 shapes, about 2-3 minutes on one H200 with compiles (each distinct config compiles
+once, ~40 of them); `full`: every power of two M from 16 to 16384 (88 shapes, ~4 minutes); `cpu`
+(the default without a GPU): three tiny shapes under Triton's interpreter, in a child process, in
+seconds: interpreter timings that only show the core runs and agrees with torch, nothing about speed.
+
+--shapes: comma-separated items, each `M`, `MxN` or `MxNxK`; a shape of the sweep is kept if it
+matches any item (e.g. `--shapes 16,64x3584,1024x28672x8192`).
+--variants: the config families to time, from FAMILIES (default all): a config is timed when every
+family it belongs to is listed, e.g. `--variants tma,ptr,swap,splitk` leaves out warp
+specialisation. cuBLAS is always timed.
+"""
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from typing import Any, Callable, Sequence
+
+import torch
+
+from autofuse import gemm
+from autofuse.gemm import GemmConfig
+from autofuse.op import default_tolerance
+
+N_SET = (3584, 5120, 8192, 28672)
+K_SET = (8192, 14336)
+GPU_M = (16, 64, 128, 256, 512, 1024, 4096, 16384)
+FULL_M = tuple(16 << i for i in range(11))
+CPU_SHAPES = ((16, 64, 64), (40, 72, 48), (64, 128, 96))
+DTYPE = "bfloat16"
+BATCH_US = 500.0           # work per timed batch
+MEASURE_S = 0.3            # at most this long per measurement (reps cut, never below MIN_REPS)
+MIN_REPS = 5
+CPU_REPS = 2
+FAMILIES = ("tma", "ptr", "swap", "splitk", "ws")
+CPU_NOTE = ("CPU: Triton-interpreter and torch CPU timings, not GPU timings: they show that the core runs "
+            "and agrees with torch.matmul, not how fast it is. Run the same command on a GPU machine.")
+
+
+# ---------------------------------------------------------------------------------------------
+# shapes and candidates
+def sweep_shapes(sweep: str) -> list[tuple[int, int, int]]:
+    """(M, N, K) of a sweep, ordered so consecutive shapes share B (K, then N, then M)."""
+    if sweep == "cpu":
+        return list(CPU_SHAPES)
+    if sweep not in ("gpu", "full"):
+        raise ValueError(f"gemm_core sweeps are gpu, full and cpu, not {sweep!r}")
+    ms = GPU_M if sweep == "gpu" else FULL_M
+    return [(m, n, k) for k in K_SET for n in N_SET for m in ms]
+
+
+def parse_shapes(items: Sequence[str] | None) -> list[tuple[int, ...]] | None:
+    """--shapes items ('M', 'MxN', 'MxNxK', comma-separated, repeatable) -> prefixes to match."""
+    if not items:
+        return None
+    out: list[tuple[int, ...]] = []
+    for item in items:
+        for spec in str(item).split(","):
+            spec = spec.strip().lower()
+            if not spec:
+                continue
+            parts = spec.split("x")
+            if len(parts) > 3 or not all(p.isdigit() for p in parts):
+                raise ValueError(f"--shapes takes M, MxN or MxNxK items such as 64,1024x3584, not {spec!r}")
+            out.append(tuple(int(p) for p in parts))
+    return out or None
+
+
+def select(shapes: list[tuple[int, int, int]], keep: list[tuple[int, ...]] | None) -> list[tuple[int, int, int]]:
+    if not keep:
+        return shapes
+    return [s for s in shapes if any(s[:len(prefix)] == prefix for prefix in keep)]
+
+
+def candidates(m: int, n: int, k: int, dtype: str = DTYPE) -> list[dict]:
+    """The configs timed for one shape: gemm.defaults (what the ops enqueue first), the pointer
+    twin of the first default (TMA's gain), and per regime a warp-specialised and a wider tile."""
+    configs = gemm.defaults(m, n, k, dtype)
+    first = GemmConfig.from_dict(configs[0])
+    extra = [first.replace(TMA=False, WARP_SPEC=False)]
+    if not gemm.tiny(m, n, k):
+        small = min(64, max(16, gemm.next_pow2(m)))
+        if m <= 64:
+            extra.append(GemmConfig(small, 128, 128, 8, 4, 4, SWAP_AB=True, WARP_SPEC=True))
+        elif m <= 512:
+            extra.append(GemmConfig(128, 256, 64, 8, 8, 3))
+        else:
+            extra.append(GemmConfig(128, 128, 128, 8, 8, 3))
+    for c in extra:
+        d = c.to_dict()
+        if gemm.check(d, m, n, k, dtype) is None and d not in configs:
+            configs.append(d)
+    return configs
+
+
+def families(config: dict) -> set[str]:
+    """The FAMILIES a config belongs to: its load path (tma or ptr) and each switch it turns on."""
+    c = GemmConfig.from_dict(config)
+    out = {"tma" if c.TMA else "ptr"}
+    out |= {name for name, on in (("swap", c.SWAP_AB), ("splitk", c.SPLIT_K > 1), ("ws", c.WARP_SPEC)) if on}
+    return out
+
+
+def parse_variants(items: Sequence[str] | None) -> set[str] | None:
+    if not items:
+        return None
+    chosen = {v.strip() for item in items for v in str(item).split(",") if v.strip()}
+    unknown = sorted(chosen - set(FAMILIES))
+    if unknown:
+        raise ValueError(f"gemm_core --variants are config families {', '.join(FAMILIES)}, not {', '.join(unknown)}")
+    return chosen
+
+
+def config_text(config: dict) -> str:
+    """'128x256x64 w8 s3' + ' sk4' (split-K) + ' swap' + ' ws' + ' ptr' (no TMA)."""
+    c = GemmConfig.from_dict(config)
+    text = f"{c.BLOCK_M}x{c.BLOCK_N}x{c.BLOCK_K} w{c.num_warps} s{c.num_stages}"
+    if c.SPLIT_K > 1:
+        text += f" sk{c.SPLIT_K}"
+    if c.GROUP_M != 8:
+        text += f" g{c.GROUP_M}"
+    return text + (" swap" if c.SWAP_AB else "") + (" ws" if c.WARP_SPEC else "") + ("" if c.TMA else " ptr")
+
+
+def target_ratio(m: int) -> float:
+    """Issue 13's target for the core alone: time within 1.05x of cuBLAS at M >= 512, 1.15x below."""
+    return 1.05 if m >= 512 else 1.15
+
+
+# ---------------------------------------------------------------------------------------------
+# timing
+def _events_us(fn: Callable[[], Any], inner: int) -> float:
+    a = torch.cuda.Event(enable_timing=True)
+    b = torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(inner):
+        fn()
+    b.record()
+    b.synchronize()
+    return a.elapsed_time(b) * 1e3 / inner
+
+
+def _plan(fn: Callable[[], Any], reps: int) -> tuple[int, int]:
+    """(inner, reps) for a call of `fn`: batches of ~BATCH_US, at most MEASURE_S per measurement."""
+    one = _events_us(fn, 2)
+    inner = max(1, min(200, round(BATCH_US / max(one, 1e-3))))
+    batch_s = inner * one * 1e-6
+    return inner, max(MIN_REPS, min(reps, int(MEASURE_S / max(batch_s, 1e-9))))
+
+
+def time_cuda(fn: Callable[[], Any], mode: str, reps: int) -> float:
+    """Median us per call of `fn` on the current CUDA device, in `mode` (graph or eager)."""
+    inner, reps = _plan(fn, reps)
+    if mode == "eager":
+        return statistics.median(_events_us(fn, inner) for _ in range(reps))
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up off the capture stream, as torch's graph docs ask
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(inner):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    return statistics.median(_events_us(graph.replay, 1) / inner for _ in range(reps))
+
+
+def time_cpu(fn: Callable[[], Any], reps: int) -> float:
+    fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e6)
+    return statistics.median(times)
+
+
+def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """||out - ref|| / ||ref|| in float32 on the tensors' device; inf where out holds NaN/inf."""
+    o, r = out.float(), ref.float()
+    if not bool(torch.isfinite(o).all()):
+        return math.inf
+    return float((o - r).norm() / r.norm().clamp_min(1e-30))
+
+
+# ---------------------------------------------------------------------------------------------
+# the run
+def _opt(options: Any, name: str, default: Any) -> Any:
+    value = getattr(options, name, None) if not isinstance(options, dict) else options.get(name)
+    return default if value is None else value
+
+
+def _measure_shape(m: int, n: int, k: int, b: torch.Tensor, modes: Sequence[str], reps: int, device: torch.device,
+                   say: Callable[[str], None], allowed: set[str] | None = None) -> list[dict]:
+    """Rows (one per mode) of one shape: every candidate checked, then timed; cuBLAS timed."""
+    dtype = getattr(torch, DTYPE)
+    a = torch.randn(m, k, device=device, dtype=torch.float32).to(dtype)
+    c = torch.empty(m, n, device=device, dtype=dtype)
+    ref = torch.matmul(a, b)
+    tol = default_tolerance(DTYPE, k)
+    cuda = device.type == "cuda"
+    timer = (lambda fn, mode: time_cuda(fn, mode, reps)) if cuda else (lambda fn, mode: time_cpu(fn, reps))
+    cublas = {mode: timer(lambda: torch.matmul(a, b, out=c), mode) for mode in modes}
+    say(f"M={m} N={n} K={k} torch.matmul: " + ", ".join(f"{md} {t:.1f} us" for md, t in cublas.items()))
+    results: list[dict] = []
+    for config in candidates(m, n, k):
+        if allowed is not None and not families(config) <= allowed:
+            continue
+        entry: dict[str, Any] = {"config": config, "text": config_text(config), "us": {}, "error": None}
+        try:
+            launch = gemm.prepare(a, b, config, c)
+            c.fill_(math.nan)
+            launch()
+            if cuda:
+                torch.cuda.synchronize()
+            err = _rel_err(c, ref)
+            entry["rel_error"] = err if math.isfinite(err) else None
+            if not err <= 2 * tol:  # torch.matmul rounds too: twice the float64 reference's allowance
+                entry["error"] = f"wrong result: rel error {err:.3g} vs torch.matmul > {2 * tol:.3g}"
+            else:
+                entry["us"] = {mode: timer(launch, mode) for mode in modes}
+        except Exception as exc:  # a config that fails to compile or launch is reported, not fatal
+            first_line = (str(exc).strip().splitlines() or [""])[0][:200]
+            entry["error"] = f"{type(exc).__name__}: {first_line}"
+        say(f"M={m} N={n} K={k} {entry['text']}: " + (entry["error"] or ", ".join(
+            f"{md} {t:.1f} us" for md, t in entry["us"].items())))
+        results.append(entry)
+    rows = []
+    for mode in modes:
+        timed = [e for e in results if mode in e["us"]]
+        best = min(timed, key=lambda e: e["us"][mode]) if timed else None
+        core = best["us"][mode] if best else None
+        ratio = core / cublas[mode] if core else None
+        target = target_ratio(m) if cuda else None  # interpreter timings have no target
+        rows.append({
+            "M": m, "N": n, "K": k, "dtype": DTYPE, "mode": mode, "cublas_us": cublas[mode], "core_us": core,
+            "core_vs_cublas": ratio, "target": target,
+            "meets_target": None if ratio is None or target is None else ratio <= target,
+            "best_config": best["config"] if best else None, "best_text": best["text"] if best else None,
+            "configs": [{"config": e["text"], "us": e["us"].get(mode), "error": e["error"]} for e in results],
+        })
+    return rows
+
+
+def _run_rows(opts: dict) -> dict:
+    """The benchmark on this process's device (CUDA, or CPU under the interpreter)."""
+    cuda = torch.cuda.is_available() and opts["device_kind"] != "cpu"
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    modes = [md for md in opts["modes"] if cuda or md == "eager"] or ["eager"]
+    reps = opts["reps"] if cuda else min(opts["reps"], CPU_REPS)
+    say = (lambda text: print(text, flush=True)) if opts["progress"] else (lambda text: None)
+    torch.manual_seed(0)
+    shapes = select(sweep_shapes(opts["sweep"]), opts["keep"])
+    if opts["limit"]:
+        shapes = shapes[:opts["limit"]]
+    started = time.perf_counter()
+    rows: list[dict] = []
+    b_key, b = None, None
+    for i, (m, n, k) in enumerate(shapes):
+        if b_key != (n, k):
+            b = None
+            b = torch.randn(k, n, device=device, dtype=torch.float32).to(getattr(torch, DTYPE))
+            b_key = (n, k)
+        say(f"[{i + 1}/{len(shapes)}] M={m} N={n} K={k}")
+        rows.extend(_measure_shape(m, n, k, b, modes, reps, device, say, opts["variants"]))
+    notes = [] if cuda else [CPU_NOTE]
+    return {"rows": rows, "summary": summary(rows) if cuda else {}, "sweep": opts["sweep"], "world": 1,
+            "device_kind": "cuda" if cuda else "cpu",
+            "device": torch.cuda.get_device_name(device) if cuda else "cpu (Triton interpreter)",
+            "modes": modes, "seconds": round(time.perf_counter() - started, 1), "notes": notes}
+
+
+def _child(world: Any, opts: dict) -> dict:
+    return _run_rows(opts)
+
+
+def run(options: Any) -> dict:
+    """Run the benchmark (see the module docstring); options: sweep, shapes, variants, reps, modes,
+    limit, progress, device_kind (attributes of autofuse bench's options, or a dict). Returns JSON-able
+    data with "rows"; writes no file. On CPU it runs in one interpreter child process."""
+    kind = _opt(options, "device_kind", "") or ("cuda" if torch.cuda.is_available() else "cpu")
+    opts = {
+        "device_kind": kind,
+        "sweep": _opt(options, "sweep", "gpu" if kind == "cuda" else "cpu"),
+        "keep": parse_shapes(_opt(options, "shapes", None)),
+        "variants": parse_variants(_opt(options, "variants", None)),
+        "reps": int(_opt(options, "reps", 20)),
+        "modes": list(_opt(options, "modes", ["graph", "eager"])),
+        "limit": _opt(options, "limit", None),
+        "progress": bool(_opt(options, "progress", True)),
+    }
+    sweep_shapes(opts["sweep"])  # unknown sweep names fail here, before any work
+    if kind == "cuda":
+        return _run_rows(opts)
+    from autofuse.world import spawn
+
+    return spawn(_child, 1, opts, device_kind="cpu", timeout_s=600)[0]
+
+
+# ---------------------------------------------------------------------------------------------
+# rendering
+def _f(x: Any, digits: int = 1) -> str:
+    return "-" if x is None or (isinstance(x, float) and not math.isfinite(x)) else f"{x:.{digits}f}"
+
+
+def summary(rows: Sequence[dict]) -> dict[str, Any]:
+    """Per mode: geomean core/cuBLAS time ratio at M <= 256 and at M >= 512, and targets met."""
+    out: dict[str, Any] = {}
+    for mode in sorted({r["mode"] for r in rows}):
+        mine = [r for r in rows if r["mode"] == mode and r["core_vs_cublas"]]
+        entry = {}
+        for name, keep in (("M<=256", lambda r: r["M"] <= 256), ("M>=512", lambda r: r["M"] >= 512)):
+            xs = [r["core_vs_cublas"] for r in mine if keep(r)]
+            entry[name] = math.exp(sum(map(math.log, xs)) / len(xs)) if xs else None
+        entry["met"] = sum(bool(r["meets_target"]) for r in mine)
+        entry["of"] = len([r for r in rows if r["mode"] == mode])
+        out[mode] = entry
+    return out
+
+
+def render(result: dict, console: Any) -> None:
+    """One table per mode (M, N, K, torch us, core us, core/torch, target met, best config), then
+    a summary line per mode and the notes; fits 80 columns."""
+    from rich.table import Table
+
+    rows = result.get("rows", [])
+    for mode in [md for md in ("graph", "eager") if any(r["mode"] == md for r in rows)]:
+        t = Table(title=f"gemm_core vs torch.matmul (cuBLAS on GPUs), {result.get('device', '')}, {mode} mode, "
+                        f"{DTYPE}, us per call; x = core / torch time, ok = within the target")
+        for col, just in (("M", "right"), ("N", "right"), ("K", "right"), ("torch", "right"), ("core", "right"),
+                          ("x", "right"), ("ok", "center"), ("best core config", "left")):
+            t.add_column(col, justify=just, no_wrap=col != "best core config")
+        for r in (r for r in rows if r["mode"] == mode):
+            ok = "-" if r["meets_target"] is None else ("yes" if r["meets_target"] else "NO")
+            t.add_row(str(r["M"]), str(r["N"]), str(r["K"]), _f(r["cublas_us"]), _f(r["core_us"]),
+                      _f(r["core_vs_cublas"], 2), ok, r["best_text"] or "all failed")
+        console.print(t)
+    for mode, s in summary(rows).items():
+        if result.get("device_kind") != "cuda":
+            continue
+        console.print(f"{mode}: core/cuBLAS time, geomean: M<=256 {_f(s['M<=256'], 3)} (target 1.15), "
+                      f"M>=512 {_f(s['M>=512'], 3)} (target 1.05); {s['met']} of {s['of']} shapes meet the target")
+    failed = [(r["M"], r["N"], r["K"], c["config"], c["error"]) for r in rows if r["mode"] == rows[0]["mode"]
+              for c in r["configs"] if c["error"]] if rows else []
+    for m, n, k, text, why in failed[:12]:
+        console.print(f"  failed: M={m} N={n} K={k} {text}: {why}")
+    if len(failed) > 12:
+        console.print(f"  ... and {len(failed) - 12} more failed configs (see the JSON)")
+    for note in result.get("notes", []):
+        console.print(note)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """`python -m autofuse.training.bench_gemm_core`: the same run and table without the CLI
+    (`autofuse bench gemm_core` is the usual way); --out writes the JSON result."""
+    import argparse
+    import json
+    from pathlib import Path
+
+    from rich.console import Console
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--sweep", choices=("gpu", "full", "cpu"))
+    p.add_argument("--shapes", action="append", help="M, MxN or MxNxK items, comma-separated")
+    p.add_argument("--variants", action="append", help=f"config families from {', '.join(FAMILIES)}")
+    p.add_argument("--modes", action="append", choices=("graph", "eager"))
+    p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--limit", type=int)
+    p.add_argument("--out", type=Path)
+    args = p.parse_args(argv)
+    result = run(vars(args))
+    render(result, Console(markup=False, highlight=False))
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=1, default=str))
+        print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

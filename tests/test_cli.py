@@ -1,0 +1,400 @@
+"""The command line as a new user meets it, on CPU: --version, help texts, the modes a database holds,
+tables at 80 columns, strong scaling, read-only databases, outputs that never replace files, foreign
+text with rich markup, bench targets and the CPU op benchmark."""
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+import os
+import re
+import shutil
+import sqlite3
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from autofuse import environment
+from autofuse.cli import app
+
+ROOT = Path(__file__).resolve().parents[1]
+FP = environment.fingerprint("cpu")
+SIZES = (64, 1024, 16384)
+WORLDS = (1, 2, 4)
+
+
+def _best(m: int, world: int) -> str:
+    return "push" if m < 1000 else "pull"
+
+
+def _latency(variant: str, m: int, world: int) -> float:
+    """bsp 10 + m/100/world us; push 10% faster below M=1000, pull 20% faster from there on."""
+    bsp = 10.0 + m / 100 / world
+    if variant == "bsp":
+        return bsp
+    fast = variant == _best(m, world)
+    return bsp * (0.9 if variant == "push" and fast else 0.8 if fast else 1.15)
+
+
+def make_db(path: Path, modes: tuple[str, ...] = ("eager",)) -> Path:
+    """A tuning database with ag_gemm at M in SIZES on world sizes 1, 2, 4 (written through the store)."""
+    from autofuse.measure import Measurement
+    from autofuse.op import Problem
+    from autofuse.store import Store
+
+    ms = []
+    for world in WORLDS:
+        for m in SIZES:
+            p = Problem.make("ag_gemm", "bfloat16", world, M=m, N=3584, K=8192, gather="rows")
+            for v in ("bsp", "pull", "push"):
+                for mode in modes:
+                    t = _latency(v, m, world)
+                    ms.append(Measurement(p, v, {} if v == "bsp" else {"BLOCK_M": 64}, mode, True, median_us=t,
+                                          p10_us=t * 0.99, p90_us=t * 1.01, min_us=t * 0.98, reps=3))
+    store = Store.open(path) if hasattr(Store, "open") else Store(path)
+    try:
+        store.add(ms, FP, source="tune")
+    finally:
+        store.close()
+    return path
+
+
+@pytest.fixture(scope="module")
+def db(tmp_path_factory) -> Path:
+    return make_db(tmp_path_factory.mktemp("cli") / "autofuse.db")
+
+
+@pytest.fixture
+def runner(monkeypatch, tmp_path) -> CliRunner:
+    """A CliRunner in an empty current directory, 80 columns, the user data directory under tmp."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("COLUMNS", "80")
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "xdg"))
+    return CliRunner()
+
+
+def _digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+# ---------------------------------------------------------------------------------------------
+# first run
+
+
+def test_version(runner):
+    from autofuse import __version__
+
+    res = runner.invoke(app, ["--version"])
+    assert res.exit_code == 0 and __version__ in res.output, res.output
+
+
+def test_help_keeps_extras_and_names_the_bench_file(runner):
+    res = runner.invoke(app, ["show", "--help"])
+    assert res.exit_code == 0 and "autofuse[plot]" in res.output, res.output
+    res = runner.invoke(app, ["bench", "--help"])
+    text = " ".join(res.output.split())
+    assert "bench-TARGET-SWEEP-wWORLD-DATE.json" in text.replace("- ", "-") and "autofuse-out" in text, text
+    assert "collectives, gemm_core, layer" in text
+    res = runner.invoke(app, ["doctor", "--help"])
+    assert "--world" in res.output and "--out" in res.output and "--json" in res.output
+    assert "--ranks" not in res.output
+
+
+def test_modes_default_to_what_the_database_holds(runner, db):
+    res = runner.invoke(app, ["show", "--db", str(db)])
+    assert res.exit_code == 0, res.output
+    assert "--mode not given: reading the eager mode" in res.stderr
+    res = runner.invoke(app, ["show", "--db", str(db), "--mode", "graph"])
+    assert res.exit_code == 1 and "no graph-mode measurements" in res.output and "--mode eager" in res.output
+    assert len(res.output.strip().splitlines()) == 1, res.output
+
+
+def _check_80(text: str) -> None:
+    lines = text.splitlines()
+    assert max(len(line) for line in lines) <= 80, max(lines, key=len)
+    assert "…" not in text and "..." not in text
+
+
+def test_tables_are_readable_at_80_columns(runner, db):
+    res = runner.invoke(app, ["show", "--db", str(db)])
+    assert res.exit_code == 0
+    _check_80(res.stdout)
+    for m in SIZES:
+        assert re.search(rf"│ {m}\s+│", res.stdout), m
+    for header in ("bsp", "pull", "push", "best", "x bsp", "M", "world"):
+        assert re.search(rf"[┃│] *{re.escape(header)} *[┃│]", res.stdout) or header.split()[0] in res.stdout, header
+    res = runner.invoke(app, ["fit", "--db", str(db), "--out", "p.json"])
+    assert res.exit_code == 0, res.output
+    _check_80(res.stdout)
+    assert "within" in res.stdout and "oracle" in res.stdout and "gbr" in res.stdout
+
+
+# ---------------------------------------------------------------------------------------------
+# strong scaling
+
+
+def test_strong_scaling_table(runner, db):
+    res = runner.invoke(app, ["show", "--db", str(db), "--json"])
+    assert res.exit_code == 0, res.output
+    scaling = json.loads(res.stdout)["eager"]["scaling"]
+    assert [s["worlds"] for s in scaling] == [list(WORLDS)] * len(SIZES)
+    for s, m in zip(scaling, SIZES):
+        assert s["sizes"] == f"ag_gemm|K=8192,M={m},N=3584,gather=rows|bfloat16"
+        for w in WORLDS:
+            pw = s["per_world"][str(w)]
+            assert pw["variant"] == _best(m, w) and pw["us"] == pytest.approx(_latency(_best(m, w), m, w))
+            assert pw["speedup_vs_smallest"] == pytest.approx(_latency(_best(m, 1), m, 1) / pw["us"])
+    res = runner.invoke(app, ["show", "--db", str(db)])
+    assert "strong scaling" in res.stdout
+    assert all(h in res.stdout for h in ("w1", "w2", "w4", "speedup"))
+
+
+def test_export_writes_tables_and_strong_scaling(runner, db, tmp_path):
+    res = runner.invoke(app, ["export", "--db", str(db), "--format", "json"])
+    assert res.exit_code == 0, res.output
+    table = json.loads((tmp_path / "autofuse-out" / "tuning-eager.json").read_text())
+    assert len(table) == len(SIZES) * len(WORLDS)
+    scaling = json.loads((tmp_path / "autofuse-out" / "scaling-eager.json").read_text())
+    assert len(scaling) == len(SIZES) * len(WORLDS)
+    row = next(r for r in scaling if r["M"] == 16384 and r["world"] == 4)
+    assert row["variant"] == "pull" and row["smallest_world"] == 1
+    assert row["speedup_vs_smallest_world"] == pytest.approx(_latency("pull", 16384, 1) / _latency("pull", 16384, 4))
+    res = runner.invoke(app, ["export", "--db", str(db), "--out", "t.csv"])
+    assert res.exit_code == 0, res.output
+    assert (tmp_path / "t-scaling.csv").read_text().splitlines()[0].startswith("op,sizes,dtype")
+
+
+def test_plot_draws_strong_scaling(runner, db, tmp_path):
+    pytest.importorskip("matplotlib")
+    res = runner.invoke(app, ["show", "--db", str(db), "--plot", "p.png"])
+    assert res.exit_code == 0 and (tmp_path / "p.png").stat().st_size > 0, res.output
+    res = runner.invoke(app, ["show", "--db", str(db), "--plot", "p.png"])
+    assert res.exit_code == 1 and "exists" in res.output
+
+
+def test_plot_series_in_numeric_order():
+    from autofuse.commands.policy import _pick_x
+
+    table = [{"problem": f"flash_decode|B={b},D=128,Hkv=8,Hq=64,S={s}|bfloat16|w2", "us": {"bsp": 1.0}}
+             for s in (1024, 16384, 262144, 4096, 65536) for b in (1, 8)]
+    xd, series = _pick_x(table, None)
+    assert xd == "B"
+    order = [dict((k, v[1]) for k, v in key[3])["S"] for key in sorted(series)]
+    assert order == [1024, 4096, 16384, 65536, 262144]
+    coupled = [{"problem": f"ag_gemm|K=64,M={m},N={n},gather=rows|bfloat16|w2", "us": {"bsp": 1.0}}
+               for m, n in ((4, 32), (24, 48), (64, 64))]  # the CPU sweep: M and N change together
+    xd, series = _pick_x(coupled, None)
+    assert xd == "size" and [len(v) for v in series.values()] == [3]
+
+
+# ---------------------------------------------------------------------------------------------
+# safe outputs and read-only databases
+
+
+def test_fit_writes_to_the_user_data_dir_and_never_replaces(runner, db, tmp_path):
+    res = runner.invoke(app, ["fit", "--db", str(db)])
+    assert res.exit_code == 0, res.output
+    written = list((tmp_path / "xdg" / "autofuse" / "models").glob("*.json"))
+    assert len(written) == 1, written
+    machine = FP["gpu_name"].split("(")[1].strip(")").replace("_", "-")
+    assert written[0].name == f"cpu-emulation-{machine}-{FP['id']}-eager.json"
+    assert "-x0-" not in written[0].name
+    before = _digest(written[0])
+    res = runner.invoke(app, ["fit", "--db", str(db)])
+    assert res.exit_code == 1 and "exists; pass --force" in res.output and _digest(written[0]) == before
+    res = runner.invoke(app, ["fit", "--db", str(db), "--force"])
+    assert res.exit_code == 0, res.output
+    res = runner.invoke(app, ["fit", "--db", str(db), "--op", "ag_gemm"])  # one op: not where dispatch looks
+    assert res.exit_code == 0, res.output
+    one_op = written[0].name.replace(".json", "-ag_gemm.json")
+    assert [p.name for p in (tmp_path / "autofuse-out").iterdir()] == [one_op]
+
+
+def test_default_outputs_leave_shipped_files_alone(runner, db, tmp_path):
+    """fit and export with default outputs, run inside a copy of the repository, change no shipped file."""
+    repo = tmp_path / "repo"
+    for sub in ("models", "tuning_db"):
+        (repo / sub).mkdir(parents=True)
+        for f in (ROOT / sub).iterdir():
+            if f.is_file() and f.suffix in (".json", ".csv", ".md"):
+                shutil.copy(f, repo / sub / f.name)
+    shutil.copy(db, repo / "tuning_db" / "autofuse.db")  # the default --db
+    before = {p: _digest(p) for p in repo.rglob("*") if p.is_file()}
+    os.chdir(repo)
+    for args in (["fit"], ["export"], ["export", "--format", "json"], ["show"]):
+        res = runner.invoke(app, args)
+        assert res.exit_code == 0, (args, res.output)
+    after = {p: _digest(p) for p in before}
+    assert after == before
+    assert sorted(p.name for p in (repo / "autofuse-out").iterdir()) == \
+        ["scaling-eager.csv", "scaling-eager.json", "tuning-eager.csv", "tuning-eager.json"]
+    assert not list((repo / "models").glob("cpu-*"))
+
+
+@pytest.fixture
+def unrelated(tmp_path) -> Path:
+    path = tmp_path / "app.db"
+    con = sqlite3.connect(path)
+    con.execute("CREATE TABLE users (id INTEGER PRIMARY KEY, name TEXT)")
+    con.execute("INSERT INTO users (name) VALUES ('ada')")
+    con.commit()
+    con.close()
+    return path
+
+
+@pytest.mark.parametrize("command", [["show"], ["export"], ["fit"]])
+def test_unrelated_sqlite_file_is_left_byte_identical(runner, unrelated, command):
+    before = _digest(unrelated)
+    res = runner.invoke(app, [*command, "--db", str(unrelated)])
+    assert res.exit_code == 1
+    lines = res.output.strip().splitlines()
+    assert len(lines) == 1 and str(unrelated) in lines[0], res.output
+    assert _digest(unrelated) == before
+    assert sorted(p.name for p in unrelated.parent.iterdir() if p.name.startswith("app.db")) == ["app.db"]
+
+
+def test_tuning_database_is_left_byte_identical(runner, db):
+    before = _digest(db)
+    assert db.read_bytes()[18] == 2  # WAL mode, as the store writes it
+    for args in (["show"], ["export"], ["fit", "--out", "p.json"]):
+        assert runner.invoke(app, [*args, "--db", str(db)]).exit_code == 0
+    assert _digest(db) == before
+    assert sorted(p.name for p in db.parent.iterdir()) == [db.name]  # no -wal / -shm left beside it
+
+
+@pytest.mark.parametrize("kind", ["directory", "truncated", "empty", "text", "missing"])
+def test_unusable_database_is_one_line(runner, db, tmp_path, kind):
+    path = tmp_path / f"{kind}.db"
+    if kind == "directory":
+        path.mkdir()
+    elif kind == "truncated":
+        path.write_bytes(db.read_bytes()[:3000])
+    elif kind == "empty":
+        path.write_bytes(b"")
+    elif kind == "text":
+        path.write_text("not a database at all\n" * 100)
+    for command in ("show", "export", "fit"):
+        res = runner.invoke(app, [command, "--db", str(path)])
+        assert res.exit_code == 1, (command, res.output)
+        lines = res.output.strip().splitlines()
+        assert len(lines) == 1 and str(path) in lines[0], (command, res.output)
+        assert "Traceback" not in res.output and not isinstance(res.exception, (AttributeError, sqlite3.Error))
+
+
+def test_foreign_markup_prints_as_written(runner, tmp_path):
+    path = tmp_path / "[/red] and [/foo]" / "x.db"  # folders "[", "red] and [", "foo]"
+    path.mkdir(parents=True)
+    res = runner.invoke(app, ["show", "--db", str(path)])
+    assert res.exit_code == 1 and str(path) in res.output, res.output
+    assert "MarkupError" not in res.output
+
+
+# ---------------------------------------------------------------------------------------------
+# bench targets (a fake target module, this one, behind the run/render contract)
+
+
+def run(options) -> dict:
+    """The fake bench target's run: one row per requested variant; 'explode' raises gloo-like text."""
+    if options.variants and "explode" in options.variants:
+        raise RuntimeError("[/home/ci/gloo/transport.cc:154] Connection closed by peer [/red] [/foo]")
+    if options.progress:
+        print("[1/1] fake measurement", flush=True)
+    return {"rows": [{"case": "a", "us": 1.5, "nan": float("nan")}], "sweep": "tiny", "world": options.world}
+
+
+def render(result: dict, console) -> None:
+    console.print(f"fake table [bold]{len(result['rows'])} row[/bold] [/red]")
+
+
+@pytest.fixture
+def fake_target(monkeypatch):
+    from autofuse.training import bench
+
+    monkeypatch.setitem(bench.TARGETS, "fake", __name__)
+    monkeypatch.setitem(bench.TARGETS, "ghost", "autofuse.training.bench_ghost_missing")
+    return bench
+
+
+def test_bench_target_contract(runner, fake_target, tmp_path):
+    res = runner.invoke(app, ["bench", "fake", "--world", "3"])
+    assert res.exit_code == 0, res.output
+    assert "fake table [bold]1 row[/bold] [/red]" in res.stdout  # markup off: printed as written
+    date = datetime.datetime.now(datetime.timezone.utc).date().isoformat()
+    path = tmp_path / "autofuse-out" / f"bench-fake-tiny-w3-{date}.json"
+    doc = json.loads(path.read_text())
+    assert doc["target"] == "fake" and doc["rows"][0]["us"] == 1.5 and doc["rows"][0]["nan"] is None
+    assert doc["options"]["world"] == 3 and doc["fingerprint"]["id"] == FP["id"]
+    res = runner.invoke(app, ["bench", "fake", "--world", "3"])  # a second run never replaces the first
+    assert res.exit_code == 0 and path.with_name(path.stem + "-2.json").exists()
+    assert json.loads(path.read_text()) == doc
+    res = runner.invoke(app, ["bench", "fake", "--out", str(path)])
+    assert res.exit_code == 1 and "exists" in res.output
+    res = runner.invoke(app, ["bench", "fake", "--json", "--out", "b.json"])  # stdout: the JSON document only
+    assert res.exit_code == 0 and json.loads(res.stdout) == json.loads((tmp_path / "b.json").read_text())
+    assert not (tmp_path / "docs").exists()
+
+
+def test_bench_errors_are_one_line(runner, fake_target):
+    res = runner.invoke(app, ["bench", "ghost"])
+    assert res.exit_code == 1 and res.output.strip() == \
+        "bench target 'ghost' is not available in this installation (its module " \
+        "autofuse.training.bench_ghost_missing is missing)"
+    res = runner.invoke(app, ["bench", "nonsense"])
+    assert res.exit_code == 1 and "unknown bench target 'nonsense'" in res.output and "ag_gemm" in res.output
+    res = runner.invoke(app, ["bench", "fake", "--variants", "explode"])
+    assert res.exit_code == 1 and "[/home/ci/gloo/transport.cc:154]" in res.output and "[/red] [/foo]" in res.output
+    assert "Traceback" not in res.output and "MarkupError" not in res.output
+    res = runner.invoke(app, ["bench", "ag_gemm", "--mode", "graph"])
+    assert res.exit_code == 1 and "needs CUDA graphs" in res.output
+
+
+def test_cpu_op_bench(tmp_path):
+    """`autofuse bench gemm_ar` on CPU ranks: a line per measurement, the interpreter note, JSON into
+    ./autofuse-out/ of the current directory."""
+    env = dict(os.environ, COLUMNS="80")
+    cmd = [sys.executable, "-m", "autofuse", "bench", "gemm_ar", "--variants", "bsp", "--limit", "1", "--reps", "2"]
+    res = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert re.search(r"^\[1/1\] problem 1/1 gemm_ar\|.* bsp default: eager [0-9.]+ us$", res.stdout, re.M), res.stdout
+    assert "not GPU timings" in res.stdout + res.stderr
+    written = list((tmp_path / "autofuse-out").glob("bench-gemm_ar-cpu-w2-*.json"))
+    assert len(written) == 1 and f"wrote {written[0].relative_to(tmp_path)}" in res.stderr
+    doc = json.loads(written[0].read_text())
+    assert doc["op"] == "gemm_ar" and doc["sweep"] == "cpu" and len(doc["rows"]) == 1
+    tables = [line for line in res.stdout.splitlines() if line[:1] in "┏┃┡│└"]
+    assert len(tables) >= 5
+    _check_80("\n".join(tables))
+
+
+# ---------------------------------------------------------------------------------------------
+# README
+
+
+def test_readme_commands_use_existing_options(runner):
+    """Every `autofuse CMD --option` the README shows exists in that command's help."""
+    text = (ROOT / "README.md").read_text()
+    commands = re.findall(r"(?:^|\s|`)autofuse ((?:[a-z]+)(?: [^\n`#]*)?)", text)
+    assert commands
+    for cmd in commands:
+        words = cmd.split()
+        name = words[0]
+        if name not in ("doctor", "tune", "fit", "export", "show", "bench", "merge"):
+            continue
+        help_text = runner.invoke(app, [name, "--help"]).output
+        for opt in (w.split("=")[0] for w in words[1:] if w.startswith("--")):
+            assert opt in help_text, f"README: `autofuse {cmd}` uses {opt}, which `autofuse {name}` lacks"
+
+
+def test_default_tuning_database_is_git_ignored():
+    if shutil.which("git") is None or not (ROOT / ".git").exists():
+        pytest.skip("not a git checkout")
+    paths = ["tuning_db/autofuse.db", "tuning_db/autofuse.db-wal", "tuning_db/autofuse.db-shm",
+             "tuning_db/autofuse.optuna.db", "autofuse-out/bench-x.json"]
+    res = subprocess.run(["git", "check-ignore", *paths], cwd=ROOT, capture_output=True, text=True, timeout=30)
+    assert sorted(res.stdout.split()) == sorted(paths), res.stdout
+    res = subprocess.run(["git", "check-ignore", "tuning_db/h200x2.db", "models/x.json"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=30)
+    assert res.stdout == ""
