@@ -1,0 +1,275 @@
+"""Hybrid variants (autofuse.hybrid): heap collectives beside torch.matmul, against float64 references.
+
+The variants are built straight from Problem objects of three small test ops that mirror the public
+semantics of ag_gemm (both gather forms), gemm_rs and gemm_ar (the op modules are being ported
+elsewhere; these tests do not depend on them). One case table per op, used by the CPU tests (2 and 4
+ranks) and by the GPU test (GPU sizes, CUDA-graph replay through tests/harness.py).
+"""
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import torch
+
+import harness
+from autofuse import hybrid, status
+from autofuse.op import InvalidConfig, Op, Problem, default_tolerance
+from autofuse.workspace import workspaces
+from autofuse.world import spawn
+from test_collectives import gpu_test
+
+BF, HALF, F32 = "bfloat16", "float16", "float32"
+
+
+# -- the three ops' semantics (inputs deterministic in (seed, rank), references in float64) ------------
+def _gen(seed: int, rank: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed * 100_003 + rank * 7_919 + 11)
+
+
+def _ag_inputs_of(problem: Problem, seed: int, rank: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    m, n, k, w = problem["M"], problem["N"], problem["K"], problem.world
+    shape = (m // w, k) if problem["gather"] == "rows" else (m, k // w)
+    g = _gen(seed, rank)
+    a = torch.randn(shape, generator=g).to(problem.torch_dtype)
+    b = torch.randn(k, n, generator=g).to(problem.torch_dtype)
+    return a.to(device), b.to(device)
+
+
+def _ag_reference(world, problem, seed):
+    shards = [_ag_inputs_of(problem, seed, q, "cpu")[0].double() for q in range(problem.world)]
+    full = torch.cat(shards, dim=0 if problem["gather"] == "rows" else 1)
+    return full @ _ag_inputs_of(problem, seed, world.rank, "cpu")[1].double()
+
+
+def _row_inputs_of(problem: Problem, seed: int, rank: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    m, n, k, w = problem["M"], problem["N"], problem["K"], problem.world
+    g = _gen(seed, rank)
+    a = torch.randn(m, k // w, generator=g).to(problem.torch_dtype)
+    b = torch.randn(k // w, n, generator=g).to(problem.torch_dtype)
+    return a.to(device), b.to(device)
+
+
+def _sum_reference(problem, seed):
+    total = None
+    for q in range(problem.world):
+        a, b = _row_inputs_of(problem, seed, q, "cpu")
+        part = a.double() @ b.double()
+        total = part if total is None else total + part
+    return total
+
+
+def _rs_reference(world, problem, seed):
+    per = problem["M"] // problem.world
+    return _sum_reference(problem, seed)[world.rank * per:(world.rank + 1) * per]
+
+
+def _op(name, inputs_of, reference) -> Op:
+    return Op(name=name, args=("a", "b"), variants=hybrid.variants(name), problem_of=None,
+              inputs=lambda world, problem, seed: inputs_of(problem, seed, world.rank, world.device),
+              reference=reference, tolerance=lambda p: default_tolerance(p.dtype, p["K"]),
+              features=lambda p: {}, sweep=lambda kind, w: [])
+
+
+OPS = {"ag_gemm": _op("ag_gemm", _ag_inputs_of, _ag_reference),
+       "gemm_rs": _op("gemm_rs", _row_inputs_of, _rs_reference),
+       "gemm_ar": _op("gemm_ar", _row_inputs_of, lambda world, problem, seed: _sum_reference(problem, seed))}
+
+SMALL = {"COMM_SMS": 2, "BLOCK": 1024, "num_warps": 4}
+OVER = {"FLAG": "shard", "PRIORITY": "high"}
+
+
+def _ag(m, n, k, gather):
+    return {"M": m, "N": n, "K": k, "gather": gather}
+
+
+def _mk(m, n, k):
+    return {"M": m, "N": n, "K": k}
+
+
+CASES = {
+    "ag_gemm": [
+        ("heap_mm", _ag(8, 24, 32, "rows"), BF, {"ENGINE": "sm", "ALGO": "inbox", **SMALL}),
+        ("heap_mm", _ag(8, 24, 32, "rows"), HALF, {"ENGINE": "sm", "ALGO": "push", **SMALL}),
+        ("heap_mm", _ag(4, 24, 32, "rows"), F32, {"ENGINE": "ce", "COMM_SMS": 1}),
+        ("heap_mm", _ag(5, 24, 32, "k"), BF, {"ENGINE": "sm", "ALGO": "pull", **SMALL}),
+        ("heap_mm_overlap", _ag(8, 24, 32, "rows"), BF, {"ENGINE": "sm", "ALGO": "push", **SMALL, **OVER}),
+        ("heap_mm_overlap", _ag(12, 24, 32, "rows"), F32,
+         {"ENGINE": "sm", "ALGO": "inbox", **SMALL, "FLAG": "row_block", "CHUNKS": 2, "PRIORITY": "normal"}),
+        ("heap_mm_overlap", _ag(6, 24, 32, "k"), BF, {"ENGINE": "sm", "ALGO": "inbox", **SMALL, **OVER}),
+        ("heap_mm_overlap", _ag(8, 16, 32, "rows"), HALF, {"ENGINE": "ce", "COMM_SMS": 1, **OVER}),
+    ],
+    "gemm_rs": [
+        ("mm_heap", _mk(8, 40, 32), BF, {"ENGINE": "sm", **SMALL}),
+        ("mm_heap", _mk(8, 24, 32), F32, {"ENGINE": "ce", "COMM_SMS": 1}),
+        ("mm_heap_overlap", _mk(8, 40, 32), BF, {"ENGINE": "sm", **SMALL, **OVER}),
+        ("mm_heap_overlap", _mk(16, 24, 32), HALF,
+         {"ENGINE": "sm", **SMALL, "FLAG": "row_block", "CHUNKS": 2, "PRIORITY": "normal"}),
+    ],
+    "gemm_ar": [
+        ("mm_heap", _mk(5, 40, 32), BF, {"ENGINE": "sm", "ALGO": "one_shot", **SMALL}),
+        ("mm_heap", _mk(5, 40, 32), HALF, {"ENGINE": "sm", "ALGO": "two_shot", **SMALL}),
+        ("mm_heap", _mk(4, 24, 32), F32, {"ENGINE": "ce", "ALGO": "one_shot", "COMM_SMS": 1}),
+    ],
+}
+FOUR_RANKS = {"ag_gemm": [0, 3, 4, 6], "gemm_rs": [0, 3], "gemm_ar": [1]}
+
+
+def _cpu_job(world, picks):
+    return {op: harness.run_cases(world, OPS[op], [CASES[op][i] for i in idx], calls=2) for op, idx in picks.items()}
+
+
+def _assert_all(results):
+    for op in results[0]:
+        harness.assert_ok([r[op] for r in results], same_bits=("mm_heap",) if op == "gemm_ar" else ())
+
+
+def test_two_ranks_every_hybrid():
+    picks = {op: list(range(len(cases))) for op, cases in CASES.items()}
+    _assert_all(spawn(_cpu_job, 2, picks, device_kind="cpu", timeout_s=900))
+
+
+def test_four_ranks():
+    _assert_all(spawn(_cpu_job, 4, FOUR_RANKS, device_kind="cpu", timeout_s=900))
+
+
+# -- faults (the overlap waits too) --------------------------------------------------------------------
+FAULTS = [
+    ("ag_gemm", "heap_mm_overlap", _ag(8, 24, 32, "rows"), BF, {"ENGINE": "sm", "ALGO": "push", **SMALL, **OVER},
+     ("late_peer", "skipped_call", "dead_peer")),
+    ("ag_gemm", "heap_mm", _ag(6, 24, 32, "k"), BF, {"ENGINE": "sm", "ALGO": "inbox", **SMALL}, ("skipped_call",)),
+    ("gemm_rs", "mm_heap_overlap", _mk(8, 40, 32), BF, {"ENGINE": "sm", **SMALL, **OVER}, ("late_peer", "skipped_call")),
+    ("gemm_ar", "mm_heap", _mk(4, 40, 32), BF, {"ENGINE": "sm", "ALGO": "two_shot", **SMALL}, ("skipped_call",)),
+]
+
+
+def _fault_job(world, plan):
+    os.environ[status.TIMEOUT_ENV] = str(harness.FAULT_BUDGET_S)
+    seen = []
+    for op, variant, dims, dtype, config, scenario in plan:
+        seen.append(harness.fault_run(world, OPS[op], variant, dims, dtype, config, scenario, calls=3))
+        world.sync()
+        for ws in workspaces(world):
+            ws.rebuild()
+    return seen
+
+
+def test_faults_raise_on_every_rank_and_never_return_wrong_results():
+    plan = [(op, v, d, t, c, s) for op, v, d, t, c, scenarios in FAULTS for s in scenarios]
+    results = spawn(_fault_job, 2, plan, device_kind="cpu", timeout_s=900)
+    for i in range(len(plan)):
+        harness.check_fault_run([r[i] for r in results])
+
+
+# -- spaces, defaults, checks (no ranks) ---------------------------------------------------------------
+class _Trial:
+    def __init__(self, seed):
+        self.rng = random.Random(seed)
+
+    def suggest_categorical(self, name, choices):
+        return self.rng.choice(list(choices))
+
+    def suggest_int(self, name, low, high, step=1, log=False):
+        return self.rng.randrange(low, high + 1, step)
+
+
+PROBLEMS = [Problem.make("ag_gemm", BF, w, **_ag(m, 3584, 8192, g)) for w in (2, 4, 8) for m in (8, 1024, 16384)
+            for g in ("rows", "k")] + [
+    Problem.make(op, BF, w, **_mk(m, 8192, 14336)) for op in ("gemm_rs", "gemm_ar") for w in (2, 8)
+    for m in (8 * w, 1024, 8192)]
+
+
+def test_defaults_and_sampled_configs_pass_checks():
+    for problem in PROBLEMS:
+        for variant in hybrid.variants(problem.op):
+            defs = variant.defaults(problem)
+            assert defs, (variant, problem)
+            for cfg in defs:
+                assert variant.check(problem, cfg) is None, (variant, problem.key, cfg, variant.check(problem, cfg))
+            for seed in range(20):
+                cfg = variant.space(_Trial(seed), problem)
+                assert variant.check(problem, cfg) is None, (variant, problem.key, cfg, variant.check(problem, cfg))
+            assert variant.family == "hybrid" and variant.tunable
+
+
+@pytest.mark.parametrize("op,name,dims,config,needle", [
+    ("ag_gemm", "heap_mm", _ag(7, 64, 64, "rows"), {}, "not divisible by the world size"),
+    ("ag_gemm", "heap_mm", _ag(8, 64, 64, "cols"), {}, "gather must be rows or k"),
+    ("ag_gemm", "heap_mm", _ag(8, 64, 64, "k"), {"ENGINE": "ce"}, "copy engine does not run all_gather along columns"),
+    ("ag_gemm", "heap_mm", _ag(8, 64, 64, "rows"), {"FLAG": "shard"}, "unknown config keys ['FLAG']"),
+    ("ag_gemm", "heap_mm_overlap", _ag(8, 64, 64, "rows"), {"FLAG": "row_block", "PRIORITY": "high"}, "needs CHUNKS"),
+    ("ag_gemm", "heap_mm_overlap", _ag(8, 64, 64, "rows"), {"FLAG": "shard", "CHUNKS": 2, "PRIORITY": "high"},
+     "drop CHUNKS"),
+    ("ag_gemm", "heap_mm_overlap", _ag(8, 64, 64, "rows"), {"FLAG": "shard", "PRIORITY": "max"}, "PRIORITY"),
+    ("gemm_rs", "mm_heap", _mk(7, 64, 64), {}, "rows are not divisible"),
+    ("gemm_rs", "mm_heap_overlap", _mk(8, 64, 64), {"ENGINE": "ce", **OVER}, "ENGINE must be one of ('sm',)"),
+    ("gemm_ar", "mm_heap", _mk(8, 64, 63), {}, "K=63 is not divisible"),
+    ("gemm_ar", "mm_heap", _mk(8, 64, 64), {"ALGO": "two_shot", "ENGINE": "ce"}, "does not run two_shot"),
+])
+def test_checks_give_reasons(op, name, dims, config, needle):
+    problem = Problem.make(op, BF, 2, **dims)
+    variant = OPS[op].variant(name)
+    why = variant.check(problem, config)
+    assert why is not None and needle in why, why
+
+
+def test_variants_serve_only_their_op():
+    problem = Problem.make("gemm_rs", BF, 2, **_mk(8, 64, 64))
+    assert "serves ag_gemm" in hybrid.HeapMM().check(problem, {})
+    assert [v.name for v in hybrid.variants("ag_gemm")] == ["heap_mm", "heap_mm_overlap"]
+    assert [v.name for v in hybrid.variants("gemm_rs")] == ["mm_heap", "mm_heap_overlap"]
+    assert [v.name for v in hybrid.variants("gemm_ar")] == ["mm_heap"]
+    with pytest.raises(KeyError):
+        hybrid.variants("flash_decode")
+
+
+def _build_invalid(world):
+    problem = Problem.make("ag_gemm", BF, world.size, **_ag(8, 24, 32, "rows"))
+    try:
+        hybrid.HeapMM().build(world, problem, {"ALGO": "ring"})
+    except InvalidConfig as exc:
+        return str(exc)
+    return None
+
+
+def test_build_rejects_an_invalid_config_before_allocating():
+    for msg in spawn(_build_invalid, 2, device_kind="cpu", timeout_s=300):
+        assert msg is not None and "ALGO must be one of" in msg
+
+
+# -- GPU ----------------------------------------------------------------------------------------------
+GPU_AG = {"COMM_SMS": 16, "BLOCK": 4096, "num_warps": 8}
+GPU_CASES = {
+    "ag_gemm": [
+        ("heap_mm", _ag(8, 3584, 8192, "rows"), BF, {"ENGINE": "sm", "ALGO": a, **GPU_AG}) for a in ("inbox", "push", "pull")
+    ] + [
+        ("heap_mm", _ag(512, 3584, 8192, "rows"), BF, {"ENGINE": "ce", "COMM_SMS": 1}),
+        ("heap_mm", _ag(200, 1000, 4096, "k"), HALF, {"ENGINE": "sm", "ALGO": "push", **GPU_AG}),
+        ("heap_mm_overlap", _ag(2048, 3584, 8192, "rows"), BF, {"ENGINE": "sm", "ALGO": "push", **GPU_AG, **OVER}),
+        ("heap_mm_overlap", _ag(1024, 3584, 8192, "rows"), BF,
+         {"ENGINE": "sm", "ALGO": "inbox", **GPU_AG, "FLAG": "row_block", "CHUNKS": 4, "PRIORITY": "high"}),
+        ("heap_mm_overlap", _ag(1000, 2048, 8192, "k"), BF, {"ENGINE": "sm", "ALGO": "inbox", **GPU_AG, **OVER}),
+    ],
+    "gemm_rs": [
+        ("mm_heap", _mk(128, 8192, 14336), BF, {"ENGINE": "sm", **GPU_AG}),
+        ("mm_heap", _mk(1024, 8192, 14336), BF, {"ENGINE": "ce", "COMM_SMS": 1}),
+        ("mm_heap_overlap", _mk(1024, 8192, 14336), BF, {"ENGINE": "sm", **GPU_AG, **OVER}),
+        ("mm_heap_overlap", _mk(2000, 5120, 4096), HALF,
+         {"ENGINE": "sm", **GPU_AG, "FLAG": "row_block", "CHUNKS": 2, "PRIORITY": "normal"}),
+    ],
+    "gemm_ar": [
+        ("mm_heap", _mk(8, 8192, 8192), BF, {"ENGINE": "sm", "ALGO": "one_shot", **GPU_AG}),
+        ("mm_heap", _mk(256, 8192, 8192), BF, {"ENGINE": "sm", "ALGO": "two_shot", **GPU_AG}),
+        ("mm_heap", _mk(1000, 8192, 8192), HALF, {"ENGINE": "ce", "ALGO": "one_shot", "COMM_SMS": 1}),
+    ],
+}
+
+
+def _gpu_job(world):
+    return {op: harness.run_cases(world, OPS[op], cases, calls=2) for op, cases in GPU_CASES.items()}
+
+
+@gpu_test()
+def test_gpu_hybrids_with_graph_replay():
+    _assert_all(spawn(_gpu_job, 2, device_kind="cuda", timeout_s=900))
