@@ -14,11 +14,7 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -30,13 +26,11 @@ from autofuse.ops import ag_gemm
 from autofuse.ops.ag_gemm import OP
 from autofuse.workspace import workspaces
 from autofuse.world import World, spawn
-from conftest import CTX, compile_request
+from conftest import CTX, T36, compile_request, start_compile
 
 FUSED = ("pull", "push", "push_ws")
 LAYOUTS = {"pull": ("shard",), "push": ("shard", "gathered"), "push_ws": ("shard", "gathered")}
 FLAGS = ("tile", "row_block", "shard")
-ROOT = Path(__file__).resolve().parents[1]
-T36 = Path(os.environ.get("AUTOFUSE_T36_PYTHON", "/tmp/t36/bin/python"))
 
 
 def cfg(bm=16, bn=32, bk=16, flag="row_block", comm=2, layout="shard", split=1, swap=False, tma=True, group=4,
@@ -87,8 +81,14 @@ CPU_CASES = {
         ("push", kform(3, 24, 96), "float16", cfg(bk=32, bn=16, flag="row_block", layout="gathered", split=2)),
         ("pull", kform(3, 24, 96), "float32", cfg(bk=32, flag="tile")),
         ("push_ws", rows(6, 40, 96), "float32", cfg(flag="shard", layout="gathered", split=4, comm=5)),
+        ("heap_mm", rows(8, 32, 64), "bfloat16", OP.variant("heap_mm").defaults(
+            harness.problem_of(OP, 2, rows(8, 32, 64), "bfloat16"))[0]),
+        ("heap_mm_overlap", kform(8, 32, 64), "float16", OP.variant("heap_mm_overlap").defaults(
+            harness.problem_of(OP, 2, kform(8, 32, 64), "float16"))[0]),
     ] + BSP,
-    4: [("pull", rows(32, 32, 64), "bfloat16", cfg(flag="tile")),
+    4: [("heap_mm_overlap", rows(8, 32, 64), "bfloat16", OP.variant("heap_mm_overlap").defaults(
+            harness.problem_of(OP, 4, rows(8, 32, 64), "bfloat16"))[0]),
+        ("pull", rows(32, 32, 64), "bfloat16", cfg(flag="tile")),
         ("push", kform(32, 32, 64), "bfloat16", cfg(flag="row_block", layout="gathered", split=2)),
         ("push_ws", rows(32, 32, 64), "bfloat16", cfg(bm=32, flag="shard", layout="gathered", tma=False)),
         ("push", rows(4, 32, 64), "float32", cfg(flag="tile", comm=3)),
@@ -255,9 +255,10 @@ def test_shared_memory_and_missing_keys_rejected():
 
 
 def test_variants_families_and_sweeps():
-    assert list(OP.variants) == ["bsp", "torch_symm", "pull", "push", "push_ws"]
+    assert list(OP.variants) == ["bsp", "torch_symm", "heap_mm", "heap_mm_overlap", "pull", "push", "push_ws"]
     families = {name: v.family for name, v in OP.variants.items()}
-    assert families == {"bsp": "bsp", "torch_symm": "peer", "pull": "fused", "push": "fused", "push_ws": "fused"}
+    assert families == {"bsp": "bsp", "torch_symm": "peer", "heap_mm": "hybrid", "heap_mm_overlap": "hybrid",
+                        "pull": "fused", "push": "fused", "push_ws": "fused"}
     assert not OP.variant("torch_symm").available(_world(2))
     assert [p["M"] for p in OP.sweep("gpu", 2)] == list(ag_gemm.GPU_M)
     assert {p["N"] for p in OP.sweep("gpu", 2)} == {3584} and {p["K"] for p in OP.sweep("gpu", 2)} == {8192}
@@ -321,15 +322,6 @@ COMPILES = {  # name: (GEMM config, FLAG, GATHER_K, GATHERED, PULL, dtype)
     "fp32": (gemm.GemmConfig(64, 64, 32, 8, 4, 3), "tile", False, True, False, "fp32"),
 }
 
-_SHIM = """
-import os, sys, types
-for _name, _sub in (("autofuse", "autofuse"), ("autofuse.kernels", "kernels")):
-    _m = types.ModuleType(_name)
-    _m.__path__ = [os.path.join(os.environ["AUTOFUSE_SRC"], _sub)]
-    sys.modules[_name] = _m
-"""
-
-
 def _request(name: str) -> dict:
     g, flag, gather_k, gathered, pull, dt = COMPILES[name]
     sig = {**_SIG, **{n: f"*{dt}" for n in ("a", "b", "c", "data")}}
@@ -342,22 +334,9 @@ def _request(name: str) -> dict:
 
 @pytest.fixture(scope="module")
 def compiled() -> dict:
-    """{version: {case: {'ptx', 'shared'}}}: both Tritons compile in parallel child processes (the
-    3.6 one sees this checkout through a module shim: its site-packages lack autofuse)."""
-    import conftest
-
+    """{version: {case: {'ptx', 'shared'}}}: Triton 3.9 and 3.6 compile in parallel child processes."""
     requests = [_request(name) for name in COMPILES]
-    pythons = {"3.9": sys.executable, **({"3.6": str(T36)} if T36.exists() else {})}
-    procs = {}
-    for version, python in pythons.items():
-        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-        env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-        script = conftest._COMPILE
-        if python != sys.executable:
-            env["AUTOFUSE_SRC"] = str(ROOT)
-            script = _SHIM + script
-        procs[version] = subprocess.Popen([python, "-c", script, json.dumps(requests)], stdout=subprocess.PIPE,
-                                          stderr=subprocess.PIPE, text=True, env=env, cwd=str(ROOT))
+    procs = {"3.9": start_compile(requests), **({"3.6": start_compile(requests, T36)} if T36.exists() else {})}
     out = {}
     for version, proc in procs.items():
         stdout, stderr = proc.communicate(timeout=600)
@@ -409,7 +388,7 @@ GPU_PROBLEMS = [(rows(8, 3584, 8192), "bfloat16"), (rows(200, 5120, 8192), "floa
 def _gpu_cases(dims: dict, dtype: str) -> list[harness.Case]:
     problem = harness.problem_of(OP, 2, dims, dtype)
     cases: list[harness.Case] = [("bsp", dims, dtype, {}), ("torch_symm", dims, dtype, {})]
-    for v in FUSED:
+    for v in ("heap_mm", "heap_mm_overlap", *FUSED):
         cases += [(v, dims, dtype, c) for c in OP.variant(v).defaults(problem)[:2]]
     return cases
 
@@ -419,12 +398,17 @@ GPU_CASES = ([c for dims, dt in GPU_PROBLEMS for c in _gpu_cases(dims, dt)]
                       group=8, warps=4, stages=3))
 
 
+# harness.gpu() marks `gpu` but loses its skipif (a MarkDecorator called on a MarkDecorator): skip here too
+NEEDS_2_GPUS = pytest.mark.skipif(harness.gpus() < 2, reason="needs 2 CUDA GPUs")
+
+
 def _run_gpu(world, cases):
     cases = [c for c in cases if OP.variant(c[0]).available(world)]
     return harness.run_cases(world, OP, cases, calls=2)
 
 
 @harness.gpu()
+@NEEDS_2_GPUS
 @pytest.mark.parametrize("part", [0, 1])
 def test_gpu_cases_match_reference_with_graph_replay(part):
     cases = GPU_CASES[part::2]
@@ -434,6 +418,7 @@ def test_gpu_cases_match_reference_with_graph_replay(part):
 
 
 @harness.gpu()
+@NEEDS_2_GPUS
 def test_gpu_faults_raise_on_every_rank_in_bounded_time():
     runs = [(v, rows(1024, 1024, 2048), s) for v in FUSED for s in ("late_peer", "skipped_call", "dead_peer")]
     runs.append(("push", rows(8192, 1024, 2048), "dead_peer"))

@@ -18,6 +18,8 @@ fp32). Any M >= W, any number of rows per rank (1 included), blocks need not div
 Variants (`OP.variants`):
 - `bsp` (family bsp): all-gather with torch.distributed into a preallocated buffer, torch.matmul.
 - `torch_symm` (family peer): torch's symm_mem.fused_all_gather_matmul, CUDA only.
+- `heap_mm`, `heap_mm_overlap` (family hybrid, autofuse/hybrid.py): a one-launch heap all-gather
+  beside torch.matmul, without or with the local shard's matmul overlapping the peers' arrival.
 - `pull`, `push`, `push_ws` (family fused): the one Triton kernel of `autofuse.kernels.ag_gemm`
   with PULL on or off, launched with one program per work item (pull, push) or persistent
   consumers (push_ws). Config: the GEMM keys of `autofuse.gemm` (BLOCK_M/N/K, GROUP_M, num_warps,
@@ -36,11 +38,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from autofuse import gemm, shapes
+from autofuse import gemm, hybrid, shapes
 from autofuse.op import (Config, InvalidConfig, InvalidInput, Op, Problem, SearchSpace, Variant, default_tolerance,
                          dtype_name)
 from autofuse.runner import Runner, TensorSpec
-from autofuse.sizes import cdiv, next_pow2
+from autofuse.sizes import cdiv
 from autofuse.workspace import workspace
 
 NAME = "ag_gemm"
@@ -267,8 +269,6 @@ def check(problem: Problem, config: Config, variant: str = "push") -> str | None
         return "WARP_SPEC=true: the consumer waits inside its tile loop, which Triton's warp specialisation rejects"
     if cfg.SPLIT_K > 1 and layout != "gathered":
         return f"SPLIT_K={cfg.SPLIT_K} needs LAYOUT=gathered (the shard layout runs every K loop whole)"
-    if problem["gather"] == "k" and layout == "shard" and cfg.SPLIT_K > 1:
-        return "SPLIT_K needs LAYOUT=gathered"
     units = flag_units(problem, config)
     if units > MAX_FLAGS:
         return f"FLAG={config['FLAG']} needs {units} flags (> {MAX_FLAGS}): use bigger blocks or a coarser FLAG"
@@ -521,7 +521,7 @@ def bound(world: Any, problem: Problem, seed: int) -> dict[str, Any]:
 OP = Op(
     name=NAME,
     args=("a", "b"),
-    variants=[Bsp(), TorchSymm(), Pull(), Push(), PushWs()],
+    variants=[Bsp(), TorchSymm(), *hybrid.variants(NAME), Pull(), Push(), PushWs()],
     problem_of=problem_of,
     inputs=inputs,
     reference=reference,
