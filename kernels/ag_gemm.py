@@ -91,6 +91,18 @@ def _copy(a, dst, mine, also_mine, row0, col0, R, C, ld, BLOCK_R: tl.constexpr, 
 
 
 @triton.jit
+def _copy_flat(a, dst, mine, also_mine, first, end, BLOCK: tl.constexpr):
+    """Copy elements [first, end) of my shard (contiguous at both ends) to `dst` (and `mine`)."""
+    for start in range(first, end, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        mask = offs < end
+        x = tl.load(a + offs, mask=mask)
+        tl.store(dst + offs, x, mask=mask)
+        if also_mine:
+            tl.store(mine + offs, x, mask=mask)
+
+
+@triton.jit
 def produce(a, data_p, flags_p, counts_p, epoch, worker, producers, ctx, R, C,
             BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, FLAG: tl.constexpr, GATHER_K: tl.constexpr,
             GATHERED: tl.constexpr, PULL: tl.constexpr):
@@ -99,24 +111,30 @@ def produce(a, data_p, flags_p, counts_p, epoch, worker, producers, ctx, R, C,
     Steps: push sends to rank-1, rank-2, ... in turn (the gathered layout copies into my own
     buffer during the first step too, or alone at W = 1); pull copies once, into my own heap.
     Within a step the chunks go round-robin over the producers, low rows first. A chunk is one
-    flag unit (TILE: BLOCK_M x BLOCK_K, ROW_BLOCK: BLOCK_M rows) or, for SHARD, BLOCK_M rows x
-    COPY_K columns, after which every producer counts itself done at the destination.
+    flag unit (TILE: a BLOCK_M x BLOCK_K tile, ROW_BLOCK: BLOCK_M rows) or, for SHARD, COPY
+    elements, after which every producer counts itself done at the destination. Rows are
+    contiguous at both ends except in the gathered k layout (row stride W*C there), so whole row
+    blocks and shard pieces are copied as flat ranges of 16-byte vectors.
     """
-    COPY_K: tl.constexpr = BLOCK_K if (FLAG == TILE or BLOCK_M * BLOCK_K >= 4096) else 4096 // BLOCK_M
+    COPY: tl.constexpr = 8192  # elements per flat copy step (16 KB of bf16 in flight per program)
     W = ctx.world
     rank = ctx.rank
     RB = tl.cdiv(R, BLOCK_M)
     KB = tl.cdiv(C, BLOCK_K)
-    if GATHER_K and GATHERED:  # my columns of the gathered R x W*C
-        ld = W * C
-        mine = data_p + rank * C
-    else:  # my slot, R x C
+    FLAT: tl.constexpr = not (GATHER_K and GATHERED)
+    COPY_K: tl.constexpr = max(BLOCK_K, COPY // BLOCK_M)  # columns per step of a 2-D (gathered k) copy
+    if FLAT:  # my slot, R x C
         ld = C
         mine = data_p + tl.cast(rank, tl.int64) * R * C
+    else:  # my columns of the gathered R x W*C
+        ld = W * C
+        mine = data_p + rank * C
     if FLAG == TILE:
         chunks = RB * KB
     elif FLAG == ROW_BLOCK:
         chunks = RB
+    elif FLAT:
+        chunks = tl.cdiv(R * C, COPY)
     else:
         chunks = RB * tl.cdiv(C, COPY_K)
     if PULL:
@@ -139,9 +157,15 @@ def produce(a, data_p, flags_p, counts_p, epoch, worker, producers, ctx, R, C,
                 _copy(a, dst, mine, also_mine, rb * BLOCK_M, kb * BLOCK_K, R, C, ld, BLOCK_M, BLOCK_K)
                 _raise(flags_p + (rank * RB + rb) * KB + kb, epoch, dest, also_mine, ctx, PULL)
             elif FLAG == ROW_BLOCK:
-                for col0 in range(0, C, COPY_K):
-                    _copy(a, dst, mine, also_mine, chunk * BLOCK_M, col0, R, C, ld, BLOCK_M, COPY_K)
+                if FLAT:
+                    _copy_flat(a, dst, mine, also_mine, chunk * BLOCK_M * C, min(chunk * BLOCK_M + BLOCK_M, R) * C,
+                               COPY)
+                else:
+                    for col0 in range(0, C, COPY_K):
+                        _copy(a, dst, mine, also_mine, chunk * BLOCK_M, col0, R, C, ld, BLOCK_M, COPY_K)
                 _raise(flags_p + rank * RB + chunk, epoch, dest, also_mine, ctx, PULL)
+            elif FLAT:
+                _copy_flat(a, dst, mine, also_mine, chunk * COPY, min(chunk * COPY + COPY, R * C), COPY)
             else:
                 pieces = tl.cdiv(C, COPY_K)
                 _copy(a, dst, mine, also_mine, (chunk // pieces) * BLOCK_M, (chunk % pieces) * COPY_K, R, C, ld,
@@ -222,38 +246,6 @@ def _peer_source(data_p, g_src, s, ctx, R, C, BLOCK_M: tl.constexpr, BLOCK_K: tl
 
 
 @triton.jit
-def _rows_item(work, rank, R, MT, first, RB, N, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-               BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr, GATHERED: tl.constexpr,
-               PULL: tl.constexpr):
-    """Rows form: work item -> (tile, split, k_first, k_end, off_n, local, off_local, off_remote, s, rb, m0).
-
-    The schedule's row tiles are rotated to start at my own rows. GATHERED: rows [m0, m0 + BLOCK_M)
-    of the gathered A, local when inside my own shard. Shard layout: row block rb of shard s, local
-    when s is me; off_remote is in the stacked slots (push) or in s's own slot (pull).
-    """
-    pid_m, pid_n, tile, split, k_first, k_end = gemm_core.schedule(work, MT * BLOCK_M, N, K, BLOCK_M, BLOCK_N,
-                                                                   BLOCK_K, GROUP_M, SPLIT_K)
-    mt = (pid_m + first) % MT
-    if GATHERED:
-        s = mt
-        rb = mt
-        m0 = mt * BLOCK_M
-        local = (m0 >= rank * R) & (m0 + BLOCK_M <= rank * R + R)
-        off_local = m0 - rank * R
-        off_remote = m0
-    else:
-        s = mt // RB
-        rb = mt % RB
-        m0 = s * R + rb * BLOCK_M
-        local = s == rank
-        off_local = rb * BLOCK_M
-        off_remote = off_local
-        if not PULL:
-            off_remote += s * R
-    return tile, split, k_first, k_end, pid_n * BLOCK_N, local, off_local, off_remote, s, rb, m0
-
-
-@triton.jit
 def _finish(acc, ok, partials, counts, tile, split, c, c_dst, s, rb, m0, off_n, R, M, N,
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, USE_TMA: tl.constexpr,
             SHARD_ROWS: tl.constexpr):
@@ -269,124 +261,221 @@ def _finish(acc, ok, partials, counts, tile, split, c, c_dst, s, rb, m0, off_n, 
 
 
 @triton.jit
+def _rows_work(i, LOCAL: tl.constexpr, start, count, a_src, g_src, b, b_src, c, c_dst, data_p, flags_p,
+               partials, counts, epoch, healthy, ctx, R, C, N, MT, RB, KB,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+               NUM_STAGES: tl.constexpr, SPLIT_K: tl.constexpr, SWAP_AB: tl.constexpr, USE_TMA: tl.constexpr,
+               FLAG: tl.constexpr, GATHERED: tl.constexpr, PULL: tl.constexpr):
+    """Rows form: work item i of the `count` row tiles from row tile `start` (mod MT), all reading my
+    own shard (LOCAL: straight from `a`, no wait) or none of them (after the waits for the rows
+    they read). GATHERED: rows [m0, m0 + BLOCK_M) of the gathered A; else row block rb of shard s."""
+    W = ctx.world
+    rank = ctx.rank
+    pid_m, pid_n, _, split, k_first, k_end = gemm_core.schedule(i, count * BLOCK_M, N, C, BLOCK_M, BLOCK_N,
+                                                                BLOCK_K, GROUP_M, SPLIT_K)
+    mt = (start + pid_m) % MT
+    off_n = pid_n * BLOCK_N
+    if GATHERED:
+        m0 = mt * BLOCK_M
+        s = 0
+        rb = 0
+        off_local = m0 - rank * R
+        off_remote = m0
+    else:
+        s = mt // RB
+        rb = mt % RB
+        m0 = s * R + rb * BLOCK_M
+        off_local = rb * BLOCK_M
+        off_remote = off_local
+        if not PULL:
+            off_remote += s * R
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    ok = healthy
+    if LOCAL:
+        acc = _mma(acc, ok, a_src, b_src, off_local, off_n, k_first, k_end, R, N, C,
+                   BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, SWAP_AB, USE_TMA)
+    else:
+        gemm_core.prefetch_b(b, off_n, k_first, k_end, N, C, N, 1, BLOCK_K, BLOCK_N, PREFETCH)
+        if GATHERED:  # every shard that rows [m0, m0 + BLOCK_M) touch, mine included
+            for src in range(m0 // R, min(tl.cdiv(m0 + BLOCK_M, R), W)):
+                first_row = max(m0 - src * R, 0)
+                last_row = min(m0 + BLOCK_M - src * R, R) - 1
+                ok = _wait(flags_p, src, first_row // BLOCK_M, last_row // BLOCK_M, k_first, k_end - 1, RB, KB,
+                           epoch, ok, ctx, FLAG)
+        else:
+            ok = _wait(flags_p, s, rb, rb, k_first, k_end - 1, RB, KB, epoch, ok, ctx, FLAG)
+        _tma_visible(USE_TMA)
+        r_rows = W * R
+        if PULL:  # a peer's own slot, R x C
+            r_rows = R
+        acc = _mma(acc, ok, _peer_source(data_p, g_src, s, ctx, R, C, BLOCK_M, BLOCK_K, USE_TMA, PULL), b_src,
+                   off_remote, off_n, k_first, k_end, r_rows, N, C, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, SWAP_AB,
+                   USE_TMA)
+    _finish(acc, ok, partials, counts, mt * tl.cdiv(N, BLOCK_N) + pid_n, split, c, c_dst, s, rb, m0, off_n, R,
+            W * R, N, BLOCK_M, BLOCK_N, SPLIT_K, USE_TMA, not GATHERED)
+
+
+@triton.jit
+def _k_work(i, a_src, g_src, b, b_src, c_dst, data_p, flags_p, partials, counts, epoch, healthy, ctx, R, C, N,
+            MT, RB, KB,
+            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+            NUM_STAGES: tl.constexpr, SPLIT_K: tl.constexpr, SWAP_AB: tl.constexpr, USE_TMA: tl.constexpr,
+            FLAG: tl.constexpr, GATHERED: tl.constexpr, PULL: tl.constexpr):
+    """k form: work item i. GATHERED: one K loop over the gathered R x W*C after the waits for the
+    shards its K steps cover; else one K loop per shard, mine (from `a`) first, each peer's after
+    its wait."""
+    W = ctx.world
+    rank = ctx.rank
+    K = W * C
+    pid_m, pid_n, tile, split, k_first, k_end = gemm_core.schedule(i, MT * BLOCK_M, N, K, BLOCK_M, BLOCK_N, BLOCK_K,
+                                                                   GROUP_M, SPLIT_K)
+    m0 = pid_m * BLOCK_M
+    off_n = pid_n * BLOCK_N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    ok = healthy
+    if GATHERED:
+        lo = k_first * BLOCK_K
+        hi = min(k_end * BLOCK_K, K)
+        gemm_core.prefetch_b(b, off_n, k_first, k_end, N, K, N, 1, BLOCK_K, BLOCK_N, PREFETCH)
+        for src in range(lo // C, tl.cdiv(hi, C)):
+            first_col = max(lo - src * C, 0)
+            last_col = min(hi - src * C, C) - 1
+            ok = _wait(flags_p, src, pid_m, pid_m, first_col // BLOCK_K, last_col // BLOCK_K, RB, KB, epoch, ok,
+                       ctx, FLAG)
+        _tma_visible(USE_TMA)
+        acc = _mma(acc, ok, g_src, b_src, m0, off_n, k_first, k_end, R, N, K,
+                   BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, SWAP_AB, USE_TMA)
+    else:
+        b_mine = b + tl.cast(rank, tl.int64) * C * N
+        acc = _mma(acc, ok, a_src, _source(b_mine, C, N, N, BLOCK_K, BLOCK_N, USE_TMA), m0, off_n, 0, KB, R, N, C,
+                   BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, SWAP_AB, USE_TMA)
+        for j in range(1, W):
+            s = (rank + j) % W
+            b_s = b + tl.cast(s, tl.int64) * C * N
+            gemm_core.prefetch_b(b_s, off_n, 0, KB, N, C, N, 1, BLOCK_K, BLOCK_N, PREFETCH)
+            ok = _wait(flags_p, s, pid_m, pid_m, 0, KB - 1, RB, KB, epoch, ok, ctx, FLAG)
+            _tma_visible(USE_TMA)
+            off_remote = m0
+            r_rows = R
+            if not PULL:  # the slots stacked, W*R x C
+                off_remote += s * R
+                r_rows = W * R
+            acc = _mma(acc, ok, _peer_source(data_p, g_src, s, ctx, R, C, BLOCK_M, BLOCK_K, USE_TMA, PULL),
+                       _source(b_s, C, N, N, BLOCK_K, BLOCK_N, USE_TMA), off_remote, off_n, 0, KB, r_rows, N, C,
+                       BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, SWAP_AB, USE_TMA)
+    _finish(acc, ok, partials, counts, tile, split, c_dst, c_dst, 0, 0, m0, off_n, R, R, N,
+            BLOCK_M, BLOCK_N, SPLIT_K, USE_TMA, False)
+
+
+@triton.jit
+def _ticket(tickets):
+    """The next work item of a persistent launch (taken in order by whichever program is free)."""
+    return tl.atomic_add(tickets, 1, sem="relaxed", scope="gpu")
+
+
+@triton.jit
+def _retire(tickets, takers):
+    """A program holding a ticket past the work retires; the last of `takers` resets both counters."""
+    done = tl.atomic_add(tickets + 1, 1, sem="acq_rel", scope="gpu")
+    if done == takers - 1:
+        tl.store(tickets, 0)
+        tl.store(tickets + 1, 0)
+
+
+@triton.jit
 def consume(a, b, c, data_p, flags_p, partials, counts, epoch, healthy, worker, workers, ctx, R, C, N,
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
             NUM_STAGES: tl.constexpr, SPLIT_K: tl.constexpr, SWAP_AB: tl.constexpr, USE_TMA: tl.constexpr,
-            FLAG: tl.constexpr, GATHER_K: tl.constexpr, GATHERED: tl.constexpr, PULL: tl.constexpr):
-    """Consumer `worker` of `workers`: work items worker, worker + workers, ... (see the module doc).
+            FLAG: tl.constexpr, GATHER_K: tl.constexpr, GATHERED: tl.constexpr, PULL: tl.constexpr,
+            PERSISTENT: tl.constexpr):
+    """Consumer `worker` of `workers` (see the module doc for the order of the work).
 
-    Rows form: two passes over the items, those reading my own shard first (no wait), then the
-    others; k form: per tile my shard's K loop first (shard layout), or one K loop (gathered).
+    Static (not PERSISTENT): items worker, worker + workers, ...; dynamic (PERSISTENT): tickets
+    from the counter at counts[tiles], the exits counted at counts[tiles + 1]. Rows form: the
+    items reading my own shard come first (their own loop), then the others (a second loop, so
+    each K loop is one pipeline in shared memory: loops in the two arms of an `if` are not shared).
     """
     W = ctx.world
     rank = ctx.rank
     RB = tl.cdiv(R, BLOCK_M)
     KB = tl.cdiv(C, BLOCK_K)
-    SHARD_ROWS: tl.constexpr = not GATHER_K and not GATHERED  # tiles are row blocks of one shard
+    NT = tl.cdiv(N, BLOCK_N)
     if GATHER_K:
         M = R
         K = W * C
+        MT = RB
     else:
         M = W * R
         K = C
-    if GATHERED:
-        MT = tl.cdiv(M, BLOCK_M)
-        if GATHER_K:
-            first = 0
-        else:
-            first = rank * R // BLOCK_M
-    else:
-        if GATHER_K:
-            MT = RB
-            first = 0
+        if GATHERED:
+            MT = tl.cdiv(M, BLOCK_M)
         else:
             MT = W * RB
-            first = rank * RB
+    tickets = counts + MT * NT
     if GATHER_K and GATHERED:  # the gathered R x W*C
         g_rows = R
         g_cols = W * C
     else:  # the slots stacked, W*R x C
         g_rows = W * R
         g_cols = C
-    r_rows = g_rows
-    if PULL:  # a peer's own slot, R x C
-        r_rows = R
     a_src = _source(a, R, C, C, BLOCK_M, BLOCK_K, USE_TMA)
     g_src = a_src
     if not PULL:
         g_src = _source(data_p, g_rows, g_cols, g_cols, BLOCK_M, BLOCK_K, USE_TMA)
+    b_src = a_src
     if not (GATHER_K and not GATHERED):
         b_src = _source(b, K, N, N, BLOCK_K, BLOCK_N, USE_TMA)
     c_dst = c
-    if USE_TMA and not SHARD_ROWS:
+    if USE_TMA and (GATHER_K or GATHERED):
         c_dst = tl.make_tensor_descriptor(c, shape=[M, N], strides=[N, 1], block_shape=[BLOCK_M, BLOCK_N])
-    n_work = MT * tl.cdiv(N, BLOCK_N) * SPLIT_K
+    n_all = MT * NT * SPLIT_K
     if GATHER_K:
-        for work in tl.range(worker, n_work, workers):
-            pid_m, pid_n, tile, split, k_first, k_end = gemm_core.schedule(work, MT * BLOCK_M, N, K, BLOCK_M,
-                                                                           BLOCK_N, BLOCK_K, GROUP_M, SPLIT_K)
-            m0 = pid_m * BLOCK_M
-            off_n = pid_n * BLOCK_N
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            ok = healthy
-            if GATHERED:  # one K loop; wait for the shards that K steps [k_first, k_end) cover
-                lo = k_first * BLOCK_K
-                hi = min(k_end * BLOCK_K, K)
-                gemm_core.prefetch_b(b, off_n, k_first, k_end, N, K, N, 1, BLOCK_K, BLOCK_N, PREFETCH)
-                for s in range(lo // C, tl.cdiv(hi, C)):
-                    first_col = max(lo - s * C, 0)
-                    last_col = min(hi - s * C, C) - 1
-                    ok = _wait(flags_p, s, pid_m, pid_m, first_col // BLOCK_K, last_col // BLOCK_K, RB, KB, epoch,
-                               ok, ctx, FLAG)
-                _tma_visible(USE_TMA)
-                acc = _mma(acc, ok, g_src, b_src, m0, off_n, k_first, k_end, g_rows, N, g_cols,
-                           BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, SWAP_AB, USE_TMA)
-            else:  # one K loop per shard: mine (straight from `a`), then rank+1, rank+2, ...
-                b_mine = b + tl.cast(rank, tl.int64) * C * N
-                acc = _mma(acc, ok, a_src, _source(b_mine, C, N, N, BLOCK_K, BLOCK_N, USE_TMA), m0, off_n, 0, KB,
-                           R, N, C, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, SWAP_AB, USE_TMA)
-                for i in range(1, W):
-                    s = (rank + i) % W
-                    b_s = b + tl.cast(s, tl.int64) * C * N
-                    gemm_core.prefetch_b(b_s, off_n, 0, KB, N, C, N, 1, BLOCK_K, BLOCK_N, PREFETCH)
-                    ok = _wait(flags_p, s, pid_m, pid_m, 0, KB - 1, RB, KB, epoch, ok, ctx, FLAG)
-                    _tma_visible(USE_TMA)
-                    off_remote = m0
-                    if not PULL:
-                        off_remote += s * R
-                    acc = _mma(acc, ok, _peer_source(data_p, g_src, s, ctx, R, C, BLOCK_M, BLOCK_K, USE_TMA, PULL),
-                               _source(b_s, C, N, N, BLOCK_K, BLOCK_N, USE_TMA), off_remote, off_n, 0, KB, r_rows,
-                               N, C, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, SWAP_AB, USE_TMA)
-            _finish(acc, ok, partials, counts, tile, split, c, c_dst, 0, 0, m0, off_n, R, M, N,
-                    BLOCK_M, BLOCK_N, SPLIT_K, USE_TMA, False)
+        if PERSISTENT:
+            i = _ticket(tickets)
+            while i < n_all:
+                _k_work(i, a_src, g_src, b, b_src, c_dst, data_p, flags_p, partials, counts, epoch, healthy, ctx,
+                        R, C, N, MT, RB, KB, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, NUM_STAGES, SPLIT_K, SWAP_AB,
+                        USE_TMA, FLAG, GATHERED, PULL)
+                i = _ticket(tickets)
+            _retire(tickets, workers)
+        else:
+            for i in tl.range(worker, n_all, workers):
+                _k_work(i, a_src, g_src, b, b_src, c_dst, data_p, flags_p, partials, counts, epoch, healthy, ctx,
+                        R, C, N, MT, RB, KB, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, NUM_STAGES, SPLIT_K, SWAP_AB,
+                        USE_TMA, FLAG, GATHERED, PULL)
     else:
-        for LOCAL_PASS in tl.static_range(2):  # the items reading my own shard (`a`) first
-            for work in tl.range(worker, n_work, workers):
-                tile, split, k_first, k_end, off_n, local, off_local, off_remote, s, rb, m0 = _rows_item(
-                    work, rank, R, MT, first, RB, N, K, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, SPLIT_K, GATHERED, PULL)
-                if local == (LOCAL_PASS == 0):
-                    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-                    ok = healthy
-                    if LOCAL_PASS == 0:
-                        acc = _mma(acc, ok, a_src, b_src, off_local, off_n, k_first, k_end, R, N, C,
-                                   BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, SWAP_AB, USE_TMA)
-                    else:
-                        gemm_core.prefetch_b(b, off_n, k_first, k_end, N, K, N, 1, BLOCK_K, BLOCK_N, PREFETCH)
-                        if GATHERED:  # every shard rows [m0, m0 + BLOCK_M) touch, mine included
-                            for s in range(m0 // R, min(tl.cdiv(m0 + BLOCK_M, R), W)):
-                                first_row = max(m0 - s * R, 0)
-                                last_row = min(m0 + BLOCK_M - s * R, R) - 1
-                                ok = _wait(flags_p, s, first_row // BLOCK_M, last_row // BLOCK_M, k_first,
-                                           k_end - 1, RB, KB, epoch, ok, ctx, FLAG)
-                        else:
-                            ok = _wait(flags_p, s, rb, rb, k_first, k_end - 1, RB, KB, epoch, ok, ctx, FLAG)
-                        _tma_visible(USE_TMA)
-                        acc = _mma(acc, ok, _peer_source(data_p, g_src, s, ctx, R, C, BLOCK_M, BLOCK_K, USE_TMA,
-                                                         PULL),
-                                   b_src, off_remote, off_n, k_first, k_end, r_rows, N, C,
-                                   BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, SWAP_AB, USE_TMA)
-                    _finish(acc, ok, partials, counts, tile, split, c, c_dst, s, rb, m0, off_n, R, M, N,
-                            BLOCK_M, BLOCK_N, SPLIT_K, USE_TMA, SHARD_ROWS)
+        # my row tiles [lo, lo + L) first, then the others from lo + L on (mod MT): rank+1's first
+        if GATHERED:  # the row tiles inside my own rows
+            lo = tl.cdiv(rank * R, BLOCK_M)
+            L = max((rank * R + R) // BLOCK_M - lo, 0)
+            lo = tl.where(L > 0, lo, rank * R // BLOCK_M)
+        else:
+            lo = rank * RB
+            L = RB
+        n_local = L * NT * SPLIT_K
+        if PERSISTENT:
+            i = _ticket(tickets)
+            while i < n_local:
+                _rows_work(i, True, lo, L, a_src, g_src, b, b_src, c, c_dst, data_p, flags_p, partials, counts,
+                           epoch, healthy, ctx, R, C, N, MT, RB, KB, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
+                           NUM_STAGES, SPLIT_K, SWAP_AB, USE_TMA, FLAG, GATHERED, PULL)
+                i = _ticket(tickets)
+            while i < n_all:
+                _rows_work(i - n_local, False, lo + L, MT - L, a_src, g_src, b, b_src, c, c_dst, data_p, flags_p,
+                           partials, counts, epoch, healthy, ctx, R, C, N, MT, RB, KB, BLOCK_M, BLOCK_N, BLOCK_K,
+                           GROUP_M, NUM_STAGES, SPLIT_K, SWAP_AB, USE_TMA, FLAG, GATHERED, PULL)
+                i = _ticket(tickets)
+            _retire(tickets, workers)
+        else:
+            for i in tl.range(worker, n_local, workers):
+                _rows_work(i, True, lo, L, a_src, g_src, b, b_src, c, c_dst, data_p, flags_p, partials, counts,
+                           epoch, healthy, ctx, R, C, N, MT, RB, KB, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
+                           NUM_STAGES, SPLIT_K, SWAP_AB, USE_TMA, FLAG, GATHERED, PULL)
+            first_remote = worker + tl.cdiv(max(n_local - worker, 0), workers) * workers
+            for i in tl.range(first_remote, n_all, workers):
+                _rows_work(i - n_local, False, lo + L, MT - L, a_src, g_src, b, b_src, c, c_dst, data_p, flags_p,
+                           partials, counts, epoch, healthy, ctx, R, C, N, MT, RB, KB, BLOCK_M, BLOCK_N, BLOCK_K,
+                           GROUP_M, NUM_STAGES, SPLIT_K, SWAP_AB, USE_TMA, FLAG, GATHERED, PULL)
 
 
 # -- the kernel ---------------------------------------------------------------------------------
@@ -394,21 +483,27 @@ def consume(a, b, c, data_p, flags_p, partials, counts, epoch, healthy, worker, 
 def ag_gemm_kernel(a, b, c, data, flags, partials, counts, ctx, R, C, N, data_half, flags_half, comm_sms,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                    NUM_STAGES: tl.constexpr, SPLIT_K: tl.constexpr, SWAP_AB: tl.constexpr, USE_TMA: tl.constexpr,
-                   FLAG: tl.constexpr, GATHER_K: tl.constexpr, GATHERED: tl.constexpr, PULL: tl.constexpr):
+                   FLAG: tl.constexpr, GATHER_K: tl.constexpr, GATHERED: tl.constexpr, PULL: tl.constexpr,
+                   PERSISTENT: tl.constexpr):
     """C = all_gather(A) @ B on this rank: producers 0..comm_sms-1, consumers after them.
 
     a: my shard, R x C; b: K x N; c: M x N (all row-major). data/flags: the workspace's data (in
     A's dtype) and int32 flags, each two parity halves of data_half / flags_half elements; a
     half holds W arrival counts (FLAG = SHARD; always left at 0), then the unit flags, so calls
-    with other configs never see a count they did not leave at 0. partials/counts: float32
-    SPLIT_K partial tiles and per-tile arrival counts (gemm_core.split_k_reduce); unused when
-    SPLIT_K == 1. ctx: the workspace's shmem.DeviceContext.
+    with other configs never see a count they did not leave at 0. partials: float32 SPLIT_K
+    partial tiles (gemm_core.split_k_reduce; unused when SPLIT_K == 1); counts: int32, one
+    split-K arrival count per tile, then PERSISTENT's ticket and exit counters (all left at 0).
+    ctx: the workspace's shmem.DeviceContext.
 
     grid = (comm_sms + work,)                        pull, push: one program per work item
-    grid = (comm_sms + min(work, SMs - comm_sms),)   push_ws: persistent consumers
+    grid = (comm_sms + min(work, SMs - comm_sms),)   push_ws (PERSISTENT): work items by ticket;
+                                                     on GPUs the producers join when done
     where work = tiles x SPLIT_K, tiles = m tiles x cdiv(N, BLOCK_N), m tiles = cdiv(M, BLOCK_M)
-    (GATHERED), W * cdiv(R, BLOCK_M) (rows form, shard layout), cdiv(R, BLOCK_M) (k form).
+    (GATHERED rows form), W * cdiv(R, BLOCK_M) (rows form, shard layout), cdiv(R, BLOCK_M) (k form).
+    Under the interpreter producers never consume: programs run one after another there, and a
+    producer taking work could wait for a later producer's flag.
     """
+    JOIN: tl.constexpr = PERSISTENT and not gemm_core.INTERPRETED
     epoch, healthy = shmem.epoch_begin(ctx)
     parity = shmem.parity(epoch)
     data_p = data + tl.cast(parity, tl.int64) * data_half
@@ -419,9 +514,12 @@ def ag_gemm_kernel(a, b, c, data, flags, partials, counts, ctx, R, C, N, data_ha
         if healthy:
             produce(a, data_p, flags_p, counts_p, epoch, pid, comm_sms, ctx, R, C,
                     BLOCK_M, BLOCK_K, FLAG, GATHER_K, GATHERED, PULL)
-    else:
-        consume(a, b, c, data_p, flags_p, partials, counts, epoch, healthy, pid - comm_sms,
-                tl.num_programs(0) - comm_sms, ctx, R, C, N,
+    if (pid >= comm_sms) | JOIN:
+        if JOIN:
+            takers = tl.num_programs(0)
+        else:
+            takers = tl.num_programs(0) - comm_sms
+        consume(a, b, c, data_p, flags_p, partials, counts, epoch, healthy, pid - comm_sms, takers, ctx, R, C, N,
                 BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, NUM_STAGES, SPLIT_K, SWAP_AB, USE_TMA,
-                FLAG, GATHER_K, GATHERED, PULL)
+                FLAG, GATHER_K, GATHERED, PULL, PERSISTENT)
     shmem.epoch_end(ctx, tl.num_programs(0))

@@ -308,10 +308,12 @@ def test_defaults_space_and_features():
 _SIG = {"a": "*bf16", "b": "*bf16", "c": "*bf16", "data": "*bf16", "flags": "*i32", "partials": "*fp32",
         "counts": "*i32", "ctx": CTX, **{n: "i32" for n in ("R", "C", "N", "data_half", "flags_half", "comm_sms")},
         **{n: "constexpr" for n in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "NUM_STAGES", "SPLIT_K", "SWAP_AB",
-                                    "USE_TMA", "FLAG", "GATHER_K", "GATHERED", "PULL")}}
+                                    "USE_TMA", "FLAG", "GATHER_K", "GATHERED", "PULL", "PERSISTENT")}}
 _DIV = ("a", "b", "c", "data", "R", "C", "N", "data_half")
 COMPILES = {  # name: (GEMM config, FLAG, GATHER_K, GATHERED, PULL, dtype)
     "push gathered rows": (gemm.GemmConfig(128, 256, 64, 8, 8, 3), "row_block", False, True, False, "bf16"),
+    "push_ws gathered rows": (gemm.GemmConfig(128, 256, 64, 8, 8, 3), "shard", False, True, False, "bf16"),
+    "push_ws shard k": (gemm.GemmConfig(128, 128, 64, 8, 8, 4), "tile", True, False, False, "bf16"),
     "push shard rows": (gemm.GemmConfig(128, 256, 64, 8, 8, 3), "shard", False, False, False, "bf16"),
     "pull shard rows": (gemm.GemmConfig(128, 128, 64, 8, 8, 4), "tile", False, False, True, "bf16"),
     "push gathered k split": (gemm.GemmConfig(64, 128, 128, 8, 4, 4, SPLIT_K=2), "shard", True, True, False, "bf16"),
@@ -328,6 +330,7 @@ def _request(name: str) -> dict:
     consts = dict(BLOCK_M=g.BLOCK_M, BLOCK_N=g.BLOCK_N, BLOCK_K=g.BLOCK_K, GROUP_M=g.GROUP_M, NUM_STAGES=g.num_stages,
                   SPLIT_K=g.SPLIT_K, SWAP_AB=g.SWAP_AB, USE_TMA=g.TMA, FLAG=ag_gemm.FLAGS[flag], GATHER_K=gather_k,
                   GATHERED=gathered, PULL=pull)
+    consts["PERSISTENT"] = name.startswith("push_ws")
     return compile_request("autofuse.kernels.ag_gemm", "ag_gemm_kernel", sig, consts, g.num_warps, g.num_stages,
                            _DIV, name=name)
 
@@ -373,6 +376,8 @@ def test_sm90_compiles_every_switch(compiled, version):
             assert "cp.async.bulk.tensor" not in ptx, name
         if g.SPLIT_K > 1:
             assert "atom.global.gpu.acq_rel.add" in ptx and "ld.global.cg" in ptx, name
+        if name.startswith("push_ws"):  # work items by ticket; the last program to retire resets the counters
+            assert "atom.global.gpu.relaxed.add" in ptx and "atom.global.gpu.acq_rel.add" in ptx, name
         if g.SWAP_AB:
             assert f"wgmma.mma_async.sync.aligned.m64n{g.BLOCK_M}k" in ptx, name  # BLOCK_M on the MMA's N side
 

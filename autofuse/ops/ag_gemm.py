@@ -413,9 +413,9 @@ class FusedRunner(Runner):
     """One launch of kernels/ag_gemm.py's kernel per call; epochs, flags and data stay on the device.
 
     The workspace `ag_gemm` holds 2 x W x R x C elements of data (the slots, or the gathered A)
-    and 2 x (W counts + unit flags) flags. With SPLIT_K > 1 the runner owns the float32 partial
-    tiles and per-tile arrival counts (local memory: no peer reads them; the kernel leaves every
-    count at 0, so calls and CUDA-graph replays need no clearing).
+    and 2 x (W counts + unit flags) flags. The runner owns the float32 split-K partial tiles, the
+    per-tile arrival counts and push_ws's ticket counters (local memory: no peer reads them; the
+    kernel leaves every count at 0, so calls and CUDA-graph replays need no clearing).
     """
 
     def __init__(self, world: Any, problem: Problem, config: Config, pull: bool, persistent: bool):
@@ -426,13 +426,15 @@ class FusedRunner(Runner):
         w, n, dt = problem.world, problem["N"], problem.torch_dtype
         layout = config.get("LAYOUT", "shard")
         cfg = gemm.GemmConfig.from_dict(config)
-        self.units = flag_units(problem, config)
-        ws = workspace(world, NAME, data_bytes=w * r * c * dt.itemsize, flags=self.units + w)
+        ws = workspace(world, NAME, data_bytes=w * r * c * dt.itemsize, flags=flag_units(problem, config) + w)
         super().__init__(world, problem, inputs, out, workspaces=(ws,))
         self.ws, self.kernel, self.tma = ws, kernels.ag_gemm_kernel, cfg.TMA
         self.data, self.data_half = ws.data_view(dt)
-        rows = problem["M"] if layout == "gathered" else (r if problem["gather"] == "k" else w * r)
-        tiles = cdiv(rows, cfg.BLOCK_M) * cdiv(n, cfg.BLOCK_N)
+        if layout == "gathered" and problem["gather"] == "rows":
+            row_tiles = cdiv(problem["M"], cfg.BLOCK_M)
+        else:  # row blocks of a shard (rows form: of every shard)
+            row_tiles = cdiv(r, cfg.BLOCK_M) * (w if problem["gather"] == "rows" else 1)
+        tiles = row_tiles * cdiv(n, cfg.BLOCK_N)
         work = tiles * cfg.SPLIT_K
         comm = config["COMM_SMS"]
         if persistent:
@@ -442,20 +444,16 @@ class FusedRunner(Runner):
             self.grid = (comm + min(work, sms - comm if world.device.type == "cuda" else sms),)
         else:
             self.grid = (comm + work,)
-        if cfg.SPLIT_K > 1:
-            self.partials = torch.empty(tiles * cfg.SPLIT_K * cfg.BLOCK_M * cfg.BLOCK_N, dtype=torch.float32,
-                                        device=world.device)
-            self.counts = torch.zeros(tiles, dtype=torch.int32, device=world.device)
-        else:  # not touched by the kernel
-            self.partials = torch.empty(1, dtype=torch.float32, device=world.device)
-            self.counts = torch.zeros(1, dtype=torch.int32, device=world.device)
+        partials = tiles * cfg.SPLIT_K * cfg.BLOCK_M * cfg.BLOCK_N if cfg.SPLIT_K > 1 else 1
+        self.partials = torch.empty(partials, dtype=torch.float32, device=world.device)
+        self.counts = torch.zeros(tiles + 2, dtype=torch.int32, device=world.device)  # split-K, then tickets
         if cfg.TMA:
             gemm.ensure_allocator()
         self.args = (r, c, n, self.data_half, ws.half_flags, comm)
         self.meta = dict(BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,
                          NUM_STAGES=cfg.num_stages, SPLIT_K=cfg.SPLIT_K, SWAP_AB=cfg.SWAP_AB, USE_TMA=cfg.TMA,
                          FLAG=FLAGS[config["FLAG"]], GATHER_K=problem["gather"] == "k",
-                         GATHERED=layout == "gathered", PULL=pull,
+                         GATHERED=layout == "gathered", PULL=pull, PERSISTENT=persistent,
                          num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
     def launch(self, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
