@@ -108,15 +108,16 @@ def produce(a, data_p, flags_p, counts_p, epoch, worker, producers, ctx, R, C,
             GATHERED: tl.constexpr, PULL: tl.constexpr):
     """Producer `worker` of `producers`: copy my shard where consumers read it, raising its flags.
 
-    Steps: push sends to rank-1, rank-2, ... in turn (the gathered layout copies into my own
-    buffer during the first step too, or alone at W = 1); pull copies once, into my own heap.
+    Steps: push sends to rank-1, rank-2, ... in turn (the gathered layout also copies into my own
+    buffer during the first step, or alone at W = 1, where tiles read it: the k form, and rows
+    form tiles that span two shards); pull copies once, into my own heap.
     Within a step the chunks go round-robin over the producers, low rows first. A chunk is one
     flag unit (TILE: a BLOCK_M x BLOCK_K tile, ROW_BLOCK: BLOCK_M rows) or, for SHARD, COPY
     elements, after which every producer counts itself done at the destination. Rows are
     contiguous at both ends except in the gathered k layout (row stride W*C there), so whole row
     blocks and shard pieces are copied as flat ranges of 16-byte vectors.
     """
-    COPY: tl.constexpr = 8192  # elements per flat copy step (16 KB of bf16 in flight per program)
+    COPY: tl.constexpr = 16384  # elements per flat copy step (32 KB of bf16 in flight per program)
     W = ctx.world
     rank = ctx.rank
     RB = tl.cdiv(R, BLOCK_M)
@@ -137,10 +138,12 @@ def produce(a, data_p, flags_p, counts_p, epoch, worker, producers, ctx, R, C,
         chunks = tl.cdiv(R * C, COPY)
     else:
         chunks = RB * tl.cdiv(C, COPY_K)
+    # the gathered layout needs my own rows in `data` only for tiles that span shards (rows form)
+    need_mine = (R % BLOCK_M != 0) | GATHER_K
     if PULL:
         steps = 1
     elif GATHERED:
-        steps = max(W - 1, 1)
+        steps = tl.where(need_mine, max(W - 1, 1), W - 1)
     else:
         steps = W - 1
     for step in range(0, steps):
@@ -148,7 +151,7 @@ def produce(a, data_p, flags_p, counts_p, epoch, worker, producers, ctx, R, C,
             dest = rank
         else:
             dest = (rank + 2 * W - 1 - step) % W
-        also_mine = (step == 0) & (dest != rank) & GATHERED
+        also_mine = (step == 0) & (dest != rank) & need_mine & GATHERED
         dst = tl.multiple_of(shmem.translate(mine, rank, dest, ctx.heap_bases), 16)  # rows stay 16-byte aligned
         for chunk in range(worker, chunks, producers):
             if FLAG == TILE:

@@ -275,14 +275,13 @@ def check(problem: Problem, config: Config, variant: str = "push") -> str | None
     return None
 
 
-def _comm_sms(problem: Problem, persistent: bool) -> int:
+def _comm_sms(problem: Problem) -> int:
     """Producer programs: enough to keep NVLink busy for the bytes each peer gets (GPU-NOTES: a
-    Triton all-gather peaks at 16 programs for 64 KB, 32 for 0.25-8 MB, 64 for 16 MB); a
-    persistent kernel keeps them away from the GEMM for its whole run, so it gets fewer."""
+    Triton all-gather peaks at 16 programs for 64 KB, 32 for 0.25-8 MB, 64 for 16 MB; these
+    producers also hand their SMs to the GEMM when done, so fewer suffice at small sizes)."""
     r, c = _shard_shape(problem)
     per_peer = r * c * problem.torch_dtype.itemsize
-    comm = 8 if per_peer <= (1 << 20) else 16 if per_peer <= (8 << 20) else 32
-    return min(comm, 16) if persistent else comm
+    return 8 if per_peer <= (1 << 20) else 16 if per_peer <= (8 << 20) else 32
 
 
 def _with(g: Config, layout: str, flag: str, comm: int) -> Config:
@@ -349,13 +348,13 @@ class Fused(Variant):
         """Known-good configs, best guess first, at most 4, all passing `check`.
 
         The gathered layout first (its tiles span shards, so few rows still fill a tile, and the
-        persistent TMA core runs one pipelined K loop): autofuse.gemm's defaults for the gathered
-        GEMM (swap-AB and split-K at small M), FLAG shard up to 1024 rows and row_block above
-        (peers' row blocks start as soon as they land). Then the shard layout's best tile. COMM_SMS
-        from the bytes each peer receives. CPU (tiny) problems: small blocks and every FLAG.
+        TMA core runs one pipelined K loop): autofuse.gemm's first two defaults for the gathered
+        GEMM (swap-AB and split-K at small M) with FLAG shard (one wait per tile: at two ranks my
+        own rows' work hides the whole peer shard from about 512 rows up), then the shard layout's
+        best tile, then FLAG row_block (peers' rows start as they land: more ranks, slower links).
+        COMM_SMS from the bytes each peer receives. CPU (tiny) problems: small blocks, every FLAG.
         """
-        m = problem["M"]
-        comm = _comm_sms(problem, self.persistent)
+        comm = _comm_sms(problem)
         gathered = gemm.defaults(*gemm_shape(problem, "gathered"), problem.dtype)
         shard = gemm.defaults(*gemm_shape(problem, "shard"), problem.dtype)
         if gemm.tiny(*gemm_shape(problem, "gathered")):
@@ -363,12 +362,9 @@ class Fused(Variant):
             cands = [_with(g, "gathered", f, comm) for g, f in zip(gathered, ("shard", "row_block", "tile"))]
             cands += [_with(g, "shard", f, comm + 1) for g, f in zip(shard, ("row_block", "tile", "shard"))]
         else:
-            flag = "shard" if m <= 1024 else "row_block"
-            other = "row_block" if flag == "shard" else "shard"
-            cands = [_with(gathered[0], "gathered", flag, comm)] if gathered else []
-            cands += [_with(g, "gathered", flag, comm) for g in gathered[1:2]]
-            cands += [_with(g, "shard", "row_block", comm) for g in shard[:1]]
-            cands += [_with(g, "gathered", other, comm) for g in gathered[:1]]
+            cands = [_with(g, "gathered", "shard", comm) for g in gathered[:2]]
+            cands += [_with(g, "shard", "shard", comm) for g in shard[:1]]
+            cands += [_with(g, "gathered", "row_block", comm) for g in gathered[:1]]
         if "gathered" not in self.layouts:
             cands = [c for c in cands if c["LAYOUT"] in self.layouts]
             cands += [_with(g, "shard", f, comm) for g in shard[1:] for f in ("shard", "row_block")]
