@@ -436,10 +436,11 @@ def consume(a, b, c, data_p, flags_p, partials, counts, epoch, healthy, worker, 
         if PERSISTENT:
             i = _ticket(tickets)
             while i < n_all:
+                nxt = _ticket(tickets)  # taken before the work: its latency hides behind it
                 _k_work(i, a_src, g_src, b, b_src, c_dst, data_p, flags_p, partials, counts, epoch, healthy, ctx,
                         R, C, N, MT, RB, KB, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, NUM_STAGES, SPLIT_K, SWAP_AB,
                         USE_TMA, FLAG, GATHERED, PULL)
-                i = _ticket(tickets)
+                i = nxt
             _retire(tickets, workers)
         else:
             for i in tl.range(worker, n_all, workers):
@@ -459,15 +460,17 @@ def consume(a, b, c, data_p, flags_p, partials, counts, epoch, healthy, worker, 
         if PERSISTENT:
             i = _ticket(tickets)
             while i < n_local:
+                nxt = _ticket(tickets)  # taken before the work: its latency hides behind it
                 _rows_work(i, True, lo, L, a_src, g_src, b, b_src, c, c_dst, data_p, flags_p, partials, counts,
                            epoch, healthy, ctx, R, C, N, MT, RB, KB, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
                            NUM_STAGES, SPLIT_K, SWAP_AB, USE_TMA, FLAG, GATHERED, PULL)
-                i = _ticket(tickets)
+                i = nxt
             while i < n_all:
+                nxt = _ticket(tickets)
                 _rows_work(i - n_local, False, lo + L, MT - L, a_src, g_src, b, b_src, c, c_dst, data_p, flags_p,
                            partials, counts, epoch, healthy, ctx, R, C, N, MT, RB, KB, BLOCK_M, BLOCK_N, BLOCK_K,
                            GROUP_M, NUM_STAGES, SPLIT_K, SWAP_AB, USE_TMA, FLAG, GATHERED, PULL)
-                i = _ticket(tickets)
+                i = nxt
             _retire(tickets, workers)
         else:
             for i in tl.range(worker, n_local, workers):
