@@ -5,12 +5,29 @@
 # authentication, listening on 127.0.0.1 only) and creates the database autofuse_test.
 # Idempotent: a server already answering on the port is reused. Prints only the URL to export as
 # AUTOFUSE_TEST_PG_URL on stdout; progress goes to stderr. AUTOFUSE_PG_NO_INSTALL=1: never apt-get.
+# AUTOFUSE_PG_STATE_FILE=path: writes "started" or "reused" there, so the caller knows whether to stop it.
+# `postgres.sh stop` stops the server of $AUTOFUSE_PG_DIR (and, with AUTOFUSE_PG_REMOVE=1, deletes the folder).
 set -euo pipefail
 PORT=${AUTOFUSE_PG_PORT:-15432}  # below the ephemeral range: no client socket holds it
 DIR=${AUTOFUSE_PG_DIR:-/tmp/autofuse-pg}
 DB=autofuse_test
 log() { echo "postgres.sh: $*" >&2; }
 server_bin() { ls -d /usr/lib/postgresql/*/bin 2>/dev/null | sort -V | tail -n 1; }
+state() { [ -z "${AUTOFUSE_PG_STATE_FILE:-}" ] || echo "$1" > "$AUTOFUSE_PG_STATE_FILE"; }
+
+if [ "${1:-}" = stop ]; then
+  BIN=$(server_bin)
+  if [ -n "$BIN" ] && [ -s "$DIR/data/postmaster.pid" ]; then
+    log "stopping PostgreSQL of $DIR"
+    if [ "$(id -u)" = 0 ]; then
+      runuser -u postgres -- "$BIN/pg_ctl" -D "$DIR/data" -m fast -w -t 60 stop >&2 || true
+    else
+      "$BIN/pg_ctl" -D "$DIR/data" -m fast -w -t 60 stop >&2 || true
+    fi
+  fi
+  [ -z "${AUTOFUSE_PG_REMOVE:-}" ] || rm -rf "$DIR"
+  exit 0
+fi
 
 BIN=$(server_bin)
 if [ -z "$BIN" ] || [ ! -x "$BIN/initdb" ] || [ ! -x "$BIN/postgres" ]; then
@@ -36,7 +53,9 @@ fi
 URL="postgresql://$OWNER@127.0.0.1:$PORT/$DB"
 PSQL=("$BIN/psql" -h 127.0.0.1 -p "$PORT" -U "$OWNER" -v ON_ERROR_STOP=1 -qtA)
 
+state reused
 if ! "$BIN/pg_isready" -q -h 127.0.0.1 -p "$PORT"; then
+  state started
   mkdir -p "$DIR"
   [ "$(id -u)" != 0 ] || chown "$OWNER" "$DIR"
   if [ ! -s "$DIR/data/PG_VERSION" ]; then

@@ -429,7 +429,7 @@ class _Reduce(_Base):
 
     def _setup(self, owner_rows: int, total_rows: int, chunks_wanted: int, data_elems: int, fixed_elems: int,
                box2: int) -> None:
-        w, size, cfg = self.world.size, self.dtype.itemsize, self.config
+        size, cfg = self.dtype.itemsize, self.config
         chunks = max(1, min(chunks_wanted, owner_rows))
         chunk_rows = cdiv(max(owner_rows, 1), chunks)
         chunks = cdiv(max(owner_rows, 1), chunk_rows)

@@ -1,39 +1,223 @@
-"""Environment fingerprint: what a measurement is only valid for (DESIGN.md, Tuning and store).
+"""Environment fingerprint: what a measurement or a policy is valid for, in three layers (DESIGN.md, Tuning and store).
 
-GPU name and count, link topology, driver, CUDA, torch, Triton and NCCL versions, and a hash of the
-kernel sources. Rows and policies whose fingerprint differs from the machine at hand are not used.
+- **hardware** (`HARDWARE_FIELDS`: device kind, GPU name, GPU count, link topology): must match, or a
+  measurement or policy does not apply at all.
+- **software** (`SOFTWARE_FIELDS`: driver, CUDA, torch, Triton, NCCL versions): a difference is
+  reported, never strands rows; dispatch confirms its decisions on first use when it differs.
+- **ops** (`{op name: digest}`): `op_digest(op)` hashes the op's host module and every module it
+  imports (transitively) among the kernels (`autofuse.kernels.*`), the other op modules and the
+  shared op-building modules (`DIGEST_MODULES`: typed GEMM config, runner, workspace, heap
+  collectives, hybrid variants),
+  as syntax trees without docstrings, comments or layout; an edit to one op's code invalidates that
+  op's rows, studies and policy entries only. Generic infrastructure (op, heap, world, status) is
+  not hashed: it does not decide what one op computes or launches.
+
+`fingerprint()` returns one flat dict: the hardware and software fields, `python` (informative),
+`ops`, `hardware_id`, `software_id` and `id` (= `fingerprint_id`: hardware + software, for display).
 """
 from __future__ import annotations
 
+import ast
 import functools
 import hashlib
+import importlib.util
 import json
 import platform
 import shutil
 import subprocess
+import sys
 from pathlib import Path
+from typing import Any, Iterable, Mapping
 
-import torch
-import triton
+HARDWARE_FIELDS = ("device_kind", "gpu_name", "gpu_count", "topology")
+SOFTWARE_FIELDS = ("driver", "cuda", "torch", "triton", "nccl")
+KEY_FIELDS = HARDWARE_FIELDS + SOFTWARE_FIELDS  # what `fingerprint_id` covers
+LAYERS = ("hardware", "software", "ops")
+# Modules that count towards an op's digest when the op module imports them (directly or not).
+DIGEST_PACKAGES = ("autofuse.kernels", "autofuse.ops")
+DIGEST_MODULES = ("autofuse.gemm", "autofuse.runner", "autofuse.workspace", "autofuse.collectives", "autofuse.hybrid")
+ALWAYS = ("autofuse.kernels.shmem",)  # the device API every fused kernel stands on
 
-# The fields whose change invalidates a measurement (others are informative only).
-KEY_FIELDS = ("device_kind", "gpu_name", "gpu_count", "topology", "driver", "cuda", "torch", "triton",
-              "nccl", "kernel_hash")
+
+# -- per-op code digest --------------------------------------------------------------------------
+
+def _strip_docstrings(tree: ast.AST) -> ast.AST:
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            body = node.body
+            if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) \
+                    and isinstance(body[0].value.value, str):
+                node.body = body[1:] or [ast.Pass()]
+    return tree
 
 
-def kernel_hash() -> str:
-    """sha256 (16 hex) over the device code and the op modules that launch it."""
+def _canonical(node: Any) -> str:
+    """The syntax tree as text, independent of the Python version's optional fields (empty ones are
+    left out, so 3.10 and 3.12's `type_params=[]` read the same) and of positions."""
+    if isinstance(node, ast.AST):
+        parts = []
+        for name in node._fields:
+            value = getattr(node, name, None)
+            if value is None or value == []:
+                continue
+            parts.append(f"{name}={_canonical(value)}")
+        return f"{type(node).__name__}({','.join(parts)})"
+    if isinstance(node, list):
+        return "[" + ",".join(_canonical(v) for v in node) + "]"
+    return f"{type(node).__name__}:{node!r}"
+
+
+def source_digest(path: str | Path) -> str:
+    """sha256 of one Python file's code: docstrings, comments and formatting do not count."""
+    tree = _strip_docstrings(ast.parse(Path(path).read_text(), filename=str(path)))
+    return hashlib.sha256(_canonical(tree).encode()).hexdigest()
+
+
+def _counts(name: str) -> bool:
+    return name in DIGEST_MODULES or any(name == p or name.startswith(p + ".") for p in DIGEST_PACKAGES)
+
+
+@functools.lru_cache(maxsize=None)
+def _installed_roots() -> dict[str, Path]:
+    """Where the package's modules are, found without running any of them (an op module that does
+    not import cleanly still has a digest)."""
+    spec = importlib.util.find_spec("autofuse")
+    kernels = importlib.util.find_spec("autofuse.kernels")  # imports the autofuse package only
+    assert spec is not None and spec.origin and kernels is not None and kernels.submodule_search_locations
+    base = Path(spec.origin).parent
+    return {"autofuse": base, "autofuse.ops": base / "ops", "autofuse.kernels": Path(kernels.submodule_search_locations[0])}
+
+
+def _module_file(name: str, roots: Mapping[str, Path] | None) -> Path | None:
+    """The source file of module `name` under `roots` (default: the installed package), else of an
+    already imported module or a top-level one (an op defined outside the package); None if none."""
+    roots = _installed_roots() if roots is None else roots
+    if name in roots:
+        f = Path(roots[name]) / "__init__.py"
+        return f if f.is_file() else None
+    package, _, leaf = name.rpartition(".")
+    if package in roots:
+        f = Path(roots[package]) / f"{leaf}.py"
+        return f if f.is_file() else None
+    if _counts(name) or name == "autofuse" or name.startswith("autofuse."):
+        return None
+    mod = sys.modules.get(name)
+    origin = getattr(mod, "__file__", None) if mod is not None else None
+    if origin is None and "." not in name:
+        spec = importlib.util.find_spec(name)
+        origin = spec.origin if spec is not None else None
+    return Path(origin) if origin and str(origin).endswith(".py") else None
+
+
+def _imports(path: Path, module: str, roots: Mapping[str, Path] | None) -> set[str]:
+    """The modules counted in digests that `path` (module `module`) imports anywhere in its code."""
+    out: set[str] = set()
+    tree = ast.parse(path.read_text(), filename=str(path))
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    for node in ast.walk(tree):
+        names: list[str] = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")
+                parent = ".".join(parts[:len(parts) - node.level + 1])
+                base = f"{parent}.{base}" if base else parent
+            names = [base] + [f"{base}.{a.name}" for a in node.names if a.name != "*"]
+        for name in names:
+            if _counts(name) and (name in DIGEST_PACKAGES or _module_file(name, roots) is not None):
+                out.add(name)
+    return out
+
+
+def digest_modules(module: str, roots: Mapping[str, Path] | None = None,
+                   extra: Iterable[str] = ()) -> dict[str, Path]:
+    """`module` and every module counted in digests that it imports, transitively ({name: file}).
+
+    `roots` maps package names to folders (tests hash a copy of the sources); by default modules are
+    found where Python would import them from.
+    """
+    found: dict[str, Path] = {}
+    todo = [module, *ALWAYS, *extra]
+    while todo:
+        name = todo.pop()
+        if name in found:
+            continue
+        f = _module_file(name, roots)
+        if f is None:
+            continue
+        found[name] = f
+        todo.extend(_imports(f, name, roots) - set(found))
+    return dict(sorted(found.items()))
+
+
+def _op_module(op: Any) -> str:
+    """The module that defines an op: the registry's entry for a registered op, else where its
+    functions live (an Op object from any module, e.g. 'tests.test_tune:FAKE_OP')."""
+    from autofuse import registry
+
+    if isinstance(op, str):
+        if op not in registry.MODULES:
+            raise KeyError(f"unknown op {op!r}: known ops are {', '.join(registry.MODULES)}")
+        return registry.MODULES[op]
+    if op.name in registry.MODULES and getattr(sys.modules.get(registry.MODULES[op.name]), "OP", None) is op:
+        return registry.MODULES[op.name]
+    if type(op).__module__ != "autofuse.op":
+        return type(op).__module__
+    for value in vars(op).values():  # the op's own functions (problem_of, inputs, ...)
+        mod = getattr(value, "__module__", None)
+        if callable(value) and mod and mod != "autofuse.op":
+            return mod
+    for v in getattr(op, "variants", {}).values():  # else where its variant classes live
+        if type(v).__module__ != "autofuse.op":
+            return type(v).__module__
+    raise ValueError(f"cannot tell which module defines op {op.name!r}")
+
+
+def op_digest(op: Any, roots: Mapping[str, Path] | None = None) -> str:
+    """sha256 (16 hex) of an op's code: its host module and what it imports among the kernel modules
+    (its kernels module, kernels/shmem.py, shared kernel modules), other op modules it builds on and
+    DIGEST_MODULES, as syntax trees without docstrings or comments. `op` is a registered name or an
+    Op object; an op module may list more modules to include in `DIGEST_EXTRA` (a tuple of names)."""
+    module = _op_module(op)
+    files = digest_modules(module, roots)
+    main = files.get(module)
+    extra: tuple[str, ...] = ()
+    if main is not None:
+        for node in ast.parse(main.read_text()).body:
+            if isinstance(node, ast.Assign) and any(getattr(t, "id", "") == "DIGEST_EXTRA" for t in node.targets):
+                extra = tuple(ast.literal_eval(node.value))
+        if extra:
+            files = digest_modules(module, roots, extra)
+    h = hashlib.sha256()
+    for name, f in files.items():
+        h.update(f"{name}\n{source_digest(f)}\n".encode())
+    return h.hexdigest()[:16]
+
+
+def op_digests(names: Iterable[str] | None = None) -> dict[str, str]:
+    """{op: op_digest(op)} for the registered ops (or `names`)."""
+    from autofuse import registry
+
+    return {n: op_digest(n) for n in (registry.names() if names is None else names)}
+
+
+def legacy_kernel_hash() -> str:
+    """The single hash over every kernel and op source file that schema-1 databases and policies
+    recorded as `kernel_hash`; used only to carry their rows over when the code is unchanged."""
     import autofuse
     import autofuse.kernels
 
     h = hashlib.sha256()
-    roots = [Path(autofuse.kernels.__file__).parent, Path(autofuse.__file__).parent / "ops"]
-    for root in roots:
+    for root in (Path(autofuse.kernels.__file__).parent, Path(autofuse.__file__).parent / "ops"):
         for f in sorted(root.glob("*.py")):
             h.update(f.name.encode())
             h.update(f.read_bytes())
     return h.hexdigest()[:16]
 
+
+# -- hardware and software -----------------------------------------------------------------------
 
 def _nvidia_smi(*args: str) -> str:
     exe = shutil.which("nvidia-smi")
@@ -62,16 +246,17 @@ def _topology_summary(text: str, count: int) -> str:
 
 @functools.lru_cache(maxsize=None)
 def fingerprint(device_kind: str | None = None) -> dict:
-    """The environment of this process's devices; `id` is a short hash of KEY_FIELDS."""
+    """This process's environment: hardware and software fields, `ops` digests and the ids.
+
+    Cached per process: call `fingerprint.cache_clear()` after editing op code in a running process.
+    """
+    import torch
+    import triton
+
     if device_kind is None:
         device_kind = "cuda" if torch.cuda.is_available() else "cpu"
-    fp: dict = {
-        "device_kind": device_kind,
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "python": platform.python_version(),
-        "kernel_hash": kernel_hash(),
-    }
+    fp: dict = {"device_kind": device_kind, "torch": torch.__version__, "triton": triton.__version__,
+                "python": platform.python_version()}
     if device_kind == "cuda":
         count = torch.cuda.device_count()
         fp.update(
@@ -85,16 +270,51 @@ def fingerprint(device_kind: str | None = None) -> dict:
     else:
         fp.update(gpu_name=f"cpu-emulation ({platform.machine()})", gpu_count=0, topology="shm",
                   driver="", cuda="", nccl="")
+    fp["ops"] = op_digests()
+    fp["hardware_id"] = hardware_id(fp)
+    fp["software_id"] = software_id(fp)
     fp["id"] = fingerprint_id(fp)
     return fp
 
 
-def fingerprint_id(fp: dict) -> str:
-    """Short stable hash of the fields that must match for a measurement to be reused."""
-    key = json.dumps({k: fp.get(k) for k in KEY_FIELDS}, sort_keys=True)
+def _hash(fp: Mapping[str, Any], fields: Iterable[str]) -> str:
+    key = json.dumps({k: fp.get(k) for k in fields}, sort_keys=True)
     return hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
-def differences(a: dict, b: dict) -> dict[str, tuple]:
-    """{field: (a's value, b's value)} over KEY_FIELDS where two fingerprints disagree."""
-    return {k: (a.get(k), b.get(k)) for k in KEY_FIELDS if a.get(k) != b.get(k)}
+def hardware_id(fp: Mapping[str, Any]) -> str:
+    """Short stable hash of the hardware layer (must match for a row or policy to apply)."""
+    return _hash(fp, HARDWARE_FIELDS)
+
+
+def software_id(fp: Mapping[str, Any]) -> str:
+    """Short stable hash of the software layer (a difference is reported, not disqualifying)."""
+    return _hash(fp, SOFTWARE_FIELDS)
+
+
+def fingerprint_id(fp: Mapping[str, Any]) -> str:
+    """Short stable hash of hardware + software: the environment's id, as shown to users."""
+    return _hash(fp, KEY_FIELDS)
+
+
+def layer(fp: Mapping[str, Any], name: str) -> dict:
+    """One layer of a fingerprint as a dict: 'hardware', 'software' or 'ops'."""
+    if name == "ops":
+        return dict(fp.get("ops") or {})
+    fields = {"hardware": HARDWARE_FIELDS, "software": SOFTWARE_FIELDS}.get(name)
+    if fields is None:
+        raise ValueError(f"layer must be one of {LAYERS}, not {name!r}")
+    return {k: fp.get(k) for k in fields}
+
+
+def differences(a: Mapping[str, Any], b: Mapping[str, Any], layer: str | None = None) -> dict[str, tuple]:
+    """{field: (a's value, b's value)} where two fingerprints disagree, in one layer ('hardware',
+    'software', or 'ops': {op: (digest, digest)} over the ops either records) or, with `layer`
+    None, over hardware and software together."""
+    if layer == "ops":
+        ao, bo = dict(a.get("ops") or {}), dict(b.get("ops") or {})
+        return {k: (ao.get(k), bo.get(k)) for k in sorted(set(ao) | set(bo)) if ao.get(k) != bo.get(k)}
+    fields = {None: KEY_FIELDS, "hardware": HARDWARE_FIELDS, "software": SOFTWARE_FIELDS}.get(layer)
+    if fields is None:
+        raise ValueError(f"layer must be one of {LAYERS} or None, not {layer!r}")
+    return {k: (a.get(k), b.get(k)) for k in fields if a.get(k) != b.get(k)}

@@ -213,8 +213,8 @@ class _AGRunner(Runner):
         else:
             self.mine = slice(r * ag.cols, (r + 1) * ag.cols)
         self.parts = [(i, *ag.rows_of(c)) for i, c in enumerate(ag.chunks)]
-        super().__init__(world, problem, [TensorSpec("a", (ag.rows, ag.cols), dt), TensorSpec("b", (k, n), dt, "dense")],
-                         TensorSpec("out", (m, n), dt), workspaces=ag.workspaces)
+        specs = [TensorSpec("a", (ag.rows, ag.cols), dt), TensorSpec("b", (k, n), dt, "dense")]
+        super().__init__(world, problem, specs, TensorSpec("out", (m, n), dt), workspaces=ag.workspaces)
 
     def launch(self, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
         ag = self.ag

@@ -79,6 +79,26 @@ def sync(world) -> None:
     dist.barrier(group=world.group)
 
 
+def check_faults(world, runner: Callable) -> None:
+    """Wait for the device, then raise the fault a runner's workspaces recorded (FlagTimeout), if any.
+    Plain callables (no `check`) have nothing to check."""
+    if world.device.type == "cuda":
+        torch.cuda.synchronize(world.device)
+    check = getattr(runner, "check", None)
+    if callable(check):
+        check()
+
+
+def rebuild_workspaces(world) -> None:
+    """Clear every workspace fault of `world` (collective, as dispatch.rebuild): after a failed config,
+    so that the next config does not find its workspace aborted."""
+    from autofuse.workspace import workspaces
+
+    for ws in workspaces(world):
+        ws.rebuild()
+    sync(world)
+
+
 def check_correct(world, op: Op, problem: Problem, runner: Callable, seed: int) -> tuple[bool, float, str]:
     """Run twice (the second call into a NaN-poisoned output) and compare to the float64 reference.
 
@@ -91,11 +111,9 @@ def check_correct(world, op: Op, problem: Problem, runner: Callable, seed: int) 
         first = runner(*inputs)
         out = torch.full_like(first, math.nan)
         runner(*inputs, out=out)
-        if world.device.type == "cuda":
-            torch.cuda.synchronize(world.device)
-        status.check(world.heap, f"{op.name}")
+        check_faults(world, runner)
         err = rel_error(out, op.reference(world, problem, seed))
-    except status.FlagTimeout as exc:
+    except (status.FlagTimeout, status.WorkspaceAborted) as exc:
         err_text = str(exc)
     except Exception as exc:  # a config that crashes is a failed measurement, not a failed run
         err_text = f"{type(exc).__name__}: {exc}"
@@ -228,6 +246,7 @@ def measure(world, op: Op, problem: Problem, variant: str, config: Config, modes
         return fail(build_error or "build failed on another rank")
     ok, err, why = check_correct(world, op, problem, runner, seed)
     if not ok:
+        rebuild_workspaces(world)
         return fail(why, err)
     first_call_s = _agree(world, time.perf_counter() - t0, dist.ReduceOp.MAX)
     # Rotate input sets against L2 on GPUs; the CPU emulation has no such cache effect worth 8x the calls.
@@ -241,14 +260,13 @@ def measure(world, op: Op, problem: Problem, variant: str, config: Config, modes
         why = ""
         try:
             t = time_fn(world, fns, mode, warmup=warmup, reps=reps, budget_s=left)
-            if world.device.type == "cuda":
-                torch.cuda.synchronize(world.device)
-            status.check(world.heap, op.name)
-        except (status.FlagTimeout, TooSlow) as exc:
+            check_faults(world, runner)
+        except (status.FlagTimeout, status.WorkspaceAborted, TooSlow) as exc:
             why = str(exc)
         except Exception as exc:
             why = f"{mode} timing failed: {type(exc).__name__}: {exc}"
         if _agree(world, 1.0 if why else 0.0, dist.ReduceOp.MAX) > 0:
+            rebuild_workspaces(world)
             results.append(Measurement(problem, variant, dict(config), mode, False, why or "failed on another rank", err))
             continue
         results.append(Measurement(problem, variant, dict(config), mode, True, "", err, t.median_us, t.p10_us,

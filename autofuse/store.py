@@ -1,18 +1,27 @@
 """The tuning store: every measurement, with the environment it was taken in (DESIGN.md, Tuning and store).
 
-A SQLite database (sqlite-utils, WAL mode) with four tables:
-- `environments`: one row per environment fingerprint (`autofuse.environment.fingerprint`).
+One SQLite file, schema version 2 (table `meta`), five tables with foreign keys:
+- `environments`: one row per environment (`autofuse.environment.fingerprint`): id (hardware +
+  software), `hardware_id`, `software_id` and every hardware and software field.
 - `problems`: problem key -> op, dtype, world size, dims (JSON).
 - `configs`: id (hash of op|variant|config) -> op, variant, config (JSON).
-- `measurements`: one row per (problem, variant, config, mode) measured, with its verdict,
-  latency statistics, fingerprint, and where it came from (`source`: tune, bench or baseline;
-  `study`/`trial` for tuning rows). A UNIQUE index on (study, trial, mode) makes writing a trial
-  idempotent, so a resumed study never duplicates a row.
+- `measurements`: one row per (problem, variant, config, mode) measured, referencing its problem,
+  config and environment, with its verdict, latency statistics, `hardware_id`, `software_id`,
+  `op_digest` (the op's code, `environment.op_digest`) and where it came from (`source`: tune,
+  baseline or online; `study`/`trial` for tuning rows). A UNIQUE index on (study, trial, mode)
+  makes writing a trial idempotent, so a resumed study never duplicates a row.
 
-Rows whose fingerprint differs from the current environment are kept but not used: `best` and
-`measurements` read the current fingerprint's rows unless told otherwise, and `stale` says how
-many rows were left out and what changed. A failed config (ok = 0) is stored so that it is not
-retried, and is never returned by `best` (not even its OK rows in another mode or run).
+Reads (`best`, `lookup`, `measurements`) select by hardware id and op digest: rows of other hardware,
+or of an op whose code changed since, are kept but not used; rows of other software (driver, CUDA,
+torch, Triton, NCCL) are used, and `stale` reports both. A failed config (ok = 0) is stored so that it
+is not retried, and is never returned by `best` (not even its OK rows in another mode or run).
+
+`Store.open(path, readonly=True)` (show, export, fit) never writes: the file is opened with SQLite's
+read-only URI mode, nothing is created or converted, and a missing, foreign, corrupt or truncated
+file raises `StoreError` naming the path and the cause. Schema-1 databases (before layered
+fingerprints) are migrated in place by a writable open and read through a migrated in-memory copy by
+a read-only one; their rows keep the current op digests when the code is the one they were measured
+with (`environment.legacy_kernel_hash`), else a `legacy-...` digest that no current op matches.
 """
 from __future__ import annotations
 
@@ -21,23 +30,54 @@ import hashlib
 import json
 import math
 import sqlite3
+import urllib.parse
 from pathlib import Path
 from typing import Any, Iterable, Mapping
-
-import sqlite_utils
 
 from autofuse import environment
 from autofuse.op import Problem, config_key
 
-SOURCES = ("tune", "bench", "baseline")
-ALL = "*"  # pass as fingerprint_id to read the rows of every environment
+SCHEMA_VERSION = 2
+SOURCES = ("tune", "baseline", "online")
+ALL = "*"  # as hardware_id / op_digest / fingerprint_id: no filter on that layer
+TABLES = ("environments", "problems", "configs", "measurements")
+_QUICK_CHECK_MAX_BYTES = 256 << 20  # larger files are checked as they are read
 
-_MEASUREMENT_COLUMNS = {
-    "id": int, "problem": str, "op": str, "variant": str, "config_id": str, "config": str,
-    "fingerprint": str, "mode": str, "ok": int, "error": str, "rel_error": float, "median_us": float,
-    "p10_us": float, "p90_us": float, "min_us": float, "reps": int, "study": str, "trial": int,
-    "source": str, "extra": str, "created_at": str,
-}
+_ENV_COLUMNS = ("id", "hardware_id", "software_id", *environment.HARDWARE_FIELDS, *environment.SOFTWARE_FIELDS,
+                "python", "kernel_hash", "created_at")
+_MEASUREMENT_COLUMNS = ("id", "problem", "op", "variant", "config_id", "config", "fingerprint", "hardware_id",
+                        "software_id", "op_digest", "mode", "ok", "error", "rel_error", "median_us", "p10_us",
+                        "p90_us", "min_us", "reps", "study", "trial", "source", "extra", "created_at")
+_SCHEMA = f"""
+CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT);
+CREATE TABLE environments (
+  id TEXT PRIMARY KEY, hardware_id TEXT NOT NULL, software_id TEXT NOT NULL,
+  device_kind TEXT, gpu_name TEXT, gpu_count INTEGER, topology TEXT,
+  driver TEXT, cuda TEXT, torch TEXT, triton TEXT, nccl TEXT,
+  python TEXT, kernel_hash TEXT, created_at TEXT);
+CREATE TABLE problems (key TEXT PRIMARY KEY, op TEXT NOT NULL, dtype TEXT, world INTEGER, dims TEXT);
+CREATE TABLE configs (id TEXT PRIMARY KEY, op TEXT NOT NULL, variant TEXT NOT NULL, config TEXT NOT NULL);
+CREATE TABLE measurements (
+  id INTEGER PRIMARY KEY,
+  problem TEXT NOT NULL REFERENCES problems(key),
+  op TEXT NOT NULL, variant TEXT NOT NULL,
+  config_id TEXT NOT NULL REFERENCES configs(id),
+  config TEXT NOT NULL,
+  fingerprint TEXT NOT NULL REFERENCES environments(id),
+  hardware_id TEXT NOT NULL, software_id TEXT NOT NULL, op_digest TEXT NOT NULL,
+  mode TEXT NOT NULL, ok INTEGER NOT NULL, error TEXT, rel_error REAL,
+  median_us REAL, p10_us REAL, p90_us REAL, min_us REAL, reps INTEGER,
+  study TEXT, trial INTEGER, source TEXT NOT NULL, extra TEXT, created_at TEXT);
+CREATE UNIQUE INDEX measurements_trial ON measurements (study, trial, mode);
+CREATE INDEX measurements_select ON measurements (hardware_id, op, op_digest, mode, ok);
+CREATE INDEX measurements_config ON measurements (problem, config_id, hardware_id, op_digest, mode);
+CREATE INDEX measurements_env ON measurements (fingerprint);
+INSERT INTO meta VALUES ('schema_version', '{SCHEMA_VERSION}'), ('application', 'autofuse');
+"""
+
+
+class StoreError(Exception):
+    """The database cannot be used: one line naming the path and the cause."""
 
 
 def config_id(op: str, variant: str, config: Mapping[str, Any]) -> str:
@@ -54,67 +94,314 @@ def _num(x: Any) -> float | None:
     return float(x) if x is not None and math.isfinite(float(x)) else None
 
 
+def _tables(conn: sqlite3.Connection) -> set[str]:
+    return {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+
+
+def _columns(conn: sqlite3.Connection, table: str) -> set[str]:
+    return {r[1] for r in conn.execute(f"PRAGMA table_info({table})")}
+
+
+def _version(conn: sqlite3.Connection) -> int | None:
+    """2+ (meta table), 1 (autofuse before layered fingerprints), 0 (empty), None (not autofuse)."""
+    tables = _tables(conn)
+    if not tables:
+        return 0
+    if "meta" in tables and "measurements" in tables:
+        row = conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
+        if row is not None and str(row[0]).isdigit():
+            return int(row[0])
+    if set(TABLES) <= tables and {"problem", "variant", "config_id", "fingerprint", "mode", "ok",
+                                  "median_us"} <= _columns(conn, "measurements"):
+        return 1
+    return None
+
+
+def _env_row(fp: Mapping[str, Any]) -> dict:
+    row = {k: fp.get(k) for k in _ENV_COLUMNS}
+    row["id"] = str(fp.get("id") or environment.fingerprint_id(fp))
+    row["hardware_id"] = environment.hardware_id(fp)
+    row["software_id"] = environment.software_id(fp)
+    row["created_at"] = row.get("created_at") or _now()
+    for k, v in row.items():
+        if v is not None and not isinstance(v, (int, float, str)):
+            row[k] = json.dumps(v) if isinstance(v, (dict, list)) else str(v)
+    return row
+
+
+def _insert(conn: sqlite3.Connection, table: str, rows: Iterable[Mapping[str, Any]], verb: str = "INSERT OR IGNORE") -> int:
+    rows = list(rows)
+    if not rows:
+        return 0
+    cols = list(rows[0])
+    sql = f"{verb} INTO {table} ({', '.join(cols)}) VALUES ({', '.join('?' for _ in cols)})"
+    before = conn.total_changes
+    conn.executemany(sql, [[r[c] for c in cols] for r in rows])
+    return conn.total_changes - before
+
+
+def _script(conn: sqlite3.Connection, sql: str) -> None:
+    for statement in sql.split(";\n"):
+        if statement.strip():
+            conn.execute(statement)
+
+
+def _migrate_v1(conn: sqlite3.Connection) -> None:
+    """Schema 1 -> 2 in one transaction: ids per layer, op digests, foreign keys (tables rebuilt)."""
+    legacy = environment.legacy_kernel_hash()
+    current: dict[str, str] = {}  # op -> digest of today's code, computed once per op
+    saved = conn.isolation_level
+    conn.isolation_level = None  # explicit BEGIN/COMMIT: SQLite's DDL is transactional
+    conn.row_factory = sqlite3.Row
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        for index in ("measurements_trial", "measurements_select", "measurements_config"):
+            conn.execute(f"DROP INDEX IF EXISTS {index}")
+        for t in TABLES:
+            conn.execute(f"ALTER TABLE {t} RENAME TO {t}_v1")
+        _script(conn, _SCHEMA)
+        conn.execute("INSERT INTO meta VALUES ('migrated_from', '1')")
+        envs = {r["id"]: dict(r) for r in conn.execute("SELECT * FROM environments_v1")}
+        for r in conn.execute("SELECT DISTINCT fingerprint FROM measurements_v1"):
+            envs.setdefault(r[0] or "unknown", {"id": r[0] or "unknown"})
+        _insert(conn, "environments", [_env_row(e) for e in envs.values()])
+        conn.execute("INSERT OR IGNORE INTO problems SELECT key, op, dtype, world, dims FROM problems_v1")
+        conn.execute("INSERT OR IGNORE INTO configs SELECT id, op, variant, config FROM configs_v1")
+        rows = [dict(r) for r in conn.execute("SELECT * FROM measurements_v1 ORDER BY id")]
+        problems, configs = {}, {}
+        for r in rows:
+            if r["problem"] not in problems:
+                try:
+                    p = Problem.from_key(r["problem"])
+                    problems[r["problem"]] = {"key": r["problem"], "op": p.op, "dtype": p.dtype, "world": p.world,
+                                              "dims": json.dumps(dict(p.dims), sort_keys=True)}
+                except Exception:  # noqa: BLE001 - a key this version cannot parse keeps its op only
+                    problems[r["problem"]] = {"key": r["problem"], "op": r["op"], "dtype": None, "world": None,
+                                              "dims": None}
+            cfg = json.loads(r["config"] or "{}")
+            r["config"] = config_key(cfg)
+            r["config_id"] = r["config_id"] or config_id(r["op"], r["variant"], cfg)
+            configs[r["config_id"]] = {"id": r["config_id"], "op": r["op"], "variant": r["variant"],
+                                       "config": r["config"]}
+            env = envs[r["fingerprint"] or "unknown"]
+            r["fingerprint"] = env["id"]
+            r["hardware_id"] = environment.hardware_id(env)
+            r["software_id"] = environment.software_id(env)
+            kh = env.get("kernel_hash") or "unknown"
+            if kh == legacy and r["op"] not in current:
+                current[r["op"]] = _digest(r["op"]) if r["op"] in _registered_ops() else f"legacy-{kh}"
+            r["op_digest"] = current[r["op"]] if kh == legacy else f"legacy-{kh}"
+            r["source"] = r["source"] or "tune"
+        _insert(conn, "problems", problems.values())
+        _insert(conn, "configs", configs.values())
+        _insert(conn, "measurements", [{c: r.get(c) for c in _MEASUREMENT_COLUMNS} for r in rows], "INSERT")
+        for t in TABLES:
+            conn.execute(f"DROP TABLE {t}_v1")
+        conn.execute("COMMIT")
+    except BaseException:
+        conn.execute("ROLLBACK")
+        raise
+    finally:
+        conn.isolation_level = saved
+        conn.row_factory = None
+
+
+def _registered_ops() -> list[str]:
+    from autofuse import registry
+
+    return registry.names()
+
+
+def _digest(op: str) -> str:
+    return environment.op_digest(op)
+
+
 class Store:
-    """The tuning database at `path` (created with its folder if missing)."""
+    """The tuning database at `path`.
 
-    def __init__(self, path: str | Path):
+    `Store(path)` / `Store.open(path)` open it for writing (created with its folder if missing; a
+    schema-1 file is migrated; an SQLite file of another application is refused). `Store.open(path,
+    readonly=True)` only reads (see the module docstring). `fingerprint` is the environment that
+    reads default to (hardware id, op digests); default: this machine's.
+    """
+
+    def __init__(self, path: str | Path, readonly: bool = False, fingerprint: Mapping[str, Any] | None = None):
         self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.db = sqlite_utils.Database(sqlite3.connect(str(self.path), timeout=60))
-        self.db.enable_wal()
-        self._create_schema()
+        self.readonly = readonly
+        self._fingerprint = dict(fingerprint) if fingerprint is not None else None
+        self.migrated = False
+        self.conn = self._open_readonly() if readonly else self._open_writable()
+        self.conn.row_factory = sqlite3.Row
 
-    def _create_schema(self) -> None:
-        db = self.db
-        env_cols = {"id": str, **{k: (int if k == "gpu_count" else str) for k in environment.KEY_FIELDS},
-                    "python": str, "created_at": str}
-        db["environments"].create(env_cols, pk="id", if_not_exists=True)
-        db["problems"].create({"key": str, "op": str, "dtype": str, "world": int, "dims": str},
-                              pk="key", if_not_exists=True)
-        db["configs"].create({"id": str, "op": str, "variant": str, "config": str}, pk="id", if_not_exists=True)
-        db["measurements"].create(_MEASUREMENT_COLUMNS, pk="id", not_null=["problem", "op", "variant", "mode", "ok"],
-                                  if_not_exists=True)
-        m = db["measurements"]
-        m.create_index(["study", "trial", "mode"], index_name="measurements_trial", unique=True, if_not_exists=True)
-        m.create_index(["fingerprint", "op", "mode", "ok"], index_name="measurements_select", if_not_exists=True)
-        m.create_index(["problem", "config_id", "fingerprint", "mode"], index_name="measurements_config",
-                       if_not_exists=True)
+    @classmethod
+    def open(cls, path: str | Path, readonly: bool = False, fingerprint: Mapping[str, Any] | None = None) -> "Store":
+        """Open the store at `path` (see the class docstring); raises StoreError with one line."""
+        return cls(path, readonly=readonly, fingerprint=fingerprint)
+
+    # -- opening -----------------------------------------------------------------------------
+
+    def _error(self, cause: str) -> StoreError:
+        return StoreError(f"{self.path}: {cause}")
+
+    def _open_readonly(self) -> sqlite3.Connection:
+        p = self.path
+        if not p.exists():
+            raise self._error("no such file")
+        if p.is_dir():
+            raise self._error("is a directory, not a database file")
+        size = p.stat().st_size
+        if size == 0:
+            raise self._error("is an empty file, not an autofuse database")
+        try:
+            with open(p, "rb") as f:
+                header = f.read(100)
+        except OSError as exc:
+            raise self._error(f"cannot read: {exc.strerror or exc}") from None
+        if not header.startswith(b"SQLite format 3\x00"):
+            raise self._error("is not an SQLite database (no SQLite header)")
+        # A WAL-mode file with no -wal beside it has no writer now: read it as immutable, so that
+        # SQLite does not leave -wal/-shm files next to it; with a -wal (a tune running), share it.
+        wal = len(header) > 19 and header[18] == 2 and not Path(f"{p}-wal").exists()
+        uri = f"file:{urllib.parse.quote(str(p.absolute()))}?mode=ro" + ("&immutable=1" if wal else "")
+        try:
+            conn = sqlite3.connect(uri, uri=True, timeout=60)
+            version = _version(conn)
+            if size <= _QUICK_CHECK_MAX_BYTES:
+                check = conn.execute("PRAGMA quick_check(1)").fetchone()[0]
+                if check != "ok":
+                    raise self._error(f"is corrupt ({check})")
+        except sqlite3.DatabaseError as exc:
+            raise self._error(f"cannot be read as an SQLite database: {exc}") from None
+        if version is None or version == 0:
+            tables = sorted(_tables(conn))
+            conn.close()
+            raise self._error("is not an autofuse database (" + (f"its tables: {', '.join(tables[:6])}"
+                                                                 if tables else "it has no tables") + ")")
+        if version > SCHEMA_VERSION:
+            conn.close()
+            raise self._error(f"was written by a newer autofuse (schema {version} > {SCHEMA_VERSION}): upgrade autofuse")
+        if version == 1:
+            mem = sqlite3.connect(":memory:")
+            conn.backup(mem)
+            conn.close()
+            _migrate_v1(mem)
+            self.migrated = True
+            return mem
+        return conn
+
+    def _open_writable(self) -> sqlite3.Connection:
+        p = self.path
+        if p.is_dir():
+            raise self._error("is a directory, not a database file")
+        try:
+            p.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise self._error(f"cannot create its folder: {exc.strerror or exc}") from None
+        try:
+            conn = sqlite3.connect(str(p), timeout=60)
+            version = _version(conn)
+        except sqlite3.DatabaseError as exc:
+            raise self._error(f"cannot be opened as an SQLite database: {exc}") from None
+        if version is None:
+            conn.close()
+            raise self._error("is an SQLite database of another application (no autofuse tables): "
+                              "refusing to write into it")
+        if version > SCHEMA_VERSION:
+            conn.close()
+            raise self._error(f"was written by a newer autofuse (schema {version} > {SCHEMA_VERSION}): upgrade autofuse")
+        try:
+            conn.execute("PRAGMA journal_mode = WAL")
+            if version == 0:
+                conn.executescript("BEGIN;\n" + _SCHEMA + "COMMIT;")
+            elif version == 1:
+                _migrate_v1(conn)
+                self.migrated = True
+            conn.execute("PRAGMA foreign_keys = ON")
+            with conn:  # can we write? (a read-only file or folder fails here, before anything is measured)
+                conn.execute("BEGIN IMMEDIATE")
+                conn.execute("INSERT OR REPLACE INTO meta VALUES ('opened_for_writing', ?)", [_now()])
+        except sqlite3.DatabaseError as exc:
+            conn.close()
+            raise self._error(f"cannot write: {exc}") from None
+        return conn
 
     def close(self) -> None:
-        self.db.conn.close()
+        self.conn.close()
+
+    def __enter__(self) -> "Store":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # -- the environment reads default to --------------------------------------------------------
+
+    @property
+    def fingerprint(self) -> dict:
+        if self._fingerprint is None:
+            self._fingerprint = environment.fingerprint()
+        return self._fingerprint
+
+    @property
+    def digests(self) -> dict[str, str]:
+        """Current op digests: rows of these ops with another digest are not read by default."""
+        ops = self.fingerprint.get("ops")
+        return dict(ops) if isinstance(ops, Mapping) else environment.op_digests()
 
     # -- writing ---------------------------------------------------------------------------------
 
+    def _writable(self) -> None:
+        if self.readonly:
+            raise self._error("opened read-only")
+
     def add_fingerprint(self, fingerprint: Mapping[str, Any]) -> str:
-        """Record an environment (all its fields) once; returns its id."""
-        row = {k: (v if isinstance(v, (int, float)) or v is None else
-                   json.dumps(v) if isinstance(v, (dict, list)) else str(v)) for k, v in fingerprint.items()}
-        row.setdefault("id", environment.fingerprint_id(dict(fingerprint)))
-        row["created_at"] = _now()
-        self.db["environments"].insert(row, pk="id", ignore=True, alter=True)
-        return str(row["id"])
+        """Record an environment once; returns its id (hardware + software)."""
+        self._writable()
+        row = _env_row(fingerprint)
+        with self.conn:
+            _insert(self.conn, "environments", [row])
+        return row["id"]
 
     def add(self, measurements: Iterable[Any], fingerprint: Mapping[str, Any] | str, study: str | None = None,
-            trial: int | None = None, source: str = "tune") -> int:
+            trial: int | None = None, source: str = "tune", op_digest: str | None = None) -> int:
         """Write measurements (autofuse.measure.Measurement) taken in `fingerprint`; returns rows added.
 
-        `fingerprint` is the environment dict (recorded in `environments`) or an id already
-        recorded. Rows of one (study, trial, mode) already present are left as they are.
+        `fingerprint` is the environment dict (recorded in `environments`) or the id of one already
+        recorded. `op_digest` is the code of the measured op (default: the fingerprint's `ops`
+        entry, else `environment.op_digest` of a registered op, else ''). Rows of one (study,
+        trial, mode) already present are left as they are. All rows are written in one transaction.
         """
+        self._writable()
         if source not in SOURCES:
             raise ValueError(f"source must be one of {SOURCES}, not {source!r}")
-        fp_id = self.add_fingerprint(fingerprint) if isinstance(fingerprint, Mapping) else str(fingerprint)
+        if isinstance(fingerprint, Mapping):
+            env = _env_row(fingerprint)
+            ops = fingerprint.get("ops") if isinstance(fingerprint.get("ops"), Mapping) else {}
+        else:
+            env = self.environment(str(fingerprint))
+            if env is None:
+                raise ValueError(f"environment {fingerprint} is not recorded: pass the fingerprint dict")
+            ops = {}
         problems, configs, rows = {}, {}, []
         created = _now()
+        digests: dict[str, str] = {}
+        registered: list[str] | None = None
         for m in measurements:
             p: Problem = m.problem
+            if p.op not in digests:
+                if op_digest is not None or p.op in ops:
+                    digests[p.op] = op_digest if op_digest is not None else ops[p.op]
+                else:
+                    registered = _registered_ops() if registered is None else registered
+                    digests[p.op] = _digest(p.op) if p.op in registered else ""
             cid = config_id(p.op, m.variant, m.config)
             problems[p.key] = {"key": p.key, "op": p.op, "dtype": p.dtype, "world": p.world,
                                "dims": json.dumps(dict(p.dims), sort_keys=True)}
             configs[cid] = {"id": cid, "op": p.op, "variant": m.variant, "config": config_key(m.config)}
             rows.append({
                 "problem": p.key, "op": p.op, "variant": m.variant, "config_id": cid, "config": config_key(m.config),
-                "fingerprint": fp_id, "mode": m.mode, "ok": int(bool(m.ok)), "error": m.error or "",
+                "fingerprint": env["id"], "hardware_id": env["hardware_id"], "software_id": env["software_id"],
+                "op_digest": digests[p.op], "mode": m.mode, "ok": int(bool(m.ok)), "error": m.error or "",
                 "rel_error": _num(m.rel_error), "median_us": _num(m.median_us), "p10_us": _num(m.p10_us),
                 "p90_us": _num(m.p90_us), "min_us": _num(m.min_us), "reps": int(m.reps), "study": study,
                 "trial": trial, "source": source, "extra": json.dumps(getattr(m, "extra", {}) or {}, sort_keys=True),
@@ -122,17 +409,22 @@ class Store:
             })
         if not rows:
             return 0
-        self.db["problems"].insert_all(problems.values(), pk="key", ignore=True)
-        self.db["configs"].insert_all(configs.values(), pk="id", ignore=True)
-        before = self.db.conn.total_changes
-        self.db["measurements"].insert_all(rows, ignore=True)  # one transaction: all modes or none
-        return self.db.conn.total_changes - before
+        with self.conn:
+            if isinstance(fingerprint, Mapping):
+                _insert(self.conn, "environments", [env])
+            _insert(self.conn, "problems", problems.values())
+            _insert(self.conn, "configs", configs.values())
+            return _insert(self.conn, "measurements", rows)
 
     # -- reading ---------------------------------------------------------------------------------
 
-    @staticmethod
-    def _current(fingerprint_id: str | None) -> str:
-        return environment.fingerprint()["id"] if fingerprint_id is None else fingerprint_id
+    def _query(self, sql: str, params: Mapping[str, Any] | list | tuple = ()) -> list[dict]:
+        try:
+            return [dict(r) for r in self.conn.execute(sql, params)]
+        except sqlite3.DatabaseError as exc:
+            if isinstance(exc, sqlite3.OperationalError) and "no such column" in str(exc):
+                raise
+            raise self._error(f"cannot be read: {exc}") from None
 
     @staticmethod
     def _decode(row: Mapping[str, Any]) -> dict:
@@ -144,13 +436,33 @@ class Store:
             d["ok"] = bool(d["ok"])
         return d
 
-    def _where(self, op: str | None, mode: str | None, fingerprint_id: str | None,
-               prefix: str = "") -> tuple[str, dict]:
+    def _where(self, op: str | None, mode: str | None, hardware_id: str | None, op_digest: str | None,
+               fingerprint_id: str | None, prefix: str = "") -> tuple[str, dict]:
+        """SQL conditions selecting rows by op, mode and environment (see `measurements`)."""
         clauses, params = [], {}
-        fp = self._current(fingerprint_id)
-        if fp != ALL:
+        if fingerprint_id is not None and fingerprint_id != ALL:
             clauses.append(f"{prefix}fingerprint = :fp")
-            params["fp"] = fp
+            params["fp"] = fingerprint_id
+        elif fingerprint_id is None:
+            hw = self.fingerprint["hardware_id"] if hardware_id is None else hardware_id
+            if hw != ALL:
+                clauses.append(f"{prefix}hardware_id = :hw")
+                params["hw"] = hw
+        if op_digest is None:
+            digests = self.digests
+            if op is not None:
+                digests = {op: digests[op]} if op in digests else {}
+            if digests:
+                pairs = []
+                for i, (name, d) in enumerate(sorted(digests.items())):
+                    pairs.append(f"(:dop{i}, :dd{i})")
+                    params[f"dop{i}"], params[f"dd{i}"] = name, d
+                names = ", ".join(f":dop{i}" for i in range(len(pairs)))
+                clauses.append(f"({prefix}op NOT IN ({names}) OR ({prefix}op, {prefix}op_digest) IN "
+                               f"(VALUES {', '.join(pairs)}))")
+        elif op_digest != ALL:
+            clauses.append(f"{prefix}op_digest = :digest")
+            params["digest"] = op_digest
         if op is not None:
             clauses.append(f"{prefix}op = :op")
             params["op"] = op
@@ -159,11 +471,18 @@ class Store:
             params["mode"] = mode
         return " AND ".join(clauses) or "1", params
 
-    def measurements(self, op: str | None = None, mode: str | None = None, fingerprint_id: str | None = None,
-                     ok: bool | None = None, **match: Any) -> list[dict]:
-        """Rows (config and extra decoded) of the current fingerprint unless `fingerprint_id` is given
-        (`ALL` for every environment); `match` filters further on columns (problem=, variant=, study=, ...)."""
-        where, params = self._where(op, mode, fingerprint_id)
+    def measurements(self, op: str | None = None, mode: str | None = None, hardware_id: str | None = None,
+                     op_digest: str | None = None, fingerprint_id: str | None = None, ok: bool | None = None,
+                     **match: Any) -> list[dict]:
+        """Rows (config and extra decoded), oldest first.
+
+        Environment selection, the same in `best` and `lookup`: `hardware_id` None = this machine's
+        hardware (the store's fingerprint), ALL = any; `op_digest` None = the current code of each
+        registered op (rows of unregistered ops are not filtered), ALL = any code, or one digest;
+        `fingerprint_id` = exactly one environment (hardware + software) instead of `hardware_id`,
+        ALL = every environment. `match` filters further on columns (problem=, variant=, study=, ...).
+        """
+        where, params = self._where(op, mode, hardware_id, op_digest, fingerprint_id)
         if ok is not None:
             where += " AND ok = :ok"
             params["ok"] = int(ok)
@@ -172,90 +491,181 @@ class Store:
                 raise ValueError(f"measurements has no column {col!r}")
             where += f" AND {col} = :m_{col}"
             params[f"m_{col}"] = value
-        sql = f"SELECT * FROM measurements WHERE {where} ORDER BY id"
-        return [self._decode(r) for r in self.db.query(sql, params)]
+        return [self._decode(r) for r in self._query(f"SELECT * FROM measurements WHERE {where} ORDER BY id", params)]
 
-    def best(self, op: str | None = None, mode: str = "graph", fingerprint_id: str | None = None) -> list[dict]:
+    def best(self, op: str | None = None, mode: str = "graph", hardware_id: str | None = None,
+             op_digest: str | None = None, fingerprint_id: str | None = None) -> list[dict]:
         """Per (problem, variant), the fastest OK row in `mode` of configs that never failed there.
 
         Keys: problem, op, variant, config (dict), config_id, median_us, p10_us, p90_us, mode,
-        fingerprint, source. A config with any failed row for the same problem and fingerprint
-        (wrong result, flag timeout, crash, in any mode) is never a candidate.
+        fingerprint, hardware_id, software_id, op_digest, source. A config with any failed row for
+        the same problem, hardware and op code (wrong result, flag timeout, crash, in any mode) is
+        never a candidate. Environment selection as in `measurements`.
         """
-        where, params = self._where(op, mode, fingerprint_id, prefix="m.")
+        where, params = self._where(op, mode, hardware_id, op_digest, fingerprint_id, prefix="m.")
         sql = f"""
             WITH good AS (
               SELECT m.*, ROW_NUMBER() OVER (PARTITION BY m.problem, m.variant ORDER BY m.median_us, m.id) AS rk
               FROM measurements m
               WHERE {where} AND m.ok = 1 AND m.median_us IS NOT NULL
                 AND NOT EXISTS (SELECT 1 FROM measurements b WHERE b.problem = m.problem
-                                AND b.config_id = m.config_id AND b.fingerprint = m.fingerprint AND b.ok = 0)
+                                AND b.config_id = m.config_id AND b.hardware_id = m.hardware_id
+                                AND b.op_digest = m.op_digest AND b.ok = 0)
             )
-            SELECT problem, op, variant, config, config_id, median_us, p10_us, p90_us, mode, fingerprint, source
+            SELECT problem, op, variant, config, config_id, median_us, p10_us, p90_us, mode, fingerprint,
+                   hardware_id, software_id, op_digest, source
             FROM good WHERE rk = 1 ORDER BY problem, median_us"""
-        return [self._decode(r) for r in self.db.query(sql, params)]
+        return [self._decode(r) for r in self._query(sql, params)]
 
-    def lookup(self, problem: str, config_id: str, mode: str, fingerprint_id: str | None = None) -> dict | None:
+    def lookup(self, problem: str, config_id: str, mode: str, hardware_id: str | None = None,
+               op_digest: str | None = None, fingerprint_id: str | None = None) -> dict | None:
         """The verdict already stored for a config on a problem in one mode, or None.
 
         A failure in any mode wins (returned with ok False); otherwise the fastest OK row.
         """
-        params = {"p": problem, "c": config_id, "fp": self._current(fingerprint_id), "mode": mode}
-        sql = """SELECT * FROM measurements WHERE problem = :p AND config_id = :c AND fingerprint = :fp
-                 AND (ok = 0 OR mode = :mode) ORDER BY ok, median_us LIMIT 1"""
-        rows = list(self.db.query(sql, params))
+        op = problem.split("|", 1)[0]
+        where, params = self._where(op, None, hardware_id, op_digest, fingerprint_id)
+        params.update({"p": problem, "c": config_id, "lmode": mode})
+        sql = (f"SELECT * FROM measurements WHERE {where} AND problem = :p AND config_id = :c "
+               "AND (ok = 0 OR mode = :lmode) ORDER BY ok, median_us LIMIT 1")
+        rows = self._query(sql, params)
         return self._decode(rows[0]) if rows else None
 
     def trial_rows(self, study: str, trial: int) -> list[dict]:
         """The rows written for one trial of one study."""
-        return [self._decode(r) for r in self.db.query(
+        return [self._decode(r) for r in self._query(
             "SELECT * FROM measurements WHERE study = ? AND trial = ? ORDER BY mode", [study, trial])]
 
-    def fingerprints(self) -> list[dict]:
-        """Every environment recorded, with its row count and whether it is the current one."""
-        current = environment.fingerprint()["id"]
-        counts = {r["fingerprint"]: r["n"] for r in self.db.query(
-            "SELECT fingerprint, COUNT(*) AS n FROM measurements GROUP BY fingerprint")}
+    def modes(self, op: str | None = None) -> list[str]:
+        """The timing modes with at least one successful measurement (any environment), sorted."""
+        where, params = ("op = :op", {"op": op}) if op is not None else ("1", {})
+        return [r["mode"] for r in self._query(
+            f"SELECT DISTINCT mode FROM measurements WHERE {where} AND ok = 1 ORDER BY mode", params)]
+
+    def environments(self) -> list[dict]:
+        """Every environment recorded, with `rows` (its measurements), `modes`, and how it relates to
+        the store's fingerprint: `current` (same hardware and software), `same_hardware`."""
+        here = self.fingerprint
+        counts = {r["fingerprint"]: r for r in self._query(
+            "SELECT fingerprint, COUNT(*) AS n, GROUP_CONCAT(DISTINCT mode) AS modes FROM measurements "
+            "GROUP BY fingerprint")}
         out = []
-        for row in self.db.query("SELECT * FROM environments ORDER BY created_at, id"):
-            d = dict(row)
-            d["rows"] = counts.get(d["id"], 0)
-            d["current"] = d["id"] == current
+        for d in self._query("SELECT * FROM environments ORDER BY created_at, id"):
+            c = counts.get(d["id"])
+            d["rows"] = c["n"] if c else 0
+            d["modes"] = sorted(c["modes"].split(",")) if c and c["modes"] else []
+            d["same_hardware"] = d["hardware_id"] == here["hardware_id"]
+            d["current"] = d["same_hardware"] and d["software_id"] == here["software_id"]
             out.append(d)
         return out
 
     def environment(self, fingerprint_id: str) -> dict | None:
-        rows = list(self.db.query("SELECT * FROM environments WHERE id = ?", [fingerprint_id]))
-        return dict(rows[0]) if rows else None
+        """One recorded environment by id, or None."""
+        rows = self._query("SELECT * FROM environments WHERE id = ?", [fingerprint_id])
+        return rows[0] if rows else None
 
-    def stale(self, fingerprint_id: str | None = None) -> dict:
-        """Rows measured in another environment than `fingerprint_id` (default: this machine's).
+    def stale(self, fingerprint: Mapping[str, Any] | str | None = None) -> dict:
+        """What the current environment (default: the store's fingerprint) cannot use, and what it
+        uses although the software differs.
 
-        Returns {"current": id, "rows": total stale rows, "by_fingerprint": [{"fingerprint", "rows",
-        "differences": {field: (theirs, current)}}], "by_field": {field: rows}}.
+        Returns {"current": id, "rows": rows not used, "by_fingerprint": [{"fingerprint", "rows",
+        "differences": {field: (theirs, current)}}] for rows of other hardware, "by_field": {field:
+        rows}, "ops": {op: rows measured with other code of that op (same hardware)},
+        "software": [{"fingerprint", "rows", "differences"}] for rows used although their software
+        differs}.
         """
-        current_id = self._current(fingerprint_id)
-        here = environment.fingerprint()
-        current = here if here["id"] == current_id else (self.environment(current_id) or {"id": current_id})
+        here = self.fingerprint
+        if isinstance(fingerprint, str):
+            here = self.environment(fingerprint) or {"id": fingerprint, "hardware_id": fingerprint}
+        elif fingerprint is not None:
+            here = dict(fingerprint)
+            here.setdefault("hardware_id", environment.hardware_id(here))
+        hw = here.get("hardware_id") or environment.hardware_id(here)
+        digests = here.get("ops") if isinstance(here.get("ops"), Mapping) else self.digests
         by_fp, by_field, total = [], {}, 0
-        for r in self.db.query("SELECT fingerprint, COUNT(*) AS n FROM measurements WHERE fingerprint != ? "
-                               "GROUP BY fingerprint ORDER BY fingerprint", [current_id]):
+        for r in self._query("SELECT fingerprint, COUNT(*) AS n FROM measurements WHERE hardware_id != ? "
+                             "GROUP BY fingerprint ORDER BY fingerprint", [hw]):
             other = self.environment(r["fingerprint"]) or {"id": r["fingerprint"]}
-            diff = environment.differences(other, current)
+            diff = environment.differences(other, here)
             by_fp.append({"fingerprint": r["fingerprint"], "rows": r["n"], "differences": diff})
             for k in diff:
                 by_field[k] = by_field.get(k, 0) + r["n"]
             total += r["n"]
-        return {"current": current_id, "rows": total, "by_fingerprint": by_fp, "by_field": by_field}
+        ops: dict[str, int] = {}
+        for r in self._query("SELECT op, op_digest, COUNT(*) AS n FROM measurements WHERE hardware_id = ? "
+                             "GROUP BY op, op_digest", [hw]):
+            if r["op"] in digests and r["op_digest"] != digests[r["op"]]:
+                ops[r["op"]] = ops.get(r["op"], 0) + r["n"]
+                total += r["n"]
+        software = []
+        for r in self._query("SELECT fingerprint, COUNT(*) AS n FROM measurements WHERE hardware_id = ? "
+                             "AND software_id != ? GROUP BY fingerprint ORDER BY fingerprint",
+                             [hw, here.get("software_id") or environment.software_id(here)]):
+            other = self.environment(r["fingerprint"]) or {"id": r["fingerprint"]}
+            software.append({"fingerprint": r["fingerprint"], "rows": r["n"],
+                             "differences": environment.differences(other, here, "software")})
+        return {"current": here.get("id"), "rows": total, "by_fingerprint": by_fp, "by_field": by_field,
+                "ops": ops, "software": software}
+
+    # -- merging ---------------------------------------------------------------------------------
+
+    def merge_from(self, other: "Store") -> dict[str, int]:
+        """Copy another store's rows into this one without duplicates; returns counts.
+
+        Environments, problems and configs are keyed by id and copied once. A measurement is
+        skipped when this store already holds the same trial (same study, trial and mode: one
+        trial, copied twice) or an identical row (same problem, config, environment, mode, source,
+        time and latency: the same measurement copied). Two real measurements of one config (two
+        hosts, two runs) are both kept: `best` takes the faster, `lookup` sees a failure in either.
+        """
+        self._writable()
+        src = other.conn
+        envs = [dict(r) for r in src.execute("SELECT * FROM environments")]
+        problems = [dict(r) for r in src.execute("SELECT * FROM problems")]
+        configs = [dict(r) for r in src.execute("SELECT * FROM configs")]
+        rows = [dict(r) for r in src.execute("SELECT * FROM measurements ORDER BY id")]
+        ident = ("problem", "config_id", "fingerprint", "mode", "source", "created_at", "median_us", "ok",
+                 "study", "trial")
+        have = {tuple(r[k] for k in ident) for r in self._query(f"SELECT {', '.join(ident)} FROM measurements")}
+        trials = {(r["study"], r["trial"], r["mode"]) for r in self._query(
+            "SELECT study, trial, mode FROM measurements WHERE study IS NOT NULL")}
+        counts = {"rows": len(rows), "added": 0, "same_trial": 0, "identical": 0}
+        new = []
+        for r in rows:
+            key = tuple(r[k] for k in ident)
+            if r["study"] is not None and (r["study"], r["trial"], r["mode"]) in trials:
+                counts["same_trial"] += 1
+            elif key in have:
+                counts["identical"] += 1
+            else:
+                have.add(key)
+                if r["study"] is not None:
+                    trials.add((r["study"], r["trial"], r["mode"]))
+                r.pop("id")
+                new.append(r)
+        with self.conn:
+            _insert(self.conn, "environments", envs)
+            _insert(self.conn, "problems", problems)
+            _insert(self.conn, "configs", configs)
+            counts["added"] = _insert(self.conn, "measurements", new, "INSERT")
+        return counts
 
 
 def describe_stale(stale: Mapping[str, Any]) -> str:
-    """One paragraph for the CLI: how many rows are kept but not used, and what changed."""
-    if not stale["rows"]:
-        return ""
-    parts = []
-    for fp in stale["by_fingerprint"]:
+    """A few lines for the CLI: rows kept but not used (other hardware, changed op code), and rows
+    used although their software differs."""
+    lines = []
+    if stale["rows"]:
+        parts = []
+        for fp in stale["by_fingerprint"]:
+            diffs = ", ".join(f"{k}: {a!s:.40} -> {b!s:.40}" for k, (a, b) in fp["differences"].items())
+            parts.append(f"{fp['rows']} from environment {fp['fingerprint']} ({diffs or 'unknown environment'})")
+        for op, n in sorted(stale.get("ops", {}).items()):
+            parts.append(f"{n} of {op} measured with older code of {op}")
+        lines.append(f"{stale['rows']} measurements were taken on other hardware or with other op code and are "
+                     "kept but not used: " + "; ".join(parts))
+    for fp in stale.get("software", []):
         diffs = ", ".join(f"{k}: {a!s:.40} -> {b!s:.40}" for k, (a, b) in fp["differences"].items())
-        parts.append(f"{fp['rows']} from environment {fp['fingerprint']} ({diffs or 'unknown environment'})")
-    return (f"{stale['rows']} measurements were taken in another environment and are kept but not used: "
-            + "; ".join(parts))
+        lines.append(f"{fp['rows']} measurements of environment {fp['fingerprint']} were taken with other software "
+                     f"({diffs}); they are used, and dispatch confirms its decisions on first use")
+    return "\n".join(lines)

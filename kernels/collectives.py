@@ -335,11 +335,11 @@ def reduce_kernel(x, out, buf, ctx, flags, half_flags, data_half, owner_rows, to
     """Reduce-scatter (MODE RS) or all-reduce (AR_ONE, AR_TWO) of the local partial `x`.
 
     x: total_rows x width (RS, AR_TWO: owner q's rows are q * owner_rows + i, the last owners'
-    cut at total_rows; AR_ONE: owner_rows = total_rows, every rank owns all rows), contiguous, local (e.g. a matmul's output; may be
-    `out` for the all-reduces). out: my rows (RS) or all rows (AR). buf: the heap inbox, slot q
-    (owner_rows x width) holds rank q's slice; parity sets `data_half` apart, unless FIXED (the
-    copy-engine path's fixed inbox). AR_TWO's second inbox (the owners' reduced rows, slot q =
-    owner q's) starts `box2` elements into each parity set.
+    cut at total_rows; AR_ONE: owner_rows = total_rows, every rank owns all rows), contiguous,
+    local (e.g. a matmul's output; may be `out` for the all-reduces). out: my rows (RS) or all
+    rows (AR). buf: the heap inbox, slot q (owner_rows x width) holds rank q's slice; parity sets
+    `data_half` apart, unless FIXED (the copy-engine path's fixed inbox). AR_TWO's second inbox
+    (the owners' reduced rows, slot q = owner q's) starts `box2` elements into each parity set.
     SEND: SEND_DATA pushes my slices and raises DATA, SEND_FLAGS only raises DATA. REDUCE: wait
     for the W - 1 slices of each piece and sum them in rank order (AR_TWO: then push the reduced
     rows to every peer and gather the peers' reduced rows). A call may be split into several

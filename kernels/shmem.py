@@ -184,8 +184,8 @@ def wait_until(flag, value, ctx):
             code = tl.load(ctx.status + CODE, volatile=True)
             elapsed = now_ns() - start
     ok = seen == value
-    if ok:
-        tl.atomic_add(flag, 0, sem="acquire", scope="sys")
+    if ok:  # the acquire's result is used: Triton 3.6 drops an atomic whose result nobody reads
+        ok = tl.atomic_add(flag, 0, sem="acquire", scope="sys") == value
         tl.debug_barrier()  # no thread of the program reads the data before the acquire
     elif code == 0:
         give_up(flag, value, seen, ctx)

@@ -32,8 +32,10 @@ def gpus() -> int:
 
 
 def gpu(min_gpus: int = 2):
-    """Marks a test that runs on `min_gpus` or more CUDA GPUs (`pytest -m gpu` on the GPU machine)."""
-    return pytest.mark.gpu(pytest.mark.skipif(gpus() < min_gpus, reason=f"needs {min_gpus} CUDA GPUs"))
+    """Marks a test that runs on `min_gpus` or more CUDA GPUs (`pytest -m gpu` on the GPU machine) and
+    is skipped elsewhere."""
+    skip = pytest.mark.skipif(gpus() < min_gpus, reason=f"needs {min_gpus} CUDA GPUs")
+    return lambda fn: pytest.mark.gpu(skip(fn))
 
 
 def problem_of(op: Op, world_size: int, dims: dict, dtype: str) -> Problem:

@@ -168,6 +168,11 @@ def test_four_ranks():
     harness.assert_ok(results, same_bits=("all_reduce", "interleaved all_reduce"))
 
 
+def test_one_rank_every_algorithm():
+    results = spawn(_cpu_job, 1, [0, 1, 2, 3, 4, 7, 9, 10, 11, 12], device_kind="cpu", timeout_s=600)
+    harness.assert_ok(results)
+
+
 def _one_and_two_shot_bits(world):
     rows = []
     for algo in C.AR_ALGOS:
@@ -192,7 +197,8 @@ def _overlap_job(world):
         ag = C.all_gather(world, 6, 32, torch.bfloat16, {"ALGO": "push", **SMALL, "CHUNKS": 3}, dim=dim)
         plain = C.all_gather(world, 6, 32, torch.bfloat16, {"ALGO": "inbox", **SMALL}, dim=dim)
         for seed in range(3):
-            xs = [torch.randn(6, 32, generator=torch.Generator().manual_seed(seed * 10 + q)).bfloat16() for q in range(w)]
+            xs = [torch.randn(6, 32, generator=torch.Generator().manual_seed(seed * 10 + q)).bfloat16()
+                  for q in range(w)]
             buf = ag.start(xs[r])
             order = []
             for i, c in enumerate(ag.chunks):
@@ -348,7 +354,8 @@ def test_resolve_fills_defaults_and_rejects_bad_configs():
 def _bad_inputs(world):
     coll = C.all_gather(world, 3, 40, torch.bfloat16, SMALL)
     errors = []
-    for x in (torch.zeros(3, 41, dtype=torch.bfloat16), torch.zeros(3, 40), torch.zeros(40, 3, dtype=torch.bfloat16).t()):
+    bf = torch.bfloat16
+    for x in (torch.zeros(3, 41, dtype=bf), torch.zeros(3, 40), torch.zeros(40, 3, dtype=bf).t()):
         try:
             coll(x)
         except InvalidInput as exc:
@@ -404,8 +411,8 @@ def _sm90_requests():
                          "ar2": dict(MODE=2, SEND=1, REDUCE=True, FIXED=False, PUBLISH=True)}.items():
         reqs.append(compile_request(MOD, "reduce_kernel", RD_SIG, {**consts, **TILE}, num_warps=8, num_stages=1,
                                     divisible=RD_DIV, name=name))
-    reqs.append(compile_request(MOD, "chunk_wait_kernel", WAIT_SIG, {"LAST": True, "WAIT_BLOCK": 64, **TILE}, num_warps=4, num_stages=1,
-                                divisible=["out", "flags", "width", "dst_ld"], name="wait"))
+    reqs.append(compile_request(MOD, "chunk_wait_kernel", WAIT_SIG, {"LAST": True, "WAIT_BLOCK": 64, **TILE},
+                                num_warps=4, num_stages=1, divisible=["out", "flags", "width", "dst_ld"], name="wait"))
     return reqs
 
 

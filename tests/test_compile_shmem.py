@@ -17,6 +17,7 @@ def test_token_and_cas_kernels_compile():
     ptx = compile_sm90(MOD, "ring_token_kernel", {"flag": "*i32", "ctx": CTX, "first_epoch": "i32",
                                                   "iters": "i32"})["ptx"]
     assert "ld.volatile.global" in ptx
+    assert "ld.global.sys.acquire.b32" in ptx  # the acquire after a successful poll is not optimised away
     assert "atom.global.release.sys.cas.b32" in ptx  # give_up's abort of every peer
     ptx = compile_sm90(MOD, "cas_claim_kernel", {"lock": "*i32", "old_out": "*i32", "heap_bases": "*i64", "rank": "i32"})["ptx"]
     assert "cas.b32" in ptx

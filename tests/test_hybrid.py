@@ -38,9 +38,11 @@ def _ag_inputs_of(problem: Problem, seed: int, rank: int, device) -> tuple[torch
 
 
 def _ag_reference(world, problem, seed):
-    shards = [_ag_inputs_of(problem, seed, q, "cpu")[0].double() for q in range(problem.world)]
+    """float64 on the World's device (inputs are drawn on the CPU, so every device sees the same)."""
+    dev = world.device
+    shards = [_ag_inputs_of(problem, seed, q, dev)[0].double() for q in range(problem.world)]
     full = torch.cat(shards, dim=0 if problem["gather"] == "rows" else 1)
-    return full @ _ag_inputs_of(problem, seed, world.rank, "cpu")[1].double()
+    return full @ _ag_inputs_of(problem, seed, world.rank, dev)[1].double()
 
 
 def _row_inputs_of(problem: Problem, seed: int, rank: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -51,10 +53,10 @@ def _row_inputs_of(problem: Problem, seed: int, rank: int, device) -> tuple[torc
     return a.to(device), b.to(device)
 
 
-def _sum_reference(problem, seed):
+def _sum_reference(world, problem, seed):
     total = None
     for q in range(problem.world):
-        a, b = _row_inputs_of(problem, seed, q, "cpu")
+        a, b = _row_inputs_of(problem, seed, q, world.device)
         part = a.double() @ b.double()
         total = part if total is None else total + part
     return total
@@ -62,7 +64,7 @@ def _sum_reference(problem, seed):
 
 def _rs_reference(world, problem, seed):
     per = problem["M"] // problem.world
-    return _sum_reference(problem, seed)[world.rank * per:(world.rank + 1) * per]
+    return _sum_reference(world, problem, seed)[world.rank * per:(world.rank + 1) * per]
 
 
 def _op(name, inputs_of, reference) -> Op:
@@ -74,7 +76,7 @@ def _op(name, inputs_of, reference) -> Op:
 
 OPS = {"ag_gemm": _op("ag_gemm", _ag_inputs_of, _ag_reference),
        "gemm_rs": _op("gemm_rs", _row_inputs_of, _rs_reference),
-       "gemm_ar": _op("gemm_ar", _row_inputs_of, lambda world, problem, seed: _sum_reference(problem, seed))}
+       "gemm_ar": _op("gemm_ar", _row_inputs_of, _sum_reference)}
 
 SMALL = {"COMM_SMS": 2, "BLOCK": 1024, "num_warps": 4}
 OVER = {"FLAG": "shard", "PRIORITY": "high"}
@@ -134,12 +136,18 @@ def test_four_ranks():
     _assert_all(spawn(_cpu_job, 4, FOUR_RANKS, device_kind="cpu", timeout_s=900))
 
 
+def test_one_rank_overlap_variants_without_peers():
+    _assert_all(spawn(_cpu_job, 1, {"ag_gemm": [4, 6], "gemm_rs": [2], "gemm_ar": [0]}, device_kind="cpu",
+                      timeout_s=600))
+
+
 # -- faults (the overlap waits too) --------------------------------------------------------------------
 FAULTS = [
     ("ag_gemm", "heap_mm_overlap", _ag(8, 24, 32, "rows"), BF, {"ENGINE": "sm", "ALGO": "push", **SMALL, **OVER},
      ("late_peer", "skipped_call", "dead_peer")),
     ("ag_gemm", "heap_mm", _ag(6, 24, 32, "k"), BF, {"ENGINE": "sm", "ALGO": "inbox", **SMALL}, ("skipped_call",)),
-    ("gemm_rs", "mm_heap_overlap", _mk(8, 40, 32), BF, {"ENGINE": "sm", **SMALL, **OVER}, ("late_peer", "skipped_call")),
+    ("gemm_rs", "mm_heap_overlap", _mk(8, 40, 32), BF, {"ENGINE": "sm", **SMALL, **OVER},
+     ("late_peer", "skipped_call")),
     ("gemm_ar", "mm_heap", _mk(4, 40, 32), BF, {"ENGINE": "sm", "ALGO": "two_shot", **SMALL}, ("skipped_call",)),
 ]
 
@@ -242,7 +250,8 @@ def test_build_rejects_an_invalid_config_before_allocating():
 GPU_AG = {"COMM_SMS": 16, "BLOCK": 4096, "num_warps": 8}
 GPU_CASES = {
     "ag_gemm": [
-        ("heap_mm", _ag(8, 3584, 8192, "rows"), BF, {"ENGINE": "sm", "ALGO": a, **GPU_AG}) for a in ("inbox", "push", "pull")
+        ("heap_mm", _ag(8, 3584, 8192, "rows"), BF, {"ENGINE": "sm", "ALGO": a, **GPU_AG})
+        for a in ("inbox", "push", "pull")
     ] + [
         ("heap_mm", _ag(512, 3584, 8192, "rows"), BF, {"ENGINE": "ce", "COMM_SMS": 1}),
         ("heap_mm", _ag(200, 1000, 4096, "k"), HALF, {"ENGINE": "sm", "ALGO": "push", **GPU_AG}),

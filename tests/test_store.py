@@ -1,17 +1,25 @@
-"""The tuning store: idempotent writes, failed configs never candidates, stale fingerprints kept but unused."""
+"""The tuning store and the environment fingerprint: idempotent writes, failed configs never candidates,
+reads by hardware and op code, read-only opens that never write, old databases, merging, op digests."""
 from __future__ import annotations
 
+import json
 import math
+import shutil
+import sqlite3
+from pathlib import Path
 
 import pytest
 
 from autofuse import environment
 from autofuse.measure import Measurement
 from autofuse.op import Problem
-from autofuse.store import ALL, Store, config_id, describe_stale
+from autofuse.store import ALL, SCHEMA_VERSION, Store, StoreError, config_id, describe_stale
 
+ROOT = Path(__file__).resolve().parents[1]
 P = Problem.make("fake_sum", "float32", 2, N=64)
 Q = Problem.make("fake_sum", "float32", 2, N=96)
+G = Problem.make("ag_gemm", "bfloat16", 2, M=64, N=64, K=64, gather="rows")
+F = Problem.make("flash_decode", "bfloat16", 2, B=1, D=16, Hkv=2, Hq=4, S=32)
 
 
 def ok(problem: Problem, variant: str, config: dict, us: float, mode: str = "eager") -> Measurement:
@@ -30,31 +38,48 @@ def store(tmp_path):
     s.close()
 
 
-def test_schema_wal_and_idempotent_trials(store, tmp_path):
+def _files(folder: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir()) if p.is_file()}
+
+
+def test_schema_wal_foreign_keys_and_idempotent_trials(store, tmp_path):
     fp = environment.fingerprint()
     assert (tmp_path / "sub" / "t.db").exists()
-    assert store.db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    assert store.conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    assert store.conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()[0] == str(SCHEMA_VERSION)
     rows = [ok(P, "push", {"BLOCK": 16}, 10.0), ok(P, "push", {"BLOCK": 16}, 12.0, mode="graph")]
     assert store.add(rows, fp, study="s", trial=0) == 2
     assert store.add(rows, fp, study="s", trial=0) == 0  # a resumed study rewriting its trial adds nothing
     assert store.add(rows, fp, study="s", trial=1) == 2
     assert store.add([ok(P, "bsp", {}, 20.0)], fp, source="baseline") == 1
     assert store.add([ok(P, "bsp", {}, 21.0)], fp, source="baseline") == 1  # no study: never collides
-    with pytest.raises(ValueError):
-        store.add([ok(P, "bsp", {}, 20.0)], fp, source="nonsense")
+    for source in ("nonsense", "bench"):  # nothing writes bench rows: not a source any more
+        with pytest.raises(ValueError):
+            store.add([ok(P, "bsp", {}, 20.0)], fp, source=source)
     got = store.measurements(op="fake_sum", mode="eager")
     assert len(got) == 4 and all(r["fingerprint"] == fp["id"] for r in got)
     r0 = got[0]
     assert r0["config"] == {"BLOCK": 16} and r0["ok"] is True and r0["extra"] == {"build_check_s": 0.5}
     assert r0["config_id"] == config_id("fake_sum", "push", {"BLOCK": 16})
-    assert store.db["problems"].get(P.key)["world"] == 2
-    assert store.db["configs"].count == 2
-    assert store.db["environments"].get(fp["id"])["triton"] == fp["triton"]
+    assert (r0["hardware_id"], r0["software_id"]) == (fp["hardware_id"], fp["software_id"])
+    assert r0["op_digest"] == ""  # an op the registry does not know: no code to hash
+    assert store.conn.execute("SELECT world FROM problems WHERE key = ?", [P.key]).fetchone()[0] == 2
+    assert store.conn.execute("SELECT COUNT(*) FROM configs").fetchone()[0] == 2
+    env = store.environment(fp["id"])
+    assert env["triton"] == fp["triton"] and env["hardware_id"] == fp["hardware_id"]
     # Missing statistics are stored as NULL, not NaN.
     store.add([bad(P, "push", {"BLOCK": 8})], fp, study="s", trial=2)
     row = store.measurements(ok=False)[0]
     assert row["median_us"] is None and row["error"] == "wrong result" and not math.isnan(row["rel_error"])
     assert store.trial_rows("s", 2)[0]["ok"] is False
+    # Foreign keys: a measurement must name a known problem, config and environment.
+    with pytest.raises(sqlite3.IntegrityError):
+        with store.conn:
+            store.conn.execute("INSERT INTO measurements (problem, op, variant, config_id, config, fingerprint, "
+                               "hardware_id, software_id, op_digest, mode, ok, source) VALUES "
+                               "('nope|x|float32|w2', 'nope', 'v', 'c', '{}', 'e', 'h', 's', 'd', 'eager', 1, 'tune')")
+    assert store.conn.execute("PRAGMA foreign_key_check").fetchall() == []
+    assert store.modes() == ["eager", "graph"] and store.modes(op="other") == []
 
 
 def test_failed_config_never_a_candidate(store):
@@ -71,7 +96,7 @@ def test_failed_config_never_a_candidate(store):
     assert set(best) == {(P.key, "bsp"), (Q.key, "bsp"), (P.key, "push")}
     assert best[(P.key, "push")]["config"] == {"BLOCK": 16} and best[(P.key, "push")]["median_us"] == 8.0
     assert set(best[(P.key, "push")]) >= {"problem", "op", "variant", "config", "median_us", "p10_us", "p90_us",
-                                          "mode", "fingerprint"}
+                                          "mode", "fingerprint", "hardware_id", "software_id", "op_digest"}
     assert store.best(op="other", mode="eager") == []
     assert store.best(mode="graph") == []
     # lookup: a failure in any mode is the verdict, so the tuner never retries that config.
@@ -80,32 +105,56 @@ def test_failed_config_never_a_candidate(store):
     assert store.lookup(P.key, config_id("fake_sum", "push", {"BLOCK": 128}), "eager") is None
 
 
-def test_stale_fingerprint_kept_not_used_and_reported(store):
+def test_reads_select_by_hardware_and_op_code_and_report_the_rest(store):
+    """Other hardware: kept, not used, reported. Other software: used and reported. A changed op:
+    only that op's rows are left out."""
     here = environment.fingerprint()
-    other = dict(here, gpu_name="Some Other GPU", kernel_hash="0123456789abcdef")
-    other["id"] = environment.fingerprint_id(other)
-    assert other["id"] != here["id"]
-    store.add([ok(P, "push", {"BLOCK": 16}, 1.0)], other, study="old", trial=0)
-    store.add([ok(P, "bsp", {}, 2.0)], other, source="baseline")
+    other_hw = dict(here, gpu_name="Some Other GPU", gpu_count=8)
+    other_hw.update(id=environment.fingerprint_id(other_hw), hardware_id=environment.hardware_id(other_hw))
+    other_sw = dict(here, torch="2.11.0+cu130", triton="3.6.0")
+    other_sw.update(id=environment.fingerprint_id(other_sw), software_id=environment.software_id(other_sw))
+    assert environment.hardware_id(other_sw) == here["hardware_id"] != environment.hardware_id(other_hw)
+    store.add([ok(P, "push", {"BLOCK": 16}, 1.0)], other_hw, study="old", trial=0)
+    store.add([ok(P, "bsp", {}, 2.0)], other_hw, source="baseline")
     store.add([ok(P, "push", {"BLOCK": 32}, 5.0)], here, study="new", trial=0)
-    assert len(store.measurements(fingerprint_id=ALL)) == 3  # kept
-    assert [r["config"] for r in store.measurements()] == [{"BLOCK": 32}]  # not used
-    assert [r["median_us"] for r in store.best(mode="eager")] == [5.0]
-    assert [r["median_us"] for r in store.best(mode="eager", fingerprint_id=other["id"])] == [1.0, 2.0]
+    store.add([ok(P, "push", {"BLOCK": 8}, 6.0)], other_sw, study="older torch", trial=0)
+    digest_g, digest_f = here["ops"]["ag_gemm"], here["ops"]["flash_decode"]
+    store.add([ok(G, "bsp", {}, 3.0)], here, source="baseline")  # ag_gemm at today's code
+    store.add([ok(F, "bsp", {}, 4.0)], here, source="baseline")
+    store.add([ok(F, "push", {"HEADS": 1}, 3.5)], here, study="f-old", trial=0, op_digest="0" * 16)  # older code
+
+    assert len(store.measurements(fingerprint_id=ALL, op_digest=ALL)) == 7  # kept
+    assert [r["config"] for r in store.measurements(op="fake_sum")] == [{"BLOCK": 32}, {"BLOCK": 8}]
+    assert [r["median_us"] for r in store.best(op="fake_sum", mode="eager")] == [5.0]
+    assert [r["median_us"] for r in store.best(op="fake_sum", mode="eager", fingerprint_id=other_hw["id"])] == [1.0, 2.0]
+    assert [r["median_us"] for r in store.best(op="fake_sum", mode="eager",
+                                               hardware_id=other_hw["hardware_id"])] == [1.0, 2.0]
     assert store.lookup(P.key, config_id("fake_sum", "push", {"BLOCK": 16}), "eager") is None
-    stale = store.stale(here["id"])
-    assert stale["rows"] == 2 and stale["current"] == here["id"]
+    assert store.lookup(P.key, config_id("fake_sum", "push", {"BLOCK": 8}), "eager")["median_us"] == 6.0
+    assert [r["variant"] for r in store.best(op="flash_decode", mode="eager")] == ["bsp"]
+    assert [r["variant"] for r in store.best(op="flash_decode", mode="eager", op_digest=ALL)] == ["push", "bsp"]
+    assert {r["op_digest"] for r in store.best(op="ag_gemm", mode="eager")} == {digest_g}
+    assert {r["op"] for r in store.best(mode="eager")} == {"fake_sum", "ag_gemm", "flash_decode"}
+    assert digest_g != digest_f
+
+    stale = store.stale()
+    assert stale["rows"] == 3 and stale["current"] == here["id"] and stale["ops"] == {"flash_decode": 1}
     (entry,) = stale["by_fingerprint"]
-    assert entry["fingerprint"] == other["id"] and entry["rows"] == 2
-    assert set(entry["differences"]) == {"gpu_name", "kernel_hash"}
+    assert entry["fingerprint"] == other_hw["id"] and entry["rows"] == 2
+    assert set(entry["differences"]) == {"gpu_name", "gpu_count"}
     assert entry["differences"]["gpu_name"] == ("Some Other GPU", here["gpu_name"])
-    assert stale["by_field"] == {"gpu_name": 2, "kernel_hash": 2}
+    assert stale["by_field"] == {"gpu_name": 2, "gpu_count": 2}
+    (soft,) = stale["software"]
+    assert soft["rows"] == 1 and soft["differences"] == {"torch": ("2.11.0+cu130", here["torch"]),
+                                                          "triton": ("3.6.0", here["triton"])}
     text = describe_stale(stale)
-    assert "2 measurements" in text and "kept but not used" in text and "Some Other GPU" in text
-    assert describe_stale(store.stale(other["id"])).startswith("1 measurements")
-    fps = {f["id"]: f for f in store.fingerprints()}
-    assert fps[here["id"]]["current"] and not fps[other["id"]]["current"]
-    assert fps[other["id"]]["rows"] == 2 and fps[other["id"]]["gpu_name"] == "Some Other GPU"
+    assert "3 measurements" in text and "kept but not used" in text and "Some Other GPU" in text
+    assert "older code of flash_decode" in text and "other software" in text and "confirms" in text
+    envs = {e["id"]: e for e in store.environments()}
+    assert envs[here["id"]]["current"] and not envs[other_hw["id"]]["current"]
+    assert envs[other_sw["id"]]["same_hardware"] and not envs[other_sw["id"]]["current"]
+    assert envs[other_hw["id"]]["rows"] == 2 and envs[other_hw["id"]]["gpu_name"] == "Some Other GPU"
+    assert envs[here["id"]]["modes"] == ["eager"]
 
 
 def test_two_connections_share_the_database(tmp_path):
@@ -120,3 +169,272 @@ def test_two_connections_share_the_database(tmp_path):
     finally:
         a.close()
         b.close()
+
+
+# -- read-only opens ---------------------------------------------------------------------------------
+
+def _unrelated(path: Path, wal: bool = False) -> None:
+    con = sqlite3.connect(path)
+    if wal:
+        con.execute("PRAGMA journal_mode = WAL")
+    con.execute("CREATE TABLE users (id INTEGER PRIMARY KEY, name TEXT)")
+    con.execute("INSERT INTO users (name) VALUES ('ada'), ('grace')")
+    con.commit()
+    con.close()
+
+
+@pytest.mark.parametrize("wal", [False, True])
+def test_readonly_open_never_writes_an_unrelated_database(tmp_path, wal):
+    """Another application's database (rollback journal or WAL) stays byte-identical, with no file
+    created beside it, whether opened read-only (refused: not autofuse's) or for writing (refused)."""
+    folder = tmp_path / "app"
+    folder.mkdir()
+    db = folder / "app.db"
+    _unrelated(db, wal)
+    before = _files(folder)
+    with pytest.raises(StoreError, match=r"app\.db: is not an autofuse database \(its tables: users\)"):
+        Store.open(db, readonly=True)
+    with pytest.raises(StoreError, match=r"app\.db: is an SQLite database of another application"):
+        Store.open(db)
+    assert _files(folder) == before
+
+
+def test_readonly_open_errors_are_one_line_naming_the_path(tmp_path):
+    good = tmp_path / "good.db"
+    s = Store(good)
+    s.add([ok(P, "bsp", {}, 1.0)], environment.fingerprint(), source="baseline")
+    s.close()
+    text = tmp_path / "notes.txt"
+    text.write_text("hello\n" * 100)
+    empty = tmp_path / "empty.db"
+    empty.touch()
+    truncated = tmp_path / "truncated.db"
+    truncated.write_bytes(good.read_bytes()[:1500])
+    corrupt = tmp_path / "corrupt.db"
+    data = bytearray(good.read_bytes())
+    data[4096:8192] = b"\xff" * 4096  # a page of garbage
+    corrupt.write_bytes(bytes(data))
+    cases = {tmp_path / "missing.db": "no such file", tmp_path: "is a directory", empty: "empty file",
+             text: "not an SQLite database", truncated: "", corrupt: ""}
+    for path, why in cases.items():
+        before = path.read_bytes() if path.is_file() else None
+        with pytest.raises(StoreError) as info:
+            Store.open(path, readonly=True).measurements(hardware_id=ALL)
+        message = str(info.value)
+        assert "\n" not in message and message.startswith(str(path)) and why in message, message
+        assert (path.read_bytes() if path.is_file() else None) == before
+    assert not (tmp_path / "missing.db").exists() and empty.stat().st_size == 0
+
+
+def test_readonly_store_reads_a_wal_database_without_litter_and_refuses_writes(tmp_path):
+    db = tmp_path / "t.db"
+    fp = environment.fingerprint()
+    s = Store(db)
+    s.add([ok(P, "bsp", {}, 1.0)], fp, source="baseline")
+    s.close()
+    before = _files(tmp_path)
+    assert sorted(before) == ["t.db"] and before["t.db"][18] == 2  # WAL mode, checkpointed on close
+    r = Store.open(db, readonly=True)
+    try:
+        assert [x["median_us"] for x in r.best(mode="eager")] == [1.0] and r.modes() == ["eager"]
+        with pytest.raises(StoreError, match="read-only"):
+            r.add([ok(P, "bsp", {}, 1.0)], fp, source="baseline")
+    finally:
+        r.close()
+    assert _files(tmp_path) == before
+
+
+# -- old databases -----------------------------------------------------------------------------------
+
+_V1_SCHEMA = """
+CREATE TABLE environments (id TEXT PRIMARY KEY, device_kind TEXT, gpu_name TEXT, gpu_count INTEGER, topology TEXT,
+  driver TEXT, cuda TEXT, torch TEXT, triton TEXT, nccl TEXT, kernel_hash TEXT, python TEXT, created_at TEXT);
+CREATE TABLE problems (key TEXT PRIMARY KEY, op TEXT, dtype TEXT, world INTEGER, dims TEXT);
+CREATE TABLE configs (id TEXT PRIMARY KEY, op TEXT, variant TEXT, config TEXT);
+CREATE TABLE measurements (id INTEGER PRIMARY KEY, problem TEXT NOT NULL, op TEXT NOT NULL, variant TEXT NOT NULL,
+  config_id TEXT, config TEXT, fingerprint TEXT, mode TEXT NOT NULL, ok INTEGER NOT NULL, error TEXT,
+  rel_error REAL, median_us REAL, p10_us REAL, p90_us REAL, min_us REAL, reps INTEGER, study TEXT, trial INTEGER,
+  source TEXT, extra TEXT, created_at TEXT);
+CREATE UNIQUE INDEX measurements_trial ON measurements (study, trial, mode);
+CREATE INDEX measurements_select ON measurements (fingerprint, op, mode, ok);
+CREATE INDEX measurements_config ON measurements (problem, config_id, fingerprint, mode);
+"""
+
+
+def _v1(path: Path, kernel_hash: str) -> dict:
+    """A schema-1 database (as autofuse wrote before layered fingerprints) with two ag_gemm rows."""
+    env = dict(environment.fingerprint(), kernel_hash=kernel_hash, id="0123456789abcdef")
+    con = sqlite3.connect(path)
+    con.executescript(_V1_SCHEMA)
+    con.execute("PRAGMA journal_mode = WAL")
+    con.execute("INSERT INTO environments VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                [env[k] if k in env else None for k in ("id", "device_kind", "gpu_name", "gpu_count", "topology",
+                                                         "driver", "cuda", "torch", "triton", "nccl", "kernel_hash",
+                                                         "python")] + ["2026-01-01T00:00:00+00:00"])
+    con.execute("INSERT INTO problems VALUES (?, 'ag_gemm', 'bfloat16', 2, '{}')", [G.key])
+    for i, (variant, cfg, us, source) in enumerate((("bsp", {}, 30.0, "baseline"), ("push", {"B": 16}, 20.0, "tune"))):
+        cid = config_id("ag_gemm", variant, cfg)
+        con.execute("INSERT INTO configs VALUES (?, 'ag_gemm', ?, ?)", [cid, variant, json.dumps(cfg)])
+        con.execute("INSERT INTO measurements (problem, op, variant, config_id, config, fingerprint, mode, ok, "
+                    "median_us, study, trial, source, extra) VALUES (?, 'ag_gemm', ?, ?, ?, ?, 'eager', 1, ?, ?, ?, ?, '{}')",
+                    [G.key, variant, cid, json.dumps(cfg), env["id"], us, "s" if i else None, i if i else None, source])
+    con.commit()
+    con.close()
+    return env
+
+
+def test_schema_1_databases_read_through_memory_and_migrated_for_writing(tmp_path):
+    """Readable without writing (migrated in memory); rows keep today's op digest when the code is the
+    one they were measured with, else none matches; a writable open migrates in place."""
+    same, older = tmp_path / "same.db", tmp_path / "older.db"
+    _v1(same, environment.legacy_kernel_hash())
+    _v1(older, "feedfacefeedface")
+    for path, usable in ((same, True), (older, False)):
+        before = _files(tmp_path)
+        s = Store.open(path, readonly=True)
+        try:
+            assert s.migrated
+            rows = s.measurements(hardware_id=ALL, op_digest=ALL)
+            assert [r["variant"] for r in rows] == ["bsp", "push"]
+            assert rows[0]["hardware_id"] == environment.fingerprint()["hardware_id"]
+            assert [r["variant"] for r in s.best(op="ag_gemm", mode="eager")] == (["push", "bsp"] if usable else [])
+            if not usable:
+                assert {r["op_digest"] for r in rows} == {"legacy-feedfacefeedface"}
+                assert s.stale()["ops"] == {"ag_gemm": 2}
+        finally:
+            s.close()
+        assert _files(tmp_path) == before
+    w = Store(same)
+    try:
+        assert w.migrated and w.conn.execute("PRAGMA foreign_key_check").fetchall() == []
+        assert len(w.best(op="ag_gemm", mode="eager")) == 2
+    finally:
+        w.close()
+    r = Store.open(same, readonly=True)
+    assert not r.migrated and r.conn.execute("SELECT value FROM meta WHERE key = 'migrated_from'").fetchone()[0] == "1"
+    r.close()
+
+
+def test_shipped_databases_open_read_only(tmp_path):
+    """Every database in tuning_db/ is readable (schema 1 via the in-memory migration) and untouched."""
+    shipped = sorted((ROOT / "tuning_db").glob("*.db"))
+    if not shipped:
+        pytest.skip("no shipped database")
+    for path in shipped:
+        copy = tmp_path / path.name
+        shutil.copy(path, copy)
+        before = _files(tmp_path)
+        s = Store.open(copy, readonly=True)
+        try:
+            assert s.measurements(hardware_id=ALL, op_digest=ALL) and {"eager", "graph"} & set(s.modes())
+            assert s.environments()
+        finally:
+            s.close()
+        assert _files(tmp_path) == before
+
+
+# -- merging -----------------------------------------------------------------------------------------
+
+def test_merge_keeps_every_real_measurement_once(tmp_path):
+    from typer.testing import CliRunner
+
+    from autofuse.cli import app
+
+    fp = environment.fingerprint()
+    a, b = tmp_path / "host0.db", tmp_path / "host1.db"
+    with Store(a) as s:
+        s.add([ok(P, "bsp", {}, 20.0)], fp, source="baseline")
+        s.add([ok(P, "push", {"BLOCK": 16}, 10.0)], fp, study="shared", trial=0)
+        s.add([ok(P, "push", {"BLOCK": 32}, 11.0)], fp, study="shared", trial=1)
+    shutil.copy(a, b)  # host 1 started from a copy of host 0's database...
+    with Store(b) as s:  # ...then measured more: a trial of the shared study and its own baseline
+        s.add([ok(P, "push", {"BLOCK": 8}, 9.0)], fp, study="shared", trial=2)
+        s.add([ok(P, "bsp", {}, 19.0)], fp, source="baseline")
+    out = tmp_path / "all.db"
+    before = {p: p.read_bytes() for p in (a, b)}
+    result = CliRunner().invoke(app, ["merge", str(out), str(a), str(b)])
+    assert result.exit_code == 0, result.output
+    assert "host0.db: 3 of 3 measurements added" in result.output
+    assert "host1.db: 2 of 5 measurements added, 2 already there as the same trial, 1 identical" in result.output
+    assert {p: p.read_bytes() for p in (a, b)} == before
+    again = CliRunner().invoke(app, ["merge", str(out), str(b), str(out), "--json"])
+    report = json.loads(again.output)
+    assert report["inputs"][0]["added"] == 0 and report["inputs"][1]["skipped"] == "it is the output"
+    with Store.open(out, readonly=True) as s:
+        rows = s.measurements()
+        assert sorted(r["median_us"] for r in rows) == [9.0, 10.0, 11.0, 19.0, 20.0]  # both baselines are real
+        assert [r["median_us"] for r in s.best(mode="eager") if r["variant"] == "bsp"] == [19.0]
+        assert s.conn.execute("PRAGMA foreign_key_check").fetchall() == []
+    bad_input = CliRunner().invoke(app, ["merge", str(out), str(tmp_path / "nope.db")])
+    assert bad_input.exit_code == 1 and "nope.db: no such file" in bad_input.output
+
+
+# -- op digests --------------------------------------------------------------------------------------
+
+def _sources(tmp_path: Path) -> dict[str, Path]:
+    """A copy of the package's sources (host modules, op modules, kernels) to edit."""
+    roots = {"autofuse": tmp_path / "autofuse", "autofuse.kernels": tmp_path / "kernels",
+             "autofuse.ops": tmp_path / "autofuse" / "ops"}
+    shutil.copytree(ROOT / "autofuse", roots["autofuse"], ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(ROOT / "kernels", roots["autofuse.kernels"], ignore=shutil.ignore_patterns("__pycache__"))
+    return roots
+
+
+def _digests(roots: dict[str, Path]) -> dict[str, str]:
+    return {op: environment.op_digest(op, roots) for op in ("ag_gemm", "gemm_rs", "gemm_ar", "flash_decode")}
+
+
+def test_op_digest_counts_code_not_docstrings_or_comments(tmp_path):
+    roots = _sources(tmp_path)
+    base = _digests(roots)
+    assert base == {op: environment.op_digest(op) for op in base}  # the copy hashes like the package
+    assert len(set(base.values())) == 4
+    files = environment.digest_modules("autofuse.ops.gemm_ar", roots)
+    assert {"autofuse.ops.gemm_ar", "autofuse.ops.gemm_rs", "autofuse.kernels.gemm_ar",
+            "autofuse.kernels.shmem"} <= set(files)
+
+    def edit(path: Path, old: str, new: str) -> None:
+        text = path.read_text()
+        assert old in text, (path, old)
+        path.write_text(text.replace(old, new, 1))
+
+    op_file = roots["autofuse.ops"] / "ag_gemm.py"
+    first = op_file.read_text().split('"""')[1]
+    edit(op_file, first, first + " Edited docstring.")
+    edit(op_file, "\nimport math\n", "\n# a new comment\nimport math  # and another\n\n")
+    assert _digests(roots) == base, "docstrings, comments and blank lines count"
+
+    edit(roots["autofuse.kernels"] / "flash_decode.py", "\nimport triton\n", "\nimport triton\nUNUSED = 1\n")
+    after = _digests(roots)
+    assert {op for op in base if after[op] != base[op]} == {"flash_decode"}
+
+    edit(roots["autofuse.ops"] / "gemm_rs.py", "\nimport math\n", "\nimport math\nUNUSED = 2\n")
+    later = _digests(roots)
+    assert {op for op in base if later[op] != after[op]} == {"gemm_rs", "gemm_ar"}  # gemm_ar builds on gemm_rs
+
+    edit(roots["autofuse.kernels"] / "shmem.py", "\nimport triton\n", "\nimport triton\nUNUSED = 3\n")
+    last = _digests(roots)
+    assert all(last[op] != later[op] for op in base), "the device API is part of every op"
+
+    # An op may declare modules it depends on without importing them (DIGEST_EXTRA).
+    edit(roots["autofuse.ops"] / "flash_decode.py", "\nimport math\n",
+         "\nimport math\nDIGEST_EXTRA = ('autofuse.kernels.gemm_tile',)\n")
+    declared = _digests(roots)
+    edit(roots["autofuse.kernels"] / "gemm_tile.py", "\nimport triton\n", "\nimport triton\nUNUSED = 4\n")
+    assert _digests(roots)["flash_decode"] != declared["flash_decode"]
+
+
+def test_fingerprint_layers_and_ids():
+    fp = environment.fingerprint()
+    assert set(environment.layer(fp, "hardware")) == set(environment.HARDWARE_FIELDS)
+    assert set(environment.layer(fp, "software")) == set(environment.SOFTWARE_FIELDS)
+    assert environment.layer(fp, "ops") == fp["ops"] and set(fp["ops"]) >= {"ag_gemm", "flash_decode"}
+    assert fp["id"] == environment.fingerprint_id(fp) and fp["hardware_id"] == environment.hardware_id(fp)
+    newer = dict(fp, torch="9.9", ops=dict(fp["ops"], ag_gemm="x"))
+    assert environment.hardware_id(newer) == fp["hardware_id"] and environment.software_id(newer) != fp["software_id"]
+    assert environment.differences(fp, newer, "software") == {"torch": (fp["torch"], "9.9")}
+    assert environment.differences(fp, newer, "hardware") == {}
+    assert environment.differences(fp, newer, "ops") == {"ag_gemm": (fp["ops"]["ag_gemm"], "x")}
+    assert environment.differences(fp, newer) == {"torch": (fp["torch"], "9.9")}
+    with pytest.raises(ValueError):
+        environment.differences(fp, newer, "firmware")

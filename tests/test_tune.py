@@ -1,8 +1,8 @@
-"""`autofuse tune` end to end on CPU ranks: the loop, resume after kill -9 and Ctrl-C, two workers on PostgreSQL.
+"""`autofuse tune` end to end on CPU ranks: the loop, signals, resume after kill -9, two workers on PostgreSQL.
 
-The real ag_gemm runs at 2 ranks with one deliberately wrong variant added; the resume and worker
-tests use FAKE_OP below (an all-reduce, fast under any config), since they are about the tuner.
-Every subprocess has a timeout; a hung run fails the test instead of stalling CI.
+The real ag_gemm runs at 2 ranks with one deliberately wrong variant added; the resume, signal and
+worker tests use FAKE_OP below (an all-reduce, fast under any config), since they are about the
+tuner. Every subprocess has a timeout; a hung run fails the test instead of stalling CI.
 """
 from __future__ import annotations
 
@@ -23,9 +23,9 @@ import torch.distributed as dist
 
 from autofuse import environment
 from autofuse.measure import Measurement
-from autofuse.op import InvalidConfig, Op, Problem, Variant
+from autofuse.op import Op, Problem, Variant
 from autofuse.store import ALL, Store
-from autofuse.tune import default_storage, storage_url
+from autofuse.training.storage import default_storage, storage_url
 
 import pg
 
@@ -67,9 +67,6 @@ def _check(problem: Problem, config: dict) -> str | None:
 
 def _build_chunked(world, problem: Problem, config: dict):
     """All-reduce in chunks; bias=1 is deliberately wrong (adds 0.01), so its configs fail the check."""
-    why = _check(problem, config)
-    if why:
-        raise InvalidConfig(why)
     chunk, bias = config["chunk"], config["bias"]
 
     def run(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -84,16 +81,34 @@ def _build_chunked(world, problem: Problem, config: dict):
     return run
 
 
+class FakeBsp(Variant):
+    name, family = "bsp", "bsp"
+
+    def runner(self, world, problem, config):
+        return _build_bsp(world, problem, config)
+
+
+class Chunked(Variant):
+    name, family = "chunked", "fused"
+
+    def space(self, trial, problem):
+        return {"chunk": trial.suggest_categorical("chunk", [4, 8, 16, 24, 32]),
+                "bias": trial.suggest_categorical("bias", [0, 1])}
+
+    def defaults(self, problem):
+        return [{"chunk": 16, "bias": 0}, {"chunk": 32, "bias": 1}]
+
+    def check(self, problem, config):
+        return _check(problem, config)
+
+    def runner(self, world, problem, config):
+        return _build_chunked(world, problem, config)
+
+
 FAKE_OP = Op(
     name="fake_sum",
-    variants={
-        "bsp": Variant("bsp", _build_bsp, fused=False),
-        "chunked": Variant(
-            "chunked", _build_chunked, check=_check,
-            space=lambda t, p: {"chunk": t.suggest_categorical("chunk", [4, 8, 16, 24, 32]),
-                                "bias": t.suggest_categorical("bias", [0, 1])},
-            defaults=lambda p: [{"chunk": 16, "bias": 0}, {"chunk": 32, "bias": 1}]),
-    },
+    args=("x",),
+    variants=[FakeBsp(), Chunked()],
     problem_of=lambda world, x: Problem.make("fake_sum", x.dtype, world.size, N=x.numel()),
     inputs=_inputs, reference=_reference, tolerance=lambda p: 1e-5, features=lambda p: {},
     sweep=lambda kind, world: [Problem.make("fake_sum", "float32", world, N=n) for n in (64, 96)],
@@ -102,14 +117,26 @@ FAKE_OP = Op(
 
 # -- ag_gemm with a deliberately wrong variant -----------------------------------------------------------
 
-def _ag_gemm_with_wrong() -> Op:
-    from autofuse import registry
+class Wrong(Variant):
+    """BSP's result scaled by 1 + scale/100: always wrong, so stored as failed and never a candidate."""
 
-    real = registry.get("ag_gemm")
-    bsp = real.variants["bsp"]
+    name, family = "wrong", "fused"
 
-    def build_wrong(world, problem, config):
-        run = bsp.build(world, problem, {})
+    def __init__(self, bsp: Variant):
+        super().__init__()
+        self.bsp = bsp
+
+    def space(self, trial, problem):
+        return {"scale": trial.suggest_categorical("scale", [5, 10])}
+
+    def defaults(self, problem):
+        return [{"scale": 5}]
+
+    def check(self, problem, config):
+        return None if set(config) == {"scale"} else f"wrong takes scale only, got {sorted(config)}"
+
+    def runner(self, world, problem, config):
+        run = self.bsp.build(world, problem, {})
 
         def wrong(*inputs, out=None):
             res = run(*inputs, out=out)
@@ -117,9 +144,13 @@ def _ag_gemm_with_wrong() -> Op:
             return res
         return wrong
 
-    wrong = Variant("wrong", build_wrong, space=lambda t, p: {"scale": t.suggest_categorical("scale", [5, 10])},
-                    defaults=lambda p: [{"scale": 5}])
-    return dataclasses.replace(real, variants={"bsp": bsp, "wrong": wrong,
+
+def _ag_gemm_with_wrong() -> Op:
+    from autofuse import registry
+
+    real = registry.get("ag_gemm")
+    bsp = real.variants["bsp"]
+    return dataclasses.replace(real, variants={"bsp": bsp, "wrong": Wrong(bsp),
                                                **{k: v for k, v in real.variants.items() if k != "bsp"}})
 
 
@@ -168,11 +199,39 @@ def _wait_for(pred, timeout: float, proc: subprocess.Popen, what: str) -> None:
             return
         if proc.poll() is not None:
             out, err = proc.communicate(timeout=10)
-            raise AssertionError(f"tune exited ({proc.returncode}) before {what}:\n{out[-2000:]}\n{err[-2000:]}")
+            raise AssertionError(f"tune exited ({proc.returncode}) before {what}:\n{(out or '')[-2000:]}\n"
+                                 f"{(err or '')[-2000:]}")
         time.sleep(0.2)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait(timeout=30)
     raise AssertionError(f"timed out waiting for {what}")
+
+
+def _start_time(pid: int) -> str | None:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+def _ranks_of(parent: int) -> dict[int, str]:
+    """The rank processes (multiprocessing spawn children) of `parent`: {pid: start time}."""
+    out = {}
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            stat = (d / "stat").read_text().rsplit(")", 1)[1].split()
+            cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if int(stat[1]) == parent and "spawn_main" in cmd:
+            out[int(d.name)] = stat[19]
+    return out
+
+
+def _alive(ranks: dict[int, str]) -> list[int]:
+    return [pid for pid, start in ranks.items() if _start_time(pid) == start]
 
 
 def _studies(url: str) -> dict[str, list[optuna.trial.FrozenTrial]]:
@@ -185,8 +244,20 @@ def _measured(trials) -> list[optuna.trial.FrozenTrial]:
     return [t for t in trials if t.user_attrs.get("measured") and t.state != optuna.trial.TrialState.FAIL]
 
 
+def _params_match_config(t: optuna.trial.FrozenTrial) -> None:
+    """Optuna's recorded parameters are exactly (a subset of) the measured config, never another value."""
+    variant, config = t.user_attrs["variant"], t.user_attrs["config"]
+    assert t.params.get("variant") == variant, (t.number, t.params)
+    for name, value in t.params.items():
+        if name == "variant":
+            continue
+        prefix, _, key = name.partition(".")
+        assert prefix == variant and key in config and config[key] == value, (t.number, name, value, config)
+
+
 def _check_consistent(db: Path, url: str, trials_per_study: int, workers: int = 1) -> dict:
-    """Store rows vs Optuna trials: none lost, none duplicated, none left RUNNING; returns the studies."""
+    """Store rows vs Optuna trials: none lost, none duplicated, none left RUNNING or WAITING, recorded
+    parameters equal to the measured configs; returns the studies."""
     rows = _tune_rows(db)
     keys = [(r["study"], r["trial"], r["mode"]) for r in rows]
     assert len(keys) == len(set(keys))
@@ -194,7 +265,9 @@ def _check_consistent(db: Path, url: str, trials_per_study: int, workers: int = 
     assert len(per_config) == len(set(per_config)), "a config was measured twice in one study"
     studies = _studies(url)
     for name, trials in studies.items():
-        assert not [t.number for t in trials if t.state == optuna.trial.TrialState.RUNNING], name
+        states = [t.state for t in trials]
+        assert optuna.trial.TrialState.RUNNING not in states, name
+        assert optuna.trial.TrialState.WAITING not in states, f"{name}: enqueued trials left waiting"
         measured = _measured(trials)
         assert trials_per_study <= len(measured) <= trials_per_study + workers - 1, (name, len(measured))
         written = {r["trial"] for r in rows if r["study"] == name}
@@ -202,6 +275,7 @@ def _check_consistent(db: Path, url: str, trials_per_study: int, workers: int = 
         for t in measured:
             (row,) = [r for r in rows if r["study"] == name and r["trial"] == t.number]
             assert json.loads(row["config"]) == t.user_attrs["config"]
+            _params_match_config(t)
             if t.state == optuna.trial.TrialState.COMPLETE:
                 assert row["ok"] == 1 and row["median_us"] == pytest.approx(t.value)
             else:
@@ -213,7 +287,7 @@ def _check_consistent(db: Path, url: str, trials_per_study: int, workers: int = 
 
 def test_tune_ag_gemm_two_ranks_writes_db_and_skips_failed_and_stale(tmp_path):
     """The whole loop on the real ag_gemm (2 CPU ranks): baselines, enqueued defaults, a wrong variant
-    that is stored but never a candidate, rows of another environment kept but unused and reported."""
+    that is stored but never a candidate, rows of other hardware kept but unused and reported."""
     from autofuse import registry
 
     db = tmp_path / "tuning_db" / "ag.db"
@@ -229,8 +303,11 @@ def test_tune_ag_gemm_two_ranks_writes_db_and_skips_failed_and_stale(tmp_path):
     proc = _run(_tune_cmd(db, "--op", "test_tune:AG_GEMM_WITH_WRONG", "--world", "2", "--trials", "3",
                           "--shapes", problem.key), timeout=600)
     out = proc.stdout
+    assert out.startswith("autofuse tune: test_tune:AG_GEMM_WITH_WRONG into ")  # said before anything starts
+    assert "tuning 1 problems (ag_gemm 1) at world 2 on 2 CPU ranks" in out and "CPU emulation" in out
     assert "kept but not used" in out and "Imaginary GPU" in out
-    assert "best per problem" in out and "x BSP" in out
+    assert "ag_gemm: best latency per variant" in out and "x BSP" in out and "How to read it" in out
+    assert "FutureWarning" not in proc.stderr and "is deprecated" not in proc.stderr
 
     store = Store(db)
     try:
@@ -244,35 +321,38 @@ def test_tune_ag_gemm_two_ranks_writes_db_and_skips_failed_and_stale(tmp_path):
         assert len(tune) == 3 and all(r["study"] and r["trial"] is not None for r in tune)
         good = [r for r in rows if r["ok"]]
         assert good and all(r["rel_error"] <= registry.get("ag_gemm").tolerance(problem) for r in good)
+        assert {r["op_digest"] for r in rows} == {environment.op_digest("ag_gemm")}
         best = store.best(op="ag_gemm", mode="eager")
         assert {r["problem"] for r in best} == {problem.key}
         assert "wrong" not in {r["variant"] for r in best} and "bsp" in {r["variant"] for r in best}
-        assert all(r["fingerprint"] == here["id"] for r in best)
+        assert all(r["fingerprint"] == here["id"] and r["hardware_id"] == here["hardware_id"] for r in best)
         assert store.stale()["rows"] == 1 and len(store.measurements(fingerprint_id=ALL)) == len(rows) + 1
     finally:
         store.close()
-    _check_consistent(db, default_storage(db), 3)
+    studies = _check_consistent(db, default_storage(db), 3)
+    assert all(name.endswith(f"|eager|{here['hardware_id']}|{environment.op_digest('ag_gemm')}") for name in studies)
 
 
-def test_resume_after_ctrl_c_and_kill_9(tmp_path):
-    """Ctrl-C stops after the current trial; kill -9 mid-study loses nothing; reruns continue the study."""
+def test_ctrl_c_stops_after_the_trial_exits_130_and_resume_after_kill_9(tmp_path):
+    """Ctrl-C (SIGINT to the whole group) stops after the current trial and exits 130; kill -9 of
+    every process mid-study loses nothing; reruns continue the study."""
     db = tmp_path / "r.db"
     url = default_storage(db)
     cmd = _tune_cmd(db, "--op", "test_tune:FAKE_OP", "--world", "2", "--trials", "5", "--shapes", "N=64")
     env = _env(AUTOFUSE_FAKE_DELAY_MS="30")
 
-    # 1. Ctrl-C (SIGINT to the whole process group, as a terminal sends it): a clean stop, exit 0.
+    # 1. Ctrl-C, as a terminal sends it (every process of the group): a clean stop, exit 130.
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=str(ROOT),
                          start_new_session=True)
     _wait_for(lambda: len(_tune_rows(db)) >= 1, 180, p, "the first trial")
     os.killpg(p.pid, signal.SIGINT)
     out, err = p.communicate(timeout=120)
-    assert p.returncode == 0, f"{out[-2000:]}\n{err[-2000:]}"
-    assert "stopped early" in out
+    assert p.returncode == 130, f"{out[-2000:]}\n{err[-2000:]}"
+    assert "stopped early" in out and "interrupted" in out
     first = _tune_rows(db)
     assert 1 <= len(first) < 5
     (trials,) = _studies(url).values()
-    assert not [t for t in trials if t.state == optuna.trial.TrialState.RUNNING]
+    assert not [t for t in trials if t.state in (optuna.trial.TrialState.RUNNING, optuna.trial.TrialState.WAITING)]
 
     # 2. kill -9 of every process while a trial runs (after one trial of this run was written).
     p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, cwd=str(ROOT),
@@ -297,13 +377,16 @@ def test_resume_after_ctrl_c_and_kill_9(tmp_path):
     assert {r["id"] for r in second} <= {r["id"] for r in final}, "a measurement was lost"
     studies = _check_consistent(db, url, 5)
     (trials,) = studies.values()
-    assert max(t.number for t in _measured(trials)) > before, "the study did not continue"
-    # The killed trial (unless it ended in the few ms between the check and the kill) was failed on
-    # resume and its config measured again in a new trial.
-    for killed in [t for t in trials if t.state == optuna.trial.TrialState.FAIL]:
+    # The killed trial was failed on resume and its config measured again in a new trial; or, if its
+    # rows were written in the few ms between the check and the kill, it was told their result.
+    killed = next(t for t in trials if t.number == before)
+    if killed.state == optuna.trial.TrialState.FAIL:
         assert killed.user_attrs["abandoned"] == "process died during the trial"
         (retry,) = [t for t in trials if t.user_attrs.get("retry_of") == killed.number]
         assert retry in _measured(trials) and retry.user_attrs["config"] == killed.user_attrs["config"]
+        assert retry.number > before, "the study did not continue"
+    else:
+        assert killed in _measured(trials) and killed.number in {r["trial"] for r in final}
     # Known-bad configs stay in the store and out of best().
     store = Store(db)
     try:
@@ -313,14 +396,57 @@ def test_resume_after_ctrl_c_and_kill_9(tmp_path):
         store.close()
 
 
+def test_signals_to_the_parent_alone_sigterm_exits_143_and_kill_9_leaves_no_rank(tmp_path):
+    """What `timeout`, systemd and container runtimes do: SIGTERM to the parent alone finishes the
+    trial, keeps every row and exits 143; kill -9 of the parent alone leaves no rank running."""
+    db = tmp_path / "s.db"
+    url = default_storage(db)
+    cmd = _tune_cmd(db, "--op", "test_tune:FAKE_OP", "--world", "2", "--trials", "6", "--shapes", "N=64")
+    env = _env(AUTOFUSE_FAKE_DELAY_MS="30")
+
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=str(ROOT),
+                         start_new_session=True)
+    _wait_for(lambda: len(_tune_rows(db)) >= 1, 180, p, "the first trial")
+    ranks = _ranks_of(p.pid)
+    assert len(ranks) == 2, ranks
+    p.send_signal(signal.SIGTERM)
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 143, f"{out[-2000:]}\n{err[-2000:]}"
+    assert "SIGTERM: stopping after the current trial" in out and "interrupted" in out
+    assert not _alive(ranks)
+    kept = _tune_rows(db)
+    assert 1 <= len(kept) < 6
+    (trials,) = _studies(url).values()
+    assert not [t for t in trials if t.state in (optuna.trial.TrialState.RUNNING, optuna.trial.TrialState.WAITING)]
+
+    p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, cwd=str(ROOT),
+                         start_new_session=True)
+    _wait_for(lambda: len(_tune_rows(db)) >= len(kept) + 1, 180, p, "a trial of the second run")
+    ranks = _ranks_of(p.pid)
+    assert len(ranks) == 2, ranks
+    p.kill()
+    p.wait(timeout=30)
+    end = time.monotonic() + 10
+    while _alive(ranks) and time.monotonic() < end:
+        time.sleep(0.1)
+    left = _alive(ranks)
+    for pid in left:  # do not leave them running if the test fails
+        os.kill(pid, signal.SIGKILL)
+    assert not left, f"ranks {left} outlived their parent"
+    assert {r["id"] for r in kept} <= {r["id"] for r in _tune_rows(db)}  # resuming from here: the test above
+
+
 @pytest.mark.postgres
 def test_two_workers_share_one_study_on_postgres(tmp_path):
-    """Two tuning processes (as two hosts: separate measurement DBs) fill one PostgreSQL study together."""
+    """Two tuning processes (as two hosts: separate measurement DBs) fill one PostgreSQL study together;
+    `autofuse merge` then gives fit one database with every host's rows."""
+    from autofuse.training.study import study_name
+
     url = pg.pg_url()
     here = environment.fingerprint()
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     for s in optuna.get_all_study_summaries(storage_url(url)):  # the test database is ours: start clean
-        if s.study_name.startswith("fake_sum|") and s.study_name.endswith(here["id"]):
+        if s.study_name.startswith("fake_sum|"):
             optuna.delete_study(study_name=s.study_name, storage=storage_url(url))
     dbs = [tmp_path / "host0.db", tmp_path / "host1.db"]
     procs = [subprocess.Popen(_tune_cmd(db, "--op", "test_tune:FAKE_OP", "--world", "1", "--trials", "6",
@@ -336,33 +462,120 @@ def test_two_workers_share_one_study_on_postgres(tmp_path):
                 p.wait(timeout=30)
     for p, (out, err) in zip(procs, outs):
         assert p.returncode == 0, f"{out[-2000:]}\n{err[-2000:]}"
-    name = f"fake_sum|N=96|float32|w1|eager|{here['id']}"
+    problem = Problem.make("fake_sum", "float32", 1, N=96)
+    name = study_name(problem, "eager", here["hardware_id"], environment.op_digest(FAKE_OP))
     trials = _studies(storage_url(url))[name]
     measured = _measured(trials)
     assert 6 <= len(measured) <= 7
-    assert not [t for t in trials if t.state == optuna.trial.TrialState.RUNNING]
+    assert not [t for t in trials if t.state in (optuna.trial.TrialState.RUNNING, optuna.trial.TrialState.WAITING)]
     assert len({t.number for t in trials}) == len(trials)
     pids = {t.user_attrs["worker"]["pid"] for t in measured}
     assert len(pids) == 2, f"only one worker measured trials: {pids}"
+    for t in measured:
+        _params_match_config(t)
     rows = [r for db in dbs for r in _tune_rows(db)]
     assert sorted(r["trial"] for r in rows) == sorted(t.number for t in measured)
     for db in dbs:
         assert {r["study"] for r in _tune_rows(db)} == {name}
+    merged = tmp_path / "all.db"
+    _run([sys.executable, "-m", "autofuse", "merge", str(merged), *map(str, dbs)], timeout=120)
+    _run([sys.executable, "-m", "autofuse", "merge", str(merged), *map(str, dbs)], timeout=120)  # idempotent
+    assert sorted(r["trial"] for r in _tune_rows(merged)) == sorted(t.number for t in measured)
+
+
+# -- the study driver without ranks ------------------------------------------------------------------------
+
+class Tiled(Variant):
+    """A space that draws `split`, which the first default leaves out, and `tile` from choices the second
+    default's value is not among."""
+
+    name, family = "tiled", "fused"
+
+    def space(self, trial, problem):
+        return {"tile": trial.suggest_categorical("tile", [8, 16, 32]), "split": trial.suggest_int("split", 1, 4)}
+
+    def defaults(self, problem):
+        return [{"tile": 16}, {"tile": 12, "split": 2}, {"tile": 8, "split": 3}]
+
+    def check(self, problem, config):
+        return None
+
+
+SPACE_OP = Op(
+    name="fake_space", args=("x",), variants=[FakeBsp(), Tiled()],
+    problem_of=FAKE_OP.problem_of, inputs=_inputs, reference=_reference, tolerance=lambda p: 1e-5,
+    features=lambda p: {}, sweep=lambda kind, world: [Problem.make("fake_space", "float32", world, N=64)],
+)
+
+
+def _driver(tmp_path, op, trials: int, name: str = "x"):
+    from autofuse.training.storage import open_storage
+    from autofuse.training.study import StudyDriver
+
+    fp = environment.fingerprint()
+    store = Store(tmp_path / f"{name}.db")
+    storage = open_storage(default_storage(tmp_path / f"{name}.db"))
+    problem = op.sweep("cpu", 2)[0]
+    variants = [v for v, var in op.variants.items() if var.tunable]
+    return StudyDriver(storage, store, fp, op, problem, "eager", variants, trials, environment.op_digest(op)), store
+
+
+def _finish(driver, job, us: float = 10.0) -> None:
+    driver.finish(job, [Measurement(driver.problem, job.variant, job.config, "eager", True, "", 0.0, us, us, us,
+                                    us, 3)])
+
+
+@pytest.mark.filterwarnings("ignore:Heartbeat of storage")
+def test_enqueued_configs_record_exactly_what_is_measured_and_none_is_left_waiting(tmp_path):
+    """A default without `split` records no split (the space draws one, Optuna must not invent it); a
+    value outside the declared choices is measured as given and not recorded; defaults beyond the
+    budget are never enqueued, so nothing stays WAITING."""
+    driver, store = _driver(tmp_path, SPACE_OP, trials=2)
+    try:
+        seen = []
+        while (job := driver.next(None)) is not None:
+            seen.append(job.config)
+            _finish(driver, job)
+        assert seen == [{"tile": 16}, {"tile": 12, "split": 2}]
+        trials = driver.study.get_trials(deepcopy=False)
+        assert [t.state for t in trials] == [optuna.trial.TrialState.COMPLETE] * 2
+        assert trials[0].params == {"variant": "tiled", "tiled.tile": 16}
+        assert trials[0].user_attrs["unrecorded"] == ["split"]
+        assert trials[1].params == {"variant": "tiled", "tiled.split": 2}
+        assert trials[1].user_attrs["unrecorded"] == ["tile"] and trials[1].user_attrs["config"] == seen[1]
+        for t in trials:
+            _params_match_config(t)
+        # A larger budget later: the third default first, then sampled configs, all recorded as measured.
+        more, more_store = _driver(tmp_path, SPACE_OP, trials=5)
+        while (job := more.next(None)) is not None:
+            _finish(more, job)
+        more_store.close()
+        trials = more.study.get_trials(deepcopy=False)
+        assert trials[2].user_attrs["config"] == {"tile": 8, "split": 3} and trials[2].params["tiled.split"] == 3
+        assert not [t for t in trials if t.state == optuna.trial.TrialState.WAITING]
+        for t in _measured(trials):
+            _params_match_config(t)
+            if "default" not in t.user_attrs:
+                assert {f"tiled.{k}" for k in t.user_attrs["config"]} | {"variant"} == set(t.params)
+    finally:
+        store.close()
 
 
 @pytest.mark.filterwarnings("ignore:Heartbeat of storage")
 def test_recovery_of_a_dead_workers_running_trials(tmp_path):
     """On resume, a RUNNING trial of a dead process is told its stored result if its rows were written
-    (killed between the write and the tell), else failed and its parameters enqueued again."""
-    from autofuse.tune import Settings, StudyDriver, open_storage, study_name
+    (killed between the write and the tell), else failed, and its config is the first queued again."""
+    from autofuse.training.storage import open_storage
+    from autofuse.training.study import StudyDriver, study_name
 
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait(timeout=60)
     fp = environment.fingerprint()
+    digest = environment.op_digest(FAKE_OP)
     problem = FAKE_OP.sweep("cpu", 2)[0]
     store = Store(tmp_path / "x.db")
     storage = open_storage(default_storage(tmp_path / "x.db"))
-    name = study_name(problem, "eager", fp["id"])
+    name = study_name(problem, "eager", fp["hardware_id"], digest)
     study = optuna.create_study(study_name=name, storage=storage)
     worker = {"host": __import__("socket").gethostname(), "pid": dead.pid, "start": ""}
     for number, config in enumerate(({"chunk": 8, "bias": 0}, {"chunk": 4, "bias": 0})):
@@ -371,18 +584,166 @@ def test_recovery_of_a_dead_workers_running_trials(tmp_path):
             t.set_user_attr(k, v)
         assert t.number == number
     store.add([Measurement(problem, "chunked", {"chunk": 8, "bias": 0}, "eager", True, "", 0.0, 42.0, 40.0, 44.0,
-                           39.0, 3)], fp, study=name, trial=0)
-    settings = Settings(db=str(tmp_path / "x.db"), trials=3)
-    driver = StudyDriver(storage, store, fp, FAKE_OP, problem, "eager", ["chunked"], settings, "cpu")
+                           39.0, 3)], fp, study=name, trial=0, op_digest=digest)
+    driver = StudyDriver(storage, store, fp, FAKE_OP, problem, "eager", ["chunked"], 3, digest)
     trials = driver.study.get_trials(deepcopy=False)
     assert trials[0].state == optuna.trial.TrialState.COMPLETE and trials[0].value == 42.0
     assert trials[1].state == optuna.trial.TrialState.FAIL and trials[1].user_attrs["abandoned"]
-    waiting = [t for t in trials if t.state == optuna.trial.TrialState.WAITING]
-    assert [t.user_attrs.get("retry_of") for t in waiting][0] == 1
-    assert waiting[0].user_attrs["config"] == {"chunk": 4, "bias": 0}
-    # The known-good configs follow (enqueued once: a rerun does not queue them again).
-    assert [t.user_attrs["config"] for t in waiting[1:]] == [{"chunk": 16, "bias": 0}, {"chunk": 32, "bias": 1}]
+    assert not [t for t in trials if t.state == optuna.trial.TrialState.WAITING]  # queued only when asked for
+    queue = driver.pending()
+    assert queue[0] == ("chunked", {"chunk": 4, "bias": 0}, {"retry_of": 1})
+    # The known-good configs follow.
+    assert [c for _, c, _ in queue[1:]] == [{"chunk": 16, "bias": 0}, {"chunk": 32, "bias": 1}]
     assert driver.measured() == 1
-    again = StudyDriver(storage, store, fp, FAKE_OP, problem, "eager", ["chunked"], settings, "cpu")
-    assert len(again.study.get_trials(deepcopy=False)) == len(trials)
+    job = driver.next(None)
+    assert job is not None and job.config == {"chunk": 4, "bias": 0}
+    assert driver.study.get_trials(deepcopy=False)[-1].user_attrs["retry_of"] == 1
+    driver.abandon()
+    again = StudyDriver(storage, store, fp, FAKE_OP, problem, "eager", ["chunked"], 3, digest)
+    assert [c for _, c, _ in again.pending()][0] == {"chunk": 16, "bias": 0}, "a config is retried once only"
     store.close()
+
+
+# -- the command line without ranks ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("args, says", [
+    (["--trials", "-1"], "--trials must be at least 1, not -1"),
+    (["--world", "0"], "--world sizes must be at least 1, not 0"),
+    (["--world", "x"], "--world takes integers"),
+    (["--mode", "graph"], "--mode graph needs CUDA graphs"),
+    (["--mode", "fast"], "--mode must be one of eager, graph"),
+    (["--op", "no_such_op"], "unknown op 'no_such_op'"),
+])
+def test_bad_arguments_are_one_line_before_anything_starts(tmp_path, args, says):
+    from typer.testing import CliRunner
+
+    from autofuse.cli import app
+
+    if "graph" in args and torch.cuda.is_available():
+        pytest.skip("graph mode exists here")
+    db = tmp_path / "a.db"
+    result = CliRunner().invoke(app, ["tune", "--db", str(db), "--quiet", *args])
+    assert result.exit_code == 2, result.output
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("autofuse tune: ") and says in lines[0], result.output
+    assert "Traceback" not in result.output and not db.exists()
+
+
+def test_tune_refuses_a_database_it_cannot_use_before_measuring(tmp_path):
+    """An unrelated SQLite file, a folder, a path under /proc: one line naming the path, nothing changed."""
+    from typer.testing import CliRunner
+
+    from autofuse.cli import app
+
+    other = tmp_path / "app.db"
+    con = sqlite3.connect(other)
+    con.execute("CREATE TABLE users (id INTEGER PRIMARY KEY, name TEXT)")
+    con.execute("INSERT INTO users (name) VALUES ('ada')")
+    con.commit()
+    con.close()
+    before = other.read_bytes()
+    for db, why in ((other, "another application"), (tmp_path, "is a directory"),
+                    (Path("/proc/autofuse/x.db"), "cannot create its folder")):
+        result = CliRunner().invoke(app, ["tune", "--db", str(db), "--quiet", "--op", "test_tune:FAKE_OP"])
+        assert result.exit_code == 1, result.output
+        lines = [line for line in result.output.splitlines() if line.strip()]
+        assert len(lines) == 1 and str(db) in lines[0] and why in lines[0], result.output
+    assert other.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == ["app.db"]
+
+
+def test_runtime_never_imports_optuna_or_sklearn():
+    """The runtime (ops, kernels, policy walk, dispatch, store, measure) runs without the training side:
+    in a fresh interpreter where importing optuna or sklearn fails, every runtime module imports and
+    neither is loaded. (A module that fails to import for another reason is another test's business.)"""
+    import importlib.util
+
+    modules = ["autofuse", "autofuse.op", "autofuse.registry", "autofuse.world", "autofuse.heap", "autofuse.status",
+               "autofuse.features", "autofuse.environment", "autofuse.policy", "autofuse.dispatch", "autofuse.confirm",
+               "autofuse.measure", "autofuse.store", "autofuse.workspace", "autofuse.runner", "autofuse.gemm",
+               "autofuse.collectives", "autofuse.hybrid", "autofuse.shapes", "autofuse.sizes"]
+    modules += [f"autofuse.ops.{p.stem}" for p in (ROOT / "autofuse" / "ops").glob("*.py") if p.stem != "__init__"]
+    modules += [f"autofuse.kernels.{p.stem}" for p in (ROOT / "kernels").glob("*.py") if p.stem != "__init__"]
+    present = [m for m in modules if importlib.util.find_spec(m) is not None]
+    code = ("import importlib, importlib.abc, sys\n"
+            "class Block(importlib.abc.MetaPathFinder):\n"
+            "    def find_spec(self, name, path=None, target=None):\n"
+            "        if name.split('.')[0] in ('optuna', 'sklearn'):\n"
+            "            raise ImportError(f'training-only module {name} imported by the runtime')\n"
+            "sys.meta_path.insert(0, Block())\n"
+            "bad = []\n"
+            f"for m in {present!r}:\n"
+            "    try:\n"
+            "        importlib.import_module(m)\n"
+            "    except Exception as exc:\n"
+            "        if 'training-only' in str(exc): bad.append(f'{m}: {exc}')\n"
+            "        else: print(f'(not importable for another reason: {m}: {type(exc).__name__})', file=sys.stderr)\n"
+            "from autofuse import environment\n"
+            "environment.fingerprint('cpu')\n"
+            "print(bad + sorted(m for m in ('optuna', 'sklearn') if m in sys.modules))\n")
+    env = {**{k: v for k, v in os.environ.items() if k != "PYTHONPATH"}, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env,
+                          cwd=str(ROOT))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip().splitlines()[-1] == "[]", proc.stdout
+
+
+# -- on GPUs (the lead runs these with `pytest -m gpu tests/test_tune.py` on the GPU machine) -------------
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_tune_on_two_gpus_records_both_modes_and_resumes(tmp_path):
+    """A short ag_gemm study on 2 GPUs: baselines and trials in eager and graph mode, every OK row within
+    tolerance, BSP and a fused variant among the candidates, no failed config among them, recorded
+    parameters equal to the measured configs, nothing left RUNNING or WAITING; a rerun measures nothing."""
+    from autofuse import registry
+
+    db = tmp_path / "gpu.db"
+    cmd = _tune_cmd(db, "--op", "ag_gemm", "--shapes", "1024", "--world", "2", "--trials", "3")
+    first = _run(cmd, timeout=600)
+    assert "finding GPUs" in first.stdout.splitlines()[0] and "FutureWarning" not in first.stderr
+    with Store.open(db, readonly=True) as store:
+        rows = store.measurements(op="ag_gemm")
+        assert {r["mode"] for r in rows} == {"eager", "graph"}
+        here = environment.fingerprint("cuda")
+        assert {r["hardware_id"] for r in rows} == {here["hardware_id"]}
+        tol = registry.get("ag_gemm").tolerance
+        assert all(r["rel_error"] <= tol(Problem.from_key(r["problem"])) for r in rows if r["ok"])
+        failed = {(r["problem"], r["config_id"]) for r in rows if not r["ok"]}
+        for mode in ("eager", "graph"):
+            best = store.best(op="ag_gemm", mode=mode)
+            variants = {r["variant"] for r in best}
+            assert "bsp" in variants and variants - {"bsp", "torch_symm"}, (mode, variants)
+            assert not [r for r in best if (r["problem"], r["config_id"]) in failed]
+        n = len(rows)
+    _check_consistent(db, default_storage(db), 3)
+    _run(cmd, timeout=600)
+    with Store.open(db, readonly=True) as store:
+        assert len(store.measurements(op="ag_gemm")) == n, "the rerun measured again"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_sigterm_and_kill_9_on_gpus(tmp_path):
+    """On GPUs too: SIGTERM to the parent exits 143 with rows kept; kill -9 of the parent leaves no rank."""
+    db = tmp_path / "sig.db"
+    cmd = _tune_cmd(db, "--op", "ag_gemm", "--world", "2", "--trials", "40", "--shapes", "1024,2048")
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(), cwd=str(ROOT),
+                         start_new_session=True)
+    _wait_for(lambda: len(_tune_rows(db)) >= 2, 300, p, "two trials")
+    p.send_signal(signal.SIGTERM)
+    out, err = p.communicate(timeout=300)
+    assert p.returncode == 143, f"{out[-2000:]}\n{err[-2000:]}"
+    kept = len(_tune_rows(db))
+    p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=_env(), cwd=str(ROOT),
+                         start_new_session=True)
+    _wait_for(lambda: len(_tune_rows(db)) >= kept + 1, 300, p, "a trial of the second run")
+    ranks = _ranks_of(p.pid)
+    p.kill()
+    p.wait(timeout=30)
+    end = time.monotonic() + 10
+    while _alive(ranks) and time.monotonic() < end:
+        time.sleep(0.1)
+    left = _alive(ranks)
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    assert ranks and not left, f"ranks {left} outlived their parent"

@@ -1,66 +1,114 @@
-"""`autofuse tune`: Optuna search of the fused variants' configs, every measurement into SQLite."""
+"""`autofuse tune`: Optuna search of the tunable variants' configs, every measurement into SQLite."""
 from __future__ import annotations
 
 import os
-import signal
-import sys
+import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, NoReturn, Optional
 
 import typer
 from rich.console import Console
 from rich.table import Table
 
 console = Console()
-if not console.is_terminal:
-    console.width = max(console.width, 160)  # logs: keep the summary table's rows whole
+errors = Console(stderr=True)
+
+CPU_INTRO = (
+    "No GPU here, so this is the CPU emulation: each rank is a process, the real Triton kernels run under "
+    "Triton's interpreter, gloo carries the collectives and a shared-memory file stands in for the GPUs' "
+    "symmetric heap. It checks that every tuned variant matches the float64 reference and runs the whole "
+    "tune -> fit -> dispatch loop on small problems. Its timings are the interpreter's, not a GPU's: the "
+    "interpreter runs a kernel element by element, so BSP (torch's own compute) wins almost everywhere, "
+    "and differences of a few tens of percent are noise of a busy CPU.")
+CPU_OUTRO = (
+    "How to read it: one table per op, one row per problem; each variant's best latency in microseconds per "
+    "call (median of the timed calls, slowest rank); bsp = collective + torch compute, torch_symm = torch's own "
+    "symmetric-memory op, the others are autofuse's tuned variants (hybrid and fused kernels); x BSP = BSP's "
+    "latency / the fastest tuned one (above 1: it pays). Every tuned variant was "
+    "checked against the reference and timed on every problem.\n"
+    "Next: `autofuse fit --mode eager` fits a dispatch policy on these rows, `autofuse show --mode eager` lists "
+    "them. On a machine with GPUs, `autofuse tune` tunes on every local GPU (graph and eager modes, 16 trials "
+    "per problem, about 10 min per op), then `autofuse fit` writes the policy that dispatch uses.")
+DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
+
+
+def say(text: str, style: str | None = None) -> None:
+    """Print plain text (never parsed as markup: problem keys and errors hold brackets)."""
+    console.print(text, style=style, markup=False, highlight=False, soft_wrap=True)
+
+
+def fail(text: str, code: int = 1) -> NoReturn:
+    """One line on stderr, then exit."""
+    errors.print(f"autofuse tune: {text}", style="red", markup=False, highlight=False, soft_wrap=True)
+    raise typer.Exit(code)
 
 
 def _split(values: Optional[list[str]], sep: str = ",") -> list[str]:
     return [v.strip() for item in values or [] for v in item.split(sep) if v.strip()]
 
 
+def _short(problem: str) -> str:
+    """'ag_gemm|K=64,M=4,N=32,gather=rows|bfloat16|w2' -> 'K=64,M=4,N=32,gather=rows bf16 w2'."""
+    parts = problem.split("|")
+    if len(parts) != 4:
+        return problem
+    return f"{parts[1]} {DTYPES.get(parts[2], parts[2])} {parts[3]}"
+
+
+def _us(x: Optional[float]) -> str:
+    return "-" if x is None else f"{x:.1f}"
+
+
 def render(summary: list[dict]) -> None:
-    """The end-of-run table: per problem, the best variant and config, its latency and speedup vs BSP."""
+    """One table per op: per problem, every variant's best latency, the best, and BSP / best tuned."""
     if not summary:
-        console.print("nothing was tuned")
+        say("nothing was tuned")
         return
-    t = Table(title=f"autofuse tune: best per problem ({summary[0]['mode']} mode, us per call, rank-max median)")
-    for col, justify in (("problem", "left"), ("best variant", "left"), ("config", "left"), ("latency", "right"),
-                         ("BSP", "right"), ("x BSP", "right"), ("trials", "right"), ("compile s", "right")):
-        t.add_column(col, justify=justify)  # type: ignore[arg-type]
-    f = lambda x, d=1: "-" if x is None else f"{x:.{d}f}"  # noqa: E731
+    mode = summary[0]["mode"]
+    by_op: dict[str, list[dict]] = {}
     for r in summary:
-        cfg = ",".join(f"{k}={v}" for k, v in (r["config"] or {}).items()) or "-"
-        t.add_row(r["problem"].replace("|", " "), r["best_variant"] or "-", cfg, f(r["latency_us"]), f(r["bsp_us"]),
-                  f(r["speedup_vs_bsp"], 2), str(r["trials_this_run"]), f(r["compile_s"]))
-    console.print(t)
+        by_op.setdefault(r["op"], []).append(r)
+    for op, rows in by_op.items():
+        variants: list[str] = []
+        for r in rows:
+            variants += [v for v in r.get("variants_us", {}) if v not in variants]
+        variants.sort(key=lambda v: (v != "bsp", v))
+        say(f"{op}: best latency per variant, us per call ({mode} mode)", "bold")
+        t = Table()
+        t.add_column("problem", overflow="fold")
+        for v in variants:
+            t.add_column(v, justify="right")
+        t.add_column("best")
+        t.add_column("x BSP", justify="right")
+        for r in rows:
+            us = r.get("variants_us", {})
+            speed = (r["bsp_us"] / r["best_tuned_us"]) if r.get("bsp_us") and r.get("best_tuned_us") else None
+            t.add_row(_short(r["problem"]), *[_us(us.get(v)) for v in variants], r["best_variant"] or "-",
+                      "-" if speed is None else f"{speed:.2f}")
+        console.print(t)
+    trials = sum(r["trials_this_run"] for r in summary)
+    compile_s = sum(r["compile_s"] for r in summary)
+    say(f"{trials} trials measured in this run ({compile_s:.0f} s of it compiling and checking kernels)")
 
 
 def _torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
-class _ParentInterrupt:
-    """While ranks run in child processes: the first Ctrl-C lets them finish their trial, the second aborts."""
+def _check_writable(settings: Any) -> None:
+    """Open the database and Optuna's storage for writing before any rank starts (one line if not)."""
+    from autofuse.store import Store, StoreError
+    from autofuse.training.progress import first_line
+    from autofuse.training.storage import check_writable, open_storage
 
-    def __init__(self) -> None:
-        self.count = 0
-        self.previous: Any = None
-
-    def __enter__(self) -> "_ParentInterrupt":
-        self.previous = signal.signal(signal.SIGINT, self._handle)
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        signal.signal(signal.SIGINT, self.previous)
-
-    def _handle(self, signum: int, frame: Any) -> None:
-        self.count += 1
-        if self.count == 1:
-            console.print("[yellow]stopping after the current trial (Ctrl-C again to abandon it)[/]")
-            return
-        raise KeyboardInterrupt
+    try:
+        Store.open(settings.db, fingerprint={}).close()
+    except StoreError as exc:
+        fail(f"cannot use the database: {exc}")
+    try:
+        check_writable(open_storage(settings.storage_url()))
+    except Exception as exc:  # noqa: BLE001 - SQLAlchemy / driver errors: the first line says it
+        fail(f"cannot write the Optuna storage {settings.storage_url()}: {first_line(str(exc), 300)}")
 
 
 def tune(
@@ -74,61 +122,116 @@ def tune(
     mode: Optional[str] = typer.Option(None, help="Timing mode the search minimises: graph (default on GPUs) "
                                        "or eager (the only one on CPU). Every available mode is recorded."),
     trials: Optional[int] = typer.Option(None, help="Measured trials per problem, across runs and workers "
-                                         "(default: 16 on GPUs, 2 on CPU)."),
+                                         "(default: 16 on GPUs; on CPU one per tunable variant)."),
     storage: Optional[str] = typer.Option(None, help="Optuna storage URL (default: sqlite file <db stem>.optuna.db "
                                           "beside --db). Several hosts on one study: postgresql://user@host/db."),
     db: Path = typer.Option(Path("tuning_db/autofuse.db"), help="Measurement database (SQLite)."),
     sweep: Optional[str] = typer.Option(None, help="Problem set: cpu, gpu or llama70b "
                                         "(default: gpu with GPUs, else cpu)."),
-    reps: Optional[int] = typer.Option(None, help="Timed batches per measurement (default: 15 GPU, 3 CPU)."),
+    reps: Optional[int] = typer.Option(None, help="Timed batches per measurement (default: 15 GPU, 5 CPU)."),
     budget: Optional[float] = typer.Option(None, help="Seconds one trial may take before it is failed as too slow."),
     time_limit: Optional[float] = typer.Option(None, help="Minutes: no new trial starts after this."),
     seed: int = typer.Option(0, help="Seed of inputs and sampler."),
     quiet: bool = typer.Option(False, help="No progress output, only the summary table."),
 ) -> None:
-    """Tune every fused variant's config per problem with Optuna; resumable, Ctrl-C stops cleanly."""
-    from autofuse.world import RankFailed, default_device_kind, gpu_count, init_from_env, spawn
+    """Tune every hybrid and fused variant's config per problem with Optuna; resumable. SIGINT / SIGTERM finish the
+    current trial and exit 130 / 143 (a second one abandons the trial)."""
+    ops = _split(op)
+    if not quiet and os.environ.get("RANK", "0") == "0":  # under torchrun, rank 0 speaks for the job
+        say(f"autofuse tune: {', '.join(ops) if ops else 'every op'} into {db}; finding GPUs and reading the sweeps")
+    try:
+        _run(ops, world, settings_args=dict(sweep=sweep or "", shapes=list(shapes or []), mode=mode, trials=trials,
+                                            storage=storage, reps=reps, budget_s=budget, seed=seed,
+                                            time_limit_s=time_limit * 60 if time_limit is not None else None,
+                                            verbose=not quiet), db=db, quiet=quiet)
+    except KeyboardInterrupt:  # before the ranks started, or a torchrun rank's second signal
+        from autofuse.training.lifecycle import STOP
 
-    if _torchrun() and default_device_kind() == "cpu":
-        os.environ.setdefault("TRITON_INTERPRET", "1")  # read when Triton is first imported
-    from autofuse.tune import Settings, tune_rank
+        errors.print("autofuse tune: interrupted; what was measured is stored", style="yellow", markup=False)
+        raise typer.Exit(STOP.exit_code() or 130) from None
+
+
+def _run(ops: list[str], world: Optional[list[str]], settings_args: dict, db: Path, quiet: bool) -> None:
+    """The command after its first line: validate, plan, check the database, spawn the ranks, report."""
+    from autofuse.world import RankFailed, default_device_kind, gpu_count
+
+    kind = default_device_kind()
+    if kind == "cpu":
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # read when Triton is first imported (torchrun ranks)
+    from autofuse.training.tune import SetupError, Settings, describe_plan, make_plan, tune_rank
 
     try:
         worlds = [int(w) for w in _split(world)]
     except ValueError:
-        raise typer.BadParameter(f"--world takes integers, not {world}") from None
-    settings = Settings(db=str(db.absolute()), ops=_split(op), sweep=sweep or "", shapes=list(shapes or []),
-                        worlds=worlds, mode=mode, trials=trials, storage=storage, reps=reps, budget_s=budget,
-                        seed=seed, time_limit_s=time_limit * 60 if time_limit else None, verbose=not quiet)
-    job_timeout = (time_limit * 60 + 7200) if time_limit else 7 * 86400.0
+        fail(f"--world takes integers, not {', '.join(world or [])}", 2)
+    settings = Settings(db=str(db.absolute()), ops=ops, worlds=worlds, **settings_args)
+    job_timeout = (settings.time_limit_s + 7200) if settings.time_limit_s else 7 * 86400.0
     if _torchrun():
-        import torch.distributed as dist
-
-        w = init_from_env(timeout_s=job_timeout)
-        try:
-            summary = tune_rank(w, settings)
-        finally:
-            w.close()
-            dist.destroy_process_group()
-        if w.rank == 0:
-            render(summary)
+        _tune_torchrun(settings, job_timeout)
         return
-    kind = default_device_kind()
-    n = max(worlds) if worlds else (gpu_count() if kind == "cuda" else 2)
-    if kind == "cuda" and n > gpu_count():
-        raise typer.BadParameter(f"--world {n} needs {n} GPUs; {gpu_count()} are visible")
-    with _ParentInterrupt() as interrupt:
+    visible = gpu_count() if kind == "cuda" else 0
+    n = max(worlds) if worlds else (visible if kind == "cuda" else 2)
+    try:
+        settings.validate(kind, visible if kind == "cuda" else n)
+        plan = make_plan(settings, kind, n)
+    except (ValueError, KeyError, ImportError, AttributeError) as exc:
+        fail(str(exc).strip("'\""), 2)
+    if not quiet:
+        say(describe_plan(plan, settings, n))
+        if kind == "cpu":
+            say(CPU_INTRO)
+    _check_writable(settings)
+    from autofuse.training.lifecycle import Supervisor
+    from autofuse.world import spawn
+
+    if not quiet:
+        say(f"starting {n} rank{'s' if n > 1 else ''} (each imports torch and Triton first)")
+    t0 = time.monotonic()
+    with Supervisor(say=lambda text: say(text, "yellow")) as supervisor:
         try:
-            results = spawn(tune_rank, n, settings, device_kind=kind, timeout_s=job_timeout)
+            results = spawn(tune_rank, n, settings, supervisor.link(), device_kind=kind, timeout_s=job_timeout)
         except (RankFailed, KeyboardInterrupt) as exc:
-            if interrupt.count:
-                console.print("[yellow]interrupted: measured trials are stored; rerun the same command to resume[/]")
-                sys.exit(130)
-            console.print(f"[red]tuning failed: {exc}[/]")
-            sys.exit(1)
+            code = supervisor.exit_code()
+            if code is not None:
+                say("interrupted: measured trials are stored; rerun the same command to resume", "yellow")
+                raise typer.Exit(code) from None
+            reason = exc.reason if isinstance(exc, RankFailed) else str(exc)
+            setup = SetupError.__name__ + ": "
+            line = reason.split(setup, 1)[1] if setup in reason else reason
+            fail(f"rank {getattr(exc, 'rank', '?')} failed: {line.strip().splitlines()[0] if line.strip() else exc}")
     render(results[0])
-    console.print(f"database: {settings.db}")
+    if kind == "cpu" and not quiet:
+        say(CPU_OUTRO)
+    say(f"database: {settings.db} ({time.monotonic() - t0:.0f} s)")
+    code = supervisor.exit_code()
+    if code is not None:
+        say("interrupted: measured trials are stored; rerun the same command to resume", "yellow")
+        raise typer.Exit(code)
+
+
+def _tune_torchrun(settings: Any, job_timeout: float) -> None:
+    """Under torchrun: join the job's ranks; every rank handles its own SIGINT / SIGTERM."""
+    import torch.distributed as dist
+
+    from autofuse.training.lifecycle import STOP
+    from autofuse.training.tune import tune_rank
+    from autofuse.world import init_from_env
+
+    w = init_from_env(timeout_s=job_timeout)
+    try:
+        summary = tune_rank(w, settings)
+    except ValueError as exc:
+        fail(str(exc), 2)
+    finally:
+        w.close()
+        dist.destroy_process_group()
+    if w.rank == 0:
+        render(summary)
+    code = STOP.exit_code()
+    if code is not None:
+        raise typer.Exit(code)
 
 
 def register(app: typer.Typer) -> None:
     app.command("tune")(tune)
+

@@ -77,6 +77,8 @@ def candidates(kind: str, nbytes: int, device_type: str) -> dict[str, list[dict]
         small = {}
     ce = {"ENGINE": "ce", "COMM_SMS": 1, "BLOCK": 4096, "num_warps": 4}
     sm = [{"ENGINE": "sm", "COMM_SMS": s, "BLOCK": block, "num_warps": warps, **small} for s in sms]
+    if device_type == "cuda" and nbytes > 1 << 20:  # pipelined chunks: copies and sums overlap the transfer
+        sm.append(dict(sm[-1], CHUNKS=4))
     if kind == "all_gather":
         out = {a: [dict(c, ALGO=a) for c in sm] for a in ("push", "inbox", "pull")}
         out["ce"] = [dict(ce, ALGO="push")]
@@ -139,19 +141,18 @@ def _agree_max(world: Any, value: float) -> float:
     return float(t.item())
 
 
-def _checksum_equal(world: Any, y: torch.Tensor) -> bool:
-    import torch.distributed as dist
-
-    bits = y.contiguous().view(torch.int16 if y.element_size() == 2 else torch.int32).to(torch.int64).sum()
-    lo, hi = bits.clone(), bits.clone()
-    dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=world.group)
-    dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=world.group)
-    return bool(lo.item() == hi.item())
+def _bits(y: torch.Tensor | None) -> int:
+    if y is None:
+        return -1
+    return int(y.contiguous().view(torch.int16 if y.element_size() == 2 else torch.int32).to(torch.int64).sum().item())
 
 
 def _verify(world: Any, kind: str, coll: Any, x: torch.Tensor, expected: torch.Tensor, tol: float) -> str:
-    """'' if `coll` matches the library on every rank (agreed), else why not."""
-    why = ""
+    """'' if `coll` matches the library on every rank (agreed), else why not. Every rank runs the
+    same host collectives whatever happened locally (mismatched collectives would hang)."""
+    import torch.distributed as dist
+
+    why, y = "", None
     try:
         y = coll(x)
         coll.check()
@@ -163,10 +164,14 @@ def _verify(world: Any, kind: str, coll: Any, x: torch.Tensor, expected: torch.T
             err = ((y.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
             if not err <= tol:
                 why = f"rel error {err:.3g} > {tol:.3g}"
-            elif kind == "all_reduce" and not _checksum_equal(world, y):
-                why = "ranks returned different bits"
     except Exception as exc:  # a config that fails is a reported failure, not a failed bench
         why = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
+    if kind == "all_reduce":
+        bits = torch.tensor([_bits(y if not why else None)] * 2, dtype=torch.int64, device=world.device)
+        bits[1] = -bits[1]
+        dist.all_reduce(bits, op=dist.ReduceOp.MAX, group=world.group)  # [max, -min]
+        if not why and int(bits[0]) != -int(bits[1]):
+            why = "ranks returned different bits"
     if _agree_max(world, 1.0 if why else 0.0) > 0 and not why:
         why = "failed on another rank"
     return why
@@ -195,7 +200,7 @@ def bench_rank(world: Any, kinds: Sequence[str], sizes: Sequence[int], modes: Se
         rows.append(row)
         if say:
             what = f"{us:.1f} us" if not error else f"failed: {error}"
-            print(f"{kind} {nbytes >> 10} KB {mode} {impl} {C_text(config)}: {what}", flush=True)
+            print(f"{kind} {nbytes >> 10} KB {mode} {impl} {config_text(config)}: {what}", flush=True)
 
     for kind in kinds:
         for size in sizes:
@@ -216,7 +221,12 @@ def bench_rank(world: Any, kinds: Sequence[str], sizes: Sequence[int], modes: Se
                         for mode in modes:
                             record(kind, nbytes, shape, mode, impl, config, math.nan, why)
                         continue
-                    coll = C.build(kind, world, shape[0], shape[1], dtype, config, name=f"bench.{kind}")
+                    try:
+                        coll = C.build(kind, world, shape[0], shape[1], dtype, config, name=f"bench.{kind}")
+                    except Exception as exc:  # e.g. HeapFull: the same on every rank
+                        for mode in modes:
+                            record(kind, nbytes, shape, mode, impl, config, math.nan, f"{type(exc).__name__}: {exc}")
+                        continue
                     why = _verify(world, kind, coll, x, expected, tol)
                     if why:
                         world.sync()
@@ -236,7 +246,7 @@ def bench_rank(world: Any, kinds: Sequence[str], sizes: Sequence[int], modes: Se
             "dtype": str(dtype).split(".")[-1]}
 
 
-def C_text(config: dict) -> str:
+def config_text(config: dict) -> str:
     return ",".join(f"{k}={v}" for k, v in sorted(config.items())) or "-"
 
 
@@ -325,9 +335,48 @@ def render(result: dict[str, Any], console: Any) -> None:
             console.print(table)
     failures = [r for r in result["rows"] if r.get("error")]
     for r in failures[:10]:
-        console.print(f"  {r['kind']} {_size_text(r['bytes'])} {r['impl']} {C_text(r['config'])}: {r['error']}",
+        console.print(f"  {r['kind']} {_size_text(r['bytes'])} {r['impl']} {config_text(r['config'])}: {r['error']}",
                       style="yellow")
     if len(failures) > 10:
         console.print(f"  ... and {len(failures) - 10} more failed configs (see the JSON)", style="yellow")
     for line in result.get("notes", []):
         console.print(line, style="yellow")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`python -m autofuse.training.bench_collectives [--world N] [--shapes 4K,64K] [--modes graph]
+    [--variants all_gather] [--reps 20] [--out FILE] [--json]`: the same benchmark without the CLI."""
+    import argparse
+    import json
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    from rich.console import Console
+
+    p = argparse.ArgumentParser(prog="python -m autofuse.training.bench_collectives",
+                                description=__doc__.split("\n")[0])
+    p.add_argument("--world", type=int)
+    p.add_argument("--shapes", action="append", help="message sizes per rank, e.g. 4K,64K,16M")
+    p.add_argument("--modes", action="append", choices=["graph", "eager"])
+    p.add_argument("--variants", action="append", help="collectives or implementations, e.g. all_gather, push")
+    p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--out", type=Path, help="write the JSON here (never replaces an existing file)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    a = p.parse_args(argv)
+    if a.out is not None and a.out.exists():
+        p.error(f"{a.out} exists; choose another --out")
+    result = run(SimpleNamespace(world=a.world, shapes=a.shapes, modes=a.modes, variants=a.variants, reps=a.reps,
+                                 progress=not a.json))
+    text = json.dumps(result, indent=1, default=str)
+    if a.out is not None:
+        a.out.parent.mkdir(parents=True, exist_ok=True)
+        a.out.write_text(text + "\n")
+    if a.json:
+        print(text)
+    else:
+        render(result, Console(markup=False))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

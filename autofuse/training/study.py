@@ -1,0 +1,352 @@
+"""One Optuna study per (problem, timing mode, hardware, op code): rank 0's side of tuning.
+
+- **Name**: `<problem key>|<mode>|<hardware id>|<op digest>`: new hardware or a change to the op's
+  own code starts a fresh study; other ops' studies and a software upgrade do not.
+- **Space**: a trial first picks the variant (categorical over the tunable variants available), then
+  the variant's own `space(trial, problem)`, its parameters namespaced `<variant>.<name>` so
+  variants may share names with different ranges.
+- **Queue**: known-good configs (every variant's `defaults(problem)`, round-robin over variants),
+  and the configs of trials whose worker died, are enqueued one at a time, just before the ask that
+  takes them, so no WAITING trial is left behind when the budget ends. A config is retried once
+  after its worker died (a config that kills its process twice is not tried again).
+- **Recorded parameters equal the measured config**: an enqueued config is given to the space as
+  `fixed`; each draw returns the config's value, recorded in Optuna only where that value lies in
+  the distribution the space declares. A parameter the config does not have (e.g. SPLIT_K in a
+  config that leaves it at its default) is not recorded at all, so Optuna never holds a value that
+  was not measured; the full measured config is the trial's `config` attribute, and parameters left
+  unrecorded are listed in its `unrecorded` attribute.
+- **Verdicts**: rank 0 writes the rows first, then tells Optuna the median latency of the study's
+  mode, or PRUNED (with the error as a user attribute) for a wrong, crashing, hanging or too slow
+  config, never a made-up number: TPE ranks pruned trials below every complete one, so it learns to
+  avoid them, which it would not from FAIL. FAIL is kept for trials that did not finish (process
+  died, abandoned) and for duplicates of a config another worker is measuring. An invalid config is
+  told PRUNED with its reason (attribute `invalid`) before anything is launched; a config the store
+  or the study already holds is not measured again: the trial is told the known verdict.
+- **Resume**: a trial left RUNNING by a dead process of this host is settled on resume: told its
+  result if its rows reached the store, else marked FAIL (attribute `abandoned`) and its config
+  queued again; trials of dead processes on other hosts are failed by Optuna's heartbeat check.
+"""
+from __future__ import annotations
+
+import math
+import socket
+import time
+import warnings
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+import optuna
+from optuna.trial import TrialState
+
+from autofuse.measure import Measurement
+from autofuse.op import Config, Op, Problem, config_key
+from autofuse.store import Store, config_id
+from autofuse.training.storage import Heartbeat, alive, this_worker
+
+MAX_ATTEMPTS = 2  # a config whose worker died this often is not queued again
+
+
+def study_name(problem: Problem, mode: str, hardware_id: str, op_digest: str) -> str:
+    """`<problem key>|<mode>|<hardware id>|<op digest>`."""
+    return f"{problem.key}|{mode}|{hardware_id}|{op_digest}"
+
+
+@dataclass
+class Job:
+    """One trial to measure, as broadcast to every rank."""
+
+    trial: int
+    variant: str
+    config: Config
+
+
+def _same(value: Any, choice: Any) -> bool:
+    return type(value) is type(choice) and value == choice
+
+
+class TrialSpace:
+    """The trial as a variant's space sees it: parameter names prefixed with the variant.
+
+    With `fixed` (an enqueued config), every draw returns the config's value; it is recorded in
+    Optuna only if it lies in the declared distribution (then Optuna's enqueued value is exactly
+    it), and a parameter the config lacks gets a stand-in value that is never recorded.
+    """
+
+    def __init__(self, trial: optuna.Trial, prefix: str, fixed: Mapping[str, Any] | None = None):
+        self.trial, self.prefix = trial, prefix
+        self.fixed = dict(fixed) if fixed is not None else None
+        self.unrecorded: list[str] = []
+
+    def _given(self, name: str, contains: Any, stand_in: Any) -> tuple[bool, Any]:
+        """(record?, value) for a fixed config: record only values inside the distribution."""
+        assert self.fixed is not None
+        if name not in self.fixed:
+            self.unrecorded.append(name)
+            return False, stand_in
+        value = self.fixed[name]
+        if contains(value):
+            return True, value
+        self.unrecorded.append(name)
+        return False, value
+
+    def suggest_categorical(self, name: str, choices: Sequence[Any]) -> Any:
+        choices = list(choices)
+        if self.fixed is not None:
+            record, value = self._given(name, lambda v: any(_same(v, c) for c in choices), choices[0])
+            if not record:
+                return value
+        return self.trial.suggest_categorical(self.prefix + name, choices)
+
+    def suggest_int(self, name: str, low: int, high: int, step: int = 1, log: bool = False) -> int:
+        if self.fixed is not None:
+            record, value = self._given(
+                name, lambda v: isinstance(v, int) and not isinstance(v, bool) and low <= v <= high
+                and (v - low) % step == 0, low)
+            if not record:
+                return value
+        return self.trial.suggest_int(self.prefix + name, low, high, step=step, log=log)
+
+    def suggest_float(self, name: str, low: float, high: float, step: float | None = None, log: bool = False) -> float:
+        if self.fixed is not None:
+            record, value = self._given(
+                name, lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and low <= v <= high
+                and (step is None or abs((v - low) / step - round((v - low) / step)) < 1e-9), low)
+            if not record:
+                return value
+        return self.trial.suggest_float(self.prefix + name, low, high, step=step, log=log)
+
+
+class StudyDriver:
+    """Rank 0's side of one study: asks trials, filters invalid and known configs, tells results."""
+
+    def __init__(self, storage: optuna.storages.RDBStorage, store: Store, fingerprint: Mapping[str, Any], op: Op,
+                 problem: Problem, mode: str, variants: list[str], trials: int, op_digest: str, seed: int = 0):
+        self.storage, self.store, self.fp = storage, store, fingerprint
+        self.op, self.problem, self.mode = op, problem, mode
+        self.variants = variants
+        self.trials = int(trials)
+        self.digest = op_digest
+        self.name = study_name(problem, mode, fingerprint["hardware_id"], op_digest)
+        self.worker = this_worker()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+            self.study = optuna.create_study(study_name=self.name, storage=storage, direction="minimize",
+                                             load_if_exists=True)
+            # Seeded by the study's length, so a resumed run does not replay the first run's draws.
+            self.study.sampler = optuna.samplers.TPESampler(
+                seed=seed + len(self._trials()), n_startup_trials=max(3, min(10, self.trials // 3)),
+                constant_liar=True)
+        self.heartbeat: Heartbeat | None = None
+        self.current: optuna.Trial | None = None
+        self.idle_asks = 0
+        self.measured_here = 0
+        self.compile_s = 0.0
+        self.recover()
+        self.initially_measured = self.measured()
+
+    def _trials(self, states: Sequence[TrialState] | None = None) -> list[optuna.trial.FrozenTrial]:
+        return self.study.get_trials(deepcopy=False, states=states)
+
+    # -- resume ----------------------------------------------------------------------------------
+
+    def recover(self) -> None:
+        """Settle trials left RUNNING by dead processes of this host; let heartbeats fail the rest."""
+        host = socket.gethostname()
+        for t in self._trials((TrialState.RUNNING,)):
+            w = t.user_attrs.get("worker") or {}
+            if w.get("host") != host or alive(w):
+                continue
+            rows = [r for r in self.store.trial_rows(self.name, t.number) if r["mode"] == self.mode]
+            try:
+                if rows:
+                    self._tell_row(t.number, rows[0])
+                else:
+                    self.storage.set_trial_user_attr(t._trial_id, "abandoned", "process died during the trial")
+                    self.study.tell(t.number, state=TrialState.FAIL)
+            except (optuna.exceptions.UpdateFinishedTrialError, RuntimeError, ValueError):
+                continue  # another worker settled it first
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+            optuna.storages.fail_stale_trials(self.study)
+
+    def pending(self) -> list[tuple[str, Config, dict]]:
+        """Configs to enqueue before sampling, in order: (variant, config, user attributes).
+
+        First the configs of trials whose worker died (FAIL while measured), unless measured since
+        or tried MAX_ATTEMPTS times; then the known-good configs the study has not seen, round-robin
+        over variants (the first default of every variant, then the second, ...), so that a small
+        budget still sees every variant.
+        """
+        seen: dict[tuple[str, str], list[optuna.trial.FrozenTrial]] = {}
+        for t in self._trials():
+            if "config" in t.user_attrs:
+                key = (t.user_attrs.get("variant", t.params.get("variant")), config_key(t.user_attrs["config"]))
+                seen.setdefault(key, []).append(t)
+        out: list[tuple[str, Config, dict]] = []
+        for (variant, _), ts in seen.items():
+            died = [t for t in ts if t.state == TrialState.FAIL and t.user_attrs.get("measured")
+                    and "duplicate_of" not in t.user_attrs]
+            settled = [t for t in ts if t.state != TrialState.FAIL]
+            if died and not settled and len(died) < MAX_ATTEMPTS and variant in self.variants:
+                last = max(died, key=lambda t: t.number)
+                out.append((variant, dict(last.user_attrs["config"]), {"retry_of": last.number}))
+        lists = {v: list(self.op.variants[v].defaults(self.problem)) for v in self.variants}
+        for i in range(max((len(c) for c in lists.values()), default=0)):
+            for v, configs in lists.items():
+                if i < len(configs) and (v, config_key(configs[i])) not in seen:
+                    out.append((v, dict(configs[i]), {"default": True}))
+                    seen[(v, config_key(configs[i]))] = []
+        return out
+
+    def _enqueue(self, variant: str, config: Config, attrs: dict) -> None:
+        params = {"variant": variant, **{f"{variant}.{k}": val for k, val in config.items()}}
+        self.study.enqueue_trial(params, user_attrs={"variant": variant, "config": dict(config), **attrs},
+                                 skip_if_exists=False)
+
+    # -- the loop --------------------------------------------------------------------------------
+
+    def measured(self) -> int:
+        """Trials measured in this study (any worker, any run), counting those in flight."""
+        n = 0
+        for t in self._trials((TrialState.COMPLETE, TrialState.PRUNED, TrialState.RUNNING)):
+            if t.user_attrs.get("measured") and "abandoned" not in t.user_attrs:
+                n += 1
+        return n
+
+    def best(self) -> tuple[float, str]:
+        """(latency, variant) of the best stored row of this problem in the study's mode."""
+        rows = [r for r in self.store.best(self.op.name, self.mode, hardware_id=self.fp["hardware_id"],
+                                           op_digest=self.digest) if r["problem"] == self.problem.key]
+        if not rows:
+            return math.nan, "-"
+        r = min(rows, key=lambda r: r["median_us"])
+        return r["median_us"], r["variant"]
+
+    def next(self, deadline: float | None) -> Job | None:
+        """The next trial to measure, or None when the study is done for this run."""
+        idle_limit = max(30, 3 * self.trials)
+        measured = self.measured()
+        if (self.study.user_attrs.get("exhausted_at") == measured and not self._trials((TrialState.WAITING,))
+                and not self.pending()):
+            return None  # an earlier run found nothing new to measure, and nothing changed since
+        while measured < self.trials:
+            if deadline is not None and time.monotonic() > deadline:
+                return None
+            if self.idle_asks >= idle_limit:
+                self.study.set_user_attr("exhausted_at", measured)
+                return None
+            self.idle_asks += 1
+            if not self._trials((TrialState.WAITING,)):
+                queue = self.pending()
+                if queue:
+                    self._enqueue(*queue[0])
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message="Heartbeat of storage")  # ask/tell beats on its own
+                trial = self.study.ask()
+            trial.set_user_attr("worker", self.worker)
+            trial.set_user_attr("measured", False)  # a retried trial carries its original's attributes
+            job = self._config(trial)
+            if job is not None:
+                self.idle_asks = 0
+                self.current = trial
+                trial.set_user_attr("measured", True)
+                self.heartbeat = Heartbeat(self.storage, trial._trial_id)
+                return job
+            measured = self.measured()
+        return None
+
+    def _config(self, trial: optuna.Trial) -> Job | None:
+        """Draw the trial's config; settle it at once (and return None) if it need not be measured."""
+        try:
+            variant = trial.suggest_categorical("variant", self.variants)
+        except ValueError as exc:  # an enqueued variant no longer available here
+            trial.set_user_attr("invalid", str(exc))
+            self.study.tell(trial, state=TrialState.PRUNED)
+            return None
+        v = self.op.variants[variant]
+        fixed = trial.user_attrs.get("config")
+        space = TrialSpace(trial, f"{variant}.", fixed)
+        try:
+            config = v.space(space, self.problem)
+        except Exception:  # noqa: BLE001 - a fixed config outside the declared space is measured as given
+            if fixed is None:
+                raise
+        if fixed is not None:
+            config = dict(fixed)
+        trial.set_user_attr("variant", variant)
+        trial.set_user_attr("config", config)
+        if space.unrecorded:
+            trial.set_user_attr("unrecorded", sorted(set(space.unrecorded)))
+        reason = v.check(self.problem, config)
+        if reason:
+            trial.set_user_attr("invalid", reason)
+            self.study.tell(trial, state=TrialState.PRUNED)
+            return None
+        prior = self.store.lookup(self.problem.key, config_id(self.op.name, variant, config), self.mode,
+                                  hardware_id=self.fp["hardware_id"], op_digest=self.digest)
+        if prior is not None:
+            trial.set_user_attr("known", prior["id"])
+            self._tell_row(trial, prior)
+            return None
+        if self._known_in_study(trial, variant, config):
+            return None
+        return Job(trial.number, variant, config)
+
+    def _known_in_study(self, trial: optuna.Trial, variant: str, config: Config) -> bool:
+        """Another trial of the study (another worker's) measured or measures the same config:
+        take its verdict, or FAIL this one as a duplicate while the other runs."""
+        key = config_key(config)
+        for t in self._trials((TrialState.COMPLETE, TrialState.PRUNED, TrialState.RUNNING)):
+            if (t.number == trial.number or not t.user_attrs.get("measured") or "abandoned" in t.user_attrs
+                    or t.user_attrs.get("variant") != variant or config_key(t.user_attrs.get("config", {})) != key):
+                continue
+            trial.set_user_attr("duplicate_of", t.number)
+            if t.state == TrialState.COMPLETE:
+                self.study.tell(trial, t.value)
+            elif t.state == TrialState.PRUNED:
+                self.study.tell(trial, state=TrialState.PRUNED)
+            else:
+                self.study.tell(trial, state=TrialState.FAIL)
+            return True
+        return False
+
+    def _tell_row(self, trial: optuna.Trial | int, row: dict) -> None:
+        if row["ok"] and row["median_us"] is not None:
+            self.study.tell(trial, row["median_us"])
+        else:
+            if isinstance(trial, optuna.Trial):
+                trial.set_user_attr("error", (row["error"] or "failed")[:500])
+            self.study.tell(trial, state=TrialState.PRUNED)
+
+    def finish(self, job: Job, results: list[Measurement]) -> Measurement | None:
+        """Write the trial's rows, then tell Optuna its latency (or PRUNED). Returns the study's-mode row."""
+        self.store.add(results, self.fp, study=self.name, trial=job.trial, source="tune", op_digest=self.digest)
+        self.measured_here += 1
+        self.compile_s += max((m.extra.get("build_check_s", 0.0) for m in results), default=0.0)
+        mine = next((m for m in results if m.mode == self.mode), None)
+        trial = self.current
+        assert trial is not None and trial.number == job.trial
+        if mine is not None and mine.ok:
+            self.study.tell(trial, mine.median_us)
+        else:
+            trial.set_user_attr("error", ((mine.error if mine else "mode not measured") or "failed")[:500])
+            self.study.tell(trial, state=TrialState.PRUNED)
+        self._end()
+        return mine
+
+    def abandon(self) -> None:
+        """Give the current trial up (second Ctrl-C): FAIL it; its config is queued again next run."""
+        trial = self.current
+        if trial is None:
+            return
+        try:
+            trial.set_user_attr("abandoned", "interrupted")
+            self.study.tell(trial, state=TrialState.FAIL)
+        except Exception:  # noqa: BLE001 - left RUNNING: the next run's recovery settles it
+            pass
+        self._end()
+
+    def _end(self) -> None:
+        if self.heartbeat is not None:
+            self.heartbeat.stop()
+        self.heartbeat, self.current = None, None
