@@ -182,13 +182,9 @@ def produce(a, data_p, flags_p, counts_p, epoch, worker, producers, ctx, R, C,
 # -- consumers ----------------------------------------------------------------------------------
 @triton.jit
 def _wait_one(flag, epoch, ok, ctx):
-    """shmem.wait_until unless an earlier wait failed, then an acquire whose result is used:
-    Triton 3.6 drops wait_until's own acquire (an atomic whose result nobody reads)."""
+    """shmem.wait_until (bounded, exact epoch, acquire) unless an earlier wait failed."""
     if ok:
         ok = shmem.wait_until(flag, epoch, ctx)
-        if ok:
-            ok = tl.atomic_add(flag, 0, sem="acquire", scope="sys") == epoch
-            tl.debug_barrier()  # no thread reads the data before the acquire
     return ok
 
 

@@ -408,17 +408,12 @@ GPU_CASES = ([c for dims, dt in GPU_PROBLEMS for c in _gpu_cases(dims, dt)]
                       group=8, warps=4, stages=3))
 
 
-# harness.gpu() marks `gpu` but loses its skipif (a MarkDecorator called on a MarkDecorator): skip here too
-NEEDS_2_GPUS = pytest.mark.skipif(harness.gpus() < 2, reason="needs 2 CUDA GPUs")
-
-
 def _run_gpu(world, cases):
     cases = [c for c in cases if OP.variant(c[0]).available(world)]
     return harness.run_cases(world, OP, cases, calls=2)
 
 
 @harness.gpu()
-@NEEDS_2_GPUS
 @pytest.mark.parametrize("part", [0, 1])
 def test_gpu_cases_match_reference_with_graph_replay(part):
     cases = GPU_CASES[part::2]
@@ -428,7 +423,6 @@ def test_gpu_cases_match_reference_with_graph_replay(part):
 
 
 @harness.gpu()
-@NEEDS_2_GPUS
 def test_gpu_faults_raise_on_every_rank_in_bounded_time():
     runs = [(v, rows(1024, 1024, 2048), s) for v in FUSED for s in ("late_peer", "skipped_call", "dead_peer")]
     runs.append(("push", rows(8192, 1024, 2048), "dead_peer"))
