@@ -6,37 +6,47 @@ Every source rank s holds one shard of A, R x C elements with row stride C:
                               shard s multiplying rows s*C .. s*C+C-1 of B.
 
 The kernel is one algorithm with constexpr switches; its programs are split in two roles:
-  programs 0 .. comm_sms-1   producers: copy my shard where the consumers read it, raise flags.
-  the other programs         consumers: loop over work items (output tile x K split), persistent
-                             when the grid is smaller than the work (push_ws), one item each when
-                             it is not (pull, push). The GEMM is the core of kernels/gemm_core.py.
+  programs 0 .. comm_sms-1   producers: copy my shard where the consumers read it, raise flags;
+                             the fewest that keep NVLink busy (COMM_SMS), so the GEMM keeps its
+                             waves (with PERSISTENT they join the consumers when done, on GPUs).
+  the other programs         consumers: work items (output tile x K split), each through the
+                             GEMM core of kernels/gemm_core.py (TMA descriptors or pointer loads,
+                             one tl.range K loop, split-K, swap-AB).
 
-  PULL      producers copy my shard into my own heap (parity slot), raise flags at every peer;
-            consumers load peers' shards from the peers' heaps (TMA or pointer loads).
-            Else (push) producers store my shard into every peer's workspace and raise its flags;
-            consumers read only local memory.
-  GATHERED  layout of the workspace `data` (per epoch parity), what the tiles cover:
-            False ("shard"): slot s (R x C at s*R*C) holds peer s's shard; my own shard is read
-              straight from the caller's `a`. Rows form: tiles never span shards (each shard has
-              cdiv(R, BLOCK_M) row blocks). k form: a tile runs one K loop per shard, mine first.
-            True ("gathered", push only): `data` holds the whole gathered A, my shard included
-              (rows form: W*R x C, the slots stacked; k form: R x W*C, shard s at columns s*C).
-              Rows form: tiles cover M rows and may span shards; a tile inside my own rows still
-              reads `a`. k form: one K loop over W*C. SPLIT_K > 1 splits a tile's K loop.
-  FLAG      what one flag covers (flags[s, ...] in my heap, epoch values, two parity sets):
-            SHARD     a whole source shard (every producer counts itself at the destination; the
-                      last one resets the count and raises the flag);
-            ROW_BLOCK BLOCK_M rows x all C columns of a source shard;
-            TILE      one BLOCK_M x BLOCK_K tile of a source shard.
-            A work item waits once, before its K loop (once per shard in the k form's shard
-            layout), for exactly the flags of the rows and K steps it reads; B's first K steps are
-            prefetched into L2 before the wait (B never depends on a peer).
+Constexpr switches (with the GEMM core's BLOCK_*, GROUP_M, NUM_STAGES, SPLIT_K, SWAP_AB, USE_TMA):
+  PERSISTENT  push_ws: one program per SM; consumers take work items by ticket, in order, from a
+              counter the last program resets; else (pull, push) one program per work item (the
+              hardware hands SMs to programs as others finish).
+  PULL        producers copy my shard into my own heap (parity slot) and raise flags at every
+              peer; consumers read peers' shards from the peers' heaps (TMA or pointer loads).
+              Else (push) producers store my shard into every peer's workspace and raise its
+              flags there; consumers read only local memory.
+  GATHERED    the layout of the workspace `data` (per epoch parity) and what tiles cover:
+              False ("shard"): slot s (R x C at s*R*C) holds peer s's shard; my own shard is
+                read straight from the caller's `a`. Rows form: tiles never span shards (each
+                shard has cdiv(R, BLOCK_M) row blocks). k form: a tile runs one K loop per
+                shard, mine first.
+              True ("gathered", push only): `data` holds the whole gathered A (rows form: W*R x
+                C, the slots stacked; k form: R x W*C, shard s at columns s*C). Rows form: tiles
+                cover M rows and may span shards; a tile inside my own rows reads `a`, so my own
+                rows are copied into `data` only when some tile spans two shards. k form: one K
+                loop over W*C. SPLIT_K > 1 (gathered only) splits a tile's K loop.
+  FLAG        what one flag covers (flags[s, ...] in my heap, epoch values, two parity sets):
+              SHARD     a whole source shard (every producer counts itself at the destination;
+                        the last one resets the count and raises the flag);
+              ROW_BLOCK BLOCK_M rows x all C columns of a source shard;
+              TILE      one BLOCK_M x BLOCK_K tile of a source shard.
+              A work item waits once, before its K loop (once per shard in the k form's shard
+              layout), for exactly the flags of the rows and K steps it reads; B's first K steps
+              are prefetched into L2 before the wait (B never depends on a peer).
+  GATHER_K    the k form (else the rows form).
 
 Order: the consumers start at my own rows (they wait for nothing), then the rows of rank+1,
 rank+2, ... which is the order the data arrives in: push producers serve rank-1, rank-2, ... in
 turn, so every rank receives from one peer at a time, rank+1 first. In the k form a tile's K loops
-run my shard first. Producers are the lowest program ids and never wait, so the interpreter
-(programs run in id order) and GPUs (low ids dispatch first) cannot deadlock.
+run my shard first. Producers are the lowest program ids and never wait while producing, so the
+interpreter (programs run in id order) and GPUs (low ids dispatch first) cannot deadlock; under
+the interpreter they never consume (a producer taking work could wait for a later producer).
 
 Epochs and faults (kernels/shmem.py): every program calls epoch_begin first and epoch_end last; a
 call of epoch e uses parity e % 2 of `data` and `flags`, and waits for exactly e. When the
