@@ -395,17 +395,18 @@ GPU_PROBLEMS = [(rows(8, 3584, 8192), "bfloat16"), (rows(200, 5120, 8192), "floa
                 (rows(4352, 2560, 4096), "bfloat16"), (kform(96, 1536, 2048), "float32")]
 
 
-def _gpu_cases(dims: dict, dtype: str) -> list[harness.Case]:
+def _gpu_cases(dims: dict, dtype: str, configs: int = 1) -> list[harness.Case]:
     problem = harness.problem_of(OP, 2, dims, dtype)
     cases: list[harness.Case] = [("bsp", dims, dtype, {}), ("torch_symm", dims, dtype, {})]
     for v in ("heap_mm", "heap_mm_overlap", *FUSED):
-        cases += [(v, dims, dtype, c) for c in OP.variant(v).defaults(problem)[:2]]
+        cases += [(v, dims, dtype, c) for c in OP.variant(v).defaults(problem)[:configs]]
     return cases
 
 
-GPU_CASES = ([c for dims, dt in GPU_PROBLEMS for c in _gpu_cases(dims, dt)]
+GPU_CASES = ([c for dims, dt in GPU_PROBLEMS for c in _gpu_cases(dims, dt, 2 if dims["M"] == 1000 else 1)]
              + matrix(rows(320, 1024, 2048), kform(320, 1024, 2048), "bfloat16", bm=64, bn=128, bk=64, comm=8,
                       group=8, warps=4, stages=3))
+GPU_PARTS = 4  # each part is one spawn, mostly Triton compiles: well inside pytest's 600 s
 
 
 def _run_gpu(world, cases):
@@ -414,12 +415,12 @@ def _run_gpu(world, cases):
 
 
 @harness.gpu()
-@pytest.mark.parametrize("part", [0, 1])
+@pytest.mark.parametrize("part", range(GPU_PARTS))
 def test_gpu_cases_match_reference_with_graph_replay(part):
-    cases = GPU_CASES[part::2]
+    cases = GPU_CASES[part::GPU_PARTS]
     results = spawn(_run_gpu, 2, cases, device_kind="cuda", timeout_s=1500)
     harness.assert_ok(results)
-    assert len(results[0]) >= len(cases) - 1  # torch_symm may be missing from this torch
+    assert len(results[0]) >= len([c for c in cases if c[0] != "torch_symm"])  # torch_symm: where torch has it
 
 
 @harness.gpu()
@@ -429,6 +430,8 @@ def test_gpu_faults_raise_on_every_rank_in_bounded_time():
     results = spawn(_faults_gpu, 2, runs, device_kind="cuda", timeout_s=900)
     for i in range(len(runs)):
         harness.check_fault_run([rank_rows[i][2] for rank_rows in results])
+    dead = {m: r["first_fault_s"] for v, m, r in results[0] if v == "push" and r["scenario"] == "dead_peer"}
+    assert dead[8192] <= dead[1024] + 3.0, f"time to fail grew with the size: {dead}"
 
 
 def _faults_gpu(world, runs):
