@@ -67,9 +67,9 @@ def matrix(row_dims: dict, k_dims: dict, dtype: str, **knobs) -> list[harness.Ca
 BSP = [("bsp", d, dt, {}) for d in (rows(8, 32, 32), kform(4, 32, 64)) for dt in ("bfloat16", "float16", "float32")]
 
 # CPU: world size -> cases. 2 ranks: the full matrix (12 rows of 16 per rank: shard row blocks are
-# partial and gathered tiles span both shards; K tails nowhere, N tails everywhere), other dtypes,
-# 1..4 rows per rank (BLOCK_M bigger than a shard), a K tail in the k form, split-K over uneven
-# step counts (6 steps over 4 splits), more producers than chunks.
+# partial and gathered tiles span both shards; N tails everywhere), other dtypes, 1..4 rows per
+# rank (BLOCK_M bigger than a shard), K tails in both forms, split-K over uneven step counts (6
+# steps over 4 splits), more producers than chunks, the hybrids through this op.
 CPU_CASES = {
     2: matrix(rows(24, 48, 64), kform(24, 48, 64), "bfloat16") + [
         ("push", rows(16, 32, 64), "float16", cfg(bk=32, flag="shard", layout="gathered", comm=1)),
@@ -81,6 +81,8 @@ CPU_CASES = {
         ("push", kform(3, 24, 96), "float16", cfg(bk=32, bn=16, flag="row_block", layout="gathered", split=2)),
         ("pull", kform(3, 24, 96), "float32", cfg(bk=32, flag="tile")),
         ("push_ws", rows(6, 40, 96), "float32", cfg(flag="shard", layout="gathered", split=4, comm=5)),
+        ("pull", rows(4, 24, 40), "bfloat16", cfg(flag="tile")),  # K tails in the rows form
+        ("push", rows(12, 24, 40), "float16", cfg(flag="tile", layout="gathered", split=2, tma=False)),
         ("heap_mm", rows(8, 32, 64), "bfloat16", OP.variant("heap_mm").defaults(
             harness.problem_of(OP, 2, rows(8, 32, 64), "bfloat16"))[0]),
         ("heap_mm_overlap", kform(8, 32, 64), "float16", OP.variant("heap_mm_overlap").defaults(
