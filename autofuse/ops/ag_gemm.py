@@ -21,8 +21,8 @@ Variants (`OP.variants`):
 - `heap_mm`, `heap_mm_overlap` (family hybrid, autofuse/hybrid.py): a one-launch heap all-gather
   beside torch.matmul, without or with the local shard's matmul overlapping the peers' arrival.
 - `pull`, `push`, `push_ws` (family fused): the one Triton kernel of `autofuse.kernels.ag_gemm`
-  with PULL on or off, launched with one program per work item (pull, push) or persistent
-  consumers (push_ws). Config: the GEMM keys of `autofuse.gemm` (BLOCK_M/N/K, GROUP_M, num_warps,
+  with PULL on or off, launched with one program per work item (pull, push) or PERSISTENT (push_ws:
+  one program per SM taking work items by ticket, producers joining when done). Config: the GEMM keys of `autofuse.gemm` (BLOCK_M/N/K, GROUP_M, num_warps,
   num_stages, SPLIT_K, SWAP_AB, TMA; WARP_SPEC must stay false: a waiting consumer cannot be
   warp-specialised) and the op's keys FLAG (tile | row_block | shard: what one flag covers),
   COMM_SMS (producer programs) and LAYOUT (shard | gathered; gathered is push and push_ws only,
@@ -391,7 +391,7 @@ class Push(Fused):
 
 
 class PushWs(Fused):
-    """push with persistent consumers: at most one program per SM, producers included."""
+    """push, persistent: one program per SM (producers included) takes work items by ticket."""
 
     name, persistent = "push_ws", True
 
