@@ -171,6 +171,15 @@ def test_problem_of_reads_both_forms():
     assert OP.args == ("a", "b")
 
 
+def test_problem_of_recovers_every_case():
+    """Every CPU case's inputs read back as its problem (the dispatch key), both forms, every world size."""
+    for nranks, cases in CPU_CASES.items():
+        for _, dims, dtype, _ in cases:
+            problem = harness.problem_of(OP, nranks, dims, dtype)
+            a, b = OP.inputs(_world(nranks), problem, 0)
+            assert OP.problem_of(_world(nranks), a, b, gather=dims["gather"]) == problem
+
+
 @pytest.mark.parametrize("make, words", [
     (lambda: (torch.randn(4, 32), torch.randn(32, 16, dtype=torch.float16)), "must match"),
     (lambda: (torch.randn(4, 32), torch.randn(48, 16)), "do not fit"),
@@ -369,6 +378,7 @@ def test_sm90_compiles_every_switch(compiled, version):
         assert "atom.global.sys.release.exch.b32" in ptx, name  # flags raised with a system-scope release
         assert "atom.global.release.sys.cas.b32" in ptx, name  # give_up aborts every peer
         assert "prefetch.global.L2" in ptx, name  # B's first steps before the wait
+        assert re.search(r"\bbar(rier)?\.sync", ptx), name  # every thread's stores before a release
         assert "wgmma.mma_async" in ptx, name
         if flag == "shard":
             assert "atom.global.sys.acq_rel.add" in ptx, name  # producers count themselves at the destination
