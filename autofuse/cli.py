@@ -39,7 +39,7 @@ def _root(
 
 
 for _info in sorted(pkgutil.iter_modules(autofuse.commands.__path__), key=lambda m: m.name):
-    if not _info.name.startswith("_"):  # _common, _store: helpers, not commands
+    if not _info.name.startswith("_"):  # _common: helpers, not commands
         importlib.import_module(f"autofuse.commands.{_info.name}").register(app)
 
 

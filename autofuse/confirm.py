@@ -43,6 +43,7 @@ class Confirmation:
     dropped: list[tuple[str, Config, str]] = field(default_factory=list)
     mode: str = "eager"
     seconds: float = 0.0
+    reps: int = 0
 
     def describe(self) -> str:
         timed = ", ".join(f"{v} {t:.1f} us" for v, _, t in sorted(self.timed, key=lambda x: x[2]))
@@ -129,7 +130,7 @@ def confirm(world: Any, op: Op, problem: Problem, args: Sequence[torch.Tensor],
             if not e <= tol:
                 errors[i] = f"output differs from bsp's by {e:.3g} (> {tol:.3g})"
     failed = _max_all(world, [1.0 if e else 0.0 for e in errors])
-    result = Confirmation(BSP, {}, mode=mode)
+    result = Confirmation(BSP, {}, mode=mode, reps=reps)
     times = []
     for i, (variant, config) in enumerate(cands):
         if failed[i]:

@@ -25,6 +25,14 @@ miss during capture raises `CaptureMiss`: building a runner allocates heap works
 and the rank check is a collective, neither of which may run inside a capture; call each problem
 once before capturing (warm-up), as inference servers already do.
 
+Confirm on first use (autofuse/confirm.py): when the decision for a problem rests on a prediction
+(the policy never measured this problem, or the policy was fitted with other software), every rank
+measures the policy's top candidates (AUTOFUSE_CONFIRM_K, default 3, plus BSP) on the caller's
+inputs in lockstep and runs the fastest correct one; the measurements go (source `online`) to this
+machine's online store (AUTOFUSE_ONLINE_DB, default <user cache>/autofuse/online-<hardware id>.db),
+which later processes read first (basis `confirmed`) and `autofuse fit` reads too. On by default
+on GPUs, off on the CPU emulation; AUTOFUSE_ONLINE=0/1 switches it.
+
 Faults: a runner refuses to run on a workspace that saw a fault (it reads a host-visible mirror of
 the fault record, no device sync) until `autofuse.rebuild(group)` is called on every rank. The full
 fault record is read (a device sync) after every call on CPU, after the first call of a problem on
@@ -38,7 +46,7 @@ import json
 import os
 import sys
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -68,6 +76,7 @@ class Stats:
     policy_loads: int = 0
     builds: int = 0
     checks: int = 0
+    confirmations: int = 0
 
 
 @dataclass
@@ -86,6 +95,7 @@ class Choice:
     policy_path: str = ""
     config_source: str = ""
     cached: bool = False
+    candidates: list = field(default_factory=list)  # (variant, config) to confirm on first use
 
     def __str__(self) -> str:
         lines = [f"{self.op}: {self.problem.key}",
@@ -116,6 +126,7 @@ _policies: dict[str, Any] = {}
 _forced_policy: Any = None
 _warned: set[str] = set()
 _agreement_seq: dict[str, int] = {}  # per group name; never reset, so store keys are never reused
+_confirmed: dict[str, dict[str, dict]] = {}  # device kind -> problem key -> {variant: (us, config)} (online store)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -226,6 +237,7 @@ def set_policy(policy: Any) -> None:
         policy = Policy.load(policy)
     _forced_policy = policy
     _policies.clear()
+    _confirmed.clear()
     _cache.clear()
 
 
@@ -237,6 +249,7 @@ def reset() -> None:
     _ops.clear()
     _policies.clear()
     _warned.clear()
+    _confirmed.clear()
     _forced_policy = None
     for f in stats.__dataclass_fields__:
         setattr(stats, f, 0)
@@ -283,6 +296,8 @@ def _miss(key: tuple, op: str | Op, args: tuple, group: Any, variant: str | None
     except (InvalidInput, InvalidConfig, ValueError) as exc:
         choice, invalid = None, exc
     _agree(world, op.name, choice, invalid)
+    if choice.candidates:
+        choice = _confirm(world, op, choice, args)
     v = op.variant(choice.variant)
     runner = v.build(world, choice.problem, choice.config)
     stats.builds += 1
@@ -318,10 +333,134 @@ def _decide(op: Op, world: World, args: tuple, variant: str | None, config: Conf
             why = v.check(problem, config)
             if why:
                 raise InvalidConfig(f"{op.name}.{variant} cannot run {problem.key} with {config_key(config)}: {why}")
-        return Choice(op.name, problem, variant, config, reason, basis, _policy(world).source, config_source)
+        return Choice(op.name, problem, variant, config, reason, basis, _policy(world).path, config_source)
     policy = _policy(world)
+    confirmed = _confirmed_choice(op, world, problem, available, policy)
+    if confirmed is not None:
+        return confirmed
     d = policy.decide(problem, op, available)
-    return Choice(op.name, problem, d.variant, d.config, d.reason, d.kind, policy.source, d.config_source)
+    choice = Choice(op.name, problem, d.variant, d.config, d.reason, d.basis, policy.path, d.config_source)
+    if _online(world) and (d.basis in ("policy", "unsure") or (d.basis == "measured" and policy.software)):
+        choice.candidates = policy.candidates(problem, op, available, _confirm_k())
+    return choice
+
+
+def _online(world: World) -> bool:
+    """Whether first calls confirm predictions by measuring: AUTOFUSE_ONLINE, else on for GPUs."""
+    text = os.environ.get("AUTOFUSE_ONLINE", "").strip()
+    if text in ("0", "1"):
+        return text == "1"
+    if text:
+        raise ValueError(f"AUTOFUSE_ONLINE={text!r}: use 1 (confirm predictions on first use) or 0")
+    return world.device.type == "cuda"
+
+
+def _confirm_k() -> int:
+    text = os.environ.get("AUTOFUSE_CONFIRM_K", "3").strip()
+    if not text.isdigit() or not 1 <= int(text) <= 16:
+        raise ValueError(f"AUTOFUSE_CONFIRM_K={text!r}: a number of candidates in 1..16")
+    return int(text)
+
+
+def _mode(world: World) -> str:
+    """The timing mode decisions are made for: AUTOFUSE_MODE, else graph on GPUs, eager on CPU."""
+    mode = os.environ.get("AUTOFUSE_MODE") or ("graph" if world.device.type == "cuda" else "eager")
+    if mode not in ("graph", "eager") or (mode == "graph" and world.device.type != "cuda"):
+        raise ValueError(f"AUTOFUSE_MODE={mode!r}: use graph (GPUs) or eager")
+    return mode
+
+
+def online_db(fingerprint: dict) -> Path:
+    """This machine's online store: AUTOFUSE_ONLINE_DB, else <user cache>/autofuse/online-<hardware id>.db."""
+    env = os.environ.get("AUTOFUSE_ONLINE_DB")
+    if env:
+        return Path(env)
+    base = os.environ.get("XDG_CACHE_HOME", "")
+    root = Path(base) if base and os.path.isabs(base) else Path.home() / ".cache"
+    return root / "autofuse" / f"online-{fingerprint['hardware_id']}.db"
+
+
+def _confirmed_choice(op: Op, world: World, problem: Problem, available: list[str], policy: Any) -> Choice | None:
+    """The decision an earlier confirmation on this machine measured for `problem`, if any."""
+    kind = world.device.type
+    if kind not in _confirmed:
+        _confirmed[kind] = _load_confirmed(world)
+    measured = _confirmed[kind].get(problem.key)
+    if not measured:
+        return None
+    ok = {v: m for v, m in measured.items() if v in available and op.variant(v).check(problem, m[1]) is None}
+    if "bsp" not in ok:
+        return None
+    best = min(sorted(ok), key=lambda v: (ok[v][0], v != "bsp"))
+    timed = ", ".join(f"{v} {t:.1f} us" for v, (t, _) in sorted(ok.items(), key=lambda x: x[1][0]))
+    return Choice(op.name, problem, best, dict(ok[best][1]), f"confirmed: measured on this machine earlier ({timed})",
+                  "confirmed", policy.path, "measured on first use")
+
+
+def _load_confirmed(world: World) -> dict[str, dict]:
+    """{problem key: {variant: (us, config)}} of this machine's online store in this mode (none if absent)."""
+    from autofuse import environment
+    from autofuse.store import Store, StoreError
+
+    path = online_db(environment.fingerprint(world.device.type))
+    if not path.is_file():
+        return {}
+    try:
+        store = Store.open(path, readonly=True)
+        try:
+            rows = store.best(None, _mode(world))
+        finally:
+            store.close()
+    except StoreError as exc:
+        _warn_once(f"autofuse: online store unusable, ignored: {exc}")
+        return {}
+    out: dict[str, dict] = {}
+    for r in rows:
+        out.setdefault(r["problem"], {})[r["variant"]] = (r["median_us"], r["config"])
+    return out
+
+
+def _confirm(world: World, op: Op, choice: Choice, args: tuple) -> Choice:
+    """Measure BSP and the choice's candidates on `args` (every rank), keep the fastest, record it."""
+    from autofuse.confirm import confirm
+
+    mode = _mode(world)
+    result = confirm(world, op, choice.problem, args, choice.candidates, mode)
+    stats.confirmations += 1
+    if world.rank == 0:
+        _record_online(world, op, choice.problem, result)
+    entry = _confirmed.setdefault(world.device.type, {}).setdefault(choice.problem.key, {})
+    for variant, config, us in result.timed:
+        if us < entry.get(variant, (float("inf"),))[0]:
+            entry[variant] = (us, config)
+    return Choice(op.name, choice.problem, result.variant, result.config,
+                  f"{result.describe()}; the policy said: [{choice.basis}] {choice.reason}", "confirmed",
+                  choice.policy_path, "measured on first use")
+
+
+def _record_online(world: World, op: Op, problem: Problem, result: Any) -> None:
+    """Append the confirmation's measurements (source 'online') to this machine's online store."""
+    from autofuse import environment
+    from autofuse.measure import Measurement
+    from autofuse.store import Store, StoreError
+
+    fp = environment.fingerprint(world.device.type)
+    rows = [Measurement(problem, v, dict(c), result.mode, True, median_us=us, reps=result.reps)
+            for v, c, us in result.timed]
+    rows += [Measurement(problem, v, dict(c), result.mode, False, error=why) for v, c, why in result.dropped]
+    try:
+        path = online_db(fp)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with Store.open(path) as store:
+            store.add(rows, fp, source="online")
+    except (StoreError, OSError) as exc:
+        _warn_once(f"autofuse: could not record confirmed measurements ({exc}); decisions still hold in this process")
+
+
+def _warn_once(text: str) -> None:
+    if text not in _warned:
+        _warned.add(text)
+        warnings.warn(text, RuntimeWarning, stacklevel=3)
 
 
 def agree_timeout_s(device_type: str) -> float:
@@ -337,8 +476,9 @@ def _agree(world: World, op: str, choice: Choice | None, invalid: Exception | No
     if invalid is not None:
         mine = {"ok": False, "why": f"{type(invalid).__name__}: {invalid}"}
     else:
+        cands = ";".join(f"{v}:{config_key(c)}" for v, c in choice.candidates)
         mine = {"ok": True, "hash": hashlib.sha256(
-            f"{choice.problem.key}|{choice.variant}|{config_key(choice.config)}".encode()).hexdigest()[:16],
+            f"{choice.problem.key}|{choice.variant}|{config_key(choice.config)}|{cands}".encode()).hexdigest()[:16],
             "said": f"{choice.variant} {config_key(choice.config)} for {choice.problem.key} "
                     f"([{choice.basis}] {choice.reason})"}
     every = _exchange(world, op, mine)
@@ -449,19 +589,23 @@ def models_dirs() -> list[Path]:
 
 
 def find_policy(fingerprint: dict, mode: str | None = None) -> Path | None:
-    """The first valid policy whose fingerprint matches (earlier folders first, `mode` preferred), or None."""
-    from autofuse.environment import fingerprint_id
+    """The first valid policy fitted on this hardware, or None. Preferred, in order: the timing
+    `mode`, the same software (a policy from other software is used with every decision confirmed),
+    earlier folders."""
+    from autofuse.environment import hardware_id, software_id
     from autofuse.policy import read_file, validate
 
-    found: list[tuple[bool, int, str, Path]] = []
+    found: list[tuple[bool, bool, int, str, Path]] = []
     for index, d in enumerate(models_dirs()):
         for path in sorted(d.glob("*.json")):
             data, _ = read_file(path)
             if data is None or validate(data) is not None:
                 continue
-            if fingerprint_id(data["fingerprint"]) == fingerprint["id"]:
-                found.append((data.get("mode") != mode, index, str(path), path))
-    return min(found)[3] if found else None
+            theirs = data["fingerprint"]
+            if hardware_id(theirs) == fingerprint["hardware_id"]:
+                found.append((data.get("mode") != mode, software_id(theirs) != fingerprint["software_id"], index,
+                              str(path), path))
+    return min(found)[-1] if found else None
 
 
 def _policy(world: World) -> Any:
@@ -475,8 +619,7 @@ def _policy(world: World) -> Any:
         stats.policy_loads += 1
         fp = environment.fingerprint(kind)
         env = os.environ.get("AUTOFUSE_POLICY")
-        mode = os.environ.get("AUTOFUSE_MODE") or ("graph" if kind == "cuda" else "eager")
-        path = Path(env) if env else find_policy(fp, mode)
+        path = Path(env) if env else find_policy(fp, _mode(world))
         if path is not None:
             _policies[kind] = Policy.load(path, fp)
         else:

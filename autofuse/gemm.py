@@ -240,8 +240,10 @@ def _tma_ok(n: int, k: int, dtype: str) -> bool:
     return n * e % 16 == 0 and k * e % 16 == 0
 
 
-def space(trial: SearchSpace, rows: int, n: int, k: int, dtype: str | torch.dtype) -> Config:
-    """Draw the GEMM keys of a config (define-by-run); the op draws its own keys after.
+def space(trial: SearchSpace, rows: int, n: int, k: int, dtype: str | torch.dtype, warp_spec: bool = True) -> Config:
+    """Draw the GEMM keys of a config (define-by-run); the op draws its own keys after. Kernels that
+    wait or push inside their tile loop pass warp_spec=False (Triton's Hopper warp specialisation
+    rejects such loops).
 
     Every key's choices depend only on the problem (Optuna needs fixed choices per parameter within
     a study); combinations `check` rejects (shared memory, registers, WARP_SPEC limits) are
@@ -272,7 +274,7 @@ def space(trial: SearchSpace, rows: int, n: int, k: int, dtype: str | torch.dtyp
     config["SWAP_AB"] = trial.suggest_categorical("SWAP_AB", [False, True]) if rows <= 64 else False
     few_tiles = cdiv(rows, 64) * cdiv(n, 128) < H200_SMS
     config["SPLIT_K"] = trial.suggest_categorical("SPLIT_K", [1, 2, 4, 8]) if few_tiles else 1
-    ws_possible = config["TMA"] and ELEMENT_BYTES[dt] == 2 and not tiny(rows, n, k)
+    ws_possible = warp_spec and config["TMA"] and ELEMENT_BYTES[dt] == 2 and not tiny(rows, n, k)
     config["WARP_SPEC"] = trial.suggest_categorical("WARP_SPEC", [False, True]) if ws_possible else False
     return config
 
@@ -300,8 +302,10 @@ def _cfg(bm: int, bn: int, bk: int, warps: int, stages: int, group: int = 8, spl
     return GemmConfig(bm, bn, bk, group, warps, stages, split, swap, tma, ws)
 
 
-def defaults(rows: int, n: int, k: int, dtype: str | torch.dtype, sms: int = H200_SMS) -> list[Config]:
-    """Known-good GEMM configs for a rows x n x k GEMM, best guess first (every one passes `check`).
+def defaults(rows: int, n: int, k: int, dtype: str | torch.dtype, sms: int = H200_SMS,
+             warp_spec: bool = True) -> list[Config]:
+    """Known-good GEMM configs for a rows x n x k GEMM, best guess first (every one passes `check`;
+    none warp-specialised with warp_spec=False, for kernels that wait inside their tile loop).
 
     From GPU-NOTES (H200, bf16, graph mode): the persistent TMA kernel is best at 128x256x64,
     3 stages, 8 warps from 1024 rows up, and at 64x128..256 with BLOCK_K 64-128 below; a plain
@@ -336,7 +340,7 @@ def defaults(rows: int, n: int, k: int, dtype: str | torch.dtype, sms: int = H20
             c = c.replace(BLOCK_K=c.BLOCK_K // 2)
         while c.num_stages > 2 and c.smem_bytes(dt) > SMEM_LIMIT:
             c = c.replace(num_stages=c.num_stages - 1)
-        if c.WARP_SPEC and check(c, rows, n, k, dt) is not None:
+        if c.WARP_SPEC and (not warp_spec or check(c, rows, n, k, dt) is not None):
             c = c.replace(WARP_SPEC=False)
         if not tiny(rows, n, k) and not c.WARP_SPEC and c.SPLIT_K == 1:
             c = c.replace(SPLIT_K=auto_split(c.tiles(rows, n), cdiv(k, c.BLOCK_K), sms))

@@ -31,7 +31,7 @@ import warnings
 from array import array
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 from autofuse import environment
 from autofuse.features import problem_features, vector
@@ -56,14 +56,14 @@ class PolicyWarning(UserWarning):
 class Decision:
     """What a policy chose for one problem and why.
 
-    kind: 'measured' (the problem was tuned), 'policy' (the model's pick), 'unsure' (predicted gain
+    basis: 'measured' (the problem was tuned), 'policy' (the model's pick), 'unsure' (predicted gain
     within the model's error, so BSP), 'fallback' (no usable policy or model, so BSP).
     """
 
     variant: str
     config: Config
     reason: str
-    kind: str
+    basis: str
     gain: float | None = None
     config_source: str = ""
 
@@ -144,11 +144,13 @@ class Policy:
     of a new one. `Policy(data)` trusts `data` (fitted in this process).
     """
 
-    def __init__(self, data: Mapping[str, Any] | None, source: str = "<memory>", refused: str = ""):
+    def __init__(self, data: Mapping[str, Any] | None, path: str = "<memory>", refused: str = ""):
         self.data = dict(data) if data else {}
-        self.source = source
+        self.path = path
         self.refused = refused
         self.ops: dict[str, dict] = dict(self.data.get("ops", {})) if not refused else {}
+        self.stale_ops: dict[str, str] = {}  # op -> why its entries are not used (its code changed)
+        self.software: dict[str, tuple] = {}  # software fields that differ from this machine's
         self._index: dict[str, dict] = {}
 
     # construction ----------------------------------------------------------------------------
@@ -159,21 +161,37 @@ class Policy:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], fingerprint: Mapping[str, Any] | None = None,
-                  source: str = "<memory>") -> "Policy":
-        """Validate the whole structure, then the fingerprint; a refused policy warns once (naming
-        `source` and the first problem) and returns the BSP fallback."""
+                  path: str = "<memory>") -> "Policy":
+        """Validate the whole structure, then the fingerprint layer by layer (environment.py):
+        other hardware refuses the policy (one warning naming `path`, then BSP for every op); other
+        software is accepted with one warning and `software` set, so dispatch confirms every decision
+        on first use; an op whose code changed since the fit loses its entries (`stale_ops`), the
+        other ops keep theirs."""
         problem = validate(data)
+        fp: Mapping[str, Any] = {}
         if problem is None:
             fp = fingerprint if fingerprint is not None else environment.fingerprint()
-            diff = environment.differences(data["fingerprint"], fp)
+            diff = environment.differences(data["fingerprint"], fp, "hardware")
             if diff:
                 shown = "; ".join(f"{k}: policy {a!r} vs here {b!r}" for k, (a, b) in sorted(diff.items()))
-                problem = f"it was fitted on other hardware or versions ({shown})"
+                problem = f"it was fitted on other hardware ({shown})"
         if problem:
-            reason = f"policy {source} refused: {problem}; running BSP for every op"
+            reason = f"policy {path} refused: {problem}; running BSP for every op"
             warnings.warn(reason, PolicyWarning, stacklevel=2)
             return cls.bsp(reason)
-        return cls(data, source)
+        policy = cls(data, path)
+        ops_here, ops_then = dict(fp.get("ops") or {}), dict(data["fingerprint"].get("ops") or {})
+        for name in list(policy.ops):
+            if ops_then.get(name) != ops_here.get(name):
+                policy.ops.pop(name)
+                policy.stale_ops[name] = (f"{name}'s code changed since policy {path} was fitted "
+                                          f"(digest {ops_then.get(name)} there, {ops_here.get(name)} here)")
+        policy.software = environment.differences(data["fingerprint"], fp, "software")
+        if policy.software:
+            shown = "; ".join(f"{k} {a} there, {b} here" for k, (a, b) in sorted(policy.software.items()))
+            warnings.warn(f"policy {path} was fitted with other software ({shown}): it is used, and every "
+                          "decision is confirmed by measuring on first use", PolicyWarning, stacklevel=2)
+        return policy
 
     @classmethod
     def load(cls, path: str | Path, fingerprint: Mapping[str, Any] | None = None) -> "Policy":
@@ -185,7 +203,7 @@ class Policy:
             reason = f"policy {path} refused: {why}; running BSP for every op"
             warnings.warn(reason, PolicyWarning, stacklevel=2)
             return cls.bsp(reason)
-        return cls.from_dict(data, fingerprint, source=str(path))
+        return cls.from_dict(data, fingerprint, path=str(path))
 
     def to_json(self) -> str:
         """The policy file's text (plain JSON: NaN or infinity would raise)."""
@@ -213,7 +231,7 @@ class Policy:
         return d.variant, d.config, d.reason
 
     def decide(self, problem: Problem, op: Op | None = None, available: Iterable[str] | None = None) -> Decision:
-        """The full decision: variant, config, reason, kind, predicted gain, where the config came from.
+        """The full decision: variant, config, reason, basis, predicted gain, where the config came from.
 
         `available` limits the variants (those that can run on the caller's World).
         """
@@ -223,7 +241,8 @@ class Policy:
             return self._bsp(problem, op, f"fallback: {self.refused}", "fallback")
         data = self.ops.get(problem.op)
         if data is None:
-            return self._bsp(problem, op, f"fallback: policy {self.source} has no model for {problem.op}", "fallback")
+            why = self.stale_ops.get(problem.op) or f"policy {self.path} has no model for {problem.op}"
+            return self._bsp(problem, op, f"fallback: {why}", "fallback")
         allowed = set(data["variants"]) if allowed is None else allowed & set(data["variants"]) | {BSP}
         tuned = data["problems"].get(problem.key)
         if tuned and BSP in tuned["us"]:
@@ -251,6 +270,12 @@ class Policy:
     def config_for(self, problem: Problem, variant: str, op: Op | None = None,
                    x: Sequence[float] | None = None) -> tuple[Config | None, str]:
         """The variant's config tuned on the nearest measured problem that it accepts, and its source."""
+        return next(self._configs(problem, variant, op, x), (None, ""))
+
+    def _configs(self, problem: Problem, variant: str, op: Op | None, x: Sequence[float] | None
+                 ) -> Iterator[tuple[Config, str]]:
+        """(config, where it comes from) of `variant` that accept `problem`: tuned ones, nearest tuned
+        problem first (standardised feature distance), then the variant's defaults."""
         op = op if op is not None else _op_or_none(problem.op)
         data = self.ops.get(problem.op)
         if data is not None and not self.refused:
@@ -262,13 +287,52 @@ class Policy:
                                            sum(((a - b) / s) ** 2 for a, b, s in zip(x, e[1], scale)), e[0]))
             for key, _, config in ranked:
                 if _valid(op, problem, variant, config):
-                    where = "tuned on this problem" if key == problem.key else f"tuned on nearest problem {key}"
-                    return dict(config), where
+                    yield dict(config), ("tuned on this problem" if key == problem.key
+                                         else f"tuned on nearest problem {key}")
         if op is not None and variant in op.variants:
             for config in op.variant(variant).defaults(problem):
                 if _valid(op, problem, variant, config):
-                    return dict(config), "variant default"
-        return None, ""
+                    yield dict(config), "variant default"
+
+    def candidates(self, problem: Problem, op: Op | None = None, available: Iterable[str] | None = None,
+                   k: int = 3) -> list[tuple[str, Config]]:
+        """The k most promising (variant, config) pairs other than bsp, best first: variants ranked by
+        their measured time where this problem was tuned, else by the model's predicted gain over bsp;
+        each variant at its nearest tuned config, then further configs of the best variants while
+        fewer than k. What dispatch measures when it confirms a decision on first use."""
+        op = op if op is not None else _op_or_none(problem.op)
+        data = self.ops.get(problem.op)
+        if self.refused or data is None or k < 1:
+            return []
+        allowed = set(data["variants"]) if available is None else set(available) & set(data["variants"])
+        allowed.discard(BSP)
+        x = vector(problem_features(problem, op), data["features"])
+        tuned = data["problems"].get(problem.key)
+        if tuned:
+            ranked = sorted((v for v in tuned["us"] if v in allowed), key=lambda v: tuned["us"][v])
+        elif data.get("model") is not None:
+            _, _, gains = predict(data["model"], x, allowed)
+            ranked = sorted((v for v in gains if v in allowed), key=lambda v: (-gains[v], v))
+        else:
+            ranked = sorted(allowed)
+        per_variant = {v: self.configs_for(problem, v, op, x, k) for v in ranked}
+        out: list[tuple[str, Config]] = []
+        for depth in range(k):
+            for v in ranked:
+                if len(out) < k and depth < len(per_variant[v]):
+                    out.append((v, per_variant[v][depth]))
+        return out
+
+    def configs_for(self, problem: Problem, variant: str, op: Op | None = None, x: Sequence[float] | None = None,
+                    n: int = 1) -> list[Config]:
+        """Up to `n` distinct configs of `variant` that accept `problem`, in `config_for`'s order."""
+        unique: list[Config] = []
+        for config, _ in self._configs(problem, variant, op, x):
+            if config not in unique:
+                unique.append(config)
+                if len(unique) == n:
+                    break
+        return unique
 
     def _measured(self, problem: Problem, op: Op | None, us: Mapping[str, float], allowed: set[str]) -> Decision:
         ok = {v: t for v, t in us.items() if v in allowed}
@@ -285,13 +349,13 @@ class Policy:
         return Decision(best, config, f"measured: {best} ran {math.exp(gain):.3f}x faster than bsp on this "
                         "problem when tuned", "measured", gain, source)
 
-    def _bsp(self, problem: Problem, op: Op | None, reason: str, kind: str, gain: float | None = None) -> Decision:
+    def _bsp(self, problem: Problem, op: Op | None, reason: str, basis: str, gain: float | None = None) -> Decision:
         config, source = (None, "")
         if not self.refused and problem.op in self.ops:
             config, source = self.config_for(problem, BSP, op)
         if config is None:
             config, source = _bsp_config(problem, op), "variant default"
-        return Decision(BSP, config, reason, kind, gain, source)
+        return Decision(BSP, config, reason, basis, gain, source)
 
     def _op_index(self, op: str) -> dict[str, list]:
         """Per variant: [(problem key, its features, the config tuned there)], built once."""

@@ -1,175 +1,149 @@
-"""Fused GEMM + reduce-scatter (rows): each rank's partial tiles go straight to their owner's inbox.
+"""Fused GEMM + reduce-scatter (rows): partial tiles go straight from the GEMM to their owner's inbox.
 
-Rank r holds A_r (M x K_r) and B_r (K_r x N); the result C = sum_r A_r @ B_r is split by rows, and
-rank o owns rows [o * M_r, (o + 1) * M_r) with M_r = M / W. Every rank computes its partial of
-every owner's tiles; the GEMM epilogue stores each finished tile into the owner's inbox (tile-major,
-one BLOCK_M x BLOCK_N block per tile) and then adds 1 to an arrival counter on the owner, with
-release semantics at system scope. The owner sums the partials in float32 as they arrive.
+Rank r holds A_r (M x K_r) and B_r (K_r x N); C = sum_q A_q @ B_q is split by rows, rank o owning
+rows [o * M_r, (o + 1) * M_r) with M_r = M / W. Every rank computes its partial of every owner's
+tiles with the GEMM core (kernels/gemm_core.py: persistent, TMA or pointer loads, pipelined K loop,
+split-K, swap-AB) and exchanges them with kernels/partials.py.
 
-Program order: a rank computes the tiles of the next owner first and its own tiles last
-(owner = rank + 1, rank + 2, ..., rank). Producers therefore get the lower program ids (the
-interpreter runs programs in id order; GPUs schedule low ids first), and by the time a rank
-reaches its own tiles its peers have usually pushed theirs.
+Work. A work item is one (tile position, K split) of the M_r x N tile grid, the same on every
+rank; its program computes that tile for every owner in turn, owner = rank + 1, rank + 2, ...,
+rank: the peers' copies first, each pushed as soon as it is summed, its own last. The flags of the
+pushes are raised after the own tile's K loop, which hides the transfers (a release waits until
+the program's stores have landed). Peers run the same schedule, so the peers' partials of a tile
+arrive while a rank computes its own, and a program only ever waits for what the same program id
+of its peers raised before waiting itself: no deadlock under the interpreter (programs run one by
+one in id order) nor on a GPU (lower ids are scheduled first and never wait for higher ones).
 
-Inboxes and counters are double-buffered by the parity of the call's epoch: a peer can be at most
-one call ahead (its next call needs this rank's contribution, which comes after this rank has
-consumed the current one), so it never writes the buffer being read. The two parities are fixed
-halves of the workspace (`inbox_half` elements, `counter_half` counters apart), independent of the
-problem, so calls of different problems, configs or variants sharing one workspace never overlap
-across parities. The consumer resets each counter to 0 after reading, which keeps counters small
-(no overflow) and all zero again before the same parity is used two calls later.
+Two algorithms, one kernel (constexpr PUSH_ALL):
+- push_last (PUSH_ALL False): after the own tile's GEMM the program waits for the W-1 peer
+  partials (one epoch flag per source and tile) and adds them to its float32 accumulator, then
+  stores the output tile. The sum stays on the owner: the output is the caller's tensor there,
+  which peers cannot address.
+- push_reducer (PUSH_ALL True): every partial, the own one too, goes to the owner's inbox; the
+  COMM_SMS programs after the GEMM programs (higher ids: they never hold up a producer) wait per
+  tile (FLAG "tile": W epoch flags) or per row of tiles (FLAG "row_block": an arrival counter
+  reaching W * tiles_n) and sum RED_M rows at a time.
 
-Two variants:
-- `gemm_rs_push_last_kernel`: the owner's own program for a tile, after its GEMM, waits for the
-  W-1 peer arrivals on the tile's counter (in the common case it arrives last and finds them all
-  there) and sums them with its own float32 accumulator into the output. The sum always runs on
-  the owner because the output is the caller's tensor on that rank, which peers cannot address.
-- `gemm_rs_push_reducer_kernel`: every tile, own ones included, goes to the inbox; after the GEMM
-  programs, REDUCERS persistent reducer programs (higher program ids, so they take SMs as GEMM
-  programs retire) wait per tile or per row block (FLAG_GRAN) and sum the W partials.
+Per parity half (the call's epoch picks the half, so a peer one call ahead writes the other):
+inbox [W - 1 (push_last) or W slots, tiles, BLOCK_M * BLOCK_N] in the partial dtype (float32 or
+the output dtype: PARTIAL); flags [slots, tiles] epoch flags, or [tiles_m] counters (row_block),
+each cleared by its reader (kernels/partials.py: `take`).
+
+Faults: a program of an unhealthy workspace, or one that sees a fault recorded (a wait that ran
+out here or on a peer), computes and pushes nothing more and writes NaN into the output tiles it
+owns, so a failed call never looks valid.
 """
 import triton
 import triton.language as tl
 
-from autofuse.kernels import shmem
-from autofuse.kernels.gemm_tile import matmul_tile, swizzle, tile_offsets
+from autofuse.kernels import gemm_core, partials, shmem
 
 
 @triton.jit
-def _owner_tile(pid, rank, M_r, N, WORLD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                GROUP_M: tl.constexpr):
-    """GEMM program id -> (owner, pid_m, pid_n, position of the tile in the owner's tile grid)."""
-    tiles_m = tl.cdiv(M_r, BLOCK_M)
-    tiles_n = tl.cdiv(N, BLOCK_N)
-    per_owner = tiles_m * tiles_n
-    owner = (rank + 1 + pid // per_owner) % WORLD
-    pid_m, pid_n = swizzle(pid % per_owner, tiles_m, tiles_n, GROUP_M)
-    return owner, pid_m, pid_n, pid_m * tiles_n + pid_n
-
-
-@triton.jit
-def _store_rows(out, tile, row0, col0, rows, N, stride_om, stride_on, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Store a float32 tile into out[row0:, col0:] (masked to rows x N), converting to out's dtype."""
-    offs_m = row0 + tl.arange(0, BLOCK_M)
-    offs_n = col0 + tl.arange(0, BLOCK_N)
-    mask = (offs_m[:, None] < rows) & (offs_n[None, :] < N)
-    tl.store(out + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on,
-             tile.to(out.dtype.element_ty), mask=mask)
-
-
-@triton.jit(do_not_specialize=["M_r"])  # one binary for every M
-def gemm_rs_push_last_kernel(
-        a, b, out, inbox, inbox_half, counters, counter_half, epoch_ptr, status, heap_bases,
-        rank, M_r, N, K_r, stride_am, stride_ak, stride_bk, stride_bn, stride_om, stride_on, spin_limit,
-        WORLD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-        GROUP_M: tl.constexpr, EVEN_K: tl.constexpr):
-    """One program per (owner, tile); grid = (WORLD * cdiv(M_r, BLOCK_M) * cdiv(N, BLOCK_N),).
-
-    Each parity half of inbox: [WORLD - 1 peers, tiles, BLOCK_M * BLOCK_N] (fp32 or out dtype);
-    of counters: [tiles] int32, zero between calls.
-    """
-    epoch = shmem.epoch_next(epoch_ptr)
-    parity = epoch % 2
-    pid = tl.program_id(0)
-    per_owner = tl.cdiv(M_r, BLOCK_M) * tl.cdiv(N, BLOCK_N)
-    owner, pid_m, pid_n, pos = _owner_tile(pid, rank, M_r, N, WORLD, BLOCK_M, BLOCK_N, GROUP_M)
-
-    acc = matmul_tile(a + owner * M_r * stride_am, b, pid_m * BLOCK_M, pid_n * BLOCK_N, M_r, N, K_r,
-                      stride_am, stride_ak, stride_bk, stride_bn, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K)
-
-    offs = tile_offsets(BLOCK_M, BLOCK_N)
-    count = counters + parity * counter_half + pos
-    box = inbox + tl.cast(parity, tl.int64) * inbox_half + tl.cast(pos, tl.int64) * (BLOCK_M * BLOCK_N)
-    slot_stride = tl.cast(per_owner, tl.int64) * (BLOCK_M * BLOCK_N)
-    if owner != rank:
-        slot = (rank - owner - 1 + WORLD) % WORLD
-        dst = shmem.translate(box + slot * slot_stride, rank, owner, heap_bases)
-        tl.store(dst + offs, acc.to(inbox.dtype.element_ty))
-        tl.debug_barrier()  # every thread's stores precede the release below
-        shmem.atomic_add(count, 1, rank, owner, heap_bases, sem="release", scope="sys")
-    else:
-        if shmem.wait_until(count, WORLD - 1, spin_limit, status, heap_bases, rank):
-            tl.debug_barrier()  # the acquire in wait_until precedes every thread's loads
-            for slot in tl.static_range(WORLD - 1):
-                acc += tl.load(box + slot * slot_stride + offs, cache_modifier=".cg").to(tl.float32)
-            tl.store(count, 0)
-            _store_rows(out, acc, pid_m * BLOCK_M, pid_n * BLOCK_N, M_r, N, stride_om, stride_on, BLOCK_M, BLOCK_N)
-    shmem.epoch_finish(epoch_ptr, tl.num_programs(0))
-
-
-@triton.jit
-def _reduce_tile(out, inbox, pos, per_owner, tiles_n, M_r, N, stride_om, stride_on,
+def _reduce_tile(out, inbox, pos, pid_m, pid_n, tiles, ok, M_r, N, stride_om, stride_on,
                  WORLD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, RED_M: tl.constexpr):
-    """Sum the WORLD partials of one tile (RED_M rows at a time) into the output.
-
-    `inbox` is this call's parity half: [WORLD slots, tiles, BLOCK_M * BLOCK_N].
-    """
-    pid_m = pos // tiles_n
-    pid_n = pos % tiles_n
-    offs = tile_offsets(RED_M, BLOCK_N)
-    box = inbox + tl.cast(pos, tl.int64) * (BLOCK_M * BLOCK_N)
-    slot_stride = tl.cast(per_owner, tl.int64) * (BLOCK_M * BLOCK_N)
+    """out tile (pid_m, pid_n) = the sum of its W inbox slots, RED_M rows at a time (NaN unless ok)."""
     for r0 in tl.static_range(0, BLOCK_M, RED_M):
         total = tl.zeros((RED_M, BLOCK_N), dtype=tl.float32)
-        for slot in tl.static_range(WORLD):
-            total += tl.load(box + slot * slot_stride + r0 * BLOCK_N + offs, cache_modifier=".cg").to(tl.float32)
-        _store_rows(out, total, pid_m * BLOCK_M + r0, pid_n * BLOCK_N, M_r, N, stride_om, stride_on, RED_M, BLOCK_N)
+        if ok:
+            for s in tl.static_range(WORLD):
+                total += partials.load(partials.tile_ptr(inbox, s, pos, tiles, BLOCK_M, BLOCK_N) + r0 * BLOCK_N,
+                                       RED_M, BLOCK_N)
+        else:
+            total = partials.nan_like(total)
+        gemm_core.store_tile(out, total, pid_m * BLOCK_M + r0, pid_n * BLOCK_N, M_r, N, stride_om, stride_on,
+                             RED_M, BLOCK_N, False)
 
 
-@triton.jit(do_not_specialize=["M_r", "num_gemm", "num_reducers"])  # one binary for every M
-def gemm_rs_push_reducer_kernel(
-        a, b, out, inbox, inbox_half, counters, counter_half, epoch_ptr, status, heap_bases,
-        rank, M_r, N, K_r, stride_am, stride_ak, stride_bk, stride_bn, stride_om, stride_on, spin_limit,
-        num_gemm, num_reducers,
-        WORLD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-        GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, ROW_BLOCK: tl.constexpr, RED_M: tl.constexpr):
-    """GEMM programs [0, num_gemm), then persistent reducers; grid = (num_gemm + num_reducers,).
+@triton.jit(do_not_specialize=["M_r", "gemm_programs"])  # one binary for every M
+def gemm_rs_kernel(a, b, out, inbox, inbox_half, flags, half_flags, sk_partials, sk_counts, ctx,
+                   M_r, N, K_r, stride_am, stride_ak, stride_bk, stride_bn, stride_om, stride_on, gemm_programs,
+                   WORLD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   GROUP_M: tl.constexpr, NUM_STAGES: tl.constexpr, SPLIT_K: tl.constexpr,
+                   SWAP_AB: tl.constexpr, USE_TMA: tl.constexpr,
+                   PUSH_ALL: tl.constexpr, ROW_BLOCK: tl.constexpr, RED_M: tl.constexpr):
+    """out (M_r x N) = this rank's rows of sum_q A_q @ B_q; a: M x K_r, b: K_r x N.
 
-    Each parity half of inbox: [WORLD sources (own = slot WORLD - 1), tiles, BLOCK_M * BLOCK_N];
-    of counters: [units] int32, a unit being a tile or (ROW_BLOCK) a row of tiles.
+    push_last:    grid = (gemm_programs,),            gemm_programs = min(tiles * SPLIT_K, NUM_SMS)
+    push_reducer: grid = (gemm_programs + COMM_SMS,), gemm_programs = min(tiles * SPLIT_K, NUM_SMS - COMM_SMS)
+    with tiles = cdiv(M_r, BLOCK_M) * cdiv(N, BLOCK_N). sk_partials/sk_counts: the core's split-K
+    workspace for W * tiles tiles (unused when SPLIT_K == 1). ctx: shmem.DeviceContext.
     """
-    epoch = shmem.epoch_next(epoch_ptr)
-    parity = epoch % 2
+    epoch, healthy = shmem.epoch_begin(ctx)
+    parity = shmem.parity(epoch)
     inbox += tl.cast(parity, tl.int64) * inbox_half
-    counters += parity * counter_half
-    pid = tl.program_id(0)
+    flags += parity * half_flags
+    rank = ctx.rank
     tiles_m = tl.cdiv(M_r, BLOCK_M)
     tiles_n = tl.cdiv(N, BLOCK_N)
-    per_owner = tiles_m * tiles_n
-    if ROW_BLOCK:
-        units = tiles_m
-        target = WORLD * tiles_n
-    else:
-        units = per_owner
-        target = WORLD
-
-    if pid < num_gemm:
-        owner, pid_m, pid_n, pos = _owner_tile(pid, rank, M_r, N, WORLD, BLOCK_M, BLOCK_N, GROUP_M)
-        acc = matmul_tile(a + owner * M_r * stride_am, b, pid_m * BLOCK_M, pid_n * BLOCK_N, M_r, N, K_r,
-                          stride_am, stride_ak, stride_bk, stride_bn, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K)
-        slot = (rank - owner - 1 + WORLD) % WORLD
-        dst = shmem.translate(inbox + tl.cast(slot * per_owner + pos, tl.int64) * (BLOCK_M * BLOCK_N), rank, owner, heap_bases)
-        tl.store(dst + tile_offsets(BLOCK_M, BLOCK_N), acc.to(inbox.dtype.element_ty))
-        tl.debug_barrier()  # every thread's stores precede the release below
-        if ROW_BLOCK:
-            unit = pid_m
-        else:
-            unit = pos
-        shmem.atomic_add(counters + unit, 1, rank, owner, heap_bases, sem="release", scope="sys")
-    else:
-        ok = True
-        for unit in range(pid - num_gemm, units, num_reducers):
-            if ok:
-                count = counters + unit
-                ok = shmem.wait_until(count, target, spin_limit, status, heap_bases, rank)
-                if ok:
-                    tl.debug_barrier()  # the acquire in wait_until precedes every thread's loads
+    tiles = tiles_m * tiles_n
+    pid = tl.program_id(0)
+    if pid < gemm_programs:
+        a_src, b_src = gemm_core.operands(a, b, M_r * WORLD, N, K_r, stride_am, stride_ak, stride_bk, stride_bn,
+                                          BLOCK_M, BLOCK_N, BLOCK_K, USE_TMA)
+        alive = healthy
+        for work in tl.range(pid, tiles * SPLIT_K, gemm_programs):
+            pid_m, pid_n, tile, split, k_first, k_end = gemm_core.schedule(work, M_r, N, K_r, BLOCK_M, BLOCK_N,
+                                                                           BLOCK_K, GROUP_M, SPLIT_K)
+            pos = pid_m * tiles_n + pid_n
+            pushed = 0  # bit g: this program pushed the tile of owner rank + 1 + g
+            for g in range(0, WORLD - 1):
+                owner = (rank + 1 + g) % WORLD
+                alive = alive & partials.clean(ctx)
+                acc, last = partials.partial_tile(a_src, b_src, sk_partials, sk_counts, g * tiles + tile, split,
+                                                  owner * M_r + pid_m * BLOCK_M, pid_n * BLOCK_N, k_first, k_end,
+                                                  alive, M_r * WORLD, N, K_r, stride_am, stride_ak, stride_bk,
+                                                  stride_bn, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, SPLIT_K,
+                                                  SWAP_AB, USE_TMA)
+                if last & alive:
+                    partials.push(partials.tile_ptr(inbox, partials.slot(rank, owner, WORLD), pos, tiles,
+                                                    BLOCK_M, BLOCK_N), acc, rank, owner, ctx.heap_bases,
+                                  BLOCK_M, BLOCK_N)
+                    pushed = pushed | (1 << g)
+            # my own tile last: its K loop runs while the pushes above cross the link, so raising
+            # their flags after it (a release waits for the stores) costs no stall
+            alive = alive & partials.clean(ctx)
+            acc, last = partials.partial_tile(a_src, b_src, sk_partials, sk_counts, (WORLD - 1) * tiles + tile, split,
+                                              rank * M_r + pid_m * BLOCK_M, pid_n * BLOCK_N, k_first, k_end, alive,
+                                              M_r * WORLD, N, K_r, stride_am, stride_ak, stride_bk, stride_bn,
+                                              BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, SPLIT_K, SWAP_AB, USE_TMA)
+            if PUSH_ALL:
+                if last & alive:  # into my own inbox's slot W - 1 (a local store)
+                    partials.push(partials.tile_ptr(inbox, WORLD - 1, pos, tiles, BLOCK_M, BLOCK_N), acc, rank, rank,
+                                  ctx.heap_bases, BLOCK_M, BLOCK_N)
+                    pushed = pushed | (1 << (WORLD - 1))
+            for g in range(0, WORLD):
+                if (pushed >> g) & 1:
+                    owner = (rank + 1 + g) % WORLD
                     if ROW_BLOCK:
-                        for pid_n in range(0, tiles_n):
-                            _reduce_tile(out, inbox, unit * tiles_n + pid_n, per_owner, tiles_n, M_r, N,
-                                         stride_om, stride_on, WORLD, BLOCK_M, BLOCK_N, RED_M)
+                        tl.debug_barrier()  # every thread's stores precede the release
+                        shmem.atomic_add(flags + pid_m, 1, rank, owner, ctx.heap_bases, sem="release", scope="sys")
                     else:
-                        _reduce_tile(out, inbox, unit, per_owner, tiles_n, M_r, N,
-                                     stride_om, stride_on, WORLD, BLOCK_M, BLOCK_N, RED_M)
-                    tl.store(count, 0)
-    shmem.epoch_finish(epoch_ptr, tl.num_programs(0))
+                        shmem.signal(flags + partials.slot(rank, owner, WORLD) * tiles + pos, epoch, rank, owner,
+                                     ctx.heap_bases)
+            if not PUSH_ALL:
+                if last:
+                    ok = partials.take(flags + pos, tiles, WORLD - 1, epoch, alive, ctx)
+                    if ok:
+                        for s in range(0, WORLD - 1):
+                            acc += partials.load(partials.tile_ptr(inbox, s, pos, tiles, BLOCK_M, BLOCK_N),
+                                                 BLOCK_M, BLOCK_N)
+                    else:
+                        acc = partials.nan_like(acc)
+                    gemm_core.store_tile(out, acc, pid_m * BLOCK_M, pid_n * BLOCK_N, M_r, N, stride_om, stride_on,
+                                         BLOCK_M, BLOCK_N, False)
+    else:
+        if ROW_BLOCK:
+            for pid_m in range(pid - gemm_programs, tiles_m, tl.num_programs(0) - gemm_programs):
+                ok = partials.take(flags + pid_m, 1, 1, WORLD * tiles_n, healthy, ctx)
+                for pid_n in range(0, tiles_n):
+                    _reduce_tile(out, inbox, pid_m * tiles_n + pid_n, pid_m, pid_n, tiles, ok, M_r, N,
+                                 stride_om, stride_on, WORLD, BLOCK_M, BLOCK_N, RED_M)
+        else:
+            for tile in range(pid - gemm_programs, tiles, tl.num_programs(0) - gemm_programs):
+                pid_m, pid_n = gemm_core.swizzle(tile, tiles_m, tiles_n, GROUP_M)  # the order tiles are made in
+                pos = pid_m * tiles_n + pid_n
+                ok = partials.take(flags + pos, tiles, WORLD, epoch, healthy, ctx)
+                _reduce_tile(out, inbox, pos, pid_m, pid_n, tiles, ok, M_r, N, stride_om, stride_on,
+                             WORLD, BLOCK_M, BLOCK_N, RED_M)
+    shmem.epoch_end(ctx, tl.num_programs(0))

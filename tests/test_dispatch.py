@@ -448,3 +448,91 @@ def test_entry_points_are_generated_from_the_ops_argument_names():
         assert fn.__name__ == "toy_mm" and "a, b" in fn.__doc__
     finally:
         dispatch.reset()
+
+
+class _Wrong(TOY.variants["fused"].__class__):
+    """A fast variant with a wrong answer: confirmation must drop it."""
+
+    name = "wrong"
+
+    def runner(self, world, problem, config):
+        import _toy_op as toy
+
+        inner = super().runner(world, problem, config)
+        inner.cost_us = 1.0
+
+        class Off:
+            workspaces = inner.workspaces
+
+            def __call__(self, a, b, out=None):
+                res = inner(a, b, out=out)
+                res.add_(1.0)
+                return res
+
+            def check(self):
+                inner.check()
+
+        toy.BUILDS["fused"] -= 1
+        return Off()
+
+
+def _confirm_job(world, policies: dict, db: str) -> dict:
+    """First use of unseen problems with AUTOFUSE_ONLINE=1: measured, recorded, reused by a new process."""
+    import dataclasses
+
+    from autofuse import confirm, dispatch
+    from autofuse.store import Store
+
+    os.environ["AUTOFUSE_ONLINE"] = "1"
+    os.environ["AUTOFUSE_ONLINE_DB"] = db
+    paths = _write_policies(policies, world.rank)
+    os.environ["AUTOFUSE_POLICY"] = paths["good"]
+    res: dict = {}
+    dispatch.reset()
+    a, b = _inputs(world, 256, n=64)  # N=64 was never tuned (16, 32): the policy predicts
+    out = dispatch.call(TOY, a, b)
+    ex = dispatch.explain(TOY, a, b)
+    res["first"] = {"rel": _rel(out, a, b), "variant": ex.variant, "basis": ex.basis, "reason": ex.reason,
+                    "confirmations": dispatch.stats.confirmations}
+    a2, b2 = _inputs(world, 256, n=32)  # tuned: measured, not confirmed
+    dispatch.call(TOY, a2, b2)
+    res["tuned"] = {"basis": dispatch.explain(TOY, a2, b2).basis, "confirmations": dispatch.stats.confirmations}
+    world.sync()
+    if world.rank == 0:
+        with Store.open(db, readonly=True) as store:
+            res["rows"] = [(r["variant"], r["source"], r["ok"]) for r in store.measurements(None, None)]
+    # a new process (reset): the online store answers, nothing is measured again
+    dispatch.reset()
+    out = dispatch.call(TOY, a, b)
+    ex = dispatch.explain(TOY, a, b)
+    res["again"] = {"rel": _rel(out, a, b), "variant": ex.variant, "basis": ex.basis,
+                    "confirmations": dispatch.stats.confirmations}
+    # a fast wrong candidate is dropped on every rank, never chosen
+    op = dataclasses.replace(TOY, variants=[*TOY.variants.values(), _Wrong()])
+    problem = Problem.make("toy_mm", "float32", world.size, M=512, N=16, K=16)
+    a3, b3 = TOY.inputs(world, problem, 5)
+    got = confirm.confirm(world, op, problem, (a3, b3), [("wrong", {"BLOCK": 16}), ("fused", {"BLOCK": 16})],
+                          "eager", reps=3)
+    res["wrong"] = {"variant": got.variant, "dropped": [(v, why) for v, _, why in got.dropped],
+                    "timed": sorted(v for v, _, _ in got.timed)}
+    for k in ("AUTOFUSE_ONLINE", "AUTOFUSE_ONLINE_DB", "AUTOFUSE_POLICY"):
+        del os.environ[k]
+    dispatch.reset()
+    return res
+
+
+def test_confirm_on_first_use_measures_records_and_reuses(policies, tmp_path):
+    results = spawn(_confirm_job, 2, policies, str(tmp_path / "online.db"))
+    for rank, r in enumerate(results):
+        first = r["first"]
+        assert first["basis"] == "confirmed" and first["confirmations"] == 1, first
+        assert first["variant"] == "fused" and first["rel"] < 1e-5 and "confirmed on first use" in first["reason"]
+        assert r["tuned"]["basis"] == "measured" and r["tuned"]["confirmations"] == 1, r["tuned"]
+        again = r["again"]
+        assert again == {"rel": again["rel"], "variant": "fused", "basis": "confirmed", "confirmations": 0}, again
+        assert again["rel"] < 1e-5
+        w = r["wrong"]
+        assert w["variant"] == "fused" and w["timed"] == ["bsp", "fused"], w
+        assert w["dropped"] and w["dropped"][0][0] == "wrong" and "differs from bsp" in w["dropped"][0][1], w
+    rows = results[0]["rows"]
+    assert {(v, src) for v, src, ok in rows if ok} >= {("bsp", "online"), ("fused", "online")}, rows

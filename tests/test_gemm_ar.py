@@ -1,9 +1,10 @@
-"""gemm_ar on the CPU emulation (2 and 4 ranks, Triton's interpreter) and compiled for sm_90.
+"""gemm_ar on CPU ranks (Triton's interpreter, 2 and 4 ranks), on two GPUs (`pytest -m gpu`), and
+compiled for sm_90.
 
-Repeated calls of every variant into NaN-poisoned outputs, compared with the float64 reference at
-`OP.tolerance(problem)` (the gemm_rs bound: float32 dots of the dtype-rounded inputs, at most one
-rounding per partial and the final rounding, ~2u against 4u * max(1, sqrt(log2 K / 8)) allowed).
-The fused variants sum in rank order, so every rank must return bitwise the same matrix.
+Case tables run by tests/harness.py (repeated and interleaved calls into NaN-poisoned outputs, CUDA
+graph replay on GPUs) against the float64 reference at `OP.tolerance(problem)` (the gemm_rs bound,
+autofuse/ops/row_parallel.py). The fused variants sum in rank order, so every rank must return
+bitwise the same matrix. Fault scenarios must raise on every rank, never return a wrong result.
 """
 from __future__ import annotations
 
@@ -12,84 +13,138 @@ import math
 import pytest
 import torch
 
-from autofuse import status
-from autofuse.op import InvalidConfig, InvalidInput, Problem, rel_error
-from autofuse.ops import gemm_ar, gemm_rs
-from autofuse.world import World, spawn
-from conftest import compile_sm90
+import harness
+from _row_parallel import TINY, RandomTrial, by_scenario, cases_then_faults, fake_world, tiny
+from autofuse import gemm
+from autofuse.op import InvalidConfig, InvalidInput, Problem
+from autofuse.ops import gemm_ar
+from autofuse.world import spawn
+from conftest import CTX, compile_request, compile_sm90_many
 
 OP = gemm_ar.OP
-TINY = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "GROUP_M": 2, "num_warps": 4, "num_stages": 2}
-FUSED = [
-    ("one_shot", {**TINY, "PARTIAL": "fp32"}),
-    ("one_shot", {**TINY, "BLOCK_N": 32, "GROUP_M": 1, "PARTIAL": "out"}),
-    ("two_shot", {**TINY, "PARTIAL": "out"}),
-    ("two_shot", {**TINY, "BLOCK_M": 32, "GROUP_M": 1, "PARTIAL": "fp32"}),
+FUSED = ("one_shot", "two_shot")
+SAME_BITS = ("mm_heap", *FUSED)  # these sum in rank order: bitwise identical results on every rank
+
+def _defaults(variant: str, dims: dict, dtype: str = "bfloat16", count: int = 2, world: int = 2) -> list[tuple]:
+    """Cases of `variant` at its first `count` default configs for the problem."""
+    problem = Problem.make(OP.name, dtype, world, **dims)
+    return [(variant, dims, dtype, c) for c in OP.variant(variant).defaults(problem)[:count]]
+
+
+ODD = {"M": 20, "N": 40, "K": 48}   # M, N and K/W not multiples of the blocks
+FEW = {"M": 3, "N": 24, "K": 16}    # a decode batch: fewer rows than a block
+CPU_CASES = [
+    ("bsp", ODD, "bfloat16", {}), ("bsp", ODD, "float16", {}), ("bsp", ODD, "float32", {}),
+    ("bsp", FEW, "float32", {}),
+    ("one_shot", ODD, "bfloat16", tiny(PARTIAL="fp32")),
+    ("one_shot", ODD, "float16", tiny(BLOCK_N=32, GROUP_M=1, PARTIAL="out", TMA=False, SPLIT_K=2)),
+    ("one_shot", ODD, "float32", tiny(BLOCK_M=32, BLOCK_N=32, BLOCK_K=32, PARTIAL="out", SWAP_AB=True)),
+    ("one_shot", FEW, "bfloat16", tiny(BLOCK_N=32, PARTIAL="out")),
+    ("two_shot", ODD, "bfloat16", tiny(PARTIAL="out")),
+    ("two_shot", ODD, "float16", tiny(BLOCK_M=32, BLOCK_N=32, PARTIAL="fp32", TMA=False, SPLIT_K=2)),
+    ("two_shot", ODD, "float32", tiny(BLOCK_M=32, GROUP_M=1, BLOCK_K=32, PARTIAL="fp32")),
+    ("two_shot", FEW, "float32", tiny(BLOCK_N=32, PARTIAL="fp32", SWAP_AB=True)),
+    *_defaults("mm_heap", ODD, "bfloat16"), *_defaults("mm_heap", FEW, "float32", count=1),
 ]
-CALLS = 5
+FOUR = {"M": 5, "N": 24, "K": 64}
+CPU4_CASES = [
+    ("bsp", FOUR, "bfloat16", {}),
+    ("one_shot", FOUR, "bfloat16", tiny(PARTIAL="out")),
+    ("two_shot", FOUR, "float16", tiny(PARTIAL="out")),
+    *_defaults("mm_heap", FOUR, "bfloat16", world=4),
+]
+
+# GPU sizes: decode batches on Llama-3-70B's o_proj and down, the sweep's N=8192, K=14336, and
+# shapes outside every sweep (odd sizes, Qwen2.5-72B's down).
+O_PROJ = {"N": 8192, "K": 8192}
+DOWN, QWEN, GPU_SWEEP = {"N": 8192, "K": 28672}, {"N": 8192, "K": 29568}, {"N": 8192, "K": 14336}
+SMALL_TILE = {"BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 8, "num_warps": 4, "num_stages": 4}
 
 
-def _run_cases(world, cases, calls):
-    """Each case `calls` times with new inputs, then one more round with the cases interleaved.
-
-    Returns per case (name, worst rel error, tolerance, checksum of the last output bytes).
-    """
-    built = []
-    for variant, dims, dtype, config in cases:
-        problem = Problem.make("gemm_ar", dtype, world.size, **dims)
-        built.append((f"{variant} {config} {problem}", problem, OP.variant(variant).build(world, problem, config)))
-    worst = {name: 0.0 for name, _, _ in built}
-    last = {}
-
-    def call(name, problem, runner, seed):
-        a, b = OP.inputs(world, problem, seed)
-        out = torch.full((problem["M"], problem["N"]), math.nan, dtype=problem.torch_dtype)
-        assert runner(a, b, out=out) is out
-        status.check(world.heap, "gemm_ar")
-        worst[name] = max(worst[name], rel_error(out, OP.reference(world, problem, seed)))
-        last[name] = out.view(torch.uint8 if out.element_size() == 1 else torch.int16).to(torch.int64).sum().item()
-
-    for name, problem, runner in built:
-        for seed in range(calls):
-            call(name, problem, runner, seed)
-    for name, problem, runner in built:
-        call(name, problem, runner, 100)
-    return [(name, worst[name], OP.tolerance(problem), last[name]) for name, problem, _ in built]
+GPU_CASES = [
+    ("bsp", {"M": 128, **GPU_SWEEP}, "bfloat16", {}), ("bsp", {"M": 77, **QWEN}, "float32", {}),
+    *_defaults("mm_heap", {"M": 8, **O_PROJ}, count=4), *_defaults("mm_heap", {"M": 256, **GPU_SWEEP}),
+    *_defaults("mm_heap", {"M": 77, **QWEN}, "float16", count=1),
+    *_defaults("one_shot", {"M": 1, **O_PROJ}), *_defaults("one_shot", {"M": 32, **DOWN}),
+    *_defaults("one_shot", {"M": 256, **GPU_SWEEP}), *_defaults("two_shot", {"M": 128, **GPU_SWEEP}),
+    *_defaults("one_shot", {"M": 1000, **GPU_SWEEP}, count=1), *_defaults("two_shot", {"M": 2048, **O_PROJ}, count=1),
+    *_defaults("one_shot", {"M": 77, **QWEN}, "float16", count=1),
+    ("one_shot", {"M": 77, **QWEN}, "float32", {**SMALL_TILE, "BLOCK_M": 64, "BLOCK_K": 32, "PARTIAL": "fp32"}),
+    ("one_shot", {"M": 9, "N": 3000, "K": 5000}, "bfloat16", {**SMALL_TILE, "PARTIAL": "fp32", "TMA": False,
+                                                              "SWAP_AB": True, "SPLIT_K": 4}),
+    ("two_shot", {"M": 9, "N": 3000, "K": 5000}, "float16", {**SMALL_TILE, "PARTIAL": "out", "TMA": False}),
+]
 
 
-def _assert_ok(results):
-    for rank, rows in enumerate(results):
-        bad = [(name, err, tol) for name, err, tol, _ in rows if not err <= tol]
-        assert not bad, f"rank {rank}: outside tolerance: {bad}"
-    for i, (name, *_rest) in enumerate(results[0]):
-        if not name.startswith("bsp"):
-            sums = [rows[i][3] for rows in results]
-            assert len(set(sums)) == 1, f"{name}: ranks returned different bits ({sums})"
+def _run(world, cases, calls):
+    return harness.run_cases(world, OP, cases, calls=calls)
 
 
-def test_two_ranks_every_variant_dtype_and_odd_shapes():
-    odd = {"M": 20, "N": 40, "K": 48}   # M, N and K/W not multiples of the blocks
-    small = {"M": 3, "N": 24, "K": 16}
-    cases = [("bsp", odd, dt, {}) for dt in ("bfloat16", "float16", "float32")] + [("bsp", small, "float32", {})]
-    for i, (variant, config) in enumerate(FUSED):
-        cases += [(variant, odd, dt, config) for dt in ("bfloat16", "float16", "float32")]
-        cases.append((variant, small, ("bfloat16", "float32")[i % 2], {**config, "BLOCK_M": 16}))
-    _assert_ok(spawn(_run_cases, 2, cases, CALLS, timeout_s=400))
+# -- faults: a late peer, a skipped call, a dead peer (at 1 and at 8 tiles); one at 4 ranks ---------------
+SMALL_FAULT, LARGE_FAULT = {"M": 16, "N": 16, "K": 32}, {"M": 64, "N": 128, "K": 32}  # 1 and 8 tiles (32x32)
+FAULT_PLAN = [(v, SMALL_FAULT, "float32", c, s) for s in ("late_peer", "skipped_call", "dead_peer")
+              for v, c in (("one_shot", tiny(PARTIAL="fp32")), ("two_shot", tiny(PARTIAL="out")))]
+FAULT_PLAN.append(("one_shot", LARGE_FAULT, "float32", tiny(BLOCK_M=32, BLOCK_N=32, PARTIAL="fp32"), "dead_peer"))
+FAULT_PLAN4 = [("two_shot", SMALL_FAULT, "bfloat16", tiny(PARTIAL="out"), "dead_peer")]
 
 
-def test_four_ranks_fused_variants():
-    dims = {"M": 5, "N": 24, "K": 32}
-    cases = [("bsp", dims, "bfloat16", {})] + [(v, dims, dt, {**c, "BLOCK_M": 16}) for (v, c), dt in
-                                               zip(FUSED, ("bfloat16", "float32", "float16", "bfloat16"))]
-    _assert_ok(spawn(_run_cases, 4, cases, CALLS, timeout_s=400))
+@pytest.fixture(scope="module")
+def two_ranks() -> tuple[list, list[list[dict]]]:
+    """(run_cases results per rank, [scenario][rank] -> what the rank saw in harness.fault_run)."""
+    per_rank = spawn(cases_then_faults, 2, OP, CPU_CASES, 2, FAULT_PLAN, timeout_s=900)
+    return [r[0] for r in per_rank], by_scenario(per_rank, FAULT_PLAN)
 
 
-def _fake_world(size=2):
-    return World(rank=0, size=size, device=torch.device("cpu"), backend="gloo")
+def test_two_ranks_every_variant_dtype_and_odd_shapes_bitwise_equal_across_ranks(two_ranks):
+    harness.assert_ok(two_ranks[0], same_bits=SAME_BITS)
 
 
+def test_four_ranks_and_a_dead_peer():
+    per_rank = spawn(cases_then_faults, 4, OP, CPU4_CASES, 1, FAULT_PLAN4, timeout_s=900)
+    harness.assert_ok([r[0] for r in per_rank], same_bits=SAME_BITS)
+    seen = by_scenario(per_rank, FAULT_PLAN4)[0]
+    harness.check_fault_run(seen)
+    assert all(r["seen"][1][0] != "returned" for r in seen[:-1]), seen
+
+
+@harness.gpu()
+def test_gpu_cases_eager_and_graph_replay_bitwise_equal_across_ranks():
+    harness.assert_ok(spawn(_run, 2, GPU_CASES, 2, device_kind="cuda", timeout_s=1800), same_bits=SAME_BITS)
+
+
+@harness.gpu()
+def test_gpu_faults():
+    dims = {"M": 128, **O_PROJ}
+    plan = [(v, dims, "bfloat16", c, s) for s in ("late_peer", "skipped_call", "dead_peer")
+            for v, c in (("one_shot", {**SMALL_TILE, "BLOCK_M": 64, "PARTIAL": "out"}),
+                         ("two_shot", {**SMALL_TILE, "BLOCK_M": 64, "PARTIAL": "fp32"}))]
+    for seen in by_scenario(spawn(cases_then_faults, 2, OP, [], 0, plan, device_kind="cuda", timeout_s=900), plan):
+        harness.check_fault_run(seen)
+
+
+@pytest.mark.parametrize("i", range(len(FAULT_PLAN) - 1),
+                         ids=[f"{v}-{s}" for v, _, _, _, s in FAULT_PLAN[:-1]])
+def test_fault_raises_on_every_rank_and_never_returns_a_wrong_result(two_ranks, i):
+    seen = two_ranks[1][i]
+    harness.check_fault_run(seen)
+    survivor, victim = seen
+    assert survivor["seen"][1][0] == "FlagTimeout", survivor
+    if FAULT_PLAN[i][4] != "dead_peer":
+        assert victim["seen"][-1][0] != "returned", victim
+
+
+def test_dead_peer_time_to_fail_does_not_grow_with_the_problem(two_ranks):
+    faults = two_ranks[1]
+    small = next(r for (v, d, _, _, s), r in zip(FAULT_PLAN, faults) if v == "one_shot" and s == "dead_peer"
+                 and d == SMALL_FAULT)
+    for result in (small, faults[-1]):
+        harness.check_fault_run(result)  # within budget + 5 s at 1 tile and at 8 tiles
+    assert faults[-1][0]["seen"][1][0] == "FlagTimeout"
+
+
+# -- validation, configs, sweeps ------------------------------------------------------------------------
 def test_problem_of_and_runner_validate_inputs():
-    w = _fake_world()
+    w = fake_world()
     a, b = torch.randn(7, 6), torch.randn(6, 5)
     p = OP.problem_of(w, a, b)
     assert (p["M"], p["N"], p["K"], p.op) == (7, 5, 12, "gemm_ar")  # any M: nothing is split by rows
@@ -100,64 +155,111 @@ def test_problem_of_and_runner_validate_inputs():
     runner = OP.variant("bsp").build(w, p, {})
     with pytest.raises(InvalidInput, match="built for"):
         runner(torch.randn(8, 6), b)
+    with pytest.raises(InvalidInput, match="out must be"):
+        runner(a, b, out=torch.empty(7, 6))
 
 
 def test_invalid_configs_rejected_before_launch():
-    w = _fake_world()
+    w = fake_world()
     p = Problem.make("gemm_ar", "float16", 2, M=32, N=64, K=64)
-    good = {**TINY, "PARTIAL": "fp32"}
-    for variant in ("one_shot", "two_shot"):
+    good = tiny(PARTIAL="fp32")
+    for variant in FUSED:
         v = OP.variant(variant)
         assert v.check(p, good) is None
-        for config, msg in [({**good, "BLOCK_N": 48}, "BLOCK_N"), ({**good, "BLOCK_M": 64}, "exceeds"),
-                            ({**good, "FLAG_GRAN": "tile"}, "unknown"), ({**good, "num_stages": 0}, "num_stages"),
-                            ({**good, "GROUP_M": 0}, "GROUP_M")]:
-            assert msg in (v.check(p, config) or ""), (variant, config)
-            with pytest.raises(InvalidConfig, match=msg):
+        for config, msg in [({**good, "BLOCK_N": 48}, "BLOCK_N=48 must be one of"),
+                            ({**good, "BLOCK_M": 64}, "BLOCK_M=64 is larger than 32 needs"),
+                            ({**good, "FLAG": "tile"}, "unknown ['FLAG']"), ({**good, "num_stages": 0}, "num_stages"),
+                            ({**good, "GROUP_M": 0}, "GROUP_M"), ({**good, "PARTIAL": "bf16"}, "PARTIAL='bf16'"),
+                            (TINY, "missing ['PARTIAL']"), ({**good, "SPLIT_K": 3}, "SPLIT_K=3 is more than")]:
+            assert msg in (v.check(p, config) or ""), (variant, config, v.check(p, config))
+            with pytest.raises(InvalidConfig, match=msg.replace("[", r"\[").replace("]", r"\]")):
                 v.build(w, p, config)
-    with pytest.raises(InvalidConfig, match="no config"):
+    odd = Problem.make("gemm_ar", "bfloat16", 2, M=9, N=3000, K=5000)  # K/W = 2500: rows not 16-byte aligned
+    assert "TMA needs 16-byte aligned row strides" in OP.variant("one_shot").check(odd, {**good, "BLOCK_M": 16})
+    assert OP.variant("one_shot").check(odd, {**good, "TMA": False}) is None
+    with pytest.raises(InvalidConfig, match="takes no config"):
         OP.variant("bsp").build(w, p, good)
 
 
+def test_space_draws_runnable_configs_without_warp_specialisation():
+    for p in (Problem.make("gemm_ar", "bfloat16", 2, M=32, N=8192, K=8192),
+              Problem.make("gemm_ar", "float32", 2, M=20, N=40, K=48)):
+        for name in FUSED:
+            v, seen, valid = OP.variant(name), {}, 0
+            for seed in range(40):
+                config = v.space(RandomTrial(seed, seen), p)
+                assert config["PARTIAL"] in ("fp32", "out") and not config["WARP_SPEC"]
+                valid += v.check(p, config) is None
+            assert "WARP_SPEC" not in seen and valid >= 5, (name, p, valid)
+
+
 def test_sweeps_defaults_and_features():
-    for kind in ("cpu", "gpu", "llama70b"):
-        for world in (2, 8):
-            for p in OP.sweep(kind, world):
-                assert p.op == "gemm_ar" and p["K"] % world == 0
-                for name in ("one_shot", "two_shot"):
-                    for config in OP.variant(name).defaults(p):
-                        assert OP.variant(name).check(p, config) is None, (name, p, config)
-                assert all(math.isfinite(v) for v in OP.features(p).values())
+    for kind in ("cpu", "gpu", "llama70b", "models", "default"):
+        for world in (2, 4, 8):
+            problems = OP.sweep(kind, world)
+            assert problems and all(p.op == "gemm_ar" and p["K"] % world == 0 for p in problems)
+            for p in problems:
+                for name, v in OP.variants.items():
+                    configs = v.defaults(p)
+                    assert configs and all(v.check(p, c) is None for c in configs), (name, p)
+                    if v.family == "fused":
+                        assert not any(c["WARP_SPEC"] for c in configs)
+                feats = OP.features(p)
+                assert set(feats) == {"log2_flops", "log2_comm_bytes", "comm_bytes_per_flop", "log2_M_per_rank"}
+                assert all(math.isfinite(v) for v in feats.values())
     assert [p["M"] for p in OP.sweep("gpu", 2)] == [128, 256, 512, 1024, 2048, 4096, 8192, 16384]
+    assert {p["M"] for p in OP.sweep("models", 2)} == {1, 8, 32, 128}  # decode batches
+    default = OP.sweep("default", 2)
+    assert 8 <= len(default) <= 12 and max(p["M"] for p in default) <= 256
+    decode = OP.variant("one_shot").defaults(Problem.make("gemm_ar", "bfloat16", 2, M=8, N=8192, K=8192))[0]
+    assert decode["SWAP_AB"] and decode["SPLIT_K"] > 1  # skinny: N on the wgmma's M side, K split to fill SMs
+    assert {v.family for v in OP.variants.values()} == {"bsp", "hybrid", "fused"}
 
 
-SIG = {"a": "*bf16", "b": "*bf16", "out": "*bf16", "inbox": "*fp32", "inbox_half": "i64", "counters": "*i32",
-       "counter_half": "i32", "epoch_ptr": "*i32", "status": "*i32", "heap_bases": "*i64", "rank": "i32",
-       "M": "i32", "N": "i32", "K_r": "i32", "stride_am": "i32", "stride_ak": "constexpr", "stride_bk": "i32",
-       "stride_bn": "constexpr", "stride_om": "i32", "stride_on": "constexpr", "spin_limit": "i32",
-       "WORLD": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr",
-       "GROUP_M": "constexpr", "EVEN_K": "constexpr"}
-META = {"stride_ak": 1, "stride_bn": 1, "stride_on": 1, "WORLD": 2, "BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64,
-        "GROUP_M": 8, "EVEN_K": True}
+# -- sm_90 -----------------------------------------------------------------------------------------------
+MOD = "autofuse.kernels.gemm_ar"
+SIG = {"a": "*bf16", "b": "*bf16", "out": "*bf16", "inbox": "*bf16", "inbox_half": "i64", "gathered": "*bf16",
+       "gathered_half": "i64", "flags": "*i32", "half_flags": "i32", "sk_partials": "*fp32", "sk_counts": "*i32",
+       "ctx": CTX, "M": "i32", "N": "i32", "K_r": "i32", "stride_am": "i32", "stride_ak": "constexpr",
+       "stride_bk": "i32", "stride_bn": "constexpr", "stride_om": "i32", "stride_on": "constexpr"}
+DIVISIBLE = ("a", "b", "out", "inbox", "gathered", "flags", "sk_partials", "sk_counts", "N", "K_r", "stride_am",
+             "stride_bk", "stride_om")
+BASE = {"stride_ak": 1, "stride_bn": 1, "stride_on": 1, "WORLD": 2, "BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 128,
+        "GROUP_M": 8, "NUM_STAGES": 4, "SPLIT_K": 1, "SWAP_AB": False, "USE_TMA": True, "TWO_SHOT": False}
+COMPILES = {  # name: (constexpr changes, inbox dtype, num_warps)
+    "one_shot_decode": ({"BLOCK_M": 16, "SWAP_AB": True, "SPLIT_K": 4}, "bf16", 4),
+    "one_shot_fp32_w4": ({"WORLD": 4}, "fp32", 4),
+    "two_shot_w4": ({"TWO_SHOT": True, "WORLD": 4, "BLOCK_M": 128, "BLOCK_K": 64, "NUM_STAGES": 3}, "bf16", 8),
+    "two_shot_ptr": ({"TWO_SHOT": True, "USE_TMA": False}, "fp32", 4),
+}
 
 
-def _assert_sync_instructions(ptx):
-    assert "red.global.sys.release.add" in ptx or "atom.global.sys.release.add" in ptx, "no release signal"
-    assert "ld.volatile.global" in ptx and "bar.sync" in ptx and "mma" in ptx
+@pytest.fixture(scope="module")
+def compiled() -> dict:
+    reqs = []
+    for name, (changes, inbox, warps) in COMPILES.items():
+        consts = {**BASE, **changes}
+        sig = {**SIG, "inbox": f"*{inbox}", **{k: "constexpr" for k in consts}}
+        reqs.append(compile_request(MOD, "gemm_ar_kernel", sig, consts, warps, consts["NUM_STAGES"], DIVISIBLE, name))
+    return compile_sm90_many(reqs)
 
 
-def test_one_shot_compiles_for_sm90():
-    res = compile_sm90("autofuse.kernels.gemm_ar", "gemm_ar_one_shot_kernel", SIG, {**META, "WORLD": 4},
-                       num_warps=8, num_stages=3)
-    _assert_sync_instructions(res["ptx"])
-    assert res["shared"] <= gemm_rs.SMEM_LIMIT
-
-
-def test_two_shot_compiles_for_sm90():
-    sig = {**SIG, "inbox": "*bf16", "gathered": "*bf16", "gathered_half": "i64", "flags": "*i32"}
-    sig = {k: sig[k] for k in ["a", "b", "out", "inbox", "inbox_half", "gathered", "gathered_half", "counters",
-                               "flags", "counter_half", "epoch_ptr"] + [k for k in SIG if k not in
-                               ("a", "b", "out", "inbox", "inbox_half", "counters", "counter_half", "epoch_ptr")]}
-    res = compile_sm90("autofuse.kernels.gemm_ar", "gemm_ar_two_shot_kernel", sig, META, num_warps=8, num_stages=3)
-    _assert_sync_instructions(res["ptx"])
-    assert res["shared"] <= gemm_rs.SMEM_LIMIT
+@pytest.mark.parametrize("name", list(COMPILES))
+def test_compiles_for_sm90_with_pipelined_wgmma_and_bounded_waits(compiled, name):
+    ptx, shared = compiled[name]["ptx"], compiled[name]["shared"]
+    consts = {**BASE, **COMPILES[name][0]}
+    assert "wgmma.mma_async" in ptx, "the GEMM does not use Hopper's wgmma"
+    if consts["SWAP_AB"]:
+        assert "wgmma.mma_async.sync.aligned.m64n16k16" in ptx, "swap-AB: BLOCK_N on the wgmma's M side"
+    if consts["USE_TMA"]:
+        assert "cp.async.bulk.tensor.2d" in ptx and "mbarrier.try_wait" in ptx, "no TMA loads"
+    else:
+        assert "cp.async.commit_group" in ptx and "cp.async.bulk.tensor" not in ptx
+    if consts["SPLIT_K"] > 1:
+        assert "atom.global.gpu.acq_rel.add" in ptx, "split-K arrivals"
+    stages = consts["NUM_STAGES"] * (consts["BLOCK_M"] + consts["BLOCK_N"]) * consts["BLOCK_K"] * 2
+    assert stages <= shared <= gemm.SMEM_LIMIT, "the K loop is not pipelined in NUM_STAGES buffers"
+    assert "ld.local" not in ptx and "st.local" not in ptx, "registers spill"
+    assert "ld.volatile.global" in ptx and "%globaltimer" in ptx, "waits must poll and be bounded in time"
+    assert "atom.global.sys.release.exch.b32" in ptx, "no epoch flag raised with a sys-scope release"
+    assert "atom.global.release.sys.cas.b32" in ptx, "a timed-out wait must abort the peers"

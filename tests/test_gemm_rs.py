@@ -1,11 +1,14 @@
-"""gemm_rs on the CPU emulation (2 and 4 ranks, Triton's interpreter) and compiled for sm_90.
+"""gemm_rs on CPU ranks (Triton's interpreter, 2 and 4 ranks), on two GPUs (`pytest -m gpu`), and
+compiled for sm_90.
 
-Every variant runs repeated calls (parity buffers, counters reset by their reader) into NaN-poisoned
-outputs and is compared with the float64 reference at `OP.tolerance(problem)`: float32 dots
-(exact products of the dtype-rounded inputs), at most one rounding of each partial to the dtype
-and the final rounding, so ~2 units of roundoff against 4u * max(1, sqrt(log2 K / 8)) allowed
-(gemm_rs.tolerance has the derivation). Calls of different variants and problems are
-interleaved on one shared workspace, as the tuner does.
+One case table per setting (variant, dims, dtype, config), run by tests/harness.py: every case is
+called repeatedly with fresh inputs into NaN-poisoned outputs, then interleaved with the others on
+the shared workspace (as the tuner calls them), and compared with the float64 reference at
+`OP.tolerance(problem)` (autofuse/ops/row_parallel.py derives it: float32 dots of the
+dtype-rounded inputs, at most one rounding per partial and the final rounding, ~2u against
+4u * max(1, sqrt(log2 K / 8)) allowed). On GPUs the harness also replays each case from a CUDA graph.
+Fault scenarios (a late peer, a skipped call, a dead peer) must raise on every rank within the wait
+budget and never return a wrong result.
 """
 from __future__ import annotations
 
@@ -14,80 +17,136 @@ import math
 import pytest
 import torch
 
-from autofuse import status
-from autofuse.op import InvalidConfig, InvalidInput, Problem, rel_error
+import harness
+from _row_parallel import TINY, RandomTrial, by_scenario, cases_then_faults, fake_world, tiny
+from autofuse import gemm
+from autofuse.op import InvalidConfig, InvalidInput, Problem
 from autofuse.ops import gemm_rs
-from autofuse.world import World, spawn
-from conftest import compile_sm90
+from autofuse.world import spawn
+from conftest import CTX, compile_request, compile_sm90_many
 
 OP = gemm_rs.OP
-TINY = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "GROUP_M": 2, "num_warps": 4, "num_stages": 2}
-FUSED = [
-    ("push_last", {**TINY, "PARTIAL": "out"}),
-    ("push_last", {**TINY, "BLOCK_N": 32, "GROUP_M": 1, "PARTIAL": "fp32"}),
-    ("push_reducer", {**TINY, "PARTIAL": "fp32", "FLAG_GRAN": "tile", "REDUCERS": 2}),
-    ("push_reducer", {**TINY, "BLOCK_M": 32, "PARTIAL": "out", "FLAG_GRAN": "row_block", "REDUCERS": 8}),
+
+
+def _defaults(variant: str, dims: dict, dtype: str = "bfloat16", pick: slice = slice(0, 2), world: int = 2
+              ) -> list[tuple]:
+    """Cases of `variant` at its default configs `pick` for the problem."""
+    problem = Problem.make(OP.name, dtype, world, **dims)
+    return [(variant, dims, dtype, c) for c in OP.variant(variant).defaults(problem)[pick]]
+
+
+ODD = {"M": 40, "N": 40, "K": 48}     # 20 rows per rank; N and K/W are not multiples of the blocks
+ONE_ROW = {"M": 2, "N": 24, "K": 16}  # one row per rank
+CPU_CASES = [
+    ("bsp", ODD, "bfloat16", {}), ("bsp", ODD, "float16", {}), ("bsp", ODD, "float32", {}),
+    ("bsp", ONE_ROW, "float32", {}),
+    ("push_last", ODD, "bfloat16", tiny(PARTIAL="out")),
+    ("push_last", ODD, "float16", tiny(BLOCK_N=32, PARTIAL="fp32", TMA=False, SPLIT_K=2)),
+    ("push_last", ODD, "float32", tiny(BLOCK_M=32, BLOCK_N=32, BLOCK_K=32, GROUP_M=1, PARTIAL="fp32", SWAP_AB=True)),
+    ("push_last", ONE_ROW, "bfloat16", tiny(BLOCK_N=32, PARTIAL="fp32", TMA=False)),
+    ("push_reducer", ODD, "float32", tiny(PARTIAL="fp32", FLAG="tile", COMM_SMS=2)),
+    ("push_reducer", ODD, "bfloat16", tiny(BLOCK_M=32, BLOCK_N=32, PARTIAL="out", FLAG="row_block", COMM_SMS=8,
+                                          TMA=False)),
+    ("push_reducer", ODD, "float16", tiny(BLOCK_N=32, PARTIAL="out", FLAG="tile", COMM_SMS=1, SPLIT_K=2)),
+    ("push_reducer", ONE_ROW, "float32", tiny(BLOCK_N=32, PARTIAL="fp32", FLAG="row_block", COMM_SMS=2)),
+    *_defaults("mm_heap", ODD, "bfloat16", slice(0, 1)), *_defaults("mm_heap_overlap", ODD, "float32", slice(2, 3)),
 ]
-CALLS = 5
+FOUR = {"M": 20, "N": 24, "K": 32}  # 5 rows per rank
+CPU4_CASES = [
+    ("bsp", FOUR, "bfloat16", {}),
+    ("push_last", FOUR, "bfloat16", tiny(PARTIAL="out", SWAP_AB=True)),
+    ("push_reducer", FOUR, "float32", tiny(PARTIAL="fp32", FLAG="tile", COMM_SMS=2)),
+    ("push_reducer", FOUR, "float16", tiny(PARTIAL="out", FLAG="row_block", COMM_SMS=1, TMA=False)),
+]
+
+# GPU sizes: the sweeps' N=8192, K=14336 and shapes outside every sweep (odd, Qwen2.5-72B's down).
+BIG, MID, SMALL = ({"M": 4096, "N": 8192, "K": 14336}, {"M": 1000, "N": 8192, "K": 14336},
+                   {"M": 128, "N": 8192, "K": 14336})
+ODD_GPU, QWEN = {"M": 1002, "N": 3000, "K": 5000}, {"M": 640, "N": 8192, "K": 29568}
+MID_TILE = {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 4, "num_stages": 3}
 
 
-def _run_cases(world, cases, calls, interleave):
-    """Build every case, call each `calls` times (new inputs each call), then interleave them.
-
-    Returns (case name, worst rel error, tolerance) per case, checked on every rank by the test.
-    """
-    built = []
-    for variant, dims, dtype, config in cases:
-        problem = Problem.make("gemm_rs", dtype, world.size, **dims)
-        built.append((f"{variant} {config} {problem}", problem, OP.variant(variant).build(world, problem, config)))
-    worst = {name: 0.0 for name, _, _ in built}
-
-    def call(name, problem, runner, seed):
-        a, b = OP.inputs(world, problem, seed)
-        out = torch.full((problem["M"] // world.size, problem["N"]), math.nan, dtype=problem.torch_dtype)
-        got = runner(a, b, out=out)
-        status.check(world.heap, "gemm_rs")
-        assert got is out
-        worst[name] = max(worst[name], rel_error(out, OP.reference(world, problem, seed)))
-
-    for name, problem, runner in built:
-        for seed in range(calls):
-            call(name, problem, runner, seed)
-    for seed in range(interleave):  # consecutive calls of different problems/variants on one workspace
-        for name, problem, runner in built:
-            call(name, problem, runner, 100 + seed)
-    return [(name, worst[name], OP.tolerance(problem)) for name, problem, _ in built]
+GPU_CASES = [
+    ("bsp", BIG, "bfloat16", {}), ("torch_symm", BIG, "bfloat16", {}), ("bsp", MID, "float32", {}),
+    *_defaults("mm_heap", BIG), *_defaults("mm_heap_overlap", BIG, pick=slice(0, 3)), *_defaults("mm_heap", QWEN),
+    *_defaults("mm_heap_overlap", ODD_GPU, "float16", slice(2, 3)),
+    *_defaults("push_last", BIG), *_defaults("push_reducer", BIG), *_defaults("push_last", SMALL),
+    *_defaults("push_reducer", SMALL), *_defaults("push_last", QWEN),
+    ("push_last", MID, "float16", {**MID_TILE, "PARTIAL": "out"}),
+    ("push_last", MID, "float32", {**MID_TILE, "BLOCK_K": 32, "PARTIAL": "fp32"}),
+    ("push_reducer", MID, "float32", {**MID_TILE, "BLOCK_K": 32, "PARTIAL": "fp32", "FLAG": "row_block",
+                                      "COMM_SMS": 16, "TMA": False}),
+    ("push_last", ODD_GPU, "bfloat16", {**MID_TILE, "PARTIAL": "fp32", "TMA": False, "SPLIT_K": 2}),
+    ("push_reducer", ODD_GPU, "float16", {**MID_TILE, "PARTIAL": "out", "FLAG": "tile", "COMM_SMS": 8,
+                                          "TMA": False}),
+]
 
 
-def _assert_within(results):
-    for rank, rows in enumerate(results):
-        bad = [(name, err, tol) for name, err, tol in rows if not err <= tol]
-        assert not bad, f"rank {rank}: outside tolerance: {bad}"
+def _run(world, cases, calls):
+    return harness.run_cases(world, OP, cases, calls=calls)
 
 
-def test_two_ranks_every_variant_dtype_and_odd_shapes():
-    odd = {"M": 40, "N": 40, "K": 48}    # 20 rows per rank, N and K/W not multiples of the blocks
-    small = {"M": 2, "N": 24, "K": 16}   # one row per rank
-    cases = [("bsp", odd, dt, {}) for dt in ("bfloat16", "float16", "float32")] + [("bsp", small, "float32", {})]
-    for i, (variant, config) in enumerate(FUSED):
-        cases += [(variant, odd, dt, config) for dt in ("bfloat16", "float16", "float32")]
-        cases.append((variant, small, ("bfloat16", "float32")[i % 2], {**config, "BLOCK_M": 16}))
-    _assert_within(spawn(_run_cases, 2, cases, CALLS, 1, timeout_s=400))
+# -- faults: a late peer, a skipped call, a dead peer (at 1 and at 8 tiles per rank) -------------------------
+SMALL_FAULT, LARGE_FAULT = {"M": 32, "N": 16, "K": 32}, {"M": 128, "N": 128, "K": 32}
+FAULT_PLAN = [(v, SMALL_FAULT, "float32", c, s) for s in ("late_peer", "skipped_call", "dead_peer")
+              for v, c in (("push_last", tiny(PARTIAL="fp32")),
+                           ("push_reducer", tiny(PARTIAL="out", FLAG="row_block", COMM_SMS=2)))]
+FAULT_PLAN.append(("push_last", LARGE_FAULT, "float32", tiny(BLOCK_M=32, BLOCK_N=32, PARTIAL="fp32"), "dead_peer"))
 
 
-def test_four_ranks_fused_variants():
-    dims = {"M": 20, "N": 24, "K": 32}  # 5 rows per rank
-    cases = [("bsp", dims, "bfloat16", {})] + [(v, dims, dt, {**c, "BLOCK_M": 16}) for (v, c), dt in
-                                               zip(FUSED, ("bfloat16", "float32", "float16", "bfloat16"))]
-    _assert_within(spawn(_run_cases, 4, cases, CALLS, 1, timeout_s=400))
+@pytest.fixture(scope="module")
+def two_ranks() -> tuple[list, list[list[dict]]]:
+    """(run_cases results per rank, [scenario][rank] -> what the rank saw in harness.fault_run)."""
+    per_rank = spawn(cases_then_faults, 2, OP, CPU_CASES, 2, FAULT_PLAN, timeout_s=900)
+    return [r[0] for r in per_rank], by_scenario(per_rank, FAULT_PLAN)
 
 
-def _fake_world(size=2):
-    return World(rank=0, size=size, device=torch.device("cpu"), backend="gloo")
+def test_two_ranks_every_variant_dtype_and_odd_shapes(two_ranks):
+    harness.assert_ok(two_ranks[0])
 
 
+def test_four_ranks():
+    harness.assert_ok(spawn(_run, 4, CPU4_CASES, 1, timeout_s=600))
+
+
+@harness.gpu()
+def test_gpu_cases_eager_and_graph_replay():
+    harness.assert_ok(spawn(_run, 2, GPU_CASES, 2, device_kind="cuda", timeout_s=1800))
+
+
+@harness.gpu()
+def test_gpu_faults():
+    plan = [(v, MID, "bfloat16", c, s) for s in ("late_peer", "skipped_call", "dead_peer")
+            for v, c in (("push_last", {**MID_TILE, "PARTIAL": "out"}),
+                         ("push_reducer", {**MID_TILE, "PARTIAL": "fp32", "FLAG": "tile", "COMM_SMS": 8}))]
+    for seen in by_scenario(spawn(cases_then_faults, 2, OP, [], 0, plan, device_kind="cuda", timeout_s=900), plan):
+        harness.check_fault_run(seen)
+
+
+@pytest.mark.parametrize("i", range(len(FAULT_PLAN) - 1),
+                         ids=[f"{v}-{s}" for v, _, _, _, s in FAULT_PLAN[:-1]])
+def test_fault_raises_on_every_rank_and_never_returns_a_wrong_result(two_ranks, i):
+    seen = two_ranks[1][i]
+    harness.check_fault_run(seen)
+    survivor, victim = seen
+    assert survivor["seen"][1][0] == "FlagTimeout", survivor  # the survivor's own wait ran out
+    if FAULT_PLAN[i][4] != "dead_peer":
+        assert victim["seen"][-1][0] != "returned", victim  # the late or skipping rank is refused too
+
+
+def test_dead_peer_time_to_fail_does_not_grow_with_the_problem(two_ranks):
+    faults = two_ranks[1]
+    small = next(r for (v, d, _, _, s), r in zip(FAULT_PLAN, faults) if v == "push_last" and s == "dead_peer"
+                 and d == SMALL_FAULT)
+    large = faults[-1]
+    for result in (small, large):
+        harness.check_fault_run(result)  # within budget + 5 s at 1 tile and at 8 tiles per rank
+    assert large[0]["seen"][1][0] == "FlagTimeout"
+
+
+# -- validation, configs, sweeps ------------------------------------------------------------------------
 def test_problem_of_validates_inputs():
-    w = _fake_world()
+    w = fake_world()
     a, b = torch.randn(8, 6), torch.randn(6, 5)
     p = OP.problem_of(w, a, b)
     assert (p["M"], p["N"], p["K"], p.world, p.dtype) == (8, 5, 12, 2, "float32")
@@ -108,7 +167,7 @@ def test_problem_of_validates_inputs():
 
 
 def test_runner_rejects_mismatched_call():
-    w = _fake_world()
+    w = fake_world()
     p = Problem.make("gemm_rs", "float32", 2, M=8, N=5, K=12)
     runner = OP.variant("bsp").build(w, p, {})
     with pytest.raises(InvalidInput, match="built for"):
@@ -118,79 +177,128 @@ def test_runner_rejects_mismatched_call():
 
 
 def test_invalid_configs_rejected_before_launch():
-    w = _fake_world()
+    w = fake_world()
     p = Problem.make("gemm_rs", "bfloat16", 2, M=64, N=64, K=64)
-    last = {**TINY, "PARTIAL": "fp32"}
-    red = {**last, "FLAG_GRAN": "tile", "REDUCERS": 8}
+    last = tiny(PARTIAL="fp32")
+    red = {**last, "FLAG": "tile", "COMM_SMS": 8}
     bad = [
-        ("push_last", {**last, "BLOCK_M": 24}, "BLOCK_M"),
-        ("push_last", {**last, "BLOCK_M": 64}, "exceeds the problem"),
+        ("push_last", {**last, "BLOCK_M": 24}, "BLOCK_M=24 must be one of"),
+        ("push_last", {**last, "BLOCK_M": 64}, "BLOCK_M=64 is larger than 32 needs"),
         ("push_last", {**last, "num_warps": 3}, "num_warps"),
-        ("push_last", {**last, "PARTIAL": "fp8"}, "PARTIAL"),
-        ("push_last", {**last, "FLAG_GRAN": "tile"}, "unknown"),
-        ("push_last", {k: v for k, v in last.items() if k != "GROUP_M"}, "missing"),
-        ("push_reducer", {**red, "FLAG_GRAN": "shard"}, "FLAG_GRAN"),
-        ("push_reducer", {**red, "REDUCERS": 0}, "REDUCERS"),
-        ("bsp", {"BLOCK_M": 16}, "no config"),
+        ("push_last", {**last, "PARTIAL": "fp8"}, "PARTIAL='fp8' must be one of"),
+        ("push_last", {**last, "FLAG": "tile"}, "unknown ['FLAG']"),
+        ("push_last", {k: v for k, v in last.items() if k != "GROUP_M"}, "missing ['GROUP_M']"),
+        ("push_last", TINY, "missing ['PARTIAL']"),
+        ("push_reducer", {**red, "FLAG": "shard"}, "FLAG='shard' must be one of"),
+        ("push_reducer", {**red, "COMM_SMS": 0}, "COMM_SMS=0 must be an int"),
+        ("push_reducer", {k: v for k, v in red.items() if k != "COMM_SMS"}, "missing ['COMM_SMS']"),
+        ("bsp", {"BLOCK_M": 16}, "takes no config"),
     ]
     for variant, config, msg in bad:
         v = OP.variant(variant)
         assert msg in (v.check(p, config) or ""), (variant, config, v.check(p, config))
-        with pytest.raises(InvalidConfig, match=msg):
+        with pytest.raises(InvalidConfig, match=msg.replace("[", r"\[").replace("]", r"\]")):
             v.build(w, p, config)  # raises before touching the heap or launching
     big = Problem.make("gemm_rs", "float32", 2, M=4096, N=8192, K=14336)
-    assert "shared memory" in OP.variant("push_last").check(big, {**last, "BLOCK_M": 256, "BLOCK_N": 256,
-                                                                  "BLOCK_K": 128, "num_warps": 8, "num_stages": 4})
-    assert "registers" in OP.variant("push_last").check(big, {**last, "BLOCK_M": 256, "BLOCK_N": 256,
-                                                              "BLOCK_K": 32, "num_warps": 4})
+    huge_tiles = {**last, "BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 128, "num_warps": 8, "num_stages": 4}
+    assert "shared memory" in OP.variant("push_last").check(big, huge_tiles)
+    assert "registers" in OP.variant("push_last").check(big, {**huge_tiles, "BLOCK_M": 256, "BLOCK_K": 32})
+    ws_ok = {**last, "BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "num_stages": 3, "WARP_SPEC": True}
+    bf16 = Problem.make("gemm_rs", "bfloat16", 2, M=4096, N=8192, K=14336)
+    assert gemm.check(ws_ok, 2048, 8192, 7168, "bfloat16", extra=("PARTIAL",)) is None
+    assert "warp specialisation rejects" in OP.variant("push_last").check(bf16, ws_ok)
     huge = Problem.make("gemm_rs", "bfloat16", 2, M=65536, N=65536, K=1024)
-    assert "int32" in OP.variant("push_reducer").check(huge, red)
+    assert "2^31" in OP.variant("push_reducer").check(huge, red)
+
+
+def test_space_draws_runnable_configs_without_warp_specialisation():
+    for p in (Problem.make("gemm_rs", "bfloat16", 2, M=4096, N=8192, K=14336),
+              Problem.make("gemm_rs", "float32", 2, M=40, N=40, K=48)):
+        for name in ("push_last", "push_reducer"):
+            v, seen, valid = OP.variant(name), {}, 0
+            for seed in range(40):
+                config = v.space(RandomTrial(seed, seen), p)
+                assert set(v.keys) <= set(config) and not config["WARP_SPEC"]
+                valid += v.check(p, config) is None
+            assert "WARP_SPEC" not in seen and valid >= 5, (name, p, valid)
 
 
 def test_sweeps_defaults_and_features():
-    for kind in ("cpu", "gpu", "llama70b"):
+    for kind in ("cpu", "gpu", "llama70b", "models", "default"):
         for world in (2, 4, 8):
             problems = OP.sweep(kind, world)
             assert problems and all(p.op == "gemm_rs" and p["M"] % world == 0 and p["K"] % world == 0
                                     for p in problems)
             for p in problems:
-                for name in ("push_last", "push_reducer"):
-                    for config in OP.variant(name).defaults(p):
-                        assert OP.variant(name).check(p, config) is None, (name, p, config)
-                assert all(math.isfinite(v) for v in OP.features(p).values())
+                for name, v in OP.variants.items():
+                    configs = v.defaults(p)
+                    assert configs and all(v.check(p, c) is None for c in configs), (name, p)
+                    if v.family == "fused":
+                        assert not any(c["WARP_SPEC"] for c in configs)
+                        if p.dtype == "bfloat16":
+                            assert configs[0]["PARTIAL"] == "out"  # half the NVLink bytes
+                feats = OP.features(p)
+                assert set(feats) == {"log2_flops", "log2_comm_bytes", "comm_bytes_per_flop", "log2_M_per_rank"}
+                assert all(math.isfinite(v) for v in feats.values())
     assert [p["M"] for p in OP.sweep("gpu", 2)] == [128, 256, 512, 1024, 2048, 4096, 8192, 16384]
     assert {(p["K"], p["N"]) for p in OP.sweep("llama70b", 2)} == {(8192, 8192), (28672, 8192)}
-    assert OP.variant("torch_symm").available(_fake_world()) is False
+    models = OP.sweep("models", 2)
+    assert {p["M"] for p in models} == {512, 2048, 8192}  # prefill chunks
+    assert {(p["N"], p["K"]) for p in models} >= {(8192, 8192), (8192, 28672), (4096, 14336), (16384, 53248)}
+    assert 8 <= len(OP.sweep("default", 2)) <= 12
+    assert OP.variant("torch_symm").available(fake_world()) is False
+    assert {v.family for v in OP.variants.values()} == {"bsp", "peer", "hybrid", "fused"}
+    big = OP.variant("push_last").defaults(Problem.make("gemm_rs", "bfloat16", 2, M=8192, N=8192, K=14336))[0]
+    assert (big["BLOCK_M"], big["BLOCK_N"], big["TMA"], big["SPLIT_K"]) == (128, 256, True, 1)
 
 
-SIG = {"a": "*bf16", "b": "*bf16", "out": "*bf16", "inbox": "*fp32", "inbox_half": "i64", "counters": "*i32",
-       "counter_half": "i32", "epoch_ptr": "*i32", "status": "*i32", "heap_bases": "*i64", "rank": "i32",
-       "M_r": "i32", "N": "i32", "K_r": "i32", "stride_am": "i32", "stride_ak": "constexpr", "stride_bk": "i32",
-       "stride_bn": "constexpr", "stride_om": "i32", "stride_on": "constexpr", "spin_limit": "i32",
-       "WORLD": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr",
-       "GROUP_M": "constexpr", "EVEN_K": "constexpr"}
-META = {"stride_ak": 1, "stride_bn": 1, "stride_on": 1, "WORLD": 2, "BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64,
-        "GROUP_M": 8, "EVEN_K": True}
+# -- sm_90 -----------------------------------------------------------------------------------------------
+MOD = "autofuse.kernels.gemm_rs"
+SIG = {"a": "*bf16", "b": "*bf16", "out": "*bf16", "inbox": "*bf16", "inbox_half": "i64", "flags": "*i32",
+       "half_flags": "i32", "sk_partials": "*fp32", "sk_counts": "*i32", "ctx": CTX, "M_r": "i32", "N": "i32",
+       "K_r": "i32", "stride_am": "i32", "stride_ak": "constexpr", "stride_bk": "i32", "stride_bn": "constexpr",
+       "stride_om": "i32", "stride_on": "constexpr", "gemm_programs": "i32"}
+DIVISIBLE = ("a", "b", "out", "inbox", "flags", "sk_partials", "sk_counts", "N", "K_r", "stride_am", "stride_bk",
+             "stride_om")
+BASE = {"stride_ak": 1, "stride_bn": 1, "stride_on": 1, "WORLD": 2, "BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64,
+        "GROUP_M": 8, "NUM_STAGES": 3, "SPLIT_K": 1, "SWAP_AB": False, "USE_TMA": True, "PUSH_ALL": False,
+        "ROW_BLOCK": False, "RED_M": 16}
+COMPILES = {  # name: (constexpr changes, inbox dtype, num_warps)
+    "push_last_tma": ({}, "bf16", 8),
+    "push_last_swap_split": ({"BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 128, "NUM_STAGES": 4, "SPLIT_K": 4,
+                              "SWAP_AB": True}, "fp32", 4),
+    "push_reducer_tile_w4": ({"PUSH_ALL": True, "WORLD": 4}, "bf16", 8),
+    "push_reducer_row_ptr": ({"PUSH_ALL": True, "ROW_BLOCK": True, "USE_TMA": False, "BLOCK_N": 128,
+                              "NUM_STAGES": 4, "RED_M": 32}, "fp32", 8),
+}
 
 
-def _assert_sync_instructions(ptx):
-    assert "red.global.sys.release.add" in ptx or "atom.global.sys.release.add" in ptx, "no release signal"
-    assert "ld.volatile.global" in ptx, "no volatile poll"
-    assert "bar.sync" in ptx
-    assert "mma" in ptx, "the GEMM does not use tensor cores"
+@pytest.fixture(scope="module")
+def compiled() -> dict:
+    reqs = []
+    for name, (changes, inbox, warps) in COMPILES.items():
+        consts = {**BASE, **changes}
+        sig = {**SIG, "inbox": f"*{inbox}", **{k: "constexpr" for k in consts}}
+        reqs.append(compile_request(MOD, "gemm_rs_kernel", sig, consts, warps, consts["NUM_STAGES"], DIVISIBLE, name))
+    return compile_sm90_many(reqs)
 
 
-def test_push_last_compiles_for_sm90():
-    res = compile_sm90("autofuse.kernels.gemm_rs", "gemm_rs_push_last_kernel", SIG, META, num_warps=8, num_stages=3)
-    _assert_sync_instructions(res["ptx"])
-    assert res["shared"] <= gemm_rs.SMEM_LIMIT
-
-
-@pytest.mark.parametrize("row_block", [False, True])
-def test_push_reducer_compiles_for_sm90(row_block):
-    sig = {**SIG, "inbox": "*bf16", "num_gemm": "i32", "num_reducers": "i32", "ROW_BLOCK": "constexpr",
-           "RED_M": "constexpr"}
-    res = compile_sm90("autofuse.kernels.gemm_rs", "gemm_rs_push_reducer_kernel", sig,
-                       {**META, "WORLD": 4, "ROW_BLOCK": row_block, "RED_M": 16}, num_warps=8, num_stages=3)
-    _assert_sync_instructions(res["ptx"])
-    assert res["shared"] <= gemm_rs.SMEM_LIMIT
+@pytest.mark.parametrize("name", list(COMPILES))
+def test_compiles_for_sm90_with_pipelined_wgmma_and_bounded_waits(compiled, name):
+    ptx, shared = compiled[name]["ptx"], compiled[name]["shared"]
+    changes = COMPILES[name][0]
+    assert "wgmma.mma_async" in ptx, "the GEMM does not use Hopper's wgmma"
+    if changes.get("USE_TMA", True):
+        assert "cp.async.bulk.tensor.2d" in ptx and "mbarrier.try_wait" in ptx, "no TMA loads"
+    else:
+        assert "cp.async.commit_group" in ptx and "cp.async.bulk.tensor" not in ptx
+    consts = {**BASE, **changes}
+    stages = consts["NUM_STAGES"] * (consts["BLOCK_M"] + consts["BLOCK_N"]) * consts["BLOCK_K"] * 2
+    assert stages <= shared <= gemm.SMEM_LIMIT, "the K loop is not pipelined in NUM_STAGES buffers"
+    assert "ld.local" not in ptx and "st.local" not in ptx, "registers spill"
+    assert "ld.volatile.global" in ptx and "%globaltimer" in ptx, "waits must poll and be bounded in time"
+    assert "atom.global.release.sys.cas.b32" in ptx, "a timed-out wait must abort the peers"
+    if consts["ROW_BLOCK"]:
+        assert "red.global.sys.release.add" in ptx or "atom.global.sys.release.add" in ptx, "no arrival count"
+    else:
+        assert "atom.global.sys.release.exch.b32" in ptx, "no epoch flag raised with a sys-scope release"

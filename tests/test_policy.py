@@ -101,12 +101,12 @@ def test_policy_finds_the_crossover(fitted, rows):
     key = _toy(1024).key
     tuned_config = next(r["config"] for r in rows if r["problem"] == key and r["variant"] == "fused")
     big = pol.decide(_toy(4096), TOY)
-    assert big.variant == "fused" and big.kind == "policy" and big.config == tuned_config, big
+    assert big.variant == "fused" and big.basis == "policy" and big.config == tuned_config, big
     assert big.config_source == f"tuned on nearest problem {key}"
     small = pol.decide(_toy(2), TOY)
     assert small.variant == BSP, small
     tuned = pol.decide(_toy(1024), TOY)
-    assert (tuned.variant, tuned.kind, tuned.config) == ("fused", "measured", tuned_config), tuned
+    assert (tuned.variant, tuned.basis, tuned.config) == ("fused", "measured", tuned_config), tuned
     assert pol.choose(_toy(1024), TOY) == (tuned.variant, tuned.config, tuned.reason)
     # a variant the caller cannot run is never chosen
     assert pol.decide(_toy(4096), TOY, available=["bsp"]).variant == BSP
@@ -118,8 +118,8 @@ def test_json_round_trip_gives_identical_decisions(fitted, tmp_path):
     assert not loaded.refused
     for p in _grid() + [_toy(m, 16) for m in (16, 64, 256, 1024)]:
         a, b = fitted.policy.decide(p, TOY), loaded.decide(p, TOY)
-        assert (a.variant, a.config, a.reason, a.kind, a.config_source) == \
-            (b.variant, b.config, b.reason, b.kind, b.config_source), p.key
+        assert (a.variant, a.config, a.reason, a.basis, a.config_source) == \
+            (b.variant, b.config, b.reason, b.basis, b.config_source), p.key
 
 
 def test_exported_trees_match_sklearn(rows):
@@ -144,17 +144,17 @@ def test_unsure_falls_back_to_bsp(fitted):
     data = copy.deepcopy(fitted.data)
     data["ops"]["toy_mm"]["margin"] = 10.0  # the model's error dwarfs any predicted gain
     d = Policy(data).decide(_toy(4096), TOY)
-    assert d.variant == BSP and d.kind == "unsure" and d.reason.startswith("unsure:") and d.gain > 0, d
+    assert d.variant == BSP and d.basis == "unsure" and d.reason.startswith("unsure:") and d.gain > 0, d
     data["ops"]["toy_mm"]["margin"] = None  # no measured error at all: never leave BSP on a prediction
-    assert Policy(data).decide(_toy(4096), TOY).kind == "unsure"
+    assert Policy(data).decide(_toy(4096), TOY).basis == "unsure"
     data["ops"]["toy_mm"]["model"] = None
-    assert Policy(data).decide(_toy(4096), TOY).kind == "unsure"
+    assert Policy(data).decide(_toy(4096), TOY).basis == "unsure"
     # a tuned problem whose fused gain is within measurement noise stays on BSP
     data = copy.deepcopy(fitted.data)
     us = data["ops"]["toy_mm"]["problems"]["toy_mm|K=16,M=1024,N=16|float32|w2"]["us"]
     us["fused"] = us["bsp"] / 1.01
     d = Policy(data).decide(_toy(1024), TOY)
-    assert d.variant == BSP and d.kind == "unsure", d
+    assert d.variant == BSP and d.basis == "unsure", d
 
 
 def _synthetic_rows(noise: float, gain: float, seed: int = 0) -> list[dict]:
@@ -184,16 +184,29 @@ def test_fit_is_unsure_where_gains_are_noise():
 
 
 def test_foreign_fingerprint_is_refused(fitted, tmp_path):
+    """Layered: other hardware refuses the policy; other software is used with every decision marked
+    for confirmation; an op whose code changed loses its entries while the other ops keep theirs."""
     data = copy.deepcopy(fitted.data)
     data["fingerprint"]["gpu_name"] = "Some Other GPU"
     data["fingerprint"]["triton"] = "0.0.1"
     path = tmp_path / "foreign.json"
     path.write_text(json.dumps(data))
-    with pytest.warns(PolicyWarning, match="other hardware or versions.*gpu_name"):
+    with pytest.warns(PolicyWarning, match="other hardware .*gpu_name"):
         pol = Policy.load(path, FP)
     assert pol.refused
     variant, config, reason = pol.choose(_toy(4096), TOY)
-    assert variant == BSP and config == {} and reason.startswith("fallback:") and "triton" in reason
+    assert variant == BSP and config == {} and reason.startswith("fallback:") and "gpu_name" in reason
+    newer = copy.deepcopy(fitted.data)
+    newer["fingerprint"]["triton"] = "0.0.1"
+    with pytest.warns(PolicyWarning, match="other software .*triton 0.0.1 there.*confirmed"):
+        pol = Policy.from_dict(newer, FP)
+    assert not pol.refused and pol.software == {"triton": ("0.0.1", FP["triton"])}
+    assert pol.decide(_toy(4096), TOY).variant == "fused"
+    stale = copy.deepcopy(fitted.data)
+    stale["fingerprint"]["ops"] = {**FP.get("ops", {}), "toy_mm": "0" * 16}
+    pol = Policy.from_dict(stale, FP)
+    d = pol.decide(_toy(4096), TOY)
+    assert not pol.refused and d.variant == BSP and d.basis == "fallback" and "code changed" in d.reason, d
     bad = copy.deepcopy(fitted.data)
     bad["format_version"] = 99
     with pytest.warns(PolicyWarning, match="format version"):
@@ -376,7 +389,7 @@ def _refused_once(path, must_contain: str) -> Policy:
     assert pol.refused
     for p in (_toy(4096), _toy(2)):
         d = pol.decide(p, TOY)
-        assert d.variant == BSP and d.kind == "fallback", d
+        assert d.variant == BSP and d.basis == "fallback", d
     return pol
 
 
@@ -443,7 +456,7 @@ def test_runtime_policy_never_imports_sklearn(clean, tmp_path):
     code = ("import sys, autofuse.policy as p; from autofuse.op import Problem; "
             f"pol = p.Policy.load({str(path)!r}); assert not pol.refused, pol.refused; "
             "d = pol.decide(Problem.make('toy_mm', 'float32', 2, M=4096, N=16, K=16)); "
-            "print(d.variant, d.kind); "
+            "print(d.variant, d.basis); "
             "bad = [m for m in sys.modules if m.split('.')[0] in ('sklearn', 'optuna', 'scipy')]; "
             "assert not bad, bad")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

@@ -51,12 +51,12 @@ ForceOpt = typer.Option(False, "--force", help="Replace output files that exist.
 
 
 def _open(db: Path) -> Any:
-    from autofuse.commands._store import StoreError, open_readonly
+    from autofuse.store import Store, StoreError
 
     if not db.exists():
         fail(f"no tuning database at {db}: run `autofuse tune` first, or pass --db")
     try:
-        return open_readonly(db)
+        return Store.open(db, readonly=True)
     except StoreError as exc:
         fail(str(exc).strip().splitlines()[0] if str(exc).strip() else f"{db}: cannot be opened")
 
@@ -66,14 +66,16 @@ def load(db: Path, mode: str | None, fingerprint: str | None, op: str | None = N
 
     Without `mode`: every mode the database holds, with a note saying so.
     """
-    from autofuse.commands._store import query_errors
+    import sqlite3
+
+    from autofuse.store import StoreError
 
     if mode is not None and mode not in MODES:
         fail(f"--mode must be graph or eager, not {mode!r}")
     store = _open(db)
     try:
         return _load(store, db, mode, fingerprint, op)
-    except query_errors() as exc:
+    except (StoreError, sqlite3.Error) as exc:
         fail(f"{db}: cannot be read ({type(exc).__name__}: {exc})")
     finally:
         store.close()
