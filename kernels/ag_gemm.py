@@ -30,7 +30,7 @@ Constexpr switches (with the GEMM core's BLOCK_*, GROUP_M, NUM_STAGES, SPLIT_K, 
                 C, the slots stacked; k form: R x W*C, shard s at columns s*C). Rows form: tiles
                 cover M rows and may span shards; a tile inside my own rows reads `a`, so my own
                 rows are copied into `data` only when some tile spans two shards. k form: one K
-                loop over W*C. SPLIT_K > 1 (gathered only) splits a tile's K loop.
+                loop over W*C. SPLIT_K > 1 splits a tile's K loop (not in the k form's shard layout).
   FLAG        what one flag covers (flags[s, ...] in my heap, epoch values, two parity sets):
               SHARD     a whole source shard (every producer counts itself at the destination;
                         the last one resets the count and raises the flag);

@@ -81,7 +81,7 @@ CPU_CASES = {
         ("push", kform(3, 24, 96), "float16", cfg(bk=32, bn=16, flag="row_block", layout="gathered", split=2)),
         ("pull", kform(3, 24, 96), "float32", cfg(bk=32, flag="tile")),
         ("push_ws", rows(6, 40, 96), "float32", cfg(flag="shard", layout="gathered", split=4, comm=5)),
-        ("pull", rows(4, 24, 40), "bfloat16", cfg(flag="tile")),  # K tails in the rows form
+        ("pull", rows(4, 24, 40), "bfloat16", cfg(flag="tile", split=2)),  # K tails, split-K in the shard layout
         ("push", rows(12, 24, 40), "float16", cfg(flag="tile", layout="gathered", split=2, tma=False)),
         ("heap_mm", rows(8, 32, 64), "bfloat16", OP.variant("heap_mm").defaults(
             harness.problem_of(OP, 2, rows(8, 32, 64), "bfloat16"))[0]),
@@ -95,6 +95,7 @@ CPU_CASES = {
         ("push_ws", rows(32, 32, 64), "bfloat16", cfg(bm=32, flag="shard", layout="gathered", tma=False)),
         ("push", rows(4, 32, 64), "float32", cfg(flag="tile", comm=3)),
         ("push_ws", kform(32, 32, 64), "float16", cfg(flag="shard", swap=True)),
+        ("push", rows(32, 32, 64), "bfloat16", cfg(flag="row_block", split=2)),
         ("bsp", rows(8, 32, 32), "bfloat16", {}), ("bsp", kform(4, 32, 64), "float32", {})],
     1: [(v, d, "float16", cfg(flag=f, layout=layout)) for v, layout in (("pull", "shard"), ("push", "gathered"),
                                                                        ("push_ws", "gathered"))
@@ -221,7 +222,7 @@ GPU = Problem.make("ag_gemm", "bfloat16", 2, M=4096, N=3584, K=8192, gather="row
     ({"GROUP_M": 0}, "GROUP_M"),
     ({"extra": 1}, "unknown ['extra']"),
     ({"LAYOUT": "rows"}, "LAYOUT"),
-    ({"SPLIT_K": 2}, "SPLIT_K=2 needs LAYOUT=gathered"),
+    ({"SPLIT_K": 2}, "SPLIT_K=2 needs LAYOUT=gathered in the k form"),
     ({"SPLIT_K": 0}, "SPLIT_K=0 must be an int"),
     ({"WARP_SPEC": True, "BLOCK_M": 32, "TMA": True}, "WARP_SPEC"),
 ])

@@ -21,12 +21,13 @@ Variants (`OP.variants`):
 - `heap_mm`, `heap_mm_overlap` (family hybrid, autofuse/hybrid.py): a one-launch heap all-gather
   beside torch.matmul, without or with the local shard's matmul overlapping the peers' arrival.
 - `pull`, `push`, `push_ws` (family fused): the one Triton kernel of `autofuse.kernels.ag_gemm`
-  with PULL on or off, launched with one program per work item (pull, push) or PERSISTENT (push_ws:
-  one program per SM taking work items by ticket, producers joining when done). Config: the GEMM keys of `autofuse.gemm` (BLOCK_M/N/K, GROUP_M, num_warps,
-  num_stages, SPLIT_K, SWAP_AB, TMA; WARP_SPEC must stay false: a waiting consumer cannot be
-  warp-specialised) and the op's keys FLAG (tile | row_block | shard: what one flag covers),
-  COMM_SMS (producer programs) and LAYOUT (shard | gathered; gathered is push and push_ws only,
-  and the only layout that takes SPLIT_K > 1). kernels/ag_gemm.py says what each one means.
+  with PULL on or off, launched with one program per work item (pull, push) or PERSISTENT
+  (push_ws: one program per SM taking work items by ticket, producers joining when done).
+  Config: the GEMM keys of `autofuse.gemm` (BLOCK_M/N/K, GROUP_M, num_warps, num_stages, SPLIT_K,
+  SWAP_AB, TMA; WARP_SPEC must stay false: a waiting consumer cannot be warp-specialised) and the
+  op's keys FLAG (tile | row_block | shard: what one flag covers), COMM_SMS (producer programs)
+  and LAYOUT (shard | gathered; gathered is push and push_ws only; in the k form only gathered
+  takes SPLIT_K > 1). kernels/ag_gemm.py says what each one means.
 All fused variants of a World share one workspace, `ag_gemm` (one epoch for all of them: calls of
 any fused variant or config may interleave, as long as every rank makes the same calls).
 """
@@ -52,6 +53,7 @@ LAYOUTS = ("shard", "gathered")
 OP_KEYS = ("FLAG", "COMM_SMS", "LAYOUT")  # the op's own config keys, beside the GEMM keys of autofuse.gemm
 MAX_COMM_SMS = 64
 MAX_FLAGS = 1 << 20  # unit flags per parity (FLAG=tile with small blocks on big problems)
+FLAG_ORDER = ("shard", "row_block", "tile")  # the CPU defaults' rotation
 
 
 # ------------------------------------------------------------------------------------------------
@@ -267,8 +269,9 @@ def check(problem: Problem, config: Config, variant: str = "push") -> str | None
     cfg = gemm.GemmConfig.from_dict(config)
     if cfg.WARP_SPEC:
         return "WARP_SPEC=true: the consumer waits inside its tile loop, which Triton's warp specialisation rejects"
-    if cfg.SPLIT_K > 1 and layout != "gathered":
-        return f"SPLIT_K={cfg.SPLIT_K} needs LAYOUT=gathered (the shard layout runs every K loop whole)"
+    if cfg.SPLIT_K > 1 and layout != "gathered" and problem["gather"] == "k":
+        return (f"SPLIT_K={cfg.SPLIT_K} needs LAYOUT=gathered in the k form (the shard layout runs each shard's K "
+                "loop whole)")
     units = flag_units(problem, config)
     if units > MAX_FLAGS:
         return f"FLAG={config['FLAG']} needs {units} flags (> {MAX_FLAGS}): use bigger blocks or a coarser FLAG"
@@ -284,10 +287,9 @@ def _comm_sms(problem: Problem) -> int:
     return 8 if per_peer <= (1 << 20) else 16 if per_peer <= (8 << 20) else 32
 
 
-def _with(g: Config, layout: str, flag: str, comm: int) -> Config:
+def _with(g: Config, problem: Problem, layout: str, flag: str, comm: int) -> Config:
     config = dict(g)
-    config["WARP_SPEC"] = False
-    if layout == "shard":
+    if layout == "shard" and problem["gather"] == "k":
         config["SPLIT_K"] = 1
     config.update(FLAG=flag, COMM_SMS=comm, LAYOUT=layout)
     return config
@@ -337,7 +339,7 @@ class Fused(Variant):
         and COMM_SMS; `check` rejects what a layout cannot run (e.g. SPLIT_K with shard)."""
         layout = trial.suggest_categorical("LAYOUT", self.layouts) if len(self.layouts) > 1 else self.layouts[0]
         rows, n, k = gemm_shape(problem, "gathered")
-        config = gemm.space(trial, rows, n, k, problem.dtype)
+        config = gemm.space(trial, rows, n, k, problem.dtype, warp_spec=False)
         tiny = gemm.tiny(rows, n, k)
         config["FLAG"] = trial.suggest_categorical("FLAG", tuple(FLAGS))
         config["COMM_SMS"] = trial.suggest_int("COMM_SMS", 1, 4 if tiny else MAX_COMM_SMS, log=not tiny)
@@ -355,19 +357,19 @@ class Fused(Variant):
         COMM_SMS from the bytes each peer receives. CPU (tiny) problems: small blocks, every FLAG.
         """
         comm = _comm_sms(problem)
-        gathered = gemm.defaults(*gemm_shape(problem, "gathered"), problem.dtype)
-        shard = gemm.defaults(*gemm_shape(problem, "shard"), problem.dtype)
+        gathered = gemm.defaults(*gemm_shape(problem, "gathered"), problem.dtype, warp_spec=False)
+        shard = gemm.defaults(*gemm_shape(problem, "shard"), problem.dtype, warp_spec=False)
         if gemm.tiny(*gemm_shape(problem, "gathered")):
             comm = 2
-            cands = [_with(g, "gathered", f, comm) for g, f in zip(gathered, ("shard", "row_block", "tile"))]
-            cands += [_with(g, "shard", f, comm + 1) for g, f in zip(shard, ("row_block", "tile", "shard"))]
+            cands = [_with(g, problem, "gathered", f, comm) for g, f in zip(gathered, FLAG_ORDER)]
+            cands += [_with(g, problem, "shard", f, comm + 1) for g, f in zip(shard, FLAG_ORDER[1:] + FLAG_ORDER[:1])]
         else:
-            cands = [_with(g, "gathered", "shard", comm) for g in gathered[:2]]
-            cands += [_with(g, "shard", "shard", comm) for g in shard[:1]]
-            cands += [_with(g, "gathered", "row_block", comm) for g in gathered[:1]]
+            cands = [_with(g, problem, "gathered", "shard", comm) for g in gathered[:2]]
+            cands += [_with(g, problem, "shard", "shard", comm) for g in shard[:1]]
+            cands += [_with(g, problem, "gathered", "row_block", comm) for g in gathered[:1]]
         if "gathered" not in self.layouts:
             cands = [c for c in cands if c["LAYOUT"] in self.layouts]
-            cands += [_with(g, "shard", f, comm) for g in shard[1:] for f in ("shard", "row_block")]
+            cands += [_with(g, problem, "shard", f, comm) for g in shard[1:] for f in ("shard", "row_block")]
         out: list[Config] = []
         for c in cands:
             if self.check(problem, c) is None and c not in out:
