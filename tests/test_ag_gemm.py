@@ -15,6 +15,8 @@ from __future__ import annotations
 import json
 import math
 import re
+import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -397,6 +399,27 @@ def test_sm90_compiles_every_switch(compiled, version):
             assert "atom.global.gpu.relaxed.add" in ptx and "atom.global.gpu.acq_rel.add" in ptx, name
         if g.SWAP_AB:
             assert f"wgmma.mma_async.sync.aligned.m64n{g.BLOCK_M}k" in ptx, name  # BLOCK_M on the MMA's N side
+
+
+def _ptxas(python: Path) -> Path:
+    """The ptxas that `python`'s Triton uses for sm_90."""
+    out = subprocess.run([str(python), "-c", "import triton, pathlib; print(pathlib.Path(triton.__file__).parent)"],
+                         capture_output=True, text=True, timeout=120)
+    return Path(out.stdout.strip()) / "backends" / "nvidia" / "bin" / "ptxas"
+
+
+@pytest.mark.skipif(not T36.exists(), reason=f"no Triton 3.6 at {T36}")
+def test_sm90_no_register_spills(compiled, tmp_path):
+    """Triton 3.6's ptxas (the GPU machines') assembles every switch without spilling: a 128x256
+    float32 accumulator over 8 warps is 128 registers a thread, little room left for the rest."""
+    ptxas = _ptxas(T36)
+    for name, k in compiled["3.6"].items():
+        ptx = tmp_path / "k.ptx"
+        ptx.write_text(k["ptx"])
+        proc = subprocess.run([str(ptxas), "-arch=sm_90a", "-v", str(ptx), "-o", str(tmp_path / "k.cubin")],
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, f"{name}: {proc.stderr[-2000:]}"
+        assert "0 bytes spill stores" in proc.stderr and "0 bytes stack frame" in proc.stderr, (name, proc.stderr)
 
 
 # ------------------------------------------------------------------------------------------------
