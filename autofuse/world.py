@@ -113,12 +113,6 @@ class World:
             torch.cuda.synchronize(self.device)
         self.barrier()
 
-    def sync(self) -> None:
-        """Finish this rank's device work, then wait for every rank of the group (the host-side barrier)."""
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        dist.barrier(group=self.group)
-
     def sub(self, size: int) -> "World | None":
         """The World of this World's first `size` ranks; None on the ranks outside it.
 

@@ -1,309 +1,305 @@
-"""Split-KV decode attention across ranks (device code of the `flash_decode` op).
+"""Split-KV decode attention across ranks: the device code of the `flash_decode` op.
 
-Layout (host side: `autofuse/ops/flash_decode.py`):
-- q (B, Hq, D), the same on every rank; K, V (B, Hkv, S, D) per rank, unit stride along D;
-  lengths (B,) int32: how many of this rank's S slots hold tokens of each sequence (clamped to
-  [0, S] on the device). GQA: query head h reads KV head h // G, G = Hq // Hkv.
-- A *unit* is (b, kv head, head block): HEADS query heads of one KV head, padded to BLOCK_H rows
-  for tl.dot; unit = (b * Hkv + kvh) * (G // HEADS) + head_block. A unit's K/V stream is split
-  along the sequence into NUM_SPLITS chunks of whole BLOCK_N blocks, sized from that sequence's
-  length so ragged batches keep every split busy.
-- Partials are (O, LSE) in float32: O normalised, LSE = log2(sum(exp2(scores))) of scores
-  already scaled by log2(e) / sqrt(D) (base 2 throughout; natural LSE = LSE * ln 2). No tokens:
-  LSE = -inf and O = 0, and every merge below keeps that NaN-free.
-- Split partials: part_o[(row * NUM_SPLITS + split) * D + d], part_lse[row * NUM_SPLITS + split],
-  row = b * Hq + h. A rank partial (O_r, LSE_r) is a *slot* of rows * (D + 1) floats:
-  O at [row * D + d], LSE at [rows * D + row]. BSP all-gathers slots; push stores its slot into
-  every rank's inbox[(parity * W + src) * slot_stride], parity = epoch % 2.
-- Flags: int32 epochs at flags[src, row // rows_per_flag] (row stride flag_stride) on every rank,
-  raised by the last row of the group to be pushed (local arrival counters, reset by it).
+Host side (configs, runners, expected cost of each variant): autofuse/ops/flash_decode.py.
 
-Kernels, each with its launch grid:
-- `split_kernel` (units * NUM_SPLITS): attention of one split -> split partial.
-- `local_combine_kernel` (rows): merge a row's splits in one round trip -> rank partial; BSP
-  writes it to a local slot, push stores it into every rank's inbox and raises group flags.
-- `global_combine_kernel` (units): merge the W rank partials in rank order (every rank gets the
-  same bits), waiting on flags first when pushed -> O in q's dtype.
-- `fused_kernel` (units * NUM_SPLITS): the three above in one launch; the last split program of
-  a unit to finish merges, pushes, waits for the peers' partials of that unit and writes O.
+Data
+- q (B, Hq, D) contiguous, the same on every rank; k, v (B, Hkv, S, D) of this rank with unit stride
+  along D only (their other strides are arguments, so a slice of a bigger cache works); lengths (B,)
+  int32: the valid slots of each sequence on this rank, clamped to [0, S] here. GQA: query head h
+  reads KV head h // G, G = Hq // Hkv.
+- Rows: row = b * Hq + h, the B * Hq rows of q and of the output. A *unit* is HEADS consecutive rows
+  that share one KV head (HEADS divides G): unit u holds rows [u * HEADS, (u + 1) * HEADS). Its
+  tokens are split into NUM_SPLITS chunks of whole BLOCK_N blocks, sized from its sequence's length,
+  so a ragged batch keeps every split busy.
+- Partials (O, LSE) are float32: O normalised, LSE the log2 of the softmax denominator of scores
+  scaled by log2(e) / sqrt(D) (base 2 throughout). No tokens: O = 0, LSE = -inf; every merge keeps
+  that NaN-free, so an empty sequence gives O = 0 and a rank without tokens adds nothing.
+- Split partials (local scratch): o_split[(row * NUM_SPLITS + split) * D + d], lse_split[row *
+  NUM_SPLITS + split].
+- A rank partial is a *slot*: O at slot[row * D + d], LSE at slot[rows * D + row]. Slots of the W
+  ranks lie `slot_stride` floats apart: BSP's all-gathered buffer, or the heap inbox (one slot per
+  source rank in each parity half; a source writes its slot on every rank, its own included).
+
+Kernels, each with its launch grid (`units` = B * Hq / HEADS):
+- `split_kernel`        (units * NUM_SPLITS,)           one split of one unit -> split partial
+- `merge_splits_kernel` (units * D / BLOCK_D,)          [bsp] a unit's splits -> this rank's slot
+- `merge_ranks_kernel`  (units * D / BLOCK_D,)          [bsp] the W gathered slots -> O, rank order
+- `heap_combine_kernel` (groups * D / BLOCK_D,)         [hybrid] merge splits, push, wait, merge ranks
+- `fused_kernel`        (units * NUM_SPLITS,)           [fused] split_kernel; a unit's last split
+                                                        program then does heap_combine for the unit
+Every rank merges the W rank partials in rank order with the same code, so O has the same bits on
+every rank.
 """
 import triton
 import triton.language as tl
 
-from autofuse.kernels import shmem
+from autofuse.kernels import gemm_core, shmem
 
 
+# -- device functions --------------------------------------------------------------------------
 @triton.jit
-def _unit_rows(unit, Hq, Hkv, G, HEADS, BLOCK_H: tl.constexpr):
-    """Decode a unit id -> (b, kv head, first row of its query heads, head offsets, head mask)."""
-    n_hblk = G // HEADS
-    hblk = unit % n_hblk
-    bh = unit // n_hblk
-    kvh = bh % Hkv
-    b = bh // Hkv
+def _attend(q, k, v, row0, b, kvh, lo, hi, HEADS, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh,
+            stride_vs, scale, D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr):
+    """Online-softmax attention of rows [row0, row0 + HEADS) over tokens [lo, hi) of KV head kvh of
+    sequence b -> (O (BLOCK_H, D) normalised, LSE (BLOCK_H,)); no tokens -> (0, -inf)."""
     offs_h = tl.arange(0, BLOCK_H)
-    row0 = b * Hq + kvh * G + hblk * HEADS
-    return b, kvh, row0, offs_h, offs_h < HEADS
-
-
-@triton.jit
-def _dot(a, b, UPCAST: tl.constexpr):
-    """tl.dot accumulating in fp32. UPCAST (set on CPU only) multiplies in fp32, exactly for
-    bf16 inputs: Triton 3.9's interpreter multiplies the raw bit patterns of bf16 operands."""
-    if UPCAST:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32))
-    return tl.dot(a, b)
-
-
-@triton.jit
-def _attend_split(Q, K, V, Lengths, b, kvh, row0, offs_h, hmask, split, num_splits, S,
-                  stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs, scale,
-                  D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr, UPCAST: tl.constexpr):
-    """Online-softmax attention of one unit's query heads over one split of its sequence.
-
-    Returns (O, LSE): O (BLOCK_H, D) normalised, LSE (BLOCK_H,) base 2; no tokens -> (0, -inf).
-    """
-    length = tl.minimum(tl.maximum(tl.load(Lengths + b), 0), S)
-    chunk = tl.cdiv(tl.cdiv(length, num_splits), BLOCK_N) * BLOCK_N
-    lo = split * chunk
-    hi = tl.minimum(lo + chunk, length)
-
     offs_d = tl.arange(0, D)
     offs_n = tl.arange(0, BLOCK_N)
-    q = tl.load(Q + (row0 + offs_h)[:, None].to(tl.int64) * D + offs_d[None, :], mask=hmask[:, None], other=0.0)
-    k_base = K + b.to(tl.int64) * stride_kb + kvh.to(tl.int64) * stride_kh
-    v_base = V + b.to(tl.int64) * stride_vb + kvh.to(tl.int64) * stride_vh
-
+    q_rows = q + (row0 + offs_h).to(tl.int64)[:, None] * D + offs_d[None, :]
+    qb = tl.load(q_rows, mask=(offs_h < HEADS)[:, None], other=0.0)
+    k_head = k + b.to(tl.int64) * stride_kb + kvh.to(tl.int64) * stride_kh
+    v_head = v + b.to(tl.int64) * stride_vb + kvh.to(tl.int64) * stride_vh
     m = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, D], tl.float32)
     for start in range(lo, hi, BLOCK_N):
         n = start + offs_n
         valid = n < hi
-        k = tl.load(k_base + n[:, None].to(tl.int64) * stride_ks + offs_d[None, :], mask=valid[:, None], other=0.0)
-        s = _dot(q, tl.trans(k), UPCAST) * scale
+        kb = tl.load(k_head + n.to(tl.int64)[:, None] * stride_ks + offs_d[None, :], mask=valid[:, None], other=0.0)
+        s = gemm_core.dot(qb, tl.trans(kb), tl.zeros([BLOCK_H, BLOCK_N], tl.float32)) * scale
         s = tl.where(valid[None, :], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1))
+        m_new = tl.maximum(m, tl.max(s, 1))  # finite: every block holds a valid token
         alpha = tl.exp2(m - m_new)
         p = tl.exp2(s - m_new[:, None])
         l = l * alpha + tl.sum(p, 1)
-        v = tl.load(v_base + n[:, None].to(tl.int64) * stride_vs + offs_d[None, :], mask=valid[:, None], other=0.0)
-        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, UPCAST)
+        vb = tl.load(v_head + n.to(tl.int64)[:, None] * stride_vs + offs_d[None, :], mask=valid[:, None], other=0.0)
+        acc = gemm_core.dot(p.to(vb.dtype), vb, acc * alpha[:, None])
         m = m_new
-    has = l > 0
-    o = acc / tl.where(has, l, 1.0)[:, None]
-    lse = tl.where(has, m + tl.log2(tl.where(has, l, 1.0)), float("-inf"))
-    return o, lse
-
-
-@triton.jit
-def _merge(m, l, acc, lse_s, o_s):
-    """Fold one partial (o_s normalised, lse_s) into the running (max, weight sum, weighted sum)."""
-    m_new = tl.maximum(m, lse_s)
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp2(m - m_safe)
-    beta = tl.exp2(lse_s - m_safe)
-    return m_new, l * alpha + beta, acc * alpha[:, None] + o_s * beta[:, None]
+    return _finish(m, l, acc)
 
 
 @triton.jit
 def _finish(m, l, acc):
-    """Running merge state -> (O, LSE); no tokens anywhere -> (0, -inf)."""
+    """Running merge state (max, weight sum, weighted sum) -> (O, LSE); no weight -> (0, -inf)."""
     has = l > 0
     l_safe = tl.where(has, l, 1.0)
     return acc / l_safe[:, None], tl.where(has, m + tl.log2(l_safe), float("-inf"))
 
 
 @triton.jit
-def _store_split(PartO, PartLse, row0, offs_h, hmask, split, num_splits, o, lse, D: tl.constexpr):
-    rows = (row0 + offs_h).to(tl.int64) * num_splits + split
-    tl.store(PartO + rows[:, None] * D + tl.arange(0, D)[None, :], o, mask=hmask[:, None])
-    tl.store(PartLse + rows, lse, mask=hmask)
+def _split_of(pid, q, k, v, lengths, o_split, lse_split, S, Hq, Hkv, HEADS, num_splits,
+              stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs, scale,
+              D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr):
+    """Program `pid` of a (units * num_splits,) unit-major grid: attention of one split of one unit,
+    stored as its split partial. Returns the unit."""
+    unit = pid // num_splits
+    split = pid % num_splits
+    row0 = unit * HEADS
+    b = row0 // Hq
+    kvh = (row0 % Hq) // (Hq // Hkv)
+    length = tl.minimum(tl.maximum(tl.load(lengths + b), 0), S)
+    chunk = tl.cdiv(tl.cdiv(length, num_splits), BLOCK_N) * BLOCK_N
+    lo = split * chunk
+    hi = tl.minimum(lo + chunk, length)
+    o, lse = _attend(q, k, v, row0, b, kvh, lo, hi, HEADS, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh,
+                     stride_vs, scale, D, BLOCK_N, BLOCK_H)
+    offs_h = tl.arange(0, BLOCK_H)
+    idx = (row0 + offs_h).to(tl.int64) * num_splits + split
+    tl.store(o_split + idx[:, None] * D + tl.arange(0, D)[None, :], o, mask=(offs_h < HEADS)[:, None])
+    tl.store(lse_split + idx, lse, mask=offs_h < HEADS)
+    return unit
 
 
 @triton.jit
-def _combine_splits(PartO, PartLse, row, num_splits, D: tl.constexpr, SPLIT_BLOCK: tl.constexpr):
-    """Merge one row's split partials -> (O_r (D,), LSE_r); one round trip per SPLIT_BLOCK splits.
-
-    The partials were written by other programs: read past L1 (.cg).
-    """
-    offs_d = tl.arange(0, D)
+def _merge_splits(o_split, lse_split, row0, n, col0, num_splits, D: tl.constexpr, BLOCK_R: tl.constexpr,
+                  BLOCK_D: tl.constexpr, SPLIT_BLOCK: tl.constexpr):
+    """Rows [row0, row0 + n) x columns [col0, col0 + BLOCK_D) merged over their split partials ->
+    (O (BLOCK_R, BLOCK_D), LSE (BLOCK_R,)). SPLIT_BLOCK splits per load round trip; the partials were
+    written by other programs, so they are read past L1 (.cg)."""
+    offs_r = tl.arange(0, BLOCK_R)
+    offs_c = col0 + tl.arange(0, BLOCK_D)
     offs_s = tl.arange(0, SPLIT_BLOCK)
-    base = tl.cast(row, tl.int64) * num_splits
-    m = tl.full([], float("-inf"), tl.float32)
-    l = tl.zeros([], tl.float32)
-    acc = tl.zeros([D], tl.float32)
+    base = (row0 + offs_r).to(tl.int64) * num_splits
+    m = tl.full([BLOCK_R], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_R], tl.float32)
+    acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
     for s0 in range(0, num_splits, SPLIT_BLOCK):
         s = s0 + offs_s
-        valid = s < num_splits
-        lse = tl.load(PartLse + base + s, mask=valid, other=float("-inf"), cache_modifier=".cg")
-        o = tl.load(PartO + (base + s)[:, None] * D + offs_d[None, :], mask=valid[:, None], other=0.0,
+        valid = (s[:, None] < num_splits) & (offs_r[None, :] < n)                    # (SPLIT_BLOCK, BLOCK_R)
+        idx = base[None, :] + s[:, None]
+        lse = tl.load(lse_split + idx, mask=valid, other=float("-inf"), cache_modifier=".cg")
+        o = tl.load(o_split + idx[:, :, None] * D + offs_c[None, None, :], mask=valid[:, :, None], other=0.0,
                     cache_modifier=".cg")
         m_new = tl.maximum(m, tl.max(lse, 0))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m - m_safe)
-        w = tl.exp2(lse - m_safe)
+        w = tl.exp2(lse - m_safe[None, :])
         l = l * alpha + tl.sum(w, 0)
-        acc = acc * alpha + tl.sum(w[:, None] * o, 0)
+        acc = acc * alpha[:, None] + tl.sum(w[:, :, None] * o, 0)
         m = m_new
-    has = l > 0
-    l_safe = tl.where(has, l, 1.0)
-    return acc / l_safe, tl.where(has, m + tl.log2(l_safe), float("-inf"))
+    return _finish(m, l, acc)
 
 
 @triton.jit
-def _push_row(Inbox, n_rows, slot_stride, row, o, lse, epoch, rank, world, heap_bases, D: tl.constexpr):
-    """Store one row of this rank's partial into every rank's inbox, slot [epoch % 2, rank]."""
-    slot = Inbox + tl.cast((epoch % 2) * world + rank, tl.int64) * slot_stride
-    row64 = tl.cast(row, tl.int64)
-    o_ptrs = slot + row64 * D + tl.arange(0, D)
-    for i in range(0, world):
-        peer = (rank + 1 + i) % world
-        shmem.store(o_ptrs, o, rank, peer, heap_bases)
-        shmem.store(slot + n_rows * D + row64, lse, rank, peer, heap_bases)
-
-
-@triton.jit
-def _raise(Flags, Arrive, flag, arrivals, flag_stride, epoch, rank, world, heap_bases):
-    """After this program's pushes, count it in flag group `flag`; the last of its `arrivals`
-    programs (all of them when arrivals == 1) raises the flag to `epoch` on every rank."""
-    tl.debug_barrier()  # every thread's stores precede the release below
-    last = arrivals <= 1
-    if arrivals > 1:
-        last = tl.atomic_add(Arrive + flag, 1, sem="acq_rel", scope="sys") == arrivals - 1
-    if last:
-        if arrivals > 1:
-            tl.store(Arrive + flag, 0)  # the whole group has counted: ready for the next call
-        for i in range(0, world):
-            shmem.signal(Flags + rank * flag_stride + flag, epoch, rank, (rank + 1 + i) % world, heap_bases)
-
-
-@triton.jit
-def _combine_ranks(Src, src_stride, Flags, n_rows, row0, offs_h, hmask, flag, flag_stride, epoch, rank, world,
-                   heap_bases, status, spin_limit, WAIT: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr):
-    """Merge the W rank partials of a unit in rank order; with WAIT, first wait for each one's flag.
-
-    Returns (O, ok); ok is False when a wait timed out (the output is then not to be written).
-    """
-    offs_d = tl.arange(0, D)
-    rows = (row0 + offs_h).to(tl.int64)
-    m = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    l = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, D], tl.float32)
-    ok = rank >= 0
+def _merge_ranks(slots, slot_stride, n_rows, row0, n, col0, world, D: tl.constexpr, BLOCK_R: tl.constexpr,
+                 BLOCK_D: tl.constexpr):
+    """Rows [row0, row0 + n) x columns [col0, col0 + BLOCK_D) of the W slots merged in rank order -> O."""
+    offs_r = tl.arange(0, BLOCK_R)
+    rows = (row0 + offs_r).to(tl.int64)
+    rmask = offs_r < n
+    offs_c = col0 + tl.arange(0, BLOCK_D)
+    m = tl.full([BLOCK_R], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_R], tl.float32)
+    acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
     for src in range(0, world):
-        if ok:
-            if WAIT:
-                ok = shmem.wait_until(Flags + src * flag_stride + flag, epoch, spin_limit, status, heap_bases, rank)
-            if ok:
-                slot = Src + tl.cast(src, tl.int64) * src_stride
-                lse_s = tl.load(slot + n_rows * D + rows, mask=hmask, other=float("-inf"), cache_modifier=".cg")
-                o_s = tl.load(slot + rows[:, None] * D + offs_d[None, :], mask=hmask[:, None], other=0.0,
-                              cache_modifier=".cg")
-                m, l, acc = _merge(m, l, acc, lse_s, o_s)
+        slot = slots + tl.cast(src, tl.int64) * slot_stride
+        lse = tl.load(slot + n_rows * D + rows, mask=rmask, other=float("-inf"), cache_modifier=".cg")
+        o = tl.load(slot + rows[:, None] * D + offs_c[None, :], mask=rmask[:, None], other=0.0, cache_modifier=".cg")
+        m_new = tl.maximum(m, lse)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m - m_safe)
+        w = tl.exp2(lse - m_safe)
+        l = l * alpha + w
+        acc = acc * alpha[:, None] + o * w[:, None]
+        m = m_new
     o, _ = _finish(m, l, acc)
-    return o, ok
+    return o
 
 
 @triton.jit
-def _store_out(Out, row0, offs_h, hmask, o, D: tl.constexpr):
-    rows = (row0 + offs_h).to(tl.int64)
-    tl.store(Out + rows[:, None] * D + tl.arange(0, D)[None, :], o.to(Out.dtype.element_ty), mask=hmask[:, None])
+def _store_rows(dest, row0, n, col0, x, D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    """x (BLOCK_R, BLOCK_D) -> dest[row, col] (row stride D) for the n valid rows, in dest's dtype."""
+    offs_r = tl.arange(0, BLOCK_R)
+    ptrs = dest + (row0 + offs_r).to(tl.int64)[:, None] * D + col0 + tl.arange(0, BLOCK_D)[None, :]
+    tl.store(ptrs, x.to(dest.dtype.element_ty), mask=(offs_r < n)[:, None])
 
 
 @triton.jit
-def split_kernel(Q, K, V, Lengths, PartO, PartLse, S, Hq, Hkv, G, HEADS, num_splits,
-                 stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs, scale,
-                 D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr, UPCAST: tl.constexpr):
-    """One split of one unit -> its split partial. Grid: (units * num_splits,), unit-major."""
-    pid = tl.program_id(0)
-    unit = pid // num_splits
-    split = pid % num_splits
-    b, kvh, row0, offs_h, hmask = _unit_rows(unit, Hq, Hkv, G, HEADS, BLOCK_H)
-    o, lse = _attend_split(Q, K, V, Lengths, b, kvh, row0, offs_h, hmask, split, num_splits, S,
-                           stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs, scale,
-                           D, BLOCK_N, BLOCK_H, UPCAST)
-    _store_split(PartO, PartLse, row0, offs_h, hmask, split, num_splits, o, lse, D)
+def _heap_combine(o_split, lse_split, inbox, flags, out, ctx, epoch, healthy, row0, row_end, col0, flag, n_flags,
+                  n_rows, num_splits, slot_stride, D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+                  SPLIT_BLOCK: tl.constexpr):
+    """Rows [row0, row_end) x columns [col0, col0 + BLOCK_D) of one call: merge this rank's splits,
+    push the rank partial into slot `rank` of every rank's inbox, raise flag `flag` of source `rank`
+    on every peer, wait for the peers' flag `flag`, merge the W slots in rank order, write O.
 
-
-@triton.jit
-def local_combine_kernel(PartO, PartLse, Dest, Flags, Arrive, Counter, n_rows, slot_stride, num_splits,
-                         rows_per_flag, flag_stride, rank, world, heap_bases,
-                         PUSH: tl.constexpr, D: tl.constexpr, SPLIT_BLOCK: tl.constexpr):
-    """Merge one row's splits -> this rank's partial of the row. Grid: (rows,).
-
-    BSP (PUSH=False): into the local slot `Dest`. Push: into every rank's inbox `Dest`; the last
-    row of each flag group raises the group's flag to this call's epoch (read from `Counter`; the
-    global combine kernel, the last of the call, publishes the next one).
+    `inbox` and `flags` are this call's parity half. Push before wait: a program only waits for the
+    same program of its peers, which pushes before it waits, so no wait depends on a program that
+    has not started (in-order scheduling on GPUs, program-id order in the interpreter). An unhealthy
+    workspace or a failed wait writes NaN instead of O.
     """
-    row = tl.program_id(0)
-    o, lse = _combine_splits(PartO, PartLse, row, num_splits, D, SPLIT_BLOCK)
-    if PUSH:
-        epoch = shmem.epoch_next(Counter)
-        _push_row(Dest, n_rows, slot_stride, row, o, lse, epoch, rank, world, heap_bases, D)
-        _raise(Flags, Arrive, row // rows_per_flag, rows_per_flag, flag_stride, epoch, rank, world, heap_bases)
-    else:
-        row64 = tl.cast(row, tl.int64)
-        tl.store(Dest + row64 * D + tl.arange(0, D), o)
-        tl.store(Dest + n_rows * D + row64, lse)
-
-
-@triton.jit
-def global_combine_kernel(Src, Out, Flags, Counter, status, n_rows, slot_stride, Hq, Hkv, G, HEADS, rows_per_flag,
-                          flag_stride, rank, world, heap_bases, spin_limit,
-                          WAIT: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr):
-    """Merge the W rank partials of one unit -> O. Grid: (units,).
-
-    BSP (WAIT=False): `Src` is the all-gathered (W, slot) buffer. Push: `Src` is the inbox; this
-    call's parity half is read, each source once its flag for the unit's group reached the
-    epoch; the last program to finish publishes the next epoch.
-    """
-    unit = tl.program_id(0)
-    _, _, row0, offs_h, hmask = _unit_rows(unit, Hq, Hkv, G, HEADS, BLOCK_H)
-    epoch = 0
-    base = Src
-    if WAIT:
-        epoch = shmem.epoch_next(Counter)
-        base = Src + ((epoch % 2) * world).to(tl.int64) * slot_stride
-    o, ok = _combine_ranks(base, slot_stride, Flags, n_rows, row0, offs_h, hmask, row0 // rows_per_flag, flag_stride,
-                           epoch, rank, world, heap_bases, status, spin_limit, WAIT, D, BLOCK_H)
-    if ok:
-        _store_out(Out, row0, offs_h, hmask, o, D)
-    if WAIT:
-        shmem.epoch_finish(Counter, tl.num_programs(0))
-
-
-@triton.jit
-def fused_kernel(Q, K, V, Lengths, PartO, PartLse, Inbox, Out, Flags, Arrive, Counter, status,
-                 S, Hq, Hkv, G, HEADS, num_splits, n_rows, slot_stride, flag_stride, rank, world, heap_bases,
-                 spin_limit, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs, scale,
-                 D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr, SPLIT_BLOCK: tl.constexpr,
-                 UPCAST: tl.constexpr):
-    """Split attention, then the last split of each unit merges, pushes and combines. Grid: (units * num_splits,).
-
-    Unit-major program ids: a unit's last arriver only waits for the same unit on the peers,
-    whose split programs never wait, so no program waits on one that may not have started
-    (in-order dispatch on GPUs, program-id order in the interpreter).
-    """
-    pid = tl.program_id(0)
-    epoch = shmem.epoch_next(Counter)
-    unit = pid // num_splits
-    split = pid % num_splits
-    b, kvh, row0, offs_h, hmask = _unit_rows(unit, Hq, Hkv, G, HEADS, BLOCK_H)
-    o, lse = _attend_split(Q, K, V, Lengths, b, kvh, row0, offs_h, hmask, split, num_splits, S,
-                           stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs, scale,
-                           D, BLOCK_N, BLOCK_H, UPCAST)
-    _store_split(PartO, PartLse, row0, offs_h, hmask, split, num_splits, o, lse, D)
-    tl.debug_barrier()  # every thread's partial precedes the release below
-    if tl.atomic_add(Arrive + unit, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
-        tl.store(Arrive + unit, 0)  # all splits counted: ready for the next call
-        for j in range(0, HEADS):
-            o_r, lse_r = _combine_splits(PartO, PartLse, row0 + j, num_splits, D, SPLIT_BLOCK)
-            _push_row(Inbox, n_rows, slot_stride, row0 + j, o_r, lse_r, epoch, rank, world, heap_bases, D)
-        _raise(Flags, Arrive, unit, 1, flag_stride, epoch, rank, world, heap_bases)
-        base = Inbox + ((epoch % 2) * world).to(tl.int64) * slot_stride
-        o, ok = _combine_ranks(base, slot_stride, Flags, n_rows, row0, offs_h, hmask, unit, flag_stride, epoch, rank,
-                               world, heap_bases, status, spin_limit, True, D, BLOCK_H)
+    rank = ctx.rank
+    world = ctx.world
+    my_slot = inbox + tl.cast(rank, tl.int64) * slot_stride
+    offs_r = tl.arange(0, BLOCK_R)
+    offs_c = col0 + tl.arange(0, BLOCK_D)
+    if healthy:
+        for r0 in range(row0, row_end, BLOCK_R):
+            n = row_end - r0
+            o, lse = _merge_splits(o_split, lse_split, r0, n, col0, num_splits, D, BLOCK_R, BLOCK_D, SPLIT_BLOCK)
+            rows = (r0 + offs_r).to(tl.int64)
+            rmask = offs_r < n
+            for i in range(0, world):  # peers first, my own slot last
+                to_rank = (rank + 1 + i) % world
+                shmem.store(my_slot + rows[:, None] * D + offs_c[None, :], o, rank, to_rank, ctx.heap_bases,
+                            mask=rmask[:, None])
+                shmem.store(my_slot + n_rows * D + rows, lse, rank, to_rank, ctx.heap_bases, mask=rmask)
+        tl.debug_barrier()  # my own slot is complete before any thread of this program reads it
+        for i in range(1, world):
+            shmem.signal(flags + rank * n_flags + flag, epoch, rank, (rank + i) % world, ctx.heap_bases)
+    ok = healthy
+    for i in range(1, world):
         if ok:
-            _store_out(Out, row0, offs_h, hmask, o, D)
-    shmem.epoch_finish(Counter, tl.num_programs(0))
+            ok = shmem.wait_until(flags + ((rank + i) % world) * n_flags + flag, epoch, ctx)
+    for r0 in range(row0, row_end, BLOCK_R):
+        o = tl.full([BLOCK_R, BLOCK_D], float("nan"), tl.float32)
+        if ok:
+            o = _merge_ranks(inbox, slot_stride, n_rows, r0, row_end - r0, col0, world, D, BLOCK_R, BLOCK_D)
+        _store_rows(out, r0, row_end - r0, col0, o, D, BLOCK_R, BLOCK_D)
+
+
+# -- kernels -----------------------------------------------------------------------------------
+@triton.jit
+def split_kernel(q, k, v, lengths, o_split, lse_split, S, Hq, Hkv, HEADS, num_splits,
+                 stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs, scale,
+                 D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr):
+    """Split-KV attention: one split of one unit -> its split partial (local, no peers).
+
+    grid = (units * num_splits,), unit-major (program p: unit p // num_splits, split p % num_splits).
+    BLOCK_H >= 16 rows (HEADS of them valid) so both products run on tensor cores; K and V stream
+    through BLOCK_N-token tiles, pipelined num_stages deep.
+    """
+    _split_of(tl.program_id(0), q, k, v, lengths, o_split, lse_split, S, Hq, Hkv, HEADS, num_splits,
+              stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs, scale, D, BLOCK_N, BLOCK_H)
+
+
+@triton.jit
+def merge_splits_kernel(o_split, lse_split, slot, n_rows, HEADS, num_splits,
+                        D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, SPLIT_BLOCK: tl.constexpr):
+    """BSP: merge one unit's splits over BLOCK_D columns -> this rank's slot (local).
+
+    grid = (units * D // BLOCK_D,): program p = unit p // (D // BLOCK_D), column block p % (D // BLOCK_D).
+    """
+    pid = tl.program_id(0)
+    row0 = (pid // (D // BLOCK_D)) * HEADS
+    col0 = (pid % (D // BLOCK_D)) * BLOCK_D
+    o, lse = _merge_splits(o_split, lse_split, row0, HEADS, col0, num_splits, D, BLOCK_R, BLOCK_D, SPLIT_BLOCK)
+    _store_rows(slot, row0, HEADS, col0, o, D, BLOCK_R, BLOCK_D)
+    offs_r = tl.arange(0, BLOCK_R)
+    tl.store(slot + n_rows * D + row0 + offs_r, lse, mask=offs_r < HEADS)
+
+
+@triton.jit
+def merge_ranks_kernel(slots, out, slot_stride, n_rows, HEADS, world,
+                       D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    """BSP: merge the W all-gathered slots of one unit over BLOCK_D columns, in rank order -> O.
+
+    grid = (units * D // BLOCK_D,), as merge_splits_kernel.
+    """
+    pid = tl.program_id(0)
+    row0 = (pid // (D // BLOCK_D)) * HEADS
+    col0 = (pid % (D // BLOCK_D)) * BLOCK_D
+    o = _merge_ranks(slots, slot_stride, n_rows, row0, HEADS, col0, world, D, BLOCK_R, BLOCK_D)
+    _store_rows(out, row0, HEADS, col0, o, D, BLOCK_R, BLOCK_D)
+
+
+@triton.jit
+def heap_combine_kernel(o_split, lse_split, inbox, flags, out, ctx, n_rows, GROUP_ROWS, num_splits, slot_stride,
+                        inbox_half, flags_half,
+                        D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, SPLIT_BLOCK: tl.constexpr):
+    """Hybrid: the one-launch heap combine after split_kernel. One program per flag: a group of
+    GROUP_ROWS rows (FLAG tile: one unit; row_block: one sequence; shard: every row) x BLOCK_D columns
+    merges its splits, pushes the rank partial to every rank's inbox, raises its flag on every peer,
+    waits for the peers' same flag and writes O merged in rank order (`_heap_combine`).
+
+    grid = (cdiv(n_rows, GROUP_ROWS) * D // BLOCK_D,): program p = group p // (D // BLOCK_D), column
+    block p % (D // BLOCK_D); flag p of each source. Inbox and flags are parity double-buffered on
+    the device epoch (`inbox_half` floats, `flags_half` ints apart).
+    """
+    epoch, healthy = shmem.epoch_begin(ctx)
+    pid = tl.program_id(0)
+    par = shmem.parity(epoch)
+    row0 = (pid // (D // BLOCK_D)) * GROUP_ROWS
+    row_end = tl.minimum(row0 + GROUP_ROWS, n_rows)
+    col0 = (pid % (D // BLOCK_D)) * BLOCK_D
+    _heap_combine(o_split, lse_split, inbox + tl.cast(par, tl.int64) * inbox_half, flags + par * flags_half, out,
+                  ctx, epoch, healthy, row0, row_end, col0, pid, tl.num_programs(0), n_rows, num_splits, slot_stride,
+                  D, BLOCK_R, BLOCK_D, SPLIT_BLOCK)
+    shmem.epoch_end(ctx, tl.num_programs(0))
+
+
+@triton.jit
+def fused_kernel(q, k, v, lengths, o_split, lse_split, arrivals, inbox, flags, out, ctx, S, Hq, Hkv, HEADS, num_splits,
+                 slot_stride, inbox_half, flags_half, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
+                 scale, D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr,
+                 SPLIT_BLOCK: tl.constexpr):
+    """Fused: split_kernel, then the last split program of each unit to finish runs the heap combine
+    for that unit (all D columns, flag = unit), all in one launch.
+
+    grid = (units * num_splits,), unit-major, as split_kernel. `arrivals` (units int32, local, zero
+    before the first call) counts a unit's finished splits; the last arriver resets it. It is not in
+    the workspace's flags: other runners' epoch flags there would be miscounted as arrivals. A
+    unit's last arriver waits only for the same unit on its peers, whose split programs never wait
+    and precede every later unit's programs, so no wait depends on a program that cannot start.
+    """
+    epoch, healthy = shmem.epoch_begin(ctx)
+    par = shmem.parity(epoch)
+    units = tl.num_programs(0) // num_splits
+    unit = _split_of(tl.program_id(0), q, k, v, lengths, o_split, lse_split, S, Hq, Hkv, HEADS, num_splits,
+                     stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs, scale, D, BLOCK_N, BLOCK_H)
+    tl.debug_barrier()  # every thread's split partial precedes the release below
+    if tl.atomic_add(arrivals + unit, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
+        tl.store(arrivals + unit, 0)  # every split counted: ready for the next call
+        _heap_combine(o_split, lse_split, inbox + tl.cast(par, tl.int64) * inbox_half, flags + par * flags_half,
+                      out, ctx, epoch, healthy, unit * HEADS, unit * HEADS + HEADS, 0, unit, units, units * HEADS,
+                      num_splits, slot_stride, D, BLOCK_R, D, SPLIT_BLOCK)
+    shmem.epoch_end(ctx, tl.num_programs(0))

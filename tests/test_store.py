@@ -390,7 +390,7 @@ def test_op_digest_counts_code_not_docstrings_or_comments(tmp_path):
     assert base == {op: environment.op_digest(op) for op in base}  # the copy hashes like the package
     assert len(set(base.values())) == 4
     files = environment.digest_modules("autofuse.ops.gemm_ar", roots)
-    assert {"autofuse.ops.gemm_ar", "autofuse.ops.gemm_rs", "autofuse.kernels.gemm_ar",
+    assert {"autofuse.ops.gemm_ar", "autofuse.ops.row_parallel", "autofuse.kernels.gemm_ar",
             "autofuse.kernels.shmem"} <= set(files)
 
     def edit(path: Path, old: str, new: str) -> None:
@@ -408,9 +408,9 @@ def test_op_digest_counts_code_not_docstrings_or_comments(tmp_path):
     after = _digests(roots)
     assert {op for op in base if after[op] != base[op]} == {"flash_decode"}
 
-    edit(roots["autofuse.ops"] / "gemm_rs.py", "\nimport math\n", "\nimport math\nUNUSED = 2\n")
+    edit(roots["autofuse.ops"] / "row_parallel.py", "\nimport math\n", "\nimport math\nUNUSED = 2\n")
     later = _digests(roots)
-    assert {op for op in base if later[op] != after[op]} == {"gemm_rs", "gemm_ar"}  # gemm_ar builds on gemm_rs
+    assert {op for op in base if later[op] != after[op]} == {"gemm_rs", "gemm_ar"}  # both build on row_parallel
 
     edit(roots["autofuse.kernels"] / "shmem.py", "\nimport triton\n", "\nimport triton\nUNUSED = 3\n")
     last = _digests(roots)
@@ -418,9 +418,9 @@ def test_op_digest_counts_code_not_docstrings_or_comments(tmp_path):
 
     # An op may declare modules it depends on without importing them (DIGEST_EXTRA).
     edit(roots["autofuse.ops"] / "flash_decode.py", "\nimport math\n",
-         "\nimport math\nDIGEST_EXTRA = ('autofuse.kernels.gemm_tile',)\n")
+         "\nimport math\nDIGEST_EXTRA = ('autofuse.kernels.selftest',)\n")
     declared = _digests(roots)
-    edit(roots["autofuse.kernels"] / "gemm_tile.py", "\nimport triton\n", "\nimport triton\nUNUSED = 4\n")
+    edit(roots["autofuse.kernels"] / "selftest.py", "\nimport triton\n", "\nimport triton\nUNUSED = 4\n")
     assert _digests(roots)["flash_decode"] != declared["flash_decode"]
 
 

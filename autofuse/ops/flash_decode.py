@@ -1,55 +1,89 @@
 """`flash_decode`: one decode step of attention over a KV cache split along the sequence.
 
-Inputs on rank r (layout fixed here, device code in `autofuse/kernels/flash_decode.py`):
+Inputs on rank r (device code and layouts: `autofuse/kernels/flash_decode.py`):
 - q (B, Hq, D), contiguous, bf16 or fp16, the same on every rank (not checked: that needs a
   collective);
-- K_r, V_r (B, Hkv, S, D), q's dtype, unit stride along D (other strides free, so a slice
-  [:, :, :S] of a bigger cache works); GQA: Hq = G * Hkv, query head h reads KV head h // G;
-- lengths_r (B,) int32 on the same device: valid slots of this rank per sequence, ragged,
-  0 allowed (clamped to [0, S] on the device: host syncs would break CUDA graphs).
+- k_r, v_r (B, Hkv, S, D), q's dtype, unit stride along D only (TensorSpec layout "rows"), so a slice
+  [:, :, :S] of a bigger cache or a (B, S, Hkv, D) cache seen as (B, Hkv, S, D) works; GQA:
+  Hq = G * Hkv, query head h reads KV head h // G;
+- lengths_r (B,) int32: the valid slots of this rank per sequence, ragged, 0 allowed (clamped to
+  [0, S] on the device: host syncs would break CUDA graphs).
 Every rank returns O (B, Hq, D) in q's dtype = softmax(q K^T / sqrt(D)) V over all ranks' valid
 tokens, bit-identical on every rank (rank partials are merged in rank order); a sequence with no
 tokens on any rank gets O = 0.
 
-Variants (all share the split-KV kernel and the merge of splits, so the comparison is fair):
-- `bsp`: split kernel, local merge -> (O_r, LSE_r) fp32, collective all-gather, global merge.
-- `push`: split kernel; the local merge stores (O_r, LSE_r) into every rank's inbox (parity
-  double-buffered) and raises an epoch flag per group (`flags`: 'head' per unit, 'batch' per
-  sequence, 'all' one per source rank); the global merge waits per flag, no collective.
-- `push_fused`: one kernel; the last split program of a unit merges, pushes, waits for the
-  peers' partials of that unit and writes O (flag per unit).
-Config: NUM_SPLITS (splits per unit), BLOCK_N (tokens per step), HEADS (query heads per
-program, a divisor of G; HEADS = G reads K/V once), num_warps, num_stages, `flags` for push.
+Variants. All run the same split-KV kernel (`split_kernel`, grid units x NUM_SPLITS; a unit is HEADS
+query heads of one KV head of one sequence, so K/V are read once when HEADS = G) at the same default
+configs, so only the combine differs. Launches and flag hops per call, and the expected cost at KV
+<= 16K tokens per rank on two H200 in graph mode, from last round's pieces (docs/results/
+flash_decode.md, GPU-NOTES.md): a graph-replayed kernel costs ~1-2 us beyond its work, NCCL's
+all-gather of the partials 10-23 us, a cross-GPU flag 1-3 us one way; split = the split kernel alone
+(~4 us at B=1 S=1K, ~40 us at B=8 S=4K, ~520 us at B=32 S=16K, where it streams at ~4 TB/s):
+- `bsp` (family bsp): split kernel; `merge_splits_kernel` (this rank's (O_r, LSE_r), fp32, local);
+  NCCL all-gather of the W slots; `merge_ranks_kernel`. 4 launches, no flags.
+  Cost = split + ~2 us + all-gather (10-23 us) + ~2 us: split + 14-27 us.
+- `split_heap` (family hybrid): split kernel, then ONE `heap_combine_kernel`: each program merges
+  the splits of its rows x BLOCK_D columns (from L2), stores the rank partial into its slot of every
+  rank's inbox, raises one flag on each peer, waits for each peer's same flag and merges the W
+  partials in rank order. 2 launches; each rank raises and polls programs x (W - 1) flags, programs
+  = groups x D / BLOCK_D, a group per FLAG: tile = a unit (HEADS rows), row_block = a sequence (Hq
+  rows), shard = every row (one program per column block: for tiny batches only). One one-way flag
+  hop on the critical path. Cost = split + ~1-2 us (launch) + ~1 us (merge of splits: NUM_SPLITS x
+  rows x BLOCK_D floats per program, one L2 round trip when NUM_SPLITS <= SPLIT_BLOCK) + ~1-2 us
+  (push: rows x (BLOCK_D + 1) floats per peer, then a system-scope release) + 1-3 us (flag) + ~1 us
+  (merge of ranks): split + 5-9 us. Expected x BSP: ~1.5-1.8 at B=1 S=1K (~10-12 us vs 18), ~1.2-1.3
+  at B=8 S=4K (~46 us vs 57), and the bound BSP / split (1.04-1.10) where the split dominates
+  (B >= 8 at S = 16K).
+- `push_fused` (family fused): one `fused_kernel` on the split kernel's grid; the last split program
+  of a unit to finish (a local arrival counter) runs the heap combine for that unit alone (all D
+  columns, flag = unit). 1 launch; units x NUM_SPLITS arrival atomics; units x (W - 1) flags. Cost =
+  split + the serial tail of one program per unit (merge HEADS x NUM_SPLITS x D floats in
+  NUM_SPLITS / SPLIT_BLOCK round trips, push, one flag hop, merge): best at few splits (large B).
+The heap inbox and flags are parity double-buffered on the device epoch and read only by these
+kernels, which compute the parity themselves, so CUDA-graph replays need nothing from the host.
+Config keys: NUM_SPLITS (splits per unit), BLOCK_N (tokens per step), HEADS (query heads per unit, a
+divisor of G), num_warps and num_stages (of the split kernel), BLOCK_D (columns per merge program:
+bsp and split_heap), FLAG (split_heap: tile | row_block | shard).
 
-Measurement inputs: random q/K/V; lengths full on GPUs (so bytes/time is the achieved bandwidth
-of the whole cache, see `extra["bytes"]`), ragged on CPU (random in [0, S], one full sequence
-per rank, one empty sequence per rank). `extra["inputs"]` makes either kind on any device.
+Faults: split_heap and push_fused share the heap workspace "flash_decode" (one epoch sequence);
+a wait that runs out aborts every rank's workspace, the programs concerned write NaN and the host
+raises FlagTimeout on every rank (autofuse.status). BSP has no workspace (NCCL waits as NCCL does).
+
+Measurement inputs: random q/K/V; on GPUs lengths full and K/V contiguous (bytes / time is the
+achieved bandwidth of the whole cache, see `extra["bytes"]`); on CPU ragged: see `make_inputs`.
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
-from autofuse import status
 from autofuse.kernels import flash_decode as kern
-from autofuse.op import (Config, InvalidConfig, InvalidInput, Op, Problem, SearchSpace, Variant,
-                         default_tolerance)
+from autofuse.op import Config, InvalidInput, Op, Problem, SearchSpace, Variant, default_tolerance
+from autofuse.runner import Runner, TensorSpec
+from autofuse.shapes import DECODE_M, MODELS
+from autofuse.sizes import cdiv, next_pow2
+from autofuse.workspace import workspace
 
 NAME = "flash_decode"
 HEAD_DIMS = (16, 32, 64, 128, 256)
 BLOCK_NS = (16, 32, 64, 128, 256)
+BLOCK_DS = (16, 32, 64, 128, 256)
 SPLITS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+MAX_SPLITS = 1024
 WARPS = (1, 2, 4, 8)
 STAGES = (1, 2, 3, 4)
-FLAGS = ("head", "batch", "all")
+FLAGS = ("tile", "row_block", "shard")
 SMEM_LIMIT = 227 * 1024          # H100/H200 shared memory per block
-GPU_SMS = 132                     # H100/H200 SXM: what NUM_SPLITS defaults aim to fill
-COMBINE_WARPS = 4
+GPU_SMS = 132                     # H100/H200 SXM: what the defaults aim to fill
+MERGE_WARPS = 4                   # merge and combine kernels
+MERGE_ELEMS = 8192                # floats of split partials one merge program loads per round trip
+FUSED_MERGE_ELEMS = 4096          # the same in the fused kernel: 168 registers on sm_90 (8192: 221), so it
+                                  # keeps the split kernel's 3 blocks per SM (shared memory allows 3)
 LOG2E = 1.4426950408889634
+LOCAL_KEYS = ("NUM_SPLITS", "BLOCK_N", "HEADS", "num_warps", "num_stages")
 
 
 # ------------------------------------------------------------------------------------- problems
@@ -57,7 +91,7 @@ def _fail(msg: str) -> None:
     raise InvalidInput(f"{NAME}: {msg}")
 
 
-def problem_of(world, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor) -> Problem:
+def problem_of(world: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor) -> Problem:
     """Validate one rank's arguments (shapes, dtypes, devices, layout) -> Problem; no device sync."""
     for name, t in (("q", q), ("k", k), ("v", v), ("lengths", lengths)):
         if not isinstance(t, torch.Tensor):
@@ -86,8 +120,8 @@ def problem_of(world, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths
         _fail("q must be contiguous")
     if k.stride(3) != 1 or v.stride(3) != 1:
         _fail(f"k and v need unit stride along D, got strides {k.stride()} and {v.stride()}")
-    if lengths.dtype != torch.int32 or lengths.shape != (B,):
-        _fail(f"lengths must be int32 of shape ({B},), got {lengths.dtype} {tuple(lengths.shape)}")
+    if lengths.dtype != torch.int32 or lengths.shape != (B,) or not lengths.is_contiguous():
+        _fail(f"lengths must be contiguous int32 of shape ({B},), got {lengths.dtype} {tuple(lengths.shape)}")
     return Problem.make(NAME, q.dtype, world.size, B=B, Hq=Hq, Hkv=Hkv, D=D, S=S)
 
 
@@ -101,12 +135,18 @@ def make_problem(world_size: int, B: int, S: int, Hq: int = 64, Hkv: int = 8, D:
 
 
 # --------------------------------------------------------------------------- inputs, reference
-def make_inputs(world, problem: Problem, seed: int, rank: int | None = None, ragged: bool | None = None):
+def make_inputs(world: Any, problem: Problem, seed: int, rank: int | None = None,
+                ragged: bool | None = None) -> tuple[torch.Tensor, ...]:
     """Rank `rank`'s (q, k, v, lengths): deterministic in (seed, rank), on the World's device.
 
     q depends on the seed only (the same on every rank). ragged=None: ragged on CPU, full on GPU.
-    Ragged lengths are random in [0, S]; sequence rank % B is full and, for B > 1, sequence
-    (rank + 1) % B is empty on this rank.
+    Full: lengths S, contiguous K/V. Ragged (what the tests exercise; seeds 0 and 1 cover it all):
+    - lengths random in [1, S] (every rank contributes to every sequence unless said here);
+      sequence rank % B full and, for B >= 3, sequence (rank + 1) % B empty on this rank;
+    - seed % 3 == 1: rank z = (seed // 3) % W holds no tokens at all, and for B >= 2 sequence
+      z % B is empty on every rank (its output must be exactly 0);
+    - K/V are views, never contiguous: seed % 3 == 0 slices [:, :, :S] of a cache 5 slots longer,
+      the others view a (B, S, Hkv, D) cache as (B, Hkv, S, D).
     """
     B, Hq, Hkv, D, S = _dims(problem)
     rank = world.rank if rank is None else rank
@@ -115,20 +155,32 @@ def make_inputs(world, problem: Problem, seed: int, rank: int | None = None, rag
     gq = torch.Generator(device=dev).manual_seed(seed * 7919 + 17)
     q = torch.randn((B, Hq, D), generator=gq, device=dev, dtype=dt)
     g = torch.Generator(device=dev).manual_seed(seed * 7919 + 1000 + rank)
-    k = torch.randn((B, Hkv, S, D), generator=g, device=dev, dtype=dt)
-    v = torch.randn((B, Hkv, S, D), generator=g, device=dev, dtype=dt)
-    if ragged:
-        gl = torch.Generator().manual_seed(seed * 7919 + 5000 + rank)
-        lengths = torch.randint(0, S + 1, (B,), generator=gl, dtype=torch.int32)
-        lengths[rank % B] = S
-        if B > 1:
-            lengths[(rank + 1) % B] = 0
+    if not ragged:
+        k = torch.randn((B, Hkv, S, D), generator=g, device=dev, dtype=dt)
+        v = torch.randn((B, Hkv, S, D), generator=g, device=dev, dtype=dt)
+        return q, k, v, torch.full((B,), S, dtype=torch.int32, device=dev)
+    if seed % 3 == 0:
+        k = torch.randn((B, Hkv, S + 5, D), generator=g, device=dev, dtype=dt)[:, :, :S]
+        v = torch.randn((B, Hkv, S + 5, D), generator=g, device=dev, dtype=dt)[:, :, :S]
     else:
-        lengths = torch.full((B,), S, dtype=torch.int32)
+        k = torch.randn((B, S, Hkv, D), generator=g, device=dev, dtype=dt).transpose(1, 2)
+        v = torch.randn((B, S, Hkv, D), generator=g, device=dev, dtype=dt).transpose(1, 2)
+    gl = torch.Generator().manual_seed(seed * 7919 + 5000 + rank)
+    lengths = torch.randint(1, S + 1, (B,), generator=gl, dtype=torch.int32)
+    lengths[rank % B] = S
+    if B >= 3:
+        lengths[(rank + 1) % B] = 0
+    if seed % 3 == 1:
+        empty_rank = (seed // 3) % world.size
+        if B >= 2:
+            lengths[empty_rank % B] = 0
+        if rank == empty_rank:
+            lengths.zero_()
     return q, k, v, lengths.to(dev)
 
 
-def partial_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor):
+def partial_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """One rank's exact partial in float64: (O_r (B, Hq, D), natural LSE_r (B, Hq)); no tokens -> (0, -inf)."""
     B, Hq, D = q.shape
     Hkv, S = k.shape[1], k.shape[2]
@@ -158,12 +210,12 @@ def merge_reference(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Ten
     return acc / torch.where(total > 0, total, torch.ones_like(total))[..., None]
 
 
-def attention_reference(q: torch.Tensor, ks, vs, lengths) -> torch.Tensor:
+def attention_reference(q: torch.Tensor, ks: list, vs: list, lengths: list) -> torch.Tensor:
     """float64 attention of q over every rank's valid tokens (lists over ranks)."""
     return merge_reference([partial_reference(q, k, v, n) for k, v, n in zip(ks, vs, lengths)])
 
 
-def reference(world, problem: Problem, seed: int, ragged: bool | None = None) -> torch.Tensor:
+def reference(world: Any, problem: Problem, seed: int, ragged: bool | None = None) -> torch.Tensor:
     """This rank's expected output in float64 for `make_inputs(..., seed, ragged=ragged)`,
     rebuilding every rank's inputs one at a time."""
     parts = []
@@ -194,40 +246,56 @@ def partial_bytes(problem: Problem) -> int:
 
 
 def features(problem: Problem) -> dict[str, float]:
+    """The op's own features (the generic log2 of each dim, world and dtype bytes come from autofuse.features)."""
     B, Hq, Hkv, D, S = _dims(problem)
     kv = kv_bytes(problem)
     part = partial_bytes(problem)
-    return {
-        "log2_B": math.log2(B), "log2_S": math.log2(S), "log2_Hq": math.log2(Hq), "log2_Hkv": math.log2(Hkv),
-        "log2_G": math.log2(Hq // Hkv), "log2_D": math.log2(D), "world": float(problem.world),
-        "dtype_bytes": float(problem.torch_dtype.itemsize), "log2_units": math.log2(B * Hkv),
-        "log2_kv_bytes": math.log2(kv), "log2_partial_bytes": math.log2(part),
-        "comm_over_kv": part * (problem.world - 1) / kv,
-    }
+    return {"log2_G": math.log2(Hq // Hkv), "log2_units": math.log2(B * Hkv), "log2_kv_bytes": math.log2(kv),
+            "log2_partial_bytes": math.log2(part), "comm_over_kv": part * (problem.world - 1) / kv}
+
+
+# The papers' sweep (Llama-3-70B attention: Hq=64, Hkv=8, D=128): B x S per rank, 256K at three B.
+# Short KV first: the first 15 problems are the KV <= 16K regime of the 1.2x target (`--limit 15`).
+GPU_GRID = [(b, s) for s in (1 << 10, 4 << 10, 16 << 10, 64 << 10) for b in (1, 4, 8, 16, 32)] + \
+           [(b, 256 << 10) for b in (1, 8, 32)]
+MODEL_S = (4 << 10, 8 << 10, 16 << 10, 32 << 10)
+
+
+def _model_heads() -> list[tuple[int, int, int]]:
+    """Distinct (Hq, Hkv, D) of the models in autofuse.shapes, first model first."""
+    seen: dict[tuple[int, int, int], None] = {}
+    for m in MODELS.values():
+        seen.setdefault((m.heads, m.kv_heads, m.head_dim), None)
+    return list(seen)
 
 
 def sweep(kind: str, world: int) -> list[Problem]:
-    """'gpu' / 'llama70b': Hq=64, Hkv=8, D=128, bf16, B x S_r (256K only at B=1, 8, 32 for time);
-    'cpu': tiny problems for the interpreter."""
+    """Problem sets (bf16):
+    - "gpu" / "llama70b": Hq=64, Hkv=8, D=128; B in 1..32 x S in 1K..64K per rank, 256K at B=1, 8, 32
+      (S-major: the first 15 have S <= 16K);
+    - "models": every model's (Hq, Hkv, D) in autofuse.shapes (the whole cache's heads on every rank:
+      the sequence is split, not the heads) x decode batches 1/8/32/128 x S 4K..32K per rank;
+    - "default" (what `autofuse tune` runs): 10 problems from "gpu" and "models", short KV first;
+    - "cpu": tiny problems for the interpreter.
+    """
     if kind in ("gpu", "llama70b"):
-        grid = [(b, s) for b in (1, 4, 8, 16, 32) for s in (1 << 10, 4 << 10, 16 << 10, 64 << 10)]
-        grid += [(b, 256 << 10) for b in (1, 8, 32)]
-        return [make_problem(world, b, s) for b, s in grid]
+        return [make_problem(world, b, s) for b, s in GPU_GRID]
+    if kind == "models":
+        return [make_problem(world, b, s, Hq=hq, Hkv=hkv, D=d)
+                for hq, hkv, d in _model_heads() for b in DECODE_M for s in MODEL_S]
+    if kind == "default":
+        picks = [(1, 1 << 10, 64), (1, 16 << 10, 64), (8, 4 << 10, 64), (32, 1 << 10, 64), (4, 64 << 10, 64),
+                 (1, 32 << 10, 32), (8, 8 << 10, 32), (32, 4 << 10, 128), (128, 4 << 10, 64), (128, 16 << 10, 128)]
+        return [make_problem(world, b, s, Hq=hq) for b, s, hq in picks]
     if kind == "cpu":
         return [make_problem(world, b, s, Hq=4, Hkv=2, D=d) for b, s, d in ((1, 32, 16), (2, 48, 32), (2, 64, 16))]
-    raise ValueError(f"{NAME}: unknown sweep kind {kind!r}: use cpu, gpu or llama70b")
+    raise ValueError(f"{NAME}: unknown sweep kind {kind!r}: use cpu, gpu, llama70b, models or default")
 
 
 # ------------------------------------------------------------------------------------- configs
-def _pow2(n: int) -> int:
-    return 1 << max(0, int(n) - 1).bit_length()
-
-
 def _block_h(heads: int) -> int:
-    return max(16, _pow2(heads))
-
-
-KEYS = ("NUM_SPLITS", "BLOCK_N", "HEADS", "num_warps", "num_stages")
+    """Rows of the split kernel's tiles: >= 16 so both products run on tensor cores."""
+    return max(16, next_pow2(heads))
 
 
 def smem_bytes(problem: Problem, config: Config) -> int:
@@ -237,190 +305,213 @@ def smem_bytes(problem: Problem, config: Config) -> int:
     return 2 * bn * D * e * max(1, config["num_stages"] - 1) + bh * D * e + bh * bn * 4
 
 
-def check(problem: Problem, config: Config, push_flags: bool = False) -> str | None:
-    """Why `config` cannot run `problem` (None if it can)."""
-    keys = set(KEYS) | ({"flags"} if push_flags else set())
-    if set(config) != keys:
-        return f"config keys {sorted(config)} != {sorted(keys)}"
+def _check_local(problem: Problem, config: Config) -> str | None:
+    """Why the split kernel's part of `config` cannot run `problem` (None if it can)."""
     B, Hq, Hkv, D, S = _dims(problem)
     G = Hq // Hkv
-    ns, bn, heads, warps, stages = (config[k] for k in KEYS)
+    ns, bn, heads, warps, stages = (config[k] for k in LOCAL_KEYS)
     if bn not in BLOCK_NS:
         return f"BLOCK_N {bn} not in {BLOCK_NS}"
-    if not isinstance(ns, int) or not 1 <= ns <= 1024:
-        return f"NUM_SPLITS {ns} must be an int in 1..1024"
+    if not isinstance(ns, int) or not 1 <= ns <= MAX_SPLITS:
+        return f"NUM_SPLITS {ns} must be an int in 1..{MAX_SPLITS}"
     if not isinstance(heads, int) or heads < 1 or G % heads:
         return f"HEADS {heads} must divide the GQA group size {G}"
     if warps not in WARPS:
         return f"num_warps {warps} not in {WARPS}"
     if stages not in STAGES:
         return f"num_stages {stages} not in {STAGES}"
-    if push_flags and config["flags"] not in FLAGS:
-        return f"flags {config['flags']!r} not in {FLAGS}"
-    bh = _block_h(heads)
     smem = smem_bytes(problem, config)
     if smem > SMEM_LIMIT:
         return f"shared memory ~{smem} B > {SMEM_LIMIT} B (BLOCK_N={bn}, D={D}, stages={stages})"
+    bh = _block_h(heads)
     live = (bh * D + bh * bn + bn * D) / (32 * warps)
     if live > 512:
         return f"~{live:.0f} live values per thread (BLOCK_H={bh}, BLOCK_N={bn}, D={D}, warps={warps}): use more warps"
     return None
 
 
-def _splits_for(problem: Problem, block_n: int, heads: int) -> int:
-    """Enough splits that units * splits reaches 2 programs per SM (4 from 16K tokens on, where
-    more, shorter programs even out the last wave), keeping at least 2 blocks per split."""
-    B, Hq, Hkv, D, S = _dims(problem)
-    programs = (4 if S >= 16 << 10 else 2) * GPU_SMS
-    units = B * Hkv * (Hq // Hkv // heads)
-    blocks = -(-S // block_n)
+def _splits_for(problem: Problem, block_n: int, heads: int, programs_per_sm: int, min_blocks: int) -> int:
+    """The smallest power-of-two NUM_SPLITS giving units * NUM_SPLITS >= programs_per_sm * SMs,
+    keeping at least `min_blocks` BLOCK_N blocks per split."""
+    B, Hq, _, _, S = _dims(problem)
+    units = B * Hq // heads
+    limit = min(MAX_SPLITS // 4, max(1, cdiv(S, block_n) // min_blocks))
     ns = 1
-    while units * ns < programs and ns * 4 <= min(blocks, 2 * SPLITS[-1]):
+    while units * ns < programs_per_sm * GPU_SMS and ns * 2 <= limit:
         ns *= 2
     return ns
 
 
+def _block_d_for(problem: Problem, heads: int) -> int:
+    """Columns per merge program: split D until units x D / BLOCK_D reaches the SMs (>= 32 columns)."""
+    B, Hq, _, D, _ = _dims(problem)
+    units = B * Hq // heads
+    per = 1
+    while units * per * 2 <= GPU_SMS and D // (per * 2) >= 32:
+        per *= 2
+    return D // per
+
+
 def _tiny(problem: Problem) -> bool:
-    return problem["S"] <= 128 and problem["B"] * problem["Hq"] <= 64
+    return problem["S"] <= 256 and problem["B"] * problem["Hq"] <= 64
 
 
-def defaults(problem: Problem, flags: tuple[str, ...] = ()) -> list[Config]:
-    """Known-good configs: tiny blocks for CPU problems, streaming blocks for GPU ones."""
+def local_defaults(problem: Problem) -> list[Config]:
+    """Known-good split-kernel configs: tiny blocks for CPU problems; for GPU ones, BLOCK_N 64 (D >= 128)
+    or 128, HEADS = G (K/V read once), and two split counts: >= 2 programs per SM with >= 4 blocks per
+    split, and >= 4 programs per SM with >= 1 block per split (short KV: more, shorter programs)."""
     G = problem["Hq"] // problem["Hkv"]
     if _tiny(problem):
-        base = {"NUM_SPLITS": 2, "BLOCK_N": 16, "HEADS": G, "num_warps": 1, "num_stages": 1}
-    else:
-        bn = 64 if problem["D"] >= 128 else 128
-        base = {"NUM_SPLITS": _splits_for(problem, bn, G), "BLOCK_N": bn, "HEADS": G, "num_warps": 4,
-                "num_stages": 3}
-    return [dict(base, flags=f) for f in flags] if flags else [base]
+        return [{"NUM_SPLITS": 2, "BLOCK_N": 16, "HEADS": G, "num_warps": 1, "num_stages": 1}]
+    bn = 64 if problem["D"] >= 128 else 128
+    out = []
+    for per_sm, min_blocks in ((2, 4), (4, 1)):
+        cfg = {"NUM_SPLITS": _splits_for(problem, bn, G, per_sm, min_blocks), "BLOCK_N": bn, "HEADS": G,
+               "num_warps": 4, "num_stages": 3}
+        if cfg not in out:
+            out.append(cfg)
+    return out
 
 
-def space(trial: SearchSpace, problem: Problem, push_flags: bool = False) -> Config:
-    """Optuna define-by-run space; choices depend on the problem only (fixed within a study)."""
+def local_space(trial: SearchSpace, problem: Problem) -> Config:
+    """The split kernel's part of the Optuna space; choices depend on the problem only (fixed within a study)."""
     G = problem["Hq"] // problem["Hkv"]
-    cfg = {
+    return {
         "NUM_SPLITS": trial.suggest_categorical("NUM_SPLITS", [s for s in SPLITS if s <= max(1, problem["S"] // 16)]),
-        "BLOCK_N": trial.suggest_categorical("BLOCK_N", [b for b in BLOCK_NS if b <= max(16, _pow2(problem["S"]))]),
+        "BLOCK_N": trial.suggest_categorical("BLOCK_N", [b for b in BLOCK_NS if b <= max(16, next_pow2(problem["S"]))]),
         "HEADS": trial.suggest_categorical("HEADS", [h for h in range(1, G + 1) if G % h == 0]),
         "num_warps": trial.suggest_categorical("num_warps", list(WARPS)),
         "num_stages": trial.suggest_categorical("num_stages", list(STAGES)),
     }
-    if push_flags:
-        cfg["flags"] = trial.suggest_categorical("flags", list(FLAGS))
-    return cfg
 
 
-# ------------------------------------------------------------------------------------ workspace
-@dataclass
-class Workspace:
-    """Heap buffers of a pushing variant, shared by its runners on one World (never cleared).
+class _FlashDecodeVariant(Variant):
+    """What the three variants share: the split kernel's keys, checks, defaults and space, plus `extra` keys."""
 
-    inbox: 2 parities x W sources x slot floats; flags: (W sources, groups) int32 epochs;
-    arrive: local arrival counters (rows of a flag group, or splits of a unit; reset by the last);
-    counter: the epoch [published, programs done] (`shmem.epoch_next/epoch_finish`).
-    """
+    extra: tuple[str, ...] = ()
 
-    inbox: torch.Tensor
-    flags: torch.Tensor
-    arrive: torch.Tensor
-    counter: torch.Tensor
-    slot_cap: int
-    rows_cap: int
+    def check(self, problem: Problem, config: Config) -> str | None:
+        keys = set(LOCAL_KEYS) | set(self.extra)
+        if set(config) != keys:
+            return f"config keys {sorted(config)} != {sorted(keys)}"
+        reason = _check_local(problem, config)
+        if reason:
+            return reason
+        if "BLOCK_D" in config:
+            bd, D = config["BLOCK_D"], problem["D"]
+            if bd not in BLOCK_DS or bd > D:
+                return f"BLOCK_D {bd} must be one of {tuple(b for b in BLOCK_DS if b <= D)} (<= D={D})"
+        if "FLAG" in config and config["FLAG"] not in FLAGS:
+            return f"FLAG {config['FLAG']!r} not in {FLAGS}"
+        return None
+
+    def defaults(self, problem: Problem) -> list[Config]:
+        out = []
+        for base in local_defaults(problem):
+            cfg = dict(base)
+            if "BLOCK_D" in self.extra:
+                cfg["BLOCK_D"] = problem["D"] if _tiny(problem) else _block_d_for(problem, base["HEADS"])
+            if "FLAG" in self.extra:
+                cfg["FLAG"] = "tile"
+            out.append(cfg)
+        return out
+
+    def space(self, trial: SearchSpace, problem: Problem) -> Config:
+        cfg = local_space(trial, problem)
+        if "BLOCK_D" in self.extra:
+            cfg["BLOCK_D"] = trial.suggest_categorical("BLOCK_D", [b for b in BLOCK_DS if b <= problem["D"]])
+        if "FLAG" in self.extra:
+            cfg["FLAG"] = trial.suggest_categorical("FLAG", list(FLAGS))
+        return cfg
 
 
-def workspace(world, variant: str, problem: Problem) -> Workspace:
-    """The World's workspace of `variant` big enough for `problem` (allocated collectively)."""
-    B, Hq, _, D, _ = _dims(problem)
-    rows, slot = B * Hq, B * Hq * (D + 1)
-    cache = getattr(world, "_flash_decode_ws", None)
-    if cache is None:
-        cache = {}
-        world._flash_decode_ws = cache
-    for ws in cache.get(variant, []):
-        if ws.slot_cap >= slot and ws.rows_cap >= rows:
-            return ws
-    heap, w = world.heap, world.size
-    slot_cap, rows_cap = _pow2(slot), _pow2(rows)
-    prefix = f"{NAME}.{variant}.{len(cache.get(variant, []))}"
-    ws = Workspace(
-        inbox=heap.empty(2 * w * slot_cap, dtype=torch.float32, name=f"{prefix}.inbox"),
-        flags=heap.zeros(w, rows_cap, dtype=torch.int32, name=f"{prefix}.flags"),
-        arrive=heap.zeros(rows_cap, dtype=torch.int32, name=f"{prefix}.arrive"),
-        counter=heap.zeros(2, dtype=torch.int32, name=f"{prefix}.epoch"),
-        slot_cap=slot_cap, rows_cap=rows_cap,
-    )
-    cache.setdefault(variant, []).append(ws)
-    return ws
+class Bsp(_FlashDecodeVariant):
+    """Split kernel, merge of splits, NCCL (gloo on CPU) all-gather of (O_r, LSE_r), merge of ranks."""
+
+    name, family, extra = "bsp", "bsp", ("BLOCK_D",)
+
+    def runner(self, world: Any, problem: Problem, config: Config) -> Runner:
+        return BspRunner(world, problem, config)
+
+
+class SplitHeap(_FlashDecodeVariant):
+    """Split kernel, then one heap combine kernel (merge splits, push, flag, wait, merge ranks)."""
+
+    name, family, extra = "split_heap", "hybrid", ("BLOCK_D", "FLAG")
+
+    def runner(self, world: Any, problem: Problem, config: Config) -> Runner:
+        return SplitHeapRunner(world, problem, config)
+
+
+class PushFused(_FlashDecodeVariant):
+    """One kernel: split attention; each unit's last split merges, pushes, waits and writes O."""
+
+    name, family = "push_fused", "fused"
+
+    def runner(self, world: Any, problem: Problem, config: Config) -> Runner:
+        return PushFusedRunner(world, problem, config)
 
 
 # --------------------------------------------------------------------------------------- runners
-class _Local:
-    """The local part every variant shares: split kernel (+ BSP's merge of splits into a slot)."""
+class _Plan:
+    """Sizes one runner derives from (problem, config), in the kernels' terms."""
 
-    def __init__(self, world, problem: Problem, config: Config):
+    def __init__(self, problem: Problem, config: Config):
         B, Hq, Hkv, D, S = _dims(problem)
-        self.world, self.problem, self.config = world, problem, config
-        self.B, self.Hq, self.Hkv, self.D, self.S, self.G = B, Hq, Hkv, D, S, Hq // Hkv
-        self.heads = config["HEADS"]
-        self.ns = config["NUM_SPLITS"]
+        self.B, self.Hq, self.Hkv, self.D, self.S = B, Hq, Hkv, D, S
+        self.heads, self.ns, self.block_n = config["HEADS"], config["NUM_SPLITS"], config["BLOCK_N"]
+        self.warps, self.stages = config["num_warps"], config["num_stages"]
+        self.block_d = config.get("BLOCK_D", D)
         self.block_h = _block_h(self.heads)
-        self.units = B * Hkv * (self.G // self.heads)
-        self.split_block = min(_pow2(self.ns), max(2, 4096 // D))  # splits merged per round trip
         self.rows = B * Hq
-        self.slot = self.rows * (D + 1)
+        self.units = self.rows // self.heads
         self.scale = LOG2E / math.sqrt(D)
-        self.upcast = world.device.type == "cpu" and problem.dtype == "bfloat16"
-        dev = world.device
-        self.part_o = torch.empty(self.rows * self.ns * D, dtype=torch.float32, device=dev)
-        self.part_lse = torch.empty(self.rows * self.ns, dtype=torch.float32, device=dev)
-        self.dummy_i32 = torch.zeros(2, dtype=torch.int32, device=dev)
-        self.dummy_i64 = torch.zeros(max(1, world.size), dtype=torch.int64, device=dev)
+        self.slot_stride = cdiv(self.rows * (D + 1), 16) * 16  # 64-byte aligned slots
+        group_rows = {"tile": self.heads, "row_block": Hq, "shard": self.rows}[config.get("FLAG", "tile")]
+        self.group_rows = group_rows if "FLAG" in config else self.heads
+        self.block_r = min(next_pow2(self.group_rows), max(1, 2048 // self.block_d))
+        self.split_block = self.split_block_for(self.block_r, self.block_d)
+        self.col_blocks = D // self.block_d
+        self.programs = cdiv(self.rows, self.group_rows) * self.col_blocks
 
-    def check_inputs(self, q, k, v, lengths) -> None:
-        B, Hq, Hkv, D, S = self.B, self.Hq, self.Hkv, self.D, self.S
-        if tuple(q.shape) != (B, Hq, D) or tuple(k.shape) != (B, Hkv, S, D) or tuple(v.shape) != (B, Hkv, S, D) \
-                or tuple(lengths.shape) != (B,):
-            _fail(f"inputs {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}, {tuple(lengths.shape)} do not "
-                  f"match the built problem {self.problem}")
-        if q.dtype != self.problem.torch_dtype or k.dtype != q.dtype or v.dtype != q.dtype \
-                or lengths.dtype != torch.int32:
-            _fail(f"input dtypes do not match the built problem {self.problem}")
-        if not q.is_contiguous() or k.stride(3) != 1 or v.stride(3) != 1:
-            _fail("q must be contiguous and k, v need unit stride along D")
-        dev = self.world.device
-        if q.device != dev or k.device != dev or v.device != dev or lengths.device != dev:
-            _fail(f"inputs must be on this rank's device {dev}")
-
-    def out_for(self, q, out):
-        if out is None:
-            return torch.empty_like(q)
-        if out.shape != q.shape or out.dtype != q.dtype or not out.is_contiguous() or out.device != q.device:
-            _fail(f"out must be a contiguous {q.dtype} tensor of shape {tuple(q.shape)} on {q.device}")
-        return out
-
-    def split(self, q, k, v, lengths) -> None:
-        c = self.config
-        kern.split_kernel[(self.units * self.ns,)](
-            q, k, v, lengths, self.part_o, self.part_lse, self.S, self.Hq, self.Hkv, self.G, self.heads, self.ns,
-            k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2), self.scale,
-            D=self.D, BLOCK_N=c["BLOCK_N"], BLOCK_H=self.block_h, UPCAST=self.upcast, num_warps=c["num_warps"],
-            num_stages=c["num_stages"])
-
-    def merge_into(self, slot: torch.Tensor) -> None:
-        kern.local_combine_kernel[(self.rows,)](
-            self.part_o, self.part_lse, slot, self.dummy_i32, self.dummy_i32, self.dummy_i32, self.rows, self.slot,
-            self.ns, 1, 1, self.world.rank, self.world.size, self.dummy_i64,
-            PUSH=False, D=self.D, SPLIT_BLOCK=self.split_block, num_warps=COMBINE_WARPS, num_stages=1)
-
-    def __call__(self, q, k, v, lengths, slot: torch.Tensor) -> torch.Tensor:
-        """The local bound: split kernel + merge of splits into `slot`."""
-        self.split(q, k, v, lengths)
-        self.merge_into(slot)
-        return slot
+    def split_block_for(self, block_r: int, block_d: int, elems: int = MERGE_ELEMS) -> int:
+        """Splits per merge round trip: `elems` floats of (split, row, column) at most."""
+        return max(1, min(next_pow2(self.ns), elems // (block_r * block_d)))
 
 
-def all_gather(world, recv: torch.Tensor, send: torch.Tensor) -> None:
+class _Base(Runner):
+    """Every variant's runner: specs, the split partials' scratch and the split kernel's launch."""
+
+    def __init__(self, world: Any, problem: Problem, config: Config, plan: _Plan | None = None,
+                 workspaces: tuple = ()):
+        plan = plan or _Plan(problem, config)
+        B, Hq, Hkv, D, S = _dims(problem)
+        dt = problem.torch_dtype
+        super().__init__(world, problem,
+                         [TensorSpec("q", (B, Hq, D), dt), TensorSpec("k", (B, Hkv, S, D), dt, "rows"),
+                          TensorSpec("v", (B, Hkv, S, D), dt, "rows"), TensorSpec("lengths", (B,), torch.int32)],
+                         TensorSpec("out", (B, Hq, D), dt), workspaces)
+        self.plan, self.config = plan, config
+        self.o_split = torch.empty(plan.rows * plan.ns * D, dtype=torch.float32, device=world.device)
+        self.lse_split = torch.empty(plan.rows * plan.ns, dtype=torch.float32, device=world.device)
+
+    def split(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor) -> None:
+        p = self.plan
+        kern.split_kernel[(p.units * p.ns,)](
+            q, k, v, lengths, self.o_split, self.lse_split, p.S, p.Hq, p.Hkv, p.heads, p.ns,
+            k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2), p.scale,
+            D=p.D, BLOCK_N=p.block_n, BLOCK_H=p.block_h, num_warps=p.warps, num_stages=p.stages)
+
+    def merge_splits(self, slot: torch.Tensor) -> None:
+        """The rank partial (O_r, LSE_r) of this rank's splits into the local `slot` (BSP; the bound's `local`)."""
+        p = self.plan
+        kern.merge_splits_kernel[(p.units * p.col_blocks,)](
+            self.o_split, self.lse_split, slot, p.rows, p.heads, p.ns,
+            D=p.D, BLOCK_R=next_pow2(p.heads), BLOCK_D=p.block_d,
+            SPLIT_BLOCK=p.split_block_for(next_pow2(p.heads), p.block_d), num_warps=MERGE_WARPS, num_stages=1)
+
+
+def all_gather(world: Any, recv: torch.Tensor, send: torch.Tensor) -> None:
     """The collective library's all-gather of flat slots: NCCL's into-tensor form, gloo's list form."""
     if world.device.type == "cuda":
         dist.all_gather_into_tensor(recv, send, group=world.group)
@@ -428,105 +519,95 @@ def all_gather(world, recv: torch.Tensor, send: torch.Tensor) -> None:
         dist.all_gather(list(recv.view(world.size, -1).unbind(0)), send, group=world.group)
 
 
-class BspRunner:
-    """Split kernel, merge of splits, all-gather of (O_r, LSE_r), merge of ranks."""
+class BspRunner(_Base):
+    """split_kernel; merge_splits_kernel into `send`; all-gather into `recv`; merge_ranks_kernel. 4 launches."""
 
-    def __init__(self, world, problem: Problem, config: Config):
-        self.local = _Local(world, problem, config)
-        dev = world.device
-        self.send = torch.empty(self.local.slot, dtype=torch.float32, device=dev)
-        self.recv = torch.empty(world.size * self.local.slot, dtype=torch.float32, device=dev)
+    def __init__(self, world: Any, problem: Problem, config: Config):
+        super().__init__(world, problem, config)
+        self.send = torch.empty(self.plan.slot_stride, dtype=torch.float32, device=world.device)
+        self.recv = torch.empty(world.size * self.plan.slot_stride, dtype=torch.float32, device=world.device)
 
-    def __call__(self, q, k, v, lengths, out: torch.Tensor | None = None) -> torch.Tensor:
-        loc = self.local
-        loc.check_inputs(q, k, v, lengths)
-        out = loc.out_for(q, out)
-        loc(q, k, v, lengths, self.send)
-        all_gather(loc.world, self.recv, self.send)
-        kern.global_combine_kernel[(loc.units,)](
-            self.recv, out, loc.dummy_i32, loc.dummy_i32, loc.dummy_i32, loc.rows, loc.slot, loc.Hq, loc.Hkv, loc.G,
-            loc.heads, 1, 1, loc.world.rank, loc.world.size, loc.dummy_i64, 0,
-            WAIT=False, D=loc.D, BLOCK_H=loc.block_h, num_warps=COMBINE_WARPS, num_stages=1)
-        return out
+    def launch(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor,
+               out: torch.Tensor) -> None:
+        p = self.plan
+        self.split(q, k, v, lengths)
+        self.merge_splits(self.send)
+        all_gather(self.world, self.recv, self.send)
+        kern.merge_ranks_kernel[(p.units * p.col_blocks,)](
+            self.recv, out, p.slot_stride, p.rows, p.heads, self.world.size,
+            D=p.D, BLOCK_R=next_pow2(p.heads), BLOCK_D=p.block_d, num_warps=MERGE_WARPS, num_stages=1)
 
 
-def _rows_per_flag(loc: _Local, flags: str) -> int:
-    """Rows per flag: 'head' a unit (HEADS query heads of one KV head), 'batch' a sequence, 'all' every row."""
-    return {"head": loc.heads, "batch": loc.Hq, "all": loc.rows}[flags]
+def _heap(world: Any, plan: _Plan, flags: int) -> Any:
+    """The op's heap workspace ("flash_decode", shared by split_heap and push_fused: one epoch
+    sequence), big enough for W slots and `flags` flags per parity."""
+    return workspace(world, NAME, world.size * plan.slot_stride * 4, flags)
 
 
-class PushRunner:
-    """Split kernel, merge of splits pushed to every rank's inbox with epoch flags, merge of ranks."""
+class SplitHeapRunner(_Base):
+    """split_kernel, then heap_combine_kernel (grid plan.programs): 2 launches, no collective."""
 
-    def __init__(self, world, problem: Problem, config: Config):
-        self.local = _Local(world, problem, config)
-        self.ws = workspace(world, "push", problem)
-        self.rows_per_flag = _rows_per_flag(self.local, config["flags"])
-        self.spin = status.spin_limit(world.device.type)
+    def __init__(self, world: Any, problem: Problem, config: Config):
+        plan = _Plan(problem, config)
+        ws = _heap(world, plan, world.size * plan.programs)
+        super().__init__(world, problem, config, plan, (ws,))
+        self.ws = ws
+        self.inbox, self.inbox_half = ws.data_view(torch.float32)
 
-    def __call__(self, q, k, v, lengths, out: torch.Tensor | None = None) -> torch.Tensor:
-        loc, ws, w = self.local, self.ws, self.local.world
-        loc.check_inputs(q, k, v, lengths)
-        out = loc.out_for(q, out)
-        heap = w.heap
-        loc.split(q, k, v, lengths)
-        kern.local_combine_kernel[(loc.rows,)](
-            loc.part_o, loc.part_lse, ws.inbox, ws.flags, ws.arrive, ws.counter, loc.rows, ws.slot_cap, loc.ns,
-            self.rows_per_flag, ws.rows_cap, w.rank, w.size, heap.bases,
-            PUSH=True, D=loc.D, SPLIT_BLOCK=loc.split_block, num_warps=COMBINE_WARPS, num_stages=1)
-        kern.global_combine_kernel[(loc.units,)](
-            ws.inbox, out, ws.flags, ws.counter, heap.status, loc.rows, ws.slot_cap, loc.Hq, loc.Hkv, loc.G,
-            loc.heads, self.rows_per_flag, ws.rows_cap, w.rank, w.size, heap.bases, self.spin,
-            WAIT=True, D=loc.D, BLOCK_H=loc.block_h, num_warps=COMBINE_WARPS, num_stages=1)
-        return out
+    def launch(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor,
+               out: torch.Tensor) -> None:
+        p, ws = self.plan, self.ws
+        self.split(q, k, v, lengths)
+        kern.heap_combine_kernel[(p.programs,)](
+            self.o_split, self.lse_split, self.inbox, ws.flags, out, ws.ctx, p.rows, p.group_rows, p.ns,
+            p.slot_stride, self.inbox_half, ws.half_flags,
+            D=p.D, BLOCK_R=p.block_r, BLOCK_D=p.block_d, SPLIT_BLOCK=p.split_block, num_warps=MERGE_WARPS,
+            num_stages=1)
 
 
-class PushFusedRunner:
-    """One kernel: split attention; each unit's last split merges, pushes, waits and writes O."""
+class PushFusedRunner(_Base):
+    """fused_kernel (grid units x NUM_SPLITS): 1 launch."""
 
-    def __init__(self, world, problem: Problem, config: Config):
-        self.local = _Local(world, problem, config)
-        self.ws = workspace(world, "push_fused", problem)
-        self.spin = status.spin_limit(world.device.type)
+    def __init__(self, world: Any, problem: Problem, config: Config):
+        plan = _Plan(problem, config)
+        ws = _heap(world, plan, world.size * plan.units)
+        super().__init__(world, problem, config, plan, (ws,))
+        self.ws = ws
+        self.inbox, self.inbox_half = ws.data_view(torch.float32)
+        self.arrivals = torch.zeros(plan.units, dtype=torch.int32, device=world.device)
+        self.block_r = next_pow2(plan.heads)
 
-    def __call__(self, q, k, v, lengths, out: torch.Tensor | None = None) -> torch.Tensor:
-        loc, ws, w, c = self.local, self.ws, self.local.world, self.local.config
-        loc.check_inputs(q, k, v, lengths)
-        out = loc.out_for(q, out)
-        heap = w.heap
-        kern.fused_kernel[(loc.units * loc.ns,)](
-            q, k, v, lengths, loc.part_o, loc.part_lse, ws.inbox, out, ws.flags, ws.arrive, ws.counter, heap.status,
-            loc.S, loc.Hq, loc.Hkv, loc.G, loc.heads, loc.ns, loc.rows, ws.slot_cap, ws.rows_cap, w.rank, w.size,
-            heap.bases, self.spin,
-            k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2), loc.scale,
-            D=loc.D, BLOCK_N=c["BLOCK_N"], BLOCK_H=loc.block_h, SPLIT_BLOCK=loc.split_block, UPCAST=loc.upcast,
-            num_warps=c["num_warps"], num_stages=c["num_stages"])
-        return out
-
-
-def _builder(cls, push_flags: bool) -> Callable[[Any, Problem, Config], Any]:
-    def build(world, problem: Problem, config: Config):
-        if problem.world != world.size:
-            raise InvalidInput(f"{NAME}: problem is for {problem.world} ranks, this World has {world.size}")
-        reason = check(problem, config, push_flags)
-        if reason:
-            raise InvalidConfig(f"{NAME}.{cls.__name__}: {reason}")
-        return cls(world, problem, dict(config))
-    return build
+    def launch(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor,
+               out: torch.Tensor) -> None:
+        p, ws = self.plan, self.ws
+        kern.fused_kernel[(p.units * p.ns,)](
+            q, k, v, lengths, self.o_split, self.lse_split, self.arrivals, self.inbox, ws.flags, out, ws.ctx, p.S,
+            p.Hq, p.Hkv,
+            p.heads, p.ns, p.slot_stride, self.inbox_half, ws.half_flags,
+            k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2), p.scale,
+            D=p.D, BLOCK_N=p.block_n, BLOCK_H=p.block_h, BLOCK_R=self.block_r,
+            SPLIT_BLOCK=p.split_block_for(self.block_r, p.D, FUSED_MERGE_ELEMS), num_warps=p.warps,
+            num_stages=p.stages)
 
 
 # ------------------------------------------------------------------------------- bound, extras
-def bound(world, problem: Problem, seed: int) -> dict[str, Callable[[], Any]]:
-    """The pieces of the BSP bound: the local part (split kernel + merge of splits) and the
-    all-gather of (O_r, LSE_r); the bench reports the max of their times."""
+def bound(world: Any, problem: Problem, seed: int) -> dict[str, Callable[[], Any]]:
+    """The pieces the bench times beside the variants (bound = max of them): `local` = split kernel +
+    merge of splits (BSP's local part), `split` = the split kernel alone (so local - split is the
+    merge), `allgather` = NCCL's all-gather of the rank partials alone."""
     q, k, v, lengths = make_inputs(world, problem, seed)
-    loc = _Local(world, problem, defaults(problem)[0])
-    send = torch.empty(loc.slot, dtype=torch.float32, device=world.device)
-    recv = torch.empty(world.size * loc.slot, dtype=torch.float32, device=world.device)
-    return {"local": lambda: loc(q, k, v, lengths, send), "allgather": lambda: all_gather(world, recv, send)}
+    config = Bsp().defaults(problem)[0]
+    loc = BspRunner(world, problem, config)
+
+    def local() -> None:
+        loc.split(q, k, v, lengths)
+        loc.merge_splits(loc.send)
+
+    return {"local": local, "split": lambda: loc.split(q, k, v, lengths),
+            "allgather": lambda: all_gather(world, loc.recv, loc.send)}
 
 
-def copy_rate(world, problem: Problem) -> Callable[[], Any]:
+def copy_rate(world: Any, problem: Problem) -> Callable[[], Any]:
     """A device-to-device copy of `kv_bytes(problem)` bytes, the memory rate to compare the local
     kernel's kv_bytes / time with (the copy reads and writes: its HBM traffic is twice that)."""
     n = kv_bytes(problem)
@@ -536,24 +617,10 @@ def copy_rate(world, problem: Problem) -> Callable[[], Any]:
     return lambda: dst.copy_(src)
 
 
-def _variant(name: str, cls, push_flags: bool, flags: tuple[str, ...], fused: bool) -> Variant:
-    return Variant(
-        name=name,
-        build=_builder(cls, push_flags),
-        space=lambda trial, problem: space(trial, problem, push_flags),
-        defaults=lambda problem: defaults(problem, flags),
-        check=lambda problem, config: check(problem, config, push_flags),
-        fused=fused,
-    )
-
-
 OP = Op(
     name=NAME,
-    variants={
-        "bsp": _variant("bsp", BspRunner, False, (), fused=False),
-        "push": _variant("push", PushRunner, True, ("head", "all"), fused=True),
-        "push_fused": _variant("push_fused", PushFusedRunner, False, (), fused=True),
-    },
+    args=("q", "k", "v", "lengths"),
+    variants=[Bsp(), SplitHeap(), PushFused()],
     problem_of=problem_of,
     inputs=lambda world, problem, seed: make_inputs(world, problem, seed),
     reference=reference,
