@@ -1,463 +1,537 @@
-"""Fused all-gather + GEMM over the symmetric heap: pull, push and push_ws (host: autofuse/ops/ag_gemm.py).
+"""Fused all-gather + GEMM over the symmetric heap: one kernel, `ag_gemm_kernel` (host: autofuse/ops/ag_gemm.py).
 
 Every source rank s holds one shard of A, R x C elements with row stride C:
-  gather rows (GATHER_K=False): R = M/W rows, C = K; output rows s*R .. s*R+R-1 need shard s only.
-  gather k    (GATHER_K=True):  R = M rows, C = K/W columns; every output tile sums over all W
-                                shards, shard s multiplying rows s*C .. s*C+C-1 of B.
-The workspace `data` holds 2 x W slots of R x C elements: slot (p, s) holds shard s for calls of
-epoch parity p (double-buffered so a peer one call ahead never overwrites what is being read).
-  push: source s stores its shard into slot (p, s) of every peer (the inbox); the GEMM reads locally.
-  pull: source s copies its shard into slot (p, s) of its own heap; peers' GEMMs load it remotely.
-A rank's own shard is always read straight from the caller's `a`.
+  rows form (GATHER_K=False): R = M/W rows, C = K; output rows s*R .. s*R+R-1 need shard s only.
+  k form    (GATHER_K=True):  R = M rows, C = K/W; every output tile sums over all W shards,
+                              shard s multiplying rows s*C .. s*C+C-1 of B.
 
-Flags are int32 epochs at the consumer: flags[s * units + u] reaches the call's epoch when unit u
-of shard s is readable. A unit is one BLOCK_M x BLOCK_K tile (FLAG == TILE), BLOCK_M rows
-(ROW_BLOCK) or the whole shard (SHARD; the last producer program to finish a shard, counted with
-an atomic on `counts`, raises it). Producers are the lowest program ids and never wait, so the
-interpreter (programs run in id order) and GPUs (lower ids dispatch first) cannot deadlock.
-Output tiles are ordered local shard first, then the shard of rank+1, rank+2, ...; producers
-serve the peer that needs their shard soonest first.
+The kernel is one algorithm with constexpr switches; its programs are split in two roles:
+  programs 0 .. comm_sms-1   producers: copy my shard where the consumers read it, raise flags;
+                             the fewest that keep NVLink busy (COMM_SMS), so the GEMM keeps its
+                             waves (with PERSISTENT they join the consumers when done, on GPUs).
+  the other programs         consumers: work items (output tile x K split), each through the
+                             GEMM core of kernels/gemm_core.py (TMA descriptors or pointer loads,
+                             one tl.range K loop, split-K, swap-AB).
+
+Constexpr switches (with the GEMM core's BLOCK_*, GROUP_M, NUM_STAGES, SPLIT_K, SWAP_AB, USE_TMA):
+  PERSISTENT  push_ws: one program per SM; consumers take work items by ticket, in order, from a
+              counter the last program resets; else (pull, push) one program per work item (the
+              hardware hands SMs to programs as others finish).
+  PULL        producers copy my shard into my own heap (parity slot) and raise flags at every
+              peer; consumers read peers' shards from the peers' heaps (TMA or pointer loads).
+              Else (push) producers store my shard into every peer's workspace and raise its
+              flags there; consumers read only local memory.
+  GATHERED    the layout of the workspace `data` (per epoch parity) and what tiles cover:
+              False ("shard"): slot s (R x C at s*R*C) holds peer s's shard; my own shard is
+                read straight from the caller's `a`. Rows form: tiles never span shards (each
+                shard has cdiv(R, BLOCK_M) row blocks). k form: a tile runs one K loop per
+                shard, mine first.
+              True ("gathered", push only): `data` holds the whole gathered A (rows form: W*R x
+                C, the slots stacked; k form: R x W*C, shard s at columns s*C). Rows form: tiles
+                cover M rows and may span shards; a tile inside my own rows reads `a`, so my own
+                rows are copied into `data` only when some tile spans two shards. k form: one K
+                loop over W*C. SPLIT_K > 1 splits a tile's K loop (not in the k form's shard layout).
+  FLAG        what one flag covers (flags[s, ...] in my heap, epoch values, two parity sets):
+              SHARD     a whole source shard (every producer counts itself at the destination;
+                        the last one resets the count and raises the flag);
+              ROW_BLOCK BLOCK_M rows x all C columns of a source shard;
+              TILE      one BLOCK_M x BLOCK_K tile of a source shard.
+              A work item waits once, before its K loop (once per shard in the k form's shard
+              layout), for exactly the flags of the rows and K steps it reads; B's first K steps
+              are prefetched into L2 before the wait (B never depends on a peer).
+  GATHER_K    the k form (else the rows form).
+
+Order: the consumers start at my own rows (they wait for nothing), then the rows of rank+1,
+rank+2, ... which is the order the data arrives in: push producers serve rank-1, rank-2, ... in
+turn, so every rank receives from one peer at a time, rank+1 first. In the k form a tile's K loops
+run my shard first. Producers are the lowest program ids and never wait while producing, so the
+interpreter (programs run in id order) and GPUs (low ids dispatch first) cannot deadlock; under
+the interpreter they never consume (a producer taking work could wait for a later producer).
+
+Epochs and faults (kernels/shmem.py): every program calls epoch_begin first and epoch_end last; a
+call of epoch e uses parity e % 2 of `data` and `flags`, and waits for exactly e. When the
+workspace is unhealthy or a wait gives up, the work item skips its K loops and stores NaN: a fault
+never looks like a result. SPLIT_K partials of a failed item are NaN, so the summed tile is too.
 """
 import triton
 import triton.language as tl
 
-from autofuse.kernels import shmem
-from autofuse.kernels.gemm_tile import swizzle
+from autofuse.kernels import gemm_core, shmem
 
 TILE = tl.constexpr(0)
 ROW_BLOCK = tl.constexpr(1)
 SHARD = tl.constexpr(2)
+PREFETCH = tl.constexpr(2)  # K steps of B sent to L2 before a wait (a power of two)
 
 
+# -- producers ----------------------------------------------------------------------------------
 @triton.jit
-def _slot(data, parity, src, W, R, C):
-    """Slot (parity, src) of the workspace: where shard `src` lives for this call."""
-    return data + tl.cast(parity * W + src, tl.int64) * R * C
-
-
-@triton.jit
-def _raise(flag, epoch, rank, dest, W, heap_bases, PULL: tl.constexpr):
-    """Publish a unit: push raises it at `dest`; pull raises it at every peer."""
-    tl.debug_barrier()  # every thread's stores happen before the release
+def _raise(flag, epoch, dest, also_mine, ctx, PULL: tl.constexpr):
+    """Publish one unit: at `dest` (push; and at me when `also_mine`), at every peer (pull)."""
     if PULL:
-        for peer in range(1, W):
-            shmem.signal(flag, epoch, rank, (rank + peer) % W, heap_bases)
+        for i in range(1, ctx.world):
+            shmem.signal(flag, epoch, ctx.rank, (ctx.rank + i) % ctx.world, ctx.heap_bases)
     else:
-        shmem.signal(flag, epoch, rank, dest, heap_bases)
+        shmem.signal(flag, epoch, ctx.rank, dest, ctx.heap_bases)
+        if also_mine:
+            shmem.signal(flag, epoch, ctx.rank, ctx.rank, ctx.heap_bases)
 
 
 @triton.jit
-def _produce(worker, workers, a, data, flags, counts, heap_bases, rank, W, epoch, R, C,
-             BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, FLAG: tl.constexpr, PULL: tl.constexpr):
-    """Producer `worker` of `workers`: copy my shard where peers read it, raising flags per unit.
+def _count(count, flag, epoch, dest, producers, ctx, PULL: tl.constexpr):
+    """Count one producer done at `dest`; the last of `producers` resets the count and raises `flag`."""
+    tl.debug_barrier()  # every thread's stores precede the count's release
+    done = shmem.atomic_add(count, 1, ctx.rank, dest, ctx.heap_bases, sem="acq_rel", scope="sys")
+    if done == producers - 1:
+        shmem.atomic_xchg(count, 0, ctx.rank, dest, ctx.heap_bases, sem="relaxed", scope="sys")
+        _raise(flag, epoch, dest, False, ctx, PULL)
 
-    Work items are (destination, BLOCK_M rows); push visits rank-1 first (it needs my shard
-    right after its own), pull copies each row block once into my own slot.
+
+@triton.jit
+def _copy(a, dst, mine, also_mine, row0, col0, R, C, ld, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Copy A[row0:+BLOCK_R, col0:+BLOCK_C] of my shard (R x C) to `dst` (and `mine`) with row stride ld."""
+    rows = row0 + tl.arange(0, BLOCK_R)
+    cols = col0 + tl.arange(0, BLOCK_C)
+    mask = (rows < R)[:, None] & (cols < C)[None, :]
+    x = tl.load(a + rows[:, None] * C + cols[None, :], mask=mask)
+    offs = rows[:, None] * ld + cols[None, :]
+    tl.store(dst + offs, x, mask=mask)
+    if also_mine:
+        tl.store(mine + offs, x, mask=mask)
+
+
+@triton.jit
+def _copy_flat(a, dst, mine, also_mine, first, end, BLOCK: tl.constexpr):
+    """Copy elements [first, end) of my shard (contiguous at both ends) to `dst` (and `mine`)."""
+    for start in range(first, end, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        mask = offs < end
+        x = tl.load(a + offs, mask=mask)
+        tl.store(dst + offs, x, mask=mask)
+        if also_mine:
+            tl.store(mine + offs, x, mask=mask)
+
+
+@triton.jit
+def produce(a, data_p, flags_p, counts_p, epoch, worker, producers, ctx, R, C,
+            BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, FLAG: tl.constexpr, GATHER_K: tl.constexpr,
+            GATHERED: tl.constexpr, PULL: tl.constexpr):
+    """Producer `worker` of `producers`: copy my shard where consumers read it, raising its flags.
+
+    Steps: push sends to rank-1, rank-2, ... in turn (the gathered layout also copies into my own
+    buffer during the first step, or alone at W = 1, where tiles read it: the k form, and rows
+    form tiles that span two shards); pull copies once, into my own heap.
+    Within a step the chunks go round-robin over the producers, low rows first. A chunk is one
+    flag unit (TILE: a BLOCK_M x BLOCK_K tile, ROW_BLOCK: BLOCK_M rows) or, for SHARD, COPY
+    elements, after which every producer counts itself done at the destination. Rows are
+    contiguous at both ends except in the gathered k layout (row stride W*C there), so whole row
+    blocks and shard pieces are copied as flat ranges of 16-byte vectors.
     """
+    COPY: tl.constexpr = 16384  # elements per flat copy step (32 KB of bf16 in flight per program)
+    W = ctx.world
+    rank = ctx.rank
     RB = tl.cdiv(R, BLOCK_M)
     KB = tl.cdiv(C, BLOCK_K)
-    if PULL:
-        n_items = tl.where(W > 1, RB, 0)
+    FLAT: tl.constexpr = not (GATHER_K and GATHERED)
+    COPY_K: tl.constexpr = max(BLOCK_K, COPY // BLOCK_M)  # columns per step of a 2-D (gathered k) copy
+    if FLAT:  # my slot, R x C
+        ld = C
+        mine = data_p + tl.cast(rank, tl.int64) * R * C
+    else:  # my columns of the gathered R x W*C
+        ld = W * C
+        mine = data_p + rank * C
+    if FLAG == TILE:
+        chunks = RB * KB
+    elif FLAG == ROW_BLOCK:
+        chunks = RB
+    elif FLAT:
+        chunks = tl.cdiv(R * C, COPY)
     else:
-        n_items = (W - 1) * RB
-    slot = _slot(data, epoch % 2, rank, W, R, C)
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_k = tl.arange(0, BLOCK_K)
-    for item in range(worker, n_items, workers):
+        chunks = RB * tl.cdiv(C, COPY_K)
+    # the gathered layout needs my own rows in `data` only for tiles that span shards (rows form)
+    need_mine = (R % BLOCK_M != 0) | GATHER_K
+    if PULL:
+        steps = 1
+    elif GATHERED:
+        steps = tl.where(need_mine, max(W - 1, 1), W - 1)
+    else:
+        steps = W - 1
+    for step in range(0, steps):
         if PULL:
             dest = rank
-            rb = item
         else:
-            dest = (rank + W - 1 - item // RB) % W
-            rb = item % RB
-        dst = tl.multiple_of(shmem.translate(slot, rank, dest, heap_bases), 16)  # slots are 16-byte aligned
-        rows = rb * BLOCK_M + offs_m
-        for kb in range(0, KB):
-            cols = kb * BLOCK_K + offs_k
-            mask = (rows < R)[:, None] & (cols < C)[None, :]
-            offs = rows[:, None] * C + cols[None, :]
-            tl.store(dst + offs, tl.load(a + offs, mask=mask), mask=mask)
+            dest = (rank + 2 * W - 1 - step) % W
+        also_mine = (step == 0) & (dest != rank) & need_mine & GATHERED
+        dst = tl.multiple_of(shmem.translate(mine, rank, dest, ctx.heap_bases), 16)  # rows stay 16-byte aligned
+        for chunk in range(worker, chunks, producers):
             if FLAG == TILE:
-                _raise(flags + rank * RB * KB + rb * KB + kb, epoch, rank, dest, W, heap_bases, PULL)
-        if FLAG == ROW_BLOCK:
-            _raise(flags + rank * RB + rb, epoch, rank, dest, W, heap_bases, PULL)
+                rb = chunk // KB
+                kb = chunk % KB
+                _copy(a, dst, mine, also_mine, rb * BLOCK_M, kb * BLOCK_K, R, C, ld, BLOCK_M, BLOCK_K)
+                _raise(flags_p + (rank * RB + rb) * KB + kb, epoch, dest, also_mine, ctx, PULL)
+            elif FLAG == ROW_BLOCK:
+                if FLAT:
+                    _copy_flat(a, dst, mine, also_mine, chunk * BLOCK_M * C, min(chunk * BLOCK_M + BLOCK_M, R) * C,
+                               COPY)
+                else:
+                    for col0 in range(0, C, COPY_K):
+                        _copy(a, dst, mine, also_mine, chunk * BLOCK_M, col0, R, C, ld, BLOCK_M, COPY_K)
+                _raise(flags_p + rank * RB + chunk, epoch, dest, also_mine, ctx, PULL)
+            elif FLAT:
+                _copy_flat(a, dst, mine, also_mine, chunk * COPY, min(chunk * COPY + COPY, R * C), COPY)
+            else:
+                pieces = tl.cdiv(C, COPY_K)
+                _copy(a, dst, mine, also_mine, (chunk // pieces) * BLOCK_M, (chunk % pieces) * COPY_K, R, C, ld,
+                      BLOCK_M, COPY_K)
         if FLAG == SHARD:
-            tl.debug_barrier()
-            done = shmem.atomic_add(counts + rank, 1, rank, dest, heap_bases, sem="acq_rel", scope="sys")
-            if done == RB - 1:  # the last row block of my shard for `dest`: reset, then publish
-                shmem.atomic_xchg(counts + rank, 0, rank, dest, heap_bases, sem="relaxed", scope="sys")
-                _raise(flags + rank, epoch, rank, dest, W, heap_bases, PULL)
+            _count(counts_p + rank, flags_p + rank, epoch, dest, producers, ctx, PULL)
+            if also_mine:
+                _count(counts_p + rank, flags_p + rank, epoch, rank, producers, ctx, False)
 
 
+# -- consumers ----------------------------------------------------------------------------------
 @triton.jit
-def _masked_by(mask, ok):
-    """mask & ok for a scalar `ok` (tl.where: the interpreter mis-types a broadcast scalar compare)."""
-    return tl.where(ok, mask, False)
-
-
-@triton.jit
-def _wait(flag, epoch, ok, spin_limit, status, heap_bases, rank):
-    """Bounded wait for `flag` to reach `epoch`; after one timeout (ok False) waits no more."""
+def _wait_one(flag, epoch, ok, ctx):
+    """shmem.wait_until (bounded, exact epoch, acquire) unless an earlier wait failed."""
     if ok:
-        ok = shmem.wait_until(flag, epoch, spin_limit, status, heap_bases, rank)
-        tl.debug_barrier()  # the acquire happens before any thread's loads
+        ok = shmem.wait_until(flag, epoch, ctx)
     return ok
 
 
 @triton.jit
-def _mma(acc, ok, a_base, b_base, row0, col0, R, N, C, tile_flags, epoch, spin_limit, status, heap_bases, rank,
-         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, WAIT_TILES: tl.constexpr,
-         EVEN_K: tl.constexpr, DOT_F32: tl.constexpr):
-    """acc += A[row0:+BLOCK_M, :C] @ B[:C, col0:+BLOCK_N] for one shard (A: R x C, B rows from b_base).
-
-    Rows and columns wrap modulo R and N (the tutorial's trick: no M/N masks; the caller masks
-    the store). With WAIT_TILES the flag of each BLOCK_K step is awaited first, and the A load is
-    masked by its outcome so no compiler pipelining can hoist the load above the wait. EVEN_K
-    (C % BLOCK_K == 0) drops the K mask. DOT_F32 multiplies in float32 (the interpreter's dot is
-    wrong for bfloat16, which numpy lacks).
-    """
-    offs_m = (row0 + tl.arange(0, BLOCK_M)) % R
-    offs_n = (col0 + tl.arange(0, BLOCK_N)) % N
-    offs_k = tl.arange(0, BLOCK_K)
-    a_ptrs = a_base + offs_m[:, None] * C + offs_k[None, :]
-    b_ptrs = b_base + offs_k[:, None] * N + offs_n[None, :]
-    for kb in range(0, tl.cdiv(C, BLOCK_K)):
-        k_mask = offs_k < C - kb * BLOCK_K
-        if WAIT_TILES:
-            ok = _wait(tile_flags + kb, epoch, ok, spin_limit, status, heap_bases, rank)
-            x = tl.load(a_ptrs, mask=_masked_by(k_mask[None, :], ok), other=0.0)
-        elif EVEN_K:
-            x = tl.load(a_ptrs)
-        else:
-            x = tl.load(a_ptrs, mask=k_mask[None, :], other=0.0)
-        if EVEN_K:
-            y = tl.load(b_ptrs)
-        else:
-            y = tl.load(b_ptrs, mask=k_mask[:, None], other=0.0)
-        if DOT_F32:
-            x = x.to(tl.float32)
-            y = y.to(tl.float32)
-        acc = tl.dot(x, y, acc)
-        a_ptrs += BLOCK_K
-        b_ptrs += BLOCK_K * N
-    return acc, ok
+def _wait(flags_p, s, rb_first, rb_last, kb_first, kb_last, RB, KB, epoch, ok, ctx, FLAG: tl.constexpr):
+    """Wait (bounded, exact epoch) for shard s's units covering row blocks [rb_first, rb_last] and
+    K blocks [kb_first, kb_last]; after one failure waits no more. True if every flag came."""
+    if FLAG == SHARD:
+        ok = _wait_one(flags_p + s, epoch, ok, ctx)
+    elif FLAG == ROW_BLOCK:
+        for rb in range(rb_first, rb_last + 1):
+            ok = _wait_one(flags_p + s * RB + rb, epoch, ok, ctx)
+    else:
+        for rb in range(rb_first, rb_last + 1):
+            for kb in range(kb_first, kb_last + 1):
+                ok = _wait_one(flags_p + (s * RB + rb) * KB + kb, epoch, ok, ctx)
+    return ok
 
 
 @triton.jit
-def _shard_mma(acc, ok, src, rb, n0, a, b, data, flags, status, heap_bases, rank, W, epoch, spin_limit, N, R, C,
-               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FLAG: tl.constexpr,
-               GATHER_K: tl.constexpr, PULL: tl.constexpr, EVEN_K: tl.constexpr, DOT_F32: tl.constexpr):
-    """acc += (row block rb of shard src) @ (the rows of B it multiplies), waiting for remote units.
-
-    My own shard comes from `a`; a peer's from its slot (my inbox, or the peer's heap for pull).
-    One K loop serves both (one set of pipeline buffers in shared memory), except with tile flags,
-    where the remote loop waits per BLOCK_K step and the local one keeps its pipelining.
-    """
-    RB = tl.cdiv(R, BLOCK_M)
-    KB = tl.cdiv(C, BLOCK_K)
-    remote = src != rank
-    base = a
-    if remote:
-        base = _slot(data, epoch % 2, src, W, R, C)
-        if PULL:  # heap bases and slots are 16-byte aligned: keep vectorised, asynchronous loads
-            base = tl.multiple_of(shmem.translate(base, rank, src, heap_bases), 16)
-        if FLAG == ROW_BLOCK:
-            ok = _wait(flags + src * RB + rb, epoch, ok, spin_limit, status, heap_bases, rank)
-        if FLAG == SHARD:
-            ok = _wait(flags + src, epoch, ok, spin_limit, status, heap_bases, rank)
-    if GATHER_K:
-        b_rows = b + tl.cast(src * C, tl.int64) * N
-    else:
-        b_rows = b
-    tile_flags = flags + src * RB * KB + rb * KB
-    if FLAG == TILE:
-        if remote:
-            acc, ok = _mma(acc, ok, base, b_rows, rb * BLOCK_M, n0, R, N, C, tile_flags, epoch, spin_limit, status,
-                           heap_bases, rank, BLOCK_M, BLOCK_N, BLOCK_K, True, EVEN_K, DOT_F32)
-        else:
-            acc, ok = _mma(acc, ok, base, b_rows, rb * BLOCK_M, n0, R, N, C, tile_flags, epoch, spin_limit, status,
-                           heap_bases, rank, BLOCK_M, BLOCK_N, BLOCK_K, False, EVEN_K, DOT_F32)
-    else:
-        acc, ok = _mma(acc, ok, base, b_rows, rb * BLOCK_M, n0, R, N, C, tile_flags, epoch, spin_limit, status,
-                       heap_bases, rank, BLOCK_M, BLOCK_N, BLOCK_K, False, EVEN_K, DOT_F32)
-    return acc, ok
+def _tma_visible(USE_TMA: tl.constexpr):
+    """After an acquire: make the peers' (generic-proxy) stores visible to this thread's TMA loads."""
+    if USE_TMA and not gemm_core.INTERPRETED:
+        tl.inline_asm_elementwise("fence.proxy.async.global;\n\tmov.u32 $0, 0;", "=r", [], dtype=tl.int32,
+                                  is_pure=False, pack=1)
 
 
 @triton.jit
-def _compute_tile(tile, a, b, c, data, flags, status, heap_bases, rank, W, epoch, spin_limit, N, R, C,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                  FLAG: tl.constexpr, GATHER_K: tl.constexpr, PULL: tl.constexpr, EVEN_K: tl.constexpr,
-                  DOT_F32: tl.constexpr):
-    """One BLOCK_M x BLOCK_N output tile; tile 0.. covers my own shard's rows (or K) first."""
-    RB = tl.cdiv(R, BLOCK_M)
-    if GATHER_K:
-        num_mt = RB
+def _source(ptr, rows, cols, ld, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, USE_TMA: tl.constexpr):
+    """What gemm_core.gemm_tile reads a rows x cols matrix (row stride ld) through: a TMA descriptor
+    (USE_TMA; 16-byte aligned base and row stride) or the pointer itself."""
+    if USE_TMA:
+        return tl.make_tensor_descriptor(ptr, shape=[rows, cols], strides=[ld, 1], block_shape=[BLOCK_R, BLOCK_C])
     else:
-        num_mt = W * RB
-    mt, nt = swizzle(tile, num_mt, tl.cdiv(N, BLOCK_N), GROUP_M)
-    n0 = nt * BLOCK_N
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    ok = tl.full([], 1, tl.int1)
-    if GATHER_K:
-        rb = mt
-        for step in range(0, W):
-            acc, ok = _shard_mma(acc, ok, (rank + step) % W, rb, n0, a, b, data, flags, status, heap_bases, rank, W,
-                                 epoch, spin_limit, N, R, C, BLOCK_M, BLOCK_N, BLOCK_K, FLAG, GATHER_K, PULL,
-                                 EVEN_K, DOT_F32)
-        out_row0 = rb * BLOCK_M
+        return ptr
+
+
+@triton.jit
+def _mma(acc, ok, src, b_src, off_m, off_n, k_first, k_end, rows, N, K,
+         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
+         SWAP_AB: tl.constexpr, USE_TMA: tl.constexpr):
+    """acc += A[off_m:+BLOCK_M, steps] @ B[steps, off_n:+BLOCK_N] over K steps [k_first, k_end) for
+    A (rows x K, row stride K) read through `src`; no step when not ok. Each caller's K loop is its
+    own pipeline: sequential loops share shared memory, loops in the two arms of an `if` do not."""
+    return gemm_core.gemm_tile(acc, src, b_src, off_m, off_n, k_first, tl.where(ok, k_end, k_first), rows, N, K,
+                               K, 1, N, 1, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, SWAP_AB, USE_TMA, False)
+
+
+@triton.jit
+def _peer_source(data_p, g_src, s, ctx, R, C, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+                 USE_TMA: tl.constexpr, PULL: tl.constexpr):
+    """Where shard s lives for a consumer: peer s's own slot (pull), else the local data (g_src)."""
+    if PULL:
+        slot = shmem.translate(data_p + tl.cast(s, tl.int64) * R * C, ctx.rank, s, ctx.heap_bases)
+        return _source(tl.multiple_of(slot, 16), R, C, C, BLOCK_M, BLOCK_K, USE_TMA)
     else:
-        src = (rank + mt // RB) % W
+        return g_src
+
+
+@triton.jit
+def _finish(acc, ok, partials, counts, tile, split, c, c_dst, s, rb, m0, off_n, R, M, N,
+            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, USE_TMA: tl.constexpr,
+            SHARD_ROWS: tl.constexpr):
+    """NaN for a failed item, split-K reduction, then the store (by the last split)."""
+    acc = tl.where(ok, acc, float("nan"))
+    acc, last = gemm_core.split_k_reduce(acc, partials, counts, tile, split, SPLIT_K, BLOCK_M, BLOCK_N)
+    if last:
+        if SHARD_ROWS:  # rows past the shard's last row belong to the next shard: masked pointer store
+            gemm_core.store_tile(c + tl.cast(s, tl.int64) * R * N, acc, rb * BLOCK_M, off_n, R, N, N, 1,
+                                 BLOCK_M, BLOCK_N, False)
+        else:
+            gemm_core.store_tile(c_dst, acc, m0, off_n, M, N, N, 1, BLOCK_M, BLOCK_N, USE_TMA)
+
+
+@triton.jit
+def _rows_work(i, LOCAL: tl.constexpr, start, count, a_src, g_src, b, b_src, c, c_dst, data_p, flags_p,
+               partials, counts, epoch, healthy, ctx, R, C, N, MT, RB, KB,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+               NUM_STAGES: tl.constexpr, SPLIT_K: tl.constexpr, SWAP_AB: tl.constexpr, USE_TMA: tl.constexpr,
+               FLAG: tl.constexpr, GATHERED: tl.constexpr, PULL: tl.constexpr):
+    """Rows form: work item i of the `count` row tiles from row tile `start` (mod MT), all reading my
+    own shard (LOCAL: straight from `a`, no wait) or none of them (after the waits for the rows
+    they read). GATHERED: rows [m0, m0 + BLOCK_M) of the gathered A; else row block rb of shard s."""
+    W = ctx.world
+    rank = ctx.rank
+    pid_m, pid_n, _, split, k_first, k_end = gemm_core.schedule(i, count * BLOCK_M, N, C, BLOCK_M, BLOCK_N,
+                                                                BLOCK_K, GROUP_M, SPLIT_K)
+    mt = (start + pid_m) % MT
+    off_n = pid_n * BLOCK_N
+    if GATHERED:
+        m0 = mt * BLOCK_M
+        s = 0
+        rb = 0
+        off_local = m0 - rank * R
+        off_remote = m0
+    else:
+        s = mt // RB
         rb = mt % RB
-        acc, ok = _shard_mma(acc, ok, src, rb, n0, a, b, data, flags, status, heap_bases, rank, W, epoch,
-                             spin_limit, N, R, C, BLOCK_M, BLOCK_N, BLOCK_K, FLAG, GATHER_K, PULL, EVEN_K,
-                             DOT_F32)
-        out_row0 = src * R + rb * BLOCK_M
-    offs_r = tl.arange(0, BLOCK_M)
-    offs_n = n0 + tl.arange(0, BLOCK_N)
-    mask = _masked_by((rb * BLOCK_M + offs_r < R)[:, None] & (offs_n < N)[None, :], ok)
-    c_ptrs = c + tl.cast(out_row0 + offs_r, tl.int64)[:, None] * N + offs_n[None, :]
-    tl.store(c_ptrs, acc.to(c.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def ag_gemm_pull_kernel(a, b, c, data, flags, counts, counter, status, heap_bases, rank, W, spin_limit,
-                        N, R, C, comm,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                        FLAG: tl.constexpr, GATHER_K: tl.constexpr, EVEN_K: tl.constexpr, DOT_F32: tl.constexpr):
-    """Programs 0..comm-1 copy my shard into my heap slot and raise peers' flags; the rest compute one
-    output tile each, loading remote shards from their owners' heaps inside the K loop.
-
-    grid = (comm + tiles,)
-    """
-    pid = tl.program_id(0)
-    epoch = shmem.epoch_next(counter)
-    if pid < comm:
-        _produce(pid, comm, a, data, flags, counts, heap_bases, rank, W, epoch, R, C, BLOCK_M, BLOCK_K, FLAG, True)
+        m0 = s * R + rb * BLOCK_M
+        off_local = rb * BLOCK_M
+        off_remote = off_local
+        if not PULL:
+            off_remote += s * R
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    ok = healthy
+    if LOCAL:
+        acc = _mma(acc, ok, a_src, b_src, off_local, off_n, k_first, k_end, R, N, C,
+                   BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, SWAP_AB, USE_TMA)
     else:
-        _compute_tile(pid - comm, a, b, c, data, flags, status, heap_bases, rank, W, epoch, spin_limit, N, R, C,
-                      BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, FLAG, GATHER_K, True, EVEN_K, DOT_F32)
-    shmem.epoch_finish(counter, tl.num_programs(0))
-
-
-@triton.jit
-def ag_gemm_push_kernel(a, b, c, data, flags, counts, counter, status, heap_bases, rank, W, spin_limit,
-                        N, R, C, comm,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                        FLAG: tl.constexpr, GATHER_K: tl.constexpr, EVEN_K: tl.constexpr, DOT_F32: tl.constexpr):
-    """Programs 0..comm-1 store my shard into every peer's inbox and raise its flags; the rest compute
-    one output tile each from local memory, waiting per flag for remote units.
-
-    grid = (comm + tiles,)
-    """
-    pid = tl.program_id(0)
-    epoch = shmem.epoch_next(counter)
-    if pid < comm:
-        _produce(pid, comm, a, data, flags, counts, heap_bases, rank, W, epoch, R, C, BLOCK_M, BLOCK_K, FLAG, False)
-    else:
-        _compute_tile(pid - comm, a, b, c, data, flags, status, heap_bases, rank, W, epoch, spin_limit, N, R, C,
-                      BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, FLAG, GATHER_K, False, EVEN_K, DOT_F32)
-    shmem.epoch_finish(counter, tl.num_programs(0))
-
-
-@triton.jit
-def ag_gemm_push_ws_kernel(a, b, c, data, flags, counts, counter, status, heap_bases, rank, W, spin_limit,
-                           N, R, C, comm,
-                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                           GROUP_M: tl.constexpr, FLAG: tl.constexpr, GATHER_K: tl.constexpr, EVEN_K: tl.constexpr,
-                           DOT_F32: tl.constexpr):
-    """Persistent, workgroup-specialised push: programs 0..comm-1 push (as in push), the other
-    programs loop over output tiles, local tiles first.
-
-    grid = (comm + compute programs,), at most one program per SM
-    """
-    pid = tl.program_id(0)
-    epoch = shmem.epoch_next(counter)
-    if pid < comm:
-        _produce(pid, comm, a, data, flags, counts, heap_bases, rank, W, epoch, R, C, BLOCK_M, BLOCK_K, FLAG, False)
-    else:
-        RB = tl.cdiv(R, BLOCK_M)
-        if GATHER_K:
-            tiles = RB * tl.cdiv(N, BLOCK_N)
+        gemm_core.prefetch_b(b, off_n, k_first, k_end, N, C, N, 1, BLOCK_K, BLOCK_N, PREFETCH)
+        if GATHERED:  # every shard that rows [m0, m0 + BLOCK_M) touch, mine included
+            for src in range(m0 // R, min(tl.cdiv(m0 + BLOCK_M, R), W)):
+                first_row = max(m0 - src * R, 0)
+                last_row = min(m0 + BLOCK_M - src * R, R) - 1
+                ok = _wait(flags_p, src, first_row // BLOCK_M, last_row // BLOCK_M, k_first, k_end - 1, RB, KB,
+                           epoch, ok, ctx, FLAG)
         else:
-            tiles = W * RB * tl.cdiv(N, BLOCK_N)
-        for tile in range(pid - comm, tiles, tl.num_programs(0) - comm):
-            _compute_tile(tile, a, b, c, data, flags, status, heap_bases, rank, W, epoch, spin_limit, N, R, C,
-                          BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, FLAG, GATHER_K, False, EVEN_K, DOT_F32)
-    shmem.epoch_finish(counter, tl.num_programs(0))
+            ok = _wait(flags_p, s, rb, rb, k_first, k_end - 1, RB, KB, epoch, ok, ctx, FLAG)
+        _tma_visible(USE_TMA)
+        r_rows = W * R
+        if PULL:  # a peer's own slot, R x C
+            r_rows = R
+        acc = _mma(acc, ok, _peer_source(data_p, g_src, s, ctx, R, C, BLOCK_M, BLOCK_K, USE_TMA, PULL), b_src,
+                   off_remote, off_n, k_first, k_end, r_rows, N, C, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, SWAP_AB,
+                   USE_TMA)
+    _finish(acc, ok, partials, counts, mt * tl.cdiv(N, BLOCK_N) + pid_n, split, c, c_dst, s, rb, m0, off_n, R,
+            W * R, N, BLOCK_M, BLOCK_N, SPLIT_K, USE_TMA, not GATHERED)
 
 
-# ------------------------------------------------------------------------------------------------
-# gathered layout (push, push_ws with LAYOUT="gathered"): every rank's inbox slot `epoch % 2` holds
-# the whole gathered A (rows form: W*R x C, shard s at rows s*R..; k form: R x W*C, shard s at
-# columns s*C..), own shard included. Consumers wait once for the shards their tile covers, then
-# run the tutorial's K loop over local memory, which the compiler pipelines (no wait inside it).
 @triton.jit
-def _produce_gathered(worker, workers, a, data, flags, counts, heap_bases, rank, W, epoch, R, C,
-                      BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, GATHER_K: tl.constexpr):
-    """Producer `worker` of `workers`: copy my shard to its place in every rank's gathered A.
+def _k_work(i, a_src, g_src, b, b_src, c_dst, data_p, flags_p, partials, counts, epoch, healthy, ctx, R, C, N,
+            MT, RB, KB,
+            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+            NUM_STAGES: tl.constexpr, SPLIT_K: tl.constexpr, SWAP_AB: tl.constexpr, USE_TMA: tl.constexpr,
+            FLAG: tl.constexpr, GATHERED: tl.constexpr, PULL: tl.constexpr):
+    """k form: work item i. GATHERED: one K loop over the gathered R x W*C after the waits for the
+    shards its K steps cover; else one K loop per shard, mine (from `a`) first, each peer's after
+    its wait."""
+    W = ctx.world
+    rank = ctx.rank
+    K = W * C
+    pid_m, pid_n, tile, split, k_first, k_end = gemm_core.schedule(i, MT * BLOCK_M, N, K, BLOCK_M, BLOCK_N, BLOCK_K,
+                                                                   GROUP_M, SPLIT_K)
+    m0 = pid_m * BLOCK_M
+    off_n = pid_n * BLOCK_N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    ok = healthy
+    if GATHERED:
+        lo = k_first * BLOCK_K
+        hi = min(k_end * BLOCK_K, K)
+        gemm_core.prefetch_b(b, off_n, k_first, k_end, N, K, N, 1, BLOCK_K, BLOCK_N, PREFETCH)
+        for src in range(lo // C, tl.cdiv(hi, C)):
+            first_col = max(lo - src * C, 0)
+            last_col = min(hi - src * C, C) - 1
+            ok = _wait(flags_p, src, pid_m, pid_m, first_col // BLOCK_K, last_col // BLOCK_K, RB, KB, epoch, ok,
+                       ctx, FLAG)
+        _tma_visible(USE_TMA)
+        acc = _mma(acc, ok, g_src, b_src, m0, off_n, k_first, k_end, R, N, K,
+                   BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, SWAP_AB, USE_TMA)
+    else:
+        b_mine = b + tl.cast(rank, tl.int64) * C * N
+        acc = _mma(acc, ok, a_src, _source(b_mine, C, N, N, BLOCK_K, BLOCK_N, USE_TMA), m0, off_n, 0, KB, R, N, C,
+                   BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, SWAP_AB, USE_TMA)
+        for j in range(1, W):
+            s = (rank + j) % W
+            b_s = b + tl.cast(s, tl.int64) * C * N
+            gemm_core.prefetch_b(b_s, off_n, 0, KB, N, C, N, 1, BLOCK_K, BLOCK_N, PREFETCH)
+            ok = _wait(flags_p, s, pid_m, pid_m, 0, KB - 1, RB, KB, epoch, ok, ctx, FLAG)
+            _tma_visible(USE_TMA)
+            off_remote = m0
+            r_rows = R
+            if not PULL:  # the slots stacked, W*R x C
+                off_remote += s * R
+                r_rows = W * R
+            acc = _mma(acc, ok, _peer_source(data_p, g_src, s, ctx, R, C, BLOCK_M, BLOCK_K, USE_TMA, PULL),
+                       _source(b_s, C, N, N, BLOCK_K, BLOCK_N, USE_TMA), off_remote, off_n, 0, KB, r_rows, N, C,
+                       BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, SWAP_AB, USE_TMA)
+    _finish(acc, ok, partials, counts, tile, split, c_dst, c_dst, 0, 0, m0, off_n, R, R, N,
+            BLOCK_M, BLOCK_N, SPLIT_K, USE_TMA, False)
 
-    The shard's BLOCK_M x BLOCK_K tiles are split into `workers` contiguous ranges; each worker
-    copies its range to every destination (peers first, mine last), then counts itself done at
-    that destination; the last of the `workers` to arrive resets the count and raises flags[rank].
+
+@triton.jit
+def _ticket(tickets):
+    """The next work item of a persistent launch (taken in order by whichever program is free)."""
+    return tl.atomic_add(tickets, 1, sem="relaxed", scope="gpu")
+
+
+@triton.jit
+def _retire(tickets, takers):
+    """A program holding a ticket past the work retires; the last of `takers` resets both counters."""
+    done = tl.atomic_add(tickets + 1, 1, sem="acq_rel", scope="gpu")
+    if done == takers - 1:
+        tl.store(tickets, 0)
+        tl.store(tickets + 1, 0)
+
+
+@triton.jit
+def consume(a, b, c, data_p, flags_p, partials, counts, epoch, healthy, worker, workers, ctx, R, C, N,
+            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+            NUM_STAGES: tl.constexpr, SPLIT_K: tl.constexpr, SWAP_AB: tl.constexpr, USE_TMA: tl.constexpr,
+            FLAG: tl.constexpr, GATHER_K: tl.constexpr, GATHERED: tl.constexpr, PULL: tl.constexpr,
+            PERSISTENT: tl.constexpr):
+    """Consumer `worker` of `workers` (see the module doc for the order of the work).
+
+    Static (not PERSISTENT): items worker, worker + workers, ...; dynamic (PERSISTENT): tickets
+    from the counter at counts[tiles], the exits counted at counts[tiles + 1]. Rows form: the
+    items reading my own shard come first (their own loop), then the others (a second loop, so
+    each K loop is one pipeline in shared memory: loops in the two arms of an `if` are not shared).
     """
+    W = ctx.world
+    rank = ctx.rank
     RB = tl.cdiv(R, BLOCK_M)
     KB = tl.cdiv(C, BLOCK_K)
-    if GATHER_K:
-        ld = W * C
-        place = rank * C
-    else:
-        ld = C
-        place = rank * R * C
-    slot = data + tl.cast(epoch % 2, tl.int64) * W * R * C + place
-    first = worker * (RB * KB) // workers
-    last = (worker + 1) * (RB * KB) // workers
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_k = tl.arange(0, BLOCK_K)
-    for i in range(1, W + 1):
-        dest = (rank + i) % W
-        dst = tl.multiple_of(shmem.translate(slot, rank, dest, heap_bases), 16)  # rows stay 16-byte aligned
-        for t in range(first, last):
-            rows = (t // KB) * BLOCK_M + offs_m
-            cols = (t % KB) * BLOCK_K + offs_k
-            mask = (rows < R)[:, None] & (cols < C)[None, :]
-            x = tl.load(a + rows[:, None] * C + cols[None, :], mask=mask)
-            tl.store(dst + rows[:, None] * ld + cols[None, :], x, mask=mask)
-        tl.debug_barrier()  # every thread's stores happen before the count's release
-        done = shmem.atomic_add(counts + rank, 1, rank, dest, heap_bases, sem="acq_rel", scope="sys")
-        if done == workers - 1:
-            shmem.atomic_xchg(counts + rank, 0, rank, dest, heap_bases, sem="relaxed", scope="sys")
-            _raise(flags + rank, epoch, rank, dest, W, heap_bases, False)
-
-
-@triton.jit
-def _gathered_tile(work, b, c, data, flags, status, heap_bases, rank, W, epoch, spin_limit, N, R, C,
-                   partials, tile_counts,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                   SPLIT_K: tl.constexpr, GATHER_K: tl.constexpr, EVEN_K: tl.constexpr, DOT_F32: tl.constexpr):
-    """Work item `work`: split `work // tiles` of the K loop of output tile `work % tiles` of
-    (gathered A) @ B. It waits for the shards the tile needs, then runs a pipelined K loop.
-
-    Rows form: tiles start at my own rows (their shard arrives first, by a local copy) and wait for
-    the shards their rows span; k form: every tile waits for all W shards. A timed-out wait leaves
-    the K loop empty and the store masked off. With SPLIT_K > 1 each split stores its float32
-    partial tile, counts itself on tile_counts[tile], and the last to arrive sums the partials,
-    stores the tile and resets the count to 0 (so a CUDA graph replays it as is).
-    """
+    NT = tl.cdiv(N, BLOCK_N)
     if GATHER_K:
         M = R
         K = W * C
+        MT = RB
     else:
         M = W * R
         K = C
-    num_mt = tl.cdiv(M, BLOCK_M)
-    tiles = num_mt * tl.cdiv(N, BLOCK_N)
-    tile = work % tiles
-    split = work // tiles
-    mt, nt = swizzle(tile, num_mt, tl.cdiv(N, BLOCK_N), GROUP_M)
+        if GATHERED:
+            MT = tl.cdiv(M, BLOCK_M)
+        else:
+            MT = W * RB
+    tickets = counts + MT * NT
+    if GATHER_K and GATHERED:  # the gathered R x W*C
+        g_rows = R
+        g_cols = W * C
+    else:  # the slots stacked, W*R x C
+        g_rows = W * R
+        g_cols = C
+    a_src = _source(a, R, C, C, BLOCK_M, BLOCK_K, USE_TMA)
+    g_src = a_src
+    if not PULL:
+        g_src = _source(data_p, g_rows, g_cols, g_cols, BLOCK_M, BLOCK_K, USE_TMA)
+    b_src = a_src
+    if not (GATHER_K and not GATHERED):
+        b_src = _source(b, K, N, N, BLOCK_K, BLOCK_N, USE_TMA)
+    c_dst = c
+    if USE_TMA and (GATHER_K or GATHERED):
+        c_dst = tl.make_tensor_descriptor(c, shape=[M, N], strides=[N, 1], block_shape=[BLOCK_M, BLOCK_N])
+    n_all = MT * NT * SPLIT_K
     if GATHER_K:
-        s_first = 0
-        s_end = W
-    else:
-        mt = (mt + rank * R // BLOCK_M) % num_mt
-        s_first = mt * BLOCK_M // R
-        s_end = min(tl.cdiv(mt * BLOCK_M + BLOCK_M, R), W)
-    ok = tl.full([], 1, tl.int1)
-    for s in range(s_first, s_end):
-        ok = _wait(flags + s, epoch, ok, spin_limit, status, heap_bases, rank)
-    KB = tl.cdiv(K, BLOCK_K)
-    per_split = tl.cdiv(KB, SPLIT_K)
-    kb_first = split * per_split
-    kb_end = tl.where(ok, min(kb_first + per_split, KB), kb_first)
-    m0 = mt * BLOCK_M
-    n0 = nt * BLOCK_N
-    offs_m = (m0 + tl.arange(0, BLOCK_M)) % M
-    offs_n = (n0 + tl.arange(0, BLOCK_N)) % N
-    offs_k = kb_first * BLOCK_K + tl.arange(0, BLOCK_K)
-    a_ptrs = data + tl.cast(epoch % 2, tl.int64) * M * K + offs_m[:, None] * K + offs_k[None, :]
-    b_ptrs = b + offs_k[:, None] * N + offs_n[None, :]
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for kb in range(kb_first, kb_end):
-        if EVEN_K:
-            x = tl.load(a_ptrs)
-            y = tl.load(b_ptrs)
+        if PERSISTENT:
+            i = _ticket(tickets)
+            while i < n_all:
+                nxt = _ticket(tickets)  # taken before the work: its latency hides behind it
+                _k_work(i, a_src, g_src, b, b_src, c_dst, data_p, flags_p, partials, counts, epoch, healthy, ctx,
+                        R, C, N, MT, RB, KB, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, NUM_STAGES, SPLIT_K, SWAP_AB,
+                        USE_TMA, FLAG, GATHERED, PULL)
+                i = nxt
+            _retire(tickets, workers)
         else:
-            x = tl.load(a_ptrs, mask=offs_k[None, :] < K - (kb - kb_first) * BLOCK_K, other=0.0)
-            y = tl.load(b_ptrs, mask=offs_k[:, None] < K - (kb - kb_first) * BLOCK_K, other=0.0)
-        if DOT_F32:
-            x = x.to(tl.float32)
-            y = y.to(tl.float32)
-        acc = tl.dot(x, y, acc)
-        a_ptrs += BLOCK_K
-        b_ptrs += BLOCK_K * N
-    store = ok
-    if SPLIT_K > 1:
-        tile_offs = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-        mine = partials + (tl.cast(tile, tl.int64) * SPLIT_K + split) * (BLOCK_M * BLOCK_N)
-        tl.store(mine + tile_offs, acc)
-        tl.debug_barrier()  # every thread's partial is stored before the count's release
-        done = tl.atomic_add(tile_counts + tile, 1, sem="acq_rel", scope="gpu")
-        store = store & (done == SPLIT_K - 1)
-        if done == SPLIT_K - 1:
-            tl.debug_barrier()  # the acquire happens before any thread reads the other partials
-            tl.store(tile_counts + tile, 0)
-            first = partials + tl.cast(tile, tl.int64) * SPLIT_K * (BLOCK_M * BLOCK_N)
-            for other in range(0, SPLIT_K):
-                if other != split:
-                    acc += tl.load(first + other * (BLOCK_M * BLOCK_N) + tile_offs, cache_modifier=".cg")
-    offs_r = m0 + tl.arange(0, BLOCK_M)
-    offs_c = n0 + tl.arange(0, BLOCK_N)
-    mask = _masked_by((offs_r < M)[:, None] & (offs_c < N)[None, :], store)
-    c_ptrs = c + tl.cast(offs_r, tl.int64)[:, None] * N + offs_c[None, :]
-    tl.store(c_ptrs, acc.to(c.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def ag_gemm_push_gathered_kernel(a, b, c, data, flags, counts, counter, status, heap_bases, rank, W, spin_limit,
-                                 N, R, C, comm, partials, tile_counts,
-                                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                                 GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr, GATHER_K: tl.constexpr,
-                                 EVEN_K: tl.constexpr, DOT_F32: tl.constexpr):
-    """push, gathered layout: programs 0..comm-1 copy my shard into every rank's gathered A (mine
-    too); the rest each take one split of one output tile.
-
-    grid = (comm + SPLIT_K * cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N),)
-    """
-    pid = tl.program_id(0)
-    epoch = shmem.epoch_next(counter)
-    if pid < comm:
-        _produce_gathered(pid, comm, a, data, flags, counts, heap_bases, rank, W, epoch, R, C, BLOCK_M, BLOCK_K,
-                          GATHER_K)
+            for i in tl.range(worker, n_all, workers):
+                _k_work(i, a_src, g_src, b, b_src, c_dst, data_p, flags_p, partials, counts, epoch, healthy, ctx,
+                        R, C, N, MT, RB, KB, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, NUM_STAGES, SPLIT_K, SWAP_AB,
+                        USE_TMA, FLAG, GATHERED, PULL)
     else:
-        _gathered_tile(pid - comm, b, c, data, flags, status, heap_bases, rank, W, epoch, spin_limit, N, R, C,
-                       partials, tile_counts, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, SPLIT_K, GATHER_K, EVEN_K,
-                       DOT_F32)
-    shmem.epoch_finish(counter, tl.num_programs(0))
-
-
-@triton.jit
-def ag_gemm_push_ws_gathered_kernel(a, b, c, data, flags, counts, counter, status, heap_bases, rank, W,
-                                    spin_limit, N, R, C, comm, partials, tile_counts,
-                                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                                    GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr, GATHER_K: tl.constexpr,
-                                    EVEN_K: tl.constexpr, DOT_F32: tl.constexpr):
-    """push_ws, gathered layout: programs 0..comm-1 copy as in push; the others loop over the work
-    items (tile splits) of push.
-
-    grid = (comm + compute programs,), at most one program per SM
-    """
-    pid = tl.program_id(0)
-    epoch = shmem.epoch_next(counter)
-    if pid < comm:
-        _produce_gathered(pid, comm, a, data, flags, counts, heap_bases, rank, W, epoch, R, C, BLOCK_M, BLOCK_K,
-                          GATHER_K)
-    else:
-        if GATHER_K:
-            rows = R
+        # my row tiles [lo, lo + L) first, then the others from lo + L on (mod MT): rank+1's first
+        if GATHERED:  # the row tiles inside my own rows
+            lo = tl.cdiv(rank * R, BLOCK_M)
+            L = max((rank * R + R) // BLOCK_M - lo, 0)
+            lo = tl.where(L > 0, lo, rank * R // BLOCK_M)
         else:
-            rows = W * R
-        work = SPLIT_K * tl.cdiv(rows, BLOCK_M) * tl.cdiv(N, BLOCK_N)
-        for item in range(pid - comm, work, tl.num_programs(0) - comm):
-            _gathered_tile(item, b, c, data, flags, status, heap_bases, rank, W, epoch, spin_limit, N, R, C,
-                           partials, tile_counts, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, SPLIT_K, GATHER_K, EVEN_K,
-                           DOT_F32)
-    shmem.epoch_finish(counter, tl.num_programs(0))
+            lo = rank * RB
+            L = RB
+        n_local = L * NT * SPLIT_K
+        if PERSISTENT:
+            i = _ticket(tickets)
+            while i < n_local:
+                nxt = _ticket(tickets)  # taken before the work: its latency hides behind it
+                _rows_work(i, True, lo, L, a_src, g_src, b, b_src, c, c_dst, data_p, flags_p, partials, counts,
+                           epoch, healthy, ctx, R, C, N, MT, RB, KB, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
+                           NUM_STAGES, SPLIT_K, SWAP_AB, USE_TMA, FLAG, GATHERED, PULL)
+                i = nxt
+            while i < n_all:
+                nxt = _ticket(tickets)
+                _rows_work(i - n_local, False, lo + L, MT - L, a_src, g_src, b, b_src, c, c_dst, data_p, flags_p,
+                           partials, counts, epoch, healthy, ctx, R, C, N, MT, RB, KB, BLOCK_M, BLOCK_N, BLOCK_K,
+                           GROUP_M, NUM_STAGES, SPLIT_K, SWAP_AB, USE_TMA, FLAG, GATHERED, PULL)
+                i = nxt
+            _retire(tickets, workers)
+        else:
+            for i in tl.range(worker, n_local, workers):
+                _rows_work(i, True, lo, L, a_src, g_src, b, b_src, c, c_dst, data_p, flags_p, partials, counts,
+                           epoch, healthy, ctx, R, C, N, MT, RB, KB, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
+                           NUM_STAGES, SPLIT_K, SWAP_AB, USE_TMA, FLAG, GATHERED, PULL)
+            first_remote = worker + tl.cdiv(max(n_local - worker, 0), workers) * workers
+            for i in tl.range(first_remote, n_all, workers):
+                _rows_work(i - n_local, False, lo + L, MT - L, a_src, g_src, b, b_src, c, c_dst, data_p, flags_p,
+                           partials, counts, epoch, healthy, ctx, R, C, N, MT, RB, KB, BLOCK_M, BLOCK_N, BLOCK_K,
+                           GROUP_M, NUM_STAGES, SPLIT_K, SWAP_AB, USE_TMA, FLAG, GATHERED, PULL)
+
+
+# -- the kernel ---------------------------------------------------------------------------------
+@triton.jit
+def ag_gemm_kernel(a, b, c, data, flags, partials, counts, ctx, R, C, N, data_half, flags_half, comm_sms,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                   NUM_STAGES: tl.constexpr, SPLIT_K: tl.constexpr, SWAP_AB: tl.constexpr, USE_TMA: tl.constexpr,
+                   FLAG: tl.constexpr, GATHER_K: tl.constexpr, GATHERED: tl.constexpr, PULL: tl.constexpr,
+                   PERSISTENT: tl.constexpr):
+    """C = all_gather(A) @ B on this rank: producers 0..comm_sms-1, consumers after them.
+
+    a: my shard, R x C; b: K x N; c: M x N (all row-major). data/flags: the workspace's data (in
+    A's dtype) and int32 flags, each two parity halves of data_half / flags_half elements; a
+    half holds W arrival counts (FLAG = SHARD; always left at 0), then the unit flags, so calls
+    with other configs never see a count they did not leave at 0. partials: float32 SPLIT_K
+    partial tiles (gemm_core.split_k_reduce; unused when SPLIT_K == 1); counts: int32, one
+    split-K arrival count per tile, then PERSISTENT's ticket and exit counters (all left at 0).
+    ctx: the workspace's shmem.DeviceContext.
+
+    grid = (comm_sms + work,)                        pull, push: one program per work item
+    grid = (comm_sms + min(work, SMs - comm_sms),)   push_ws (PERSISTENT): work items by ticket;
+                                                     on GPUs the producers join when done
+    where work = tiles x SPLIT_K, tiles = m tiles x cdiv(N, BLOCK_N), m tiles = cdiv(M, BLOCK_M)
+    (GATHERED rows form), W * cdiv(R, BLOCK_M) (rows form, shard layout), cdiv(R, BLOCK_M) (k form).
+    Under the interpreter producers never consume: programs run one after another there, and a
+    producer taking work could wait for a later producer's flag.
+    """
+    JOIN: tl.constexpr = PERSISTENT and not gemm_core.INTERPRETED
+    epoch, healthy = shmem.epoch_begin(ctx)
+    parity = shmem.parity(epoch)
+    data_p = data + tl.cast(parity, tl.int64) * data_half
+    counts_p = flags + parity * flags_half
+    flags_p = counts_p + ctx.world
+    pid = tl.program_id(0)
+    if pid < comm_sms:
+        if healthy:
+            produce(a, data_p, flags_p, counts_p, epoch, pid, comm_sms, ctx, R, C,
+                    BLOCK_M, BLOCK_K, FLAG, GATHER_K, GATHERED, PULL)
+    if (pid >= comm_sms) | JOIN:
+        if JOIN:
+            takers = tl.num_programs(0)
+        else:
+            takers = tl.num_programs(0) - comm_sms
+        consume(a, b, c, data_p, flags_p, partials, counts, epoch, healthy, pid - comm_sms, takers, ctx, R, C, N,
+                BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, NUM_STAGES, SPLIT_K, SWAP_AB, USE_TMA,
+                FLAG, GATHER_K, GATHERED, PULL, PERSISTENT)
+    shmem.epoch_end(ctx, tl.num_programs(0))

@@ -15,41 +15,45 @@ the World's device, 16-byte aligned; M divisible by W (rows form) or K by W (k f
 K each rank holds (K rows form, K/W k form) multiples of 16 bytes (8 elements in bf16/fp16, 4 in
 fp32). Any M >= W, any number of rows per rank (1 included), blocks need not divide anything.
 
-Variants: `bsp` (all-gather with torch.distributed, then torch.matmul), `torch_symm` (torch's own
-symm_mem.fused_all_gather_matmul, CUDA only), and the fused Triton kernels of
-`autofuse.kernels.ag_gemm`: `pull`, `push`, `push_ws`. Fused configs: BLOCK_M/N/K, GROUP_M,
-num_warps, num_stages, FLAG (tile | row_block | shard) and COMM_SMS (producer programs); push and
-push_ws also take LAYOUT: "shard" (the default: one inbox slot per peer shard, flags awaited inside
-the K loop) or "gathered" (every rank's inbox holds the whole gathered A, own shard included;
-each tile waits once for the shards it covers, then runs a pipelined K loop; FLAG must be shard)
-and, with it, SPLIT_K (1, 2, 4 or 8: each output tile's K loop split over that many programs whose
-float32 partials the last to finish sums). Both fill the GPU at small M, where the GEMM is bound by
-streaming B.
+Variants (`OP.variants`):
+- `bsp` (family bsp): all-gather with torch.distributed into a preallocated buffer, torch.matmul.
+- `torch_symm` (family peer): torch's symm_mem.fused_all_gather_matmul, CUDA only.
+- `heap_mm`, `heap_mm_overlap` (family hybrid, autofuse/hybrid.py): a one-launch heap all-gather
+  beside torch.matmul, without or with the local shard's matmul overlapping the peers' arrival.
+- `pull`, `push`, `push_ws` (family fused): the one Triton kernel of `autofuse.kernels.ag_gemm`
+  with PULL on or off, launched with one program per work item (pull, push) or PERSISTENT
+  (push_ws: one program per SM taking work items by ticket, producers joining when done).
+  Config: the GEMM keys of `autofuse.gemm` (BLOCK_M/N/K, GROUP_M, num_warps, num_stages, SPLIT_K,
+  SWAP_AB, TMA; WARP_SPEC must stay false: a waiting consumer cannot be warp-specialised) and the
+  op's keys FLAG (tile | row_block | shard: what one flag covers), COMM_SMS (producer programs)
+  and LAYOUT (shard | gathered; gathered is push and push_ws only; in the k form only gathered
+  takes SPLIT_K > 1). kernels/ag_gemm.py says what each one means.
+All fused variants of a World share one workspace, `ag_gemm` (one epoch for all of them: calls of
+any fused variant or config may interleave, as long as every rank makes the same calls).
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from autofuse import status
+from autofuse import gemm, hybrid, shapes
 from autofuse.op import (Config, InvalidConfig, InvalidInput, Op, Problem, SearchSpace, Variant, default_tolerance,
                          dtype_name)
+from autofuse.runner import Runner, TensorSpec
+from autofuse.sizes import cdiv
+from autofuse.workspace import workspace
 
 NAME = "ag_gemm"
 GATHERS = ("rows", "k")
 FLAGS = {"tile": 0, "row_block": 1, "shard": 2}
-SMEM_LIMIT = 227 * 1024  # usable shared memory per block on sm_90
-MAX_COMM_SMS = 64
-CPU_PROGRAMS = 4  # compute programs of push_ws under the interpreter (one "SM" each)
-FUSED_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages", "FLAG", "COMM_SMS")
 LAYOUTS = ("shard", "gathered")
-SPLITS = (1, 2, 4, 8)
-OPTIONAL_KEYS = ("LAYOUT", "SPLIT_K")  # absent: LAYOUT shard, SPLIT_K 1
-GATHERED_VARIANTS = ("push", "push_ws")  # the variants with a gathered-layout kernel
+OP_KEYS = ("FLAG", "COMM_SMS", "LAYOUT")  # the op's own config keys, beside the GEMM keys of autofuse.gemm
+MAX_COMM_SMS = 64
+MAX_FLAGS = 1 << 20  # unit flags per parity (FLAG=tile with small blocks on big problems)
+FLAG_ORDER = ("shard", "row_block", "tile")  # the CPU defaults' rotation
 
 
 # ------------------------------------------------------------------------------------------------
@@ -161,9 +165,16 @@ def features(problem: Problem) -> dict[str, float]:
     }
 
 
+
+# ------------------------------------------------------------------------------------------------
+# sweeps
 GPU_M = (8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 LLAMA70B_M = (16, 128, 1024, 4096, 16384)
 CPU_SHAPES = ((4, 32, 64), (24, 48, 64), (64, 64, 64))
+DEFAULT_GPU_M = (128, 1024, 4096)
+DEFAULT_MODELS = {("llama3-70b", "gate_up"): (8, 512, 2048), ("llama3-70b", "qkv"): (32, 2048),
+                  ("llama3-8b", "gate_up"): (128, 8192)}
+SWEEPS = ("cpu", "gpu", "llama70b", "models", "default")
 
 
 def _valid(problem: Problem) -> bool:
@@ -174,407 +185,322 @@ def _valid(problem: Problem) -> bool:
         return False
 
 
-def sweep(kind: str, world: int) -> list[Problem]:
-    """Problems to tune/bench.
+def _rows(world: int, m: int, n: int, k: int) -> Problem:
+    return Problem.make(NAME, "bfloat16", world, M=m, N=n, K=k, gather="rows")
 
-    gpu: M in 8..16384, N=3584 per rank (N is always per rank, the papers' N_r), K=8192, bf16, rows.
-    llama70b: Llama-3-70B column-parallel GEMMs (hidden 8192): QKV N=(8192+2*1024)/W and MLP
-    up+gate N=2*28672/W per rank, K=8192, rows form. cpu: tiny problems of both forms.
+
+def sweep(kind: str, world: int) -> list[Problem]:
+    """Problems to tune/bench (bf16, rows form unless said; N is always per rank).
+
+    cpu: tiny problems of both forms (the interpreter). gpu: the papers' sweep, M in 8..16384,
+    N=3584, K=8192. llama70b: Llama-3-70B's column-parallel GEMMs (QKV N=10240/W, gate+up
+    N=57344/W, K=8192). models: every column-parallel GEMM of autofuse.shapes at this world size
+    (Llama-3 8B/70B/405B, Qwen2.5-72B, Mixtral), at prefill and decode M. default: what `autofuse
+    tune` runs on GPUs, 10 problems: three of gpu and seven of models (Llama-3 70B and 8B).
     """
     if kind == "gpu":
-        probs = [Problem.make(NAME, "bfloat16", world, M=m, N=3584, K=8192, gather="rows") for m in GPU_M]
+        probs = [_rows(world, m, 3584, 8192) for m in GPU_M]
     elif kind == "llama70b":
-        probs = [Problem.make(NAME, "bfloat16", world, M=m, N=n // world, K=8192, gather="rows")
-                 for n in (8192 + 2 * 1024, 2 * 28672) for m in LLAMA70B_M]
+        probs = [_rows(world, m, n // world, 8192) for n in (8192 + 2 * 1024, 2 * 28672) for m in LLAMA70B_M]
+    elif kind == "models":
+        probs = [_rows(world, m, g.N, g.K) for g in shapes.gemms("column", world)
+                 for m in shapes.DECODE_M + shapes.PREFILL_M]
+    elif kind == "default":
+        probs = [_rows(world, m, 3584, 8192) for m in DEFAULT_GPU_M]
+        for g in shapes.gemms("column", world, ("llama3-70b", "llama3-8b")):
+            probs += [_rows(world, m, g.N, g.K) for m in DEFAULT_MODELS.get((g.model, g.name), ())]
     elif kind == "cpu":
         probs = [Problem.make(NAME, "bfloat16", world, M=m, N=n, K=k, gather=g)
                  for g in GATHERS for (m, n, k) in CPU_SHAPES]
     else:
-        raise ValueError(f"unknown sweep {kind!r}: use gpu, llama70b or cpu")
-    return [p for p in probs if _valid(p)]
+        raise ValueError(f"unknown sweep {kind!r}: use one of {', '.join(SWEEPS)}")
+    seen: list[Problem] = []
+    for p in probs:
+        if _valid(p) and p not in seen:
+            seen.append(p)
+    return seen
 
 
 # ------------------------------------------------------------------------------------------------
 # fused configs
-def _pow2ceil(x: int) -> int:
-    return 1 << max(0, x - 1).bit_length()
+def gemm_shape(problem: Problem, layout: str) -> tuple[int, int, int]:
+    """(rows, n, k) of the GEMM one work item runs: the gathered layout multiplies the gathered A
+    (M rows; K columns in one loop in the k form), the shard layout one shard at a time (R x C)."""
+    r, c = _shard_shape(problem)
+    if layout == "gathered":
+        return problem["M"], problem["N"], c if problem["gather"] == "rows" else problem["K"]
+    return r, problem["N"], c
 
 
-def _tiny(problem: Problem) -> bool:
-    """Problems for the CPU interpreter: small blocks keep it fast."""
-    return max(problem["M"], problem["N"], problem["K"]) <= 256
-
-
-def _gathered_rows(problem: Problem) -> int:
-    """Rows of the gathered A (the output's rows): M in both forms."""
-    return problem["M"]
+def flag_units(problem: Problem, config: Config) -> int:
+    """Unit flags of one parity: one per shard, per BLOCK_M rows of a shard, or per BLOCK_M x BLOCK_K tile."""
+    r, c = _shard_shape(problem)
+    w = problem.world
+    rb, kb = cdiv(r, config["BLOCK_M"]), cdiv(c, config["BLOCK_K"])
+    return {"shard": w, "row_block": w * rb, "tile": w * rb * kb}[config["FLAG"]]
 
 
 def check(problem: Problem, config: Config, variant: str = "push") -> str | None:
-    """The reason `config` cannot run `problem` with fused `variant`, or None."""
-    missing = [k for k in FUSED_KEYS if k not in config]
+    """The reason `config` cannot run `problem` with the fused `variant`, or None."""
+    if not isinstance(config, dict):
+        return f"a config is a dict, got {type(config).__name__}"
+    missing = [k for k in ("FLAG", "COMM_SMS") if k not in config]
     if missing:
         return f"config lacks {', '.join(missing)}"
-    unknown = sorted(set(config) - set(FUSED_KEYS) - set(OPTIONAL_KEYS))
-    if unknown:
-        return f"unknown config keys {unknown}"
     layout = config.get("LAYOUT", "shard")
     if layout not in LAYOUTS:
         return f"LAYOUT={layout!r} must be one of {LAYOUTS}"
-    if layout == "gathered" and variant not in GATHERED_VARIANTS:
-        return f"LAYOUT=gathered is for {' and '.join(GATHERED_VARIANTS)}, not {variant}"
-    if layout == "gathered" and config["FLAG"] != "shard":
-        return f"LAYOUT=gathered waits per shard: FLAG must be shard, got {config['FLAG']!r}"
-    split = config.get("SPLIT_K", 1)
-    if split not in SPLITS:
-        return f"SPLIT_K={split!r} must be one of {SPLITS}"
-    if split > 1 and layout != "gathered":
-        return f"SPLIT_K={split} needs LAYOUT=gathered"
+    if layout == "gathered" and variant == "pull":
+        return "LAYOUT=gathered is for push and push_ws, not pull (pull reads each shard from its owner)"
+    if config["FLAG"] not in FLAGS:
+        return f"FLAG={config['FLAG']!r} must be one of {sorted(FLAGS)}"
+    comm = config["COMM_SMS"]
+    if not isinstance(comm, int) or isinstance(comm, bool) or not 1 <= comm <= MAX_COMM_SMS:
+        return f"COMM_SMS={comm!r} must be an int in 1..{MAX_COMM_SMS}"
     try:
         validate(problem)
     except InvalidInput as exc:
         return str(exc)
-    bm, bn, bk = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
-    for name, v in (("BLOCK_M", bm), ("BLOCK_N", bn), ("BLOCK_K", bk)):
-        if not isinstance(v, int) or v < 16 or v & (v - 1):
-            return f"{name}={v} must be a power of two >= 16 (tl.dot needs 16)"
-        if v > 512:
-            return f"{name}={v} is larger than 512"
-    r, c = _shard_shape(problem)
-    if bk > c:
-        return f"BLOCK_K={bk} is larger than the K each rank holds ({c})"
-    k_steps = -(-(problem["K"]) // bk)
-    if split > k_steps:
-        return f"SPLIT_K={split} is more than the {k_steps} BLOCK_K steps of K={problem['K']}"
-    rows, what = (_gathered_rows(problem), "the gathered A's") if layout == "gathered" else (r, "a shard's")
-    if bm > max(16, _pow2ceil(rows)):
-        return f"BLOCK_M={bm} is larger than {what} {rows} rows needs"
-    if bn > max(16, _pow2ceil(problem["N"])):
-        return f"BLOCK_N={bn} is larger than N={problem['N']} needs"
-    if not isinstance(config["GROUP_M"], int) or config["GROUP_M"] < 1:
-        return f"GROUP_M={config['GROUP_M']} must be a positive integer"
-    if config["num_warps"] not in (1, 2, 4, 8, 16):
-        return f"num_warps={config['num_warps']} must be 1, 2, 4, 8 or 16"
-    if not isinstance(config["num_stages"], int) or not 1 <= config["num_stages"] <= 8:
-        return f"num_stages={config['num_stages']} must be in 1..8"
-    if config["FLAG"] not in FLAGS:
-        return f"FLAG={config['FLAG']!r} must be one of {sorted(FLAGS)}"
-    if not isinstance(config["COMM_SMS"], int) or not 1 <= config["COMM_SMS"] <= MAX_COMM_SMS:
-        return f"COMM_SMS={config['COMM_SMS']} must be in 1..{MAX_COMM_SMS}"
-    smem = config["num_stages"] * (bm * bk + bk * bn) * problem.torch_dtype.itemsize
-    if smem > SMEM_LIMIT:
-        return (f"shared memory estimate {smem // 1024} KB (stages x A and B tiles) exceeds "
-                f"{SMEM_LIMIT // 1024} KB on sm_90")
+    rows, n, k = gemm_shape(problem, layout)
+    why = gemm.check(config, rows, n, k, problem.dtype, extra=OP_KEYS)
+    if why:
+        what = "the gathered A's" if layout == "gathered" else "a shard's"
+        return f"{why} (LAYOUT={layout}: the GEMM of {what} {rows} rows, N={n}, K={k})"
+    cfg = gemm.GemmConfig.from_dict(config)
+    if cfg.WARP_SPEC:
+        return "WARP_SPEC=true: the consumer waits inside its tile loop, which Triton's warp specialisation rejects"
+    if cfg.SPLIT_K > 1 and layout != "gathered" and problem["gather"] == "k":
+        return (f"SPLIT_K={cfg.SPLIT_K} needs LAYOUT=gathered in the k form (the shard layout runs each shard's K "
+                "loop whole)")
+    units = flag_units(problem, config)
+    if units > MAX_FLAGS:
+        return f"FLAG={config['FLAG']} needs {units} flags (> {MAX_FLAGS}): use bigger blocks or a coarser FLAG"
     return None
 
 
-def _space_for(variant: str) -> Callable[[SearchSpace, Problem], Config]:
-    def space(trial: SearchSpace, problem: Problem) -> Config:
-        """The fused search space (LAYOUT first where the variant has one; gathered implies FLAG
-        shard); tiny (CPU) problems search small blocks only."""
-        if variant not in GATHERED_VARIANTS:
-            return _space(trial, problem, "shard")
-        return _space(trial, problem, trial.suggest_categorical("LAYOUT", LAYOUTS))
-    return space
+def _comm_sms(problem: Problem) -> int:
+    """Producer programs: enough to keep NVLink busy for the bytes each peer gets (GPU-NOTES: a
+    Triton all-gather peaks at 16 programs for 64 KB, 32 for 0.25-8 MB, 64 for 16 MB; these
+    producers also hand their SMs to the GEMM when done, so fewer suffice at small sizes)."""
+    r, c = _shard_shape(problem)
+    per_peer = r * c * problem.torch_dtype.itemsize
+    return 8 if per_peer <= (1 << 20) else 16 if per_peer <= (8 << 20) else 32
 
 
-def _space(trial: SearchSpace, problem: Problem, layout: str) -> Config:
-    tiny = _tiny(problem)
-    blocks = (16, 32) if tiny else (16, 32, 64, 128, 256)
-    config = {
-        "BLOCK_M": trial.suggest_categorical("BLOCK_M", blocks),
-        "BLOCK_N": trial.suggest_categorical("BLOCK_N", blocks if tiny else (32, 64, 128, 256)),
-        "BLOCK_K": trial.suggest_categorical("BLOCK_K", blocks if tiny else (32, 64, 128, 256)),
-        "GROUP_M": trial.suggest_categorical("GROUP_M", (1, 4, 8, 16)),
-        "num_warps": trial.suggest_categorical("num_warps", (2, 4) if tiny else (2, 4, 8)),
-        "num_stages": trial.suggest_int("num_stages", 2, 5),
-        "FLAG": "shard" if layout == "gathered" else trial.suggest_categorical("FLAG", tuple(FLAGS)),
-        "COMM_SMS": trial.suggest_int("COMM_SMS", 1, 4 if tiny else 32, log=not tiny),
-    }
-    if layout == "gathered":
-        config["LAYOUT"] = "gathered"
-        config["SPLIT_K"] = trial.suggest_categorical("SPLIT_K", SPLITS)
+def _with(g: Config, problem: Problem, layout: str, flag: str, comm: int) -> Config:
+    config = dict(g)
+    if layout == "shard" and problem["gather"] == "k":
+        config["SPLIT_K"] = 1
+    config.update(FLAG=flag, COMM_SMS=comm, LAYOUT=layout)
     return config
 
 
-def _cfg(bm: int, bn: int, bk: int, warps: int, stages: int, flag: str, comm: int, group: int = 8,
-         layout: str = "shard", split: int = 1) -> Config:
-    config = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": group, "num_warps": warps,
-              "num_stages": stages, "FLAG": flag, "COMM_SMS": comm}
-    if layout != "shard":
+class Bsp(Variant):
+    """All-gather with torch.distributed (NCCL / gloo) into a preallocated buffer, then torch.matmul."""
+
+    name, family = "bsp", "bsp"
+
+    def runner(self, world: Any, problem: Problem, config: Config) -> Runner:
+        return BspRunner(world, problem)
+
+
+class TorchSymm(Variant):
+    """torch.ops.symm_mem.fused_all_gather_matmul (gather_dim 0 or 1): CUDA only."""
+
+    name, family = "torch_symm", "peer"
+
+    def available(self, world: Any) -> bool:
+        if world.device.type != "cuda":
+            return False
+        try:
+            import torch.distributed._symmetric_memory  # noqa: F401  (registers torch.ops.symm_mem)
+        except ImportError:
+            return False
+        return hasattr(torch.ops, "symm_mem") and hasattr(torch.ops.symm_mem, "fused_all_gather_matmul")
+
+    def runner(self, world: Any, problem: Problem, config: Config) -> Runner:
+        return SymmRunner(world, problem)
+
+
+class Fused(Variant):
+    """A fused variant: kernels/ag_gemm.py's kernel with PULL and a grid of its own."""
+
+    family = "fused"
+    pull = False
+    persistent = False
+    layouts: tuple[str, ...] = LAYOUTS
+
+    def check(self, problem: Problem, config: Config) -> str | None:
+        return check(problem, config, self.name)
+
+    def space(self, trial: SearchSpace, problem: Problem) -> Config:
+        """LAYOUT (where the variant has two), the GEMM keys (autofuse.gemm.space, drawn for the
+        gathered A's rows in every layout so each key keeps one set of choices per study), FLAG
+        and COMM_SMS; `check` rejects what a layout cannot run (e.g. SPLIT_K with shard)."""
+        layout = trial.suggest_categorical("LAYOUT", self.layouts) if len(self.layouts) > 1 else self.layouts[0]
+        rows, n, k = gemm_shape(problem, "gathered")
+        config = gemm.space(trial, rows, n, k, problem.dtype, warp_spec=False)
+        tiny = gemm.tiny(rows, n, k)
+        config["FLAG"] = trial.suggest_categorical("FLAG", tuple(FLAGS))
+        config["COMM_SMS"] = trial.suggest_int("COMM_SMS", 1, 4 if tiny else MAX_COMM_SMS, log=not tiny)
         config["LAYOUT"] = layout
-    if split != 1:
-        config["SPLIT_K"] = split
-    return config
+        return config
 
+    def defaults(self, problem: Problem) -> list[Config]:
+        """Known-good configs, best guess first, at most 4, all passing `check`.
 
-def _gathered_defaults(problem: Problem, comm: int) -> list[Config]:
-    """Gathered-layout tiles for M <= 1024, where streaming B bounds the GEMM: narrow BLOCK_N so
-    about one program per SM streams its own columns of B (M <= 64: 112 tiles of 32 columns at
-    N=3584), a deep pipeline over long BLOCK_K steps, and split-K twice as many programs with
-    shared memory for 2 per SM (<= 110 KB: wgmma tiles keep num_stages buffers); BLOCK_M capped at
-    the gathered rows."""
-    m = problem["M"]
-    if m <= 64:
-        tiles = [(64, 32, 256, 4, 4, 1), (16, 64, 256, 4, 4, 1), (64, 32, 128, 4, 4, 2)]
-    elif m <= 256:
-        tiles = [(64, 64, 128, 4, 4, 1), (128, 64, 128, 8, 3, 1), (64, 64, 128, 4, 3, 2)]
-    elif m <= 1024:
-        tiles = [(128, 128, 64, 8, 3, 1), (128, 64, 128, 8, 3, 1)]
-    else:
-        return []
-    cap = max(16, _pow2ceil(_gathered_rows(problem)))
-    return [_cfg(min(bm, cap), bn, bk, warps, stages, "shard", comm, layout="gathered", split=split)
-            for bm, bn, bk, warps, stages, split in tiles]
-
-
-def _defaults_for(variant: str) -> Callable[[Problem], list[Config]]:
-    def defaults(problem: Problem) -> list[Config]:
-        """Known-good configs: GPU-NOTES' GEMM tiles by M (BLOCK_M capped at a shard's rows), the
-        gathered layout first for push and push_ws at M <= 1024, small blocks for CPU problems;
-        at most 4, only configs that pass `check` (none where K per rank < 16)."""
-        m = problem["M"]
-        gathered = variant in GATHERED_VARIANTS
-        if _tiny(problem):
-            cands = [_cfg(16, 32, 16, 4, 2, "row_block", 2, 4), _cfg(32, 32, 32, 4, 2, "tile", 1, 4),
-                     _cfg(16, 16, 16, 4, 2, "shard", 3, 1), _cfg(16, 32, 32, 4, 2, "shard", 2, 4)]
-            if gathered:
-                cands.insert(0, _cfg(16, 32, 16, 4, 2, "shard", 2, 4, layout="gathered"))
+        The gathered layout first (its tiles span shards, so few rows still fill a tile, and the
+        TMA core runs one pipelined K loop): autofuse.gemm's first two defaults for the gathered
+        GEMM (swap-AB and split-K at small M) with FLAG shard (one wait per tile: at two ranks my
+        own rows' work hides the whole peer shard from about 512 rows up), then the shard layout's
+        best tile, then FLAG row_block (peers' rows start as they land: more ranks, slower links).
+        COMM_SMS from the bytes each peer receives. CPU (tiny) problems: small blocks, every FLAG.
+        """
+        comm = _comm_sms(problem)
+        gathered = gemm.defaults(*gemm_shape(problem, "gathered"), problem.dtype, warp_spec=False)
+        shard = gemm.defaults(*gemm_shape(problem, "shard"), problem.dtype, warp_spec=False)
+        if gemm.tiny(*gemm_shape(problem, "gathered")):
+            comm = 2
+            cands = [_with(g, problem, "gathered", f, comm) for g, f in zip(gathered, FLAG_ORDER)]
+            cands += [_with(g, problem, "shard", f, comm + 1) for g, f in zip(shard, FLAG_ORDER[1:] + FLAG_ORDER[:1])]
         else:
-            comm = 4 if m <= 256 else 8 if m <= 2048 else 16
-            if variant == "push_ws":
-                comm *= 2
-            if m <= 64:
-                tiles = [(16, 64, 256, 4, 3), (16, 64, 128, 4, 4), (16, 128, 128, 4, 4)]
-            elif m <= 256:
-                tiles = [(64, 64, 128, 4, 4), (32, 64, 128, 4, 4), (64, 128, 64, 4, 4)]
-            else:
-                tiles = [(128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (128, 128, 64, 4, 4)]
-            cap = max(16, _pow2ceil(_shard_shape(problem)[0]))
-            cands = [_cfg(min(bm, cap), bn, bk, warps, stages, flag, comm)
-                     for (bm, bn, bk, warps, stages), flag in zip(tiles, ("row_block", "shard", "row_block"))]
-            if gathered and m <= 1024:
-                cands = _gathered_defaults(problem, comm) + cands[:4 - len(_gathered_defaults(problem, comm))]
-        valid: list[Config] = []
+            cands = [_with(g, problem, "gathered", "shard", comm) for g in gathered[:2]]
+            cands += [_with(g, problem, "shard", "shard", comm) for g in shard[:1]]
+            cands += [_with(g, problem, "gathered", "row_block", comm) for g in gathered[:1]]
+        if "gathered" not in self.layouts:
+            cands = [c for c in cands if c["LAYOUT"] in self.layouts]
+            cands += [_with(g, problem, "shard", f, comm) for g in shard[1:] for f in ("shard", "row_block")]
+        out: list[Config] = []
         for c in cands:
-            if check(problem, c, variant) is None and c not in valid:
-                valid.append(c)
-        return valid[:4]
-    return defaults
+            if self.check(problem, c) is None and c not in out:
+                out.append(c)
+        return out[:4]
+
+    def runner(self, world: Any, problem: Problem, config: Config) -> Runner:
+        return FusedRunner(world, problem, config, self.pull, self.persistent)
+
+
+class Pull(Fused):
+    """Remote tile loads: producers copy my shard into my heap; consumers read peers' heaps."""
+
+    name, pull, layouts = "pull", True, ("shard",)
+
+
+class Push(Fused):
+    """Producers store my shard into every peer's workspace; one consumer program per work item."""
+
+    name = "push"
+
+
+class PushWs(Fused):
+    """push, persistent: one program per SM (producers included) takes work items by ticket."""
+
+    name, persistent = "push_ws", True
 
 
 # ------------------------------------------------------------------------------------------------
-# workspace and runners
-@dataclass
-class Workspace:
-    """Heap buffers shared by every fused variant of one World at one capacity.
-
-    One epoch counter for all of them: every fused call, whatever its variant or config, takes the
-    next epoch, so parity double-buffering and `>=` flag waits stay sound when calls interleave.
-    """
-
-    data: torch.Tensor    # uint8, 2 x W slots of one A shard (viewed in the call's dtype)
-    flags: torch.Tensor   # int32 epochs, W x units (units <= ceil(R/16) * ceil(C/16))
-    counts: torch.Tensor  # int32, W: per-source arrival counts for FLAG=shard
-    epoch: torch.Tensor   # int32 [epoch, programs done]
-
-
-def _sync(world: Any) -> None:
-    if world.device.type == "cuda":
-        torch.cuda.synchronize(world.device)
-    world.barrier()
-
-
-def workspace(world: Any, problem: Problem) -> Workspace:
-    """The cached workspace big enough for `problem` (collective on first use of a capacity)."""
+# runners
+def _specs(problem: Problem) -> tuple[list[TensorSpec], TensorSpec]:
     r, c = _shard_shape(problem)
-    nbytes = _pow2ceil(2 * problem.world * r * c * problem.torch_dtype.itemsize)
-    nflags = _pow2ceil(problem.world * -(-r // 16) * -(-c // 16))
-    cache = getattr(world, "_ag_gemm_workspaces", None)
-    if cache is None:
-        cache = {}
-        setattr(world, "_ag_gemm_workspaces", cache)
-    key = (nbytes, nflags)
-    if key not in cache:
-        heap = world.heap
-        tag = f"{NAME}.{nbytes}B.{nflags}f"
-        ws = Workspace(heap.empty(nbytes, dtype=torch.uint8, name=f"{tag}.data"),
-                       heap.zeros(nflags, dtype=torch.int32, name=f"{tag}.flags"),
-                       heap.zeros(problem.world, dtype=torch.int32, name=f"{tag}.counts"),
-                       heap.zeros(2, dtype=torch.int32, name=f"{tag}.epoch"))
-        _sync(world)  # every rank's flags are zero before any peer can raise one
-        cache[key] = ws
-    return cache[key]
+    dt = problem.torch_dtype
+    return ([TensorSpec("a", (r, c), dt), TensorSpec("b", (problem["K"], problem["N"]), dt)],
+            TensorSpec("out", (problem["M"], problem["N"]), dt))
 
 
-def _check_call(problem: Problem, shapes: tuple, a: torch.Tensor, b: torch.Tensor) -> None:
-    if (tuple(a.shape), tuple(b.shape)) != shapes or a.dtype != problem.torch_dtype or b.dtype != a.dtype:
-        raise InvalidInput(f"runner built for {problem.key} (A {shapes[0]}, B {shapes[1]}, {problem.dtype}) got "
-                           f"A {tuple(a.shape)} {a.dtype}, B {tuple(b.shape)} {b.dtype}")
-    if not (a.is_contiguous() and b.is_contiguous()):
-        raise InvalidInput("ag_gemm: A and B must be contiguous")
+class FusedRunner(Runner):
+    """One launch of kernels/ag_gemm.py's kernel per call; epochs, flags and data stay on the device.
 
-
-def _out(problem: Problem, a: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
-    shape = (problem["M"], problem["N"])
-    if out is None:
-        return torch.empty(shape, dtype=a.dtype, device=a.device)
-    if tuple(out.shape) != shape or out.dtype != a.dtype or not out.is_contiguous():
-        raise InvalidInput(f"ag_gemm: out must be a contiguous {shape} {a.dtype} tensor, got "
-                           f"{tuple(out.shape)} {out.dtype}")
-    return out
-
-
-def _shapes(problem: Problem) -> tuple:
-    return (_shard_shape(problem), (problem["K"], problem["N"]))
-
-
-class FusedRunner:
-    """One fused kernel launch per call; epochs, flags and inboxes stay on the device.
-
-    Gathered layout with SPLIT_K > 1: the runner owns the float32 partial tiles and the per-tile
-    arrival counts (local memory, not the heap: no peer reads them); the kernel leaves every count
-    at 0, so calls and CUDA-graph replays need no clearing.
+    The workspace `ag_gemm` holds 2 x W x R x C elements of data (the slots, or the gathered A)
+    and 2 x (W counts + unit flags) flags. The runner owns the float32 split-K partial tiles, the
+    per-tile arrival counts and push_ws's ticket counters (local memory: no peer reads them; the
+    kernel leaves every count at 0, so calls and CUDA-graph replays need no clearing).
     """
 
-    def __init__(self, world: Any, problem: Problem, config: Config, kernel: Any, persistent: bool):
-        self.problem, self.kernel = problem, kernel
-        self.shapes = _shapes(problem)
-        r, c = _shard_shape(problem)
-        bm, bn = config["BLOCK_M"], config["BLOCK_N"]
-        gathered = config.get("LAYOUT", "shard") == "gathered"
-        split = config.get("SPLIT_K", 1)
-        if gathered:
-            tiles = -(-_gathered_rows(problem) // bm) * -(-problem["N"] // bn)
-            partials = torch.empty(tiles * split * bm * bn if split > 1 else 1, dtype=torch.float32,
-                                   device=world.device)
-            tile_counts = torch.zeros(tiles, dtype=torch.int32, device=world.device)
-            tiles *= split  # work items: one split of one tile each
-        else:
-            tiles = -(-r // bm) * -(-problem["N"] // bn) * (1 if problem["gather"] == "k" else problem.world)
-        comm = config["COMM_SMS"]
-        if persistent:
-            sms = (torch.cuda.get_device_properties(world.device).multi_processor_count
-                   if world.device.type == "cuda" else comm + CPU_PROGRAMS)
-            if comm >= sms:
-                raise InvalidConfig(f"COMM_SMS={comm} leaves no SM to compute on ({sms} SMs)")
-            self.grid = (comm + min(tiles, sms - comm),)
-        else:
-            self.grid = (comm + tiles,)
-        ws = workspace(world, problem)
-        heap = world.heap
-        self.args = (ws.data.view(problem.torch_dtype), ws.flags, ws.counts, ws.epoch, heap.status, heap.bases,
-                     world.rank, problem.world, status.spin_limit(world.device.type), problem["N"], r, c, comm)
-        if gathered:
-            self.args += (partials, tile_counts)
-            mode = dict(SPLIT_K=split)
-        else:
-            mode = dict(FLAG=FLAGS[config["FLAG"]])
-        self.meta = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=config["BLOCK_K"], GROUP_M=config["GROUP_M"],
-                         **mode, GATHER_K=problem["gather"] == "k",
-                         EVEN_K=c % config["BLOCK_K"] == 0,
-                         DOT_F32=world.device.type == "cpu" and problem.dtype == "bfloat16",
-                         num_warps=config["num_warps"], num_stages=config["num_stages"])
-
-    def __call__(self, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        _check_call(self.problem, self.shapes, a, b)
-        out = _out(self.problem, a, out)
-        self.kernel[self.grid](a, b, out, *self.args, **self.meta)
-        return out
-
-
-def _fused(name: str, kernel_name: str, persistent: bool) -> Variant:
-    def check_variant(problem: Problem, config: Config) -> str | None:
-        return check(problem, config, name)
-
-    def build(world: Any, problem: Problem, config: Config) -> FusedRunner:
-        reason = check_variant(problem, config)
-        if reason:
-            raise InvalidConfig(reason)
-        if problem.world != world.size:
-            raise InvalidInput(f"problem is for {problem.world} ranks, this World has {world.size}")
+    def __init__(self, world: Any, problem: Problem, config: Config, pull: bool, persistent: bool):
         from autofuse.kernels import ag_gemm as kernels
 
-        gathered = config.get("LAYOUT", "shard") == "gathered"
-        kernel = getattr(kernels, kernel_name.replace("_kernel", "_gathered_kernel") if gathered else kernel_name)
-        return FusedRunner(world, problem, config, kernel, persistent)
+        inputs, out = _specs(problem)
+        r, c = _shard_shape(problem)
+        w, n, dt = problem.world, problem["N"], problem.torch_dtype
+        layout = config.get("LAYOUT", "shard")
+        cfg = gemm.GemmConfig.from_dict(config)
+        ws = workspace(world, NAME, data_bytes=w * r * c * dt.itemsize, flags=flag_units(problem, config) + w)
+        super().__init__(world, problem, inputs, out, workspaces=(ws,))
+        self.ws, self.kernel, self.tma = ws, kernels.ag_gemm_kernel, cfg.TMA
+        self.data, self.data_half = ws.data_view(dt)
+        if layout == "gathered" and problem["gather"] == "rows":
+            row_tiles = cdiv(problem["M"], cfg.BLOCK_M)
+        else:  # row blocks of a shard (rows form: of every shard)
+            row_tiles = cdiv(r, cfg.BLOCK_M) * (w if problem["gather"] == "rows" else 1)
+        tiles = row_tiles * cdiv(n, cfg.BLOCK_N)
+        work = tiles * cfg.SPLIT_K
+        comm = config["COMM_SMS"]
+        if persistent:
+            sms = gemm.programs(world.device)
+            if world.device.type == "cuda" and comm >= sms:
+                raise InvalidConfig(f"{NAME}: COMM_SMS={comm} leaves none of the {sms} SMs to compute on")
+            self.grid = (comm + min(work, sms - comm if world.device.type == "cuda" else sms),)
+        else:
+            self.grid = (comm + work,)
+        partials = tiles * cfg.SPLIT_K * cfg.BLOCK_M * cfg.BLOCK_N if cfg.SPLIT_K > 1 else 1
+        self.partials = torch.empty(partials, dtype=torch.float32, device=world.device)
+        self.counts = torch.zeros(tiles + 2, dtype=torch.int32, device=world.device)  # split-K, then tickets
+        if cfg.TMA:
+            gemm.ensure_allocator()
+        self.args = (r, c, n, self.data_half, ws.half_flags, comm)
+        self.meta = dict(BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,
+                         NUM_STAGES=cfg.num_stages, SPLIT_K=cfg.SPLIT_K, SWAP_AB=cfg.SWAP_AB, USE_TMA=cfg.TMA,
+                         FLAG=FLAGS[config["FLAG"]], GATHER_K=problem["gather"] == "k",
+                         GATHERED=layout == "gathered", PULL=pull, PERSISTENT=persistent,
+                         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
-    return Variant(name, build, space=_space_for(name), defaults=_defaults_for(name), check=check_variant)
+    def launch(self, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
+        if self.tma and (a.data_ptr() | b.data_ptr() | out.data_ptr()) & 15:
+            raise InvalidInput(f"{NAME}: A, B and out must start at 16-byte aligned addresses (TMA)")
+        self.kernel[self.grid](a, b, out, self.data, self.ws.flags, self.partials, self.counts, self.ws.ctx,
+                               *self.args, **self.meta)
 
 
-class BspRunner:
-    """All-gather with torch.distributed (NCCL / gloo) into a preallocated buffer, then torch.matmul."""
+class BspRunner(Runner):
+    """dist.all_gather_into_tensor into a preallocated buffer (k form: reordered to M x K), torch.matmul."""
 
     def __init__(self, world: Any, problem: Problem):
-        self.problem, self.group = problem, world.group
-        self.shapes = _shapes(problem)
+        inputs, out = _specs(problem)
+        super().__init__(world, problem, inputs, out)
         r, c = _shard_shape(problem)
         m, k, w = problem["M"], problem["K"], problem.world
         dt, dev = problem.torch_dtype, world.device
+        self.group = world.group
         self.gathered = torch.empty((w * r, c), dtype=dt, device=dev)  # shard s at rows s*r..
         self.full = self.gathered if problem["gather"] == "rows" else torch.empty((m, k), dtype=dt, device=dev)
 
-    def __call__(self, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        _check_call(self.problem, self.shapes, a, b)
-        out = _out(self.problem, a, out)
+    def launch(self, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
         dist.all_gather_into_tensor(self.gathered, a, group=self.group)
         if self.problem["gather"] == "k":
             w, m, c = self.problem.world, self.problem["M"], a.shape[1]
             self.full.view(m, w, c).copy_(self.gathered.view(w, m, c).transpose(0, 1))
         torch.matmul(self.full, b, out=out)
-        return out
 
 
-def _build_bsp(world: Any, problem: Problem, config: Config) -> BspRunner:
-    if config:
-        raise InvalidConfig(f"bsp takes no config, got {sorted(config)}")
-    if problem.world != world.size:
-        raise InvalidInput(f"problem is for {problem.world} ranks, this World has {world.size}")
-    validate(problem)
-    return BspRunner(world, problem)
-
-
-def _symm_available(world: Any) -> bool:
-    if world.device.type != "cuda":
-        return False
-    try:
-        import torch.distributed._symmetric_memory  # noqa: F401  (registers torch.ops.symm_mem)
-    except ImportError:
-        return False
-    return hasattr(torch.ops, "symm_mem") and hasattr(torch.ops.symm_mem, "fused_all_gather_matmul")
-
-
-class SymmRunner:
-    """torch.ops.symm_mem.fused_all_gather_matmul (gather_dim 0 or 1), copied into `out` if given."""
+class SymmRunner(Runner):
+    """torch.ops.symm_mem.fused_all_gather_matmul (gather_dim 0 or 1), copied into `out`."""
 
     def __init__(self, world: Any, problem: Problem):
         import torch.distributed._symmetric_memory as symm
 
-        self.problem = problem
-        self.shapes = _shapes(problem)
+        inputs, out = _specs(problem)
+        super().__init__(world, problem, inputs, out)
         self.group_name = (world.group if world.group is not None else dist.group.WORLD).group_name
         if hasattr(symm, "enable_symm_mem_for_group"):
             symm.enable_symm_mem_for_group(self.group_name)
         self.gather_dim = 0 if problem["gather"] == "rows" else 1
 
-    def __call__(self, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        _check_call(self.problem, self.shapes, a, b)
+    def launch(self, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
         _, outs = torch.ops.symm_mem.fused_all_gather_matmul(a, [b], self.gather_dim, self.group_name, return_A=False)
-        if out is None:
-            return outs[0]
-        return _out(self.problem, a, out).copy_(outs[0])
+        out.copy_(outs[0])
 
 
-def _build_symm(world: Any, problem: Problem, config: Config) -> SymmRunner:
-    if config:
-        raise InvalidConfig(f"torch_symm takes no config, got {sorted(config)}")
-    if not _symm_available(world):
-        raise InvalidConfig("torch_symm needs CUDA and torch.ops.symm_mem.fused_all_gather_matmul")
-    validate(problem)
-    return SymmRunner(world, problem)
-
-
-def bound(world: Any, problem: Problem, seed: int) -> dict[str, Callable[[], Any]]:
+def bound(world: Any, problem: Problem, seed: int) -> dict[str, Any]:
     """The pieces of the lower bound: the all-gather alone and the full-size matmul alone."""
     a, b = inputs(world, problem, seed)
     r, c = _shard_shape(problem)
@@ -590,13 +516,8 @@ def bound(world: Any, problem: Problem, seed: int) -> dict[str, Callable[[], Any
 
 OP = Op(
     name=NAME,
-    variants={
-        "bsp": Variant("bsp", _build_bsp, fused=False),
-        "torch_symm": Variant("torch_symm", _build_symm, available=_symm_available, fused=False),
-        "pull": _fused("pull", "ag_gemm_pull_kernel", persistent=False),
-        "push": _fused("push", "ag_gemm_push_kernel", persistent=False),
-        "push_ws": _fused("push_ws", "ag_gemm_push_ws_kernel", persistent=True),
-    },
+    args=("a", "b"),
+    variants=[Bsp(), TorchSymm(), *hybrid.variants(NAME), Pull(), Push(), PushWs()],
     problem_of=problem_of,
     inputs=inputs,
     reference=reference,
