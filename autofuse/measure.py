@@ -223,6 +223,9 @@ def measure(world, op: Op, problem: Problem, variant: str, config: Config, modes
             seed: int = 0, reps: int = 20, warmup: int = 3, budget_s: float = 60.0) -> list[Measurement]:
     """Build, check, then time one (problem, variant, config) in each mode; never raises for a bad config.
 
+    The output of the timed calls (in graph mode: of the graph's replays) is checked against the
+    reference too, so a config that is right once but wrong when replayed never gets a time.
+
     Returns one Measurement per mode (ok=False with the reason when the config is invalid, crashes,
     times out on a flag, is wrong, or would exceed `budget_s`). Every rank must call it with the same
     arguments; every rank returns the same verdicts and the rank-max timings.
@@ -259,8 +262,13 @@ def measure(world, op: Op, problem: Problem, variant: str, config: Config, modes
         left = budget_s - (time.perf_counter() - t0)
         why = ""
         try:
+            outs[0].fill_(math.nan)
             t = time_fn(world, fns, mode, warmup=warmup, reps=reps, budget_s=left)
             check_faults(world, runner)
+            replayed = rel_error(outs[0], op.reference(world, problem, seed + 1))
+            if not replayed <= op.tolerance(problem):  # the timed calls (graph replays too) computed it right
+                why = (f"wrong result after {mode} timing: rel error {replayed:.3g} > tolerance "
+                       f"{op.tolerance(problem):.3g}")
         except (status.FlagTimeout, status.WorkspaceAborted, TooSlow) as exc:
             why = str(exc)
         except Exception as exc:

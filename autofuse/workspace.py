@@ -105,7 +105,8 @@ def workspace(world: Any, name: str, data_bytes: int = 0, flags: int = 0) -> Wor
     ws = made[-1] if made else None
     if ws is None or ws.half_bytes < data_bytes or ws.half_flags < flags:
         grow = (ws.half_bytes, ws.half_flags) if ws is not None else (0, 0)
-        ws = Workspace(world, name, next_pow2(max(data_bytes, grow[0], MIN_DATA if data_bytes else 0)),
+        data = max(data_bytes, grow[0])
+        ws = Workspace(world, name, next_pow2(max(data, MIN_DATA)) if data else 0,
                        next_pow2(max(flags, MIN_FLAGS, grow[1])))
         made.append(ws)
     return ws

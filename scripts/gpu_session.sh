@@ -5,10 +5,11 @@
 # still returns what it did. Several sessions may run at once on different GPUs, e.g.
 #   bash scripts/gpu_session.sh --name a --gpus 0,1 STAGE... & bash scripts/gpu_session.sh --name b --gpus 3 STAGE...
 # Stages (LIMIT: seconds, default 300):
-#   pytest:FILES[:LIMIT]            pytest -m gpu on tests/FILES (comma-separated file stems, e.g. test_ag_gemm)
+#   pytest:FILES[:LIMIT[:KEXPR]]    pytest -m gpu on tests/FILES (comma-separated file stems, e.g. test_ag_gemm),
+#                                   -k KEXPR if given ('+' for spaces)
 #   doctor[:PROVIDER]               autofuse doctor (AUTOFUSE_HEAP_PROVIDER=PROVIDER if given)
 #   bench:TARGET[:SWEEP[:LIMIT[:ARGS]]]  autofuse bench TARGET --sweep SWEEP (ARGS: extra options, '+' for spaces)
-#   tune:OPS:MINUTES[:WORLDS[:SWEEP]]    autofuse tune into NAME.db (ops comma-separated or 'all')
+#   tune:OPS:MINUTES[:WORLDS[:SWEEP[:TRIALS]]]  autofuse tune into NAME.db (ops comma-separated or 'all')
 #   fit[:MODE]                      autofuse fit on NAME.db (graph and eager by default): policy + report per mode
 #   export[:MODE]                   autofuse export (csv + json) and show --json of NAME.db
 #   eval[:MODE]                     held-out dispatch quality of the fitted policy (scripts/eval_dispatch_gpu.py)
@@ -44,19 +45,20 @@ export PYTHONPATH=/tmp/site
   echo "CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-all}"; } > "$W/machine.txt" 2>&1
 status=0
 for stage in "$@"; do
-  IFS=: read -r what a1 a2 a3 a4 <<< "$stage"
+  IFS=: read -r what a1 a2 a3 a4 a5 <<< "$stage"
   log="$W/${what}${a1:+-${a1//[,\/]/_}}${a2:+-$a2}.log"
   echo "=== [$NAME] $stage ($(date -u +%H:%M:%S))"
   t0=$(date +%s)
   case "$what" in
     pytest) files=$(echo "$a1" | tr ',' '\n' | sed 's#^#tests/#; s#$#.py#' | tr '\n' ' ')
-            timeout "${a2:-300}" python3 -m pytest -q -m gpu -p no:cacheprovider -o addopts="" $files ;;
+            timeout "${a2:-300}" python3 -m pytest -q -m gpu -p no:cacheprovider -o addopts="" $files \
+              ${a3:+-k "${a3//+/ }"} ;;
     doctor) AUTOFUSE_HEAP_PROVIDER=${a1:-} timeout 180 python3 -m autofuse doctor --out "$W/doctor${a1:+-$a1}.json" ;;
     bench) timeout "${a3:-300}" python3 -m autofuse bench "$a1" --sweep "${a2:-gpu}" ${a4//+/ } \
              --out "$W/bench-$a1-${a2:-gpu}.json" --force ;;
     tune) ops=$([ "$a1" = all ] && echo "" || echo "--op $a1")
           timeout $(( ${a2:-5} * 60 + 120 )) python3 -m autofuse tune $ops --db "$DB" --time-limit "${a2:-5}" \
-            ${a3:+--world $a3} ${a4:+--sweep $a4} ;;
+            ${a3:+--world $a3} ${a4:+--sweep $a4} ${a5:+--trials $a5} ;;
     fit) for m in ${a1:-graph eager}; do
            timeout 300 python3 -m autofuse fit --db "$DB" --mode "$m" --out "$W/policy-$m.json" \
              --report "$W/fit-$m.json" --force || false

@@ -312,7 +312,7 @@ def test_foreign_policy_refused_runs_bsp(results):
     for r in results:
         f = r["foreign"]
         assert f["variant"] == "bsp" and f["basis"] == "fallback" and "gpu_name" in f["reason"], f
-        assert f["warnings"] and "other hardware or versions" in f["warnings"][0]
+        assert f["warnings"] and "other hardware" in f["warnings"][0]
         n = r["none"]
         assert n["variant"] == "bsp" and n["basis"] == "fallback" and len(n["warnings"]) == 1, n
 
@@ -371,11 +371,15 @@ def test_find_shipped_policy(policies, tmp_path, monkeypatch):
     for name, mode in (("a.json", "graph"), ("b.json", "eager")):
         (d / name).write_text(json.dumps(dict(policies["data"], mode=mode)))
     (d / "foreign.json").write_text(json.dumps(dict(policies["data"], fingerprint=dict(FP, gpu_name="NVIDIA B200"))))
+    newer = dict(policies["data"]["fingerprint"], triton="0.0.1")
+    (d / "0-newer.json").write_text(json.dumps(dict(policies["data"], mode="graph", fingerprint=newer)))
     (d / "junk.json").write_text("[1, 2")
     monkeypatch.setenv("AUTOFUSE_MODELS_DIR", str(d))
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "data"))  # no user policies from the real home
     assert dispatch.find_policy(FP, "eager") == d / "b.json"
-    assert dispatch.find_policy(FP, "graph") == d / "a.json"
-    assert dispatch.find_policy(dict(FP, id="0" * 16), "graph") is None
+    assert dispatch.find_policy(FP, "graph") == d / "a.json"  # same software before other software's file
+    assert dispatch.find_policy(dict(FP, hardware_id="0" * 16), "graph") is None  # other hardware: none
+    assert dispatch.find_policy(dict(FP, software_id=environment.software_id(newer)), "graph") == d / "0-newer.json"
 
 
 def _real_ops_job(world) -> list[tuple[str, str, float, float, str]]:
@@ -434,19 +438,17 @@ def test_entry_points_are_generated_from_the_ops_argument_names():
         fn = getattr(autofuse, name)
         assert list(inspect.signature(fn).parameters)[:len(registry.get(name).args)] == list(registry.get(name).args)
     dispatch._ops["toy_mm"] = TOY
+    seen = []
+    saved = dispatch._miss
+    dispatch._miss = lambda key, *rest: seen.append(key)  # the generated code binds _miss when made
     try:
         fn = dispatch.entry_point("toy_mm")
         a, b = torch.empty(4, 8), torch.empty(8, 4).t()
-        seen = []
-        saved = dispatch._miss
-        dispatch._miss = lambda key, *rest: seen.append(key)
-        try:
-            fn(a, b, variant="x", config={"A": 1})
-        finally:
-            dispatch._miss = saved
+        fn(a, b, variant="x", config={"A": 1})
         assert seen == [dispatch._key("toy_mm", None, "x", {"A": 1}, (a, b))]
         assert fn.__name__ == "toy_mm" and "a, b" in fn.__doc__
     finally:
+        dispatch._miss = saved
         dispatch.reset()
 
 

@@ -302,7 +302,7 @@ def test_bench_layer_cpu() -> None:
     from autofuse.training.bench_layer import OPS
 
     module = load_target("layer")
-    forced = ["ag_gemm:pull", "gemm_rs:push_last", "gemm_ar:one_shot", "flash_decode:push"]
+    forced = ["ag_gemm:pull", "gemm_rs:push_last", "gemm_ar:one_shot", "flash_decode:split_heap"]
     options = BenchOptions(target="layer", shapes=["T=16,1x24"], reps=1, variants=["default", *forced],
                            progress=False).resolved()
     with warnings.catch_warnings():

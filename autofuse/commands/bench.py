@@ -14,8 +14,9 @@ from autofuse.commands._common import OutputExists, fail, note, out, write_new
 def bench(
     target: str = typer.Argument(..., help="An op (ag_gemm, gemm_rs, gemm_ar, flash_decode, ...) or an extra "
                                  "benchmark: collectives, gemm_core, layer."),
-    sweep: Optional[str] = typer.Option(None, help="Problem set: gpu, llama70b or cpu (default: gpu with GPUs, "
-                                        "else cpu)."),
+    sweep: Optional[str] = typer.Option(None, help="Problem set of an op: gpu (the papers' sweep), llama70b, "
+                                        "models, default or cpu (default: gpu with GPUs, else cpu); of layer: "
+                                        "the model (70b, 8b, tiny)."),
     variants: Optional[str] = typer.Option(None, help="Comma-separated variants (default: all available)."),
     mode: Optional[str] = typer.Option(None, help="eager or graph (default: both where CUDA graphs exist; "
                                        "eager on CPU)."),

@@ -27,8 +27,8 @@ CPU_OUTRO = (
     "latency / the fastest tuned one (above 1: it pays). Every tuned variant was "
     "checked against the reference and timed on every problem.\n"
     "Next: `autofuse fit --mode eager` fits a dispatch policy on these rows, `autofuse show --mode eager` lists "
-    "them. On a machine with GPUs, `autofuse tune` tunes on every local GPU (graph and eager modes, 16 trials "
-    "per problem, about 10 min per op), then `autofuse fit` writes the policy that dispatch uses.")
+    "them. On a machine with GPUs, `autofuse tune` tunes on every local GPU (graph and eager modes, 8 trials "
+    "per problem of the default sweep, about 10 min for all ops on two GPUs), then `autofuse fit` writes the policy that dispatch uses.")
 DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 
 
@@ -122,13 +122,14 @@ def tune(
     mode: Optional[str] = typer.Option(None, help="Timing mode the search minimises: graph (default on GPUs) "
                                        "or eager (the only one on CPU). Every available mode is recorded."),
     trials: Optional[int] = typer.Option(None, help="Measured trials per problem, across runs and workers "
-                                         "(default: 16 on GPUs; on CPU one per tunable variant)."),
+                                         "(default: 8 on GPUs; on CPU one per tunable variant)."),
     storage: Optional[str] = typer.Option(None, help="Optuna storage URL (default: sqlite file <db stem>.optuna.db "
                                           "beside --db). Several hosts on one study: postgresql://user@host/db."),
     db: Path = typer.Option(Path("tuning_db/autofuse.db"), help="Measurement database (SQLite)."),
-    sweep: Optional[str] = typer.Option(None, help="Problem set: cpu, gpu or llama70b "
-                                        "(default: gpu with GPUs, else cpu)."),
-    reps: Optional[int] = typer.Option(None, help="Timed batches per measurement (default: 15 GPU, 5 CPU)."),
+    sweep: Optional[str] = typer.Option(None, help="Problem set: default (every op's mix of model shapes and the "
+                                        "papers' sweeps), models, gpu, llama70b or cpu (default: default with "
+                                        "GPUs, else cpu)."),
+    reps: Optional[int] = typer.Option(None, help="Timed batches per measurement (default: 10 GPU, 5 CPU)."),
     budget: Optional[float] = typer.Option(None, help="Seconds one trial may take before it is failed as too slow."),
     time_limit: Optional[float] = typer.Option(None, help="Minutes: no new trial starts after this."),
     seed: int = typer.Option(0, help="Seed of inputs and sampler."),

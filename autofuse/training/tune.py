@@ -47,7 +47,7 @@ from autofuse.training.study import Job, StudyDriver, study_name
 
 DEFAULTS = {  # per device type: trials per study (None: one per tunable variant), timed reps, warm-up calls, s per trial
     "cpu": {"trials": None, "reps": 5, "warmup": 0, "budget_s": 120.0},  # the interpreter: slow, nothing to warm
-    "cuda": {"trials": 16, "reps": 15, "warmup": 3, "budget_s": 20.0},  # ~10 min for ag_gemm's 12 problems
+    "cuda": {"trials": 8, "reps": 10, "warmup": 3, "budget_s": 20.0},  # the default sweep: ~10 problems per op
 }
 # Rough seconds per measured trial and per baseline, and to start the ranks: for `describe_plan` only.
 ESTIMATE_S = {"cpu": (2.0, 1.0, 15.0), "cuda": (1.5, 0.5, 30.0)}
@@ -198,7 +198,7 @@ class Plan:
 def make_plan(settings: Settings, device_type: str, ranks: int) -> Plan:
     """The run's plan on `ranks` local ranks (raises ValueError / KeyError for unknown ops, sweeps, shapes)."""
     mode = settings.mode_for(device_type)
-    sweep = settings.sweep or ("gpu" if device_type == "cuda" else "cpu")
+    sweep = settings.sweep or ("default" if device_type == "cuda" else "cpu")
     worlds = sorted(set(settings.worlds or [ranks]))
     if worlds[-1] > ranks or worlds[0] < 1:
         raise ValueError(f"world sizes {worlds} must be within 1..{ranks}")
