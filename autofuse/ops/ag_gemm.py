@@ -310,8 +310,8 @@ class TorchSymm(Variant):
     name, family = "torch_symm", "peer"
 
     def available(self, world: Any) -> bool:
-        if world.device.type != "cuda":
-            return False
+        if world.device.type != "cuda" or not world.spans_job:
+            return False  # torch's own rendezvous hangs once groups leaving ranks out used it (autofuse/heap.py)
         try:
             import torch.distributed._symmetric_memory  # noqa: F401  (registers torch.ops.symm_mem)
         except ImportError:
