@@ -98,14 +98,18 @@ def _time(world: Any, fn: Any, mode: str, reps: int, warmup: int) -> float:
 
 
 def confirm(world: Any, op: Op, problem: Problem, args: Sequence[torch.Tensor],
-            candidates: Sequence[tuple[str, Config]], mode: str, reps: int = 10, warmup: int = 2) -> Confirmation:
+            candidates: Sequence[tuple[str, Config]], mode: str, reps: int = 10, warmup: int = 2,
+            bsp_config: Config | None = None) -> Confirmation:
     """Measure BSP and `candidates` on `args` (this rank's inputs) in lockstep; see the module docstring.
 
     Every rank must call it with the same problem and candidates (dispatch's agreement ensures it).
+    `bsp_config`: BSP's config where the op's BSP takes one (default: its first default).
     Returns the fastest correct candidate (BSP if none beats it) with the measurements.
     """
     t0 = time.perf_counter()
-    cands = [(BSP, {})] + [(v, dict(c)) for v, c in candidates if v != BSP]
+    if bsp_config is None:
+        bsp_config = op.variant(BSP).defaults(problem)[0]
+    cands = [(BSP, dict(bsp_config))] + [(v, dict(c)) for v, c in candidates if v != BSP]
     runners: list[Any] = []
     outs: list[torch.Tensor | None] = []
     errors: list[str] = []
@@ -130,7 +134,7 @@ def confirm(world: Any, op: Op, problem: Problem, args: Sequence[torch.Tensor],
             if not e <= tol:
                 errors[i] = f"output differs from bsp's by {e:.3g} (> {tol:.3g})"
     failed = _max_all(world, [1.0 if e else 0.0 for e in errors])
-    result = Confirmation(BSP, {}, mode=mode, reps=reps)
+    result = Confirmation(BSP, dict(bsp_config), mode=mode, reps=reps)
     times = []
     for i, (variant, config) in enumerate(cands):
         if failed[i]:

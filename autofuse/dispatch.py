@@ -425,7 +425,8 @@ def _confirm(world: World, op: Op, choice: Choice, args: tuple) -> Choice:
     from autofuse.confirm import confirm
 
     mode = _mode(world)
-    result = confirm(world, op, choice.problem, args, choice.candidates, mode)
+    bsp_config, _ = _policy(world).config_for(choice.problem, "bsp", op)
+    result = confirm(world, op, choice.problem, args, choice.candidates, mode, bsp_config=bsp_config)
     stats.confirmations += 1
     if world.rank == 0:
         _record_online(world, op, choice.problem, result)

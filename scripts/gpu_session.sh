@@ -14,7 +14,8 @@
 #   export[:MODE]                   autofuse export (csv + json) and show --json of NAME.db
 #   eval[:MODE]                     held-out dispatch quality of the fitted policy (scripts/eval_dispatch_gpu.py)
 #   dispatch                        cached-call dispatch overhead (scripts/bench_dispatch.py)
-#   sh:COMMAND                      anything else ('+' for spaces)
+#   sh:COMMAND                      anything else ('+' for spaces; everything after "sh:" is the command,
+#                                   colons included; time limit SH_LIMIT seconds, default 300)
 set -uo pipefail
 NAME=session; GPUS=""
 while [ $# -gt 0 ]; do
@@ -71,7 +72,7 @@ for stage in "$@"; do
     eval) timeout 400 python3 scripts/eval_dispatch_gpu.py --policy "$W/policy-${a1:-graph}.json" \
             --mode "${a1:-graph}" --out "$W/eval-${a1:-graph}.json" ;;
     dispatch) timeout 200 python3 scripts/bench_dispatch.py --out "$W/bench_dispatch.json" ;;
-    sh) timeout "${a2:-300}" bash -c "${a1//+/ }" ;;
+    sh) cmd=${stage#sh:}; timeout "${SH_LIMIT:-300}" bash -c "${cmd//+/ }" ;;
     *) echo "unknown stage $stage"; false ;;
   esac > "$log" 2>&1
   rc=$?
