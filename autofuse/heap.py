@@ -115,13 +115,14 @@ def rendezvous_timeout() -> float:
 
 def default_provider(device: torch.device, spans_job: bool = False) -> str:
     """'shm' on CPU; 'iris' where Iris imports on ROCm; on CUDA 'symm' (torch's symmetric memory) for a
-    group that spans the whole job, 'torch' (CUDA IPC) for any other group.
+    group that spans the whole job, 'torch' (CUDA IPC handles exchanged by `Rendezvous`) for any other.
 
-    Why both on CUDA: measured on two H200 (2026-11-22, `autofuse doctor`), the same bytes move as fast
-    either way (copy engine 368 vs 371 GB/s, Triton pull 324 vs 330 GB/s), but a flag round trip
-    takes 33 us over IPC-mapped memory and 3.7 us over symmetric memory, and every heap collective
-    waits on flags. Symmetric memory's own rendezvous may only ever see whole-job groups (see
-    `Rendezvous`), so sub-groups use IPC.
+    Measured on two H200 (2026-11-22, `autofuse doctor`), the two move bytes and flags alike (copy
+    engine 368-371 GB/s, Triton pull 320-331 GB/s, flag round trip 3.7 us either way once the GPUs are
+    warm; the first measurement in a fresh process took 28-34 us with either). Whole-job groups use
+    torch's own symmetric memory, the path PyTorch supports and the one autofuse's shipped tables were
+    measured on; its rendezvous must never see a group that leaves ranks out (`Rendezvous` says why),
+    so every other group uses IPC.
     """
     if device.type == "cpu":
         return "shm"
