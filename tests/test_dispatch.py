@@ -10,6 +10,7 @@ import time
 
 import pytest
 
+import harness
 from _toy_op import OP as TOY
 from autofuse import environment
 from autofuse.training.fit import fit
@@ -538,3 +539,68 @@ def test_confirm_on_first_use_measures_records_and_reuses(policies, tmp_path):
         assert w["dropped"] and w["dropped"][0][0] == "wrong" and "differs from bsp" in w["dropped"][0][1], w
     rows = results[0]["rows"]
     assert {(v, src) for v, src, ok in rows if ok} >= {("bsp", "online"), ("fused", "online")}, rows
+
+
+def _gpu_dispatch_job(world) -> list[tuple[str, bool, str]]:
+    """Every op through autofuse.<op> on GPUs: each variant eager and from a captured graph, the default
+    choice and explain, a capture miss raising CaptureMiss, the hot path without agreements."""
+    import torch
+
+    import autofuse
+    from autofuse import dispatch, registry
+    from autofuse.op import rel_error
+
+    dispatch.reset()
+    checks: list[tuple[str, bool, str]] = []
+    for name in registry.names():
+        op = registry.get(name)
+        entry = getattr(autofuse, name)
+        problem = min(op.sweep("gpu", world.size), key=lambda p: math.prod(v for _, v in p.dims if isinstance(v, int)))
+        inputs = op.inputs(world, problem, 11)
+        ref = op.reference(world, problem, 11)
+        tol = op.tolerance(problem)
+        for v in [v for v, var in op.variants.items() if var.available(world)] + [None]:
+            label = f"{name}.{v or 'auto'}"
+            try:
+                err = max(rel_error(entry(*inputs, group=world, variant=v), ref) for _ in range(2))
+                out = entry(*inputs, group=world, variant=v)
+                before = dispatch.stats.agreements
+                side = torch.cuda.Stream()
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    entry(*inputs, group=world, variant=v, out=out)
+                torch.cuda.current_stream().wait_stream(side)
+                world.sync()
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g):
+                    entry(*inputs, group=world, variant=v, out=out)
+                out.fill_(math.nan)
+                world.sync()
+                for _ in range(3):
+                    g.replay()
+                world.sync()
+                replayed = rel_error(out, ref)
+                checks.append((label, err <= tol and replayed <= tol and dispatch.stats.agreements == before,
+                               f"eager {err:.3g}, graph {replayed:.3g}, tol {tol:.3g}"))
+            except Exception as exc:  # noqa: BLE001 - reported as a failed check
+                checks.append((label, False, f"{type(exc).__name__}: {exc}"))
+        other = [p for p in op.sweep("gpu", world.size) if p != problem][:1]
+        for p in other:
+            try:
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g):
+                    entry(*op.inputs(world, p, 12), group=world)
+                checks.append((f"{name} capture miss", False, "no error was raised"))
+            except dispatch.CaptureMiss as exc:
+                checks.append((f"{name} capture miss", "warm-up" in str(exc), ""))
+            world.sync()
+    return checks
+
+
+@harness.gpu()
+def test_gpu_dispatch_every_op_eager_and_graph():
+    from autofuse.world import gpu_count
+
+    results = spawn(_gpu_dispatch_job, min(gpu_count(), 2), device_kind="cuda", timeout_s=900)
+    bad = [(rank, c) for rank, rows in enumerate(results) for c in rows if not c[1]]
+    assert not bad, bad
