@@ -27,6 +27,7 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
+from autofuse.measure import events_us
 from autofuse.op import Config, Op, Problem, rel_error
 
 BSP = "bsp"
@@ -85,14 +86,7 @@ def _time(world: Any, fn: Any, mode: str, reps: int, warmup: int) -> float:
         run = graph.replay
     else:
         run = fn
-    samples = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        run()
-        b.record()
-        b.synchronize()
-        samples.append(a.elapsed_time(b) * 1e3)
+    samples = [events_us(run) for _ in range(reps)]
     world.sync()
     return statistics.median(samples)
 

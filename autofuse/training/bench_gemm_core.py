@@ -36,6 +36,7 @@ import torch
 
 from autofuse import gemm
 from autofuse.gemm import GemmConfig
+from autofuse.measure import events_us
 from autofuse.op import default_tolerance
 
 N_SET = (3584, 5120, 8192, 28672)
@@ -145,20 +146,9 @@ def target_ratio(m: int) -> float:
 
 # ---------------------------------------------------------------------------------------------
 # timing
-def _events_us(fn: Callable[[], Any], inner: int) -> float:
-    a = torch.cuda.Event(enable_timing=True)
-    b = torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(inner):
-        fn()
-    b.record()
-    b.synchronize()
-    return a.elapsed_time(b) * 1e3 / inner
-
-
 def _plan(fn: Callable[[], Any], reps: int) -> tuple[int, int]:
     """(inner, reps) for a call of `fn`: batches of ~BATCH_US, at most MEASURE_S per measurement."""
-    one = _events_us(fn, 2)
+    one = events_us(fn, 2)
     inner = max(1, min(200, round(BATCH_US / max(one, 1e-3))))
     batch_s = inner * one * 1e-6
     return inner, max(MIN_REPS, min(reps, int(MEASURE_S / max(batch_s, 1e-9))))
@@ -168,7 +158,7 @@ def time_cuda(fn: Callable[[], Any], mode: str, reps: int) -> float:
     """Median us per call of `fn` on the current CUDA device, in `mode` (graph or eager)."""
     inner, reps = _plan(fn, reps)
     if mode == "eager":
-        return statistics.median(_events_us(fn, inner) for _ in range(reps))
+        return statistics.median(events_us(fn, inner) for _ in range(reps))
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):  # warm-up off the capture stream, as torch's graph docs ask
@@ -180,7 +170,7 @@ def time_cuda(fn: Callable[[], Any], mode: str, reps: int) -> float:
             fn()
     graph.replay()
     torch.cuda.synchronize()
-    return statistics.median(_events_us(graph.replay, 1) / inner for _ in range(reps))
+    return statistics.median(events_us(graph.replay, 1) / inner for _ in range(reps))
 
 
 def time_cpu(fn: Callable[[], Any], reps: int) -> float:
