@@ -94,7 +94,8 @@ def machine(doc: dict) -> str:
     fp = doc.get("fingerprint", {})
     return (f"{fp.get('gpu_count', '?')}x {fp.get('gpu_name', '?')} (topology {fp.get('topology', '?')}), "
             f"driver {fp.get('driver', '?')}, CUDA {fp.get('cuda', '?')}, torch {fp.get('torch', '?')}, "
-            f"Triton {fp.get('triton', '?')}, NCCL {fp.get('nccl', '?')}, kernel hash {fp.get('kernel_hash', '?')}")
+            f"Triton {fp.get('triton', '?')}, NCCL {fp.get('nccl', '?')}"
+            + (f", kernel hash {fp['kernel_hash']}" if fp.get("kernel_hash") else ""))
 
 
 def mode_table(doc: dict, rows: list[dict], vary: list[str], sp: dict) -> list[str]:
@@ -254,7 +255,8 @@ def bench_best_fused(doc: dict) -> dict[str, dict[str, float]]:
     """mode -> problem -> the bench's best fused us."""
     out: dict[str, dict[str, float]] = {}
     for r in doc["rows"]:
-        out.setdefault(r["mode"], {})[r["problem"]] = r["best_fused_us"] if finite(r["best_fused_us"]) else math.nan
+        us = r.get("best_fused_us", r.get("best_variant_us"))  # round 1's bench JSON, or today's
+        out.setdefault(r["mode"], {})[r["problem"]] = us if finite(us) else math.nan
     return out
 
 
@@ -276,7 +278,8 @@ def render_tuned(db: Path, op: str, against: Sequence[tuple[str, dict]] = (), le
     fixed = ", ".join(f"{k}={v}" for k, v in const.items() if k != "op")
     env = "; ".join(f"{e.get('gpu_count')}x {e.get('gpu_name')} (topology {e.get('topology')}), driver "
                     f"{e.get('driver')}, CUDA {e.get('cuda')}, torch {e.get('torch')}, Triton {e.get('triton')}, "
-                    f"NCCL {e.get('nccl')}, kernel hash {e.get('kernel_hash')}, fingerprint {k}"
+                    f"NCCL {e.get('nccl')}" + (f", kernel hash {e['kernel_hash']}" if e.get("kernel_hash") else "")
+                    + f", fingerprint {k}"
                     for k, e in sorted(envs.items()))
     times = sorted(r["created_at"] for r in rows)
     symm = any(r["variant"] == "torch_symm" for r in rows)

@@ -6,7 +6,9 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-SOURCE = ROOT / "docs" / "results" / "bench-gemm_ar-gpu-h200x2-2026-11-22.json"
+ROUND1 = ROOT / "docs" / "results" / "2026-11-22-round1"
+ROUND2 = ROOT / "docs" / "results" / "2026-11-22-round2"
+SOURCE = ROUND1 / "bench-gemm_ar-gpu-h200x2-2026-11-22.json"  # round 1's bench JSON format
 
 
 def test_tables_from_committed_json():
@@ -26,30 +28,36 @@ def test_tables_from_committed_json():
 
 
 def test_tuned_tables_from_committed_db():
+    """The shipped database, read-only, against this round's gemm_ar bench JSON: every tuned gemm_ar
+    problem appears once per mode with its bsp latency; the bench's problems get a bench column."""
     db = ROOT / "tuning_db" / "h200x2.db"
+    bench = ROUND2 / "bench-gemm_ar-gpu.json"
     beside = sorted(db.parent.iterdir())
     cmd = [sys.executable, str(ROOT / "scripts" / "results_tables.py"), "--db", str(db), "--op", "gemm_ar",
-           "--against", f"bench={SOURCE}"]
+           "--against", f"bench={bench}"]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=60).stdout
     assert sorted(db.parent.iterdir()) == beside  # read-only: no -wal / -shm left beside the database
     assert out.startswith("### gemm_ar, tuned (`autofuse tune`)")
-    header = ("| M | trials | bsp us | best fused | fused us | x BSP | fused config | fastest | bench fused us "
+    header = ("| K | M | trials | bsp us | best fused | fused us | x BSP | fused config | fastest | bench fused us "
               "| bench / tuned |")
     assert out.count(header) == 2
     assert out.index("#### graph mode") < out.index("#### eager mode")
     con = sqlite3.connect(f"file:{db}?mode=ro&immutable=1", uri=True)
-    bsp = dict(con.execute("SELECT problem || mode, median_us FROM measurements "
-                           "WHERE op = 'gemm_ar' AND variant = 'bsp' AND ok = 1").fetchall())
+    bsp = con.execute("SELECT problem, mode, MIN(median_us) FROM measurements "
+                      "WHERE op = 'gemm_ar' AND variant = 'bsp' AND ok = 1 GROUP BY problem, mode").fetchall()
     con.close()
     lines = out.splitlines()
-    for row in json.loads(SOURCE.read_text())["rows"]:
-        cells = f"| {row['M']} | 2 | {bsp[row['problem'] + row['mode']]:.1f} | "
-        assert sum(line.startswith(cells) for line in lines) == 1, f"missing {row['problem']} {row['mode']}"
-    assert out.count("Geomean over 8 problems") == 2 and out.count("Geomean bench best fused / tuned") == 2
+    for problem, mode, us in bsp:
+        dims = dict(item.split("=") for item in problem.split("|")[1].split(","))
+        cells = f"| {dims['K']} | {dims['M']} | 4 | {us:.1f} | "
+        assert sum(line.startswith(cells) for line in lines) == 1, f"missing {problem} {mode}"
+    benched = {r["problem"] for r in json.loads(bench.read_text())["rows"]}
+    assert out.count("Geomean over 10 problems") == 2 and len(benched) == 3
+    assert "Geomean bench best fused / tuned" in out
 
 
 def test_fit_and_eval_tables_from_committed_reports():
-    script, results = str(ROOT / "scripts" / "results_tables.py"), ROOT / "docs" / "results"
+    script, results = str(ROOT / "scripts" / "results_tables.py"), ROUND1
     fit = results / "fit-graph-h200x2-2026-11-22.json"
     out = subprocess.run([sys.executable, script, "--fit", str(fit)], check=True, capture_output=True, text=True,
                          timeout=60).stdout
