@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 # The GPU machines' Triton (3.6) in a side venv where developers have one; CI has only the current one.
 T36 = Path(os.environ.get("AUTOFUSE_T36_PYTHON", "/tmp/t36/bin/python"))
@@ -72,6 +74,19 @@ def start_compile(requests: list[dict], python: str | os.PathLike | None = None)
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=str(ROOT))
 
 
+def _collect(proc: subprocess.Popen, requests: list[dict], python: str | os.PathLike | None) -> dict[str, dict]:
+    """Wait (bounded) for a start_compile child; {name: {'ptx', 'shared'}} or an error naming the kernels."""
+    try:
+        stdout, stderr = proc.communicate(timeout=600)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise
+    if proc.returncode != 0:
+        names = ", ".join(f"{r['module']}.{r['kernel']}" for r in requests)
+        raise AssertionError(f"sm_90 compile with {python or sys.executable} failed ({names}):\n{stderr[-4000:]}")
+    return json.loads(stdout)
+
+
 def compile_sm90_many(requests: list[dict], python: str | os.PathLike | None = None) -> dict[str, dict]:
     """Compile every request for sm_90 (Hopper) in one child process; {name: {'ptx', 'shared'}}.
 
@@ -79,17 +94,47 @@ def compile_sm90_many(requests: list[dict], python: str | os.PathLike | None = N
     The child runs without TRITON_INTERPRET, since @triton.jit reads it at import. `python` runs the
     compile under another interpreter (T36: the GPU machines' Triton 3.6).
     """
-    proc = start_compile(requests, python)
-    try:
-        stdout, stderr = proc.communicate(timeout=600)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        raise
-    proc.returncode = proc.wait()
-    if proc.returncode != 0:
-        names = ", ".join(f"{r['module']}.{r['kernel']}" for r in requests)
-        raise AssertionError(f"sm_90 compile with {python or sys.executable} failed ({names}):\n{stderr[-4000:]}")
-    return json.loads(stdout)
+    return _collect(start_compile(requests, python), requests, python)
+
+
+# Parametrize a compile check over this venv's Triton and, where a developer has it, the GPU machines' 3.6.
+VERSIONS = ["current",
+            pytest.param("3.6", marks=pytest.mark.skipif(not T36.exists(), reason=f"no Triton 3.6 at {T36}"))]
+
+
+def compile_sm90_versions(requests: list[dict]) -> dict[str, dict[str, dict]]:
+    """{version: {name: {'ptx', 'shared'}}} for every entry of VERSIONS that exists here, compiled in
+    parallel child processes."""
+    pythons = {"current": None, **({"3.6": T36} if T36.exists() else {})}
+    procs = {version: start_compile(requests, python) for version, python in pythons.items()}
+    return {version: _collect(proc, requests, pythons[version]) for version, proc in procs.items()}
+
+
+def compile_table(module: str, kernel: str, base: dict, signature: dict[str, str], table: dict,
+                  divisible: tuple[str, ...] | list[str]) -> dict[str, dict]:
+    """Compile each row of `table` ({name: (constexpr changes over `base`, inbox dtype, num_warps)}) for
+    sm_90 in one child process; the `inbox` argument takes the row's dtype."""
+    reqs = []
+    for name, (changes, inbox, warps) in table.items():
+        consts = {**base, **changes}
+        sig = {**signature, "inbox": f"*{inbox}", **{k: "constexpr" for k in consts}}
+        reqs.append(compile_request(module, kernel, sig, consts, warps, consts["NUM_STAGES"], divisible, name))
+    return compile_sm90_many(reqs)
+
+
+def assert_pipelined_gemm(ptx: str, shared: int, consts: dict, smem_limit: int) -> None:
+    """What every GEMM-core kernel must compile to on sm_90: wgmma, TMA (or cp.async) loads pipelined in
+    NUM_STAGES shared buffers that fit, no register spills, waits polled and bounded, abort on timeout."""
+    assert "wgmma.mma_async" in ptx, "the GEMM does not use Hopper's wgmma"
+    if consts["USE_TMA"]:
+        assert "cp.async.bulk.tensor.2d" in ptx and "mbarrier.try_wait" in ptx, "no TMA loads"
+    else:
+        assert "cp.async.commit_group" in ptx and "cp.async.bulk.tensor" not in ptx
+    stages = consts["NUM_STAGES"] * (consts["BLOCK_M"] + consts["BLOCK_N"]) * consts["BLOCK_K"] * 2
+    assert stages <= shared <= smem_limit, "the K loop is not pipelined in NUM_STAGES buffers"
+    assert "ld.local" not in ptx and "st.local" not in ptx, "registers spill"
+    assert "ld.volatile.global" in ptx and "%globaltimer" in ptx, "waits must poll and be bounded in time"
+    assert "atom.global.release.sys.cas.b32" in ptx, "a timed-out wait must abort the peers"
 
 
 def compile_sm90(module: str, kernel: str, signature: dict[str, str], constexprs: dict | None = None,

@@ -12,7 +12,6 @@ and the fault scenarios on real devices.
 """
 from __future__ import annotations
 
-import json
 import math
 import re
 import subprocess
@@ -28,7 +27,7 @@ from autofuse.ops import ag_gemm
 from autofuse.ops.ag_gemm import OP
 from autofuse.workspace import workspaces
 from autofuse.world import World, spawn
-from conftest import CTX, T36, compile_request, start_compile
+from conftest import CTX, T36, VERSIONS, compile_request, compile_sm90_versions
 
 FUSED = ("pull", "push", "push_ws")
 LAYOUTS = {"pull": ("shard",), "push": ("shard", "gathered"), "push_ws": ("shard", "gathered")}
@@ -355,18 +354,8 @@ def _request(name: str) -> dict:
 
 @pytest.fixture(scope="module")
 def compiled() -> dict:
-    """{version: {case: {'ptx', 'shared'}}}: Triton 3.9 and 3.6 compile in parallel child processes."""
-    requests = [_request(name) for name in COMPILES]
-    procs = {"3.9": start_compile(requests), **({"3.6": start_compile(requests, T36)} if T36.exists() else {})}
-    out = {}
-    for version, proc in procs.items():
-        stdout, stderr = proc.communicate(timeout=600)
-        assert proc.returncode == 0, f"sm_90 compile with Triton {version} failed:\n{stderr[-4000:]}"
-        out[version] = json.loads(stdout)
-    return out
-
-
-VERSIONS = ["3.9", pytest.param("3.6", marks=pytest.mark.skipif(not T36.exists(), reason=f"no Triton 3.6 at {T36}"))]
+    """{version: {case: {'ptx', 'shared'}}} for every entry of conftest.VERSIONS present here."""
+    return compile_sm90_versions([_request(name) for name in COMPILES])
 
 
 @pytest.mark.parametrize("version", VERSIONS)

@@ -13,16 +13,14 @@ truncates fp32 -> bf16 instead of rounding.
 from __future__ import annotations
 
 import dataclasses
-import json
 import re
-import sys
 
 import pytest
 import torch
 import torch.distributed as dist
 
 import harness
-from conftest import CTX, T36, compile_request, start_compile
+from conftest import CTX, VERSIONS, compile_request, compile_sm90_versions
 
 from autofuse.op import InvalidConfig, InvalidInput, rel_error
 from autofuse.ops import flash_decode as fd
@@ -369,19 +367,7 @@ COMPILES = [
 def compiled() -> dict:
     """{version: {name: {'ptx', 'shared'}}}: "current" (this venv's Triton) and "3.6" (conftest.T36,
     when it exists), compiled in parallel child processes."""
-    pythons = {"current": None, **({"3.6": T36} if T36.exists() else {})}
-    procs = {version: start_compile(COMPILES, python) for version, python in pythons.items()}
-    out = {}
-    for version, proc in procs.items():
-        stdout, stderr = proc.communicate(timeout=600)
-        if proc.returncode != 0:
-            raise AssertionError(f"sm_90 compile with {pythons[version] or sys.executable} failed:\n{stderr[-4000:]}")
-        out[version] = json.loads(stdout)
-    return out
-
-
-VERSIONS = ["current",
-            pytest.param("3.6", marks=pytest.mark.skipif(not T36.exists(), reason=f"no Triton 3.6 at {T36}"))]
+    return compile_sm90_versions(COMPILES)
 
 
 @pytest.mark.timeout(600)

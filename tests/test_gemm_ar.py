@@ -19,7 +19,7 @@ from autofuse import gemm
 from autofuse.op import InvalidConfig, InvalidInput, Problem
 from autofuse.ops import gemm_ar
 from autofuse.world import spawn
-from conftest import CTX, compile_request, compile_sm90_many
+from conftest import CTX, assert_pipelined_gemm, compile_table
 
 OP = gemm_ar.OP
 FUSED = ("one_shot", "two_shot")
@@ -236,30 +236,16 @@ COMPILES = {  # name: (constexpr changes, inbox dtype, num_warps)
 
 @pytest.fixture(scope="module")
 def compiled() -> dict:
-    reqs = []
-    for name, (changes, inbox, warps) in COMPILES.items():
-        consts = {**BASE, **changes}
-        sig = {**SIG, "inbox": f"*{inbox}", **{k: "constexpr" for k in consts}}
-        reqs.append(compile_request(MOD, "gemm_ar_kernel", sig, consts, warps, consts["NUM_STAGES"], DIVISIBLE, name))
-    return compile_sm90_many(reqs)
+    return compile_table(MOD, "gemm_ar_kernel", BASE, SIG, COMPILES, DIVISIBLE)
 
 
 @pytest.mark.parametrize("name", list(COMPILES))
 def test_compiles_for_sm90_with_pipelined_wgmma_and_bounded_waits(compiled, name):
     ptx, shared = compiled[name]["ptx"], compiled[name]["shared"]
     consts = {**BASE, **COMPILES[name][0]}
-    assert "wgmma.mma_async" in ptx, "the GEMM does not use Hopper's wgmma"
+    assert_pipelined_gemm(ptx, shared, consts, gemm.SMEM_LIMIT)
     if consts["SWAP_AB"]:
         assert "wgmma.mma_async.sync.aligned.m64n16k16" in ptx, "swap-AB: BLOCK_N on the wgmma's M side"
-    if consts["USE_TMA"]:
-        assert "cp.async.bulk.tensor.2d" in ptx and "mbarrier.try_wait" in ptx, "no TMA loads"
-    else:
-        assert "cp.async.commit_group" in ptx and "cp.async.bulk.tensor" not in ptx
     if consts["SPLIT_K"] > 1:
         assert "atom.global.gpu.acq_rel.add" in ptx, "split-K arrivals"
-    stages = consts["NUM_STAGES"] * (consts["BLOCK_M"] + consts["BLOCK_N"]) * consts["BLOCK_K"] * 2
-    assert stages <= shared <= gemm.SMEM_LIMIT, "the K loop is not pipelined in NUM_STAGES buffers"
-    assert "ld.local" not in ptx and "st.local" not in ptx, "registers spill"
-    assert "ld.volatile.global" in ptx and "%globaltimer" in ptx, "waits must poll and be bounded in time"
     assert "atom.global.sys.release.exch.b32" in ptx, "no epoch flag raised with a sys-scope release"
-    assert "atom.global.release.sys.cas.b32" in ptx, "a timed-out wait must abort the peers"

@@ -18,11 +18,8 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import random
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -33,7 +30,7 @@ from autofuse.gemm import GemmConfig
 from autofuse.op import InvalidConfig, default_tolerance, rel_error
 from autofuse.world import spawn
 import conftest
-from conftest import T36, compile_request
+from conftest import VERSIONS, compile_request
 
 ROOT = Path(__file__).resolve().parents[1]
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -319,28 +316,11 @@ COMPILES = {
     "wait_ptr": (_cfg(128, 128, 64, 8, 4, TMA=False), "bf16", True),
 }
 
-# Run the conftest compile script under another Python whose site-packages lack autofuse: the
-# autofuse and autofuse.kernels packages are mapped onto this checkout first.
 @pytest.fixture(scope="module")
 def compiled() -> dict:
-    """{version: {case: {'ptx', 'shared'}}} for "3.9" (this Python) and "3.6" (when /tmp/t36 exists),
-    compiled in parallel child processes."""
-    requests = [_request(name, cfg, dtype, wait) for name, (cfg, dtype, wait) in COMPILES.items()]
-    pythons = {"current": sys.executable}
-    if T36.exists():
-        pythons["3.6"] = str(T36)
-    procs = {v: conftest.start_compile(requests, py) for v, py in pythons.items()}
-    out = {}
-    for version, proc in procs.items():
-        stdout, stderr = proc.communicate(timeout=600)
-        if proc.returncode != 0:
-            raise AssertionError(f"sm_90 compile with {pythons[version]} failed:\n{stderr[-4000:]}")
-        out[version] = json.loads(stdout)
-    return out
-
-
-VERSIONS = ["current", pytest.param("3.6", marks=pytest.mark.skipif(not T36.exists(),
-                                                                      reason=f"no Triton 3.6 at {T36}"))]
+    """{version: {case: {'ptx', 'shared'}}} for every entry of conftest.VERSIONS present here."""
+    return conftest.compile_sm90_versions([_request(name, cfg, dtype, wait)
+                                           for name, (cfg, dtype, wait) in COMPILES.items()])
 
 
 def _pipeline_bytes(cfg: GemmConfig, elem: int = 2) -> int:
