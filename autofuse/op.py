@@ -179,6 +179,8 @@ class Op:
     - `features(problem)` are the numbers the policy learns from.
     - `sweep(kind, world)` lists problems to tune/bench (kinds: the op's docstring).
     - `args` names the public entry point's tensor arguments in order (`autofuse.<op>(*args, group=...)`).
+    - `per_rank` names the dims given per rank (the global size along them is the dim times the
+      world size; every other dim is global): strong scaling compares problems of equal global size.
     """
 
     name: str
@@ -191,6 +193,7 @@ class Op:
     features: Callable[[Problem], dict[str, float]]
     sweep: Callable[[str, int], list[Problem]]
     description: str = ""
+    per_rank: tuple[str, ...] = ()
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -202,6 +205,13 @@ class Op:
             return self.variants[name]
         except KeyError:
             raise KeyError(f"{self.name} has no variant {name!r}; it has {sorted(self.variants)}") from None
+
+
+def global_sizes(problem: Problem, per_rank: Sequence[str]) -> str:
+    """'op|dims|dtype' of `problem` with its `per_rank` dims scaled to global sizes (dim x world):
+    the same string at every world size for the same global work."""
+    dims = ",".join(f"{k}={v * problem.world if k in per_rank else v}" for k, v in problem.dims)
+    return f"{problem.op}|{dims}|{problem.dtype}"
 
 
 def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:

@@ -18,7 +18,7 @@ one. `--fit FIT_JSON` renders an `autofuse fit --report` (per op: each model's h
 kept one, always-BSP and the oracle); `--eval EVAL_JSON` renders `scripts/eval_dispatch_gpu.py` output
 (the summary per op, then every call: pick, kind, its time, BSP, the fastest measured candidate).
 `--db DB --op OP --scaling` renders the strong scaling instead: per timing mode, one row per problem
-size (the problem without its world size) measured at two or more world sizes, with the fastest
+size (global: an op's per-rank dims times the world size) measured at two or more world sizes, with the fastest
 candidate and its time per world size and the speedup over the smallest world size. A bench JSON of
 an extra target (`autofuse bench collectives|gemm_core|layer`: no `op`) renders as one plain table of
 its rows. Deterministic, stdlib only.
@@ -337,22 +337,24 @@ def eval_tables(doc: dict) -> list[str]:
 def render_scaling(db: Path, op: str, level: int = 3) -> str:
     """Markdown strong-scaling tables for one op of a tune database: per mode, per problem size, the
     fastest candidate and its time at each world size, and the speedup over the smallest world size."""
+    from autofuse.commands.policy import scaling_sizes
+    from autofuse.op import Problem
+
     h = "#" * level
     rows, _ = read_db(db, op)
     best = best_per_problem(rows)
     groups: dict[tuple[str, str], dict[int, tuple[str, float]]] = {}
     sizes_dims: dict[str, dict] = {}
     for (problem, mode), e in best.items():
-        world = e["dims"].get("world")
-        sizes = "|".join(problem.split("|")[:3])
+        sizes, world = scaling_sizes(problem)
         variant = min(sorted(e["best"]), key=lambda v: (e["best"][v][0], v != "bsp"))
         groups.setdefault((sizes, mode), {})[world] = (variant, e["best"][variant][0])
-        sizes_dims[sizes] = {k: v for k, v in e["dims"].items() if k != "world"}
+        sizes_dims[sizes] = dict(Problem.from_key(f"{sizes}|w1").dims)
     groups = {k: v for k, v in groups.items() if len(v) >= 2}
     out = [f"{h} {op}, strong scaling (`autofuse tune --world ...`)", ""]
     if not groups:
         return "\n".join(out + [f"No {op} problem of `{db.as_posix()}` was measured at two or more world sizes.", ""])
-    out += [f"Source `{db.as_posix()}`. Per problem size (the problem without its world size): the fastest "
+    out += [f"Source `{db.as_posix()}`. Per global problem size (per-rank dims, e.g. ag_gemm's N, times the world size): the fastest "
             "candidate over every config measured (BSP included), its time in us per call (median, max over "
             "ranks), and the speedup = time at the smallest world size / time at this one.", ""]
     modes = sorted({m for _, m in groups}, key=lambda m: (MODE_ORDER.index(m) if m in MODE_ORDER else 9, m))

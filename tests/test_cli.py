@@ -48,7 +48,7 @@ def make_db(path: Path, modes: tuple[str, ...] = ("eager",)) -> Path:
     ms = []
     for world in WORLDS:
         for m in SIZES:
-            p = Problem.make("ag_gemm", "bfloat16", world, M=m, N=3584, K=8192, gather="rows")
+            p = Problem.make("ag_gemm", "bfloat16", world, M=m, N=14336 // world, K=8192, gather="rows")
             for v in ("bsp", "pull", "push"):
                 for mode in modes:
                     t = _latency(v, m, world)
@@ -142,7 +142,7 @@ def test_strong_scaling_table(runner, db):
     scaling = json.loads(res.stdout)["eager"]["scaling"]
     assert [s["worlds"] for s in scaling] == [list(WORLDS)] * len(SIZES)
     for s, m in zip(scaling, SIZES):
-        assert s["sizes"] == f"ag_gemm|K=8192,M={m},N=3584,gather=rows|bfloat16"
+        assert s["sizes"] == f"ag_gemm|K=8192,M={m},N=14336,gather=rows|bfloat16"  # N: global
         for w in WORLDS:
             pw = s["per_world"][str(w)]
             assert pw["variant"] == _best(m, w) and pw["us"] == pytest.approx(_latency(_best(m, w), m, w))
@@ -150,6 +150,17 @@ def test_strong_scaling_table(runner, db):
     res = runner.invoke(app, ["show", "--db", str(db)])
     assert "strong scaling" in res.stdout
     assert all(h in res.stdout for h in ("w1", "w2", "w4", "speedup"))
+
+
+def test_scaling_sizes_are_global():
+    from autofuse.commands.policy import scaling_sizes
+
+    assert scaling_sizes("ag_gemm|K=8192,M=64,N=1792,gather=rows|bfloat16|w4") == \
+        ("ag_gemm|K=8192,M=64,N=7168,gather=rows|bfloat16", 4)
+    assert scaling_sizes("flash_decode|B=8,D=128,Hkv=8,Hq=64,S=4096|bfloat16|w2")[0] == \
+        "flash_decode|B=8,D=128,Hkv=8,Hq=64,S=8192|bfloat16"
+    assert scaling_sizes("gemm_ar|K=28672,M=32,N=8192|bfloat16|w2") == ("gemm_ar|K=28672,M=32,N=8192|bfloat16", 2)
+    assert scaling_sizes("not_an_op|X=3|float32|w2") == ("not_an_op|X=3|float32", 2)
 
 
 def test_export_writes_tables_and_strong_scaling(runner, db, tmp_path):

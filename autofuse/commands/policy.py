@@ -7,8 +7,8 @@ existing file unless `--force`; by default `fit` writes to the user data directo
 searches (`autofuse.policy.user_models_dir()`) and `export` to ./autofuse-out/, never over the
 shipped `models/` or `tuning_db/` files.
 
-Strong scaling: where the database holds the same op and sizes (the problem key without its world
-size) at several world sizes, `show` and `export` add a table per op: per world size the best
+Strong scaling: where the database holds the same op and global sizes (an op's per-rank dims, e.g.
+ag_gemm's N, times the world size) at several world sizes, `show` and `export` add a table per op: per world size the best
 variant and its latency, and the speedup over the smallest world size; `show --plot` draws it.
 """
 from __future__ import annotations
@@ -160,20 +160,29 @@ def problem_table(rows: list[dict]) -> list[dict]:
     return out_rows
 
 
-def _without_world(key: str) -> tuple[str, int]:
-    """('op|dims|dtype', world) of a problem key: the sizes that strong scaling compares across world sizes."""
-    op, dims, dtype, world = key.split("|")
-    return f"{op}|{dims}|{dtype}", int(world.lstrip("w"))
+def scaling_sizes(key: str) -> tuple[str, int]:
+    """('op|global dims|dtype', world) of a problem key: the global sizes that strong scaling compares
+    across world sizes (an op's `per_rank` dims times the world; an op this install does not know
+    keeps its dims as they are)."""
+    from autofuse import registry
+    from autofuse.op import Problem, global_sizes
+
+    problem = Problem.from_key(key)
+    try:
+        per_rank = registry.get(problem.op).per_rank
+    except (KeyError, ImportError):
+        per_rank = ()
+    return global_sizes(problem, per_rank), problem.world
 
 
 def scaling_table(table: list[dict]) -> list[dict]:
-    """Strong scaling: per op and sizes (problem key without the world size) measured at two or more world
+    """Strong scaling: per op and global sizes (`scaling_sizes`) measured at two or more world
     sizes, per world size the best variant, its latency, BSP's, and the speedup over the smallest world size."""
     groups: dict[str, dict[int, dict]] = {}
     for e in table:
         if e["best_us"] is None:
             continue
-        sizes, world = _without_world(e["problem"])
+        sizes, world = scaling_sizes(e["problem"])
         groups.setdefault(sizes, {})[world] = e
     rows = []
     for sizes in sorted(groups, key=lambda s: problem_sort_key(s + "|")):
@@ -222,8 +231,8 @@ def _print_scaling(scaling: list[dict], mode: str) -> None:
                 if w != worlds[0]:
                     row.append(_fmt(pw["speedup_vs_smallest"], 2) if pw and s["smallest_world"] == worlds[0] else "-")
             body.append(row)
-        print_split_table(out, f"{name} {fixed}: strong scaling, {mode} mode: best variant and us per call per "
-                          f"world size; speedup = w{worlds[0]} us / wN us", key_cols, cols, body)
+        print_split_table(out, f"{name} {fixed}: strong scaling (global sizes), {mode} mode: best variant and us per "
+                          f"call per world size; speedup = w{worlds[0]} us / wN us", key_cols, cols, body)
 
 
 # ---------------------------------------------------------------------------------------------

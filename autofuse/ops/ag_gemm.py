@@ -524,6 +524,7 @@ OP = Op(
     tolerance=tolerance,
     features=features,
     sweep=sweep,
+    per_rank=("N",),
     description="all-gather of A (rows, or K columns) + GEMM with this rank's B",
     extra={"bound": bound},
 )

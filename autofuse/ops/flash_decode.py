@@ -627,6 +627,7 @@ OP = Op(
     tolerance=tolerance,
     features=features,
     sweep=sweep,
+    per_rank=("S",),
     description="decode attention over a sequence-split KV cache (GQA): split-KV kernel + cross-rank LSE merge",
     extra={"bound": bound, "bytes": kv_bytes, "copy_rate": copy_rate, "inputs": make_inputs,
            "attention_reference": attention_reference, "partial_bytes": partial_bytes},
