@@ -163,6 +163,15 @@ def test_scaling_sizes_are_global():
     assert scaling_sizes("not_an_op|X=3|float32|w2") == ("not_an_op|X=3|float32", 2)
 
 
+def test_scaling_sweeps_hold_one_global_problem_set_at_every_world_size():
+    from autofuse import registry
+    from autofuse.commands.policy import scaling_sizes
+
+    for name in registry.names():
+        sets = [[scaling_sizes(p.key)[0] for p in registry.get(name).sweep("scaling", w)] for w in (1, 2, 4, 8)]
+        assert sets[0] and all(s == sets[0] for s in sets), name
+
+
 def test_export_writes_tables_and_strong_scaling(runner, db, tmp_path):
     res = runner.invoke(app, ["export", "--db", str(db), "--format", "json"])
     assert res.exit_code == 0, res.output

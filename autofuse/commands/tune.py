@@ -127,8 +127,9 @@ def tune(
                                           "beside --db). Several hosts on one study: postgresql://user@host/db."),
     db: Path = typer.Option(Path("tuning_db/autofuse.db"), help="Measurement database (SQLite)."),
     sweep: Optional[str] = typer.Option(None, help="Problem set: default (every op's mix of model shapes and the "
-                                        "papers' sweeps), models, gpu, llama70b or cpu (default: default with "
-                                        "GPUs, else cpu)."),
+                                        "papers' sweeps), models, gpu, llama70b, scaling (the same global problems at "
+                                        "every --world: strong scaling) or cpu (default: default with GPUs, "
+                                        "else cpu)."),
     reps: Optional[int] = typer.Option(None, help="Timed batches per measurement (default: 10 GPU, 5 CPU)."),
     budget: Optional[float] = typer.Option(None, help="Seconds one trial may take before it is failed as too slow."),
     time_limit: Optional[float] = typer.Option(None, help="Minutes: no new trial starts after this."),

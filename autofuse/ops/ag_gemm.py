@@ -174,7 +174,8 @@ CPU_SHAPES = ((4, 32, 64), (24, 48, 64), (64, 64, 64))
 DEFAULT_GPU_M = (128, 1024, 4096)
 DEFAULT_MODELS = {("llama3-70b", "gate_up"): (8, 512, 2048), ("llama3-70b", "qkv"): (32, 2048),
                   ("llama3-8b", "gate_up"): (128, 8192)}
-SWEEPS = ("cpu", "gpu", "llama70b", "models", "default")
+SCALING = ((8192 + 2 * 1024, (32, 2048)), (2 * 28672, (2048,)))  # Llama-3-70B QKV, gate+up: global N, M
+SWEEPS = ("cpu", "gpu", "llama70b", "models", "default", "scaling")
 
 
 def _valid(problem: Problem) -> bool:
@@ -197,6 +198,8 @@ def sweep(kind: str, world: int) -> list[Problem]:
     N=57344/W, K=8192). models: every column-parallel GEMM of autofuse.shapes at this world size
     (Llama-3 8B/70B/405B, Qwen2.5-72B, Mixtral), at prefill and decode M. default: what `autofuse
     tune` runs on GPUs, 10 problems: three of gpu and seven of models (Llama-3 70B and 8B).
+    scaling: three Llama-3-70B problems of one global size at every world size (N = global / world),
+    for strong-scaling tables (`autofuse tune --world 1,2 --sweep scaling`).
     """
     if kind == "gpu":
         probs = [_rows(world, m, 3584, 8192) for m in GPU_M]
@@ -209,6 +212,8 @@ def sweep(kind: str, world: int) -> list[Problem]:
         probs = [_rows(world, m, 3584, 8192) for m in DEFAULT_GPU_M]
         for g in shapes.gemms("column", world, ("llama3-70b", "llama3-8b")):
             probs += [_rows(world, m, g.N, g.K) for m in DEFAULT_MODELS.get((g.model, g.name), ())]
+    elif kind == "scaling":
+        probs = [_rows(world, m, n // world, 8192) for n, ms in SCALING for m in ms]
     elif kind == "cpu":
         probs = [Problem.make(NAME, "bfloat16", world, M=m, N=n, K=k, gather=g)
                  for g in GATHERS for (m, n, k) in CPU_SHAPES]

@@ -276,6 +276,8 @@ def sweep(kind: str, world: int) -> list[Problem]:
     - "models": every model's (Hq, Hkv, D) in autofuse.shapes (the whole cache's heads on every rank:
       the sequence is split, not the heads) x decode batches 1/8/32/128 x S 4K..32K per rank;
     - "default" (what `autofuse tune` runs): 10 problems from "gpu" and "models", short KV first;
+    - "scaling": three Llama-3-70B problems of one global KV length at every world size (S = global
+      / world), for strong-scaling tables (`autofuse tune --world 1,2 --sweep scaling`);
     - "cpu": tiny problems for the interpreter.
     """
     if kind in ("gpu", "llama70b"):
@@ -287,9 +289,11 @@ def sweep(kind: str, world: int) -> list[Problem]:
         picks = [(1, 1 << 10, 64), (1, 16 << 10, 64), (8, 4 << 10, 64), (32, 1 << 10, 64), (4, 64 << 10, 64),
                  (1, 32 << 10, 32), (8, 8 << 10, 32), (32, 4 << 10, 128), (128, 4 << 10, 64), (128, 16 << 10, 128)]
         return [make_problem(world, b, s, Hq=hq) for b, s, hq in picks]
+    if kind == "scaling":
+        return [make_problem(world, b, s // world) for b, s in ((1, 16 << 10), (8, 32 << 10), (32, 8 << 10))]
     if kind == "cpu":
         return [make_problem(world, b, s, Hq=4, Hkv=2, D=d) for b, s, d in ((1, 32, 16), (2, 48, 32), (2, 64, 16))]
-    raise ValueError(f"{NAME}: unknown sweep kind {kind!r}: use cpu, gpu, llama70b, models or default")
+    raise ValueError(f"{NAME}: unknown sweep kind {kind!r}: use cpu, gpu, llama70b, models, default or scaling")
 
 
 # ------------------------------------------------------------------------------------- configs

@@ -51,7 +51,7 @@ def features(problem: Problem) -> dict[str, float]:
 def sweep(kind: str, world: int) -> list[Problem]:
     """rp.sweep's kinds; gemm_ar runs at decode sizes (a batch of sequences, one token each)."""
     return rp.sweep(NAME, kind, world, model_m=(1, 8, 32, 128),
-                    default={"gpu": (128, 256), "llama3-70b": (1, 8, 32, 128)})
+                    default={"gpu": (128, 256), "llama3-70b": (1, 8, 32, 128)}, scaling_m=(1, 128))
 
 
 # -- bsp -----------------------------------------------------------------------------------------------

@@ -61,7 +61,8 @@ def features(problem: Problem) -> dict[str, float]:
 def sweep(kind: str, world: int) -> list[Problem]:
     """rp.sweep's kinds; gemm_rs runs at prefill sizes (rows of a sequence-parallel chunk)."""
     return rp.sweep(NAME, kind, world, model_m=(512, 2048, 8192),
-                    default={"gpu": (1024, 2048, 4096, 8192), "llama3-70b": (2048, 8192), "llama3-8b": (2048,)})
+                    default={"gpu": (1024, 2048, 4096, 8192), "llama3-70b": (2048, 8192), "llama3-8b": (2048,)},
+                    scaling_m=(2048, 8192))
 
 
 def reduce_scatter(world: Any, out: torch.Tensor, partial: torch.Tensor) -> None:

@@ -98,7 +98,7 @@ def features(problem: Problem, comm_bytes: float) -> dict[str, float]:
 
 # -- sweeps -------------------------------------------------------------------------------------------
 def sweep(op: str, kind: str, world: int, model_m: tuple[int, ...],
-          default: Mapping[str, tuple[int, ...]]) -> list[Problem]:
+          default: Mapping[str, tuple[int, ...]], scaling_m: tuple[int, ...] = ()) -> list[Problem]:
     """Problems of `kind` for `op` at `world` ranks (bf16 unless said):
 
     - "cpu": tiny problems of every dtype for the interpreter;
@@ -108,7 +108,9 @@ def sweep(op: str, kind: str, world: int, model_m: tuple[int, ...],
     - "models": every model's row-parallel GEMMs (autofuse.shapes: o_proj and down) at `model_m`
       (the op's regime: decode batches for gemm_ar, prefill chunks for gemm_rs);
     - "default" (what `autofuse tune` runs, about 10 problems): `default` maps "gpu" to the M of
-      the "gpu" sweep to take, and model names (autofuse.shapes) to the M of their o_proj and down.
+      the "gpu" sweep to take, and model names (autofuse.shapes) to the M of their o_proj and down;
+    - "scaling": Llama-3-70B's o_proj and down (K global) at `scaling_m`, the same problems at every
+      world size, for strong-scaling tables (`autofuse tune --world 1,2 --sweep scaling`).
     Problems whose M is not a multiple of the world size are left out (gemm_rs splits the rows).
     """
     if kind == "cpu":
@@ -120,13 +122,15 @@ def sweep(op: str, kind: str, world: int, model_m: tuple[int, ...],
         dims = [(m, 8192, k) for k in (8192, 28672) for m in (128, 512, 2048, 8192)]
     elif kind == "models":
         dims = [(m, g.N, g.K) for g in shapes.gemms("row", world) for m in model_m]
+    elif kind == "scaling":
+        dims = [(m, 8192, k) for k in (8192, 28672) for m in scaling_m]
     elif kind == "default":
         dims = [(m, GPU_N, GPU_K) for m in default.get("gpu", ())]
         for model, ms in default.items():
             if model != "gpu":
                 dims += [(m, g.N, g.K) for g in shapes.gemms("row", world, (model,)) for m in ms]
     else:
-        raise ValueError(f"unknown sweep kind {kind!r}: use cpu, gpu, llama70b, models or default")
+        raise ValueError(f"unknown sweep kind {kind!r}: use cpu, gpu, llama70b, models, default or scaling")
     seen: dict[str, Problem] = {}
     for m, n, k in dims:
         if op == "gemm_ar" or m % world == 0:
