@@ -7,18 +7,30 @@ dispatch's agreement), runs `confirm`:
 2. Each candidate (variant, config) is built (collective, as any build) and run once on the same
    inputs into its own scratch output; one that raises, or whose output differs from BSP's by more
    than twice the op's tolerance, is dropped on every rank (one all-reduce of the verdicts).
-3. The survivors are timed with identical repetitions on every rank (CUDA events; in graph mode
-   each candidate's calls are captured and replayed, as inference servers run), and one
-   all-reduce gives every rank the same rank-max medians, so every rank picks the same winner.
+3. The survivors are timed with the tuner's timer (`autofuse.measure.Batches`, what `time_fn`
+   uses): warm-up, batches of `inner` calls lasting about 2 ms each (agreed from the slowest
+   rank's probe), input sets rotated against L2 on GPUs (copies of the caller's inputs), CUDA
+   events; in graph mode each candidate's batch is captured once and replayed, as inference
+   servers run. The candidates take turns over `rounds` rounds (default 3), the order reversed
+   every other round, so that a drift of clocks or temperature during confirmation is shared by
+   every candidate rather than charged to whichever ran last; each turn starts with a barrier and
+   one untimed step, so that no turn's first batch pays for waking the host or for a peer still in
+   the last turn. Each candidate's median over all its batches is made rank-max (one all-reduce
+   per statistic), so every rank picks the same winner; a tie goes to BSP.
+Bounded cost: `reps` batches per candidate (default 6, about 50 ms for BSP and 3 candidates of
+GEMM size), fewer when the projected timed batches of all candidates would exceed `budget_s`
+(default 0.25 s), but at least one each. Beyond the batches: `warmup` steps, the probe, one
+untimed step per turn and (graph mode) one capture per candidate. Copies for rotation are bounded
+by `measure.rotation_count` (about twice the L2 size in all) and freed on return; a rank that
+cannot allocate them rotates fewer, and all ranks agree on the smallest count.
 The caller's inputs are only read; nothing is written outside scratch buffers. It never runs
-inside CUDA-graph capture (dispatch refuses a new problem there). The cost is reported per
-problem (`Confirmation.seconds`); building a candidate whose kernels are not compiled yet adds
-Triton's compile time once per config.
+inside CUDA-graph capture (dispatch refuses a new problem there). The cost is reported per problem:
+`Confirmation.build_seconds` (building the candidates and their first, checked call: on a cold
+process this includes Triton's compile of each config and the allocation of heap workspaces),
+`timing_seconds` (the timing alone) and the total `seconds`.
 """
 from __future__ import annotations
 
-import math
-import statistics
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -27,16 +39,25 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
-from autofuse.measure import events_us
+from autofuse.measure import Batches, Timing, nbytes, rotation_count, sync
 from autofuse.op import Config, Op, Problem, rel_error
 
 BSP = "bsp"
+REPS = 6
+ROUNDS = 3
+BUDGET_S = 0.25
 
 
 @dataclass
 class Confirmation:
     """What `confirm` measured: the winner, every (variant, config, rank-max median us) timed, and
-    (variant, config, why) for every candidate dropped."""
+    (variant, config, why) for every candidate dropped.
+
+    `timings[i]` holds the full rank-max statistics of `timed[i]`; `reps` is the number of timed
+    batches per candidate, spread over `rounds` rounds, each batch rotating over `sets` input sets.
+    Seconds are this rank's wall time: `build_seconds` (building, first call and the check of every
+    candidate), `timing_seconds` (the timing alone), `seconds` (everything, both included).
+    """
 
     variant: str
     config: Config
@@ -44,66 +65,47 @@ class Confirmation:
     dropped: list[tuple[str, Config, str]] = field(default_factory=list)
     mode: str = "eager"
     seconds: float = 0.0
+    build_seconds: float = 0.0
+    timing_seconds: float = 0.0
     reps: int = 0
+    rounds: int = 0
+    sets: int = 1
+    timings: list[Timing] = field(default_factory=list)
 
     def describe(self) -> str:
+        """One line for `explain`: the cost split and every candidate's time, fastest first."""
         timed = ", ".join(f"{v} {t:.1f} us" for v, _, t in sorted(self.timed, key=lambda x: x[2]))
         gone = "".join(f"; dropped {v}: {why}" for v, _, why in self.dropped)
-        return f"confirmed on first use ({self.mode}, {self.seconds * 1e3:.0f} ms): {timed}{gone}"
+        return (f"confirmed on first use ({self.mode}, {self.seconds * 1e3:.0f} ms: build "
+                f"{self.build_seconds * 1e3:.0f} ms, timing {self.timing_seconds * 1e3:.0f} ms for "
+                f"{self.reps} batches each in {self.rounds} rounds): {timed}{gone}")
 
 
-def _max_all(world: Any, values: list[float]) -> list[float]:
+def _reduce_all(world: Any, values: list[float], op: dist.ReduceOp) -> list[float]:
+    """`values` reduced elementwise over the ranks with `op` (one all-reduce)."""
     if world.size == 1 or not values:
         return values
     t = torch.tensor(values, dtype=torch.float64, device=world.device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=world.group)
+    dist.all_reduce(t, op=op, group=world.group)
     return t.tolist()
 
 
-def _time(world: Any, fn: Any, mode: str, reps: int, warmup: int) -> float:
-    """Median microseconds per call of `fn` on this rank (events on GPUs, the host clock on CPU)."""
-    for _ in range(warmup):
-        fn()
-    if world.device.type != "cuda":
-        samples = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            fn()
-            samples.append((time.perf_counter() - t0) * 1e6)
-        return statistics.median(samples)
-    world.sync()
-    if mode == "graph":
-        side = torch.cuda.Stream(device=world.device)
-        side.wait_stream(torch.cuda.current_stream(world.device))
-        with torch.cuda.stream(side):
-            fn()
-        torch.cuda.current_stream(world.device).wait_stream(side)
-        world.sync()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn()
-        world.sync()
-        run = graph.replay
-    else:
-        run = fn
-    samples = [events_us(run) for _ in range(reps)]
-    world.sync()
-    return statistics.median(samples)
+def reps_within(budget_s: float, round_s: float, reps: int) -> int:
+    """Timed batches per candidate: `reps`, fewer when `reps` rounds of every candidate's batch
+    (`round_s` seconds for one batch of each) would exceed `budget_s`, but at least one."""
+    return max(1, min(reps, int(budget_s / max(round_s, 1e-9))))
 
 
-def confirm(world: Any, op: Op, problem: Problem, args: Sequence[torch.Tensor],
-            candidates: Sequence[tuple[str, Config]], mode: str, reps: int = 10, warmup: int = 2,
-            bsp_config: Config | None = None) -> Confirmation:
-    """Measure BSP and `candidates` on `args` (this rank's inputs) in lockstep; see the module docstring.
+def split_rounds(reps: int, rounds: int) -> list[int]:
+    """Batches per round for `reps` batches over at most `rounds` rounds (never an empty round)."""
+    rounds = max(1, min(rounds, reps))
+    base, extra = divmod(reps, rounds)
+    return [base + (1 if i < extra else 0) for i in range(rounds)]
 
-    Every rank must call it with the same problem and candidates (dispatch's agreement ensures it).
-    `bsp_config`: BSP's config where the op's BSP takes one (default: its first default).
-    Returns the fastest correct candidate (BSP if none beats it) with the measurements.
-    """
-    t0 = time.perf_counter()
-    if bsp_config is None:
-        bsp_config = op.variant(BSP).defaults(problem)[0]
-    cands = [(BSP, dict(bsp_config))] + [(v, dict(c)) for v, c in candidates if v != BSP]
+
+def _build_all(world: Any, op: Op, problem: Problem, args: Sequence[torch.Tensor],
+               cands: list[tuple[str, Config]]) -> tuple[list[Any], list[torch.Tensor | None], list[str]]:
+    """Build each candidate and run it once on `args`: (runners, outputs, errors), '' where it worked."""
     runners: list[Any] = []
     outs: list[torch.Tensor | None] = []
     errors: list[str] = []
@@ -119,27 +121,94 @@ def confirm(world: Any, op: Op, problem: Problem, args: Sequence[torch.Tensor],
         runners.append(runner)
         outs.append(out)
         errors.append(err)
-    if errors[0]:
-        raise RuntimeError(f"{op.name}: bsp failed on {problem.key} while confirming: {errors[0]}")
+    return runners, outs, errors
+
+
+def _compare(op: Op, problem: Problem, outs: list[torch.Tensor | None], errors: list[str]) -> None:
+    """Mark (in `errors`) every candidate whose output differs from BSP's (`outs[0]`) beyond twice
+    the op's tolerance."""
     tol = 2 * op.tolerance(problem)
-    for i in range(1, len(cands)):
+    for i in range(1, len(outs)):
         if not errors[i]:
             e = rel_error(outs[i], outs[0])
             if not e <= tol:
                 errors[i] = f"output differs from bsp's by {e:.3g} (> {tol:.3g})"
-    failed = _max_all(world, [1.0 if e else 0.0 for e in errors])
-    result = Confirmation(BSP, dict(bsp_config), mode=mode, reps=reps)
-    times = []
-    for i, (variant, config) in enumerate(cands):
-        if failed[i]:
-            result.dropped.append((variant, config, errors[i] or "failed on another rank"))
-            times.append(math.inf)
-            continue
-        out = outs[i]
-        runner = runners[i]
-        times.append(_time(world, lambda r=runner, o=out: r(*args, out=o), mode, reps, warmup))
-    times = _max_all(world, times)
-    result.timed = [(v, c, t) for (v, c), t in zip(cands, times) if math.isfinite(t)]
+
+
+def _input_sets(world: Any, args: Sequence[Any]) -> list[tuple]:
+    """The caller's `args` and copies of them to rotate through against L2, as `measure` rotates
+    (GPUs only). The count is the smallest any rank could allocate, since every rank must make the
+    same calls."""
+    sets = [tuple(args)]
+    if world.device.type != "cuda":
+        return sets
+    try:
+        for _ in range(rotation_count(nbytes(args)) - 1):
+            sets.append(tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in args))
+    except torch.cuda.OutOfMemoryError as exc:
+        traceback.clear_frames(exc.__traceback__)
+    keep = int(_reduce_all(world, [float(len(sets))], dist.ReduceOp.MIN)[0])
+    return sets[:keep]
+
+
+def _time_all(world: Any, runners: list[Any], sets: list[tuple], outs: list[torch.Tensor], mode: str, reps: int,
+              warmup: int, budget_s: float, rounds: int) -> tuple[list[Timing], list[int]]:
+    """Rank-max timings of `runners` (each rotating over `sets`, writing `outs`), taken in turns.
+
+    Returns the timings and the batches per round. Collective: every rank passes the same counts.
+    """
+    batches = [Batches(world, [lambda r=r, x=x, o=o: r(*x, out=o) for x, o in zip(sets, outs)], mode, warmup)
+               for r in runners]
+    plan = split_rounds(reps_within(budget_s, sum(b.batch_s for b in batches), reps), rounds)
+    for b in batches:
+        b.start()
+    samples: list[list[float]] = [[] for _ in batches]
+    for r, count in enumerate(plan):
+        order = range(len(batches)) if r % 2 == 0 else range(len(batches) - 1, -1, -1)
+        for i in order:
+            sync(world)
+            batches[i].step()  # untimed: the first call after the barrier wakes threads and queues
+            samples[i].extend(batches[i].sample() for _ in range(count))
+    for b in batches:
+        b.close()
+    return [b.stats(s) for b, s in zip(batches, samples)], plan
+
+
+def confirm(world: Any, op: Op, problem: Problem, args: Sequence[torch.Tensor],
+            candidates: Sequence[tuple[str, Config]], mode: str, reps: int = REPS, warmup: int = 2,
+            bsp_config: Config | None = None, budget_s: float = BUDGET_S, rounds: int = ROUNDS) -> Confirmation:
+    """Measure BSP and `candidates` on `args` (this rank's inputs) in lockstep; see the module docstring.
+
+    Every rank must call it with the same problem, candidates and counts (dispatch's agreement
+    ensures it). `bsp_config`: BSP's config where the op's BSP takes one (default: its first
+    default). `reps`: timed batches per candidate, cut so that the timed batches stay within
+    `budget_s` seconds; `rounds`: how many turns they are spread over.
+    Returns the fastest correct candidate (BSP if none beats it) with the measurements.
+    """
+    t0 = time.perf_counter()
+    if bsp_config is None:
+        bsp_config = op.variant(BSP).defaults(problem)[0]
+    cands = [(BSP, dict(bsp_config))] + [(v, dict(c)) for v, c in candidates if v != BSP]
+    runners, outs, errors = _build_all(world, op, problem, args, cands)
+    if not errors[0]:
+        _compare(op, problem, outs, errors)
+    failed = _reduce_all(world, [1.0 if e else 0.0 for e in errors], dist.ReduceOp.MAX)
+    if failed[0]:  # raised on every rank alike, after the verdicts' all-reduce
+        why = errors[0] or "failed on another rank"
+        raise RuntimeError(f"{op.name}: bsp failed on {problem.key} while confirming: {why}")
+    result = Confirmation(BSP, dict(bsp_config), mode=mode, build_seconds=time.perf_counter() - t0)
+    live = [i for i in range(len(cands)) if not failed[i]]
+    result.dropped = [(v, c, errors[i] or "failed on another rank")
+                      for i, (v, c) in enumerate(cands) if failed[i]]
+    t1 = time.perf_counter()
+    sets = _input_sets(world, args)
+    scratch = [outs[0]] + [torch.empty_like(outs[0]) for _ in sets[1:]]
+    del outs  # the other candidates' first outputs: every candidate writes `scratch` from here on
+    timings, plan = _time_all(world, [runners[i] for i in live], sets, scratch, mode, reps, warmup, budget_s, rounds)
+    result.timing_seconds = time.perf_counter() - t1
+    result.reps, result.rounds, result.sets = sum(plan), len(plan), len(sets)
+    result.timed = [(cands[i][0], cands[i][1], t.median_us) for i, t in zip(live, timings)]
+    result.timings = timings
     best = min(result.timed, key=lambda x: (x[2], x[0] != BSP))
     result.variant, result.config = best[0], best[1]
     result.seconds = time.perf_counter() - t0

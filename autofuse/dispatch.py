@@ -28,7 +28,8 @@ once before capturing (warm-up), as inference servers already do.
 Confirm on first use (autofuse/confirm.py): when the decision for a problem rests on a prediction
 (the policy never measured this problem, or the policy was fitted with other software), every rank
 measures the policy's top candidates (AUTOFUSE_CONFIRM_K, default 3, plus BSP) on the caller's
-inputs in lockstep and runs the fastest correct one; the measurements go (source `online`) to this
+inputs in lockstep, with the tuner's timer, and runs the fastest correct one (`explain` shows the
+times and the cost, build and timing apart); the measurements go (source `online`) to this
 machine's online store (AUTOFUSE_ONLINE_DB, default <user cache>/autofuse/online-<hardware id>.db),
 which later processes read first (basis `confirmed`) and `autofuse fit` reads too. On by default
 on GPUs, off on the CPU emulation; AUTOFUSE_ONLINE=0/1 switches it.
@@ -96,6 +97,7 @@ class Choice:
     config_source: str = ""
     cached: bool = False
     candidates: list = field(default_factory=list)  # (variant, config) to confirm on first use
+    confirmation: Any = None  # the confirm.Confirmation this decision came from (its costs, timings)
 
     def __str__(self) -> str:
         lines = [f"{self.op}: {self.problem.key}",
@@ -193,7 +195,7 @@ def explain(op: str | Op, *args: Any, group: Any = None, variant: str | None = N
     if entry is not None:
         c = entry.choice
         return Choice(c.op, c.problem, c.variant, dict(c.config), c.reason, c.basis, c.policy_path, c.config_source,
-                      True)
+                      True, confirmation=c.confirmation)
     return _decide(_get_op(op), _world(group), args, variant, config)
 
 
@@ -436,7 +438,7 @@ def _confirm(world: World, op: Op, choice: Choice, args: tuple) -> Choice:
             entry[variant] = (us, config)
     return Choice(op.name, choice.problem, result.variant, result.config,
                   f"{result.describe()}; the policy said: [{choice.basis}] {choice.reason}", "confirmed",
-                  choice.policy_path, "measured on first use")
+                  choice.policy_path, "measured on first use", confirmation=result)
 
 
 def _record_online(world: World, op: Op, problem: Problem, result: Any) -> None:
@@ -446,8 +448,10 @@ def _record_online(world: World, op: Op, problem: Problem, result: Any) -> None:
     from autofuse.store import Store, StoreError
 
     fp = environment.fingerprint(world.device.type)
-    rows = [Measurement(problem, v, dict(c), result.mode, True, median_us=us, reps=result.reps)
-            for v, c, us in result.timed]
+    rows = [Measurement(problem, v, dict(c), result.mode, True, median_us=t.median_us, p10_us=t.p10_us,
+                        p90_us=t.p90_us, min_us=t.min_us, reps=t.reps,
+                        extra={"inner": t.inner, "sets": result.sets, "rounds": result.rounds})
+            for (v, c, _), t in zip(result.timed, result.timings)]
     rows += [Measurement(problem, v, dict(c), result.mode, False, error=why) for v, c, why in result.dropped]
     try:
         path = online_db(fp)

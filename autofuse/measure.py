@@ -2,10 +2,11 @@
 
 Two timing modes (DESIGN.md, Measurement): `eager` (back-to-back calls, launch cost included) and
 `graph` (the calls captured in a CUDA graph and replayed: launch tax removed). Warm-up first, then
-the median of many timed batches with device events; input sets rotate when they fit in L2; every
-rank uses the same counts (agreed by collectives, since mismatched counts deadlock) and the group
-keeps the rank-max. A config is timed only after it matched the float64 reference; a wrong,
-failing or hanging config is returned as a failed measurement and never timed.
+the median of many timed batches with device events (`Batches`: confirm-on-first-use times with it
+too); input sets rotate when they fit in L2; every rank uses the same counts (agreed by
+collectives, since mismatched counts deadlock) and the group keeps the rank-max. A config is timed
+only after it matched the float64 reference; a wrong, failing or hanging config is returned as a
+failed measurement and never timed.
 """
 from __future__ import annotations
 
@@ -157,58 +158,109 @@ class TooSlow(RuntimeError):
     """The projected timing run would exceed its budget (agreed by every rank)."""
 
 
+def capture(world, fn: Callable[[], Any]) -> torch.cuda.CUDAGraph:
+    """`fn` captured in a CUDA graph (collective: every rank calls it alike).
+
+    `fn` runs once on a side stream first, as torch's graph docs ask, so that lazily made state
+    (library handles, workspaces, compiled kernels) exists before capture; the ranks sync around the
+    capture so that no rank captures while a peer still runs the warm-up's collectives.
+    """
+    side = torch.cuda.Stream(device=world.device)
+    side.wait_stream(torch.cuda.current_stream(world.device))
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream(world.device).wait_stream(side)
+    sync(world)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    sync(world)
+    return graph
+
+
+class Batches:
+    """Timed batches of one step (one call of each of `fns`, rotating input sets): the one timer of
+    `time_fn` (tuning, benchmarks) and of `confirm` (first use), so both measure alike.
+
+    Making it warms up `warmup` steps and times one probe step; `inner` (steps per batch, so that a
+    batch lasts about `target_batch_us`) comes from the slowest rank's probe, so every rank makes
+    the same calls. `start()` readies the timed form (graph mode: captures `inner` steps and replays
+    them once); `sample()` times one batch on this rank (device events on GPUs, the host clock on
+    CPU) and returns microseconds per call; `stats()` turns samples into rank-max statistics;
+    `close()` frees the graph. Every method except `sample` is collective.
+    """
+
+    def __init__(self, world, fns: Sequence[Callable[[], Any]] | Callable[[], Any], mode: str = "eager",
+                 warmup: int = 3, target_batch_us: float = 2000.0, max_inner: int = 50):
+        if mode == "graph" and world.device.type != "cuda":
+            raise ValueError("graph mode needs CUDA graphs; on CPU only eager mode exists")
+        self.world, self.mode = world, mode
+        self.fns = [fns] if callable(fns) else list(fns)
+        self.timer = events_us if world.device.type == "cuda" else _cpu_time
+        self.graph: torch.cuda.CUDAGraph | None = None
+        sync(world)
+        for _ in range(warmup):
+            self.step()
+        sync(world)
+        self.probe_us = _agree(world, self.timer(self.step, 1), dist.ReduceOp.MAX)
+        inner = int(max(1, min(max_inner, target_batch_us // max(self.probe_us, 1e-3))))
+        self.inner = inner if world.device.type == "cuda" else 1
+
+    def step(self) -> None:
+        """One call of each fn (one pass over the input sets)."""
+        for f in self.fns:
+            f()
+
+    def batch(self) -> None:
+        """`inner` steps: what one timed sample runs."""
+        for _ in range(self.inner):
+            self.step()
+
+    @property
+    def batch_s(self) -> float:
+        """Projected seconds of one timed batch (from the agreed probe: the same on every rank)."""
+        return self.probe_us * 1e-6 * self.inner
+
+    def start(self) -> None:
+        """Ready the timed form: in graph mode capture one batch and replay it once."""
+        if self.mode == "graph":
+            self.graph = capture(self.world, self.batch)
+            self.graph.replay()
+        sync(self.world)
+
+    def sample(self) -> float:
+        """Time one batch on this rank: microseconds per call."""
+        per = len(self.fns)
+        if self.graph is not None:
+            return events_us(self.graph.replay, 1) / (self.inner * per)
+        return self.timer(self.step, self.inner) / per
+
+    def stats(self, samples: Sequence[float]) -> Timing:
+        """Rank-max statistics of `samples` (collective)."""
+        return _stats(self.world, self.mode, samples, self.inner)
+
+    def close(self) -> None:
+        """Free the captured graph (collective: the ranks sync after)."""
+        self.graph = None
+        sync(self.world)
+
+
 def time_fn(world, fns: Sequence[Callable[[], Any]] | Callable[[], Any], mode: str = "eager",
             warmup: int = 3, reps: int = 20, target_batch_us: float = 2000.0, max_inner: int = 50,
             budget_s: float = math.inf) -> Timing:
     """Time `fns` (one call each per step, rotating input sets) in `mode`; rank-max stats in us/call.
 
     A batch repeats the rotation `inner` times so that one timed batch lasts about
-    `target_batch_us`; `inner` is agreed across ranks from the slowest rank's probe. Raises
-    TooSlow (on every rank alike) when the run would take longer than `budget_s`.
+    `target_batch_us`; `inner` is agreed across ranks from the slowest rank's probe (`Batches`).
+    Raises TooSlow (on every rank alike) when the run would take longer than `budget_s`.
     """
-    if callable(fns):
-        fns = [fns]
-    fns = list(fns)
-
-    def step() -> None:
-        for f in fns:
-            f()
-
-    if mode == "graph" and world.device.type != "cuda":
-        raise ValueError("graph mode needs CUDA graphs; on CPU only eager mode exists")
-    timer = events_us if world.device.type == "cuda" else _cpu_time
-    sync(world)
-    for _ in range(warmup):
-        step()
-    sync(world)
-    probe = _agree(world, timer(step, 1), dist.ReduceOp.MAX)
-    inner = int(max(1, min(max_inner, target_batch_us // max(probe, 1e-3))))
-    if world.device.type != "cuda":
-        inner = 1
-    if probe * 1e-6 * (inner * reps + warmup) > budget_s:
-        raise TooSlow(f"{mode} timing would take {probe * 1e-6 * inner * reps:.1f} s > budget {budget_s:.0f} s")
-    per = len(fns)
-    if mode == "eager":
-        sync(world)
-        samples = [timer(step, inner) / per for _ in range(reps)]
-    else:
-        side = torch.cuda.Stream(device=world.device)
-        side.wait_stream(torch.cuda.current_stream(world.device))
-        with torch.cuda.stream(side):
-            step()
-        torch.cuda.current_stream(world.device).wait_stream(side)
-        sync(world)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(inner):
-                step()
-        sync(world)
-        graph.replay()
-        sync(world)
-        samples = [events_us(graph.replay, 1) / (inner * per) for _ in range(reps)]
-        del graph
-    sync(world)
-    return _stats(world, mode, samples, inner)
+    b = Batches(world, fns, mode, warmup, target_batch_us, max_inner)
+    if b.probe_us * 1e-6 * (b.inner * reps + warmup) > budget_s:
+        raise TooSlow(f"{mode} timing would take {b.batch_s * reps:.1f} s > budget {budget_s:.0f} s")
+    b.start()
+    samples = [b.sample() for _ in range(reps)]
+    b.close()
+    return b.stats(samples)
 
 
 def rotation_count(input_bytes: int, l2_bytes: int = L2_BYTES) -> int:
@@ -216,7 +268,8 @@ def rotation_count(input_bytes: int, l2_bytes: int = L2_BYTES) -> int:
     return 1 if input_bytes >= 2 * l2_bytes else min(8, max(2, math.ceil(2 * l2_bytes / max(input_bytes, 1))))
 
 
-def _nbytes(tensors: Sequence[torch.Tensor]) -> int:
+def nbytes(tensors: Sequence[Any]) -> int:
+    """Bytes of the tensors among `tensors` (other arguments count nothing): what rotation sizes by."""
     return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
 
 
@@ -254,7 +307,7 @@ def measure(world, op: Op, problem: Problem, variant: str, config: Config, modes
         return fail(why, err)
     first_call_s = _agree(world, time.perf_counter() - t0, dist.ReduceOp.MAX)
     # Rotate input sets against L2 on GPUs; the CPU emulation has no such cache effect worth 8x the calls.
-    sets = rotation_count(_nbytes(op.inputs(world, problem, seed))) if world.device.type == "cuda" else 1
+    sets = rotation_count(nbytes(op.inputs(world, problem, seed))) if world.device.type == "cuda" else 1
     inputs = [op.inputs(world, problem, seed + 1 + i) for i in range(sets)]
     outs = [runner(*x) for x in inputs]
     fns = [lambda x=x, o=o: runner(*x, out=o) for x, o in zip(inputs, outs)]

@@ -5,12 +5,15 @@ between and beyond the tuned ones, other models' N and K, fp16 beside bf16, the 
 For each, on every rank:
 1. the first call through the public entry point (`autofuse.<op>`, policy from --policy, mode
    from --mode, confirm-on-first-use on unless --no-confirm): what dispatch chose, on which basis,
-   and what the first call cost (seconds, confirmation and compiles included);
+   and what the first call cost (seconds, confirmation and compiles included), and of it, where the
+   decision was confirmed, the confirmation's build (candidates built and run once: Triton compiles
+   and workspace allocation on a cold process) and timing seconds apart;
 2. every available variant measured (autofuse.measure: checked, then timed) at the config the
    policy would give it (its nearest tuned config), and the choice itself;
 The oracle is the fastest measured candidate. Reported per op and overall: the share of calls
 within 5% of the oracle, the geomean of choice / oracle and of choice / BSP, the worst choice / BSP,
-the bases, and the first-call cost. Prints a table and writes JSON. Usage:
+the bases, and the first-call cost (median; with confirmation's build and timing medians). Prints a
+table and writes JSON. Usage:
 
     python3 scripts/eval_dispatch_gpu.py --policy POLICY.json --mode graph --out eval.json
 """
@@ -93,13 +96,25 @@ def job(world, policy_path: str, ops: list[str], mode: str, reps: int, confirm: 
             pick = (_measure(world, op, problem, choice.variant, choice.config, mode, reps)
                     if config_key(choice.config) not in tried.get(choice.variant, set()) else us[choice.variant])
             us = {v: t for v, t in us.items() if math.isfinite(t)}
+            conf = choice.confirmation
             row = {"problem": problem.key, "op": name, "us": us, "pick": choice.variant, "basis": choice.basis,
-                   "config": choice.config, "reason": choice.reason, "pick_us": pick, "first_call_s": first_s}
+                   "config": choice.config, "reason": choice.reason, "pick_us": pick, "first_call_s": first_s,
+                   "confirm_s": conf.seconds if conf else None,
+                   "confirm_build_s": conf.build_seconds if conf else None,
+                   "confirm_timing_s": conf.timing_seconds if conf else None}
             out.append(row)
             if world.rank == 0:
-                print(f"{problem.key}: {choice.variant} [{choice.basis}] {pick:.1f} us, first call {first_s:.2f} s; "
-                      + ", ".join(f"{v} {t:.1f}" for v, t in sorted(us.items(), key=lambda x: x[1])), flush=True)
+                cost = f" (build {conf.build_seconds:.2f} s, timing {conf.timing_seconds * 1e3:.0f} ms)" if conf else ""
+                print(f"{problem.key}: {choice.variant} [{choice.basis}] {pick:.1f} us, first call {first_s:.2f} s"
+                      f"{cost}; " + ", ".join(f"{v} {t:.1f}" for v, t in sorted(us.items(), key=lambda x: x[1])),
+                      flush=True)
     return {"rows": out, "policy": policy_path, "mode": mode, "refused": policy.refused, "confirm": confirm}
+
+
+def _median(xs: list[float]) -> float:
+    """The median of `xs` (the upper one of an even count, as the first-call column always took); NaN if empty."""
+    xs = sorted(xs)
+    return xs[len(xs) // 2] if xs else math.nan
 
 
 def summarize(rows: list[dict]) -> dict:
@@ -114,10 +129,12 @@ def summarize(rows: list[dict]) -> dict:
     bases: dict[str, int] = {}
     for r in rows:
         bases[r["basis"]] = bases.get(r["basis"], 0) + 1
-    first = sorted(r["first_call_s"] for r in rows)
+    confirmed = [r for r in rows if r.get("confirm_s") is not None]
     return {"calls": len(rows), "within_5pct": within / max(1, len(rows)), "geomean_vs_oracle": g(ratios),
             "geomean_vs_bsp": g(vs_bsp), "worst_vs_bsp": max(vs_bsp) if vs_bsp else math.nan, "bases": bases,
-            "first_call_median_s": first[len(first) // 2] if first else math.nan}
+            "first_call_median_s": _median([r["first_call_s"] for r in rows]),
+            "confirm_build_median_s": _median([r["confirm_build_s"] for r in confirmed]),
+            "confirm_timing_median_s": _median([r["confirm_timing_s"] for r in confirmed])}
 
 
 def main() -> int:
@@ -143,10 +160,14 @@ def main() -> int:
         json.dump(res, f, indent=1)
     print(f"\nheld-out dispatch quality, {a.mode} mode, confirm on first use {'on' if res['confirm'] else 'off'}, "
           f"policy {a.policy}")
-    print(f"{'op':13s} {'calls':>5s} {'within5%':>8s} {'/oracle':>8s} {'/bsp':>6s} {'worst':>6s} {'1st s':>6s}  bases")
+    print(f"{'op':13s} {'calls':>5s} {'within5%':>8s} {'/oracle':>8s} {'/bsp':>6s} {'worst':>6s} {'1st s':>6s} "
+          f"{'build s':>7s} {'time ms':>7s}  bases")
     for k, s in res["summary"].items():
         print(f"{k:13s} {s['calls']:5d} {s['within_5pct']:8.0%} {s['geomean_vs_oracle']:8.3f} "
-              f"{s['geomean_vs_bsp']:6.3f} {s['worst_vs_bsp']:6.3f} {s['first_call_median_s']:6.2f}  {s['bases']}")
+              f"{s['geomean_vs_bsp']:6.3f} {s['worst_vs_bsp']:6.3f} {s['first_call_median_s']:6.2f} "
+              f"{s['confirm_build_median_s']:7.2f} {s['confirm_timing_median_s'] * 1e3:7.1f}  {s['bases']}")
+    print("1st s: first call (median); build s / time ms: of it, confirmation's build (compiles, workspaces) and "
+          "timing (medians over the confirmed calls)")
     return 0
 
 

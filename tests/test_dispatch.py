@@ -479,13 +479,37 @@ class _Wrong(TOY.variants["fused"].__class__):
         return Off()
 
 
+class _Skewed(TOY.variants["fused"].__class__):
+    """Fast on rank 0 (10 us), slow on rank 1 (5 ms): only the rank-max shows its cost on every rank."""
+
+    name = "skewed"
+
+    def runner(self, world, problem, config):
+        inner = super().runner(world, problem, config)
+        inner.cost_us = 10.0 if world.rank == 0 else 5000.0
+        return inner
+
+
+def _confirmation_fields(got) -> dict:
+    """What a test checks of a Confirmation: choice, cost split, counts, the rank-max times."""
+    return {"variant": got.variant, "dropped": [(v, why) for v, _, why in got.dropped],
+            "timed": sorted(v for v, _, _ in got.timed), "times": sorted((v, t) for v, _, t in got.timed),
+            "seconds": (got.build_seconds, got.timing_seconds, got.seconds), "reps": got.reps,
+            "rounds": got.rounds, "timings": len(got.timings), "describe": got.describe()}
+
+
 def _confirm_job(world, policies: dict, db: str) -> dict:
     """First use of unseen problems with AUTOFUSE_ONLINE=1: measured, recorded, reused by a new process."""
     import dataclasses
 
+    import torch
+
     from autofuse import confirm, dispatch
     from autofuse.store import Store
 
+    # Two ranks on two cores: intra-op worker threads would take turns with the other rank's busy
+    # wait and turn the toy's ~100 us calls into time slices of milliseconds, burying the costs.
+    torch.set_num_threads(1)
     os.environ["AUTOFUSE_ONLINE"] = "1"
     os.environ["AUTOFUSE_ONLINE_DB"] = db
     paths = _write_policies(policies, world.rank)
@@ -496,7 +520,8 @@ def _confirm_job(world, policies: dict, db: str) -> dict:
     out = dispatch.call(TOY, a, b)
     ex = dispatch.explain(TOY, a, b)
     res["first"] = {"rel": _rel(out, a, b), "variant": ex.variant, "basis": ex.basis, "reason": ex.reason,
-                    "confirmations": dispatch.stats.confirmations}
+                    "confirmations": dispatch.stats.confirmations,
+                    "confirmation": ex.confirmation is not None and _confirmation_fields(ex.confirmation)}
     a2, b2 = _inputs(world, 256, n=32)  # tuned: measured, not confirmed
     dispatch.call(TOY, a2, b2)
     res["tuned"] = {"basis": dispatch.explain(TOY, a2, b2).basis, "confirmations": dispatch.stats.confirmations}
@@ -516,8 +541,17 @@ def _confirm_job(world, policies: dict, db: str) -> dict:
     a3, b3 = TOY.inputs(world, problem, 5)
     got = confirm.confirm(world, op, problem, (a3, b3), [("wrong", {"BLOCK": 16}), ("fused", {"BLOCK": 16})],
                           "eager", reps=3)
-    res["wrong"] = {"variant": got.variant, "dropped": [(v, why) for v, _, why in got.dropped],
-                    "timed": sorted(v for v, _, _ in got.timed)}
+    res["wrong"] = _confirmation_fields(got)
+    # a candidate fast on one rank only: every rank sees the rank-max times and picks the same winner
+    op = dataclasses.replace(TOY, variants=[*TOY.variants.values(), _Skewed()])
+    problem = Problem.make("toy_mm", "float32", world.size, M=256, N=16, K=16)  # bsp ~148 us, fused ~86 us
+    a4, b4 = TOY.inputs(world, problem, 6)
+    got = confirm.confirm(world, op, problem, (a4, b4), [("skewed", {"BLOCK": 16}), ("fused", {"BLOCK": 16})],
+                          "eager", reps=4, rounds=2)
+    res["skewed"] = _confirmation_fields(got)
+    # a budget smaller than one batch: one timed batch per candidate, one round, still a winner
+    got = confirm.confirm(world, op, problem, (a4, b4), [("fused", {"BLOCK": 16})], "eager", budget_s=0.0)
+    res["tiny_budget"] = _confirmation_fields(got)
     for k in ("AUTOFUSE_ONLINE", "AUTOFUSE_ONLINE_DB", "AUTOFUSE_POLICY"):
         del os.environ[k]
     dispatch.reset()
@@ -529,7 +563,8 @@ def test_confirm_on_first_use_measures_records_and_reuses(policies, tmp_path):
     for rank, r in enumerate(results):
         first = r["first"]
         assert first["basis"] == "confirmed" and first["confirmations"] == 1, first
-        assert first["variant"] == "fused" and first["rel"] < 1e-5 and "confirmed on first use" in first["reason"]
+        assert first["variant"] == "fused" and first["rel"] < 1e-5, first
+        assert "confirmed on first use" in first["reason"], first
         assert r["tuned"]["basis"] == "measured" and r["tuned"]["confirmations"] == 1, r["tuned"]
         again = r["again"]
         assert again == {"rel": again["rel"], "variant": "fused", "basis": "confirmed", "confirmations": 0}, again
@@ -537,8 +572,34 @@ def test_confirm_on_first_use_measures_records_and_reuses(policies, tmp_path):
         w = r["wrong"]
         assert w["variant"] == "fused" and w["timed"] == ["bsp", "fused"], w
         assert w["dropped"] and w["dropped"][0][0] == "wrong" and "differs from bsp" in w["dropped"][0][1], w
+        assert first["confirmation"], first  # explain() carries the Confirmation of a confirmed decision
+        for c in (first["confirmation"], w, r["skewed"], r["tiny_budget"]):
+            build, timing, total = c["seconds"]
+            assert all(math.isfinite(x) and x >= 0 for x in c["seconds"]) and build + timing <= total, c
+            assert c["timings"] == len(c["timed"]) and 1 <= c["rounds"] <= c["reps"], c
+            assert "build" in c["describe"] and "timing" in c["describe"], c
+        assert "build" in first["reason"] and "timing" in first["reason"], first["reason"]
+        assert w["reps"] <= 3, w
+        assert r["skewed"]["timed"] == ["bsp", "fused", "skewed"] and r["skewed"]["rounds"] == 2, r["skewed"]
+        assert r["tiny_budget"]["reps"] == 1 and r["tiny_budget"]["rounds"] == 1, r["tiny_budget"]
+    for key in ("wrong", "skewed", "tiny_budget"):  # rank-max times: every rank saw the same and chose alike
+        assert results[0][key]["times"] == results[1][key]["times"], key
+        assert results[0][key]["variant"] == results[1][key]["variant"], key
+    skewed = dict(results[0]["skewed"]["times"])["skewed"]  # rank 1 spins 5 ms per call: a floor, not a timing
+    assert skewed >= 5000, results[0]["skewed"]
     rows = results[0]["rows"]
     assert {(v, src) for v, src, ok in rows if ok} >= {("bsp", "online"), ("fused", "online")}, rows
+
+
+def test_confirm_timing_plan_stays_within_budget():
+    """Batches per candidate: `reps` when they fit the budget, fewer (at least one) when not, spread over
+    non-empty rounds."""
+    from autofuse.confirm import reps_within, split_rounds
+
+    assert reps_within(0.25, 0.008, 6) == 6  # 4 candidates x 2 ms batches: 48 ms, inside the budget
+    assert reps_within(0.25, 0.1, 6) == 2 and reps_within(0.25, 1.0, 6) == 1 and reps_within(0.0, 0.0, 6) == 1
+    assert split_rounds(6, 3) == [2, 2, 2] and split_rounds(7, 3) == [3, 2, 2]
+    assert split_rounds(2, 3) == [1, 1] and split_rounds(1, 3) == [1]
 
 
 def _gpu_dispatch_job(world) -> list[tuple[str, bool, str]]:
