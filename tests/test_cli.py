@@ -384,6 +384,7 @@ def test_cpu_op_bench(tmp_path):
     assert len(written) == 1 and f"wrote {written[0].relative_to(tmp_path)}" in res.stderr
     doc = json.loads(written[0].read_text())
     assert doc["op"] == "gemm_ar" and doc["sweep"] == "cpu" and len(doc["rows"]) == 1
+    assert "profile" not in doc["rows"][0]  # only `--profile` adds it
     tables = [line for line in res.stdout.splitlines() if line[:1] in "┏┃┡│└"]
     assert len(tables) >= 5
     _check_80("\n".join(tables))

@@ -33,6 +33,9 @@ def bench(
     quiet: bool = typer.Option(False, help="No line per measurement, only the tables."),
     json_out: bool = typer.Option(False, "--json", help="Print the JSON document instead of tables (no progress "
                                   "lines; the file is written as well)."),
+    profile: bool = typer.Option(False, "--profile", help="Op targets: after measuring, run each variant's best "
+                                 "config 20 more calls under torch.profiler and report its kernels per call "
+                                 "(device us, share, GPU busy vs measured latency); rows gain a 'profile' key."),
 ) -> None:
     """Benchmark an op (each variant at its known-good configs vs BSP and the bound) or an extra target.
 
@@ -54,12 +57,14 @@ def bench(
         module = load_target(target)
     except BenchTargetMissing as exc:
         fail(str(exc))
+    if profile and not is_op(target):
+        fail(f"--profile profiles an op's variants; {target} is not an op")
     if mode is not None and mode not in ("eager", "graph"):
         fail(f"--mode must be eager or graph, not {mode!r}")
     options = BenchOptions(target=target, sweep=sweep, reps=reps, limit=limit, world=world, out=out_path,
                            variants=[v.strip() for v in variants.split(",") if v.strip()] if variants else None,
                            modes=[mode] if mode else None, shapes=list(shapes) if shapes else None, force=force,
-                           progress=not (quiet or json_out)).resolved()
+                           progress=not (quiet or json_out), profile=profile).resolved()
     if options.device_kind == "cpu" and mode == "graph":
         fail("--mode graph needs CUDA graphs (a GPU); on CPU only eager mode exists")
     if options.device_kind == "cuda":

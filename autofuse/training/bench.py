@@ -25,7 +25,9 @@ at each of its known-good configs (`variant.defaults(problem)`), correctness-che
 fastest correct config per variant is reported. The pieces of the op's bound (`op.extra["bound"]`,
 e.g. the all-gather alone and the matmul alone) are timed in the same run, and bound = max(pieces).
 On CPU the timings are the Triton interpreter's and gloo's, not a GPU's: they show that every
-variant runs, not how fast it would be.
+variant runs, not how fast it would be. With `options.profile`, each measured variant's best config
+is then profiled per mode (`autofuse.training.kernel_profile`): its rows gain a "profile" key
+{variant: per-kernel breakdown} and `render` prints a kernel table per problem.
 """
 from __future__ import annotations
 
@@ -68,6 +70,7 @@ class BenchOptions:
     measurement (median taken). limit: only the first N problems. world: ranks (None: every local
     GPU, or 2 CPU ranks). out: JSON path (None: `default_out`). device_kind: "cuda" or "cpu"
     ("" = detect). force: replace an existing output file. progress: print a line per measurement.
+    profile: op targets only: after measuring, profile each variant's best config per kernel.
     """
 
     target: str
@@ -82,6 +85,7 @@ class BenchOptions:
     device_kind: str = ""
     force: bool = False
     progress: bool = True
+    profile: bool = False
 
     def resolved(self) -> "BenchOptions":
         """A copy with device_kind and world filled in for this machine."""
@@ -150,6 +154,7 @@ class BenchRow:
     pieces: dict[str, float] = field(default_factory=dict)
     failures: dict[str, str] = field(default_factory=dict)
     pieces_bw: dict[str, float] = field(default_factory=dict)
+    profiles: dict[str, dict] | None = None
 
     @property
     def bound(self) -> float:
@@ -182,8 +187,10 @@ def _config_text(config: dict) -> str:
 
 
 def bench_rank(world, op_name: str, kind: str, variants: Sequence[str] | None, modes: Sequence[str] | None,
-               reps: int, limit: int | None, shapes: Sequence[int] | None, progress: bool = True) -> dict[str, Any]:
-    """Run on every rank; returns plain data (rank 0's is printed). Rank 0 prints one line per measurement."""
+               reps: int, limit: int | None, shapes: Sequence[int] | None, progress: bool = True,
+               profile: bool = False) -> dict[str, Any]:
+    """Run on every rank; returns plain data (rank 0's is printed). Rank 0 prints one line per measurement
+    (and, with `profile`, one per profile)."""
     from autofuse import registry
     from autofuse.measure import measure, modes_for, time_fn
 
@@ -201,18 +208,21 @@ def bench_rank(world, op_name: str, kind: str, variants: Sequence[str] | None, m
     done = 0
     say = world.rank == 0 and progress
     for i, problem in enumerate(problems):
-        per_mode = {m: BenchRow(problem, m) for m in modes}
-        for vname, config in [(v, c) for p, v, c in plan if p is problem]:
-            got = measure(world, op, problem, vname, config, modes=modes, reps=reps)
-            done += 1
-            for ms in got:
-                raw.append(ms.row())
-                _keep_best(per_mode[ms.mode], ms)
-            if say:
-                times = "; ".join(f"{ms.mode} {ms.median_us:.1f} us" if ms.ok else
-                                  f"{ms.mode} failed: {(ms.error or 'failed').splitlines()[0][:80]}" for ms in got)
-                print(f"[{done}/{len(plan)}] problem {i + 1}/{len(problems)} {problem.key} {vname} "
-                      f"{_config_text(config)}: {times}", flush=True)
+        per_mode = {m: BenchRow(problem, m, profiles={} if profile else None) for m in modes}
+        for vname in names:
+            for config in [c for p, v, c in plan if p is problem and v == vname]:
+                got = measure(world, op, problem, vname, config, modes=modes, reps=reps)
+                done += 1
+                for ms in got:
+                    raw.append(ms.row())
+                    _keep_best(per_mode[ms.mode], ms)
+                if say:
+                    times = "; ".join(f"{ms.mode} {ms.median_us:.1f} us" if ms.ok else
+                                      f"{ms.mode} failed: {(ms.error or 'failed').splitlines()[0][:80]}" for ms in got)
+                    print(f"[{done}/{len(plan)}] problem {i + 1}/{len(problems)} {problem.key} {vname} "
+                          f"{_config_text(config)}: {times}", flush=True)
+            if profile:
+                _profile_best(world, op, problem, vname, per_mode, say)
         bound = op.extra.get("bound")
         if bound is not None:
             pieces = bound(world, problem, 0)
@@ -237,6 +247,29 @@ def bench_rank(world, op_name: str, kind: str, variants: Sequence[str] | None, m
             del copy
         rows.extend(per_mode.values())
     return {"rows": [_row_dict(r, op) for r in rows], "raw": raw, "variants": names, "modes": list(modes)}
+
+
+def _profile_best(world, op: Any, problem: Any, vname: str, per_mode: dict[str, BenchRow], say: bool) -> None:
+    """Profile `vname`'s fastest correct config in each mode it was measured in (every rank, in lockstep);
+    the breakdown goes into that mode's row. A variant with no correct config is not profiled."""
+    from autofuse.training.kernel_profile import profile_variant
+
+    for mode, row in per_mode.items():
+        if vname not in row.best:
+            continue
+        got = profile_variant(world, op, problem, vname, row.config[vname], mode, row.best[vname])
+        row.profiles[vname] = got
+        if say:
+            print(f"  profile of {vname} on {problem.key}, {mode}: {_profile_text(got)}", flush=True)
+
+
+def _profile_text(got: dict[str, Any]) -> str:
+    """One line of a profile: busy vs measured time per call and the top kernel, or why it failed."""
+    if "error" in got:
+        return f"failed: {got['error']}"
+    top = got["kernels"][0] if got["kernels"] else None
+    return (f"busy {_f(got['busy_us'], 1)} of {_f(got['latency_us'], 1)} us measured, "
+            f"{len(got['kernels'])} kernels" + (f", top {top['name']} {top['share']:.0%}" if top else ""))
 
 
 def _keep_best(row: BenchRow, ms: Any) -> None:
@@ -267,6 +300,7 @@ def _row_dict(row: BenchRow, op: Any) -> dict[str, Any]:
         "speedup_vs_bsp": bsp / bt if bt and bt == bt else math.nan,
         "vs_bound": bt / row.bound if row.bound == row.bound and bt == bt else math.nan,
         "failures": row.failures, "bandwidth": row.pieces_bw,
+        **({"profile": row.profiles} if row.profiles is not None else {}),
     }
 
 
@@ -283,7 +317,7 @@ def run(options: BenchOptions) -> dict[str, Any]:
         if unknown:
             raise ValueError(f"{o.target} has no variant {', '.join(unknown)}; it has {', '.join(op.variants)}")
     results = spawn(bench_rank, o.world, o.target, sweep, o.variants, o.modes, o.reps, o.limit,
-                    parse_shapes(o.shapes), o.progress, device_kind=o.device_kind, timeout_s=3600)
+                    parse_shapes(o.shapes), o.progress, o.profile, device_kind=o.device_kind, timeout_s=3600)
     result = dict(results[0], op=o.target, sweep=sweep, world=o.world, device_kind=o.device_kind)
     if o.device_kind == "cpu":
         result["notes"] = [CPU_NOTE]
@@ -300,8 +334,10 @@ def _f(x: Any, digits: int = 2) -> str:
 
 
 def render(result: dict[str, Any], console: Any) -> None:
-    """One table per mode (the problem parts that vary as columns, the fixed ones in the title), the geomean."""
+    """One table per mode (the problem parts that vary as columns, the fixed ones in the title), the geomean;
+    with profiles, a kernel table per problem after its mode's table."""
     from autofuse.commands._common import print_split_table, split_problems
+    from autofuse.training.kernel_profile import render_profile
 
     op_name = result.get("op") or result.get("target", "?")
     for mode in result["modes"]:
@@ -332,6 +368,9 @@ def render(result: dict[str, Any], console: Any) -> None:
         fails = {(r["problem"], v): why for r in rows for v, why in r["failures"].items()}
         for (p, v), why in list(fails.items())[:10]:
             console.print(f"  {v} failed on {p}: {why}", style="yellow")
+        for r in rows:
+            if r.get("profile"):
+                render_profile(r, result.get("device_kind", ""), console)
     for line in result.get("notes", []):
         console.print(line, style="yellow")
 
