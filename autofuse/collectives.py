@@ -22,7 +22,7 @@ fault; synchronises) and what overlap needs:
   output, reuse it at once, e.g. as torch.matmul's input). With `out`, ALGO inbox/pull write
   straight into it; push and the copy engine write the buffer and copy it into `out`.
 - AllGather.start(x) + AllGather.wait(i) for i in range(len(chunks)): the gather in `chunks`
-  (Chunk(source, index, start, stop): rows [start, stop) of `source`'s shard), each awaited by a
+  (Chunk(owner, index, start, stop): rows [start, stop) of `owner`'s shard), each awaited by a
   tiny device kernel on the stream that calls `wait` (e.g. the matmul's), so the matmul of
   chunk i starts as soon as it arrived. Every chunk must be awaited, in order, exactly once per
   `start` (the last wait closes the call).
@@ -82,10 +82,11 @@ _FLAG_KINDS, _FLAG_BASE = 4, 16
 
 @dataclass(frozen=True)
 class Chunk:
-    """Rows [start, stop) of `source`'s rows (all_gather: the sender's shard; reduce_scatter: the
-    owner's rows), the `index`-th chunk of them."""
+    """Rows [start, stop) of rank `owner`'s rows, the `index`-th chunk of them. all_gather: `owner`'s
+    shard, which it sends (the chunk comes from `owner`); reduce_scatter: the rows of the partial that
+    `owner` sums (the chunk goes to `owner`)."""
 
-    source: int
+    owner: int
     index: int
     start: int
     stop: int
@@ -402,16 +403,16 @@ class AllGather(_Base):
         irows, width, dst_ld, src_step, chunks, _, _ = self._geom
         ws = self.ws
         _kernels().chunk_wait_kernel[(1,)](
-            ws.ctx, ws.flags, ws.half_flags, self.buffer, c.source, c.index, c.start * self.split,
+            ws.ctx, ws.flags, ws.half_flags, self.buffer, c.owner, c.index, c.start * self.split,
             c.stop * self.split, width, dst_ld, src_step, chunks, self.programs, LAST=i == len(self.chunks) - 1,
             WAIT_BLOCK=next_pow2(self.programs), BLOCK_R=self.block_r, BLOCK_C=self.block_c, num_warps=4, num_stages=1)
 
     def rows_of(self, c: Chunk) -> tuple[slice, slice]:
         """(row slice, column slice) of `self.buffer` that chunk `c` fills."""
         if self.dim == 0:
-            base = c.source * self.rows
+            base = c.owner * self.rows
             return slice(base + c.start, base + c.stop), slice(0, self.cols)
-        return slice(c.start, c.stop), slice(c.source * self.cols, (c.source + 1) * self.cols)
+        return slice(c.start, c.stop), slice(c.owner * self.cols, (c.owner + 1) * self.cols)
 
 
 def all_gather(world: Any, rows: int, cols: int, dtype: torch.dtype, config: Config | None = None, dim: int = 0,
@@ -445,6 +446,17 @@ class _Reduce(_Base):
         self._box2 = box2
         self._fixed_inbox = self._fixed(fixed_elems) if fixed_elems else None
 
+    def _setup_slots(self, owner_rows: int, total_rows: int) -> None:
+        """`_setup` with one `owner_rows x cols` inbox slot per rank, in the parity inboxes (ENGINE=sm) or in
+        the fixed workspace (ENGINE=ce, whose copies go into every peer's copy of my slot)."""
+        w, r = self.world.size, self.world.rank
+        slot = owner_rows * self.cols
+        self._setup(owner_rows, total_rows, self.config["CHUNKS"], w * slot if self.engine == "sm" else 0,
+                    w * slot if self.engine == "ce" else 0, 0)
+        if self.engine == "ce":
+            assert self._fixed_inbox is not None
+            self._peers = self._peer_views(self._fixed_inbox[r * slot:(r + 1) * slot].view(owner_rows, self.cols))
+
     def _run(self, x: torch.Tensor, out: torch.Tensor, send: int, reduce: bool, publish: bool, fixed: bool,
              owner: int = -1, chunk: int = -1) -> None:
         ws = self.ws
@@ -459,6 +471,18 @@ class _Reduce(_Base):
         _kernels().all_gather_kernel[(self.programs,)](
             x, x, self.data, ws.ctx, ws.flags, ws.half_flags, self.data_half, 0, 0, 0, 0, self._geom[3], 1, 1,
             ALGO=_CE_READY, WAITED=False, BLOCK_R=1, BLOCK_C=16, num_warps=1, num_stages=1)
+
+    def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Sum every rank's `x` into `out` (a new tensor if None) and return it; one launch. `out` is
+        my rows (reduce_scatter) or all of them (all_reduce, where `out` may be `x`)."""
+        self._check_x(x)
+        if out is None:
+            out = torch.empty(self.out_shape, dtype=self.dtype, device=self.device)
+        else:
+            self._check_x(out, "out", self.out_shape)
+        self._refuse()
+        self._call(x, out)
+        return out
 
     def _call(self, x: torch.Tensor, out: torch.Tensor) -> None:
         if self.engine == "ce":
@@ -485,12 +509,7 @@ class ReduceScatter(_Reduce):
         w, r = world.size, world.rank
         mine = rows // w
         self.out_shape = (mine, cols)
-        slot = mine * cols
-        self._setup(mine, rows, self.config["CHUNKS"], w * slot if self.engine == "sm" else 0,
-                    w * slot if self.engine == "ce" else 0, 0)
-        if self.engine == "ce":
-            assert self._fixed_inbox is not None
-            self._peers = self._peer_views(self._fixed_inbox[r * slot:(r + 1) * slot].view(mine, cols))
+        self._setup_slots(mine, rows)
         order = [(r + i) % w for i in range(1, w)] + [r]
         cr = self.chunk_rows
         self.chunks = [Chunk(q, j, j * cr, min(mine, (j + 1) * cr)) for q in order for j in range(self.nchunks)]
@@ -499,25 +518,14 @@ class ReduceScatter(_Reduce):
         mine = self.out_shape[0]
         return x[owner * mine:(owner + 1) * mine]
 
-    def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """Sum every rank's `x` and return my rows (`out`, or a new tensor); one launch."""
-        self._check_x(x)
-        if out is None:
-            out = torch.empty(self.out_shape, dtype=self.dtype, device=self.device)
-        else:
-            self._check_x(out, "out", self.out_shape)
-        self._refuse()
-        self._call(x, out)
-        return out
-
     def push(self, x: torch.Tensor, i: int) -> None:
         """Send chunk i of the partial `x` to its owner (nothing for my own chunks); SM engine only."""
         if self.engine != "sm":
             raise InvalidConfig("reduce_scatter: chunked pushes need ENGINE=sm")
         c = self.chunks[i]
-        if c.source == self.world.rank:
+        if c.owner == self.world.rank:
             return
-        self._run(x, x, _SEND_DATA, False, False, False, owner=c.source, chunk=c.index)
+        self._run(x, x, _SEND_DATA, False, False, False, owner=c.owner, chunk=c.index)
 
     def reduce(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """Sum my rows once every peer pushed them (the last launch of a chunked call)."""
@@ -533,33 +541,17 @@ class AllReduce(_Reduce):
     def __init__(self, world: Any, rows: int, cols: int, dtype: torch.dtype, config: Config | None = None,
                  name: str = "collectives"):
         super().__init__(world, rows, cols, dtype, config, 0, name)
-        w, r = world.size, world.rank
+        w = world.size
         self.out_shape = (rows, cols)
         self.algo = self.config["ALGO"]
         if self.algo == "one_shot":
             self.mode = _AR_ONE
-            slot = rows * cols
-            self._setup(rows, rows, self.config["CHUNKS"], w * slot if self.engine == "sm" else 0,
-                        w * slot if self.engine == "ce" else 0, 0)
-            if self.engine == "ce":
-                assert self._fixed_inbox is not None
-                self._peers = self._peer_views(self._fixed_inbox[r * slot:(r + 1) * slot].view(rows, cols))
+            self._setup_slots(rows, rows)
         else:
             self.mode = _AR_TWO
             owner = cdiv(rows, w)
             slot = owner * cols
             self._setup(owner, rows, self.config["CHUNKS"], 2 * w * slot, 0, w * slot)
-
-    def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """Sum every rank's `x` into `out` (a new tensor if None; `out` may be `x`); one launch."""
-        self._check_x(x)
-        if out is None:
-            out = torch.empty(self.out_shape, dtype=self.dtype, device=self.device)
-        else:
-            self._check_x(out, "out", self.out_shape)
-        self._refuse()
-        self._call(x, out)
-        return out
 
 
 def reduce_scatter(world: Any, rows: int, cols: int, dtype: torch.dtype, config: Config | None = None,

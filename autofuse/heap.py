@@ -136,6 +136,20 @@ def default_provider(device: torch.device, spans_job: bool = False) -> str:
     return "symm" if spans_job else "torch"
 
 
+def torch_symm_available(world: Any, op: str) -> bool:
+    """True if torch's own symmetric-memory op `torch.ops.symm_mem.<op>` can run on `world`: a CUDA World
+    that spans the whole job (torch's rendezvous hangs once groups that leave ranks out used it:
+    `Rendezvous` says why) and a torch that registers the op (importing `_symmetric_memory` does)."""
+    if world.device.type != "cuda" or not _spans_job(world):
+        return False
+    try:
+        import torch.distributed._symmetric_memory  # noqa: F401  (importing registers torch.ops.symm_mem)
+
+        return hasattr(torch.ops, "symm_mem") and hasattr(torch.ops.symm_mem, op)
+    except (ImportError, AttributeError, RuntimeError):
+        return False
+
+
 # -- rendezvous --------------------------------------------------------------------------------------
 
 _seq: dict[tuple, int] = {}

@@ -292,7 +292,7 @@ class _RSRunner(Runner):
         self.streams = _Streams(world.device, priority)
         self.partial = torch.empty((m, n), dtype=dt, device=world.device)
         per = m // w
-        self.parts = [(i, c.source != world.rank, slice(c.source * per + c.start, c.source * per + c.stop))
+        self.parts = [(i, c.owner != world.rank, slice(c.owner * per + c.start, c.owner * per + c.stop))
                       for i, c in enumerate(rs.chunks)]
         super().__init__(world, problem, [TensorSpec("a", (m, k // w), dt, "dense"),
                                           TensorSpec("b", (k // w, n), dt, "dense")],

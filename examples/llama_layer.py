@@ -396,19 +396,26 @@ def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-300))
 
 
+def capture(fn: Any) -> tuple[torch.cuda.CUDAGraph, Any]:
+    """(graph, what the captured call returned): one call of fn on a side stream first (the warm-up
+    torch asks for before a capture), then one call captured in a CUDA graph, to replay with
+    `graph.replay()` into the same output tensors."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph, out
+
+
 def time_us(fn: Any, graph: bool, reps: int = 20, group: Any = None) -> float:
     """Median us per call of fn (captured in a CUDA graph and replayed if `graph`), max over ranks."""
     fn()
     if graph:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            fn()
-        torch.cuda.current_stream().wait_stream(side)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            fn()
-        fn = g.replay
+        fn = capture(fn)[0].replay
     torch.cuda.synchronize()
     dist.barrier(group=group)
     times = []

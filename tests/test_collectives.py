@@ -203,7 +203,7 @@ def _overlap_job(world):
             order = []
             for i, c in enumerate(ag.chunks):
                 ag.wait(i)
-                order.append((c.source, c.index))
+                order.append((c.owner, c.index))
             ag.check()
             ok = torch.equal(buf.double(), C.reference("all_gather", xs, r, dim))
             got = plain(xs[r])  # a non-overlapped call on the same workspace between overlapped ones
@@ -218,7 +218,7 @@ def _overlap_job(world):
         rs.reduce(xs[r], res)
         rs.check()
         err = (res.double() - C.reference("reduce_scatter", xs, r)).abs().max().item()
-        out.append(("rs", seed, err < 1e-5, len(rs.chunks), [(c.source, c.index) for c in rs.chunks]))
+        out.append(("rs", seed, err < 1e-5, len(rs.chunks), [(c.owner, c.index) for c in rs.chunks]))
     return out
 
 

@@ -8,27 +8,25 @@ bitwise the same matrix. Fault scenarios must raise on every rank, never return 
 """
 from __future__ import annotations
 
-import math
+from functools import partial
 
 import pytest
 import torch
 
 import harness
-from _row_parallel import TINY, RandomTrial, by_scenario, cases_then_faults, fake_world, tiny
-from autofuse import gemm
+from _row_parallel import (TINY, assert_rejected, cases_and_faults, check_compiled_gemm, check_dead_peer_time,
+                           check_fault, check_faults_on_gpus, check_space, check_sweeps, default_cases, fake_world,
+                           fault_ids, fault_plan, tiny)
 from autofuse.op import InvalidConfig, InvalidInput, Problem
 from autofuse.ops import gemm_ar
 from autofuse.world import spawn
-from conftest import CTX, assert_pipelined_gemm, compile_table
+from conftest import CTX, compile_table
 
 OP = gemm_ar.OP
 FUSED = ("one_shot", "two_shot")
 SAME_BITS = ("mm_heap", *FUSED)  # these sum in rank order: bitwise identical results on every rank
 
-def _defaults(variant: str, dims: dict, dtype: str = "bfloat16", count: int = 2, world: int = 2) -> list[tuple]:
-    """Cases of `variant` at its first `count` default configs for the problem."""
-    problem = Problem.make(OP.name, dtype, world, **dims)
-    return [(variant, dims, dtype, c) for c in OP.variant(variant).defaults(problem)[:count]]
+_defaults = partial(default_cases, OP)  # (variant, dims, dtype, pick: the first `pick` defaults, world)
 
 
 ODD = {"M": 20, "N": 40, "K": 48}   # M, N and K/W not multiples of the blocks
@@ -44,7 +42,7 @@ CPU_CASES = [
     ("two_shot", ODD, "float16", tiny(BLOCK_M=32, BLOCK_N=32, PARTIAL="fp32", TMA=False, SPLIT_K=2)),
     ("two_shot", ODD, "float32", tiny(BLOCK_M=32, GROUP_M=1, BLOCK_K=32, PARTIAL="fp32")),
     ("two_shot", FEW, "float32", tiny(BLOCK_N=32, PARTIAL="fp32", SWAP_AB=True)),
-    *_defaults("mm_heap", ODD, "bfloat16"), *_defaults("mm_heap", FEW, "float32", count=1),
+    *_defaults("mm_heap", ODD, "bfloat16"), *_defaults("mm_heap", FEW, "float32", pick=1),
 ]
 FOUR = {"M": 5, "N": 24, "K": 64}
 CPU4_CASES = [
@@ -63,12 +61,12 @@ SMALL_TILE = {"BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 8, "num_
 
 GPU_CASES = [
     ("bsp", {"M": 128, **GPU_SWEEP}, "bfloat16", {}), ("bsp", {"M": 77, **QWEN}, "float32", {}),
-    *_defaults("mm_heap", {"M": 8, **O_PROJ}, count=4), *_defaults("mm_heap", {"M": 256, **GPU_SWEEP}),
-    *_defaults("mm_heap", {"M": 77, **QWEN}, "float16", count=1),
+    *_defaults("mm_heap", {"M": 8, **O_PROJ}, pick=4), *_defaults("mm_heap", {"M": 256, **GPU_SWEEP}),
+    *_defaults("mm_heap", {"M": 77, **QWEN}, "float16", pick=1),
     *_defaults("one_shot", {"M": 1, **O_PROJ}), *_defaults("one_shot", {"M": 32, **DOWN}),
     *_defaults("one_shot", {"M": 256, **GPU_SWEEP}), *_defaults("two_shot", {"M": 128, **GPU_SWEEP}),
-    *_defaults("one_shot", {"M": 1000, **GPU_SWEEP}, count=1), *_defaults("two_shot", {"M": 2048, **O_PROJ}, count=1),
-    *_defaults("one_shot", {"M": 77, **QWEN}, "float16", count=1),
+    *_defaults("one_shot", {"M": 1000, **GPU_SWEEP}, pick=1), *_defaults("two_shot", {"M": 2048, **O_PROJ}, pick=1),
+    *_defaults("one_shot", {"M": 77, **QWEN}, "float16", pick=1),
     ("one_shot", {"M": 77, **QWEN}, "float32", {**SMALL_TILE, "BLOCK_M": 64, "BLOCK_K": 32, "PARTIAL": "fp32"}),
     ("one_shot", {"M": 9, "N": 3000, "K": 5000}, "bfloat16", {**SMALL_TILE, "PARTIAL": "fp32", "TMA": False,
                                                               "SWAP_AB": True, "SPLIT_K": 4}),
@@ -76,14 +74,9 @@ GPU_CASES = [
 ]
 
 
-def _run(world, cases, calls):
-    return harness.run_cases(world, OP, cases, calls=calls)
-
-
 # -- faults: a late peer, a skipped call, a dead peer (at 1 and at 8 tiles); one at 4 ranks ---------------
 SMALL_FAULT, LARGE_FAULT = {"M": 16, "N": 16, "K": 32}, {"M": 64, "N": 128, "K": 32}  # 1 and 8 tiles (32x32)
-FAULT_PLAN = [(v, SMALL_FAULT, "float32", c, s) for s in ("late_peer", "skipped_call", "dead_peer")
-              for v, c in (("one_shot", tiny(PARTIAL="fp32")), ("two_shot", tiny(PARTIAL="out")))]
+FAULT_PLAN = fault_plan(SMALL_FAULT, "float32", (("one_shot", tiny(PARTIAL="fp32")), ("two_shot", tiny(PARTIAL="out"))))
 FAULT_PLAN.append(("one_shot", LARGE_FAULT, "float32", tiny(BLOCK_M=32, BLOCK_N=32, PARTIAL="fp32"), "dead_peer"))
 FAULT_PLAN4 = [("two_shot", SMALL_FAULT, "bfloat16", tiny(PARTIAL="out"), "dead_peer")]
 
@@ -91,8 +84,7 @@ FAULT_PLAN4 = [("two_shot", SMALL_FAULT, "bfloat16", tiny(PARTIAL="out"), "dead_
 @pytest.fixture(scope="module")
 def two_ranks() -> tuple[list, list[list[dict]]]:
     """(run_cases results per rank, [scenario][rank] -> what the rank saw in harness.fault_run)."""
-    per_rank = spawn(cases_then_faults, 2, OP, CPU_CASES, 2, FAULT_PLAN, timeout_s=900)
-    return [r[0] for r in per_rank], by_scenario(per_rank, FAULT_PLAN)
+    return cases_and_faults(2, OP, CPU_CASES, 2, FAULT_PLAN, timeout_s=900)
 
 
 def test_two_ranks_every_variant_dtype_and_odd_shapes_bitwise_equal_across_ranks(two_ranks):
@@ -100,46 +92,33 @@ def test_two_ranks_every_variant_dtype_and_odd_shapes_bitwise_equal_across_ranks
 
 
 def test_four_ranks_and_a_dead_peer():
-    per_rank = spawn(cases_then_faults, 4, OP, CPU4_CASES, 1, FAULT_PLAN4, timeout_s=900)
-    harness.assert_ok([r[0] for r in per_rank], same_bits=SAME_BITS)
-    seen = by_scenario(per_rank, FAULT_PLAN4)[0]
+    results, (seen,) = cases_and_faults(4, OP, CPU4_CASES, 1, FAULT_PLAN4, timeout_s=900)
+    harness.assert_ok(results, same_bits=SAME_BITS)
     harness.check_fault_run(seen)
     assert all(r["seen"][1][0] != "returned" for r in seen[:-1]), seen
 
 
 @harness.gpu()
 def test_gpu_cases_eager_and_graph_replay_bitwise_equal_across_ranks():
-    harness.assert_ok(spawn(_run, 2, GPU_CASES, 2, device_kind="cuda", timeout_s=1800), same_bits=SAME_BITS)
+    results = spawn(harness.run_cases, 2, OP, GPU_CASES, 2, device_kind="cuda", timeout_s=1800)
+    harness.assert_ok(results, same_bits=SAME_BITS)
 
 
 @harness.gpu()
 def test_gpu_faults():
-    dims = {"M": 128, **O_PROJ}
-    plan = [(v, dims, "bfloat16", c, s) for s in ("late_peer", "skipped_call", "dead_peer")
-            for v, c in (("one_shot", {**SMALL_TILE, "BLOCK_M": 64, "PARTIAL": "out"}),
-                         ("two_shot", {**SMALL_TILE, "BLOCK_M": 64, "PARTIAL": "fp32"}))]
-    for seen in by_scenario(spawn(cases_then_faults, 2, OP, [], 0, plan, device_kind="cuda", timeout_s=900), plan):
-        harness.check_fault_run(seen)
+    tile = {**SMALL_TILE, "BLOCK_M": 64}
+    check_faults_on_gpus(OP, fault_plan({"M": 128, **O_PROJ}, "bfloat16", (("one_shot", {**tile, "PARTIAL": "out"}),
+                                                                           ("two_shot", {**tile, "PARTIAL": "fp32"}))))
 
 
 @pytest.mark.parametrize("i", range(len(FAULT_PLAN) - 1),
-                         ids=[f"{v}-{s}" for v, _, _, _, s in FAULT_PLAN[:-1]])
+                         ids=fault_ids(FAULT_PLAN[:-1]))
 def test_fault_raises_on_every_rank_and_never_returns_a_wrong_result(two_ranks, i):
-    seen = two_ranks[1][i]
-    harness.check_fault_run(seen)
-    survivor, victim = seen
-    assert survivor["seen"][1][0] == "FlagTimeout", survivor
-    if FAULT_PLAN[i][4] != "dead_peer":
-        assert victim["seen"][-1][0] != "returned", victim
+    check_fault(two_ranks[1][i], FAULT_PLAN[i][4])
 
 
 def test_dead_peer_time_to_fail_does_not_grow_with_the_problem(two_ranks):
-    faults = two_ranks[1]
-    small = next(r for (v, d, _, _, s), r in zip(FAULT_PLAN, faults) if v == "one_shot" and s == "dead_peer"
-                 and d == SMALL_FAULT)
-    for result in (small, faults[-1]):
-        harness.check_fault_run(result)  # within budget + 5 s at 1 tile and at 8 tiles
-    assert faults[-1][0]["seen"][1][0] == "FlagTimeout"
+    check_dead_peer_time(two_ranks[1], FAULT_PLAN, "one_shot", SMALL_FAULT)
 
 
 # -- validation, configs, sweeps ------------------------------------------------------------------------
@@ -171,9 +150,7 @@ def test_invalid_configs_rejected_before_launch():
                             ({**good, "FLAG": "tile"}, "unknown ['FLAG']"), ({**good, "num_stages": 0}, "num_stages"),
                             ({**good, "GROUP_M": 0}, "GROUP_M"), ({**good, "PARTIAL": "bf16"}, "PARTIAL='bf16'"),
                             (TINY, "missing ['PARTIAL']"), ({**good, "SPLIT_K": 3}, "SPLIT_K=3 is more than")]:
-            assert msg in (v.check(p, config) or ""), (variant, config, v.check(p, config))
-            with pytest.raises(InvalidConfig, match=msg.replace("[", r"\[").replace("]", r"\]")):
-                v.build(w, p, config)
+            assert_rejected(w, p, v, config, msg)
     odd = Problem.make("gemm_ar", "bfloat16", 2, M=9, N=3000, K=5000)  # K/W = 2500: rows not 16-byte aligned
     assert "TMA needs 16-byte aligned row strides" in OP.variant("one_shot").check(odd, {**good, "BLOCK_M": 16})
     assert OP.variant("one_shot").check(odd, {**good, "TMA": False}) is None
@@ -185,28 +162,11 @@ def test_space_draws_runnable_configs_without_warp_specialisation():
     for p in (Problem.make("gemm_ar", "bfloat16", 2, M=32, N=8192, K=8192),
               Problem.make("gemm_ar", "float32", 2, M=20, N=40, K=48)):
         for name in FUSED:
-            v, seen, valid = OP.variant(name), {}, 0
-            for seed in range(40):
-                config = v.space(RandomTrial(seed, seen), p)
-                assert config["PARTIAL"] in ("fp32", "out") and not config["WARP_SPEC"]
-                valid += v.check(p, config) is None
-            assert "WARP_SPEC" not in seen and valid >= 5, (name, p, valid)
+            check_space(OP.variant(name), p, lambda config: config["PARTIAL"] in ("fp32", "out"))
 
 
 def test_sweeps_defaults_and_features():
-    for kind in ("cpu", "gpu", "llama70b", "models", "default"):
-        for world in (2, 4, 8):
-            problems = OP.sweep(kind, world)
-            assert problems and all(p.op == "gemm_ar" and p["K"] % world == 0 for p in problems)
-            for p in problems:
-                for name, v in OP.variants.items():
-                    configs = v.defaults(p)
-                    assert configs and all(v.check(p, c) is None for c in configs), (name, p)
-                    if v.family == "fused":
-                        assert not any(c["WARP_SPEC"] for c in configs)
-                feats = OP.features(p)
-                assert set(feats) == {"log2_flops", "log2_comm_bytes", "comm_bytes_per_flop", "log2_M_per_rank"}
-                assert all(math.isfinite(v) for v in feats.values())
+    check_sweeps(OP, divisible=("K",))  # any M: nothing is split by rows
     assert [p["M"] for p in OP.sweep("gpu", 2)] == [128, 256, 512, 1024, 2048, 4096, 8192, 16384]
     assert {p["M"] for p in OP.sweep("models", 2)} == {1, 8, 32, 128}  # decode batches
     default = OP.sweep("default", 2)
@@ -241,9 +201,7 @@ def compiled() -> dict:
 
 @pytest.mark.parametrize("name", list(COMPILES))
 def test_compiles_for_sm90_with_pipelined_wgmma_and_bounded_waits(compiled, name):
-    ptx, shared = compiled[name]["ptx"], compiled[name]["shared"]
-    consts = {**BASE, **COMPILES[name][0]}
-    assert_pipelined_gemm(ptx, shared, consts, gemm.SMEM_LIMIT)
+    ptx, consts = check_compiled_gemm(compiled, name, BASE, COMPILES)
     if consts["SWAP_AB"]:
         assert "wgmma.mma_async.sync.aligned.m64n16k16" in ptx, "swap-AB: BLOCK_N on the wgmma's M side"
     if consts["SPLIT_K"] > 1:

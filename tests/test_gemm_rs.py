@@ -12,27 +12,23 @@ budget and never return a wrong result.
 """
 from __future__ import annotations
 
-import math
+from functools import partial
 
 import pytest
 import torch
 
 import harness
-from _row_parallel import TINY, RandomTrial, by_scenario, cases_then_faults, fake_world, tiny
+from _row_parallel import (TINY, assert_rejected, cases_and_faults, check_compiled_gemm, check_dead_peer_time,
+                           check_fault, check_faults_on_gpus, check_space, check_sweeps, default_cases, fake_world,
+                           fault_ids, fault_plan, tiny)
 from autofuse import gemm
-from autofuse.op import InvalidConfig, InvalidInput, Problem
+from autofuse.op import InvalidInput, Problem
 from autofuse.ops import gemm_rs
 from autofuse.world import spawn
-from conftest import CTX, assert_pipelined_gemm, compile_table
+from conftest import CTX, compile_table
 
 OP = gemm_rs.OP
-
-
-def _defaults(variant: str, dims: dict, dtype: str = "bfloat16", pick: slice = slice(0, 2), world: int = 2
-              ) -> list[tuple]:
-    """Cases of `variant` at its default configs `pick` for the problem."""
-    problem = Problem.make(OP.name, dtype, world, **dims)
-    return [(variant, dims, dtype, c) for c in OP.variant(variant).defaults(problem)[pick]]
+_defaults = partial(default_cases, OP)  # (variant, dims, dtype, pick: the first `pick` defaults or a slice, world)
 
 
 ODD = {"M": 40, "N": 40, "K": 48}     # 20 rows per rank; N and K/W are not multiples of the blocks
@@ -82,23 +78,17 @@ GPU_CASES = [
 ]
 
 
-def _run(world, cases, calls):
-    return harness.run_cases(world, OP, cases, calls=calls)
-
-
 # -- faults: a late peer, a skipped call, a dead peer (at 1 and at 8 tiles per rank) -------------------------
 SMALL_FAULT, LARGE_FAULT = {"M": 32, "N": 16, "K": 32}, {"M": 128, "N": 128, "K": 32}
-FAULT_PLAN = [(v, SMALL_FAULT, "float32", c, s) for s in ("late_peer", "skipped_call", "dead_peer")
-              for v, c in (("push_last", tiny(PARTIAL="fp32")),
-                           ("push_reducer", tiny(PARTIAL="out", FLAG="row_block", COMM_SMS=2)))]
+FAULT_PLAN = fault_plan(SMALL_FAULT, "float32", (("push_last", tiny(PARTIAL="fp32")),
+                                                 ("push_reducer", tiny(PARTIAL="out", FLAG="row_block", COMM_SMS=2))))
 FAULT_PLAN.append(("push_last", LARGE_FAULT, "float32", tiny(BLOCK_M=32, BLOCK_N=32, PARTIAL="fp32"), "dead_peer"))
 
 
 @pytest.fixture(scope="module")
 def two_ranks() -> tuple[list, list[list[dict]]]:
     """(run_cases results per rank, [scenario][rank] -> what the rank saw in harness.fault_run)."""
-    per_rank = spawn(cases_then_faults, 2, OP, CPU_CASES, 2, FAULT_PLAN, timeout_s=900)
-    return [r[0] for r in per_rank], by_scenario(per_rank, FAULT_PLAN)
+    return cases_and_faults(2, OP, CPU_CASES, 2, FAULT_PLAN, timeout_s=900)
 
 
 def test_two_ranks_every_variant_dtype_and_odd_shapes(two_ranks):
@@ -106,42 +96,29 @@ def test_two_ranks_every_variant_dtype_and_odd_shapes(two_ranks):
 
 
 def test_four_ranks():
-    harness.assert_ok(spawn(_run, 4, CPU4_CASES, 1, timeout_s=600))
+    harness.assert_ok(spawn(harness.run_cases, 4, OP, CPU4_CASES, 1, timeout_s=600))
 
 
 @harness.gpu()
 def test_gpu_cases_eager_and_graph_replay():
-    harness.assert_ok(spawn(_run, 2, GPU_CASES, 2, device_kind="cuda", timeout_s=1800))
+    harness.assert_ok(spawn(harness.run_cases, 2, OP, GPU_CASES, 2, device_kind="cuda", timeout_s=1800))
 
 
 @harness.gpu()
 def test_gpu_faults():
-    plan = [(v, MID, "bfloat16", c, s) for s in ("late_peer", "skipped_call", "dead_peer")
-            for v, c in (("push_last", {**MID_TILE, "PARTIAL": "out"}),
-                         ("push_reducer", {**MID_TILE, "PARTIAL": "fp32", "FLAG": "tile", "COMM_SMS": 8}))]
-    for seen in by_scenario(spawn(cases_then_faults, 2, OP, [], 0, plan, device_kind="cuda", timeout_s=900), plan):
-        harness.check_fault_run(seen)
+    check_faults_on_gpus(OP, fault_plan(MID, "bfloat16", (
+        ("push_last", {**MID_TILE, "PARTIAL": "out"}),
+        ("push_reducer", {**MID_TILE, "PARTIAL": "fp32", "FLAG": "tile", "COMM_SMS": 8}))))
 
 
 @pytest.mark.parametrize("i", range(len(FAULT_PLAN) - 1),
-                         ids=[f"{v}-{s}" for v, _, _, _, s in FAULT_PLAN[:-1]])
+                         ids=fault_ids(FAULT_PLAN[:-1]))
 def test_fault_raises_on_every_rank_and_never_returns_a_wrong_result(two_ranks, i):
-    seen = two_ranks[1][i]
-    harness.check_fault_run(seen)
-    survivor, victim = seen
-    assert survivor["seen"][1][0] == "FlagTimeout", survivor  # the survivor's own wait ran out
-    if FAULT_PLAN[i][4] != "dead_peer":
-        assert victim["seen"][-1][0] != "returned", victim  # the late or skipping rank is refused too
+    check_fault(two_ranks[1][i], FAULT_PLAN[i][4])
 
 
 def test_dead_peer_time_to_fail_does_not_grow_with_the_problem(two_ranks):
-    faults = two_ranks[1]
-    small = next(r for (v, d, _, _, s), r in zip(FAULT_PLAN, faults) if v == "push_last" and s == "dead_peer"
-                 and d == SMALL_FAULT)
-    large = faults[-1]
-    for result in (small, large):
-        harness.check_fault_run(result)  # within budget + 5 s at 1 tile and at 8 tiles per rank
-    assert large[0]["seen"][1][0] == "FlagTimeout"
+    check_dead_peer_time(two_ranks[1], FAULT_PLAN, "push_last", SMALL_FAULT)
 
 
 # -- validation, configs, sweeps ------------------------------------------------------------------------
@@ -195,10 +172,7 @@ def test_invalid_configs_rejected_before_launch():
         ("bsp", {"BLOCK_M": 16}, "takes no config"),
     ]
     for variant, config, msg in bad:
-        v = OP.variant(variant)
-        assert msg in (v.check(p, config) or ""), (variant, config, v.check(p, config))
-        with pytest.raises(InvalidConfig, match=msg.replace("[", r"\[").replace("]", r"\]")):
-            v.build(w, p, config)  # raises before touching the heap or launching
+        assert_rejected(w, p, OP.variant(variant), config, msg)
     big = Problem.make("gemm_rs", "float32", 2, M=4096, N=8192, K=14336)
     huge_tiles = {**last, "BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 128, "num_warps": 8, "num_stages": 4}
     assert "shared memory" in OP.variant("push_last").check(big, huge_tiles)
@@ -215,31 +189,14 @@ def test_space_draws_runnable_configs_without_warp_specialisation():
     for p in (Problem.make("gemm_rs", "bfloat16", 2, M=4096, N=8192, K=14336),
               Problem.make("gemm_rs", "float32", 2, M=40, N=40, K=48)):
         for name in ("push_last", "push_reducer"):
-            v, seen, valid = OP.variant(name), {}, 0
-            for seed in range(40):
-                config = v.space(RandomTrial(seed, seen), p)
-                assert set(v.keys) <= set(config) and not config["WARP_SPEC"]
-                valid += v.check(p, config) is None
-            assert "WARP_SPEC" not in seen and valid >= 5, (name, p, valid)
+            v = OP.variant(name)
+            check_space(v, p, lambda config: set(v.keys) <= set(config))
 
 
 def test_sweeps_defaults_and_features():
-    for kind in ("cpu", "gpu", "llama70b", "models", "default"):
-        for world in (2, 4, 8):
-            problems = OP.sweep(kind, world)
-            assert problems and all(p.op == "gemm_rs" and p["M"] % world == 0 and p["K"] % world == 0
-                                    for p in problems)
-            for p in problems:
-                for name, v in OP.variants.items():
-                    configs = v.defaults(p)
-                    assert configs and all(v.check(p, c) is None for c in configs), (name, p)
-                    if v.family == "fused":
-                        assert not any(c["WARP_SPEC"] for c in configs)
-                        if p.dtype == "bfloat16":
-                            assert configs[0]["PARTIAL"] == "out"  # half the NVLink bytes
-                feats = OP.features(p)
-                assert set(feats) == {"log2_flops", "log2_comm_bytes", "comm_bytes_per_flop", "log2_M_per_rank"}
-                assert all(math.isfinite(v) for v in feats.values())
+    for p, _, configs in check_sweeps(OP, divisible=("M", "K")):
+        if p.dtype == "bfloat16":
+            assert configs[0]["PARTIAL"] == "out"  # half the NVLink bytes
     assert [p["M"] for p in OP.sweep("gpu", 2)] == [128, 256, 512, 1024, 2048, 4096, 8192, 16384]
     assert {(p["K"], p["N"]) for p in OP.sweep("llama70b", 2)} == {(8192, 8192), (28672, 8192)}
     models = OP.sweep("models", 2)
@@ -280,9 +237,7 @@ def compiled() -> dict:
 
 @pytest.mark.parametrize("name", list(COMPILES))
 def test_compiles_for_sm90_with_pipelined_wgmma_and_bounded_waits(compiled, name):
-    ptx, shared = compiled[name]["ptx"], compiled[name]["shared"]
-    consts = {**BASE, **COMPILES[name][0]}
-    assert_pipelined_gemm(ptx, shared, consts, gemm.SMEM_LIMIT)
+    ptx, consts = check_compiled_gemm(compiled, name, BASE, COMPILES)
     if consts["ROW_BLOCK"]:
         assert "red.global.sys.release.add" in ptx or "atom.global.sys.release.add" in ptx, "no arrival count"
     else:

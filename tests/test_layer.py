@@ -380,14 +380,7 @@ def _gpu_job(world, model: str) -> list[tuple[str, float]]:
 
     def replayed(fn):
         fn()
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            fn()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = fn()
+        graph, out = m.capture(fn)
         graph.replay()
         torch.cuda.synchronize()
         return out.clone()

@@ -207,6 +207,48 @@ def _wait_for(pred, timeout: float, proc: subprocess.Popen, what: str) -> None:
     raise AssertionError(f"timed out waiting for {what}")
 
 
+def _start(cmd: list[str], env: dict, capture: bool = True) -> subprocess.Popen:
+    """Start `cmd` from the repository root in a session of its own (so os.killpg reaches every process
+    it starts, as a terminal's Ctrl-C does); its output captured as text, or discarded."""
+    out = subprocess.PIPE if capture else subprocess.DEVNULL
+    return subprocess.Popen(cmd, stdout=out, stderr=out, text=True, env=env, cwd=str(ROOT), start_new_session=True)
+
+
+def _tune_until(cmd: list[str], env: dict, db: Path, rows: int, timeout: float, what: str,
+                capture: bool = True) -> subprocess.Popen:
+    """Start the tune command `cmd` (`_start`) and wait until `db` holds `rows` tune rows (`what`: those
+    rows, for the message if it exits or times out first)."""
+    proc = _start(cmd, env, capture)
+    _wait_for(lambda: len(_tune_rows(db)) >= rows, timeout, proc, what)
+    return proc
+
+
+def _stop(proc: subprocess.Popen, sig: int, returncode: int, timeout: float, group: bool = False) -> str:
+    """Send `sig` to `proc` alone (or to its whole process group), wait for it to exit and check its exit
+    status; returns its captured stdout."""
+    if group:
+        os.killpg(proc.pid, sig)
+    else:
+        proc.send_signal(sig)
+    out, err = proc.communicate(timeout=timeout)
+    assert proc.returncode == returncode, f"{out[-2000:]}\n{err[-2000:]}"
+    return out
+
+
+def _kill_parent_alone(proc: subprocess.Popen, ranks: dict[int, str]) -> list[int]:
+    """kill -9 of `proc` alone, then up to 10 s for its `ranks` (_ranks_of) to exit. Returns the ranks
+    still alive, after killing them so that a failing test leaves none running."""
+    proc.kill()
+    proc.wait(timeout=30)
+    end = time.monotonic() + 10
+    while _alive(ranks) and time.monotonic() < end:
+        time.sleep(0.1)
+    left = _alive(ranks)
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    return left
+
+
 def _start_time(pid: int) -> str | None:
     try:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
@@ -232,6 +274,11 @@ def _ranks_of(parent: int) -> dict[int, str]:
 
 def _alive(ranks: dict[int, str]) -> list[int]:
     return [pid for pid, start in ranks.items() if _start_time(pid) == start]
+
+
+def _unfinished(trials: list[optuna.trial.FrozenTrial]) -> list[optuna.trial.FrozenTrial]:
+    """The trials still running or waiting (none may be left once a tuning run has stopped)."""
+    return [t for t in trials if t.state in (optuna.trial.TrialState.RUNNING, optuna.trial.TrialState.WAITING)]
 
 
 def _studies(url: str) -> dict[str, list[optuna.trial.FrozenTrial]]:
@@ -342,22 +389,16 @@ def test_ctrl_c_stops_after_the_trial_exits_130_and_resume_after_kill_9(tmp_path
     env = _env(AUTOFUSE_FAKE_DELAY_MS="30")
 
     # 1. Ctrl-C, as a terminal sends it (every process of the group): a clean stop, exit 130.
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=str(ROOT),
-                         start_new_session=True)
-    _wait_for(lambda: len(_tune_rows(db)) >= 1, 180, p, "the first trial")
-    os.killpg(p.pid, signal.SIGINT)
-    out, err = p.communicate(timeout=120)
-    assert p.returncode == 130, f"{out[-2000:]}\n{err[-2000:]}"
+    p = _tune_until(cmd, env, db, 1, 180, "the first trial")
+    out = _stop(p, signal.SIGINT, 130, timeout=120, group=True)
     assert "stopped early" in out and "interrupted" in out
     first = _tune_rows(db)
     assert 1 <= len(first) < 5
     (trials,) = _studies(url).values()
-    assert not [t for t in trials if t.state in (optuna.trial.TrialState.RUNNING, optuna.trial.TrialState.WAITING)]
+    assert not _unfinished(trials)
 
     # 2. kill -9 of every process while a trial runs (after one trial of this run was written).
-    p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, cwd=str(ROOT),
-                         start_new_session=True)
-    _wait_for(lambda: len(_tune_rows(db)) >= len(first) + 1, 180, p, "a trial of the second run")
+    p = _tune_until(cmd, env, db, len(first) + 1, 180, "a trial of the second run", capture=False)
     written = {r["trial"] for r in _tune_rows(db)}
 
     def running() -> bool:
@@ -404,34 +445,21 @@ def test_signals_to_the_parent_alone_sigterm_exits_143_and_kill_9_leaves_no_rank
     cmd = _tune_cmd(db, "--op", "test_tune:FAKE_OP", "--world", "2", "--trials", "6", "--shapes", "N=64")
     env = _env(AUTOFUSE_FAKE_DELAY_MS="30")
 
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=str(ROOT),
-                         start_new_session=True)
-    _wait_for(lambda: len(_tune_rows(db)) >= 1, 180, p, "the first trial")
+    p = _tune_until(cmd, env, db, 1, 180, "the first trial")
     ranks = _ranks_of(p.pid)
     assert len(ranks) == 2, ranks
-    p.send_signal(signal.SIGTERM)
-    out, err = p.communicate(timeout=120)
-    assert p.returncode == 143, f"{out[-2000:]}\n{err[-2000:]}"
+    out = _stop(p, signal.SIGTERM, 143, timeout=120)
     assert "SIGTERM: stopping after the current trial" in out and "interrupted" in out
     assert not _alive(ranks)
     kept = _tune_rows(db)
     assert 1 <= len(kept) < 6
     (trials,) = _studies(url).values()
-    assert not [t for t in trials if t.state in (optuna.trial.TrialState.RUNNING, optuna.trial.TrialState.WAITING)]
+    assert not _unfinished(trials)
 
-    p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, cwd=str(ROOT),
-                         start_new_session=True)
-    _wait_for(lambda: len(_tune_rows(db)) >= len(kept) + 1, 180, p, "a trial of the second run")
+    p = _tune_until(cmd, env, db, len(kept) + 1, 180, "a trial of the second run", capture=False)
     ranks = _ranks_of(p.pid)
     assert len(ranks) == 2, ranks
-    p.kill()
-    p.wait(timeout=30)
-    end = time.monotonic() + 10
-    while _alive(ranks) and time.monotonic() < end:
-        time.sleep(0.1)
-    left = _alive(ranks)
-    for pid in left:  # do not leave them running if the test fails
-        os.kill(pid, signal.SIGKILL)
+    left = _kill_parent_alone(p, ranks)
     assert not left, f"ranks {left} outlived their parent"
     assert {r["id"] for r in kept} <= {r["id"] for r in _tune_rows(db)}  # resuming from here: the test above
 
@@ -449,10 +477,8 @@ def test_two_workers_share_one_study_on_postgres(tmp_path):
         if s.study_name.startswith("fake_sum|"):
             optuna.delete_study(study_name=s.study_name, storage=storage_url(url))
     dbs = [tmp_path / "host0.db", tmp_path / "host1.db"]
-    procs = [subprocess.Popen(_tune_cmd(db, "--op", "test_tune:FAKE_OP", "--world", "1", "--trials", "6",
-                                        "--shapes", "N=96", "--storage", url),
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=str(ROOT),
-                              env=_env(AUTOFUSE_FAKE_DELAY_MS="40"), start_new_session=True) for db in dbs]
+    procs = [_start(_tune_cmd(db, "--op", "test_tune:FAKE_OP", "--world", "1", "--trials", "6", "--shapes", "N=96",
+                              "--storage", url), _env(AUTOFUSE_FAKE_DELAY_MS="40")) for db in dbs]
     try:
         outs = [p.communicate(timeout=300) for p in procs]
     finally:
@@ -467,7 +493,7 @@ def test_two_workers_share_one_study_on_postgres(tmp_path):
     trials = _studies(storage_url(url))[name]
     measured = _measured(trials)
     assert 6 <= len(measured) <= 7
-    assert not [t for t in trials if t.state in (optuna.trial.TrialState.RUNNING, optuna.trial.TrialState.WAITING)]
+    assert not _unfinished(trials)
     assert len({t.number for t in trials}) == len(trials)
     pids = {t.user_attrs["worker"]["pid"] for t in measured}
     assert len(pids) == 2, f"only one worker measured trials: {pids}"
@@ -727,23 +753,10 @@ def test_sigterm_and_kill_9_on_gpus(tmp_path):
     """On GPUs too: SIGTERM to the parent exits 143 with rows kept; kill -9 of the parent leaves no rank."""
     db = tmp_path / "sig.db"
     cmd = _tune_cmd(db, "--op", "ag_gemm", "--world", "2", "--trials", "40", "--shapes", "1024,2048")
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(), cwd=str(ROOT),
-                         start_new_session=True)
-    _wait_for(lambda: len(_tune_rows(db)) >= 2, 300, p, "two trials")
-    p.send_signal(signal.SIGTERM)
-    out, err = p.communicate(timeout=300)
-    assert p.returncode == 143, f"{out[-2000:]}\n{err[-2000:]}"
+    p = _tune_until(cmd, _env(), db, 2, 300, "two trials")
+    _stop(p, signal.SIGTERM, 143, timeout=300)
     kept = len(_tune_rows(db))
-    p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=_env(), cwd=str(ROOT),
-                         start_new_session=True)
-    _wait_for(lambda: len(_tune_rows(db)) >= kept + 1, 300, p, "a trial of the second run")
+    p = _tune_until(cmd, _env(), db, kept + 1, 300, "a trial of the second run", capture=False)
     ranks = _ranks_of(p.pid)
-    p.kill()
-    p.wait(timeout=30)
-    end = time.monotonic() + 10
-    while _alive(ranks) and time.monotonic() < end:
-        time.sleep(0.1)
-    left = _alive(ranks)
-    for pid in left:
-        os.kill(pid, signal.SIGKILL)
+    left = _kill_parent_alone(p, ranks)
     assert ranks and not left, f"ranks {left} outlived their parent"

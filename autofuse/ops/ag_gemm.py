@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 
 from autofuse import gemm, hybrid, shapes
+from autofuse.heap import torch_symm_available
 from autofuse.op import (Config, InvalidConfig, InvalidInput, Op, Problem, SearchSpace, Variant, default_tolerance,
                          dtype_name)
 from autofuse.runner import Runner, TensorSpec
@@ -315,13 +316,7 @@ class TorchSymm(Variant):
     name, family = "torch_symm", "peer"
 
     def available(self, world: Any) -> bool:
-        if world.device.type != "cuda" or not world.spans_job:
-            return False  # torch's own rendezvous hangs once groups leaving ranks out used it (autofuse/heap.py)
-        try:
-            import torch.distributed._symmetric_memory  # noqa: F401  (registers torch.ops.symm_mem)
-        except ImportError:
-            return False
-        return hasattr(torch.ops, "symm_mem") and hasattr(torch.ops.symm_mem, "fused_all_gather_matmul")
+        return torch_symm_available(world, "fused_all_gather_matmul")
 
     def runner(self, world: Any, problem: Problem, config: Config) -> Runner:
         return SymmRunner(world, problem)

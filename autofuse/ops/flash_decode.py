@@ -542,21 +542,27 @@ class BspRunner(_Base):
             D=p.D, BLOCK_R=next_pow2(p.heads), BLOCK_D=p.block_d, num_warps=MERGE_WARPS, num_stages=1)
 
 
-def _heap(world: Any, plan: _Plan, flags: int) -> Any:
-    """The op's heap workspace ("flash_decode", shared by split_heap and push_fused: one epoch
-    sequence), big enough for W slots and `flags` flags per parity."""
-    return workspace(world, NAME, world.size * plan.slot_stride * 4, flags)
-
-
-class SplitHeapRunner(_Base):
-    """split_kernel, then heap_combine_kernel (grid plan.programs): 2 launches, no collective."""
+class _HeapRunner(_Base):
+    """A runner on the op's heap workspace ("flash_decode", shared by split_heap and push_fused: one
+    epoch sequence): W float32 slots (the inbox) and W * `flags_per_rank(plan)` flags per parity."""
 
     def __init__(self, world: Any, problem: Problem, config: Config):
         plan = _Plan(problem, config)
-        ws = _heap(world, plan, world.size * plan.programs)
+        ws = workspace(world, NAME, world.size * plan.slot_stride * 4, world.size * self.flags_per_rank(plan))
         super().__init__(world, problem, config, plan, (ws,))
         self.ws = ws
         self.inbox, self.inbox_half = ws.data_view(torch.float32)
+
+    def flags_per_rank(self, plan: _Plan) -> int:
+        """The flags one rank raises per call (a set per rank in the workspace)."""
+        raise NotImplementedError
+
+
+class SplitHeapRunner(_HeapRunner):
+    """split_kernel, then heap_combine_kernel (grid plan.programs): 2 launches, no collective."""
+
+    def flags_per_rank(self, plan: _Plan) -> int:
+        return plan.programs
 
     def launch(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor,
                out: torch.Tensor) -> None:
@@ -569,17 +575,16 @@ class SplitHeapRunner(_Base):
             num_stages=1)
 
 
-class PushFusedRunner(_Base):
+class PushFusedRunner(_HeapRunner):
     """fused_kernel (grid units x NUM_SPLITS): 1 launch."""
 
     def __init__(self, world: Any, problem: Problem, config: Config):
-        plan = _Plan(problem, config)
-        ws = _heap(world, plan, world.size * plan.units)
-        super().__init__(world, problem, config, plan, (ws,))
-        self.ws = ws
-        self.inbox, self.inbox_half = ws.data_view(torch.float32)
-        self.arrivals = torch.zeros(plan.units, dtype=torch.int32, device=world.device)
-        self.block_r = next_pow2(plan.heads)
+        super().__init__(world, problem, config)
+        self.arrivals = torch.zeros(self.plan.units, dtype=torch.int32, device=world.device)
+        self.block_r = next_pow2(self.plan.heads)
+
+    def flags_per_rank(self, plan: _Plan) -> int:
+        return plan.units
 
     def launch(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor,
                out: torch.Tensor) -> None:

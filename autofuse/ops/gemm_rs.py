@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from autofuse import gemm, hybrid
+from autofuse.heap import torch_symm_available
 from autofuse.op import Config, InvalidInput, Op, Problem, Variant
 from autofuse.ops import row_parallel as rp
 from autofuse.runner import Runner
@@ -110,14 +111,7 @@ class TorchSymm(Variant):
     name, family = "torch_symm", "peer"
 
     def available(self, world: Any) -> bool:
-        if world.device.type != "cuda" or not world.spans_job:
-            return False  # torch's own rendezvous hangs once groups leaving ranks out used it (autofuse/heap.py)
-        try:
-            import torch.distributed._symmetric_memory  # noqa: F401  (importing registers the op)
-
-            return hasattr(torch.ops.symm_mem, "fused_matmul_reduce_scatter")
-        except (ImportError, AttributeError, RuntimeError):
-            return False
+        return torch_symm_available(world, "fused_matmul_reduce_scatter")
 
     def runner(self, world: Any, problem: Problem, config: Config) -> Runner:
         import torch.distributed._symmetric_memory as symm
