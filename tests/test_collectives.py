@@ -449,13 +449,34 @@ GPU_CASES = [
 ]
 
 
-def _gpu_job(world):
-    return _run_table(world, [_concrete(c, world.size) for c in GPU_CASES])
+def _on_copy_engine(case: tuple) -> bool:
+    """The case runs on the copy engine: it needs the IPC heap (peer-mapped tensors); the default heap of a
+    whole-job group on GPUs is torch's symmetric memory, which refuses it with InvalidConfig."""
+    return case[3].get("ENGINE") == "ce"
+
+
+def _gpu_job(world, cases):
+    return _run_table(world, [_concrete(c, world.size) for c in cases])
+
+
+def _copy_engine_refusal(world):
+    """The message the default (symm) heap gives a copy-engine all-gather, or None if it accepted it."""
+    try:
+        C.build("all_gather", world, 4, 8192, torch.bfloat16, {"ENGINE": "ce", "COMM_SMS": 1}, 0)
+    except InvalidConfig as exc:
+        return str(exc)
+    return None
 
 
 @gpu_test()
-def test_gpu_every_algorithm_with_graph_replay():
-    results = spawn(_gpu_job, min(harness.gpus(), 8), device_kind="cuda", timeout_s=900)
+def test_gpu_every_algorithm_with_graph_replay(monkeypatch):
+    n = min(harness.gpus(), 8)
+    results = spawn(_gpu_job, n, [c for c in GPU_CASES if not _on_copy_engine(c)], device_kind="cuda", timeout_s=900)
+    harness.assert_ok(results, same_bits=("all_reduce", "interleaved all_reduce"))
+    for why in spawn(_copy_engine_refusal, n, device_kind="cuda", timeout_s=300):
+        assert why is not None and "copy engine" in why
+    monkeypatch.setenv("AUTOFUSE_HEAP_PROVIDER", "ipc")
+    results = spawn(_gpu_job, n, [c for c in GPU_CASES if _on_copy_engine(c)], device_kind="cuda", timeout_s=900)
     harness.assert_ok(results, same_bits=("all_reduce", "interleaved all_reduce"))
 
 
@@ -464,16 +485,19 @@ def _gpu_fault_job(world, plan):
 
 
 @gpu_test()
-def test_gpu_faults_late_peer_and_skipped_call():
+def test_gpu_faults_late_peer_and_skipped_call(monkeypatch):
     cases = [("all_gather", _dims(64, 8192), BF, {"ALGO": a, **GPU_SMALL}, ("late_peer", "skipped_call"))
              for a in C.AG_ALGOS]
     cases += [("all_gather", _dims(64, 8192), BF, {"ENGINE": "ce", "COMM_SMS": 1}, ("late_peer", "skipped_call")),
               ("reduce_scatter", _dims("64W", 8192), BF, GPU_SMALL, ("late_peer", "skipped_call")),
               ("all_reduce", _dims(64, 8192), BF, {"ALGO": "two_shot", **GPU_SMALL}, ("late_peer", "skipped_call"))]
-    plan = _fault_plan(2, cases)
-    results = spawn(_gpu_fault_job, 2, plan, device_kind="cuda", timeout_s=900)
-    for i in range(len(plan)):
-        harness.check_fault_run([r[i] for r in results])
+    for on_ce in (False, True):
+        if on_ce:
+            monkeypatch.setenv("AUTOFUSE_HEAP_PROVIDER", "ipc")
+        plan = _fault_plan(2, [c for c in cases if _on_copy_engine(c) == on_ce])
+        results = spawn(_gpu_fault_job, 2, plan, device_kind="cuda", timeout_s=900)
+        for i in range(len(plan)):
+            harness.check_fault_run([r[i] for r in results])
 
 
 def _graph_late_peer(world):

@@ -275,10 +275,15 @@ GPU_CASES = {
 }
 
 
-def _gpu_job(world):
-    return {op: harness.run_cases(world, OPS[op], cases, calls=2) for op, cases in GPU_CASES.items()}
+def _gpu_job(world, copy_engine: bool):
+    return {op: harness.run_cases(world, OPS[op], [c for c in cases if (c[3].get("ENGINE") == "ce") == copy_engine],
+                                  calls=2) for op, cases in GPU_CASES.items()}
 
 
 @gpu_test()
-def test_gpu_hybrids_with_graph_replay():
-    _assert_all(spawn(_gpu_job, 2, device_kind="cuda", timeout_s=900))
+def test_gpu_hybrids_with_graph_replay(monkeypatch):
+    """SM-driven collectives on the default heap (torch symmetric memory for the whole job); the copy-engine
+    ones on the IPC heap, which maps peers' memory for the copy engine (the symm heap refuses them)."""
+    _assert_all(spawn(_gpu_job, 2, False, device_kind="cuda", timeout_s=900))
+    monkeypatch.setenv("AUTOFUSE_HEAP_PROVIDER", "ipc")
+    _assert_all(spawn(_gpu_job, 2, True, device_kind="cuda", timeout_s=900))
