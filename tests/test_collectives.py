@@ -450,7 +450,7 @@ GPU_CASES = [
 
 
 def _on_copy_engine(case: tuple) -> bool:
-    """The case runs on the copy engine: it needs the IPC heap (peer-mapped tensors); the default heap of a
+    """The case runs on the copy engine: it needs the IPC heap (provider 'torch': CUDA IPC handles, peer-mapped tensors); the default heap of a
     whole-job group on GPUs is torch's symmetric memory, which refuses it with InvalidConfig."""
     return case[3].get("ENGINE") == "ce"
 
@@ -475,7 +475,7 @@ def test_gpu_every_algorithm_with_graph_replay(monkeypatch):
     harness.assert_ok(results, same_bits=("all_reduce", "interleaved all_reduce"))
     for why in spawn(_copy_engine_refusal, n, device_kind="cuda", timeout_s=300):
         assert why is not None and "copy engine" in why
-    monkeypatch.setenv("AUTOFUSE_HEAP_PROVIDER", "ipc")
+    monkeypatch.setenv("AUTOFUSE_HEAP_PROVIDER", "torch")
     results = spawn(_gpu_job, n, [c for c in GPU_CASES if _on_copy_engine(c)], device_kind="cuda", timeout_s=900)
     harness.assert_ok(results, same_bits=("all_reduce", "interleaved all_reduce"))
 
@@ -493,7 +493,7 @@ def test_gpu_faults_late_peer_and_skipped_call(monkeypatch):
               ("all_reduce", _dims(64, 8192), BF, {"ALGO": "two_shot", **GPU_SMALL}, ("late_peer", "skipped_call"))]
     for on_ce in (False, True):
         if on_ce:
-            monkeypatch.setenv("AUTOFUSE_HEAP_PROVIDER", "ipc")
+            monkeypatch.setenv("AUTOFUSE_HEAP_PROVIDER", "torch")
         plan = _fault_plan(2, [c for c in cases if _on_copy_engine(c) == on_ce])
         results = spawn(_gpu_fault_job, 2, plan, device_kind="cuda", timeout_s=900)
         for i in range(len(plan)):

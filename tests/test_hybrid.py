@@ -283,7 +283,7 @@ def _gpu_job(world, copy_engine: bool):
 @gpu_test()
 def test_gpu_hybrids_with_graph_replay(monkeypatch):
     """SM-driven collectives on the default heap (torch symmetric memory for the whole job); the copy-engine
-    ones on the IPC heap, which maps peers' memory for the copy engine (the symm heap refuses them)."""
+    ones on the IPC heap (provider 'torch'), which maps peers' memory for the copy engine (the symm heap refuses them)."""
     _assert_all(spawn(_gpu_job, 2, False, device_kind="cuda", timeout_s=900))
-    monkeypatch.setenv("AUTOFUSE_HEAP_PROVIDER", "ipc")
+    monkeypatch.setenv("AUTOFUSE_HEAP_PROVIDER", "torch")
     _assert_all(spawn(_gpu_job, 2, True, device_kind="cuda", timeout_s=900))
