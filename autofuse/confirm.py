@@ -39,7 +39,7 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
-from autofuse.measure import Batches, Timing, nbytes, rotation_count, sync
+from autofuse.measure import Batches, Timing, nbytes, rotation_count
 from autofuse.op import Config, Op, Problem, rel_error
 
 BSP = "bsp"
@@ -166,7 +166,7 @@ def _time_all(world: Any, runners: list[Any], sets: list[tuple], outs: list[torc
     for r, count in enumerate(plan):
         order = range(len(batches)) if r % 2 == 0 else range(len(batches) - 1, -1, -1)
         for i in order:
-            sync(world)
+            world.sync()
             batches[i].step()  # untimed: the first call after the barrier wakes threads and queues
             samples[i].extend(batches[i].sample() for _ in range(count))
     for b in batches:

@@ -74,12 +74,6 @@ def _agree(world, value: float, op: dist.ReduceOp) -> float:
     return float(t.item())
 
 
-def sync(world) -> None:
-    if world.device.type == "cuda":
-        torch.cuda.synchronize(world.device)
-    dist.barrier(group=world.group)
-
-
 def check_faults(world, runner: Callable) -> None:
     """Wait for the device, then raise the fault a runner's workspaces recorded (FlagTimeout), if any.
     Plain callables (no `check`) have nothing to check."""
@@ -97,7 +91,7 @@ def rebuild_workspaces(world) -> None:
 
     for ws in workspaces(world):
         ws.rebuild()
-    sync(world)
+    world.sync()
 
 
 def check_correct(world, op: Op, problem: Problem, runner: Callable, seed: int) -> tuple[bool, float, str]:
@@ -159,22 +153,25 @@ class TooSlow(RuntimeError):
 
 
 def capture(world, fn: Callable[[], Any]) -> torch.cuda.CUDAGraph:
-    """`fn` captured in a CUDA graph (collective: every rank calls it alike).
+    """`fn` captured in a CUDA graph on `world`'s device (collective: every rank calls it alike), or
+    on the current device with no peers when `world` is None (a single-GPU benchmark).
 
     `fn` runs once on a side stream first, as torch's graph docs ask, so that lazily made state
     (library handles, workspaces, compiled kernels) exists before capture; the ranks sync around the
     capture so that no rank captures while a peer still runs the warm-up's collectives.
     """
-    side = torch.cuda.Stream(device=world.device)
-    side.wait_stream(torch.cuda.current_stream(world.device))
+    device = world.device if world is not None else torch.device("cuda", torch.cuda.current_device())
+    fence = world.sync if world is not None else (lambda: torch.cuda.synchronize(device))
+    side = torch.cuda.Stream(device=device)
+    side.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(side):
         fn()
-    torch.cuda.current_stream(world.device).wait_stream(side)
-    sync(world)
+    torch.cuda.current_stream(device).wait_stream(side)
+    fence()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn()
-    sync(world)
+    fence()
     return graph
 
 
@@ -198,10 +195,10 @@ class Batches:
         self.fns = [fns] if callable(fns) else list(fns)
         self.timer = events_us if world.device.type == "cuda" else _cpu_time
         self.graph: torch.cuda.CUDAGraph | None = None
-        sync(world)
+        world.sync()
         for _ in range(warmup):
             self.step()
-        sync(world)
+        world.sync()
         self.probe_us = _agree(world, self.timer(self.step, 1), dist.ReduceOp.MAX)
         inner = int(max(1, min(max_inner, target_batch_us // max(self.probe_us, 1e-3))))
         self.inner = inner if world.device.type == "cuda" else 1
@@ -226,7 +223,7 @@ class Batches:
         if self.mode == "graph":
             self.graph = capture(self.world, self.batch)
             self.graph.replay()
-        sync(self.world)
+        self.world.sync()
 
     def sample(self) -> float:
         """Time one batch on this rank: microseconds per call."""
@@ -242,7 +239,7 @@ class Batches:
     def close(self) -> None:
         """Free the captured graph (collective: the ranks sync after)."""
         self.graph = None
-        sync(self.world)
+        self.world.sync()
 
 
 def time_fn(world, fns: Sequence[Callable[[], Any]] | Callable[[], Any], mode: str = "eager",

@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from autofuse import status
+from autofuse.measure import capture
 from autofuse.op import Op, Problem, rel_error
 
 Case = tuple[str, dict, str, dict]  # (variant, dims, dtype, config)
@@ -86,16 +87,7 @@ def _graph_replays(world: Any, op: Op, problem: Problem, runner: Any, seeds: Seq
     """Capture one call in a CUDA graph, replay it with each seed's inputs copied in; worst error."""
     static = [x.clone() for x in op.inputs(world, problem, seeds[0])]
     out = runner(*static)
-    side = torch.cuda.Stream(device=world.device)
-    side.wait_stream(torch.cuda.current_stream(world.device))
-    with torch.cuda.stream(side):
-        runner(*static, out=out)
-    torch.cuda.current_stream(world.device).wait_stream(side)
-    world.sync()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        runner(*static, out=out)
-    world.sync()
+    g = capture(world, lambda: runner(*static, out=out))
     worst = 0.0
     for seed in seeds:
         for s, x in zip(static, op.inputs(world, problem, seed)):

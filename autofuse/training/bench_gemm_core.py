@@ -36,7 +36,7 @@ import torch
 
 from autofuse import gemm
 from autofuse.gemm import GemmConfig
-from autofuse.measure import events_us
+from autofuse.measure import capture, events_us
 from autofuse.op import default_tolerance
 
 N_SET = (3584, 5120, 8192, 28672)
@@ -159,15 +159,7 @@ def time_cuda(fn: Callable[[], Any], mode: str, reps: int) -> float:
     inner, reps = _plan(fn, reps)
     if mode == "eager":
         return statistics.median(events_us(fn, inner) for _ in range(reps))
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up off the capture stream, as torch's graph docs ask
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(inner):
-            fn()
+    graph = capture(None, lambda: [fn() for _ in range(inner)])
     graph.replay()
     torch.cuda.synchronize()
     return statistics.median(events_us(graph.replay, 1) / inner for _ in range(reps))

@@ -187,14 +187,13 @@ def _traced(world: Any, run: Callable[[], None], steps: int, sleep_us: float) ->
     (`_sleep_us`), the first device work in it, and closes with a device sync.
     Returns (profiler, whether a sleep was queued).
     """
-    from autofuse.measure import sync
 
     cuda = world.device.type == "cuda"
     activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
     with warnings.catch_warnings():  # torch 2.11 warns that a profiler keeps one cycle: that is all there is
         warnings.filterwarnings("ignore", message=".*Profiler clears events.*")
         with torch.profiler.profile(activities=activities) as prof:
-            sync(world)
+            world.sync()
             with torch.profiler.record_function(MARK):
                 queued = cuda and _queue_ahead(sleep_us)
                 for _ in range(steps):
@@ -220,7 +219,7 @@ def profile_variant(world: Any, op: Any, problem: Any, variant: str, config: dic
     rank 0 (other ranks: the same keys without the reduction), or {mode, config, error} on every
     rank when any rank failed; a failure never raises.
     """
-    from autofuse.measure import capture, check_faults, rebuild_workspaces, sync
+    from autofuse.measure import capture, check_faults, rebuild_workspaces
 
     head = {"mode": mode, "config": dict(config), "latency_us": latency_us}
     error, result = "", {}
@@ -234,12 +233,12 @@ def profile_variant(world: Any, op: Any, problem: Any, variant: str, config: dic
 
         run = capture(world, step).replay if mode == "graph" else step
         steps = max(1, math.ceil(calls / len(fns)))
-        sync(world)
+        world.sync()
         t0 = time.perf_counter()
         for _ in range(max(1, warmup)):
             run()
         sleep_us = _sleep_us(world, (time.perf_counter() - t0) * 1e6 / max(1, warmup) * steps)
-        sync(world)
+        world.sync()
         prof, queued = _traced(world, run, steps, sleep_us)
         check_faults(world, runner)
         if world.rank == 0:
