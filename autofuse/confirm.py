@@ -11,8 +11,8 @@ dispatch's agreement), runs `confirm`:
    uses): warm-up, batches of `inner` calls lasting about 2 ms each (agreed from the slowest
    rank's probe), input sets rotated against L2 on GPUs (copies of the caller's inputs), CUDA
    events; in graph mode each candidate's batch is captured once and replayed, as inference
-   servers run. The candidates take turns over `rounds` rounds (default 3), the order reversed
-   every other round, so that a drift of clocks or temperature during confirmation is shared by
+   servers run. The candidates take turns (`autofuse.measure.time_in_turns`) over `rounds` rounds
+   (default 3), the order reversed every other round, so that a drift of clocks or temperature during confirmation is shared by
    every candidate rather than charged to whichever ran last; each turn starts with a barrier and
    one untimed step, so that no turn's first batch pays for waking the host or for a peer still in
    the last turn. Each candidate's median over all its batches is made rank-max (one all-reduce
@@ -39,7 +39,7 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
-from autofuse.measure import Batches, Timing, nbytes, rotation_count
+from autofuse.measure import Timing, nbytes, rotation_count, time_in_turns
 from autofuse.op import Config, Op, Problem, rel_error
 
 BSP = "bsp"
@@ -90,19 +90,6 @@ def _reduce_all(world: Any, values: list[float], op: dist.ReduceOp) -> list[floa
     return t.tolist()
 
 
-def reps_within(budget_s: float, round_s: float, reps: int) -> int:
-    """Timed batches per candidate: `reps`, fewer when `reps` rounds of every candidate's batch
-    (`round_s` seconds for one batch of each) would exceed `budget_s`, but at least one."""
-    return max(1, min(reps, int(budget_s / max(round_s, 1e-9))))
-
-
-def split_rounds(reps: int, rounds: int) -> list[int]:
-    """Batches per round for `reps` batches over at most `rounds` rounds (never an empty round)."""
-    rounds = max(1, min(rounds, reps))
-    base, extra = divmod(reps, rounds)
-    return [base + (1 if i < extra else 0) for i in range(rounds)]
-
-
 def _build_all(world: Any, op: Op, problem: Problem, args: Sequence[torch.Tensor],
                cands: list[tuple[str, Config]]) -> tuple[list[Any], list[torch.Tensor | None], list[str]]:
     """Build each candidate and run it once on `args`: (runners, outputs, errors), '' where it worked."""
@@ -151,29 +138,6 @@ def _input_sets(world: Any, args: Sequence[Any]) -> list[tuple]:
     return sets[:keep]
 
 
-def _time_all(world: Any, runners: list[Any], sets: list[tuple], outs: list[torch.Tensor], mode: str, reps: int,
-              warmup: int, budget_s: float, rounds: int) -> tuple[list[Timing], list[int]]:
-    """Rank-max timings of `runners` (each rotating over `sets`, writing `outs`), taken in turns.
-
-    Returns the timings and the batches per round. Collective: every rank passes the same counts.
-    """
-    batches = [Batches(world, [lambda r=r, x=x, o=o: r(*x, out=o) for x, o in zip(sets, outs)], mode, warmup)
-               for r in runners]
-    plan = split_rounds(reps_within(budget_s, sum(b.batch_s for b in batches), reps), rounds)
-    for b in batches:
-        b.start()
-    samples: list[list[float]] = [[] for _ in batches]
-    for r, count in enumerate(plan):
-        order = range(len(batches)) if r % 2 == 0 else range(len(batches) - 1, -1, -1)
-        for i in order:
-            world.sync()
-            batches[i].step()  # untimed: the first call after the barrier wakes threads and queues
-            samples[i].extend(batches[i].sample() for _ in range(count))
-    for b in batches:
-        b.close()
-    return [b.stats(s) for b, s in zip(batches, samples)], plan
-
-
 def confirm(world: Any, op: Op, problem: Problem, args: Sequence[torch.Tensor],
             candidates: Sequence[tuple[str, Config]], mode: str, reps: int = REPS, warmup: int = 2,
             bsp_config: Config | None = None, budget_s: float = BUDGET_S, rounds: int = ROUNDS) -> Confirmation:
@@ -204,7 +168,8 @@ def confirm(world: Any, op: Op, problem: Problem, args: Sequence[torch.Tensor],
     sets = _input_sets(world, args)
     scratch = [outs[0]] + [torch.empty_like(outs[0]) for _ in sets[1:]]
     del outs  # the other candidates' first outputs: every candidate writes `scratch` from here on
-    timings, plan = _time_all(world, [runners[i] for i in live], sets, scratch, mode, reps, warmup, budget_s, rounds)
+    steps = [[lambda r=runners[i], x=x, o=o: r(*x, out=o) for x, o in zip(sets, scratch)] for i in live]
+    timings, plan = time_in_turns(world, steps, mode, reps, warmup, rounds, budget_s)
     result.timing_seconds = time.perf_counter() - t1
     result.reps, result.rounds, result.sets = sum(plan), len(plan), len(sets)
     result.timed = [(cands[i][0], cands[i][1], t.median_us) for i, t in zip(live, timings)]

@@ -260,6 +260,50 @@ def time_fn(world, fns: Sequence[Callable[[], Any]] | Callable[[], Any], mode: s
     return b.stats(samples)
 
 
+def reps_within(budget_s: float, round_s: float, reps: int) -> int:
+    """Timed batches per timer: `reps`, fewer when `reps` rounds of every timer's batch
+    (`round_s` seconds for one batch of each) would exceed `budget_s`, but at least one."""
+    if budget_s == math.inf:
+        return max(1, reps)
+    return max(1, min(reps, int(budget_s / max(round_s, 1e-9))))
+
+
+def split_rounds(reps: int, rounds: int) -> list[int]:
+    """Batches per round for `reps` batches over at most `rounds` rounds (never an empty round)."""
+    rounds = max(1, min(rounds, reps))
+    base, extra = divmod(reps, rounds)
+    return [base + (1 if i < extra else 0) for i in range(rounds)]
+
+
+def time_in_turns(world, steps: Sequence[Sequence[Callable[[], Any]] | Callable[[], Any]], mode: str = "eager",
+                  reps: int = 20, warmup: int = 3, rounds: int = 3,
+                  budget_s: float = math.inf) -> tuple[list[Timing], list[int]]:
+    """Rank-max timings of several things to compare (`steps[i]`: what `time_fn` takes), taken in turns.
+
+    Each gets a `Batches` timer; their `reps` batches (fewer when the projected timed batches of all
+    would exceed `budget_s`, at least one each) are spread over `rounds` rounds, the order reversed
+    every other round, so that a drift of clocks, temperature or host load during the run is shared
+    by all of them rather than charged to whichever ran last. Each turn starts with a barrier and
+    one untimed step, so that no turn's first batch pays for waking the host or for a peer still in
+    the last turn. Returns the timings and the batches per round. Collective: every rank passes the
+    same counts.
+    """
+    batches = [Batches(world, fns, mode, warmup) for fns in steps]
+    plan = split_rounds(reps_within(budget_s, sum(b.batch_s for b in batches), reps), rounds)
+    for b in batches:
+        b.start()
+    samples: list[list[float]] = [[] for _ in batches]
+    for r, count in enumerate(plan):
+        order = range(len(batches)) if r % 2 == 0 else range(len(batches) - 1, -1, -1)
+        for i in order:
+            world.sync()
+            batches[i].step()
+            samples[i].extend(batches[i].sample() for _ in range(count))
+    for b in batches:
+        b.close()
+    return [b.stats(s) for b, s in zip(batches, samples)], plan
+
+
 def rotation_count(input_bytes: int, l2_bytes: int = L2_BYTES) -> int:
     """How many input sets to rotate through so repeated calls do not run from L2."""
     return 1 if input_bytes >= 2 * l2_bytes else min(8, max(2, math.ceil(2 * l2_bytes / max(input_bytes, 1))))

@@ -594,10 +594,11 @@ def test_confirm_on_first_use_measures_records_and_reuses(policies, tmp_path):
 def test_confirm_timing_plan_stays_within_budget():
     """Batches per candidate: `reps` when they fit the budget, fewer (at least one) when not, spread over
     non-empty rounds."""
-    from autofuse.confirm import reps_within, split_rounds
+    from autofuse.measure import reps_within, split_rounds
 
     assert reps_within(0.25, 0.008, 6) == 6  # 4 candidates x 2 ms batches: 48 ms, inside the budget
     assert reps_within(0.25, 0.1, 6) == 2 and reps_within(0.25, 1.0, 6) == 1 and reps_within(0.0, 0.0, 6) == 1
+    assert reps_within(math.inf, 1.0, 6) == 6  # no budget: every batch asked for
     assert split_rounds(6, 3) == [2, 2, 2] and split_rounds(7, 3) == [3, 2, 2]
     assert split_rounds(2, 3) == [1, 1] and split_rounds(1, 3) == [1]
 

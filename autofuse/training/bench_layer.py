@@ -8,12 +8,14 @@ weights; in the same run, per shape and timing mode:
   against TOLERANCE (the argument is in tests/test_layer.py's docstring);
 - per-layer latency of both layers: median of `reps` timed batches (device events; in graph mode
   the calls are captured in a CUDA graph after a warm-up and replayed, as inference servers run),
-  rank-max (`autofuse.measure.time_fn`);
+  rank-max, the two layers timed in turns batch by batch (`autofuse.measure.time_in_turns`), so that
+  a drift of the host's speed (large in eager mode, where a decode layer is bound by the host) or of
+  the clocks is shared by both instead of charged to the one timed later;
 - the baseline's communication alone (its collectives with the layer's shapes, one after the
   other, nothing else): c = comm / baseline layer, ceiling = 1 / (1 - c) (perfect overlap);
 - speedup = baseline / autofuse; ceiling captured = (speedup - 1) / (ceiling - 1);
 - each op alone (qkv, attention, o_proj, gate_up, down) with the layer's shapes and the same
-  timing method, in both layers; `rest` = layer - sum of ops (norms, RoPE, cache write, SwiGLU,
+  timing method, in both layers (the two forms of an op timed in turns); `rest` = layer - sum of ops (norms, RoPE, cache write, SwiGLU,
   residuals, copies; negative where the layer overlaps more than its ops alone);
 - which variant autofuse ran for each op (autofuse.explain), and geomeans per phase and mode.
 
@@ -260,8 +262,9 @@ def run(options: Any = None) -> dict:
                   wall_s=(datetime.datetime.now(datetime.timezone.utc) - started).total_seconds(),
                   summary=summarize(result["rows"]), notes=notes,
                   method=("per-layer and per-op latency: median of reps timed batches, rank-max "
-                          "(autofuse.measure.time_fn; graph mode: captured after warm-up, replayed); each op "
-                          "timed alone with the layer's shapes in the same run and mode; rest = layer - ops; "
+                          "(autofuse.measure.time_in_turns: both layers in turns, batch by batch; graph mode: "
+                          "captured after warm-up, replayed); each op timed alone with the layer's shapes in the "
+                          "same run and mode, both forms in turns; rest = layer - ops; "
                           "comm = the baseline's collectives alone, c = comm / baseline layer"))
     return _finite(result)
 
@@ -358,7 +361,7 @@ def _decode(world, m, cfg, layers: dict, batch: int, context: int, seed: int, bl
 
 def _rank(world, cfg: dict, shapes: list[dict]) -> dict:
     import autofuse
-    from autofuse.measure import time_fn
+    from autofuse.measure import time_fn, time_in_turns
 
     m = layer_module(cfg["example"])
     model = m.CONFIGS[cfg["model"]]
@@ -375,6 +378,12 @@ def _rank(world, cfg: dict, shapes: list[dict]) -> dict:
     def timed(fn: Callable[[], Any], mode: str) -> float:
         return time_fn(world, fn, mode, warmup=warmup, reps=reps).median_us
 
+    def together(fns: dict[str, Callable[[], Any]], mode: str) -> dict[str, float]:
+        """Median us of each of `fns`, timed in turns batch by batch (a drift of the host or the
+        clocks during the run is shared by both layers instead of charged to the one timed later)."""
+        times, _ = time_in_turns(world, list(fns.values()), mode, reps=reps, warmup=warmup, rounds=reps)
+        return {name: t.median_us for name, t in zip(fns, times)}
+
     def select(variants: str, mode: str) -> None:
         """Make autofuse decide afresh: AUTOFUSE_VARIANT for this configuration, and the policy
         fitted for this timing mode (unless AUTOFUSE_MODE was set for the whole run)."""
@@ -382,11 +391,18 @@ def _rank(world, cfg: dict, shapes: list[dict]) -> dict:
         os.environ["AUTOFUSE_MODE"] = cfg["policy_mode"] or ("graph" if cuda and mode == "graph" else "eager")
         autofuse.set_policy(None)  # forgets cached decisions and policies; every rank calls it alike
 
-    def op_times(s: _Shape, name: str, mode: str, layer_us: float) -> dict[str, float]:
+    def op_times(s: _Shape, mode: str, layer_us: dict[str, float]) -> dict[str, dict[str, float]]:
+        """Each op alone in both layers (timed in turns, op by op); `rest` = layer - ops."""
         if not cfg["op_shares"]:
             return {}
-        out = {label: timed(lambda fn=fn, args=args: fn(*args), mode) for label, (fn, args) in s.ops[name].items()}
-        out["rest"] = layer_us - sum(out.values())
+        out: dict[str, dict[str, float]] = {name: {} for name in layer_us}
+        for label in s.ops["baseline"]:
+            pair = together({name: (lambda fn=s.ops[name][label][0], args=s.ops[name][label][1]: fn(*args))
+                             for name in layer_us}, mode)
+            for name, us in pair.items():
+                out[name][label] = us
+        for name, ops in out.items():
+            ops["rest"] = layer_us[name] - sum(ops.values())
         return out
 
     say = world.rank == 0 and cfg["progress"]
@@ -402,9 +418,7 @@ def _rank(world, cfg: dict, shapes: list[dict]) -> dict:
             select("", mode)
             for fn, args in s.ops["baseline"].values():
                 fn(*args)  # every problem seen before any capture (autofuse raises CaptureMiss otherwise)
-            base = timed(s.layers["baseline"], mode)
-            measured = {"baseline": base, "comm": timed(s.comm, mode),
-                        "baseline_ops": op_times(s, "baseline", mode, base)}
+            comm = timed(s.comm, mode)
             for variants in configs:
                 select(variants, mode)
                 try:  # a forced variant that cannot run a shape is refused on every rank alike, before any launch
@@ -419,10 +433,9 @@ def _rank(world, cfg: dict, shapes: list[dict]) -> dict:
                     continue
                 chosen = {label: f"{op}:{autofuse.explain(op, *s.ops['autofuse'][label][1], group=group).variant}"
                           for label, op in s.autofuse_ops.items()}
-                fused = timed(s.layers["autofuse"], mode)
-                ops = {"baseline": measured["baseline_ops"], "autofuse": op_times(s, "autofuse", mode, fused)}
-                rows.append(_row(item, mode, variants or "default", {"baseline": base, "autofuse": fused},
-                                 measured["comm"], ops if cfg["op_shares"] else {}, err, chosen))
+                t = together({"baseline": s.layers["baseline"], "autofuse": s.layers["autofuse"]}, mode)
+                base, fused = t["baseline"], t["autofuse"]
+                rows.append(_row(item, mode, variants or "default", t, comm, op_times(s, mode, t), err, chosen))
                 if say:
                     print(f"{item['phase']} {shape_label(item)} {mode} autofuse {variants or 'default'}: baseline "
                           f"{base:.0f} us, autofuse {fused:.0f} us, x{base / fused:.3f}, diff {err:.1e}", flush=True)
