@@ -8,8 +8,10 @@ For each, on every rank:
    and what the first call cost (seconds, confirmation and compiles included), and of it, where the
    decision was confirmed, the confirmation's build (candidates built and run once: Triton compiles
    and workspace allocation on a cold process) and timing seconds apart;
-2. every available variant measured (autofuse.measure: checked, then timed) at the config the
-   policy would give it (its nearest tuned config), and the choice itself;
+2. every available variant at the config the policy would give it (its nearest tuned config), and
+   the choice itself: each checked against the float64 reference, then all timed in turns, batch
+   by batch (`autofuse.measure.time_in_turns`: a drift of the host, large in eager mode, is shared
+   by every candidate instead of charged to whichever ran last).
 The oracle is the fastest measured candidate. Reported per op and overall: the share of calls
 within 5% of the oracle, the geomean of choice / oracle and of choice / BSP, the worst choice / BSP,
 the bases, and the first-call cost (median; with confirmation's build and timing medians). Prints a
@@ -56,11 +58,43 @@ def held_out(op: str, world: int) -> list[Problem]:
     return []
 
 
-def _measure(world, op, problem, variant, config, mode: str, reps: int) -> float:
-    from autofuse.measure import measure
+def _time_together(world, op, problem, cands: list[tuple[str, dict]], mode: str, reps: int) -> list[float]:
+    """us per call of each (variant, config) in `cands` (inf where it cannot run or is wrong): each is
+    checked against the float64 reference (autofuse.measure.check_correct), then the correct ones
+    are timed in turns, batch by batch (autofuse.measure.time_in_turns), so that a drift of the host
+    (large in eager mode) is shared by every candidate instead of charged to whichever ran last."""
+    import torch
+    import torch.distributed as dist
+    from autofuse.measure import check_correct, nbytes, rebuild_workspaces, rotation_count, time_in_turns
 
-    got = [m for m in measure(world, op, problem, variant, config, modes=(mode,), reps=reps) if m.mode == mode]
-    return got[0].median_us if got and got[0].ok else math.inf
+    runners = []
+    for variant, config in cands:
+        v = op.variant(variant)
+        runner, why = None, v.check(problem, config) if v.available(world) else "unavailable"
+        if not why:
+            try:
+                runner = v.build(world, problem, config)
+            except Exception as exc:  # noqa: BLE001 - a candidate that cannot build is reported as inf
+                why = f"{type(exc).__name__}: {exc}"
+        failed = torch.tensor([1.0 if why else 0.0], device=world.device)
+        dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=world.group)
+        if failed.item() == 0 and check_correct(world, op, problem, runner, seed=0)[0]:
+            runners.append(runner)
+        else:
+            rebuild_workspaces(world)
+            runners.append(None)
+    live = [r for r in runners if r is not None]
+    if not live:
+        return [math.inf] * len(cands)
+    sets = rotation_count(nbytes(op.inputs(world, problem, 1))) if world.device.type == "cuda" else 1
+    inputs = [op.inputs(world, problem, 1 + i) for i in range(sets)]
+    steps = []
+    for r in live:
+        outs = [r(*x) for x in inputs]
+        steps.append([lambda r=r, x=x, o=o: r(*x, out=o) for x, o in zip(inputs, outs)])
+    timings, _ = time_in_turns(world, steps, mode, reps=reps, warmup=3, rounds=reps)
+    it = iter(timings)
+    return [next(it).median_us if r is not None else math.inf for r in runners]
 
 
 def job(world, policy_path: str, ops: list[str], mode: str, reps: int, confirm: bool, cpu: bool) -> dict:
@@ -86,16 +120,18 @@ def job(world, policy_path: str, ops: list[str], mode: str, reps: int, confirm: 
             world.sync()
             first_s = time.perf_counter() - t0
             choice = autofuse.explain(name, *inputs, group=world)
+            cands = [(v, config) for v in avail
+                     for config in policy.configs_for(problem, v, op, n=1) or ([{}] if v == "bsp" else [])]
+            keys = [(v, config_key(c)) for v, c in cands]
+            if (choice.variant, config_key(choice.config)) not in keys:
+                cands.append((choice.variant, dict(choice.config)))
+                keys.append((choice.variant, config_key(choice.config)))
+            times = _time_together(world, op, problem, cands, mode, reps)
+            pick = times[keys.index((choice.variant, config_key(choice.config)))]
             us: dict[str, float] = {}
-            tried: dict[str, set[str]] = {}
-            for v in avail:
-                for config in policy.configs_for(problem, v, op, n=1) or ([{}] if v == "bsp" else []):
-                    t = _measure(world, op, problem, v, config, mode, reps)
-                    tried.setdefault(v, set()).add(config_key(config))
+            for (v, _), t in zip(cands, times):
+                if math.isfinite(t):
                     us[v] = min(us.get(v, math.inf), t)
-            pick = (_measure(world, op, problem, choice.variant, choice.config, mode, reps)
-                    if config_key(choice.config) not in tried.get(choice.variant, set()) else us[choice.variant])
-            us = {v: t for v, t in us.items() if math.isfinite(t)}
             conf = choice.confirmation
             row = {"problem": problem.key, "op": name, "us": us, "pick": choice.variant, "basis": choice.basis,
                    "config": choice.config, "reason": choice.reason, "pick_us": pick, "first_call_s": first_s,
