@@ -666,3 +666,26 @@ def test_gpu_dispatch_every_op_eager_and_graph():
     results = spawn(_gpu_dispatch_job, min(gpu_count(), 2), device_kind="cuda", timeout_s=900)
     bad = [(rank, c) for rank, rows in enumerate(results) for c in rows if not c[1]]
     assert not bad, bad
+
+
+def test_eval_dispatch_script_times_every_candidate_in_turns(tmp_path):
+    """scripts/eval_dispatch_gpu.py's CPU dry run: every CPU variant of gemm_ar is checked, then timed
+    in turns, and the pick's time is the time measured for that variant (a mislabelled turn would
+    give the pick another candidate's time or leave a candidate out)."""
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = tmp_path / "eval.json"
+    policy = tmp_path / "malformed.json"
+    policy.write_text("{}")  # refused with a warning: dispatch falls back to bsp, the evaluation still times all
+    done = subprocess.run([sys.executable, os.path.join(root, "scripts", "eval_dispatch_gpu.py"), "--cpu",
+                           "--ops", "gemm_ar", "--reps", "2", "--mode", "eager", "--policy", str(policy),
+                           "--out", str(out)], capture_output=True, text=True, timeout=300, cwd=root)
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert len(rows) == 1
+    row = rows[0]
+    assert set(row["us"]) == {"bsp", "one_shot", "two_shot", "mm_heap"}, row["us"]
+    assert all(math.isfinite(t) and t > 0 for t in row["us"].values()), row["us"]
+    assert row["pick"] == "bsp" and row["pick_us"] == row["us"]["bsp"], row
