@@ -12,11 +12,12 @@ dispatch's agreement), runs `confirm`:
    rank's probe), input sets rotated against L2 on GPUs (copies of the caller's inputs), CUDA
    events; in graph mode each candidate's batch is captured once and replayed, as inference
    servers run. The candidates take turns (`autofuse.measure.time_in_turns`) over `rounds` rounds
-   (default 3), the order reversed every other round, so that a drift of clocks or temperature during confirmation is shared by
-   every candidate rather than charged to whichever ran last; each turn starts with a barrier and
-   one untimed step, so that no turn's first batch pays for waking the host or for a peer still in
-   the last turn. Each candidate's median over all its batches is made rank-max (one all-reduce
-   per statistic), so every rank picks the same winner; a tie goes to BSP.
+   (default 3), the order reversed every other round, so that a drift of clocks or temperature
+   during confirmation is shared by every candidate rather than charged to whichever ran last;
+   each turn starts with a barrier and one untimed step, so that no turn's first batch pays for
+   waking the host or for a peer still in the last turn. Each candidate's median over all its
+   batches is made rank-max (one all-reduce per statistic), so every rank picks the same winner;
+   a tie goes to BSP.
 Bounded cost: `reps` batches per candidate (default 6, about 50 ms for BSP and 3 candidates of
 GEMM size), fewer when the projected timed batches of all candidates would exceed `budget_s`
 (default 0.25 s), but at least one each. Beyond the batches: `warmup` steps, the probe, one

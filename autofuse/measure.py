@@ -17,7 +17,6 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Sequence
 
 import torch
-import torch.distributed as dist
 
 from autofuse import status
 from autofuse.op import Config, InvalidConfig, Op, Problem, rel_error
@@ -68,12 +67,6 @@ def modes_for(world) -> tuple[str, ...]:
     return MODES if world.device.type == "cuda" else ("eager",)
 
 
-def _agree(world, value: float, op: dist.ReduceOp) -> float:
-    t = torch.tensor([value], dtype=torch.float64, device=world.device)
-    dist.all_reduce(t, op=op, group=world.group)
-    return float(t.item())
-
-
 def check_faults(world, runner: Callable) -> None:
     """Wait for the device, then raise the fault a runner's workspaces recorded (FlagTimeout), if any.
     Plain callables (no `check`) have nothing to check."""
@@ -113,8 +106,8 @@ def check_correct(world, op: Op, problem: Problem, runner: Callable, seed: int) 
     except Exception as exc:  # a config that crashes is a failed measurement, not a failed run
         err_text = f"{type(exc).__name__}: {exc}"
     tol = op.tolerance(problem)
-    worst = _agree(world, err if math.isfinite(err) else 1e300, dist.ReduceOp.MAX)
-    failed_somewhere = _agree(world, 1.0 if err_text else 0.0, dist.ReduceOp.MAX) > 0
+    worst = world.rank_max(err if math.isfinite(err) else 1e300)
+    failed_somewhere = world.rank_max(1.0 if err_text else 0.0) > 0
     ok = not failed_somewhere and worst <= tol
     if not ok and not err_text:
         err_text = ("error on another rank" if failed_somewhere
@@ -144,7 +137,7 @@ def _cpu_time(fn: Callable[[], Any], inner: int) -> float:
 def _stats(world, mode: str, samples: Sequence[float], inner: int) -> Timing:
     s = sorted(samples)
     q = lambda f: s[min(len(s) - 1, int(f * len(s)))]  # noqa: E731
-    mx = lambda v: _agree(world, v, dist.ReduceOp.MAX)  # noqa: E731
+    mx = lambda v: world.rank_max(v)  # noqa: E731
     return Timing(mode, mx(s[len(s) // 2]), mx(q(0.1)), mx(q(0.9)), mx(s[0]), len(s), inner)
 
 
@@ -199,7 +192,7 @@ class Batches:
         for _ in range(warmup):
             self.step()
         world.sync()
-        self.probe_us = _agree(world, self.timer(self.step, 1), dist.ReduceOp.MAX)
+        self.probe_us = world.rank_max(self.timer(self.step, 1))
         inner = int(max(1, min(max_inner, target_batch_us // max(self.probe_us, 1e-3))))
         self.inner = inner if world.device.type == "cuda" else 1
 
@@ -314,6 +307,46 @@ def nbytes(tensors: Sequence[Any]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
 
 
+def build_checked(world, op: Op, problem: Problem, variant: str, config: Config,
+                  seed: int = 0) -> tuple[Any, str, float]:
+    """Build `variant` at `config` for `problem` and check it against the float64 reference (collective).
+
+    Returns (runner, "", rel_error) where it is valid, builds and is right on every rank, else
+    (None, why, rel_error) on every rank alike; after a wrong or failing call the workspaces are
+    rebuilt, so the next config does not find them aborted. What `measure` times and what any
+    comparison of candidates should time: nothing unchecked.
+    """
+    v = op.variant(variant)
+    reason = v.check(problem, config) if v.available(world) else f"{variant} is not available on {world.device.type}"
+    if reason:
+        return None, f"invalid config: {reason}", math.nan
+    try:
+        runner = v.build(world, problem, config)
+        build_error = ""
+    except InvalidConfig as exc:
+        runner, build_error = None, f"invalid config: {exc}"
+    except Exception as exc:
+        runner, build_error = None, f"build failed: {type(exc).__name__}: {exc}\n{traceback.format_exc(limit=3)}"
+    if world.rank_max(1.0 if build_error else 0.0) > 0:
+        return None, build_error or "build failed on another rank", math.nan
+    ok, err, why = check_correct(world, op, problem, runner, seed)
+    if not ok:
+        rebuild_workspaces(world)
+        return None, why, err
+    return runner, "", err
+
+
+def timing_steps(world, op: Op, problem: Problem, runner: Callable,
+                 seed: int) -> tuple[list[Callable[[], Any]], list[torch.Tensor]]:
+    """(the calls a timing run makes, their outputs): one call per input set (seeds `seed`, `seed` + 1,
+    ...), each writing its own output; on GPUs as many sets as `rotation_count` asks so that repeated
+    calls do not run from L2 (the CPU emulation has no such cache effect worth 8x the calls)."""
+    sets = rotation_count(nbytes(op.inputs(world, problem, seed))) if world.device.type == "cuda" else 1
+    inputs = [op.inputs(world, problem, seed + i) for i in range(sets)]
+    outs = [runner(*x) for x in inputs]
+    return [lambda x=x, o=o: runner(*x, out=o) for x, o in zip(inputs, outs)], outs
+
+
 def measure(world, op: Op, problem: Problem, variant: str, config: Config, modes: Sequence[str] | None = None,
             seed: int = 0, reps: int = 20, warmup: int = 3, budget_s: float = 60.0) -> list[Measurement]:
     """Build, check, then time one (problem, variant, config) in each mode; never raises for a bad config.
@@ -326,32 +359,14 @@ def measure(world, op: Op, problem: Problem, variant: str, config: Config, modes
     arguments; every rank returns the same verdicts and the rank-max timings.
     """
     modes = tuple(modes or modes_for(world))
-    v = op.variant(variant)
     fail = lambda why, err=math.nan: [Measurement(problem, variant, dict(config), m, False, why, err)  # noqa: E731
                                       for m in modes]
-    reason = v.check(problem, config) if v.available(world) else f"{variant} is not available on {world.device.type}"
-    if reason:
-        return fail(f"invalid config: {reason}")
     t0 = time.perf_counter()
-    try:
-        runner = v.build(world, problem, config)
-        build_error = ""
-    except InvalidConfig as exc:
-        runner, build_error = None, f"invalid config: {exc}"
-    except Exception as exc:
-        runner, build_error = None, f"build failed: {type(exc).__name__}: {exc}\n{traceback.format_exc(limit=3)}"
-    if _agree(world, 1.0 if build_error else 0.0, dist.ReduceOp.MAX) > 0:
-        return fail(build_error or "build failed on another rank")
-    ok, err, why = check_correct(world, op, problem, runner, seed)
-    if not ok:
-        rebuild_workspaces(world)
+    runner, why, err = build_checked(world, op, problem, variant, config, seed)
+    if runner is None:
         return fail(why, err)
-    first_call_s = _agree(world, time.perf_counter() - t0, dist.ReduceOp.MAX)
-    # Rotate input sets against L2 on GPUs; the CPU emulation has no such cache effect worth 8x the calls.
-    sets = rotation_count(nbytes(op.inputs(world, problem, seed))) if world.device.type == "cuda" else 1
-    inputs = [op.inputs(world, problem, seed + 1 + i) for i in range(sets)]
-    outs = [runner(*x) for x in inputs]
-    fns = [lambda x=x, o=o: runner(*x, out=o) for x, o in zip(inputs, outs)]
+    first_call_s = world.rank_max(time.perf_counter() - t0)
+    fns, outs = timing_steps(world, op, problem, runner, seed + 1)
     results = []
     for mode in modes:
         left = budget_s - (time.perf_counter() - t0)
@@ -368,11 +383,11 @@ def measure(world, op: Op, problem: Problem, variant: str, config: Config, modes
             why = str(exc)
         except Exception as exc:
             why = f"{mode} timing failed: {type(exc).__name__}: {exc}"
-        if _agree(world, 1.0 if why else 0.0, dist.ReduceOp.MAX) > 0:
+        if world.rank_max(1.0 if why else 0.0) > 0:
             rebuild_workspaces(world)
             results.append(Measurement(problem, variant, dict(config), mode, False, why or "failed on another rank", err))
             continue
         results.append(Measurement(problem, variant, dict(config), mode, True, "", err, t.median_us, t.p10_us,
                                    t.p90_us, t.min_us, t.reps,
-                                   {"inner": t.inner, "sets": sets, "build_check_s": first_call_s}))
+                                   {"inner": t.inner, "sets": len(fns), "build_check_s": first_call_s}))
     return results

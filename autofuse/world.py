@@ -113,6 +113,13 @@ class World:
             torch.cuda.synchronize(self.device)
         self.barrier()
 
+    def rank_max(self, value: float) -> float:
+        """The largest of every rank's `value` (collective: every rank calls it): how the ranks agree
+        on a verdict (1.0 where a rank failed), a count or a rank-max time."""
+        t = torch.tensor([float(value)], dtype=torch.float64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        return float(t.item())
+
     def sub(self, size: int) -> "World | None":
         """The World of this World's first `size` ranks; None on the ranks outside it.
 

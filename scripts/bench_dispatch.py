@@ -22,7 +22,6 @@ import time
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 LIMIT_US = 3.0
 

@@ -60,38 +60,17 @@ def held_out(op: str, world: int) -> list[Problem]:
 
 def _time_together(world, op, problem, cands: list[tuple[str, dict]], mode: str, reps: int) -> list[float]:
     """us per call of each (variant, config) in `cands` (inf where it cannot run or is wrong): each is
-    checked against the float64 reference (autofuse.measure.check_correct), then the correct ones
-    are timed in turns, batch by batch (autofuse.measure.time_in_turns), so that a drift of the host
-    (large in eager mode) is shared by every candidate instead of charged to whichever ran last."""
-    import torch
-    import torch.distributed as dist
-    from autofuse.measure import check_correct, nbytes, rebuild_workspaces, rotation_count, time_in_turns
+    built and checked against the float64 reference (autofuse.measure.build_checked), then the
+    correct ones are timed in turns, batch by batch (autofuse.measure.time_in_turns), so that a drift
+    of the host (large in eager mode) is shared by every candidate instead of charged to whichever
+    ran last."""
+    from autofuse.measure import build_checked, time_in_turns, timing_steps
 
-    runners = []
-    for variant, config in cands:
-        v = op.variant(variant)
-        runner, why = None, v.check(problem, config) if v.available(world) else "unavailable"
-        if not why:
-            try:
-                runner = v.build(world, problem, config)
-            except Exception as exc:  # noqa: BLE001 - a candidate that cannot build is reported as inf
-                why = f"{type(exc).__name__}: {exc}"
-        failed = torch.tensor([1.0 if why else 0.0], device=world.device)
-        dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=world.group)
-        if failed.item() == 0 and check_correct(world, op, problem, runner, seed=0)[0]:
-            runners.append(runner)
-        else:
-            rebuild_workspaces(world)
-            runners.append(None)
+    runners = [build_checked(world, op, problem, v, c)[0] for v, c in cands]
     live = [r for r in runners if r is not None]
     if not live:
         return [math.inf] * len(cands)
-    sets = rotation_count(nbytes(op.inputs(world, problem, 1))) if world.device.type == "cuda" else 1
-    inputs = [op.inputs(world, problem, 1 + i) for i in range(sets)]
-    steps = []
-    for r in live:
-        outs = [r(*x) for x in inputs]
-        steps.append([lambda r=r, x=x, o=o: r(*x, out=o) for x, o in zip(inputs, outs)])
+    steps = [timing_steps(world, op, problem, r, seed=1)[0] for r in live]
     timings, _ = time_in_turns(world, steps, mode, reps=reps, warmup=3, rounds=reps)
     it = iter(timings)
     return [next(it).median_us if r is not None else math.inf for r in runners]

@@ -25,7 +25,6 @@ import time
 from typing import Any, Callable
 
 import torch
-import torch.distributed as dist
 
 CALLS = 8  # layer calls per host sample (about 100 launches each, well under the launch queue's depth)
 
@@ -45,12 +44,6 @@ def _host_us(world, fn: Callable[[], Any], calls: int, samples: int = 7) -> floa
         if cuda:
             torch.cuda.synchronize()
     return sorted(out)[len(out) // 2]
-
-
-def _agree(world, v: float) -> float:
-    t = torch.tensor([v], dtype=torch.float64, device=world.device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=world.group)
-    return float(t.item())
 
 
 def _rank(world, args: dict) -> dict:
@@ -80,7 +73,7 @@ def _rank(world, args: dict) -> dict:
 
     def row(label: str, fn: Callable[[], Any], calls: int, **extra: Any) -> None:
         eager = time_fn(world, fn, "eager", warmup=2, reps=reps).median_us
-        host = _agree(world, _host_us(world, fn, calls))
+        host = world.rank_max(_host_us(world, fn, calls))
         result["rows"].append({"what": label, "host_us": host, "eager_us": eager, **extra})
         if world.rank == 0:
             print(f"{label:46s} host {host:8.1f} us   eager {eager:8.1f} us", flush=True)

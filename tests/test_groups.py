@@ -61,12 +61,6 @@ def _recheck(seen: list) -> list[int]:
     return sorted(tag for tag, *_ in seen)
 
 
-def _any(world: World, flag: bool) -> bool:
-    t = torch.tensor([1.0 if flag else 0.0], device=world.device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=world.group)
-    return bool(t.item() > 0)
-
-
 def _pairs(size: int) -> list[list[int]]:
     """Disjoint sub-groups covering the job: [[0], [1]] at 2 ranks, [[0, 1], [2, 3]] at 4."""
     half = max(1, size // 2)
@@ -93,7 +87,7 @@ def _sub_first(world: World) -> list[int]:
         sub = world.sub(w)
         if sub is not None:
             _exchange(sub, 10 + w, seen)
-        _any(world, False)
+        world.rank_max(0.0)  # a collective over the whole job between the sub-group heaps
     return _recheck(seen)
 
 

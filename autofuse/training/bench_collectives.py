@@ -133,14 +133,6 @@ class _Library:
         return self.out
 
 
-def _agree_max(world: Any, value: float) -> float:
-    import torch.distributed as dist
-
-    t = torch.tensor([value], dtype=torch.float64, device=world.device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=world.group)
-    return float(t.item())
-
-
 def _bits(y: torch.Tensor | None) -> int:
     if y is None:
         return -1
@@ -172,7 +164,7 @@ def _verify(world: Any, kind: str, coll: Any, x: torch.Tensor, expected: torch.T
         dist.all_reduce(bits, op=dist.ReduceOp.MAX, group=world.group)  # [max, -min]
         if not why and int(bits[0]) != -int(bits[1]):
             why = "ranks returned different bits"
-    if _agree_max(world, 1.0 if why else 0.0) > 0 and not why:
+    if world.rank_max(1.0 if why else 0.0) > 0 and not why:
         why = "failed on another rank"
     return why
 

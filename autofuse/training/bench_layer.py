@@ -15,8 +15,9 @@ weights; in the same run, per shape and timing mode:
   other, nothing else): c = comm / baseline layer, ceiling = 1 / (1 - c) (perfect overlap);
 - speedup = baseline / autofuse; ceiling captured = (speedup - 1) / (ceiling - 1);
 - each op alone (qkv, attention, o_proj, gate_up, down) with the layer's shapes and the same
-  timing method, in both layers (the two forms of an op timed in turns); `rest` = layer - sum of ops (norms, RoPE, cache write, SwiGLU,
-  residuals, copies; negative where the layer overlaps more than its ops alone);
+  timing method, in both layers (the two forms of an op timed in turns); `rest` = layer - sum of
+  ops (norms, RoPE, cache write, SwiGLU, residuals, copies; negative where the layer overlaps more
+  than its ops alone);
 - which variant autofuse ran for each op (autofuse.explain), and geomeans per phase and mode.
 
 Shapes (GPU): prefill of one sequence of 512, 2048, 8192 tokens; decode of batch 1, 8, 32, 128
@@ -44,7 +45,6 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch
-import torch.distributed as dist
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "llama_layer.py"
 TOLERANCE = 2.5e-2  # bf16 layer vs bf16 layer, norm-wise relative; see tests/test_layer.py
@@ -280,12 +280,6 @@ def _finite(obj: Any) -> Any:
     return obj
 
 
-def _agree_max(world, value: float) -> float:
-    t = torch.tensor([value], dtype=torch.float64, device=world.device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=world.group)
-    return float(t.item())
-
-
 @dataclass
 class _Shape:
     """One shape's callables: both layers, each op alone in each layer, the baseline's collectives."""
@@ -422,7 +416,7 @@ def _rank(world, cfg: dict, shapes: list[dict]) -> dict:
             for variants in configs:
                 select(variants, mode)
                 try:  # a forced variant that cannot run a shape is refused on every rank alike, before any launch
-                    err = _agree_max(world, m.rel_diff(s.layers["autofuse"](), expected))
+                    err = world.rank_max(m.rel_diff(s.layers["autofuse"](), expected))
                     for fn, args in s.ops["autofuse"].values():
                         fn(*args)
                 except (ValueError, NotImplementedError) as exc:  # InvalidConfig, InvalidInput, unavailable

@@ -23,7 +23,6 @@ import warnings
 from typing import Any, Callable, Iterable, Sequence
 
 import torch
-import torch.distributed as dist
 
 PROFILE_CALLS = 20   # op calls profiled per (problem, variant, mode), after warm-up
 PROFILE_WARMUP = 3   # untraced calls first (steady state; caches and autotuning settled)
@@ -165,9 +164,7 @@ def _sleep_us(world: Any, host_us: float) -> float:
     to back as when the bench times them. `host_us`: the host's time to issue them, unprofiled; the
     sleep lasts several times that, within [2 ms, 200 ms].
     """
-    t = torch.tensor([host_us], dtype=torch.float64, device=world.device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=world.group)
-    return min(200e3, max(2e3, QUEUE_AHEAD_FACTOR * float(t.item())))
+    return min(200e3, max(2e3, QUEUE_AHEAD_FACTOR * world.rank_max(host_us)))
 
 
 def _queue_ahead(sleep_us: float) -> bool:
@@ -201,13 +198,6 @@ def _traced(world: Any, run: Callable[[], None], steps: int, sleep_us: float) ->
                 if cuda:
                     torch.cuda.synchronize(world.device)
     return prof, queued
-
-
-def _failed_anywhere(world: Any, failed: bool) -> bool:
-    """Whether any rank failed (a collective: every rank calls it with its own verdict)."""
-    t = torch.tensor([1.0 if failed else 0.0], dtype=torch.float64, device=world.device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=world.group)
-    return float(t.item()) > 0
 
 
 def profile_variant(world: Any, op: Any, problem: Any, variant: str, config: dict, mode: str,
@@ -245,7 +235,7 @@ def profile_variant(world: Any, op: Any, problem: Any, variant: str, config: dic
             result = reduce_events(prof.events(), steps * len(fns), world.device.type == "cuda", queued)
     except Exception as exc:  # a profile that breaks is reported in the result, never fails the bench
         error = f"{type(exc).__name__}: {exc}".splitlines()[0][:160]
-    if _failed_anywhere(world, bool(error)):
+    if world.rank_max(1.0 if error else 0.0) > 0:
         rebuild_workspaces(world)
         return {**head, "error": error or "failed on another rank"}
     return {**head, **result}

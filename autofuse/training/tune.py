@@ -238,12 +238,6 @@ def _bcast(world: Any, obj: Any) -> Any:
     return box[0]
 
 
-def _any(world: Any, flag: bool) -> bool:
-    t = torch.tensor([1.0 if flag else 0.0], device=world.device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=world.group)
-    return bool(t.item() > 0)
-
-
 # -- the loop, on every rank ------------------------------------------------------------------------
 
 @dataclass
@@ -307,7 +301,7 @@ def _summary_row(state: RunState, op: Op, problem: Problem, mode: str, driver: S
 def _should_stop(world: Any, state: RunState) -> bool:
     """A signal on any rank, or rank 0's time limit: agreed by every rank (a collective)."""
     late = world.rank == 0 and state.deadline is not None and time.monotonic() > state.deadline
-    if _any(world, STOP.requested or late):
+    if world.rank_max(1.0 if STOP.requested or late else 0.0) > 0:
         state.stopped = True
     return state.stopped
 
@@ -431,7 +425,7 @@ def _tune(world: Any, settings: Settings, supervised: bool) -> list[dict]:
                         summary.append(row)
                     if state.stopped:
                         break
-            state.stopped = _any(world, state.stopped)
+            state.stopped = world.rank_max(1.0 if state.stopped else 0.0) > 0
     finally:
         if world.rank == 0:
             if state.progress is not None:
