@@ -7,6 +7,10 @@
 # Stages (LIMIT: seconds, default 300):
 #   pytest:FILES[:LIMIT[:KEXPR]]    pytest -m gpu on tests/FILES (comma-separated file stems, e.g. test_ag_gemm),
 #                                   -k KEXPR if given ('+' for spaces)
+#   together:FILES[:LIMIT[:KEXPR]]  every GPU test of tests/FILES as its own pytest process, all at once on the
+#                                   same GPUs (-v --durations=0, one log each, a PASS/FAIL line each): for the
+#                                   correctness tables, whose time is mostly Triton compiles on a cold cache;
+#                                   tests that assert timings (faults) belong in a plain pytest stage
 #   doctor[:PROVIDER]               autofuse doctor (AUTOFUSE_HEAP_PROVIDER=PROVIDER if given)
 #   bench:TARGET[:SWEEP[:LIMIT[:ARGS]]]  autofuse bench TARGET --sweep SWEEP (ARGS: extra options, '+' for spaces)
 #   tune:OPS:MINUTES[:WORLDS[:SWEEP[:TRIALS]]]  autofuse tune into NAME.db (ops comma-separated or 'all')
@@ -54,6 +58,21 @@ for stage in "$@"; do
     pytest) files=$(echo "$a1" | tr ',' '\n' | sed 's#^#tests/#; s#$#.py#' | tr '\n' ' ')
             timeout "${a2:-300}" python3 -m pytest -q -m gpu -p no:cacheprovider -o addopts="" $files \
               ${a3:+-k "${a3//+/ }"} ;;
+    together) files=$(echo "$a1" | tr ',' '\n' | sed 's#^#tests/#; s#$#.py#' | tr '\n' ' ')
+              ids=$(python3 -m pytest --collect-only -q -m gpu -p no:cacheprovider -o addopts="" $files \
+                      ${a3:+-k "${a3//+/ }"} | grep '::')
+              [ -n "$ids" ] || { echo "no GPU test matched"; false; }
+              for id in $ids; do
+                ( tag=$(echo "$id" | sed 's#^tests/##; s#[^A-Za-z0-9_.-]#_#g')
+                  timeout -k 10 "${a2:-300}" python3 -m pytest -v -m gpu -p no:cacheprovider -o addopts="" --durations=0 \
+                    "$id" > "$W/together-$tag.log" 2>&1
+                  rc=$?; verdict="FAIL(rc=$rc)"
+                  [ $rc -eq 0 ] && verdict=$(grep -q " passed" "$W/together-$tag.log" && echo PASS || echo SKIP-FAIL)
+                  echo "$verdict $id $(grep -Eo 'in [0-9.]+s' \
+                    "$W/together-$tag.log" | tail -1)" | tee -a "$W/together.txt" ) &
+              done
+              wait
+              ! grep -q FAIL "$W/together.txt" ;;
     doctor) AUTOFUSE_HEAP_PROVIDER=${a1:-} timeout 180 python3 -m autofuse doctor --out "$W/doctor${a1:+-$a1}.json" ;;
     bench) timeout "${a3:-300}" python3 -m autofuse bench "$a1" --sweep "${a2:-gpu}" ${a4//+/ } \
              --out "$W/bench-$a1-${a2:-gpu}.json" --force ;;

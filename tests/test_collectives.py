@@ -565,3 +565,23 @@ def test_bench_collectives_runs_on_cpu_and_renders_at_80_columns():
     out = text.getvalue()
     assert "CPU emulation" in out and "one_shot" in out
     assert max(len(line) for line in out.splitlines()) <= 80
+
+
+def test_collective_sweep_script_checks_times_and_profiles_every_config(tmp_path):
+    """scripts/collective_sweep.py's CPU dry run: every config of its grid is checked against the
+    library and timed (none fails), the best is the fastest row, and both profiles were taken."""
+    import json
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = tmp_path / "sweep.json"
+    done = subprocess.run([sys.executable, os.path.join(root, "scripts", "collective_sweep.py"), "--kind",
+                           "reduce_scatter", "--sizes", "8K", "--reps", "2", "--out", str(out)],
+                          capture_output=True, text=True, timeout=300, cwd=root)
+    assert done.returncode == 0, done.stderr[-2000:]
+    (entry,) = json.loads(out.read_text())["sizes"]
+    assert len(entry["rows"]) == 3 and not [r for r in entry["rows"] if r["error"]], entry["rows"]
+    assert entry["best"]["us"] == min(r["us"] for r in entry["rows"])
+    assert entry["library_profile"]["calls"] > 0 and entry["best_profile"]["calls"] > 0
+    assert "8 KB per rank" in done.stdout and "profile best" in done.stdout

@@ -200,6 +200,32 @@ def _traced(world: Any, run: Callable[[], None], steps: int, sleep_us: float) ->
     return prof, queued
 
 
+def profile_calls(world: Any, fns: Sequence[Callable[[], Any]], mode: str, calls: int = PROFILE_CALLS,
+                  warmup: int = PROFILE_WARMUP) -> dict[str, Any]:
+    """Run `fns` (each one call; in graph mode captured together in one CUDA graph, replayed) about
+    `calls` times under torch.profiler on every rank; rank 0 returns the per-call breakdown
+    (`reduce_events`), other ranks {}. Raises what a call raises. Every rank must call it alike:
+    the calls may hold collectives."""
+    from autofuse.measure import capture
+
+    def step() -> None:
+        for f in fns:
+            f()
+
+    run = capture(world, step).replay if mode == "graph" else step
+    steps = max(1, math.ceil(calls / len(fns)))
+    world.sync()
+    t0 = time.perf_counter()
+    for _ in range(max(1, warmup)):
+        run()
+    sleep_us = _sleep_us(world, (time.perf_counter() - t0) * 1e6 / max(1, warmup) * steps)
+    world.sync()
+    prof, queued = _traced(world, run, steps, sleep_us)
+    if world.rank != 0:
+        return {}
+    return reduce_events(prof.events(), steps * len(fns), world.device.type == "cuda", queued)
+
+
 def profile_variant(world: Any, op: Any, problem: Any, variant: str, config: dict, mode: str,
                     latency_us: float, calls: int = PROFILE_CALLS, warmup: int = PROFILE_WARMUP) -> dict[str, Any]:
     """Profile one (problem, variant, config) in `mode` on every rank; rank 0 returns the breakdown.
@@ -209,30 +235,14 @@ def profile_variant(world: Any, op: Any, problem: Any, variant: str, config: dic
     rank 0 (other ranks: the same keys without the reduction), or {mode, config, error} on every
     rank when any rank failed; a failure never raises.
     """
-    from autofuse.measure import capture, check_faults, rebuild_workspaces
+    from autofuse.measure import check_faults, rebuild_workspaces
 
     head = {"mode": mode, "config": dict(config), "latency_us": latency_us}
     error, result = "", {}
     try:
         runner = op.variant(variant).build(world, problem, config)
-        fns = _op_calls(world, op, problem, runner)
-
-        def step() -> None:
-            for f in fns:
-                f()
-
-        run = capture(world, step).replay if mode == "graph" else step
-        steps = max(1, math.ceil(calls / len(fns)))
-        world.sync()
-        t0 = time.perf_counter()
-        for _ in range(max(1, warmup)):
-            run()
-        sleep_us = _sleep_us(world, (time.perf_counter() - t0) * 1e6 / max(1, warmup) * steps)
-        world.sync()
-        prof, queued = _traced(world, run, steps, sleep_us)
+        result = profile_calls(world, _op_calls(world, op, problem, runner), mode, calls, warmup)
         check_faults(world, runner)
-        if world.rank == 0:
-            result = reduce_events(prof.events(), steps * len(fns), world.device.type == "cuda", queued)
     except Exception as exc:  # a profile that breaks is reported in the result, never fails the bench
         error = f"{type(exc).__name__}: {exc}".splitlines()[0][:160]
     if world.rank_max(1.0 if error else 0.0) > 0:
