@@ -13,8 +13,10 @@ The case tables live in each op's test module and are used by its CPU and GPU te
 """
 from __future__ import annotations
 
+import faulthandler
 import math
 import os
+import sys
 import time
 from typing import Any, Sequence
 
@@ -131,6 +133,27 @@ def _call(op: Op, world: Any, problem: Problem, runner: Any, seed: int) -> tuple
     return "returned", err
 
 
+PROGRESS_ENV = "AUTOFUSE_TEST_PROGRESS"  # set (e.g. to 60): fault runs print each call's outcome to stderr and
+                                        # dump every thread's stack each that many seconds while one lasts
+
+
+def _progress(what: str):
+    """A printer of `what`'s steps (with seconds since the start) when PROGRESS_ENV is set, else a no-op;
+    while set, a stuck step dumps the Python stacks (faulthandler) every PROGRESS_ENV seconds."""
+    every = float(os.environ.get(PROGRESS_ENV, "0") or 0)
+    if every <= 0:
+        return lambda step: None
+    faulthandler.dump_traceback_later(every, repeat=True, file=sys.__stderr__)
+    t0 = time.monotonic()
+
+    def say(step: str) -> None:
+        print(f"[{time.monotonic() - t0:7.1f} s] {what}: {step}", file=sys.__stderr__, flush=True)
+        if step == "done":
+            faulthandler.cancel_dump_traceback_later()
+    say("start")
+    return say
+
+
 def fault_run(world: Any, op: Op, variant: str, dims: dict, dtype: str, config: dict, scenario: str,
               calls: int = 4) -> dict:
     """Run one fault scenario on every rank; returns what this rank saw (see `check_fault_run`).
@@ -142,6 +165,7 @@ def fault_run(world: Any, op: Op, variant: str, dims: dict, dtype: str, config: 
     collectives do) and that is only found when the sequences end (the last call times out).
     """
     os.environ[status.TIMEOUT_ENV] = str(FAULT_BUDGET_S)
+    say = _progress(f"rank {world.rank} {op.name}.{variant} {scenario}")
     problem = problem_of(op, world.size, dims, dtype)
     runner = op.variant(variant).build(world, problem, config)
     victim = world.size - 1
@@ -149,6 +173,7 @@ def fault_run(world: Any, op: Op, variant: str, dims: dict, dtype: str, config: 
     t0 = time.monotonic()
     outcome = _call(op, world, problem, runner, 0)
     seen.append(outcome)
+    say(f"call 0: {outcome[0]}")
     world.sync()
     for i in range(1, calls):
         me = world.rank == victim
@@ -159,9 +184,11 @@ def fault_run(world: Any, op: Op, variant: str, dims: dict, dtype: str, config: 
             t0 = time.monotonic()
             outcome = _call(op, world, problem, runner, i)
             seen.append(outcome)
+            say(f"call {i}: {outcome[0]}")
             if outcome[0] != "returned" and first_fault_s is None:
                 first_fault_s = time.monotonic() - t0
         world.sync()
+    say("done")
     return {"rank": world.rank, "seen": seen, "first_fault_s": first_fault_s, "tol": op.tolerance(problem),
             "victim": victim, "scenario": scenario}
 
