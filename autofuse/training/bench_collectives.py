@@ -72,7 +72,8 @@ def candidates(kind: str, nbytes: int, device_type: str) -> dict[str, list[dict]
         sms: tuple[int, ...] = (2,)
         block, warps = 1024, 4
     else:
-        sms = (4, 16) if nbytes <= 64 << 10 else (16, 32) if nbytes <= 1 << 20 else (32, 64)
+        sms = ((4, 16) if nbytes <= 64 << 10 else (16, 32) if nbytes <= 1 << 20 else (32, 64) if nbytes <= 4 << 20
+               else (64, 128))  # 128 programs: the all-gather's 344 GB/s at 64 MB (scripts/collective_sweep.py)
         block, warps = (4096 if nbytes <= 1 << 20 else 8192), 8
         small = {}
     ce = {"ENGINE": "ce", "COMM_SMS": 1, "BLOCK": 4096, "num_warps": 4}
