@@ -6,8 +6,8 @@ it, and is the time the copy kernel's own or the launch's and flags'? For each m
 rank (default 16M and 64M) this, on every local GPU (2 CPU ranks under the interpreter without one):
 - times the library's collective (NCCL) and every config of the grid below that passes
   `collectives.check` (ENGINE sm: ALGO x COMM_SMS x BLOCK x num_warps x CHUNKS; the copy engine
-  where the heap allows it), each first checked against the library's result (bench_collectives'
-  check), in graph mode on GPUs (median, rank-max);
+  where the heap allows it), each first checked against the library's result (`bench_collectives.time_config`, as the
+  bench does), in graph mode on GPUs (median, rank-max);
 - profiles the library's call and the best config's (`kernel_profile.profile_calls`): kernels per
   call with device us, busy time against the measured latency.
 Bus bandwidth as `bench collectives` reports it (NCCL's convention).
@@ -55,51 +55,31 @@ def _sweep_rank(world: Any, kind: str, sizes: list[int], reps: int) -> dict[str,
     dtype = torch.bfloat16 if cuda else torch.float32
     tol = 2.0 ** -7 if cuda else 1e-5
     g = torch.Generator().manual_seed(4321 + world.rank)
-    say = world.rank == 0
     report: dict[str, Any] = {"kind": kind, "mode": mode, "dtype": str(dtype).split(".")[-1], "world": world.size,
                               "sizes": []}
     for size in sizes:
-        shape = B._shape(kind, size, dtype.itemsize, world.size, 8192 if cuda else 256)
+        shape = B.message_shape(kind, size, dtype.itemsize, world.size, 8192 if cuda else 256)
         nbytes = shape[0] * shape[1] * dtype.itemsize
+        busbw = nbytes * B.bus_factor(kind, world.size) / 1e3  # GB/s times us
         x = torch.randn(shape, generator=g).to(dtype).to(world.device)
-        lib = B._Library(world, kind, x)
+        lib = B.Library(world, kind, x)
         expected = lib().clone()
         lib_us = time_fn(world, lib, mode, reps=reps).median_us
-        rows, best = [], None
+        rows = []
         for config in configs(kind, cuda):
-            why = C.check(kind, world, shape[0], shape[1], dtype, config)
-            us = math.nan
-            if not why:
-                coll = C.build(kind, world, shape[0], shape[1], dtype, config, name=f"sweep.{kind}")
-                why = B._verify(world, kind, coll, x, expected, tol)
-                if why:
-                    world.sync()
-                    for ws in coll.workspaces:
-                        ws.rebuild()
-                else:
-                    out = None if kind == "all_gather" else torch.empty(coll.out_shape, dtype=dtype, device=world.device)
-                    fn = (lambda c=coll: c(x)) if out is None else (lambda c=coll, o=out: c(x, out=o))
-                    us = time_fn(world, fn, mode, reps=reps).median_us
-                    coll.check()
-                del coll
-            rows.append({"config": config, "us": us, "error": why or "",
-                         "busbw_GBps": nbytes * B._bus_factor(kind, world.size) / us / 1e3 if us == us else math.nan})
-            if say:
-                print(f"{B._size_text(nbytes)} {B.config_text(config)}: {f'{us:.1f} us' if us == us else why}",
+            us, why = B.time_config(world, kind, x, expected, config, [mode], reps, tol, name=f"sweep.{kind}")
+            rows.append({"config": config, "us": us[mode], "error": why, "busbw_GBps": busbw / us[mode]})
+            if world.rank == 0:
+                print(f"{B.size_text(nbytes)} {B.config_text(config)}: {f'{us[mode]:.1f} us' if not why else why}",
                       flush=True)
-            if us == us and (best is None or us < best["us"]):
-                best = rows[-1]
-        entry = {"bytes": nbytes, "library_us": lib_us,
-                 "library_busbw_GBps": nbytes * B._bus_factor(kind, world.size) / lib_us / 1e3,
-                 "rows": rows, "best": best}
-        entry["library_profile"] = profile_calls(world, [lib], mode)
+        ok = [r for r in rows if not r["error"]]
+        best = min(ok, key=lambda r: r["us"]) if ok else None
+        entry = {"bytes": nbytes, "library_us": lib_us, "library_busbw_GBps": busbw / lib_us, "rows": rows,
+                 "best": best, "library_profile": profile_calls(world, [lib], mode)}
         if best is not None:
             coll = C.build(kind, world, shape[0], shape[1], dtype, best["config"], name=f"sweep.{kind}")
-            out = None if kind == "all_gather" else torch.empty(coll.out_shape, dtype=dtype, device=world.device)
-            entry["best_profile"] = profile_calls(world, [(lambda: coll(x)) if out is None else
-                                                          (lambda: coll(x, out=out))], mode)
+            entry["best_profile"] = profile_calls(world, [B.collective_call(kind, coll, x)], mode)
             coll.check()
-            del coll
         report["sizes"].append(entry)
     return report
 
@@ -115,7 +95,7 @@ def render(report: dict[str, Any]) -> str:
              f"(us per call, median, rank-max; bus GB/s as NCCL counts it)"]
     for e in report["sizes"]:
         ok = sorted((r for r in e["rows"] if r["us"] == r["us"]), key=lambda r: r["us"])
-        lines.append(f"\n{B._size_text(e['bytes'])} per rank: library {e['library_us']:.1f} us "
+        lines.append(f"\n{B.size_text(e['bytes'])} per rank: library {e['library_us']:.1f} us "
                      f"({e['library_busbw_GBps']:.0f} GB/s); {len(ok)} of {len(e['rows'])} configs ran")
         for r in ok[:TOP]:
             lines.append(f"  {r['us']:8.1f} us {r['busbw_GBps']:5.0f} GB/s  {B.config_text(r['config'])}")
@@ -125,7 +105,7 @@ def render(report: dict[str, Any]) -> str:
             if p.get("busy_us") is not None:
                 busy = p["busy_us"]
                 lines.append(f"  profile {name}: measured {us:.1f} us, device busy {busy:.1f} us "
-                             f"({e['bytes'] * B._bus_factor(report['kind'], report['world']) / busy / 1e3:.0f} GB/s "
+                             f"({e['bytes'] * B.bus_factor(report['kind'], report['world']) / busy / 1e3:.0f} GB/s "
                              f"while busy), idle {us - busy:.1f} us, {p.get('launches', 0):.1f} launches/call: "
                              f"{_kernels(p)}")
     return "\n".join(lines)

@@ -51,17 +51,17 @@ export PYTHONPATH=/tmp/site
 status=0
 for stage in "$@"; do
   IFS=: read -r what a1 a2 a3 a4 a5 <<< "$stage"
-  log="$W/${what}${a1:+-${a1//[,\/]/_}}${a2:+-$a2}.log"
+  log="$W/${what}${a1:+-${a1//[,\/]/_}}${a2:+-${a2//\//_}}.log"
   echo "=== [$NAME] $stage ($(date -u +%H:%M:%S))"
   t0=$(date +%s)
+  files=$(echo "$a1" | tr ',' '\n' | sed 's#^#tests/#; s#$#.py#' | tr '\n' ' ')  # pytest and together: FILES
   case "$what" in
-    pytest) files=$(echo "$a1" | tr ',' '\n' | sed 's#^#tests/#; s#$#.py#' | tr '\n' ' ')
-            timeout "${a2:-300}" python3 -m pytest -q -m gpu -p no:cacheprovider -o addopts="" $files \
+    pytest) timeout "${a2:-300}" python3 -m pytest -q -m gpu -p no:cacheprovider -o addopts="" $files \
               ${a3:+-k "${a3//+/ }"} ;;
-    together) files=$(echo "$a1" | tr ',' '\n' | sed 's#^#tests/#; s#$#.py#' | tr '\n' ' ')
-              ids=$(python3 -m pytest --collect-only -q -m gpu -p no:cacheprovider -o addopts="" $files \
+    together) ids=$(python3 -m pytest --collect-only -q -m gpu -p no:cacheprovider -o addopts="" $files \
                       ${a3:+-k "${a3//+/ }"} | grep '::')
               [ -n "$ids" ] || { echo "no GPU test matched"; false; }
+              : > "$W/together.txt"
               for id in $ids; do
                 ( tag=$(echo "$id" | sed 's#^tests/##; s#[^A-Za-z0-9_.-]#_#g')
                   timeout -k 10 "${a2:-300}" python3 -m pytest -v -m gpu -p no:cacheprovider -o addopts="" --durations=0 \

@@ -54,6 +54,18 @@ def _checksum(out: torch.Tensor) -> int:
     return int(bits.to(torch.int64).sum().item())
 
 
+def on_copy_engine(case: Case) -> bool:
+    """The case's collective runs on the copy engine: it needs peer-mapped heap tensors, which the
+    IPC heap (provider 'torch') has and the default heap of a whole-job group on GPUs (torch's
+    symmetric memory) refuses with InvalidConfig. GPU tests run such cases after `use_ipc_heap`."""
+    return case[3].get("ENGINE") == "ce"
+
+
+def use_ipc_heap(monkeypatch: Any) -> None:
+    """Ranks spawned from now on (in this test) build their heaps on CUDA IPC (provider 'torch')."""
+    monkeypatch.setenv("AUTOFUSE_HEAP_PROVIDER", "torch")
+
+
 def run_cases(world: Any, op: Op, cases: Sequence[Case], calls: int = 3, graph: bool | None = None) -> list[tuple]:
     """Per case: (name, worst relative error, tolerance, checksum of the last output); see the module doc."""
     graph = world.device.type == "cuda" if graph is None else graph

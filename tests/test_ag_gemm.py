@@ -442,17 +442,16 @@ def _run_gpu(world, cases):
 @harness.gpu()
 @pytest.mark.parametrize("part", range(GPU_PARTS))
 def test_gpu_cases_match_reference_with_graph_replay(part, monkeypatch):
-    """A part of the table on the default heap (torch symmetric memory); its copy-engine hybrid cases
-    on the IPC heap (provider 'torch'), which maps peers' memory for the copy engine (the symm heap
-    refuses them with InvalidConfig, as tests/test_hybrid.py checks)."""
+    """A part of the table on the default heap; its copy-engine hybrid cases on the IPC heap
+    (harness.on_copy_engine)."""
     cases = GPU_CASES[part::GPU_PARTS]
-    on_ce = [c for c in cases if c[3].get("ENGINE") == "ce"]
+    on_ce = [c for c in cases if harness.on_copy_engine(c)]
     on_sm = [c for c in cases if c not in on_ce]
     results = spawn(_run_gpu, 2, on_sm, device_kind="cuda", timeout_s=1500)
     harness.assert_ok(results)
     assert len(results[0]) >= len([c for c in on_sm if c[0] != "torch_symm"])  # torch_symm: where torch has it
     if on_ce:
-        monkeypatch.setenv("AUTOFUSE_HEAP_PROVIDER", "torch")
+        harness.use_ipc_heap(monkeypatch)
         results = spawn(_run_gpu, 2, on_ce, device_kind="cuda", timeout_s=900)
         harness.assert_ok(results)
         assert len(results[0]) == len(on_ce)

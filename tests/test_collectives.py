@@ -449,12 +449,6 @@ GPU_CASES = [
 ]
 
 
-def _on_copy_engine(case: tuple) -> bool:
-    """The case runs on the copy engine: it needs the IPC heap (provider 'torch': CUDA IPC handles, peer-mapped tensors); the default heap of a
-    whole-job group on GPUs is torch's symmetric memory, which refuses it with InvalidConfig."""
-    return case[3].get("ENGINE") == "ce"
-
-
 def _gpu_job(world, cases):
     return _run_table(world, [_concrete(c, world.size) for c in cases])
 
@@ -471,12 +465,13 @@ def _copy_engine_refusal(world):
 @gpu_test()
 def test_gpu_every_algorithm_with_graph_replay(monkeypatch):
     n = min(harness.gpus(), 8)
-    results = spawn(_gpu_job, n, [c for c in GPU_CASES if not _on_copy_engine(c)], device_kind="cuda", timeout_s=900)
+    results = spawn(_gpu_job, n, [c for c in GPU_CASES if not harness.on_copy_engine(c)], device_kind="cuda",
+                    timeout_s=900)
     harness.assert_ok(results, same_bits=("all_reduce", "interleaved all_reduce"))
     for why in spawn(_copy_engine_refusal, n, device_kind="cuda", timeout_s=300):
         assert why is not None and "copy engine" in why
-    monkeypatch.setenv("AUTOFUSE_HEAP_PROVIDER", "torch")
-    results = spawn(_gpu_job, n, [c for c in GPU_CASES if _on_copy_engine(c)], device_kind="cuda", timeout_s=900)
+    harness.use_ipc_heap(monkeypatch)
+    results = spawn(_gpu_job, n, [c for c in GPU_CASES if harness.on_copy_engine(c)], device_kind="cuda", timeout_s=900)
     harness.assert_ok(results, same_bits=("all_reduce", "interleaved all_reduce"))
 
 
@@ -493,8 +488,8 @@ def test_gpu_faults_late_peer_and_skipped_call(monkeypatch):
               ("all_reduce", _dims(64, 8192), BF, {"ALGO": "two_shot", **GPU_SMALL}, ("late_peer", "skipped_call"))]
     for on_ce in (False, True):
         if on_ce:
-            monkeypatch.setenv("AUTOFUSE_HEAP_PROVIDER", "torch")
-        plan = _fault_plan(2, [c for c in cases if _on_copy_engine(c) == on_ce])
+            harness.use_ipc_heap(monkeypatch)
+        plan = _fault_plan(2, [c for c in cases if harness.on_copy_engine(c) == on_ce])
         results = spawn(_gpu_fault_job, 2, plan, device_kind="cuda", timeout_s=900)
         for i in range(len(plan)):
             harness.check_fault_run([r[i] for r in results])

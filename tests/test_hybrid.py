@@ -276,14 +276,14 @@ GPU_CASES = {
 
 
 def _gpu_job(world, copy_engine: bool):
-    return {op: harness.run_cases(world, OPS[op], [c for c in cases if (c[3].get("ENGINE") == "ce") == copy_engine],
+    return {op: harness.run_cases(world, OPS[op], [c for c in cases if harness.on_copy_engine(c) == copy_engine],
                                   calls=2) for op, cases in GPU_CASES.items()}
 
 
 @gpu_test()
 def test_gpu_hybrids_with_graph_replay(monkeypatch):
-    """SM-driven collectives on the default heap (torch symmetric memory for the whole job); the copy-engine
-    ones on the IPC heap (provider 'torch'), which maps peers' memory for the copy engine (the symm heap refuses them)."""
+    """SM-driven collectives on the default heap (torch symmetric memory for the whole job); the
+    copy-engine ones on the IPC heap (harness.on_copy_engine)."""
     _assert_all(spawn(_gpu_job, 2, False, device_kind="cuda", timeout_s=900))
-    monkeypatch.setenv("AUTOFUSE_HEAP_PROVIDER", "torch")
+    harness.use_ipc_heap(monkeypatch)
     _assert_all(spawn(_gpu_job, 2, True, device_kind="cuda", timeout_s=900))

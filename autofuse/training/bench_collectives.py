@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -56,7 +56,7 @@ def parse_sizes(shapes: Sequence[str] | None) -> list[int] | None:
     return out or None
 
 
-def _shape(kind: str, nbytes: int, itemsize: int, world: int, max_cols: int) -> tuple[int, int]:
+def message_shape(kind: str, nbytes: int, itemsize: int, world: int, max_cols: int) -> tuple[int, int]:
     """(rows, cols) of about `nbytes` per rank; rows a multiple of the world size for reduce_scatter."""
     elems = max(1, nbytes // itemsize)
     need = world if kind == "reduce_scatter" else 1
@@ -97,7 +97,7 @@ def _wanted(kind: str, impl: str, variants: Sequence[str] | None) -> bool:
     return kind in variants or impl in variants or f"{kind}.{impl}" in variants
 
 
-def _bus_factor(kind: str, world: int) -> float:
+def bus_factor(kind: str, world: int) -> float:
     if kind == "all_gather":
         return world - 1.0
     if kind == "reduce_scatter":
@@ -105,7 +105,7 @@ def _bus_factor(kind: str, world: int) -> float:
     return 2.0 * (world - 1.0) / world
 
 
-class _Library:
+class Library:
     """The collective library's version of one collective on fixed buffers (NCCL or gloo)."""
 
     def __init__(self, world: Any, kind: str, x: torch.Tensor):
@@ -170,10 +170,47 @@ def _verify(world: Any, kind: str, coll: Any, x: torch.Tensor, expected: torch.T
     return why
 
 
+def collective_call(kind: str, coll: Any, x: torch.Tensor) -> Callable[[], Any]:
+    """One call of a built heap collective on `x`, as it is timed: the all-gather into its own
+    buffer, the others into one preallocated output."""
+    if kind == "all_gather":
+        return lambda: coll(x)
+    out = torch.empty(coll.out_shape, dtype=x.dtype, device=x.device)
+    return lambda: coll(x, out=out)
+
+
+def time_config(world: Any, kind: str, x: torch.Tensor, expected: torch.Tensor, config: dict,
+                modes: Sequence[str], reps: int, tol: float, name: str = "bench") -> tuple[dict[str, float], str]:
+    """Check one heap config of collective `kind` on `x` against the library's `expected` result,
+    then time it in each of `modes`: ({mode: median us, rank-max}, '') or ({mode: nan}, why it was
+    refused, failed or wrong). A failed config's workspaces are rebuilt. Every rank calls it alike."""
+    from autofuse import collectives as C
+    from autofuse.measure import time_fn
+
+    failed = {mode: math.nan for mode in modes}
+    rows, cols = x.shape
+    why = C.check(kind, world, rows, cols, x.dtype, config)
+    if why:
+        return failed, why
+    try:
+        coll = C.build(kind, world, rows, cols, x.dtype, config, name=name)
+    except Exception as exc:  # e.g. HeapFull: the same on every rank
+        return failed, f"{type(exc).__name__}: {exc}"
+    why = _verify(world, kind, coll, x, expected, tol)
+    if why:
+        world.sync()
+        for ws in coll.workspaces:
+            ws.rebuild()
+        return failed, why
+    fn = collective_call(kind, coll, x)
+    us = {mode: time_fn(world, fn, mode, reps=reps).median_us for mode in modes}
+    coll.check()
+    return us, ""
+
+
 def bench_rank(world: Any, kinds: Sequence[str], sizes: Sequence[int], modes: Sequence[str], reps: int,
                variants: Sequence[str] | None, progress: bool) -> dict[str, Any]:
     """Every rank runs this; rank 0's result is the bench's."""
-    from autofuse import collectives as C
     from autofuse.measure import time_fn
 
     cuda = world.device.type == "cuda"
@@ -189,7 +226,7 @@ def bench_rank(world: Any, kinds: Sequence[str], sizes: Sequence[int], modes: Se
                "world": w, "mode": mode, "impl": impl, "config": config, "us": us, "error": error}
         if us == us and us > 0:
             row["algbw_GBps"] = nbytes / us / 1e3
-            row["busbw_GBps"] = nbytes * _bus_factor(kind, w) / us / 1e3
+            row["busbw_GBps"] = nbytes * bus_factor(kind, w) / us / 1e3
         rows.append(row)
         if say:
             what = f"{us:.1f} us" if not error else f"failed: {error}"
@@ -197,10 +234,10 @@ def bench_rank(world: Any, kinds: Sequence[str], sizes: Sequence[int], modes: Se
 
     for kind in kinds:
         for size in sizes:
-            shape = _shape(kind, size, dtype.itemsize, w, 8192 if cuda else 256)
+            shape = message_shape(kind, size, dtype.itemsize, w, 8192 if cuda else 256)
             nbytes = shape[0] * shape[1] * dtype.itemsize
             x = torch.randn(shape, generator=g).to(dtype).to(world.device)
-            lib = _Library(world, kind, x)
+            lib = Library(world, kind, x)
             expected = lib().clone()
             for mode in modes:
                 record(kind, nbytes, shape, mode, "nccl" if cuda else "gloo", {},
@@ -209,32 +246,9 @@ def bench_rank(world: Any, kinds: Sequence[str], sizes: Sequence[int], modes: Se
                 if not _wanted(kind, impl, variants):
                     continue
                 for config in configs:
-                    why = C.check(kind, world, shape[0], shape[1], dtype, config)
-                    if why:
-                        for mode in modes:
-                            record(kind, nbytes, shape, mode, impl, config, math.nan, why)
-                        continue
-                    try:
-                        coll = C.build(kind, world, shape[0], shape[1], dtype, config, name=f"bench.{kind}")
-                    except Exception as exc:  # e.g. HeapFull: the same on every rank
-                        for mode in modes:
-                            record(kind, nbytes, shape, mode, impl, config, math.nan, f"{type(exc).__name__}: {exc}")
-                        continue
-                    why = _verify(world, kind, coll, x, expected, tol)
-                    if why:
-                        world.sync()
-                        for ws in coll.workspaces:
-                            ws.rebuild()
-                        for mode in modes:
-                            record(kind, nbytes, shape, mode, impl, config, math.nan, why)
-                        continue
-                    out = coll(x) if kind == "all_gather" else torch.empty(coll.out_shape, dtype=dtype,
-                                                                             device=world.device)
-                    fn = (lambda c=coll: c(x)) if kind == "all_gather" else (lambda c=coll, o=out: c(x, out=o))
+                    us, why = time_config(world, kind, x, expected, config, modes, reps, tol, name=f"bench.{kind}")
                     for mode in modes:
-                        record(kind, nbytes, shape, mode, impl, config, time_fn(world, fn, mode, reps=reps).median_us)
-                    coll.check()
-                    del coll, out, fn
+                        record(kind, nbytes, shape, mode, impl, config, us[mode], why)
     return {"rows": rows, "kinds": list(kinds), "sizes": list(sizes), "modes": list(modes), "world": w,
             "dtype": str(dtype).split(".")[-1]}
 
@@ -293,7 +307,7 @@ def best_rows(rows: Sequence[dict]) -> list[dict]:
     return out
 
 
-def _size_text(n: int) -> str:
+def size_text(n: int) -> str:
     return f"{n >> 20} MB" if n >= 1 << 20 and n % (1 << 20) == 0 else f"{n >> 10} KB" if n >= 1 << 10 else f"{n} B"
 
 
@@ -323,12 +337,12 @@ def render(result: dict[str, Any], console: Any) -> None:
             for b in rows:
                 cells = [_f(b["impl_us"].get(i)) if i in b["impl_us"] else ("fail" if i in b["failed"] else "-")
                          for i in impls]
-                table.add_row(_size_text(b["bytes"]), _f(b["library_us"]), *cells, b["best"] or "-",
+                table.add_row(size_text(b["bytes"]), _f(b["library_us"]), *cells, b["best"] or "-",
                               _f(b["speedup"], 2), _f(b["busbw_GBps"], 0))
             console.print(table)
     failures = [r for r in result["rows"] if r.get("error")]
     for r in failures[:10]:
-        console.print(f"  {r['kind']} {_size_text(r['bytes'])} {r['impl']} {config_text(r['config'])}: {r['error']}",
+        console.print(f"  {r['kind']} {size_text(r['bytes'])} {r['impl']} {config_text(r['config'])}: {r['error']}",
                       style="yellow")
     if len(failures) > 10:
         console.print(f"  ... and {len(failures) - 10} more failed configs (see the JSON)", style="yellow")
