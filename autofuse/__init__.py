@@ -1,9 +1,10 @@
 """autofuse: per-call choice between bulk-synchronous and fused multi-GPU Triton kernels.
 
 `autofuse.<op>(...)` for every op in `autofuse.registry` (ag_gemm, gemm_rs, gemm_ar, flash_decode),
-`explain`, `call`, `rebuild` and `set_policy` are the runtime entry points (`autofuse.dispatch`).
-They are made on first use, so `import autofuse` stays cheap: no torch import, no process group, no
-GPU work, no file or database I/O.
+`explain`, `call`, `rebuild` and `set_policy` are the runtime entry points (`autofuse.dispatch`);
+`autofuse.parallelize` and `autofuse.nn` make models tensor-parallel on them. They are made on first
+use, so `import autofuse` stays cheap: no torch import, no process group, no GPU work, no file or
+database I/O.
 
 Without a GPU the kernels run under Triton's interpreter, which Triton reads from TRITON_INTERPRET
 when it is first imported: `import autofuse` sets TRITON_INTERPRET=1 when no NVIDIA device is
@@ -17,7 +18,7 @@ from autofuse import registry
 __version__ = "0.1.0"
 
 _DISPATCH = ("call", "explain", "rebuild", "set_policy")
-__all__ = ["__version__", *registry.MODULES, *_DISPATCH, "Policy"]
+__all__ = ["__version__", *registry.MODULES, *_DISPATCH, "Policy", "nn", "parallelize"]
 
 
 def _no_gpu() -> bool:
@@ -37,6 +38,10 @@ def __getattr__(name: str):
         value = getattr(importlib.import_module("autofuse.dispatch"), name)
     elif name == "Policy":
         value = importlib.import_module("autofuse.policy").Policy
+    elif name == "nn":
+        value = importlib.import_module("autofuse.nn")
+    elif name == "parallelize":
+        value = importlib.import_module("autofuse.nn").parallelize
     else:
         raise AttributeError(f"module 'autofuse' has no attribute {name!r}")
     globals()[name] = value  # later lookups are plain module attributes

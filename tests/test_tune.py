@@ -689,6 +689,7 @@ def test_runtime_never_imports_optuna_or_sklearn():
                "autofuse.collectives", "autofuse.hybrid", "autofuse.shapes", "autofuse.sizes"]
     modules += [f"autofuse.ops.{p.stem}" for p in (ROOT / "autofuse" / "ops").glob("*.py") if p.stem != "__init__"]
     modules += [f"autofuse.kernels.{p.stem}" for p in (ROOT / "kernels").glob("*.py") if p.stem != "__init__"]
+    modules += ["autofuse.nn"] + [f"autofuse.nn.{p.stem}" for p in (ROOT / "autofuse" / "nn").glob("*.py") if p.stem != "__init__"]
     present = [m for m in modules if importlib.util.find_spec(m) is not None]
     code = ("import importlib, importlib.abc, sys\n"
             "class Block(importlib.abc.MetaPathFinder):\n"

@@ -1,0 +1,207 @@
+"""Tensor-parallel linears as functions, and the row scatter/gather around sequence-parallel regions.
+
+A linear layer y = x Wᵀ + b split over the W ranks of a process group (Megatron's forms):
+- column-parallel: rank r holds rows r of the weight (out/W, in) and of the bias, and returns its
+  out/W columns of y. Replicated input: a local GEMM; the input's gradient is the sum over ranks of
+  dy_r W_r, an all-reduce fused with its GEMM (`autofuse.gemm_ar`). Sequence-parallel input (rank r
+  holds rows r of x): `autofuse.ag_gemm`, all_gather_rows(x) W_rᵀ.
+- row-parallel: rank r holds columns r of the weight (out, in/W) and the whole bias, takes columns r
+  of x and returns x W ᵀ summed over ranks: all-reduced on every rank (`autofuse.gemm_ar`), or only
+  its rows r (`autofuse.gemm_rs`, sequence parallel); the bias is added once, after the sum.
+"Rows" are dim 0 of the activation (tokens; the sequence in Megatron's (seq, batch, hidden) layout):
+a sequence-parallel rank holds dim-0 block r, and the gathered result is the blocks in rank order.
+
+Weights are in nn.Linear's (out, in) shape. The ops take B = Wᵀ row-major, so weights kept for them
+are stored transposed (`transposed_parameter`): `weight.t()` is then a contiguous view, no copy per
+call, and gradients reach the parameter through it. Any other layout is copied per call.
+
+Groups: None (the default group), a ProcessGroup, or a one-dimensional DeviceMesh.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+import torch.nn.functional as F
+
+import autofuse
+
+
+def process_group(group: Any) -> Any:
+    """The ProcessGroup (None: the default group) of `group` (None, a ProcessGroup or a 1-D DeviceMesh)."""
+    mesh_type = getattr(getattr(dist, "device_mesh", None), "DeviceMesh", None)
+    if mesh_type is not None and isinstance(group, mesh_type):
+        if group.ndim != 1:
+            raise ValueError(f"a tensor-parallel group must be a 1-D DeviceMesh, got {group.ndim} dimensions "
+                             "(slice it first, e.g. mesh['tp'])")
+        return group.get_group()
+    return group
+
+
+def _collective_group(group: Any) -> Any:
+    """The group as functional collectives take it (they need the default group spelt out)."""
+    return dist.group.WORLD if group is None else group
+
+
+_all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor  # all_gather_tensor before the rename
+
+
+def _gather0(x: torch.Tensor, group: Any) -> torch.Tensor:
+    """Every rank's x concatenated along dim 0 (a functional collective: traceable by torch.compile)."""
+    return funcol.wait_tensor(_all_gather(x.contiguous(), 0, _collective_group(group)))
+
+
+def transposed_parameter(weight: torch.Tensor, requires_grad: bool = True) -> torch.nn.Parameter:
+    """A Parameter with `weight`'s values and (out, in) shape, stored (in, out) row-major, so that
+    `param.t()` is the contiguous K x N operand the ops take."""
+    return torch.nn.Parameter(weight.detach().t().contiguous().t(), requires_grad=requires_grad)
+
+
+def _operand(weight: torch.Tensor) -> torch.Tensor:
+    """Wᵀ as a contiguous (in, out) matrix: a view for a transposed parameter, else a copy."""
+    wt = weight.t()
+    return wt if wt.is_contiguous() else wt.contiguous()
+
+
+def _rows(x: torch.Tensor, what: str, features: int) -> torch.Tensor:
+    """x as a contiguous 2-D (rows, features) matrix (leading dims flattened)."""
+    if x.dim() < 1 or x.shape[-1] != features:
+        raise ValueError(f"{what}: the input's last dim is {tuple(x.shape)[-1:] or 'missing'}, this rank's "
+                         f"weight takes {features} features")
+    return x.reshape(-1, features).contiguous()
+
+
+class _ColumnLocal(torch.autograd.Function):
+    """y = x Wᵀ + b on a replicated x; dx = all_reduce(dy W) via autofuse.gemm_ar (Megatron's f + linear)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, group: Any) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        ctx.group, ctx.has_bias = group, bias is not None
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor) -> tuple:
+        x, weight = ctx.saved_tensors
+        dy = dy.contiguous()
+        dx = dw = db = None
+        if ctx.needs_input_grad[0]:
+            dx = autofuse.gemm_ar(dy, weight.contiguous(), group=ctx.group)
+        if ctx.needs_input_grad[1]:
+            dw = dy.t() @ x
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            db = dy.sum(0)
+        return dx, dw, db, None
+
+
+class _AllReduceGrad(torch.autograd.Function):
+    """Identity forward; the gradient is summed over the group (a replicated parameter whose users
+    see only this rank's rows: sequence-parallel biases and norms)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple:
+        return funcol.wait_tensor(funcol.all_reduce(g.contiguous(), "sum", _collective_group(ctx.group))), None
+
+
+class _ScatterRows(torch.autograd.Function):
+    """This rank's block of dim 0 of a replicated x; backward: the blocks' gradients all-gathered."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.group = group
+        w, r = dist.get_world_size(group), dist.get_rank(group)
+        n = x.shape[0] // w
+        return x[r * n:(r + 1) * n]
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple:
+        return _gather0(g, ctx.group), None
+
+
+class _GatherRows(torch.autograd.Function):
+    """Every rank's dim-0 block concatenated; backward: this rank's block of the (replicated) gradient."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.group = group
+        return _gather0(x, group)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple:
+        w, r = dist.get_world_size(ctx.group), dist.get_rank(ctx.group)
+        n = g.shape[0] // w
+        return g[r * n:(r + 1) * n], None
+
+
+def scatter_rows(x: torch.Tensor, group: Any = None) -> torch.Tensor:
+    """Enter a sequence-parallel region: this rank's block r of dim 0 of x, which every rank holds whole
+    (dim 0 must divide by the group size). Its gradient is all-gathered, so the replicated code before
+    it gets the whole gradient on every rank."""
+    group = process_group(group)
+    w = dist.get_world_size(group)
+    if x.shape[0] % w:
+        raise ValueError(f"scatter_rows: dim 0 ({x.shape[0]}) is not divisible by the group size {w}")
+    return _ScatterRows.apply(x, group)
+
+
+def gather_rows(x: torch.Tensor, group: Any = None) -> torch.Tensor:
+    """Leave a sequence-parallel region: every rank's x concatenated along dim 0 in rank order. The
+    code after it must be replicated (every rank computes the same gradient), so the backward keeps
+    this rank's block of the gradient."""
+    return _GatherRows.apply(x, process_group(group))
+
+
+def all_reduce_grad(x: torch.Tensor, group: Any = None) -> torch.Tensor:
+    """x itself, whose gradient is summed over the group in the backward pass."""
+    return _AllReduceGrad.apply(x, process_group(group))
+
+
+def column_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                           group: Any = None, sequence_parallel: bool = False) -> torch.Tensor:
+    """This rank's out/W columns of x Wᵀ + b; weight, bias: rows r of W and b ((out/W, in), (out/W,)).
+
+    sequence_parallel=False: x (..., in) replicated -> (..., out/W). True: x (m, ..., in) is this
+    rank's rows, the result (W m, ..., out/W) every rank's rows (`autofuse.ag_gemm`).
+    """
+    group = process_group(group)
+    x2 = _rows(x, "column_parallel_linear", weight.shape[1])
+    if sequence_parallel:
+        if x.dim() < 2:
+            raise ValueError(f"column_parallel_linear: sequence parallelism gathers dim 0 of a (rows, ..., in) "
+                             f"input, got {tuple(x.shape)}")
+        y = autofuse.ag_gemm(x2, _operand(weight), group=group)
+        y = y.view(dist.get_world_size(group) * x.shape[0], *x.shape[1:-1], weight.shape[0])
+        return y if bias is None else y + bias
+    if torch.is_grad_enabled() and (x2.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)):
+        y = _ColumnLocal.apply(x2, weight, bias, group)
+    else:
+        y = F.linear(x2, weight, bias)
+    return y.view(*x.shape[:-1], weight.shape[0])
+
+
+def row_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                        group: Any = None, sequence_parallel: bool = False) -> torch.Tensor:
+    """x Wᵀ + b summed over ranks; weight: columns r of W (out, in/W); bias: all of b (replicated).
+
+    x (d0, ..., in/W) is this rank's columns. sequence_parallel=False: every rank gets (d0, ..., out)
+    (`autofuse.gemm_ar`). True: rank r gets its block (d0/W, ..., out) of dim 0 (`autofuse.gemm_rs`;
+    d0 must divide by W), and the bias's gradient is summed over the ranks.
+    """
+    group = process_group(group)
+    x2 = _rows(x, "row_parallel_linear", weight.shape[1])
+    if sequence_parallel:
+        w = dist.get_world_size(group)
+        if x.dim() < 2 or x.shape[0] % w:
+            raise ValueError(f"row_parallel_linear: sequence parallelism splits dim 0 of the output over {w} ranks, "
+                             f"but the input is {tuple(x.shape)}")
+        y = autofuse.gemm_rs(x2, _operand(weight), group=group).view(x.shape[0] // w, *x.shape[1:-1], weight.shape[0])
+        return y if bias is None else y + all_reduce_grad(bias, group)
+    y = autofuse.gemm_ar(x2, _operand(weight), group=group).view(*x.shape[:-1], weight.shape[0])
+    return y if bias is None else y + bias

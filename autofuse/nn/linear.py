@@ -1,0 +1,205 @@
+"""ColumnParallelLinear and RowParallelLinear: nn.Linear split over a process group, on autofuse's ops.
+
+Each rank holds its shard of one logical nn.Linear(in_features, out_features) (see
+autofuse/nn/functional.py for the forms and what each op computes). A module is made from an
+existing nn.Linear by slicing its weight (`from_linear`), or fresh: `reset_parameters` draws the
+whole weight as nn.Linear would and keeps this rank's shard, so ranks seeded alike hold the shards of
+the nn.Linear a single process seeded the same way would make (row-parallel biases are replicated
+and must agree on every rank: seed alike, or load them). `to_linear` gathers the whole layer back.
+
+`weight` has nn.Linear's (out, in) orientation with this rank's shard shape; where an op reads it
+(every form but the replicated-input column-parallel one) it is stored transposed, so `weight.t()`
+is the op's contiguous operand. state_dict holds this rank's shard under nn.Linear's keys.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from autofuse.nn import functional as tpf
+
+
+def _world(group: Any) -> tuple[int, int]:
+    return dist.get_world_size(group), dist.get_rank(group)
+
+
+def _split(n: int, world: int, what: str, layer: str) -> int:
+    if n % world:
+        raise ValueError(f"{layer}: {what}={n} is not divisible by the group size {world}")
+    return n // world
+
+
+class _ParallelLinear(nn.Module):
+    """What both forms share: the group, the logical sizes, the shard, init and repr."""
+
+    split_dim: int  # the dim of the (out, in) weight that is split: 0 column-parallel, 1 row-parallel
+    bias_split: bool  # whether the bias is split with the weight (column) or replicated (row)
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, group: Any = None,
+                 sequence_parallel: bool = False, device: Any = None, dtype: torch.dtype | None = None,
+                 parts: tuple[int, ...] | None = None):
+        super().__init__()
+        self.group = tpf.process_group(group)
+        self.world, self.rank = _world(self.group)
+        self.in_features, self.out_features = in_features, out_features
+        self.sequence_parallel = bool(sequence_parallel)
+        self.parts = tuple(parts) if parts else (out_features,)
+        name = type(self).__name__
+        if sum(self.parts) != out_features or (len(self.parts) > 1 and self.split_dim != 0):
+            raise ValueError(f"{name}: parts {self.parts} must add up to out_features={out_features} "
+                             "(only a column-parallel layer has parts)")
+        for n in self.parts:
+            _split(n, self.world, "out_features" if len(self.parts) == 1 else f"a part's out_features", name)
+        shape = [out_features, in_features]
+        shape[self.split_dim] = _split(shape[self.split_dim], self.world,
+                                       ("out_features", "in_features")[self.split_dim], name)
+        empty = torch.empty(shape, device=device, dtype=dtype)
+        self.weight = tpf.transposed_parameter(empty) if self.transposed else nn.Parameter(empty)
+        if bias:
+            n = shape[0] if self.bias_split else out_features
+            self.bias = nn.Parameter(torch.empty(n, device=device, dtype=dtype))
+        else:
+            self.register_parameter("bias", None)
+        self.reset_parameters()
+
+    @property
+    def transposed(self) -> bool:
+        """Whether `weight` is stored (in, out) row-major (an op reads it)."""
+        return True
+
+    def _shard(self, t: torch.Tensor, dim: int, rank: int | None = None) -> torch.Tensor:
+        """Rank `rank`'s (default: this rank's) shard of a whole tensor along `dim`: its block of each part."""
+        rank = self.rank if rank is None else rank
+        parts = self.parts if dim == 0 else (t.shape[dim],)
+        blocks, start = [], 0
+        for n in parts:
+            step = n // self.world
+            blocks.append(t.narrow(dim, start + rank * step, step))
+            start += n
+        return blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim)
+
+    def _unshard(self, shards: list[torch.Tensor], dim: int) -> torch.Tensor:
+        """The whole tensor from every rank's shard along `dim` (the inverse of `_shard`)."""
+        if dim != 0 or len(self.parts) == 1:
+            return torch.cat(shards, dim)
+        steps = [n // self.world for n in self.parts]
+        split = [s.split(steps, 0) for s in shards]
+        return torch.cat([split[r][p] for p in range(len(steps)) for r in range(self.world)], 0)
+
+    def shard_of(self, weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """This rank's shard of a whole (out, in) weight and (out,) bias."""
+        w = self._shard(weight, self.split_dim)
+        if bias is not None and self.bias_split:
+            bias = self._shard(bias, 0)
+        return w, bias
+
+    def reset_parameters(self) -> None:
+        """nn.Linear's initialisation of the whole layer (same RNG draws), keeping this rank's shard."""
+        if self.weight.is_meta:
+            return
+        full = torch.empty(self.out_features, self.in_features, device=self.weight.device, dtype=self.weight.dtype)
+        nn.init.kaiming_uniform_(full, a=math.sqrt(5))
+        full_bias = None
+        if self.bias is not None:
+            bound = 1 / math.sqrt(self.in_features) if self.in_features > 0 else 0
+            full_bias = torch.empty(self.out_features, device=full.device, dtype=full.dtype).uniform_(-bound, bound)
+        self._load_whole(full, full_bias)
+
+    def _load_whole(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        w, b = self.shard_of(weight, bias)
+        with torch.no_grad():
+            self.weight.copy_(w)
+            if self.bias is not None:
+                self.bias.copy_(b)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, group: Any = None, sequence_parallel: bool = False) -> "_ParallelLinear":
+        """This rank's shard of `linear` (copied; `linear` is left as it was), same dtype and device."""
+        return cls.from_linears([linear], group, sequence_parallel)
+
+    @classmethod
+    def from_linears(cls, linears: list[nn.Linear], group: Any = None,
+                     sequence_parallel: bool = False) -> "_ParallelLinear":
+        """One layer from several that read the same input, their outputs side by side (q, k and v;
+        gate and up): this rank holds its block of each, so one call gathers the input once."""
+        for lin in linears:
+            if not isinstance(lin, nn.Linear):
+                raise TypeError(f"{cls.__name__}.from_linear takes nn.Linear layers, got {type(lin).__name__}")
+        first = linears[0]
+        if any(lin.in_features != first.in_features or (lin.bias is None) != (first.bias is None) or
+               lin.weight.dtype != first.weight.dtype for lin in linears):
+            raise ValueError(f"{cls.__name__}.from_linears: the layers differ in in_features, bias or dtype")
+        parts = tuple(lin.out_features for lin in linears)
+        m = cls(first.in_features, sum(parts), bias=first.bias is not None, group=group,
+                sequence_parallel=sequence_parallel, device="meta", dtype=first.weight.dtype, parts=parts)
+        whole = torch.cat([lin.weight.detach() for lin in linears]) if len(linears) > 1 else first.weight.detach()
+        bias = None
+        if first.bias is not None:
+            bias = torch.cat([lin.bias.detach() for lin in linears]) if len(linears) > 1 else first.bias.detach()
+        shard, bias = m.shard_of(whole, bias)
+        grad = first.weight.requires_grad
+        m.weight = tpf.transposed_parameter(shard, grad) if m.transposed else nn.Parameter(shard.contiguous(), grad)
+        if bias is not None:
+            m.bias = nn.Parameter(bias.clone(), requires_grad=first.bias.requires_grad)
+        return m
+
+    def _gather(self, t: torch.Tensor, dim: int) -> torch.Tensor:
+        t = t.detach().contiguous()
+        shards = [torch.empty_like(t) for _ in range(self.world)]
+        dist.all_gather(shards, t, group=self.group)
+        return self._unshard(shards, dim)
+
+    def to_linear(self) -> nn.Linear:
+        """The whole layer as an nn.Linear on every rank (collective: every rank of the group calls it)."""
+        linear = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None, device="meta")
+        linear.weight = nn.Parameter(self._gather(self.weight, self.split_dim))
+        if self.bias is not None:
+            linear.bias = nn.Parameter(self._gather(self.bias, 0) if self.bias_split else self.bias.detach().clone())
+        return linear
+
+    def extra_repr(self) -> str:
+        parts = f", parts={self.parts}" if len(self.parts) > 1 else ""
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"sequence_parallel={self.sequence_parallel}, rank={self.rank}/{self.world}, "
+                f"shard={tuple(self.weight.shape)}{parts}")
+
+
+class ColumnParallelLinear(_ParallelLinear):
+    """nn.Linear(in_features, out_features) whose output features are split over the group: rank r holds
+    weight rows r (out/W, in) and bias rows r, and returns its out/W output columns.
+
+    sequence_parallel=False: the input (..., in) is replicated; the forward is a local GEMM, the input's
+    gradient an all-reduce fused with its GEMM (`autofuse.gemm_ar`). True: the input (m, ..., in) is
+    this rank's dim-0 block, the output (W m, ..., out/W) holds every rank's rows (`autofuse.ag_gemm`).
+    """
+
+    split_dim = 0
+    bias_split = True
+
+    @property
+    def transposed(self) -> bool:
+        return self.sequence_parallel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return tpf.column_parallel_linear(x, self.weight, self.bias, self.group, self.sequence_parallel)
+
+
+class RowParallelLinear(_ParallelLinear):
+    """nn.Linear(in_features, out_features) whose input features are split over the group: rank r holds
+    weight columns r (out, in/W) and the whole bias, takes its in/W input columns, and the ranks'
+    products are summed, the bias added once.
+
+    sequence_parallel=False: every rank gets the whole output (..., out) (`autofuse.gemm_ar`). True:
+    rank r gets its dim-0 block (d0/W, ..., out) (`autofuse.gemm_rs`), and the bias's gradient is
+    summed over the ranks.
+    """
+
+    split_dim = 1
+    bias_split = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return tpf.row_parallel_linear(x, self.weight, self.bias, self.group, self.sequence_parallel)

@@ -1,0 +1,237 @@
+"""Hugging Face transformers Llama-family decoder models (Llama, Mistral, Qwen2, ...) made tensor-parallel.
+
+What is recognised: a model whose base model (`model.base_model`) has `layers`, each with `self_attn`
+holding the nn.Linear layers q_proj, k_proj, v_proj, o_proj and `mlp` holding gate_proj, up_proj,
+down_proj, and nothing else with parameters (Qwen3's per-head q_norm, say, is refused: its gradient
+would need a sum over ranks that this module does not add). Heads, KV heads and the MLP width must
+divide by the group size; rank r keeps query heads and KV heads block r (its KV cache holds those).
+Embeddings, the final norm and lm_head stay whole on every rank (replicated).
+
+sequence_parallel=False (the layout of transformers' own tensor-parallel plan for these models): the
+hidden states are whole on every rank; q/k/v and gate/up are column-parallel (local GEMMs; their
+input gradients all-reduced by gemm_ar), o and down row-parallel (gemm_ar). The state_dict keeps
+transformers' keys, each holding this rank's shard.
+
+sequence_parallel=True: inside the decoder layers each rank holds a block of the token rows, so norms
+and residual adds run on 1/W of them. The hidden states (B, S, H) are padded along the sequence to S'
+(the next multiple of W; decode steps of one token are padded to W), flattened to B S' rows, and rank
+r keeps rows block r, shaped (B, S'/W, H) for transformers' code: a container, not positions
+S'/W r.. of each sequence. q/k/v are one column-parallel layer `self_attn.qkv_proj` (one all-gather
+of the rows per layer, inside `ag_gemm`), gate/up another, `mlp.gate_up_proj`; the separate
+projections become `FusedPart` views of their columns. o and down are row-parallel with gemm_rs,
+which hands each rank its row block back. The first layer scatters the rows (its gradient
+all-gathered), the last gathers them (its gradient kept per block), so everything outside the layers
+runs whole. Norm weights inside the layers see only this rank's rows: their gradients are summed over
+the group (tensor hooks on the parameters). Hidden states recorded between layers
+(output_hidden_states) are the row blocks.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from autofuse.nn import functional as tpf
+from autofuse.nn.linear import ColumnParallelLinear, RowParallelLinear
+from autofuse.nn.parallelize import apply_plan
+
+ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP = ("gate_proj", "up_proj", "down_proj")
+PLAN = {  # sequence_parallel=False, relative to a decoder layer (transformers' base_model_tp_plan)
+    "self_attn.q_proj": "column", "self_attn.k_proj": "column", "self_attn.v_proj": "column",
+    "self_attn.o_proj": "row",
+    "mlp.gate_proj": "column", "mlp.up_proj": "column", "mlp.down_proj": "row",
+}
+
+
+class FusedPart(nn.Module):
+    """Columns [start, stop) of the input's last dim: one projection's output inside a fused one's."""
+
+    def __init__(self, start: int, stop: int):
+        super().__init__()
+        self.start, self.stop = start, stop
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x[..., self.start:self.stop]
+
+    def extra_repr(self) -> str:
+        return f"columns={self.start}:{self.stop}"
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The decoder layers of a Llama-family model; ValueError naming what is missing otherwise."""
+    base = getattr(model, "base_model", model)
+    layers = getattr(base, "layers", None)
+    if not isinstance(layers, nn.ModuleList) or len(layers) == 0:
+        raise ValueError(f"{type(model).__name__} is not a Llama-family model (no base_model.layers): "
+                         "pass parallelize(model, group, plan={...}) naming its linears")
+    for i, layer in enumerate(layers):
+        for block, names in (("self_attn", ATTENTION), ("mlp", MLP)):
+            mod = getattr(layer, block, None)
+            for name in names:
+                if not isinstance(getattr(mod, name, None), nn.Linear):
+                    raise ValueError(f"{type(model).__name__}: layers.{i}.{block}.{name} is not an nn.Linear; "
+                                     "parallelize(model, group, plan={...}) takes other models")
+            extra = [n for n, _ in mod.named_parameters() if n.split(".")[0] not in names]
+            if extra:
+                raise ValueError(f"{type(model).__name__}: layers.{i}.{block} has parameters outside its "
+                                 f"projections ({', '.join(extra)}); autofuse does not know how to split them")
+    return layers
+
+
+def check_divisible(model: nn.Module, world: int) -> None:
+    """ValueError unless heads, KV heads and the MLP width divide by the group size."""
+    cfg = model.config
+    heads = cfg.num_attention_heads
+    sizes = {"num_attention_heads": heads,
+             "num_key_value_heads": getattr(cfg, "num_key_value_heads", None) or heads,
+             "intermediate_size": cfg.intermediate_size}
+    bad = [f"{k}={v}" for k, v in sizes.items() if v % world]
+    if bad:
+        raise ValueError(f"{type(model).__name__}: {', '.join(bad)} not divisible by the tensor-parallel size {world}")
+
+
+def _local_head_counts(attn: nn.Module, world: int) -> None:
+    """Older transformers' attention reshapes with its own head counts: give it this rank's."""
+    for name in ("num_heads", "num_key_value_heads"):
+        if isinstance(getattr(attn, name, None), int):
+            setattr(attn, name, getattr(attn, name) // world)
+    if isinstance(getattr(attn, "hidden_size", None), int) and hasattr(attn, "num_heads"):
+        attn.hidden_size = attn.num_heads * attn.head_dim
+
+
+def parallelize(model: nn.Module, group: Any, sequence_parallel: bool) -> None:
+    """Make a Llama-family model tensor-parallel in place (module doc)."""
+    layers = decoder_layers(model)
+    world = dist.get_world_size(group)
+    check_divisible(model, world)
+    sp = _SequenceParallel(group, world)
+    for layer in layers:
+        _local_head_counts(layer.self_attn, world)
+        if sequence_parallel:
+            sp.layer(layer)
+        else:
+            apply_plan(layer, PLAN, group)
+    if sequence_parallel:
+        layers[0].register_forward_pre_hook(sp.enter, with_kwargs=True)
+        layers[-1].register_forward_hook(sp.leave, with_kwargs=True)
+
+
+def _seq_len(kwargs: dict) -> int:
+    """The sequence length S of this forward, from the layer's rotary embeddings or positions."""
+    pe = kwargs.get("position_embeddings")
+    if pe is not None:
+        return pe[0].shape[-2]
+    return kwargs["position_ids"].shape[-1]
+
+
+def _hidden(args: tuple, kwargs: dict) -> tuple[torch.Tensor, bool]:
+    """(hidden_states, whether it came as a keyword)."""
+    return (kwargs["hidden_states"], True) if "hidden_states" in kwargs else (args[0], False)
+
+
+def _with_hidden(args: tuple, kwargs: dict, hidden: torch.Tensor, keyword: bool) -> tuple[tuple, dict]:
+    if keyword:
+        return args, {**kwargs, "hidden_states": hidden}
+    return (hidden, *args[1:]), kwargs
+
+
+def _first(output: Any) -> torch.Tensor:
+    return output[0] if isinstance(output, tuple) else output
+
+
+def _with_first(output: Any, value: torch.Tensor) -> Any:
+    return (value, *output[1:]) if isinstance(output, tuple) else value
+
+
+class _SequenceParallel:
+    """The hooks that keep the token rows split between a layer's projections (module doc)."""
+
+    def __init__(self, group: Any, world: int):
+        self.group, self.world = group, world
+
+    def padded(self, s: int) -> int:
+        return -(-s // self.world) * self.world
+
+    def layer(self, layer: nn.Module) -> None:
+        """Fuse and swap one decoder layer's projections, hook its blocks, sum its norms' gradients."""
+        attn, mlp, g = layer.self_attn, layer.mlp, self.group
+        qkv = [attn.q_proj, attn.k_proj, attn.v_proj]
+        attn.qkv_proj = ColumnParallelLinear.from_linears(qkv, g, sequence_parallel=True)
+        _parts(attn, ("q_proj", "k_proj", "v_proj"), [lin.out_features // self.world for lin in qkv])
+        attn.o_proj = RowParallelLinear.from_linear(attn.o_proj, g, sequence_parallel=True)
+        gate_up = [mlp.gate_proj, mlp.up_proj]
+        mlp.gate_up_proj = ColumnParallelLinear.from_linears(gate_up, g, sequence_parallel=True)
+        _parts(mlp, ("gate_proj", "up_proj"), [lin.out_features // self.world for lin in gate_up])
+        mlp.down_proj = RowParallelLinear.from_linear(mlp.down_proj, g, sequence_parallel=True)
+        attn.register_forward_pre_hook(self.attention_in, with_kwargs=True)
+        attn.register_forward_hook(self.attention_out, with_kwargs=True)
+        attn.o_proj.register_forward_pre_hook(self.rows_in)
+        mlp.register_forward_pre_hook(self.mlp_in)
+        mlp.register_forward_hook(self.mlp_out)
+        mlp.down_proj.register_forward_pre_hook(self.rows_in)
+        for name, p in layer.named_parameters():
+            if p.requires_grad and not name.startswith(("self_attn.", "mlp.")):
+                p.register_hook(self.sum_grad)
+
+    def sum_grad(self, grad: torch.Tensor) -> torch.Tensor:
+        grad = grad.clone()
+        dist.all_reduce(grad, group=self.group)
+        return grad
+
+    # The first layer's input (B, S, H), whole -> this rank's rows (B, S'/W, H); the last layer's back.
+    def enter(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        hidden, keyword = _hidden(args, kwargs)
+        b, s, h = hidden.shape
+        sp = self.padded(s)
+        if sp != s:
+            hidden = F.pad(hidden, (0, 0, 0, sp - s))
+        rows = tpf.scatter_rows(hidden.reshape(b * sp, h), self.group)
+        return _with_hidden(args, kwargs, rows.view(b, sp // self.world, h), keyword)
+
+    def leave(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+        rows = _first(output)
+        b, t, h = rows.shape
+        whole = tpf.gather_rows(rows.reshape(b * t, h), self.group).view(b, t * self.world, h)
+        return _with_first(output, whole[:, :_seq_len(kwargs)])
+
+    # Attention: rows -> q/k/v of every token (B, S, ...) for transformers' code; o_proj -> rows again.
+    def attention_in(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        hidden, keyword = _hidden(args, kwargs)
+        b, t, h = hidden.shape
+        qkv = module.qkv_proj(hidden.reshape(b * t, h)).view(b, t * self.world, -1)
+        return _with_hidden(args, kwargs, qkv[:, :_seq_len(kwargs)], keyword)
+
+    def rows_in(self, module: nn.Module, args: tuple) -> tuple:
+        """o_proj / down_proj: (B, S, in/W) -> padded, flattened rows (B S', in/W) for gemm_rs."""
+        x = args[0]
+        b, s, k = x.shape
+        sp = self.padded(s)
+        if sp != s:
+            x = F.pad(x, (0, 0, 0, sp - s))
+        return (x.reshape(b * sp, k), *args[1:])
+
+    def attention_out(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+        b, s = _hidden(args, kwargs)[0].shape[:2]
+        return _with_first(output, _first(output).view(b, self.padded(s) // self.world, -1))
+
+    # MLP: rows -> gate/up of every token (B, S', ...); down_proj -> rows (B, S'/W, H).
+    def mlp_in(self, module: nn.Module, args: tuple) -> tuple:
+        x = args[0]
+        b, t, h = x.shape
+        return (module.gate_up_proj(x.reshape(b * t, h)).view(b, t * self.world, -1), *args[1:])
+
+    def mlp_out(self, module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
+        b, sp = args[0].shape[:2]
+        return output.view(b, sp // self.world, -1)
+
+
+def _parts(block: nn.Module, names: tuple[str, ...], widths: list[int]) -> None:
+    """Replace projections `names` of `block` by FusedPart views of consecutive column ranges."""
+    start = 0
+    for name, width in zip(names, widths):
+        setattr(block, name, FusedPart(start, start + width))
+        start += width

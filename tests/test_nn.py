@@ -1,0 +1,222 @@
+"""autofuse.nn on CPU ranks: the tensor-parallel linears and `parallelize` on a transformers Llama.
+
+One spawned job per world size (2 and 4) runs every check and returns what it measured; the tests
+assert on it. The model is a tiny LlamaForCausalLM built from a local random config (no download):
+hidden 64, 2 layers, heads / KV heads 4 / 2 at world 2 and 8 / 4 at world 4 (the KV heads must
+divide), head dim 16 / 8, MLP 128, vocab 128, float32. Each rank builds the same model (same seed),
+keeps one copy whole as the reference and parallelizes another.
+
+Tolerances: float32 throughout. A shard computes the same dot products as the whole layer, split
+over ranks and summed in another order, so outputs differ by a few units of float32 roundoff
+(~1e-7 relative; measured up to ~5e-7 on the logits); TOL = 1e-5 leaves a factor of 20. A wrong
+shard, a missing sum or a head given to the wrong rank moves the outputs by O(1).
+"""
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from autofuse.world import spawn
+
+pytest.importorskip("transformers")
+
+TOL = 1e-5
+WORLDS = (2, 4)
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-300))
+
+
+def tiny_llama(world: int, kv_heads: int | None = None):
+    """A tiny random LlamaForCausalLM (float32, eval mode), the same on every rank."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    heads = 4 if world <= 2 else 8
+    cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=heads, num_key_value_heads=kv_heads or heads // 2, head_dim=64 // heads,
+                      max_position_embeddings=64, attn_implementation="eager")
+    torch.manual_seed(0)
+    return LlamaForCausalLM(cfg).eval()
+
+
+# ------------------------------------------------------------------------------------- the modules
+def _modules(world) -> dict:
+    """ColumnParallelLinear / RowParallelLinear against the whole layers in float64."""
+    from autofuse.nn import ColumnParallelLinear, RowParallelLinear
+
+    w, r = world.size, world.rank
+    out: dict = {}
+    torch.manual_seed(0)
+    lin1, lin2 = nn.Linear(32, 64), nn.Linear(64, 32)
+    x = torch.randn(8, 3, 32)
+    h64 = x.double() @ lin1.weight.double().t() + lin1.bias.double()
+    y64 = h64 @ lin2.weight.double().t() + lin2.bias.double()
+    cols = slice(r * 64 // w, (r + 1) * 64 // w)
+    rows = slice(r * 8 // w, (r + 1) * 8 // w)
+    for sp in (False, True):
+        c = ColumnParallelLinear.from_linear(lin1, world.group, sequence_parallel=sp)
+        rp = RowParallelLinear.from_linear(lin2, world.group, sequence_parallel=sp)
+        with torch.no_grad():
+            h = c(x[rows] if sp else x)
+            y = rp(h)
+        out[f"column sp={sp}"] = (tuple(h.shape), rel(h, h64[..., cols]))
+        out[f"row sp={sp}"] = (tuple(y.shape), rel(y, y64[rows] if sp else y64))
+        out[f"repr sp={sp}"] = repr(c), repr(rp)
+        out[f"to_linear sp={sp}"] = [float((a - b).abs().max()) for a, b in
+                                     ((c.to_linear().weight, lin1.weight), (c.to_linear().bias, lin1.bias),
+                                      (rp.to_linear().weight, lin2.weight), (rp.to_linear().bias, lin2.bias))]
+        out[f"state_dict sp={sp}"] = {k: tuple(v.shape) for k, v in (*c.state_dict().items(),
+                                                                     *(("row." + k, v) for k, v in rp.state_dict().items()))}
+    # the input's gradient of the replicated-input column form goes through gemm_ar
+    c = ColumnParallelLinear.from_linear(lin1, world.group)
+    xg = x.clone().requires_grad_()
+    (c(xg) * torch.arange(64 // w) / 64).sum().backward()
+    x64 = x.double().requires_grad_()
+    (((x64 @ lin1.weight.double().t() + lin1.bias.double())) * torch.arange(64).remainder(64 // w) / 64).sum().backward()
+    out["column input grad"] = rel(xg.grad, x64.grad)
+    # a module of its own: nn.Linear's draws, this rank's shard; a state_dict round trip
+    torch.manual_seed(1)
+    ref = nn.Linear(32, 64)
+    torch.manual_seed(1)
+    fresh = RowParallelLinear(32, 64, group=world.group)
+    out["init"] = float((fresh.to_linear().weight - ref.weight).abs().max()), float((fresh.bias - ref.bias).abs().max())
+    other = RowParallelLinear(32, 64, group=world.group, sequence_parallel=True)
+    other.load_state_dict(fresh.state_dict())
+    out["load_state_dict"] = float((other.weight - fresh.weight).abs().max()), other.weight.t().is_contiguous()
+    # q, k, v as one layer: this rank's block of each; to_linear gives them back in order
+    q, k = nn.Linear(32, 64, bias=False), nn.Linear(32, 32, bias=False)
+    fused = ColumnParallelLinear.from_linears([q, k], world.group, sequence_parallel=True)
+    with torch.no_grad():
+        got = fused(x[rows])
+    want = torch.cat([x @ q.weight[r * 64 // w:(r + 1) * 64 // w].t(), x @ k.weight[r * 32 // w:(r + 1) * 32 // w].t()], -1)
+    out["fused"] = rel(got, want), float((fused.to_linear().weight - torch.cat([q.weight, k.weight])).abs().max())
+    errors = {}
+    for name, make in {"column 63": lambda: ColumnParallelLinear(32, 63, group=world.group),
+                       "row 33": lambda: RowParallelLinear(33, 32, group=world.group),
+                       "row sp rows": lambda: RowParallelLinear.from_linear(lin2, world.group, True)(torch.randn(w + 1, 64 // w))}.items():
+        try:
+            make()
+            errors[name] = "no error"
+        except ValueError as exc:
+            errors[name] = str(exc)
+    out["errors"] = errors
+    return out
+
+
+# ------------------------------------------------------------------------------------------ Llama
+def _llama(world) -> dict:
+    """parallelize on a tiny LlamaForCausalLM: logits and greedy generation against the whole model."""
+    import autofuse
+
+    out: dict = {}
+    ref = tiny_llama(world.size)
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 128, (2, 7), generator=gen)   # 7 tokens: padded to a multiple of W under sequence parallelism
+    prompt = torch.randint(0, 128, (2, 8), generator=gen)
+    with torch.no_grad():
+        logits = ref(ids).logits
+        tokens = ref.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=4, do_sample=False,
+                              pad_token_id=0)
+    for sp in (False, True):
+        model = autofuse.parallelize(copy.deepcopy(ref), world.group, sequence_parallel=sp)
+        with torch.no_grad():
+            out[f"logits sp={sp}"] = rel(model(ids).logits, logits)
+            got = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=4, do_sample=False,
+                                 pad_token_id=0)
+        out[f"generate sp={sp}"] = got.tolist(), tokens.tolist()
+        out[f"keys sp={sp}"] = sorted(model.state_dict())
+        out[f"modules sp={sp}"] = {type(m).__name__ for m in model.modules()}
+    out["ref keys"] = sorted(ref.state_dict())
+    try:
+        autofuse.parallelize(tiny_llama(world.size, kv_heads=world.size // 2), world.group)
+        out["kv error"] = "no error"
+    except ValueError as exc:
+        out["kv error"] = str(exc)
+    return out
+
+
+def _job(world) -> dict:
+    return {"modules": _modules(world), "llama": _llama(world)}
+
+
+@pytest.fixture(scope="module", params=WORLDS, ids=lambda w: f"world{w}")
+def job(request) -> tuple[int, list[dict]]:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return request.param, spawn(_job, request.param, device_kind="cpu", timeout_s=600)
+
+
+# ------------------------------------------------------------------------------------------ tests
+def test_modules_match_the_whole_layer(job) -> None:
+    w, ranks = job
+    for r, res in enumerate(ranks):
+        m = res["modules"]
+        for sp in (False, True):
+            shape, err = m[f"column sp={sp}"]
+            assert shape == ((8, 3, 64 // w)) and err <= TOL, (r, sp, shape, err)
+            shape, err = m[f"row sp={sp}"]
+            assert shape == ((8 // w if sp else 8), 3, 32) and err <= TOL, (r, sp, shape, err)
+        assert m["column input grad"] <= TOL
+        assert m["fused"][0] <= TOL and m["fused"][1] == 0.0
+
+
+def test_modules_shard_state_and_repr(job) -> None:
+    w, ranks = job
+    for r, res in enumerate(ranks):
+        m = res["modules"]
+        for sp in (False, True):
+            assert m[f"to_linear sp={sp}"] == [0.0] * 4
+            assert m[f"state_dict sp={sp}"] == {"weight": (64 // w, 32), "bias": (64 // w,),
+                                                "row.weight": (32, 64 // w), "row.bias": (32,)}
+            col, row = m[f"repr sp={sp}"]
+            assert col.startswith("ColumnParallelLinear(in_features=32, out_features=64, bias=True")
+            assert f"sequence_parallel={sp}, rank={r}/{w}, shard=({64 // w}, 32)" in col
+            assert row.startswith("RowParallelLinear(in_features=64, out_features=32") and f"rank={r}/{w}" in row
+        assert m["init"] == (0.0, 0.0)
+        assert m["load_state_dict"] == (0.0, True)
+
+
+def test_modules_refuse_what_does_not_split(job) -> None:
+    _, ranks = job
+    errors = ranks[0]["modules"]["errors"]
+    assert "out_features=63 is not divisible" in errors["column 63"]
+    assert "in_features=33 is not divisible" in errors["row 33"]
+    assert "splits dim 0 of the output" in errors["row sp rows"]
+
+
+def test_llama_logits_match(job) -> None:
+    _, ranks = job
+    for res in ranks:
+        for sp in (False, True):
+            assert res["llama"][f"logits sp={sp}"] <= TOL, (sp, res["llama"][f"logits sp={sp}"])
+
+
+def test_llama_greedy_generation_matches(job) -> None:
+    _, ranks = job
+    for res in ranks:
+        for sp in (False, True):
+            got, want = res["llama"][f"generate sp={sp}"]
+            assert got == want, sp
+
+
+def test_llama_modules_and_state_dict(job) -> None:
+    """Without sequence parallelism the state_dict keeps transformers' keys (each a shard); with it,
+    q/k/v and gate/up are one layer each."""
+    _, ranks = job
+    llama = ranks[0]["llama"]
+    assert llama["keys sp=False"] == llama["ref keys"]
+    assert {"ColumnParallelLinear", "RowParallelLinear"} <= llama["modules sp=False"]
+    assert "Linear" in llama["modules sp=False"]  # lm_head stays whole
+    fused = {k for k in llama["keys sp=True"] if "qkv_proj" in k or "gate_up_proj" in k}
+    assert len(fused) == 4 and not any(k.endswith(("q_proj.weight", "gate_proj.weight")) for k in llama["keys sp=True"])
+
+
+def test_llama_refuses_kv_heads_that_do_not_divide(job) -> None:
+    w, ranks = job
+    assert f"num_key_value_heads={w // 2} not divisible by the tensor-parallel size {w}" in ranks[0]["llama"]["kv error"]
