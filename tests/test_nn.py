@@ -109,6 +109,38 @@ def _modules(world) -> dict:
     return out
 
 
+# ------------------------------------------------------------------------------------------- plans
+def _plans(world) -> dict:
+    """A model that is not a Llama: a plan dict, and torch's parallelize_module with autofuse's styles."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    import autofuse
+    from autofuse.nn import ColwiseParallel, RowwiseParallel
+
+    torch.manual_seed(0)
+    mlp = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 32))
+    x = torch.randn(4, 32)
+    with torch.no_grad():
+        want = mlp(x)
+    out: dict = {}
+    mesh = DeviceMesh.from_group(world.group or torch.distributed.group.WORLD, "cpu")
+    made = {"plan": autofuse.parallelize(copy.deepcopy(mlp), world.group, plan={"0": "column", "2": "row"}),
+            "styles": parallelize_module(copy.deepcopy(mlp), mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})}
+    for name, model in made.items():
+        with torch.no_grad():
+            out[name] = rel(model(x), want), [type(m).__name__ for m in model]
+    errors = {}
+    for name, plan in {"no match": {"9": "column"}, "bad style": {"0": "colwise"}, "not linear": {"1": "row"}}.items():
+        try:
+            autofuse.parallelize(copy.deepcopy(mlp), world.group, plan=plan)
+            errors[name] = "no error"
+        except (ValueError, TypeError) as exc:
+            errors[name] = str(exc)
+    out["errors"] = errors
+    return out
+
+
 # ------------------------------------------------------------------------------------------ Llama
 def _llama(world) -> dict:
     """parallelize on a tiny LlamaForCausalLM: logits and greedy generation against the whole model."""
@@ -142,7 +174,7 @@ def _llama(world) -> dict:
 
 
 def _job(world) -> dict:
-    return {"modules": _modules(world), "llama": _llama(world)}
+    return {"modules": _modules(world), "plans": _plans(world), "llama": _llama(world)}
 
 
 @pytest.fixture(scope="module", params=WORLDS, ids=lambda w: f"world{w}")
@@ -188,6 +220,20 @@ def test_modules_refuse_what_does_not_split(job) -> None:
     assert "out_features=63 is not divisible" in errors["column 63"]
     assert "in_features=33 is not divisible" in errors["row 33"]
     assert "splits dim 0 of the output" in errors["row sp rows"]
+
+
+def test_plans_and_torch_styles(job) -> None:
+    """A plan dict names linears by path; autofuse's ColwiseParallel / RowwiseParallel work in torch's
+    parallelize_module; bad plans are refused with the entry named."""
+    _, ranks = job
+    for res in ranks:
+        for name in ("plan", "styles"):
+            err, kinds = res["plans"][name]
+            assert err <= TOL and kinds == ["ColumnParallelLinear", "ReLU", "RowParallelLinear"], (name, err, kinds)
+    errors = ranks[0]["plans"]["errors"]
+    assert "'9' matches no module" in errors["no match"]
+    assert "plan styles must be one of ['column', 'row']" in errors["bad style"]
+    assert "1 is a ReLU, not an nn.Linear" in errors["not linear"]
 
 
 def test_llama_logits_match(job) -> None:

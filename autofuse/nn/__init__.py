@@ -5,9 +5,22 @@
 - `autofuse.nn.functional`: the same as functions, and the row scatter/gather of sequence parallelism.
 - `parallelize(model, group, plan=None, sequence_parallel=False)` (autofuse/nn/parallelize.py): swaps a
   model's linears for the modules above, by a plan or, for Hugging Face Llama-family models, by itself.
+- `ColwiseParallel`, `RowwiseParallel` (autofuse/nn/styles.py): the same as torch ParallelStyles, for
+  `torch.distributed.tensor.parallel.parallelize_module` (imported on first use: they load DTensor).
 """
+from typing import Any
+
 from autofuse.nn import functional
 from autofuse.nn.linear import ColumnParallelLinear, RowParallelLinear
 from autofuse.nn.parallelize import parallelize
 
-__all__ = ["ColumnParallelLinear", "RowParallelLinear", "functional", "parallelize"]
+__all__ = ["ColumnParallelLinear", "RowParallelLinear", "ColwiseParallel", "RowwiseParallel", "functional",
+           "parallelize"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("ColwiseParallel", "RowwiseParallel"):
+        from autofuse.nn import styles
+
+        return getattr(styles, name)
+    raise AttributeError(f"module 'autofuse.nn' has no attribute {name!r}")
