@@ -1,6 +1,6 @@
 """autofuse: per-call choice between bulk-synchronous and fused multi-GPU Triton kernels.
 
-`autofuse.<op>(...)` for every op in `autofuse.registry` (ag_gemm, gemm_rs, gemm_ar, flash_decode),
+`autofuse.<op>(...)` for every op in `autofuse.core.registry` (ag_gemm, gemm_rs, gemm_ar, flash_decode),
 `explain`, `call`, `rebuild` and `set_policy` are the runtime entry points (`autofuse.dispatch`);
 `autofuse.parallelize` and `autofuse.nn` make models tensor-parallel on them. They are made on first
 use, so `import autofuse` stays cheap: no torch import, no process group, no GPU work, no file or
@@ -13,7 +13,7 @@ present and Triton is not imported yet (set TRITON_INTERPRET yourself to decide 
 import os
 import sys
 
-from autofuse import registry
+from autofuse.core import registry
 
 __version__ = "0.1.0"
 
@@ -37,7 +37,7 @@ def __getattr__(name: str):
     elif name in _DISPATCH:
         value = getattr(importlib.import_module("autofuse.dispatch"), name)
     elif name == "Policy":
-        value = importlib.import_module("autofuse.policy").Policy
+        value = importlib.import_module("autofuse.dispatch.policy").Policy
     elif name == "nn":
         value = importlib.import_module("autofuse.nn")
     elif name == "parallelize":

@@ -4,13 +4,13 @@ Read it like Triton's tutorial 09 (persistent matmul): `gemm_kernel` at the bott
 persistent GEMM, C = A @ B, built only from the device functions above it, with its launch grid
 in its docstring; `gemm_wait_kernel` is the same loop as a fused consumer runs it (a bounded wait
 per tile, B prefetched before it). The fused kernels (ag_gemm pull/push/push_ws, gemm_rs, gemm_ar) call the same
-functions with their own waits and epilogues. Host side (configs, checks, launch): autofuse/gemm.py.
+functions with their own waits and epilogues. Host side (configs, checks, launch): autofuse/core/gemm.py.
 
 Operands. A is M x K, B is K x N, C is M x N, any strides with the last one 1 for the TMA path.
 `operands(...)` returns the two "sources" every other function takes: with USE_TMA, device-side
 tensor descriptors (`tl.make_tensor_descriptor`: TMA loads, out-of-range elements read as zero,
 so any M/N/K works; row strides and base addresses must be 16-byte aligned, and the host must
-have called `autofuse.gemm.ensure_allocator()`); without, the base pointers themselves (masked
+have called `autofuse.core.gemm.ensure_allocator()`); without, the base pointers themselves (masked
 `tl.load`s, any strides). A consumer may also build its own descriptors (a peer's inbox, a shard
 of a gathered buffer) and pass them: the functions only call `.load([row, col])` on them.
 
@@ -79,7 +79,7 @@ sm_90 AOT compiles with Triton 3.6 and 3.9: with TMA, 16-bit inputs, num_warps=4
 >= 64 the kernel becomes 12 warps (one producer, two consumer warpgroups, setmaxnreg); with 8 warps
 or split-K it is silently not applied; the pointer path, float32, and any kernel whose tile loop
 also holds a spin-wait loop or inline PTX (gemm_wait_kernel, prefetch_b) fail to compile
-("NVGPUWarpSpecialization" pass). autofuse.gemm.check rejects the first set with the reason;
+("NVGPUWarpSpecialization" pass). autofuse.core.gemm.check rejects the first set with the reason;
 fused consumers that wait per tile must run WARP_SPEC=False.
 """
 import os

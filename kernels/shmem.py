@@ -14,7 +14,7 @@ A pointer is always given in the calling rank's address space.
 **Device context.** Kernels that synchronise across ranks take one `DeviceContext` argument (a
 named tuple, passed as a single kernel argument): this rank, the world size, the heap bases, the
 workspace's status words (on the heap, so peers can write them), its epoch counter, the wait budget
-and a host-visible mirror of the status code. The host builds it (`autofuse.workspace.Workspace.ctx`).
+and a host-visible mirror of the status code. The host builds it (`autofuse.comm.workspace.Workspace.ctx`).
 
 **Epochs.** `epoch_begin` gives every call a number one higher than the last (kept on the device,
 so CUDA-graph replays advance it); flags carry the epoch of the call that raised them, in two
@@ -25,7 +25,7 @@ epoch it expects: data of a later (or skipped) call never satisfies it.
 GPUs, the host clock under the interpreter) runs out, or at once when the status code says this
 rank or a peer already gave up. The first rank to give up records the flag and epochs in its
 status words and marks every peer's status "aborted" with its own rank, so every rank stops
-waiting and the host raises `autofuse.status.FlagTimeout` on every rank. A workspace whose status
+waiting and the host raises `autofuse.comm.status.FlagTimeout` on every rank. A workspace whose status
 is not clean computes nothing: kernels fill their outputs with NaN until the host rebuilds it.
 
 Everything here runs compiled (CUDA) and under TRITON_INTERPRET=1 (no inline asm there).
@@ -42,7 +42,7 @@ INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
 DeviceContext = namedtuple("DeviceContext", ["rank", "world", "heap_bases", "status", "counter", "budget",
                                              "mirror"])
 
-# Status words (int32, a workspace's status allocation on the heap; see autofuse/status.py).
+# Status words (int32, a workspace's status allocation on the heap; see autofuse/comm/status.py).
 # Word CODE is 0 while healthy, else (origin rank + 1) * 4 + kind: kind TIMEOUT where this rank's
 # wait ran out, ABORTED where a peer's did. Rank r's record of its timeout sits in words
 # RECORD + 3r .. RECORD + 3r + 2 (flag offset in 4-byte words, epoch waited for, last value seen),

@@ -28,7 +28,7 @@ LIMIT_US = 3.0
 
 def _noop_op():
     """An op whose runner returns at once: what a cached call costs beyond its runner."""
-    from autofuse.op import Op, Problem, Variant
+    from autofuse.core.op import Op, Problem, Variant
 
     class Noop(Variant):
         name, family = "bsp", "bsp"
@@ -74,8 +74,9 @@ def _compare(world, direct, dispatched, calls: int, rounds: int) -> dict:
 
 def _rank(world, op_name: str, calls: int, rounds: int) -> dict:
     import autofuse
-    from autofuse import dispatch, registry
-    from autofuse.op import Problem
+    from autofuse import dispatch
+    from autofuse.core import registry
+    from autofuse.core.op import Problem
 
     dispatch.reset()
     rows: dict[str, dict] = {}
@@ -116,8 +117,8 @@ def main() -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from autofuse import environment
-    from autofuse.world import default_device_kind, gpu_count, spawn
+    from autofuse.measure import environment
+    from autofuse.comm.world import default_device_kind, gpu_count, spawn
 
     kind = default_device_kind()
     ranks = args.world or (gpu_count() if kind == "cuda" else 2)

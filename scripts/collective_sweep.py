@@ -45,8 +45,8 @@ def configs(kind: str, cuda: bool) -> list[dict]:
 
 
 def _sweep_rank(world: Any, kind: str, sizes: list[int], reps: int) -> dict[str, Any]:
-    from autofuse import collectives as C
-    from autofuse.measure import time_fn
+    from autofuse.comm import collectives as C
+    from autofuse.measure.timing import time_fn
     from autofuse.training import bench_collectives as B
     from autofuse.training.kernel_profile import profile_calls
 
@@ -113,7 +113,7 @@ def render(report: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     from autofuse.training.bench_collectives import KINDS, parse_sizes
-    from autofuse.world import default_device_kind, gpu_count, spawn
+    from autofuse.comm.world import default_device_kind, gpu_count, spawn
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--kind", choices=KINDS, default="all_gather")

@@ -23,9 +23,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 
 def job(world, plan):
     import harness
-    from autofuse import status
+    from autofuse.comm import status
     from autofuse.ops import gemm_rs
-    from autofuse.workspace import workspaces
+    from autofuse.comm.workspace import workspaces
 
     os.environ[status.TIMEOUT_ENV] = "2"
     side = torch.cuda.Stream()
@@ -86,7 +86,7 @@ def job(world, plan):
 
 
 if __name__ == "__main__":
-    from autofuse.world import spawn
+    from autofuse.comm.world import spawn
 
     if torch.cuda.device_count() < 2:
         sys.exit("diag_fault_hang.py needs two GPUs (the hang is a GPU scheduling matter; CPU ranks never showed it)")

@@ -1,6 +1,6 @@
 """Dispatch quality on problems no tuning run measured, as a user gets it (GPU machine, after `autofuse fit`).
 
-Held-out problems come from autofuse/shapes.py at sizes no sweep uses: M (or batch, KV length)
+Held-out problems come from autofuse/core/shapes.py at sizes no sweep uses: M (or batch, KV length)
 between and beyond the tuned ones, other models' N and K, fp16 beside bf16, the K-gather form.
 For each, on every rank:
 1. the first call through the public entry point (`autofuse.<op>`, policy from --policy, mode
@@ -10,7 +10,7 @@ For each, on every rank:
    and workspace allocation on a cold process) and timing seconds apart;
 2. every available variant at the config the policy would give it (its nearest tuned config), and
    the choice itself: each checked against the float64 reference, then all timed in turns, batch
-   by batch (`autofuse.measure.time_in_turns`: a drift of the host, large in eager mode, is shared
+   by batch (`autofuse.measure.timing.time_in_turns`: a drift of the host, large in eager mode, is shared
    by every candidate instead of charged to whichever ran last).
 The oracle is the fastest measured candidate. Reported per op and overall: the share of calls
 within 5% of the oracle, the geomean of choice / oracle and of choice / BSP, the worst choice / BSP,
@@ -29,9 +29,9 @@ import sys
 import tempfile
 import time
 
-from autofuse import registry, shapes
-from autofuse.op import Problem, config_key
-from autofuse.world import spawn
+from autofuse.core import registry, shapes
+from autofuse.core.op import Problem, config_key
+from autofuse.comm.world import spawn
 
 OPS = ("ag_gemm", "gemm_rs", "gemm_ar", "flash_decode")
 
@@ -60,11 +60,11 @@ def held_out(op: str, world: int) -> list[Problem]:
 
 def _time_together(world, op, problem, cands: list[tuple[str, dict]], mode: str, reps: int) -> list[float]:
     """us per call of each (variant, config) in `cands` (inf where it cannot run or is wrong): each is
-    built and checked against the float64 reference (autofuse.measure.build_checked), then the
-    correct ones are timed in turns, batch by batch (autofuse.measure.time_in_turns), so that a drift
+    built and checked against the float64 reference (autofuse.measure.timing.build_checked), then the
+    correct ones are timed in turns, batch by batch (autofuse.measure.timing.time_in_turns), so that a drift
     of the host (large in eager mode) is shared by every candidate instead of charged to whichever
     ran last."""
-    from autofuse.measure import build_checked, time_in_turns, timing_steps
+    from autofuse.measure.timing import build_checked, time_in_turns, timing_steps
 
     runners = [build_checked(world, op, problem, v, c)[0] for v, c in cands]
     live = [r for r in runners if r is not None]
@@ -79,7 +79,7 @@ def _time_together(world, op, problem, cands: list[tuple[str, dict]], mode: str,
 def job(world, policy_path: str, ops: list[str], mode: str, reps: int, confirm: bool, cpu: bool) -> dict:
     import autofuse
     from autofuse import dispatch
-    from autofuse.policy import Policy
+    from autofuse.dispatch.policy import Policy
 
     os.environ.update(AUTOFUSE_POLICY=policy_path, AUTOFUSE_MODE=mode, AUTOFUSE_ONLINE="1" if confirm else "0",
                       AUTOFUSE_ONLINE_DB=os.path.join(tempfile.gettempdir(), f"eval-online-{os.getppid()}.db"))

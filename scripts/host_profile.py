@@ -5,7 +5,7 @@ is the CPU time each call costs, not the GPU time. For one decode shape of `exam
 this measures, on every rank (rank-max), with the policy of each timing mode:
 - per layer and per op call: *host* us (the calls issued while the GPU is held busy by a sleep
   kernel, so the host never waits: pure launch cost) and *eager* us (back-to-back calls between two
-  device events, what `autofuse.measure` times in eager mode);
+  device events, what `autofuse.measure.timing` times in eager mode);
 - for every variant of every autofuse op of the layer (forced with AUTOFUSE_VARIANT): the same two;
 - a cProfile of the autofuse layer's host path (top functions by own time) and a torch.profiler
   table of CUDA runtime calls (launches, synchronisations) of both layers.
@@ -48,7 +48,7 @@ def _host_us(world, fn: Callable[[], Any], calls: int, samples: int = 7) -> floa
 
 def _rank(world, args: dict) -> dict:
     import autofuse
-    from autofuse.measure import time_fn
+    from autofuse.measure.timing import time_fn
     from autofuse.training import bench_layer
 
     m = bench_layer.layer_module()
@@ -93,7 +93,7 @@ def _rank(world, args: dict) -> dict:
                     lambda fn=fn, a=a: fn(*a), 4 * CALLS, layer=name, policy=mode, op=lab)
     ops = sorted(set(s.autofuse_ops.values()))
     for op in ops:
-        for v, var in autofuse.registry.get(op).variants.items():
+        for v, var in autofuse.core.registry.get(op).variants.items():
             if not var.available(world):
                 continue
             try:
@@ -132,7 +132,7 @@ def _rank(world, args: dict) -> dict:
 
 
 def main() -> None:
-    from autofuse.world import default_device_kind, gpu_count, spawn
+    from autofuse.comm.world import default_device_kind, gpu_count, spawn
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=None, help="70b | 8b | tiny (default 70b on GPUs, tiny on CPU)")

@@ -338,7 +338,7 @@ def render_scaling(db: Path, op: str, level: int = 3) -> str:
     """Markdown strong-scaling tables for one op of a tune database: per mode, per problem size, the
     fastest candidate and its time at each world size, and the speedup over the smallest world size."""
     from autofuse.commands.policy import scaling_sizes
-    from autofuse.op import Problem
+    from autofuse.core.op import Problem
 
     h = "#" * level
     rows, _ = read_db(db, op)

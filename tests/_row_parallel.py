@@ -11,9 +11,10 @@ import torch
 import torch.distributed as dist
 
 import harness
-from autofuse import gemm, workspace
-from autofuse.op import InvalidConfig, Op, Problem, Variant
-from autofuse.world import World, spawn
+from autofuse.core import gemm
+from autofuse.comm import workspace
+from autofuse.core.op import InvalidConfig, Op, Problem, Variant
+from autofuse.comm.world import World, spawn
 from conftest import assert_pipelined_gemm
 
 TINY = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "GROUP_M": 2, "num_warps": 4, "num_stages": 2}

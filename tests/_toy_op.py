@@ -13,9 +13,9 @@ from typing import Any
 
 import torch
 
-from autofuse.op import InvalidInput, Op, Problem, Variant, default_tolerance
-from autofuse.runner import Runner, TensorSpec
-from autofuse.workspace import workspace
+from autofuse.core.op import InvalidInput, Op, Problem, Variant, default_tolerance
+from autofuse.core.runner import Runner, TensorSpec
+from autofuse.comm.workspace import workspace
 
 NAME = "toy_mm"
 BUILDS = {"bsp": 0, "fused": 0}

@@ -23,9 +23,9 @@ from typing import Any, Sequence
 import pytest
 import torch
 
-from autofuse import status
-from autofuse.measure import capture
-from autofuse.op import Op, Problem, rel_error
+from autofuse.comm import status
+from autofuse.measure.timing import capture
+from autofuse.core.op import Op, Problem, rel_error
 
 Case = tuple[str, dict, str, dict]  # (variant, dims, dtype, config)
 

@@ -21,12 +21,12 @@ import pytest
 import torch
 
 import harness
-from autofuse import gemm
-from autofuse.op import InvalidConfig, InvalidInput, Problem
+from autofuse.core import gemm
+from autofuse.core.op import InvalidConfig, InvalidInput, Problem
 from autofuse.ops import ag_gemm
 from autofuse.ops.ag_gemm import OP
-from autofuse.workspace import workspaces
-from autofuse.world import World, spawn
+from autofuse.comm.workspace import workspaces
+from autofuse.comm.world import World, spawn
 from conftest import CTX, T36, VERSIONS, compile_request, compile_sm90_versions
 
 FUSED = ("pull", "push", "push_ws")
@@ -36,7 +36,7 @@ FLAGS = ("tile", "row_block", "shard")
 
 def cfg(bm=16, bn=32, bk=16, flag="row_block", comm=2, layout="shard", split=1, swap=False, tma=True, group=4,
         warps=4, stages=2) -> dict:
-    """A complete fused config (every GEMM key of autofuse.gemm and the op's FLAG, COMM_SMS, LAYOUT)."""
+    """A complete fused config (every GEMM key of autofuse.core.gemm and the op's FLAG, COMM_SMS, LAYOUT)."""
     return {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": group, "num_warps": warps, "num_stages": stages,
             "SPLIT_K": split, "SWAP_AB": swap, "TMA": tma, "WARP_SPEC": False, "FLAG": flag, "COMM_SMS": comm,
             "LAYOUT": layout}

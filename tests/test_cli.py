@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from autofuse import environment
+from autofuse.measure import environment
 from autofuse.cli import app
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -41,9 +41,9 @@ def _latency(variant: str, m: int, world: int) -> float:
 
 def make_db(path: Path, modes: tuple[str, ...] = ("eager",)) -> Path:
     """A tuning database with ag_gemm at M in SIZES on world sizes 1, 2, 4 (written through the store)."""
-    from autofuse.measure import Measurement
-    from autofuse.op import Problem
-    from autofuse.store import Store
+    from autofuse.measure.timing import Measurement
+    from autofuse.core.op import Problem
+    from autofuse.measure.store import Store
 
     ms = []
     for world in WORLDS:
@@ -164,7 +164,7 @@ def test_scaling_sizes_are_global():
 
 
 def test_scaling_sweeps_hold_one_global_problem_set_at_every_world_size():
-    from autofuse import registry
+    from autofuse.core import registry
     from autofuse.commands.policy import scaling_sizes
 
     for name in registry.names():

@@ -1,4 +1,4 @@
-"""Heap collectives (autofuse.collectives, kernels/collectives.py) on CPU ranks against float64 references.
+"""Heap collectives (autofuse.comm.collectives, kernels/collectives.py) on CPU ranks against float64 references.
 
 One case table, used by the CPU tests (2 and 4 ranks; the Triton interpreter, the shm heap) and by the
 GPU test (GPU sizes, CUDA-graph replay). The collectives are wrapped in a small test op (`OP`) so that
@@ -15,12 +15,12 @@ import pytest
 import torch
 
 import harness
-from autofuse import collectives as C
-from autofuse import status
-from autofuse.op import InvalidConfig, InvalidInput, Op, Problem, Variant, default_tolerance, rel_error
-from autofuse.runner import Runner, TensorSpec
-from autofuse.workspace import workspaces
-from autofuse.world import spawn
+from autofuse.comm import collectives as C
+from autofuse.comm import status
+from autofuse.core.op import InvalidConfig, InvalidInput, Op, Problem, Variant, default_tolerance, rel_error
+from autofuse.core.runner import Runner, TensorSpec
+from autofuse.comm.workspace import workspaces
+from autofuse.comm.world import spawn
 from conftest import CTX, compile_request, compile_sm90_many
 
 BF, HALF, F32 = "bfloat16", "float16", "float32"

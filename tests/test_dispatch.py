@@ -12,10 +12,10 @@ import pytest
 
 import harness
 from _toy_op import OP as TOY
-from autofuse import environment
+from autofuse.measure import environment
 from autofuse.training.fit import fit
-from autofuse.op import Problem
-from autofuse.world import spawn
+from autofuse.core.op import Problem
+from autofuse.comm.world import spawn
 
 FP = environment.fingerprint("cpu")
 HOT_CALLS = 30
@@ -46,8 +46,9 @@ def _write_policies(policies: dict, rank: int) -> dict[str, str]:
     fp = environment.fingerprint("cpu")
     data = dict(policies["data"], fingerprint=fp)
     foreign = dict(data, fingerprint=dict(fp, gpu_name="NVIDIA B200"))
+    stale = dict(data, fingerprint=dict(fp, ops={**fp.get("ops", {}), "toy_mm": "0" * 16}))
     paths = {}
-    for name, d in (("good", data), ("foreign", foreign)):
+    for name, d in (("good", data), ("foreign", foreign), ("stale", stale)):
         paths[name] = os.path.join(policies["dir"], f"{name}-{rank}.json")
         with open(paths[name], "w") as f:
             json.dump(d, f)
@@ -97,7 +98,7 @@ def _dispatch_job(world, policies: dict) -> dict:
 
     import _toy_op as toy
     from autofuse import dispatch
-    from autofuse.policy import Policy, PolicyWarning
+    from autofuse.dispatch.policy import Policy, PolicyWarning
 
     torch.set_num_threads(1)
     paths = _write_policies(policies, world.rank)
@@ -386,7 +387,8 @@ def test_find_shipped_policy(policies, tmp_path, monkeypatch):
 def _real_ops_job(world) -> list[tuple[str, str, float, float, str]]:
     """Each registered op through its public autofuse.<op> entry point, every CPU variant, 2 calls each."""
     import autofuse
-    from autofuse import dispatch, registry
+    from autofuse import dispatch
+    from autofuse.core import registry
 
     dispatch.reset()
     dispatch.set_policy(None)
@@ -410,13 +412,13 @@ def _real_ops_job(world) -> list[tuple[str, str, float, float, str]]:
 
 
 def op_rel(out, ref) -> float:
-    from autofuse.op import rel_error
+    from autofuse.core.op import rel_error
 
     return rel_error(out, ref)
 
 
 def test_real_ops_through_public_entry_points():
-    from autofuse import registry
+    from autofuse.core import registry
 
     if not registry.names():
         pytest.skip("no op modules in this checkout yet")
@@ -433,7 +435,8 @@ def test_entry_points_are_generated_from_the_ops_argument_names():
     import torch
 
     import autofuse
-    from autofuse import dispatch, registry
+    from autofuse import dispatch
+    from autofuse.core import registry
 
     for name in registry.names():
         fn = getattr(autofuse, name)
@@ -504,8 +507,9 @@ def _confirm_job(world, policies: dict, db: str) -> dict:
 
     import torch
 
-    from autofuse import confirm, dispatch
-    from autofuse.store import Store
+    from autofuse import dispatch
+    from autofuse.dispatch import confirm
+    from autofuse.measure.store import Store
 
     # Two ranks on two cores: intra-op worker threads would take turns with the other rank's busy
     # wait and turn the toy's ~100 us calls into time slices of milliseconds, burying the costs.
@@ -535,6 +539,21 @@ def _confirm_job(world, policies: dict, db: str) -> dict:
     ex = dispatch.explain(TOY, a, b)
     res["again"] = {"rel": _rel(out, a, b), "variant": ex.variant, "basis": ex.basis,
                     "confirmations": dispatch.stats.confirmations}
+    # a stale op (its code changed since the fit): even a tuned problem is only a prediction, so it is
+    # confirmed on first use; with confirmation off it runs bsp
+    os.environ["AUTOFUSE_POLICY"] = paths["stale"]
+    os.environ["AUTOFUSE_ONLINE_DB"] = db + ".stale"
+    dispatch.reset()
+    dispatch.call(TOY, a2, b2)
+    ex = dispatch.explain(TOY, a2, b2)
+    res["stale"] = {"basis": ex.basis, "reason": ex.reason, "confirmations": dispatch.stats.confirmations}
+    os.environ["AUTOFUSE_ONLINE"] = "0"
+    os.environ["AUTOFUSE_ONLINE_DB"] = db + ".none"  # nothing measured earlier on this machine
+    dispatch.reset()
+    ex = dispatch.explain(TOY, a2, b2)
+    res["stale_off"] = {"variant": ex.variant, "basis": ex.basis, "reason": ex.reason}
+    os.environ["AUTOFUSE_ONLINE"] = "1"
+    os.environ["AUTOFUSE_ONLINE_DB"] = db
     # a fast wrong candidate is dropped on every rank, never chosen
     op = dataclasses.replace(TOY, variants=[*TOY.variants.values(), _Wrong()])
     problem = Problem.make("toy_mm", "float32", world.size, M=512, N=16, K=16)
@@ -566,6 +585,10 @@ def test_confirm_on_first_use_measures_records_and_reuses(policies, tmp_path):
         assert first["variant"] == "fused" and first["rel"] < 1e-5, first
         assert "confirmed on first use" in first["reason"], first
         assert r["tuned"]["basis"] == "measured" and r["tuned"]["confirmations"] == 1, r["tuned"]
+        stale, off = r["stale"], r["stale_off"]
+        assert stale["basis"] == "confirmed" and stale["confirmations"] == 1, stale
+        assert stale["reason"].startswith("stale: confirmed") and "code changed" in stale["reason"], stale
+        assert off["variant"] == "bsp" and off["basis"] == "fallback" and "code changed" in off["reason"], off
         again = r["again"]
         assert again == {"rel": again["rel"], "variant": "fused", "basis": "confirmed", "confirmations": 0}, again
         assert again["rel"] < 1e-5
@@ -594,7 +617,7 @@ def test_confirm_on_first_use_measures_records_and_reuses(policies, tmp_path):
 def test_confirm_timing_plan_stays_within_budget():
     """Batches per candidate: `reps` when they fit the budget, fewer (at least one) when not, spread over
     non-empty rounds."""
-    from autofuse.measure import reps_within, split_rounds
+    from autofuse.measure.timing import reps_within, split_rounds
 
     assert reps_within(0.25, 0.008, 6) == 6  # 4 candidates x 2 ms batches: 48 ms, inside the budget
     assert reps_within(0.25, 0.1, 6) == 2 and reps_within(0.25, 1.0, 6) == 1 and reps_within(0.0, 0.0, 6) == 1
@@ -609,8 +632,9 @@ def _gpu_dispatch_job(world) -> list[tuple[str, bool, str]]:
     import torch
 
     import autofuse
-    from autofuse import dispatch, registry
-    from autofuse.op import rel_error
+    from autofuse import dispatch
+    from autofuse.core import registry
+    from autofuse.core.op import rel_error
 
     dispatch.reset()
     checks: list[tuple[str, bool, str]] = []
@@ -661,7 +685,7 @@ def _gpu_dispatch_job(world) -> list[tuple[str, bool, str]]:
 
 @harness.gpu()
 def test_gpu_dispatch_every_op_eager_and_graph():
-    from autofuse.world import gpu_count
+    from autofuse.comm.world import gpu_count
 
     results = spawn(_gpu_dispatch_job, min(gpu_count(), 2), device_kind="cuda", timeout_s=900)
     bad = [(rank, c) for rank, rows in enumerate(results) for c in rows if not c[1]]

@@ -22,10 +22,10 @@ import torch.distributed as dist
 import harness
 from conftest import CTX, VERSIONS, compile_request, compile_sm90_versions
 
-from autofuse.op import InvalidConfig, InvalidInput, rel_error
+from autofuse.core.op import InvalidConfig, InvalidInput, rel_error
 from autofuse.ops import flash_decode as fd
-from autofuse.workspace import workspaces
-from autofuse.world import World, spawn
+from autofuse.comm.workspace import workspaces
+from autofuse.comm.world import World, spawn
 
 SAME_BITS = ("bsp", "split_heap", "push_fused")
 

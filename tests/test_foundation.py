@@ -10,9 +10,9 @@ import time
 import pytest
 import torch
 
-from autofuse import heap as heap_mod
-from autofuse import selftest
-from autofuse.world import RankFailed, spawn
+from autofuse.comm import heap as heap_mod
+from autofuse.comm import selftest
+from autofuse.comm.world import RankFailed, spawn
 
 
 def _shm_files() -> set[str]:

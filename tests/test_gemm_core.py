@@ -1,4 +1,4 @@
-"""The GEMM core (kernels/gemm_core.py) and its typed config (autofuse/gemm.py).
+"""The GEMM core (kernels/gemm_core.py) and its typed config (autofuse/core/gemm.py).
 
 Interpreter (Triton's CPU interpreter, one spawned child for every case): the pointer and the
 TMA-descriptor paths, SPLIT_K 1/2/4, SWAP_AB, sizes that are not multiples of the blocks, bf16,
@@ -25,10 +25,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from autofuse import gemm
-from autofuse.gemm import GemmConfig
-from autofuse.op import InvalidConfig, default_tolerance, rel_error
-from autofuse.world import spawn
+from autofuse.core import gemm
+from autofuse.core.gemm import GemmConfig
+from autofuse.core.op import InvalidConfig, default_tolerance, rel_error
+from autofuse.comm.world import spawn
 import conftest
 from conftest import VERSIONS, compile_request
 

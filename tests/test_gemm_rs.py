@@ -21,10 +21,10 @@ import harness
 from _row_parallel import (TINY, assert_rejected, cases_and_faults, check_compiled_gemm, check_dead_peer_time,
                            check_fault, check_faults_on_gpus, check_space, check_sweeps, default_cases, fake_world,
                            fault_ids, fault_plan, tiny)
-from autofuse import gemm
-from autofuse.op import InvalidInput, Problem
+from autofuse.core import gemm
+from autofuse.core.op import InvalidInput, Problem
 from autofuse.ops import gemm_rs
-from autofuse.world import spawn
+from autofuse.comm.world import spawn
 from conftest import CTX, compile_table
 
 OP = gemm_rs.OP

@@ -14,10 +14,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from autofuse import heap as heap_mod
+from autofuse.comm import heap as heap_mod
 from autofuse.kernels import selftest as k
-from autofuse.workspace import workspace
-from autofuse.world import World, gpu_count, spawn
+from autofuse.comm.workspace import workspace
+from autofuse.comm.world import World, gpu_count, spawn
 
 N = 64
 BLOCK = 64

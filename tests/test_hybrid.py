@@ -1,4 +1,4 @@
-"""Hybrid variants (autofuse.hybrid): heap collectives beside torch.matmul, against float64 references.
+"""Hybrid variants (autofuse.ops.hybrid): heap collectives beside torch.matmul, against float64 references.
 
 The variants are built straight from Problem objects of three small test ops that mirror the public
 semantics of ag_gemm (both gather forms), gemm_rs and gemm_ar (the op modules are being ported
@@ -14,10 +14,11 @@ import pytest
 import torch
 
 import harness
-from autofuse import hybrid, status
-from autofuse.op import InvalidConfig, Op, Problem, default_tolerance
-from autofuse.workspace import workspaces
-from autofuse.world import spawn
+from autofuse.ops import hybrid
+from autofuse.comm import status
+from autofuse.core.op import InvalidConfig, Op, Problem, default_tolerance
+from autofuse.comm.workspace import workspaces
+from autofuse.comm.world import spawn
 from test_collectives import gpu_test
 
 BF, HALF, F32 = "bfloat16", "float16", "float32"

@@ -5,7 +5,7 @@ public API and on torch.distributed + torch.matmul (the baseline), and runs pref
 8 per rank) and two decode steps (3 sequences at different positions, a KV cache split over the
 ranks in blocks of 4 positions, the second step reading what the first wrote) with autofuse's
 default choice and then with every non-bsp variant of every op forced through AUTOFUSE_VARIANT
-(listed from autofuse.registry, so new variants are covered when they land). Each output is
+(listed from autofuse.core.registry, so new variants are covered when they land). Each output is
 compared with the other layer's and with a float64 single-process reference of the whole layer
 written independently here (explicit softmax, complex-number RoPE) from the same rounded weights.
 
@@ -43,7 +43,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from autofuse.world import spawn
+from autofuse.comm.world import spawn
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "llama_layer.py"
 TOL = 2.5e-2
@@ -131,7 +131,7 @@ def _inputs(cfg):
 def _combos(world) -> list[str]:
     """'' (autofuse's default choice), then AUTOFUSE_VARIANT values forcing every non-bsp variant of
     every op available here: combo i takes each op's i-th variant (cycling), so max(#variants) runs."""
-    from autofuse import registry
+    from autofuse.core import registry
 
     per_op = {op: [n for n, v in registry.get(op).variants.items() if n != "bsp" and v.available(world)]
               for op in OPS if op in registry.names()}
@@ -346,7 +346,7 @@ def test_bench_layer_options() -> None:
     """The CLI's BenchOptions map onto the layer's: sweep names the model, --shapes items may hold
     commas, --variants: default/each kept, a bare name forces it on every op that has it, op:variant
     items form one configuration."""
-    from autofuse import registry
+    from autofuse.core import registry
     from autofuse.training.bench import BenchOptions
     from autofuse.training.bench_layer import Options, autofuse_configs, plan
 

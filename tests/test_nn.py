@@ -20,7 +20,7 @@ import pytest
 import torch
 from torch import nn
 
-from autofuse.world import spawn
+from autofuse.comm.world import spawn
 
 pytest.importorskip("transformers")
 

@@ -15,7 +15,7 @@ def test_plain_install_has_kernels_ops_and_commands(tmp_path):
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target), str(ROOT)],
                    check=True, cwd=tmp_path, timeout=240)
     env = {**os.environ, "PYTHONPATH": str(target)}
-    code = ("import autofuse, autofuse.kernels.shmem, autofuse.ops, autofuse.commands, autofuse.nn, autofuse.registry as r;"
+    code = ("import autofuse, autofuse.kernels.shmem, autofuse.ops, autofuse.commands, autofuse.nn, autofuse.core.registry as r;"
             "import pathlib; p = pathlib.Path(autofuse.kernels.shmem.__file__);"
             f"assert str(p).startswith({str(target)!r}), p; print(r.names())")
     out = subprocess.run([sys.executable, "-c", code], check=True, cwd=tmp_path, capture_output=True, text=True,

@@ -12,11 +12,12 @@ import numpy as np
 import pytest
 from _toy_op import OP as TOY
 
-from autofuse import environment, policy
-from autofuse.op import Problem
-from autofuse.policy import BSP, Policy, PolicyWarning
+from autofuse.measure import environment
+from autofuse.dispatch import policy
+from autofuse.core.op import Problem
+from autofuse.dispatch.policy import BSP, Policy, PolicyWarning
 from autofuse.training import fit as fitting
-from autofuse.world import spawn
+from autofuse.comm.world import spawn
 
 FP = environment.fingerprint("cpu")
 
@@ -25,7 +26,7 @@ def _measure_toy(world) -> list:
     """Every toy problem x (bsp, fused BLOCK 16, fused BLOCK 32), timed in eager mode on CPU ranks."""
     import torch
 
-    from autofuse.measure import measure
+    from autofuse.measure.timing import measure
 
     torch.set_num_threads(1)  # two ranks on two cores: intra-op threads would fight the busy waits
     out = []
@@ -38,7 +39,7 @@ def _measure_toy(world) -> list:
 @pytest.fixture(scope="module")
 def db(tmp_path_factory):
     """A tuning database written through the store API from a real 2-rank CPU measurement run."""
-    from autofuse.store import Store
+    from autofuse.measure.store import Store
 
     measurements = spawn(_measure_toy, 2)[0]
     path = tmp_path_factory.mktemp("policy") / "autofuse.db"
@@ -50,7 +51,7 @@ def db(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def rows(db):
-    from autofuse.store import Store
+    from autofuse.measure.store import Store
 
     store = Store(db)
     try:
@@ -206,7 +207,9 @@ def test_foreign_fingerprint_is_refused(fitted, tmp_path):
     stale["fingerprint"]["ops"] = {**FP.get("ops", {}), "toy_mm": "0" * 16}
     pol = Policy.from_dict(stale, FP)
     d = pol.decide(_toy(4096), TOY)
-    assert not pol.refused and d.variant == BSP and d.basis == "fallback" and "code changed" in d.reason, d
+    assert not pol.refused and "toy_mm" in pol.stale_ops and "toy_mm" in pol.ops
+    assert d.variant == "fused" and d.reason.startswith("stale: toy_mm's code changed"), d
+    assert pol.needs_confirmation(_toy(4096), d)  # a stale entry is a prediction, never trusted as measured
     bad = copy.deepcopy(fitted.data)
     bad["format_version"] = 99
     with pytest.warns(PolicyWarning, match="format version"):
@@ -453,7 +456,7 @@ def test_runtime_policy_never_imports_sklearn(clean, tmp_path):
 
     path = tmp_path / "p.json"
     Policy(clean["gbr"]).save(path)
-    code = ("import sys, autofuse.policy as p; from autofuse.op import Problem; "
+    code = ("import sys, autofuse.dispatch.policy as p; from autofuse.core.op import Problem; "
             f"pol = p.Policy.load({str(path)!r}); assert not pol.refused, pol.refused; "
             "d = pol.decide(Problem.make('toy_mm', 'float32', 2, M=4096, N=16, K=16)); "
             "print(d.variant, d.basis); "

@@ -1,9 +1,11 @@
-"""The shipped policies (models/) and tuning database (tuning_db/) still describe today's code.
+"""The shipped policies (models/) and tuning database (tuning_db/): valid, and stale entries handled.
 
-A policy entry applies only while its op's code digest is unchanged (autofuse/environment.py): a
-commit that edits an op, its kernels or a module they use makes the shipped entries of that op
-stale, and users would silently get BSP for it. This test names every stale op so that such a
-commit fails CI until the op is re-tuned and the policy re-fitted (or the file is removed).
+A policy entry was measured with the code of its op at fit time (autofuse/measure/environment.py:
+per-op code digests). A commit that edits an op, its kernels or a module they use makes that op's
+shipped entries *stale*. A correctness fix must never wait for a tuning machine, so stale entries
+are not dropped: dispatch uses them as predictions and confirms every decision of a stale op on
+first use (or runs BSP where confirmation is off). These tests check that rule on the shipped
+files and list the stale ops (docs/results/README.md names them) instead of failing on them.
 """
 from __future__ import annotations
 
@@ -12,32 +14,50 @@ from pathlib import Path
 
 import pytest
 
-from autofuse import environment
-from autofuse.policy import read_file, validate
-from autofuse.store import ALL, Store
+from autofuse.core import registry
+from autofuse.core.op import Problem
+from autofuse.dispatch.policy import Policy, read_file, validate
+from autofuse.measure import environment
+from autofuse.measure.store import ALL, Store
 
 ROOT = Path(__file__).resolve().parents[1]
 POLICIES = sorted((ROOT / "models").glob("*.json"))
 
 
+def stale_ops(data: dict) -> list[str]:
+    """The ops of a policy's data whose code changed since it was fitted."""
+    then, now = data["fingerprint"].get("ops", {}), environment.op_digests()
+    return sorted(op for op in data["ops"] if then.get(op) != now.get(op))
+
+
 @pytest.mark.parametrize("path", POLICIES, ids=[p.name for p in POLICIES])
-def test_shipped_policy_is_valid_and_current(path):
+def test_shipped_policy_is_valid_and_stale_ops_are_confirmed(path, capsys):
     data, why = read_file(path)
     assert data is not None, why
     assert validate(data) is None, validate(data)
-    digests = data["fingerprint"].get("ops", {})
-    now = environment.op_digests()
-    stale = {op: (digests.get(op), now.get(op)) for op in data["ops"] if digests.get(op) != now.get(op)}
-    assert not stale, (f"{path.name}: the code of {sorted(stale)} changed since this policy was fitted "
-                       f"(digest then, now: {stale}); re-tune and re-fit on the GPU machine, or remove the file")
+    stale = stale_ops(data)
+    # Loaded on the machine it was fitted on (its own fingerprint, today's op digests):
+    here = dict(data["fingerprint"], ops=environment.op_digests())
+    policy = Policy.from_dict(data, here, path=str(path))
+    assert sorted(policy.stale_ops) == stale
+    assert set(policy.ops) == set(data["ops"]), "stale ops keep their entries (as predictions)"
+    for op in data["ops"]:
+        key = next(iter(data["ops"][op]["problems"]))  # a tuned problem of the op
+        problem = Problem.from_key(key)
+        d = policy.decide(problem, registry.get(op))
+        assert d.variant in data["ops"][op]["variants"], d
+        if op in stale:
+            assert d.reason.startswith("stale:") and policy.needs_confirmation(problem, d), (op, d)
+        else:
+            assert not d.reason.startswith("stale:"), (op, d)
+    with capsys.disabled():
+        print(f"\n{path.name}: stale ops (confirmed on first use): {', '.join(stale) or 'none'}")
 
 
-def test_shipped_database_holds_rows_of_todays_code():
+def test_shipped_database_holds_rows_of_every_op():
     db = ROOT / "tuning_db" / "h200x2.db"
     with Store.open(db, readonly=True) as store:
         rows = store.measurements(None, None, hardware_id=ALL, op_digest=ALL)
-    now = environment.op_digests()
-    current = {r["op"] for r in rows if r["op_digest"] == now.get(r["op"])}
-    assert current == set(now), f"{db.name}: no rows of today's code for {sorted(set(now) - current)}"
+    assert {r["op"] for r in rows} >= set(environment.op_digests()), f"{db.name}: an op has no rows"
     graph = json.loads((ROOT / "tuning_db" / "tuning-h200x2-graph.json").read_text())
     assert graph, "the exported tuning table is empty"

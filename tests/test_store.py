@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from autofuse import environment
-from autofuse.measure import Measurement
-from autofuse.op import Problem
-from autofuse.store import ALL, SCHEMA_VERSION, Store, StoreError, config_id, describe_stale
+from autofuse.measure import environment
+from autofuse.measure.timing import Measurement
+from autofuse.core.op import Problem
+from autofuse.measure.store import ALL, SCHEMA_VERSION, Store, StoreError, config_id, describe_stale
 
 ROOT = Path(__file__).resolve().parents[1]
 P = Problem.make("fake_sum", "float32", 2, N=64)

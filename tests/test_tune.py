@@ -21,10 +21,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from autofuse import environment
-from autofuse.measure import Measurement
-from autofuse.op import Op, Problem, Variant
-from autofuse.store import ALL, Store
+from autofuse.measure import environment
+from autofuse.measure.timing import Measurement
+from autofuse.core.op import Op, Problem, Variant
+from autofuse.measure.store import ALL, Store
 from autofuse.training.storage import default_storage, storage_url
 
 import pg
@@ -146,7 +146,7 @@ class Wrong(Variant):
 
 
 def _ag_gemm_with_wrong() -> Op:
-    from autofuse import registry
+    from autofuse.core import registry
 
     real = registry.get("ag_gemm")
     bsp = real.variants["bsp"]
@@ -335,7 +335,7 @@ def _check_consistent(db: Path, url: str, trials_per_study: int, workers: int = 
 def test_tune_ag_gemm_two_ranks_writes_db_and_skips_failed_and_stale(tmp_path):
     """The whole loop on the real ag_gemm (2 CPU ranks): baselines, enqueued defaults, a wrong variant
     that is stored but never a candidate, rows of other hardware kept but unused and reported."""
-    from autofuse import registry
+    from autofuse.core import registry
 
     db = tmp_path / "tuning_db" / "ag.db"
     problem = registry.get("ag_gemm").sweep("cpu", 2)[0]
@@ -683,10 +683,10 @@ def test_runtime_never_imports_optuna_or_sklearn():
     neither is loaded. (A module that fails to import for another reason is another test's business.)"""
     import importlib.util
 
-    modules = ["autofuse", "autofuse.op", "autofuse.registry", "autofuse.world", "autofuse.heap", "autofuse.status",
-               "autofuse.features", "autofuse.environment", "autofuse.policy", "autofuse.dispatch", "autofuse.confirm",
-               "autofuse.measure", "autofuse.store", "autofuse.workspace", "autofuse.runner", "autofuse.gemm",
-               "autofuse.collectives", "autofuse.hybrid", "autofuse.shapes", "autofuse.sizes"]
+    modules = ["autofuse", "autofuse.core.op", "autofuse.core.registry", "autofuse.comm.world", "autofuse.comm.heap", "autofuse.comm.status",
+               "autofuse.core.features", "autofuse.measure.environment", "autofuse.dispatch.policy", "autofuse.dispatch", "autofuse.dispatch.confirm",
+               "autofuse.measure.timing", "autofuse.measure.store", "autofuse.comm.workspace", "autofuse.core.runner", "autofuse.core.gemm",
+               "autofuse.comm.collectives", "autofuse.ops.hybrid", "autofuse.core.shapes", "autofuse.core.sizes"]
     modules += [f"autofuse.ops.{p.stem}" for p in (ROOT / "autofuse" / "ops").glob("*.py") if p.stem != "__init__"]
     modules += [f"autofuse.kernels.{p.stem}" for p in (ROOT / "kernels").glob("*.py") if p.stem != "__init__"]
     modules += ["autofuse.nn"] + [f"autofuse.nn.{p.stem}" for p in (ROOT / "autofuse" / "nn").glob("*.py") if p.stem != "__init__"]
@@ -722,7 +722,7 @@ def test_tune_on_two_gpus_records_both_modes_and_resumes(tmp_path):
     """A short ag_gemm study on 2 GPUs: baselines and trials in eager and graph mode, every OK row within
     tolerance, BSP and a fused variant among the candidates, no failed config among them, recorded
     parameters equal to the measured configs, nothing left RUNNING or WAITING; a rerun measures nothing."""
-    from autofuse import registry
+    from autofuse.core import registry
 
     db = tmp_path / "gpu.db"
     cmd = _tune_cmd(db, "--op", "ag_gemm", "--shapes", "1024", "--world", "2", "--trials", "3")

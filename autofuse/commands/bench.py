@@ -68,7 +68,7 @@ def bench(
     if options.device_kind == "cpu" and mode == "graph":
         fail("--mode graph needs CUDA graphs (a GPU); on CPU only eager mode exists")
     if options.device_kind == "cuda":
-        from autofuse.world import gpu_count
+        from autofuse.comm.world import gpu_count
 
         if options.world > gpu_count():
             fail(f"--world {options.world} needs {options.world} GPUs; {gpu_count()} are visible")
@@ -79,7 +79,7 @@ def bench(
     note(f"bench {target}: sweep {sweep_shown}, {options.world} {where} ranks", style="")
     if options.device_kind == "cpu":
         note(CPU_NOTE)
-    from autofuse.world import RankFailed
+    from autofuse.comm.world import RankFailed
 
     try:
         result = module.run(options)

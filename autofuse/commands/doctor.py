@@ -13,7 +13,7 @@ from autofuse.commands._common import OutputExists, console_for, fail, write_new
 
 
 def _rank_job(world, measure: bool) -> dict:
-    from autofuse import selftest
+    from autofuse.comm import selftest
 
     checks = selftest.check_primitives(world)
     timeout, _ = selftest.check_timeout(world)
@@ -41,8 +41,8 @@ def doctor(
     import torch
     import triton
 
-    from autofuse import environment
-    from autofuse.world import RankFailed, default_device_kind, gpu_count, spawn
+    from autofuse.measure import environment
+    from autofuse.comm.world import RankFailed, default_device_kind, gpu_count, spawn
 
     console = console_for(stderr=json_out)  # with --json, stdout holds only the JSON
     if out_path is not None and out_path.exists() and not force:

@@ -22,7 +22,7 @@ def merge(
     when OUT already holds the same trial (same study, trial and mode) or the identical row (same
     problem, config, environment, mode, source, time and latency); two real measurements of one config
     are both kept (fit and dispatch use the faster; a failure in either keeps the config out)."""
-    from autofuse.store import Store, StoreError
+    from autofuse.measure.store import Store, StoreError
 
     def fail(text: str) -> None:
         errors.print(f"autofuse merge: {text}", style="red", markup=False, highlight=False, soft_wrap=True)

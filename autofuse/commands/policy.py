@@ -4,7 +4,7 @@ All three open the database read-only (nothing is created or converted; a file t
 autofuse database is one line naming it and the cause) and, without `--mode`, read every timing
 mode the database holds (CPU tuning records eager only) and say so. Outputs never replace an
 existing file unless `--force`; by default `fit` writes to the user data directory that dispatch
-searches (`autofuse.policy.user_models_dir()`) and `export` to ./autofuse-out/, never over the
+searches (`autofuse.dispatch.policy.user_models_dir()`) and `export` to ./autofuse-out/, never over the
 shipped `models/` or `tuning_db/` files.
 
 Strong scaling: where the database holds the same op and global sizes (an op's per-rank dims, e.g.
@@ -51,7 +51,7 @@ ForceOpt = typer.Option(False, "--force", help="Replace output files that exist.
 
 
 def _open(db: Path) -> Any:
-    from autofuse.store import Store, StoreError
+    from autofuse.measure.store import Store, StoreError
 
     if not db.exists():
         fail(f"no tuning database at {db}: run `autofuse tune` first, or pass --db")
@@ -68,7 +68,7 @@ def load(db: Path, mode: str | None, fingerprint: str | None, op: str | None = N
     """
     import sqlite3
 
-    from autofuse.store import StoreError
+    from autofuse.measure.store import StoreError
 
     if mode is not None and mode not in MODES:
         fail(f"--mode must be graph or eager, not {mode!r}")
@@ -82,8 +82,8 @@ def load(db: Path, mode: str | None, fingerprint: str | None, op: str | None = N
 
 
 def _load(store: Any, db: Path, mode: str | None, fingerprint: str | None, op: str | None) -> list:
-    from autofuse import environment
-    from autofuse.store import ALL
+    from autofuse.measure import environment
+    from autofuse.measure.store import ALL
 
     held = order_modes(store.modes())
     if mode is not None:
@@ -164,8 +164,8 @@ def scaling_sizes(key: str) -> tuple[str, int]:
     """('op|global dims|dtype', world) of a problem key: the global sizes that strong scaling compares
     across world sizes (an op's `per_rank` dims times the world; an op this install does not know
     keeps its dims as they are)."""
-    from autofuse import registry
-    from autofuse.op import Problem, global_sizes
+    from autofuse.core import registry
+    from autofuse.core.op import Problem, global_sizes
 
     problem = Problem.from_key(key)
     try:
@@ -255,7 +255,7 @@ def fit(
     force: bool = ForceOpt,
 ) -> None:
     """Fit the dispatch policy on the store (gbr regressor vs tree classifier, held-out), write it as JSON."""
-    from autofuse.policy import Policy, file_name, user_models_dir
+    from autofuse.dispatch.policy import Policy, file_name, user_models_dir
 
     found = load(db, mode, fingerprint, op)
     if (out_path or report) and len(found) > 1:
@@ -321,7 +321,7 @@ def _print_fit(name: str, rep: dict, mode: str) -> None:
 
 
 def _records(table: list[dict], mode: str, fp_id: str) -> list[dict]:
-    from autofuse.op import Problem
+    from autofuse.core.op import Problem
 
     variants = sorted({v for e in table for v in e["us"]})
     records = []
@@ -337,7 +337,7 @@ def _records(table: list[dict], mode: str, fp_id: str) -> list[dict]:
 
 
 def _scaling_records(scaling: list[dict], mode: str, fp_id: str) -> list[dict]:
-    from autofuse.op import Problem
+    from autofuse.core.op import Problem
 
     records = []
     for s in scaling:
@@ -443,7 +443,7 @@ def _numeric(v: Any) -> bool:
 
 def _series(table: list[dict], xd: str) -> dict[tuple, list[tuple[float, dict]]]:
     """Problems grouped into series along `xd` ('size' = the product of the numeric dims)."""
-    from autofuse.op import Problem
+    from autofuse.core.op import Problem
 
     series: dict[tuple, list[tuple[float, dict]]] = {}
     for e in table:
@@ -465,7 +465,7 @@ def _pick_x(table: list[dict], x: str | None) -> tuple[str, dict]:
     """The x dimension for one op's problems: --x, else M or B, else whichever gives the longest series."""
     if x:
         return x, _series(table, x)
-    from autofuse.op import Problem
+    from autofuse.core.op import Problem
 
     names: list[str] = []
     for e in table:

@@ -97,7 +97,7 @@ def _torchrun() -> bool:
 
 def _check_writable(settings: Any) -> None:
     """Open the database and Optuna's storage for writing before any rank starts (one line if not)."""
-    from autofuse.store import Store, StoreError
+    from autofuse.measure.store import Store, StoreError
     from autofuse.training.progress import first_line
     from autofuse.training.storage import check_writable, open_storage
 
@@ -155,7 +155,7 @@ def tune(
 
 def _run(ops: list[str], world: Optional[list[str]], settings_args: dict, db: Path, quiet: bool) -> None:
     """The command after its first line: validate, plan, check the database, spawn the ranks, report."""
-    from autofuse.world import RankFailed, default_device_kind, gpu_count
+    from autofuse.comm.world import RankFailed, default_device_kind, gpu_count
 
     kind = default_device_kind()
     if kind == "cpu":
@@ -184,7 +184,7 @@ def _run(ops: list[str], world: Optional[list[str]], settings_args: dict, db: Pa
             say(CPU_INTRO)
     _check_writable(settings)
     from autofuse.training.lifecycle import Supervisor
-    from autofuse.world import spawn
+    from autofuse.comm.world import spawn
 
     if not quiet:
         say(f"starting {n} rank{'s' if n > 1 else ''} (each imports torch and Triton first)")
@@ -217,7 +217,7 @@ def _tune_torchrun(settings: Any, job_timeout: float) -> None:
 
     from autofuse.training.lifecycle import STOP
     from autofuse.training.tune import tune_rank
-    from autofuse.world import init_from_env
+    from autofuse.comm.world import init_from_env
 
     w = init_from_env(timeout_s=job_timeout)
     try:

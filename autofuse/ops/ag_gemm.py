@@ -18,12 +18,12 @@ fp32). Any M >= W, any number of rows per rank (1 included), blocks need not div
 Variants (`OP.variants`):
 - `bsp` (family bsp): all-gather with torch.distributed into a preallocated buffer, torch.matmul.
 - `torch_symm` (family peer): torch's symm_mem.fused_all_gather_matmul, CUDA only.
-- `heap_mm`, `heap_mm_overlap` (family hybrid, autofuse/hybrid.py): a one-launch heap all-gather
+- `heap_mm`, `heap_mm_overlap` (family hybrid, autofuse/ops/hybrid.py): a one-launch heap all-gather
   beside torch.matmul, without or with the local shard's matmul overlapping the peers' arrival.
 - `pull`, `push`, `push_ws` (family fused): the one Triton kernel of `autofuse.kernels.ag_gemm`
   with PULL on or off, launched with one program per work item (pull, push) or PERSISTENT
   (push_ws: one program per SM taking work items by ticket, producers joining when done).
-  Config: the GEMM keys of `autofuse.gemm` (BLOCK_M/N/K, GROUP_M, num_warps, num_stages, SPLIT_K,
+  Config: the GEMM keys of `autofuse.core.gemm` (BLOCK_M/N/K, GROUP_M, num_warps, num_stages, SPLIT_K,
   SWAP_AB, TMA; WARP_SPEC must stay false: a waiting consumer cannot be warp-specialised) and the
   op's keys FLAG (tile | row_block | shard: what one flag covers), COMM_SMS (producer programs)
   and LAYOUT (shard | gathered; gathered is push and push_ws only; in the k form only gathered
@@ -39,19 +39,20 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from autofuse import gemm, hybrid, shapes
-from autofuse.heap import torch_symm_available
-from autofuse.op import (Config, InvalidConfig, InvalidInput, Op, Problem, SearchSpace, Variant, default_tolerance,
+from autofuse.core import gemm, shapes
+from autofuse.ops import hybrid
+from autofuse.comm.heap import torch_symm_available
+from autofuse.core.op import (Config, InvalidConfig, InvalidInput, Op, Problem, SearchSpace, Variant, default_tolerance,
                          dtype_name)
-from autofuse.runner import Runner, TensorSpec
-from autofuse.sizes import cdiv
-from autofuse.workspace import workspace
+from autofuse.core.runner import Runner, TensorSpec
+from autofuse.core.sizes import cdiv
+from autofuse.comm.workspace import workspace
 
 NAME = "ag_gemm"
 GATHERS = ("rows", "k")
 FLAGS = {"tile": 0, "row_block": 1, "shard": 2}
 LAYOUTS = ("shard", "gathered")
-OP_KEYS = ("FLAG", "COMM_SMS", "LAYOUT")  # the op's own config keys, beside the GEMM keys of autofuse.gemm
+OP_KEYS = ("FLAG", "COMM_SMS", "LAYOUT")  # the op's own config keys, beside the GEMM keys of autofuse.core.gemm
 MAX_COMM_SMS = 64
 MAX_FLAGS = 1 << 20  # unit flags per parity (FLAG=tile with small blocks on big problems)
 FLAG_ORDER = ("shard", "row_block", "tile")  # the CPU defaults' rotation
@@ -196,7 +197,7 @@ def sweep(kind: str, world: int) -> list[Problem]:
 
     cpu: tiny problems of both forms (the interpreter). gpu: the papers' sweep, M in 8..16384,
     N=3584, K=8192. llama70b: Llama-3-70B's column-parallel GEMMs (QKV N=10240/W, gate+up
-    N=57344/W, K=8192). models: every column-parallel GEMM of autofuse.shapes at this world size
+    N=57344/W, K=8192). models: every column-parallel GEMM of autofuse.core.shapes at this world size
     (Llama-3 8B/70B/405B, Qwen2.5-72B, Mixtral), at prefill and decode M. default: what `autofuse
     tune` runs on GPUs, 10 problems: three of gpu and seven of models (Llama-3 70B and 8B).
     scaling: three Llama-3-70B problems of one global size at every world size (N = global / world),
@@ -334,7 +335,7 @@ class Fused(Variant):
         return check(problem, config, self.name)
 
     def space(self, trial: SearchSpace, problem: Problem) -> Config:
-        """LAYOUT (where the variant has two), the GEMM keys (autofuse.gemm.space, drawn for the
+        """LAYOUT (where the variant has two), the GEMM keys (autofuse.core.gemm.space, drawn for the
         gathered A's rows in every layout so each key keeps one set of choices per study), FLAG
         and COMM_SMS; `check` rejects what a layout cannot run (e.g. SPLIT_K with shard)."""
         layout = trial.suggest_categorical("LAYOUT", self.layouts) if len(self.layouts) > 1 else self.layouts[0]
@@ -350,7 +351,7 @@ class Fused(Variant):
         """Known-good configs, best guess first, at most 4, all passing `check`.
 
         The gathered layout first (its tiles span shards, so few rows still fill a tile, and the
-        TMA core runs one pipelined K loop): autofuse.gemm's first two defaults for the gathered
+        TMA core runs one pipelined K loop): autofuse.core.gemm's first two defaults for the gathered
         GEMM (swap-AB and split-K at small M) with FLAG shard (one wait per tile: at two ranks my
         own rows' work hides the whole peer shard from about 512 rows up), then the shard layout's
         best tile, then FLAG row_block (peers' rows start as they land: more ranks, slower links).

@@ -47,7 +47,7 @@ bsp and split_heap), FLAG (split_heap: tile | row_block | shard).
 
 Faults: split_heap and push_fused share the heap workspace "flash_decode" (one epoch sequence);
 a wait that runs out aborts every rank's workspace, the programs concerned write NaN and the host
-raises FlagTimeout on every rank (autofuse.status). BSP has no workspace (NCCL waits as NCCL does).
+raises FlagTimeout on every rank (autofuse.comm.status). BSP has no workspace (NCCL waits as NCCL does).
 
 Measurement inputs: random q/K/V; on GPUs lengths full and K/V contiguous (bytes / time is the
 achieved bandwidth of the whole cache, see `extra["bytes"]`); on CPU ragged: see `make_inputs`.
@@ -61,11 +61,11 @@ import torch
 import torch.distributed as dist
 
 from autofuse.kernels import flash_decode as kern
-from autofuse.op import Config, InvalidInput, Op, Problem, SearchSpace, Variant, default_tolerance
-from autofuse.runner import Runner, TensorSpec
-from autofuse.shapes import DECODE_M, MODELS
-from autofuse.sizes import cdiv, next_pow2
-from autofuse.workspace import workspace
+from autofuse.core.op import Config, InvalidInput, Op, Problem, SearchSpace, Variant, default_tolerance
+from autofuse.core.runner import Runner, TensorSpec
+from autofuse.core.shapes import DECODE_M, MODELS
+from autofuse.core.sizes import cdiv, next_pow2
+from autofuse.comm.workspace import workspace
 
 NAME = "flash_decode"
 HEAD_DIMS = (16, 32, 64, 128, 256)
@@ -246,7 +246,7 @@ def partial_bytes(problem: Problem) -> int:
 
 
 def features(problem: Problem) -> dict[str, float]:
-    """The op's own features (the generic log2 of each dim, world and dtype bytes come from autofuse.features)."""
+    """The op's own features (the generic log2 of each dim, world and dtype bytes come from autofuse.core.features)."""
     B, Hq, Hkv, D, S = _dims(problem)
     kv = kv_bytes(problem)
     part = partial_bytes(problem)
@@ -262,7 +262,7 @@ MODEL_S = (4 << 10, 8 << 10, 16 << 10, 32 << 10)
 
 
 def _model_heads() -> list[tuple[int, int, int]]:
-    """Distinct (Hq, Hkv, D) of the models in autofuse.shapes, first model first."""
+    """Distinct (Hq, Hkv, D) of the models in autofuse.core.shapes, first model first."""
     seen: dict[tuple[int, int, int], None] = {}
     for m in MODELS.values():
         seen.setdefault((m.heads, m.kv_heads, m.head_dim), None)
@@ -273,7 +273,7 @@ def sweep(kind: str, world: int) -> list[Problem]:
     """Problem sets (bf16):
     - "gpu" / "llama70b": Hq=64, Hkv=8, D=128; B in 1..32 x S in 1K..64K per rank, 256K at B=1, 8, 32
       (S-major: the first 15 have S <= 16K);
-    - "models": every model's (Hq, Hkv, D) in autofuse.shapes (the whole cache's heads on every rank:
+    - "models": every model's (Hq, Hkv, D) in autofuse.core.shapes (the whole cache's heads on every rank:
       the sequence is split, not the heads) x decode batches 1/8/32/128 x S 4K..32K per rank;
     - "default" (what `autofuse tune` runs): 10 problems from "gpu" and "models", short KV first;
     - "scaling": three Llama-3-70B problems of one global KV length at every world size (S = global

@@ -4,8 +4,8 @@ Rank r holds A_r (M x K/W) and B_r (K/W x N) and gets C = sum_q A_q @ B_q (M x N
 
 Variants:
 - `bsp`: torch.matmul, then the collective library's all_reduce.
-- `mm_heap` (hybrid, autofuse/hybrid.py): torch.matmul into out, then the one-launch heap all-reduce
-  in place (autofuse/collectives.py: one-shot or two-shot, same bits on every rank).
+- `mm_heap` (hybrid, autofuse/ops/hybrid.py): torch.matmul into out, then the one-launch heap all-reduce
+  in place (autofuse/comm/collectives.py: one-shot or two-shot, same bits on every rank).
 - `one_shot` (fused): one persistent kernel; each GEMM tile's partial is pushed to every peer's
   inbox with an epoch flag, and every rank sums the W partials of each tile (one hop: small M).
 - `two_shot` (fused): tile t is owned by rank t % W: partials go to the owner (reduce-scatter),
@@ -22,12 +22,13 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from autofuse import gemm, hybrid
-from autofuse.op import Config, Op, Problem, Variant
+from autofuse.core import gemm
+from autofuse.ops import hybrid
+from autofuse.core.op import Config, Op, Problem, Variant
 from autofuse.ops import row_parallel as rp
-from autofuse.runner import Runner
-from autofuse.sizes import cdiv
-from autofuse.workspace import workspace
+from autofuse.core.runner import Runner
+from autofuse.core.sizes import cdiv
+from autofuse.comm.workspace import workspace
 
 NAME = "gemm_ar"
 

@@ -8,14 +8,14 @@ Variants:
 - `bsp`: torch.matmul, then the collective library's reduce-scatter. gloo (CPU) has no
   reduce_scatter_tensor, so on CPU it is all_reduce of the whole partial, then this rank's rows.
 - `torch_symm` (peer): torch's `torch.ops.symm_mem.fused_matmul_reduce_scatter` (CUDA only).
-- `mm_heap`, `mm_heap_overlap` (hybrid, autofuse/hybrid.py): torch.matmul, then the one-launch heap
-  reduce-scatter (autofuse/collectives.py); overlapped: the matmul in row chunks, each pushed to its
+- `mm_heap`, `mm_heap_overlap` (hybrid, autofuse/ops/hybrid.py): torch.matmul, then the one-launch heap
+  reduce-scatter (autofuse/comm/collectives.py); overlapped: the matmul in row chunks, each pushed to its
   owner as soon as it is written.
 - `push_last` (fused): one persistent kernel; each partial tile goes from the GEMM to its owner's
   inbox with an epoch flag; the owner adds the arrivals to its own tile's accumulator.
 - `push_reducer` (fused): every partial tile, own ones too, goes to the owner's inbox; COMM_SMS
   reducer programs wait per tile or per row block (FLAG) and sum.
-kernels/gemm_rs.py has the algorithms; the fused configs are the GEMM core's (autofuse/gemm.py)
+kernels/gemm_rs.py has the algorithms; the fused configs are the GEMM core's (autofuse/core/gemm.py)
 plus PARTIAL ("fp32" | "out": the inbox dtype) and, for push_reducer, FLAG and COMM_SMS.
 """
 from __future__ import annotations
@@ -25,13 +25,14 @@ from typing import Any, Callable, Mapping
 import torch
 import torch.distributed as dist
 
-from autofuse import gemm, hybrid
-from autofuse.heap import torch_symm_available
-from autofuse.op import Config, InvalidInput, Op, Problem, Variant
+from autofuse.core import gemm
+from autofuse.ops import hybrid
+from autofuse.comm.heap import torch_symm_available
+from autofuse.core.op import Config, InvalidInput, Op, Problem, Variant
 from autofuse.ops import row_parallel as rp
-from autofuse.runner import Runner
-from autofuse.sizes import cdiv
-from autofuse.workspace import workspace
+from autofuse.core.runner import Runner
+from autofuse.core.sizes import cdiv
+from autofuse.comm.workspace import workspace
 
 NAME = "gemm_rs"
 FLAGS = ("tile", "row_block")

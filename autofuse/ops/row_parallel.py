@@ -3,7 +3,7 @@
 Rank r holds A_r (M x K/W) and B_r (K/W x N) (a row-parallel linear layer: K is split), and the
 op sums A_q @ B_q over the ranks. This module holds, once for both ops: call validation, inputs,
 the float64 reference, the tolerance, features, sweeps, and the base of their fused variants
-(typed GEMM config from autofuse/gemm.py plus the op's own keys, the heap workspace, the runner
+(typed GEMM config from autofuse/core/gemm.py plus the op's own keys, the heap workspace, the runner
 that picks the TMA or pointer path per call). Each op module keeps only what differs.
 """
 from __future__ import annotations
@@ -14,11 +14,11 @@ from typing import Any, Mapping
 import torch
 import torch.distributed as dist
 
-from autofuse import gemm, shapes
-from autofuse.op import (Config, InvalidInput, Problem, SearchSpace, Variant, config_key, default_tolerance,
+from autofuse.core import gemm, shapes
+from autofuse.core.op import (Config, InvalidInput, Problem, SearchSpace, Variant, config_key, default_tolerance,
                          dtype_name)
-from autofuse.runner import Runner, TensorSpec
-from autofuse.workspace import Workspace
+from autofuse.core.runner import Runner, TensorSpec
+from autofuse.comm.workspace import Workspace
 
 PARTIALS = ("fp32", "out")
 SWEEP_M = (128, 256, 512, 1024, 2048, 4096, 8192, 16384)
@@ -88,7 +88,7 @@ def tolerance(problem: Problem) -> float:
 
 
 def features(problem: Problem, comm_bytes: float) -> dict[str, float]:
-    """The op's own features (autofuse.features adds log2_M, log2_N, log2_K, world, dtype_bytes):
+    """The op's own features (autofuse.core.features adds log2_M, log2_N, log2_K, world, dtype_bytes):
     per-rank FLOPs, bytes communicated, their ratio and the rows per rank."""
     m, n, k, w = problem["M"], problem["N"], problem["K"], problem.world
     flops = 2.0 * m * n * k / w
@@ -105,10 +105,10 @@ def sweep(op: str, kind: str, world: int, model_m: tuple[int, ...],
     - "gpu": M = 128..16384 at N=8192, K=14336 (the papers' sweep);
     - "llama70b": Llama-3-70B's row-parallel layers (o_proj K=8192, down K=28672; N=8192) at M = 128,
       512, 2048, 8192;
-    - "models": every model's row-parallel GEMMs (autofuse.shapes: o_proj and down) at `model_m`
+    - "models": every model's row-parallel GEMMs (autofuse.core.shapes: o_proj and down) at `model_m`
       (the op's regime: decode batches for gemm_ar, prefill chunks for gemm_rs);
     - "default" (what `autofuse tune` runs, about 10 problems): `default` maps "gpu" to the M of
-      the "gpu" sweep to take, and model names (autofuse.shapes) to the M of their o_proj and down;
+      the "gpu" sweep to take, and model names (autofuse.core.shapes) to the M of their o_proj and down;
     - "scaling": Llama-3-70B's o_proj and down (K global) at `scaling_m`, the same problems at every
       world size, for strong-scaling tables (`autofuse tune --world 1,2 --sweep scaling`).
     Problems whose M is not a multiple of the world size are left out (gemm_rs splits the rows).
@@ -141,7 +141,7 @@ def sweep(op: str, kind: str, world: int, model_m: tuple[int, ...],
 
 # -- the fused variants' config ----------------------------------------------------------------------
 class FusedVariant(Variant):
-    """A fused kernel of a row-parallel op: the GEMM keys (autofuse/gemm.py) plus the op's own.
+    """A fused kernel of a row-parallel op: the GEMM keys (autofuse/core/gemm.py) plus the op's own.
 
     Subclasses set `name`, `keys` (op key -> allowed values; a range for ints), `space_keys` (op key
     -> the choices the tuner draws) and implement `rows` (the GEMM tile grid's rows), `op_defaults`

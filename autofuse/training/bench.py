@@ -5,7 +5,7 @@ module). Every target follows one contract, so the command treats them alike:
 
     run(options: BenchOptions) -> dict
         Called once in the command's process. Spawns its own ranks where it needs several
-        (`autofuse.world.spawn`) and returns rank 0's result: JSON-able data (no NaN needed: the
+        (`autofuse.comm.world.spawn`) and returns rank 0's result: JSON-able data (no NaN needed: the
         writer turns non-finite floats into null), with a "rows" list (one dict per measured case).
         Optional keys the command reads: "sweep" (the problem set actually run), "world" (ranks),
         "device_kind" ("cuda" | "cpu"), "notes" (list of one-line strings printed after the tables).
@@ -89,7 +89,7 @@ class BenchOptions:
 
     def resolved(self) -> "BenchOptions":
         """A copy with device_kind and world filled in for this machine."""
-        from autofuse.world import default_device_kind, gpu_count
+        from autofuse.comm.world import default_device_kind, gpu_count
 
         kind = self.device_kind or default_device_kind()
         world = self.world if self.world is not None else (gpu_count() if kind == "cuda" else 2)
@@ -97,14 +97,14 @@ class BenchOptions:
 
 
 def is_op(target: str) -> bool:
-    from autofuse import registry
+    from autofuse.core import registry
 
     return target in registry.names()
 
 
 def target_names() -> list[str]:
     """Every name `autofuse bench` accepts: the registered ops, then the extra targets."""
-    from autofuse import registry
+    from autofuse.core import registry
 
     return list(registry.names()) + sorted(TARGETS)
 
@@ -191,8 +191,8 @@ def bench_rank(world, op_name: str, kind: str, variants: Sequence[str] | None, m
                profile: bool = False) -> dict[str, Any]:
     """Run on every rank; returns plain data (rank 0's is printed). Rank 0 prints one line per measurement
     (and, with `profile`, one per profile)."""
-    from autofuse import registry
-    from autofuse.measure import measure, modes_for, time_fn
+    from autofuse.core import registry
+    from autofuse.measure.timing import measure, modes_for, time_fn
 
     op = registry.get(op_name)
     problems = op.sweep(kind, world.size)
@@ -306,8 +306,8 @@ def _row_dict(row: BenchRow, op: Any) -> dict[str, Any]:
 
 def run(options: BenchOptions) -> dict[str, Any]:
     """The op benchmark on `options.world` ranks (the contract's `run` for every op target)."""
-    from autofuse import registry
-    from autofuse.world import spawn
+    from autofuse.core import registry
+    from autofuse.comm.world import spawn
 
     o = options.resolved()
     op = registry.get(o.target)
@@ -388,7 +388,7 @@ def _finite(x: Any) -> Any:
 
 def report(result: dict[str, Any], options: BenchOptions) -> dict[str, Any]:
     """The JSON document: the target's result plus target, date, fingerprint and the options."""
-    from autofuse import environment
+    from autofuse.measure import environment
 
     opts = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(options).items()}
     doc = {"target": options.target, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),

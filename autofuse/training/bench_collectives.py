@@ -184,8 +184,8 @@ def time_config(world: Any, kind: str, x: torch.Tensor, expected: torch.Tensor, 
     """Check one heap config of collective `kind` on `x` against the library's `expected` result,
     then time it in each of `modes`: ({mode: median us, rank-max}, '') or ({mode: nan}, why it was
     refused, failed or wrong). A failed config's workspaces are rebuilt. Every rank calls it alike."""
-    from autofuse import collectives as C
-    from autofuse.measure import time_fn
+    from autofuse.comm import collectives as C
+    from autofuse.measure.timing import time_fn
 
     failed = {mode: math.nan for mode in modes}
     rows, cols = x.shape
@@ -211,7 +211,7 @@ def time_config(world: Any, kind: str, x: torch.Tensor, expected: torch.Tensor, 
 def bench_rank(world: Any, kinds: Sequence[str], sizes: Sequence[int], modes: Sequence[str], reps: int,
                variants: Sequence[str] | None, progress: bool) -> dict[str, Any]:
     """Every rank runs this; rank 0's result is the bench's."""
-    from autofuse.measure import time_fn
+    from autofuse.measure.timing import time_fn
 
     cuda = world.device.type == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32
@@ -259,7 +259,7 @@ def config_text(config: dict) -> str:
 
 def run(options: Any) -> dict[str, Any]:
     """The collectives benchmark on `options.world` ranks (see the module docstring)."""
-    from autofuse.world import default_device_kind, gpu_count, spawn
+    from autofuse.comm.world import default_device_kind, gpu_count, spawn
 
     kind = getattr(options, "device_kind", "") or default_device_kind()
     world = getattr(options, "world", None) or (gpu_count() if kind == "cuda" else 2)

@@ -1,7 +1,7 @@
 """`autofuse bench gemm_core`: the GEMM core alone (kernels/gemm_core.py) against cuBLAS, one GPU.
 
 For every shape (C = A @ B, A M x K, B K x N, bf16, row-major), in one run: each candidate config
-of the core (autofuse.gemm.defaults for the shape, the pointer-path twin of the first default, and
+of the core (autofuse.core.gemm.defaults for the shape, the pointer-path twin of the first default, and
 a few regime extras: warp specialisation, other tiles) is first checked against torch.matmul on
 random inputs (NaN-poisoned output, relative error within default_tolerance); the correct ones are
 timed, and so is torch.matmul (cuBLAS). Per mode the row reports the best core config, its time,
@@ -34,10 +34,10 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from autofuse import gemm
-from autofuse.gemm import GemmConfig
-from autofuse.measure import capture, events_us
-from autofuse.op import default_tolerance
+from autofuse.core import gemm
+from autofuse.core.gemm import GemmConfig
+from autofuse.measure.timing import capture, events_us
+from autofuse.core.op import default_tolerance
 
 N_SET = (3584, 5120, 8192, 28672)
 K_SET = (8192, 14336)
@@ -292,7 +292,7 @@ def run(options: Any) -> dict:
     sweep_shapes(opts["sweep"])  # unknown sweep names fail here, before any work
     if kind == "cuda":
         return _run_rows(opts)
-    from autofuse.world import spawn
+    from autofuse.comm.world import spawn
 
     return spawn(_child, 1, opts, device_kind="cpu", timeout_s=600)[0]
 

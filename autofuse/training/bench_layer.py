@@ -8,7 +8,7 @@ weights; in the same run, per shape and timing mode:
   against TOLERANCE (the argument is in tests/test_layer.py's docstring);
 - per-layer latency of both layers: median of `reps` timed batches (device events; in graph mode
   the calls are captured in a CUDA graph after a warm-up and replayed, as inference servers run),
-  rank-max, the two layers timed in turns batch by batch (`autofuse.measure.time_in_turns`), so that
+  rank-max, the two layers timed in turns batch by batch (`autofuse.measure.timing.time_in_turns`), so that
   a drift of the host's speed (large in eager mode, where a decode layer is bound by the host) or of
   the clocks is shared by both instead of charged to the one timed later;
 - the baseline's communication alone (its collectives with the layer's shapes, one after the
@@ -74,7 +74,7 @@ class Options:
     value ('' or 'default': autofuse's own choice; 'ag_gemm:push,gemm_rs:push_last' forces those), a
     list or one string split at ';' (default: this process's AUTOFUSE_VARIANT, else autofuse's choice);
     'each' stands for one configuration per non-bsp variant: the i-th run forces every op's i-th
-    variant available on the device (cycling), as listed by autofuse.registry.
+    variant available on the device (cycling), as listed by autofuse.core.registry.
     variants (the CLI's --variants, split at commas), used when `autofuse` is not given: 'default'
     and 'each' as above; a bare variant name V is one configuration forcing V on every op that has
     it; all op:variant items together form one configuration. progress: a line per measured row.
@@ -189,7 +189,7 @@ def autofuse_configs(opts: Options) -> list[str]:
 
 def _from_variants(names: Sequence[str]) -> list[str]:
     """The CLI's --variants items as configurations (see Options.variants)."""
-    from autofuse import registry
+    from autofuse.core import registry
 
     out: list[str] = []
     pairs = [n for n in names if ":" in n]
@@ -211,7 +211,7 @@ def _from_variants(names: Sequence[str]) -> list[str]:
 def expand_configs(configs: Sequence[str], world: Any) -> list[str]:
     """Replace 'each' by the forced combinations covering every non-bsp variant of every op available
     on `world` (combination i takes each op's i-th variant, cycling); keeps the order, no repeats."""
-    from autofuse import registry
+    from autofuse.core import registry
 
     out: list[str] = []
     for c in configs:
@@ -233,7 +233,7 @@ def shape_label(item: dict) -> str:
 # ----------------------------------------------------------------------------------- the run
 def run(options: Any = None) -> dict:
     """Spawn the ranks, measure every planned shape in every mode, return (and write) the result."""
-    from autofuse.world import default_device_kind, gpu_count, spawn
+    from autofuse.comm.world import default_device_kind, gpu_count, spawn
 
     opts = Options.of(options)
     kind = opts.device_kind or default_device_kind()
@@ -262,7 +262,7 @@ def run(options: Any = None) -> dict:
                   wall_s=(datetime.datetime.now(datetime.timezone.utc) - started).total_seconds(),
                   summary=summarize(result["rows"]), notes=notes,
                   method=("per-layer and per-op latency: median of reps timed batches, rank-max "
-                          "(autofuse.measure.time_in_turns: both layers in turns, batch by batch; graph mode: "
+                          "(autofuse.measure.timing.time_in_turns: both layers in turns, batch by batch; graph mode: "
                           "captured after warm-up, replayed); each op timed alone with the layer's shapes in the "
                           "same run and mode, both forms in turns; rest = layer - ops; "
                           "comm = the baseline's collectives alone, c = comm / baseline layer"))
@@ -355,7 +355,7 @@ def _decode(world, m, cfg, layers: dict, batch: int, context: int, seed: int, bl
 
 def _rank(world, cfg: dict, shapes: list[dict]) -> dict:
     import autofuse
-    from autofuse.measure import time_fn, time_in_turns
+    from autofuse.measure.timing import time_fn, time_in_turns
 
     m = layer_module(cfg["example"])
     model = m.CONFIGS[cfg["model"]]
@@ -589,7 +589,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     result = run(Options.of(args))
     render(result, Console())
     if args.out:
-        from autofuse import environment
+        from autofuse.measure import environment
 
         doc = {"target": "layer", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
                "fingerprint": environment.fingerprint(result["device_kind"]), **result}

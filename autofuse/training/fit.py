@@ -10,7 +10,7 @@ compared on problems held out of training (k folds by problem) and the better is
 
 The unsure margin is a quantile of |predicted - measured| log gain on held-out problems: the
 largest of the 50/75/90th percentiles whose held-out geomean latency is within 0.5% of the best of
-them (safety first). The result is plain JSON (`autofuse.policy` reads and validates it at run time:
+them (safety first). The result is plain JSON (`autofuse.dispatch.policy` reads and validates it at run time:
 the trees as arrays (left, right, feature, threshold, value), the feature names and scales, the
 measured problems with their best configs, the error and the held-out evaluation, and the
 environment fingerprint).
@@ -28,9 +28,9 @@ from typing import Any, Iterable, Mapping, Sequence
 import numpy as np
 
 from autofuse import __version__
-from autofuse.features import problem_features, vector
-from autofuse.op import Config, Op, Problem
-from autofuse.policy import BSP, FORMAT, FORMAT_VERSION, Policy, predict, validate
+from autofuse.core.features import problem_features, vector
+from autofuse.core.op import Config, Op, Problem
+from autofuse.dispatch.policy import BSP, FORMAT, FORMAT_VERSION, Policy, predict, validate
 
 WITHIN = 0.05  # "within 5% of the best measured candidate"
 MARGIN_QUANTILES = (0.5, 0.75, 0.9)  # candidate unsure margins: quantiles of the held-out error
@@ -43,7 +43,7 @@ class FitError(RuntimeError):
 
 
 def _op_or_none(name: str) -> Op | None:
-    from autofuse import registry
+    from autofuse.core import registry
 
     try:
         return registry.get(name)

@@ -147,7 +147,7 @@ def reduce_events(events: Sequence[Any], calls: int, on_device: bool, queued: bo
 def _op_calls(world: Any, op: Any, problem: Any, runner: Callable) -> list[Callable[[], Any]]:
     """The callables the bench times (as measure.measure makes them): one per input set, rotated
     against L2 on GPUs, each writing into its own preallocated output."""
-    from autofuse.measure import nbytes, rotation_count
+    from autofuse.measure.timing import nbytes, rotation_count
 
     sets = rotation_count(nbytes(op.inputs(world, problem, 0))) if world.device.type == "cuda" else 1
     inputs = [op.inputs(world, problem, 1 + i) for i in range(sets)]
@@ -206,7 +206,7 @@ def profile_calls(world: Any, fns: Sequence[Callable[[], Any]], mode: str, calls
     `calls` times under torch.profiler on every rank; rank 0 returns the per-call breakdown
     (`reduce_events`), other ranks {}. Raises what a call raises. Every rank must call it alike:
     the calls may hold collectives."""
-    from autofuse.measure import capture
+    from autofuse.measure.timing import capture
 
     def step() -> None:
         for f in fns:
@@ -235,7 +235,7 @@ def profile_variant(world: Any, op: Any, problem: Any, variant: str, config: dic
     rank 0 (other ranks: the same keys without the reduction), or {mode, config, error} on every
     rank when any rank failed; a failure never raises.
     """
-    from autofuse.measure import check_faults, rebuild_workspaces
+    from autofuse.measure.timing import check_faults, rebuild_workspaces
 
     head = {"mode": mode, "config": dict(config), "latency_us": latency_us}
     error, result = "", {}

@@ -9,8 +9,8 @@ from rich.console import Console
 from rich.progress import (BarColumn, MofNCompleteColumn, Progress as RichProgress, TextColumn, TimeElapsedColumn,
                            TimeRemainingColumn)
 
-from autofuse.measure import Measurement
-from autofuse.op import Problem, config_key
+from autofuse.measure.timing import Measurement
+from autofuse.core.op import Problem, config_key
 from autofuse.training.study import Job
 
 

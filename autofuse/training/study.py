@@ -38,9 +38,9 @@ from typing import Any, Mapping, Sequence
 import optuna
 from optuna.trial import TrialState
 
-from autofuse.measure import Measurement
-from autofuse.op import Config, Op, Problem, config_key
-from autofuse.store import Store, config_id
+from autofuse.measure.timing import Measurement
+from autofuse.core.op import Config, Op, Problem, config_key
+from autofuse.measure.store import Store, config_id
 from autofuse.training.storage import Heartbeat, alive, this_worker
 
 MAX_ATTEMPTS = 2  # a config whose worker died this often is not queued again

@@ -36,10 +36,11 @@ import optuna
 import torch
 import torch.distributed as dist
 
-from autofuse import environment, registry
-from autofuse.measure import MODES, measure
-from autofuse.op import Op, Problem
-from autofuse.store import Store, StoreError, config_id, describe_stale
+from autofuse.measure import environment
+from autofuse.core import registry
+from autofuse.measure.timing import MODES, measure
+from autofuse.core.op import Op, Problem
+from autofuse.measure.store import Store, StoreError, config_id, describe_stale
 from autofuse.training.lifecycle import STOP, ParentLink
 from autofuse.training.progress import Progress, first_line
 from autofuse.training.storage import check_writable, default_storage, open_storage

@@ -11,10 +11,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from autofuse import status
+from autofuse.comm import status
 from autofuse.kernels import selftest as k
-from autofuse.sizes import cdiv
-from autofuse.workspace import workspace
+from autofuse.core.sizes import cdiv
+from autofuse.comm.workspace import workspace
 
 
 @dataclass

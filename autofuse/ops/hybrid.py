@@ -1,10 +1,10 @@
-"""Hybrid variants: a one-launch heap collective (autofuse.collectives) beside the vendor GEMM (torch.matmul).
+"""Hybrid variants: a one-launch heap collective (autofuse.comm.collectives) beside the vendor GEMM (torch.matmul).
 
 On LLM inference shapes cuBLAS beats the fused kernels' Triton GEMM, so these keep torch.matmul and
 replace only the collective (docs: ../shared/GPU-NOTES.md, "A one-launch Triton all-gather beside
-cuBLAS"). Each class is a self-contained autofuse.op.Variant (family "hybrid") for one op, built
+cuBLAS"). Each class is a self-contained autofuse.core.op.Variant (family "hybrid") for one op, built
 from the op's Problem alone, with its own search space, defaults and checks; the op modules list
-them (`autofuse.hybrid.variants("ag_gemm")`, or the classes one by one).
+them (`autofuse.ops.hybrid.variants("ag_gemm")`, or the classes one by one).
 
 ag_gemm (dims M, N, K, gather; rank r holds A_r and B_r, returns M x N):
     heap_mm          all-gather of A (rows form: W*M/W x K; k form: M x W*K/W) into the
@@ -24,7 +24,7 @@ gemm_ar (dims M, N, K; returns the whole sum, bitwise the same on every rank):
     mm_heap          torch.matmul into `out`, then the heap all-reduce in place (ALGO one_shot |
                      two_shot, ENGINE sm | ce for one_shot).
 
-Configs: the collective's keys (autofuse.collectives: ENGINE, ALGO, COMM_SMS, BLOCK, num_warps,
+Configs: the collective's keys (autofuse.comm.collectives: ENGINE, ALGO, COMM_SMS, BLOCK, num_warps,
 CHUNKS); the overlap variants draw CHUNKS through FLAG (row_block only) and add PRIORITY.
 Workspaces are named after the op ("<op>.hybrid"), shared by the op's hybrid runners.
 
@@ -42,9 +42,9 @@ from typing import Any
 
 import torch
 
-from autofuse import collectives
-from autofuse.op import Config, InvalidConfig, Problem, SearchSpace, Variant
-from autofuse.runner import Runner, TensorSpec
+from autofuse.comm import collectives
+from autofuse.core.op import Config, InvalidConfig, Problem, SearchSpace, Variant
+from autofuse.core.runner import Runner, TensorSpec
 
 FLAGS = ("shard", "row_block")
 CHUNK_CHOICES = (2, 4, 8)

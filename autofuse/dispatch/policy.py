@@ -33,9 +33,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping, Sequence
 
-from autofuse import environment
-from autofuse.features import problem_features, vector
-from autofuse.op import Config, Op, Problem
+from autofuse.measure import environment
+from autofuse.core.features import problem_features, vector
+from autofuse.core.op import Config, Op, Problem
 
 FORMAT = "autofuse-policy"
 FORMAT_VERSION = 1
@@ -118,7 +118,7 @@ def predict(model: Mapping[str, Any], x: Sequence[float], allowed: Iterable[str]
 
 
 def _op_or_none(name: str) -> Op | None:
-    from autofuse import registry
+    from autofuse.core import registry
 
     try:
         return registry.get(name)
@@ -149,7 +149,7 @@ class Policy:
         self.path = path
         self.refused = refused
         self.ops: dict[str, dict] = dict(self.data.get("ops", {})) if not refused else {}
-        self.stale_ops: dict[str, str] = {}  # op -> why its entries are not used (its code changed)
+        self.stale_ops: dict[str, str] = {}  # op -> why its entries are only predictions (its code changed)
         self.software: dict[str, tuple] = {}  # software fields that differ from this machine's
         self._index: dict[str, dict] = {}
 
@@ -165,8 +165,9 @@ class Policy:
         """Validate the whole structure, then the fingerprint layer by layer (environment.py):
         other hardware refuses the policy (one warning naming `path`, then BSP for every op); other
         software is accepted with one warning and `software` set, so dispatch confirms every decision
-        on first use; an op whose code changed since the fit loses its entries (`stale_ops`), the
-        other ops keep theirs."""
+        on first use; an op whose code changed since the fit keeps its entries as predictions only
+        (`stale_ops`): dispatch confirms each of its decisions on first use, or runs BSP where
+        confirmation is off."""
         problem = validate(data)
         fp: Mapping[str, Any] = {}
         if problem is None:
@@ -183,7 +184,6 @@ class Policy:
         ops_here, ops_then = dict(fp.get("ops") or {}), dict(data["fingerprint"].get("ops") or {})
         for name in list(policy.ops):
             if ops_then.get(name) != ops_here.get(name):
-                policy.ops.pop(name)
                 policy.stale_ops[name] = (f"{name}'s code changed since policy {path} was fitted "
                                           f"(digest {ops_then.get(name)} there, {ops_here.get(name)} here)")
         policy.software = environment.differences(data["fingerprint"], fp, "software")
@@ -230,11 +230,26 @@ class Policy:
         d = self.decide(problem, op)
         return d.variant, d.config, d.reason
 
+    def needs_confirmation(self, problem: Problem, decision: Decision) -> bool:
+        """Whether `decision` rests on a prediction that dispatch must confirm by measuring on first
+        use: a model's pick or an unsure call, a measurement taken with other software, or any entry
+        of an op whose code changed since the fit (stale)."""
+        return (decision.basis in ("policy", "unsure") or problem.op in self.stale_ops
+                or (decision.basis == "measured" and bool(self.software)))
+
     def decide(self, problem: Problem, op: Op | None = None, available: Iterable[str] | None = None) -> Decision:
         """The full decision: variant, config, reason, basis, predicted gain, where the config came from.
 
-        `available` limits the variants (those that can run on the caller's World).
+        `available` limits the variants (those that can run on the caller's World). For a stale op
+        the reason starts with 'stale:' (the entries are predictions until confirmed).
         """
+        d = self._decide(problem, op, available)
+        stale = self.stale_ops.get(problem.op)
+        if stale and d.basis != "fallback":
+            d.reason = f"stale: {stale}, so this is confirmed on first use; {d.reason}"
+        return d
+
+    def _decide(self, problem: Problem, op: Op | None, available: Iterable[str] | None) -> Decision:
         op = op if op is not None else _op_or_none(problem.op)
         allowed = set(available) if available is not None else (set(op.variants) if op else None)
         if self.refused:

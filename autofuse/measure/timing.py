@@ -18,8 +18,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from autofuse import status
-from autofuse.op import Config, InvalidConfig, Op, Problem, rel_error
+from autofuse.comm import status
+from autofuse.core.op import Config, InvalidConfig, Op, Problem, rel_error
 
 MODES = ("eager", "graph")
 L2_BYTES = 50 << 20
@@ -80,7 +80,7 @@ def check_faults(world, runner: Callable) -> None:
 def rebuild_workspaces(world) -> None:
     """Clear every workspace fault of `world` (collective, as dispatch.rebuild): after a failed config,
     so that the next config does not find its workspace aborted."""
-    from autofuse.workspace import workspaces
+    from autofuse.comm.workspace import workspaces
 
     for ws in workspaces(world):
         ws.rebuild()

@@ -8,7 +8,7 @@ Groups: `World.from_group(group)` wraps any torch process group (user code's TP 
 say), `World.of_ranks(ranks)` and `World.sub(size)` create one (collectively over the job, as
 torch requires). All three cache per process group, so a group has one World and one symmetric
 heap whichever way it is reached, and heaps of different groups may be created on different
-ranks in any order (see autofuse.heap for why that needs autofuse's own rendezvous).
+ranks in any order (see autofuse.comm.heap for why that needs autofuse's own rendezvous).
 """
 from __future__ import annotations
 
@@ -89,9 +89,9 @@ class World:
     @property
     def heap(self):
         """This World's symmetric heap (created collectively on first access, bounded by
-        AUTOFUSE_HEAP_TIMEOUT; see autofuse.heap)."""
+        AUTOFUSE_HEAP_TIMEOUT; see autofuse.comm.heap)."""
         if self._heap is None:
-            from autofuse.heap import SymmetricHeap
+            from autofuse.comm.heap import SymmetricHeap
 
             self._heap = SymmetricHeap(self)
         return self._heap
@@ -222,7 +222,7 @@ def _require_dist() -> None:
     if not dist.is_initialized():
         raise RuntimeError(
             "torch.distributed is not initialised: start the job with torchrun, "
-            "call autofuse.world.init_from_env(), or use autofuse.world.spawn()"
+            "call autofuse.comm.world.init_from_env(), or use autofuse.comm.world.spawn()"
         )
 
 

@@ -13,8 +13,8 @@ from typing import Any, Sequence
 
 import torch
 
-from autofuse.op import InvalidInput, Problem
-from autofuse.workspace import Workspace
+from autofuse.core.op import InvalidInput, Problem
+from autofuse.comm.workspace import Workspace
 
 LAYOUTS = ("contiguous", "dense", "rows")
 

@@ -25,8 +25,8 @@ from typing import Any, Callable, Iterable, Mapping
 
 import torch
 
-from autofuse.op import Config, InvalidConfig, SearchSpace
-from autofuse.sizes import cdiv, next_pow2
+from autofuse.core.op import Config, InvalidConfig, SearchSpace
+from autofuse.core.sizes import cdiv, next_pow2
 
 SMEM_LIMIT = 232448       # bytes of shared memory one program may use on sm_90 (227 KiB)
 SMEM_SLACK = 1024         # mbarriers and alignment, beyond the tile buffers (measured: 24-600 B)

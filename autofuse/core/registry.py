@@ -11,7 +11,7 @@ import importlib.util
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from autofuse.op import Op
+    from autofuse.core.op import Op
 
 MODULES = {
     "ag_gemm": "autofuse.ops.ag_gemm",

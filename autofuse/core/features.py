@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
-from autofuse.op import DTYPES, Op, Problem
+from autofuse.core.op import DTYPES, Op, Problem
 
 
 def generic(problem: Problem) -> dict[str, float]:

@@ -298,7 +298,7 @@ class SymmetricHeap:
 
     `bases` is an int64 tensor on the World's device: `bases[r]` is rank r's heap address as
     mapped in this process, what the device API's `heap_bases` argument expects. `status` is
-    a small int32 region at offset 0 that bounded waits write on timeout (see `autofuse.status`).
+    a small int32 region at offset 0 that bounded waits write on timeout (see `autofuse.comm.status`).
     Creating a heap is collective over the World's ranks and bounded by `timeout_s`
     (default AUTOFUSE_HEAP_TIMEOUT or 300 s); it raises HeapRendezvousError instead of hanging.
     """

@@ -7,11 +7,11 @@ dispatch's agreement), runs `confirm`:
 2. Each candidate (variant, config) is built (collective, as any build) and run once on the same
    inputs into its own scratch output; one that raises, or whose output differs from BSP's by more
    than twice the op's tolerance, is dropped on every rank (one all-reduce of the verdicts).
-3. The survivors are timed with the tuner's timer (`autofuse.measure.Batches`, what `time_fn`
+3. The survivors are timed with the tuner's timer (`autofuse.measure.timing.Batches`, what `time_fn`
    uses): warm-up, batches of `inner` calls lasting about 2 ms each (agreed from the slowest
    rank's probe), input sets rotated against L2 on GPUs (copies of the caller's inputs), CUDA
    events; in graph mode each candidate's batch is captured once and replayed, as inference
-   servers run. The candidates take turns (`autofuse.measure.time_in_turns`) over `rounds` rounds
+   servers run. The candidates take turns (`autofuse.measure.timing.time_in_turns`) over `rounds` rounds
    (default 3), the order reversed every other round, so that a drift of clocks or temperature
    during confirmation is shared by every candidate rather than charged to whichever ran last;
    each turn starts with a barrier and one untimed step, so that no turn's first batch pays for
@@ -40,8 +40,8 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
-from autofuse.measure import Timing, nbytes, rotation_count, time_in_turns
-from autofuse.op import Config, Op, Problem, rel_error
+from autofuse.measure.timing import Timing, nbytes, rotation_count, time_in_turns
+from autofuse.core.op import Config, Op, Problem, rel_error
 
 BSP = "bsp"
 REPS = 6

@@ -25,7 +25,7 @@ miss during capture raises `CaptureMiss`: building a runner allocates heap works
 and the rank check is a collective, neither of which may run inside a capture; call each problem
 once before capturing (warm-up), as inference servers already do.
 
-Confirm on first use (autofuse/confirm.py): when the decision for a problem rests on a prediction
+Confirm on first use (autofuse/dispatch/confirm.py): when the decision for a problem rests on a prediction
 (the policy never measured this problem, or the policy was fitted with other software), every rank
 measures the policy's top candidates (AUTOFUSE_CONFIRM_K, default 3, plus BSP) on the caller's
 inputs in lockstep, with the tuner's timer, and runs the fastest correct one (`explain` shows the
@@ -54,9 +54,9 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from autofuse import status
-from autofuse.op import Config, InvalidConfig, InvalidInput, Op, Problem, config_key
-from autofuse.world import World
+from autofuse.comm import status
+from autofuse.core.op import Config, InvalidConfig, InvalidInput, Op, Problem, config_key
+from autofuse.comm.world import World
 
 
 class DispatchMismatch(RuntimeError):
@@ -219,7 +219,7 @@ def rebuild(group: Any = None) -> None:
     After a FlagTimeout or WorkspaceAborted, fix what made a rank late or absent, then call this on
     every rank; cached decisions stay.
     """
-    from autofuse.workspace import workspaces
+    from autofuse.comm.workspace import workspaces
 
     world = _world(group)
     for ws in workspaces(world):
@@ -234,7 +234,7 @@ def set_policy(policy: Any) -> None:
     """
     global _forced_policy
     if policy is not None and not hasattr(policy, "decide"):
-        from autofuse.policy import Policy
+        from autofuse.dispatch.policy import Policy
 
         policy = Policy.load(policy)
     _forced_policy = policy
@@ -342,8 +342,15 @@ def _decide(op: Op, world: World, args: tuple, variant: str | None, config: Conf
         return confirmed
     d = policy.decide(problem, op, available)
     choice = Choice(op.name, problem, d.variant, d.config, d.reason, d.basis, policy.path, d.config_source)
-    if _online(world) and (d.basis in ("policy", "unsure") or (d.basis == "measured" and policy.software)):
+    if not policy.needs_confirmation(problem, d):
+        return choice
+    if _online(world):
         choice.candidates = policy.candidates(problem, op, available, _confirm_k())
+    elif problem.op in policy.stale_ops:
+        config, source = policy.config_for(problem, "bsp", op)
+        return Choice(op.name, problem, "bsp", config or {}, f"fallback: {policy.stale_ops[problem.op]}, and "
+                      "confirmation on first use is off (AUTOFUSE_ONLINE=0 or the CPU emulation): bsp", "fallback",
+                      policy.path, source)
     return choice
 
 
@@ -401,8 +408,8 @@ def _confirmed_choice(op: Op, world: World, problem: Problem, available: list[st
 
 def _load_confirmed(world: World) -> dict[str, dict]:
     """{problem key: {variant: (us, config)}} of this machine's online store in this mode (none if absent)."""
-    from autofuse import environment
-    from autofuse.store import Store, StoreError
+    from autofuse.measure import environment
+    from autofuse.measure.store import Store, StoreError
 
     path = online_db(environment.fingerprint(world.device.type))
     if not path.is_file():
@@ -424,7 +431,7 @@ def _load_confirmed(world: World) -> dict[str, dict]:
 
 def _confirm(world: World, op: Op, choice: Choice, args: tuple) -> Choice:
     """Measure BSP and the choice's candidates on `args` (every rank), keep the fastest, record it."""
-    from autofuse.confirm import confirm
+    from autofuse.dispatch.confirm import confirm
 
     mode = _mode(world)
     bsp_config, _ = _policy(world).config_for(choice.problem, "bsp", op)
@@ -436,16 +443,17 @@ def _confirm(world: World, op: Op, choice: Choice, args: tuple) -> Choice:
     for variant, config, us in result.timed:
         if us < entry.get(variant, (float("inf"),))[0]:
             entry[variant] = (us, config)
+    stale = "stale: confirmed: " if choice.reason.startswith("stale:") else ""
     return Choice(op.name, choice.problem, result.variant, result.config,
-                  f"{result.describe()}; the policy said: [{choice.basis}] {choice.reason}", "confirmed",
+                  f"{stale}{result.describe()}; the policy said: [{choice.basis}] {choice.reason}", "confirmed",
                   choice.policy_path, "measured on first use", confirmation=result)
 
 
 def _record_online(world: World, op: Op, problem: Problem, result: Any) -> None:
     """Append the confirmation's measurements (source 'online') to this machine's online store."""
-    from autofuse import environment
-    from autofuse.measure import Measurement
-    from autofuse.store import Store, StoreError
+    from autofuse.measure import environment
+    from autofuse.measure.timing import Measurement
+    from autofuse.measure.store import Store, StoreError
 
     fp = environment.fingerprint(world.device.type)
     rows = [Measurement(problem, v, dict(c), result.mode, True, median_us=t.median_us, p10_us=t.p10_us,
@@ -547,7 +555,7 @@ def _get_op(op: str | Op) -> Op:
     if not isinstance(op, str):
         return op
     if op not in _ops:
-        from autofuse import registry
+        from autofuse.core import registry
 
         try:
             _ops[op] = registry.get(op)
@@ -584,9 +592,9 @@ def _env_override(op: str) -> str | None:
 def models_dirs() -> list[Path]:
     """Where policies are searched, first match wins: AUTOFUSE_MODELS_DIR, this user's fitted policies
     (`autofuse fit`'s default output), models/ beside the package, the installed shipped ones."""
-    from autofuse.policy import user_models_dir
+    from autofuse.dispatch.policy import user_models_dir
 
-    here = Path(__file__).resolve().parent
+    here = Path(__file__).resolve().parents[1]  # the autofuse package
     dirs = [Path(p) for p in os.environ.get("AUTOFUSE_MODELS_DIR", "").split(os.pathsep) if p]
     dirs += [user_models_dir(), here.parent / "models", here / "models",
              Path(sys.prefix) / "share" / "autofuse" / "models"]
@@ -597,8 +605,8 @@ def find_policy(fingerprint: dict, mode: str | None = None) -> Path | None:
     """The first valid policy fitted on this hardware, or None. Preferred, in order: the timing
     `mode`, the same software (a policy from other software is used with every decision confirmed),
     earlier folders."""
-    from autofuse.environment import hardware_id, software_id
-    from autofuse.policy import read_file, validate
+    from autofuse.measure.environment import hardware_id, software_id
+    from autofuse.dispatch.policy import read_file, validate
 
     found: list[tuple[bool, bool, int, str, Path]] = []
     for index, d in enumerate(models_dirs()):
@@ -618,8 +626,8 @@ def _policy(world: World) -> Any:
     if _forced_policy is not None:
         return _forced_policy
     if kind not in _policies:
-        from autofuse import environment
-        from autofuse.policy import Policy
+        from autofuse.measure import environment
+        from autofuse.dispatch.policy import Policy
 
         stats.policy_loads += 1
         fp = environment.fingerprint(kind)

@@ -1,7 +1,7 @@
 """The tuning store: every measurement, with the environment it was taken in (DESIGN.md, Tuning and store).
 
 One SQLite file, schema version 2 (table `meta`), five tables with foreign keys:
-- `environments`: one row per environment (`autofuse.environment.fingerprint`): id (hardware +
+- `environments`: one row per environment (`autofuse.measure.environment.fingerprint`): id (hardware +
   software), `hardware_id`, `software_id` and every hardware and software field.
 - `problems`: problem key -> op, dtype, world size, dims (JSON).
 - `configs`: id (hash of op|variant|config) -> op, variant, config (JSON).
@@ -34,8 +34,8 @@ import urllib.parse
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
-from autofuse import environment
-from autofuse.op import Problem, config_key
+from autofuse.measure import environment
+from autofuse.core.op import Problem, config_key
 
 SCHEMA_VERSION = 2
 SOURCES = ("tune", "baseline", "online")
@@ -207,7 +207,7 @@ def _migrate_v1(conn: sqlite3.Connection) -> None:
 
 
 def _registered_ops() -> list[str]:
-    from autofuse import registry
+    from autofuse.core import registry
 
     return registry.names()
 
@@ -364,7 +364,7 @@ class Store:
 
     def add(self, measurements: Iterable[Any], fingerprint: Mapping[str, Any] | str, study: str | None = None,
             trial: int | None = None, source: str = "tune", op_digest: str | None = None) -> int:
-        """Write measurements (autofuse.measure.Measurement) taken in `fingerprint`; returns rows added.
+        """Write measurements (autofuse.measure.timing.Measurement) taken in `fingerprint`; returns rows added.
 
         `fingerprint` is the environment dict (recorded in `environments`) or the id of one already
         recorded. `op_digest` is the code of the measured op (default: the fingerprint's `ops`

@@ -35,7 +35,7 @@ KEY_FIELDS = HARDWARE_FIELDS + SOFTWARE_FIELDS  # what `fingerprint_id` covers
 LAYERS = ("hardware", "software", "ops")
 # Modules that count towards an op's digest when the op module imports them (directly or not).
 DIGEST_PACKAGES = ("autofuse.kernels", "autofuse.ops")
-DIGEST_MODULES = ("autofuse.gemm", "autofuse.runner", "autofuse.workspace", "autofuse.collectives", "autofuse.hybrid")
+DIGEST_MODULES = ("autofuse.core.gemm", "autofuse.core.runner", "autofuse.comm.workspace", "autofuse.comm.collectives")
 ALWAYS = ("autofuse.kernels.shmem",)  # the device API every fused kernel stands on
 
 
@@ -85,20 +85,20 @@ def _installed_roots() -> dict[str, Path]:
     kernels = importlib.util.find_spec("autofuse.kernels")  # imports the autofuse package only
     assert spec is not None and spec.origin and kernels is not None and kernels.submodule_search_locations
     base = Path(spec.origin).parent
-    return {"autofuse": base, "autofuse.ops": base / "ops", "autofuse.kernels": Path(kernels.submodule_search_locations[0])}
+    return {"autofuse": base, "autofuse.kernels": Path(kernels.submodule_search_locations[0])}
 
 
 def _module_file(name: str, roots: Mapping[str, Path] | None) -> Path | None:
     """The source file of module `name` under `roots` (default: the installed package), else of an
     already imported module or a top-level one (an op defined outside the package); None if none."""
     roots = _installed_roots() if roots is None else roots
-    if name in roots:
-        f = Path(roots[name]) / "__init__.py"
-        return f if f.is_file() else None
-    package, _, leaf = name.rpartition(".")
-    if package in roots:
-        f = Path(roots[package]) / f"{leaf}.py"
-        return f if f.is_file() else None
+    prefix = max((r for r in roots if name == r or name.startswith(r + ".")), key=len, default=None)
+    if prefix is not None:
+        base = Path(roots[prefix]).joinpath(*name[len(prefix):].split(".")[1:])
+        for f in (base / "__init__.py", base.with_suffix(".py")):
+            if f.is_file():
+                return f
+        return None
     if _counts(name) or name == "autofuse" or name.startswith("autofuse."):
         return None
     mod = sys.modules.get(name)
@@ -155,7 +155,7 @@ def digest_modules(module: str, roots: Mapping[str, Path] | None = None,
 def _op_module(op: Any) -> str:
     """The module that defines an op: the registry's entry for a registered op, else where its
     functions live (an Op object from any module, e.g. 'tests.test_tune:FAKE_OP')."""
-    from autofuse import registry
+    from autofuse.core import registry
 
     if isinstance(op, str):
         if op not in registry.MODULES:
@@ -163,14 +163,14 @@ def _op_module(op: Any) -> str:
         return registry.MODULES[op]
     if op.name in registry.MODULES and getattr(sys.modules.get(registry.MODULES[op.name]), "OP", None) is op:
         return registry.MODULES[op.name]
-    if type(op).__module__ != "autofuse.op":
+    if type(op).__module__ != "autofuse.core.op":
         return type(op).__module__
     for value in vars(op).values():  # the op's own functions (problem_of, inputs, ...)
         mod = getattr(value, "__module__", None)
-        if callable(value) and mod and mod != "autofuse.op":
+        if callable(value) and mod and mod != "autofuse.core.op":
             return mod
     for v in getattr(op, "variants", {}).values():  # else where its variant classes live
-        if type(v).__module__ != "autofuse.op":
+        if type(v).__module__ != "autofuse.core.op":
             return type(v).__module__
     raise ValueError(f"cannot tell which module defines op {op.name!r}")
 
@@ -198,7 +198,7 @@ def op_digest(op: Any, roots: Mapping[str, Path] | None = None) -> str:
 
 def op_digests(names: Iterable[str] | None = None) -> dict[str, str]:
     """{op: op_digest(op)} for the registered ops (or `names`)."""
-    from autofuse import registry
+    from autofuse.core import registry
 
     return {n: op_digest(n) for n in (registry.names() if names is None else names)}
 

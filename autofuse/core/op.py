@@ -3,8 +3,8 @@
 An *op* (e.g. `ag_gemm`) has a float64 reference, a bulk-synchronous variant `bsp` and other
 variants (families: bsp, peer, hybrid, fused). A *problem* is the key dispatch sees: op + named
 sizes + dtype + world size. A *variant* declares its search space, its known-good configs and its
-validity constraints, and builds a *runner* (autofuse/runner.py) for a (problem, config) on a
-World. A *config* is a plain dict of the variant's parameters. The registry (`autofuse.registry`)
+validity constraints, and builds a *runner* (autofuse/core/runner.py) for a (problem, config) on a
+World. A *config* is a plain dict of the variant's parameters. The registry (`autofuse.core.registry`)
 maps op name -> Op.
 """
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol, Sequence
 import torch
 
 if TYPE_CHECKING:
-    from autofuse.runner import Runner
+    from autofuse.core.runner import Runner
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 Config = dict[str, Any]
@@ -119,7 +119,7 @@ class Variant:
       divisibility, ...); the default accepts only the empty config.
     - `available(world)` is False where the variant cannot run at all (e.g. torch_symm on CPU).
     - `runner(world, problem, config)` allocates what the variant needs (heap workspace, compiled
-      kernels) and returns a Runner (autofuse/runner.py); `build` checks first and raises
+      kernels) and returns a Runner (autofuse/core/runner.py); `build` checks first and raises
       InvalidConfig / InvalidInput, so `runner` may assume a valid config.
     """
 

@@ -43,7 +43,7 @@ Configs (plain dicts; `space`, `defaults` and `check` take the kind "all_gather"
               chunks (sends chunk j while it copies or sums chunk j - 1), and overlap waits per chunk
 Missing keys take the first default for the shape, so `config=None` is a sensible choice.
 
-Workspaces (autofuse.workspace): `name` for the parity inboxes and flags (shared by every
+Workspaces (autofuse.comm.workspace): `name` for the parity inboxes and flags (shared by every
 collective built with that name: one epoch, exact flags, so calls of different collectives may
 interleave), `name + ".fixed"` for the fixed buffers (all_gather's gathered buffer, the copy
 engine's inboxes). Every rank must build and call collectives in the same order.
@@ -55,9 +55,9 @@ from typing import Any, Sequence
 
 import torch
 
-from autofuse.op import Config, InvalidConfig, InvalidInput, SearchSpace, dtype_name
-from autofuse.sizes import cdiv, next_pow2
-from autofuse.workspace import Workspace, workspace
+from autofuse.core.op import Config, InvalidConfig, InvalidInput, SearchSpace, dtype_name
+from autofuse.core.sizes import cdiv, next_pow2
+from autofuse.comm.workspace import Workspace, workspace
 
 KINDS = ("all_gather", "reduce_scatter", "all_reduce")
 ENGINES = ("sm", "ce")

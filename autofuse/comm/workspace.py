@@ -20,9 +20,9 @@ from typing import Any
 
 import torch
 
-from autofuse import status
+from autofuse.comm import status
 from autofuse.kernels import shmem
-from autofuse.sizes import next_pow2
+from autofuse.core.sizes import next_pow2
 
 MIN_DATA = 1 << 12   # capacities are powers of two from these up, so growth steps stay few
 MIN_FLAGS = 1 << 6

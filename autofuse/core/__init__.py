@@ -1,0 +1,1 @@
+"""Op machinery: op/problem/variant/config, runner, registry, features, the GEMM config, model shapes, size helpers."""

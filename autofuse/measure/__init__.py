@@ -1,0 +1,1 @@
+"""Measurement: timing, the tuning store, the environment fingerprint."""
