@@ -80,7 +80,7 @@ def _rank(world, op_name: str, calls: int, rounds: int) -> dict:
 
     dispatch.reset()
     rows: dict[str, dict] = {}
-    dispatch._ops["noop"] = _noop_op()
+    dispatch.STATE.ops["noop"] = _noop_op()
     noop = dispatch.entry_point("noop")  # generated like autofuse.<op>: the real hot path
     a = torch.empty(64, 64, device=world.device)
     noop(a, a, group=world)

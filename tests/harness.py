@@ -176,7 +176,7 @@ def fault_run(world: Any, op: Op, variant: str, dims: dict, dtype: str, config: 
     rank that skips a call and goes on pairs its next call with the peers' missed one (as NCCL
     collectives do) and that is only found when the sequences end (the last call times out).
     """
-    os.environ[status.TIMEOUT_ENV] = str(FAULT_BUDGET_S)
+    os.environ["AUTOFUSE_WAIT_TIMEOUT"] = str(FAULT_BUDGET_S)
     say = _progress(f"rank {world.rank} {op.name}.{variant} {scenario}")
     problem = problem_of(op, world.size, dims, dtype)
     runner = op.variant(variant).build(world, problem, config)

@@ -254,7 +254,7 @@ def _rebuild_all(world):
 
 
 def _fault_job(world, plan):
-    os.environ[status.TIMEOUT_ENV] = str(harness.FAULT_BUDGET_S)  # before any workspace exists
+    os.environ["AUTOFUSE_WAIT_TIMEOUT"] = str(harness.FAULT_BUDGET_S)  # before any workspace exists
     seen = []
     for kind, dims, dtype, config, scenario in plan:
         seen.append(harness.fault_run(world, OPS[kind], kind, dims, dtype, config, scenario, calls=3))
@@ -499,7 +499,7 @@ def _graph_late_peer(world):
     """A captured all-gather replayed while the last rank is late past the budget: every rank raises."""
     import time
 
-    os.environ[status.TIMEOUT_ENV] = str(harness.FAULT_BUDGET_S)
+    os.environ["AUTOFUSE_WAIT_TIMEOUT"] = str(harness.FAULT_BUDGET_S)
     coll = C.all_gather(world, 64, 8192, torch.bfloat16, {"ALGO": "inbox", **GPU_SMALL}, name="graph_fault")
     x = torch.randn(64, 8192, device=world.device).bfloat16()
     out = coll(x)

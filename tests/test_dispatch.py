@@ -174,15 +174,17 @@ def _dispatch_job(world, policies: dict) -> dict:
     del os.environ["AUTOFUSE_VARIANT"]
 
     # a miss during CUDA-graph capture raises (simulated: CPU tensors cannot be captured)
-    saved = dispatch._capturing
-    dispatch._capturing = lambda args: True
+    from autofuse.dispatch import entry
+
+    saved = entry.capturing
+    entry.capturing = lambda args: True
     try:
         call(TOY, *_inputs(world, 1024))
         res["capture"] = None
     except dispatch.CaptureMiss as exc:
         res["capture"] = str(exc)
     finally:
-        dispatch._capturing = saved
+        entry.capturing = saved
     res["capture_cached_ok"] = _rel(call(TOY, a, b), a, b)
 
     # a policy from other hardware: warning, then BSP for everything
@@ -356,13 +358,13 @@ def test_import_is_cheap():
 
 
 def test_env_override_parsing(monkeypatch):
-    from autofuse import dispatch
+    from autofuse.core import settings
 
     monkeypatch.setenv("AUTOFUSE_VARIANT", "*:bsp,ag_gemm:push")
-    assert dispatch._env_override("ag_gemm") == "push" and dispatch._env_override("gemm_rs") == "bsp"
+    assert settings.variant_override("ag_gemm") == "push" and settings.variant_override("gemm_rs") == "bsp"
     monkeypatch.setenv("AUTOFUSE_VARIANT", "ag_gemm")
     with pytest.raises(ValueError, match="op:variant"):
-        dispatch._env_override("ag_gemm")
+        settings.variant_override("ag_gemm")
 
 
 def test_find_shipped_policy(policies, tmp_path, monkeypatch):
@@ -441,18 +443,20 @@ def test_entry_points_are_generated_from_the_ops_argument_names():
     for name in registry.names():
         fn = getattr(autofuse, name)
         assert list(inspect.signature(fn).parameters)[:len(registry.get(name).args)] == list(registry.get(name).args)
-    dispatch._ops["toy_mm"] = TOY
+    from autofuse.dispatch import entry
+
+    dispatch.STATE.ops["toy_mm"] = TOY
     seen = []
-    saved = dispatch._miss
-    dispatch._miss = lambda key, *rest: seen.append(key)  # the generated code binds _miss when made
+    saved = entry.miss
+    entry.miss = lambda key, *rest: seen.append(key)  # the generated code binds miss when made
     try:
         fn = dispatch.entry_point("toy_mm")
         a, b = torch.empty(4, 8), torch.empty(8, 4).t()
         fn(a, b, variant="x", config={"A": 1})
-        assert seen == [dispatch._key("toy_mm", None, "x", {"A": 1}, (a, b))]
+        assert seen == [entry.key_of("toy_mm", None, "x", {"A": 1}, (a, b))]
         assert fn.__name__ == "toy_mm" and "a, b" in fn.__doc__
     finally:
-        dispatch._miss = saved
+        entry.miss = saved
         dispatch.reset()
 
 

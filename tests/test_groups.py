@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from autofuse.core import settings
 from autofuse.comm import heap as heap_mod
 from autofuse.kernels import selftest as k
 from autofuse.comm.workspace import workspace
@@ -176,12 +177,12 @@ def test_rendezvous_is_bounded_names_the_group_and_fails_together(small_heap):
 
 def test_timeout_setting(monkeypatch):
     monkeypatch.delenv("AUTOFUSE_HEAP_TIMEOUT", raising=False)
-    assert heap_mod.rendezvous_timeout() == heap_mod.DEFAULT_TIMEOUT_S
+    assert settings.heap_timeout_s() == settings.DEFAULT_HEAP_TIMEOUT_S
     monkeypatch.setenv("AUTOFUSE_HEAP_TIMEOUT", "12.5")
-    assert heap_mod.rendezvous_timeout() == 12.5
+    assert settings.heap_timeout_s() == 12.5
     monkeypatch.setenv("AUTOFUSE_HEAP_TIMEOUT", "soon")
     with pytest.raises(ValueError, match="AUTOFUSE_HEAP_TIMEOUT"):
-        heap_mod.rendezvous_timeout()
+        settings.heap_timeout_s()
 
 
 # -- GPUs: the same orders with the torch provider (CUDA IPC), and torch's symmetric memory fallback --

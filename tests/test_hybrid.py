@@ -154,7 +154,7 @@ FAULTS = [
 
 
 def _fault_job(world, plan):
-    os.environ[status.TIMEOUT_ENV] = str(harness.FAULT_BUDGET_S)
+    os.environ["AUTOFUSE_WAIT_TIMEOUT"] = str(harness.FAULT_BUDGET_S)
     seen = []
     for op, variant, dims, dtype, config, scenario in plan:
         seen.append(harness.fault_run(world, OPS[op], variant, dims, dtype, config, scenario, calls=3))

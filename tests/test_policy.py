@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from _toy_op import OP as TOY
 
+from autofuse.core import settings
 from autofuse.measure import environment
 from autofuse.dispatch import policy
 from autofuse.core.op import Problem
@@ -108,7 +109,8 @@ def test_policy_finds_the_crossover(fitted, rows):
     assert small.variant == BSP, small
     tuned = pol.decide(_toy(1024), TOY)
     assert (tuned.variant, tuned.basis, tuned.config) == ("fused", "measured", tuned_config), tuned
-    assert pol.choose(_toy(1024), TOY) == (tuned.variant, tuned.config, tuned.reason)
+    again = pol.decide(_toy(1024), TOY)
+    assert (again.variant, again.config, again.reason) == (tuned.variant, tuned.config, tuned.reason)
     # a variant the caller cannot run is never chosen
     assert pol.decide(_toy(4096), TOY, available=["bsp"]).variant == BSP
 
@@ -195,7 +197,8 @@ def test_foreign_fingerprint_is_refused(fitted, tmp_path):
     with pytest.warns(PolicyWarning, match="other hardware .*gpu_name"):
         pol = Policy.load(path, FP)
     assert pol.refused
-    variant, config, reason = pol.choose(_toy(4096), TOY)
+    d = pol.decide(_toy(4096), TOY)
+    variant, config, reason = d.variant, d.config, d.reason
     assert variant == BSP and config == {} and reason.startswith("fallback:") and "gpu_name" in reason
     newer = copy.deepcopy(fitted.data)
     newer["fingerprint"]["triton"] = "0.0.1"
@@ -216,7 +219,7 @@ def test_foreign_fingerprint_is_refused(fitted, tmp_path):
         assert Policy.from_dict(bad, FP).refused
     (tmp_path / "junk.json").write_text("{not json")
     with pytest.warns(PolicyWarning, match="cannot read"):
-        assert Policy.load(tmp_path / "junk.json", FP).choose(_toy(8), TOY)[0] == BSP
+        assert Policy.load(tmp_path / "junk.json", FP).decide(_toy(8), TOY).variant == BSP
 
 
 def test_evaluate_counts():
@@ -457,8 +460,9 @@ def test_runtime_policy_never_imports_sklearn(clean, tmp_path):
     path = tmp_path / "p.json"
     Policy(clean["gbr"]).save(path)
     code = ("import sys, autofuse.dispatch.policy as p; from autofuse.core.op import Problem; "
+            f"sys.path.insert(0, {str(Path(__file__).parent)!r}); from _toy_op import OP; "
             f"pol = p.Policy.load({str(path)!r}); assert not pol.refused, pol.refused; "
-            "d = pol.decide(Problem.make('toy_mm', 'float32', 2, M=4096, N=16, K=16)); "
+            "d = pol.decide(Problem.make('toy_mm', 'float32', 2, M=4096, N=16, K=16), OP); "
             "print(d.variant, d.basis); "
             "bad = [m for m in sys.modules if m.split('.')[0] in ('sklearn', 'optuna', 'scipy')]; "
             "assert not bad, bad")
@@ -480,6 +484,6 @@ def test_user_models_dir(monkeypatch, tmp_path):
     from pathlib import Path
 
     monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path))
-    assert policy.user_models_dir() == tmp_path / "autofuse" / "models"
+    assert settings.user_models_dir() == tmp_path / "autofuse" / "models"
     monkeypatch.setenv("XDG_DATA_HOME", "relative/dir")  # the XDG spec: relative paths are ignored
-    assert policy.user_models_dir() == Path.home() / ".local" / "share" / "autofuse" / "models"
+    assert settings.user_models_dir() == Path.home() / ".local" / "share" / "autofuse" / "models"

@@ -58,10 +58,11 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 
+from autofuse.core import settings
+
 ALIGN = 256
 STATUS_WORDS = 8
 DEFAULT_SIZE = {"cpu": 64 << 20, "cuda": 8 << 30}
-DEFAULT_TIMEOUT_S = 300.0
 SHM_DIR = "/dev/shm"
 SHM_PREFIX = "autofuse-heap"
 PROVIDERS = ("torch", "symm", "iris", "shm")
@@ -97,20 +98,6 @@ def parse_size(text: str | int) -> int:
     if size < MIN_SIZE:
         raise ValueError(f"heap size {text!r} (AUTOFUSE_HEAP_SIZE) is below the minimum of {MIN_SIZE >> 10}K")
     return size
-
-
-def rendezvous_timeout() -> float:
-    """Seconds a heap rendezvous waits for the group's other ranks: AUTOFUSE_HEAP_TIMEOUT, else 300."""
-    text = os.environ.get("AUTOFUSE_HEAP_TIMEOUT", "").strip()
-    if not text:
-        return DEFAULT_TIMEOUT_S
-    try:
-        value = float(text)
-    except ValueError:
-        raise ValueError(f"AUTOFUSE_HEAP_TIMEOUT={text!r}: give seconds, e.g. 300") from None
-    if value <= 0:
-        raise ValueError(f"AUTOFUSE_HEAP_TIMEOUT={text!r} must be positive")
-    return value
 
 
 def default_provider(device: torch.device, spans_job: bool = False) -> str:
@@ -219,7 +206,7 @@ class Rendezvous:
 
     def __init__(self, world: Any, provider: str, size: int, timeout_s: float | None = None):
         self.world = world
-        self.timeout_s = rendezvous_timeout() if timeout_s is None else float(timeout_s)
+        self.timeout_s = settings.heap_timeout_s() if timeout_s is None else float(timeout_s)
         self.ranks = _global_ranks(world)
         self.group_name = str(_group_of(world).group_name)
         self.header = {"group": self.group_name, "ranks": self.ranks, "provider": provider, "size": size}
@@ -306,10 +293,9 @@ class SymmetricHeap:
     def __init__(self, world: Any, size: int | str | None = None, provider: str | None = None,
                  timeout_s: float | None = None):
         self.world = world
-        env = os.environ.get("AUTOFUSE_HEAP_SIZE")
+        env = settings.heap_size_text()
         self.size = parse_size(size if size is not None else env if env else DEFAULT_SIZE[world.device.type])
-        self.provider = (provider or os.environ.get("AUTOFUSE_HEAP_PROVIDER")
-                         or default_provider(world.device, _spans_job(world)))
+        self.provider = provider or settings.heap_provider() or default_provider(world.device, _spans_job(world))
         if self.provider not in PROVIDERS:
             raise ValueError(f"unknown heap provider {self.provider!r}: use {', '.join(PROVIDERS)}")
         self._top = 0
@@ -549,7 +535,7 @@ class SymmetricHeap:
         if self.provider == "torch" and len(peers) > 1 and dist.is_initialized():
             del peers
             with contextlib.suppress(Exception):
-                Rendezvous(self.world, "torch", self.size, timeout_s=min(10.0, rendezvous_timeout())).all_gather(
+                Rendezvous(self.world, "torch", self.size, timeout_s=min(10.0, settings.heap_timeout_s())).all_gather(
                     "closed", None)
         self._local = None
         for m in self._maps:

@@ -7,15 +7,10 @@ workspace is rebuilt every call on it raises `WorkspaceAborted`.
 """
 from __future__ import annotations
 
-import math
-import os
-
 import numpy as np
 
+from autofuse.core.settings import wait_timeout_s
 from autofuse.kernels import shmem
-
-TIMEOUT_ENV = "AUTOFUSE_WAIT_TIMEOUT"
-DEFAULT_TIMEOUT_S = {"cuda": 10.0, "cpu": 120.0}  # the interpreter runs a peer's programs one by one: slow
 
 
 class FlagTimeout(RuntimeError):
@@ -34,20 +29,6 @@ class FlagTimeout(RuntimeError):
 
 class WorkspaceAborted(RuntimeError):
     """A call on a workspace that saw a fault: refused until the workspace is rebuilt on every rank."""
-
-
-def wait_timeout_s(device_type: str) -> float:
-    """Seconds a flag wait may take: AUTOFUSE_WAIT_TIMEOUT (positive number), else a default per device."""
-    text = os.environ.get(TIMEOUT_ENV)
-    if text is None or text.strip() == "":
-        return DEFAULT_TIMEOUT_S[device_type]
-    try:
-        value = float(text)
-    except ValueError:
-        raise ValueError(f"{TIMEOUT_ENV}={text!r} is not a number of seconds (e.g. 10 or 0.5)") from None
-    if not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{TIMEOUT_ENV}={text!r} must be a positive, finite number of seconds")
-    return value
 
 
 def wait_budget_ns(device_type: str) -> int:

@@ -4,7 +4,7 @@ All three open the database read-only (nothing is created or converted; a file t
 autofuse database is one line naming it and the cause) and, without `--mode`, read every timing
 mode the database holds (CPU tuning records eager only) and say so. Outputs never replace an
 existing file unless `--force`; by default `fit` writes to the user data directory that dispatch
-searches (`autofuse.dispatch.policy.user_models_dir()`) and `export` to ./autofuse-out/, never over the
+searches (`autofuse.core.settings.user_models_dir()`) and `export` to ./autofuse-out/, never over the
 shipped `models/` or `tuning_db/` files.
 
 Strong scaling: where the database holds the same op and global sizes (an op's per-rank dims, e.g.
@@ -255,7 +255,8 @@ def fit(
     force: bool = ForceOpt,
 ) -> None:
     """Fit the dispatch policy on the store (gbr regressor vs tree classifier, held-out), write it as JSON."""
-    from autofuse.dispatch.policy import Policy, file_name, user_models_dir
+    from autofuse.core.settings import user_models_dir
+    from autofuse.dispatch.policy import Policy, file_name
 
     found = load(db, mode, fingerprint, op)
     if (out_path or report) and len(found) > 1:

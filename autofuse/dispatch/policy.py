@@ -29,13 +29,13 @@ import os
 import re
 import warnings
 from array import array
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 from autofuse.measure import environment
 from autofuse.core.features import problem_features, vector
 from autofuse.core.op import Config, Op, Problem
+from autofuse.dispatch.choice import Choice
 
 FORMAT = "autofuse-policy"
 FORMAT_VERSION = 1
@@ -50,22 +50,6 @@ MAX_TREES = 10_000
 
 class PolicyWarning(UserWarning):
     """A policy was refused (other hardware or versions, unreadable): BSP runs instead."""
-
-
-@dataclass
-class Decision:
-    """What a policy chose for one problem and why.
-
-    basis: 'measured' (the problem was tuned), 'policy' (the model's pick), 'unsure' (predicted gain
-    within the model's error, so BSP), 'fallback' (no usable policy or model, so BSP).
-    """
-
-    variant: str
-    config: Config
-    reason: str
-    basis: str
-    gain: float | None = None
-    config_source: str = ""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -117,23 +101,12 @@ def predict(model: Mapping[str, Any], x: Sequence[float], allowed: Iterable[str]
 # The policy
 
 
-def _op_or_none(name: str) -> Op | None:
-    from autofuse.core import registry
-
-    try:
-        return registry.get(name)
-    except Exception:
-        return None
+def _bsp_config(problem: Problem, op: Op) -> Config:
+    return dict(op.variant(BSP).defaults(problem)[0]) if BSP in op.variants else {}
 
 
-def _bsp_config(problem: Problem, op: Op | None) -> Config:
-    if op is None or BSP not in op.variants:
-        return {}
-    return dict(op.variant(BSP).defaults(problem)[0])
-
-
-def _valid(op: Op | None, problem: Problem, variant: str, config: Config) -> bool:
-    return op is None or variant not in op.variants or op.variant(variant).check(problem, config) is None
+def _valid(op: Op, problem: Problem, variant: str, config: Config) -> bool:
+    return variant not in op.variants or op.variant(variant).check(problem, config) is None
 
 
 class Policy:
@@ -152,6 +125,7 @@ class Policy:
         self.stale_ops: dict[str, str] = {}  # op -> why its entries are only predictions (its code changed)
         self.software: dict[str, tuple] = {}  # software fields that differ from this machine's
         self._index: dict[str, dict] = {}
+        self._features: dict[str, list[float]] = {}  # problem key -> feature vector
 
     # construction ----------------------------------------------------------------------------
     @classmethod
@@ -225,19 +199,14 @@ class Policy:
         return str(self.data.get("mode", ""))
 
     # decisions -------------------------------------------------------------------------------
-    def choose(self, problem: Problem, op: Op | None = None) -> tuple[str, Config, str]:
-        """(variant, config, reason) for `problem`."""
-        d = self.decide(problem, op)
-        return d.variant, d.config, d.reason
-
-    def needs_confirmation(self, problem: Problem, decision: Decision) -> bool:
+    def needs_confirmation(self, problem: Problem, decision: Choice) -> bool:
         """Whether `decision` rests on a prediction that dispatch must confirm by measuring on first
         use: a model's pick or an unsure call, a measurement taken with other software, or any entry
         of an op whose code changed since the fit (stale)."""
         return (decision.basis in ("policy", "unsure") or problem.op in self.stale_ops
                 or (decision.basis == "measured" and bool(self.software)))
 
-    def decide(self, problem: Problem, op: Op | None = None, available: Iterable[str] | None = None) -> Decision:
+    def decide(self, problem: Problem, op: Op, available: Iterable[str] | None = None) -> Choice:
         """The full decision: variant, config, reason, basis, predicted gain, where the config came from.
 
         `available` limits the variants (those that can run on the caller's World). For a stale op
@@ -249,9 +218,8 @@ class Policy:
             d.reason = f"stale: {stale}, so this is confirmed on first use; {d.reason}"
         return d
 
-    def _decide(self, problem: Problem, op: Op | None, available: Iterable[str] | None) -> Decision:
-        op = op if op is not None else _op_or_none(problem.op)
-        allowed = set(available) if available is not None else (set(op.variants) if op else None)
+    def _decide(self, problem: Problem, op: Op, available: Iterable[str] | None) -> Choice:
+        allowed = set(available) if available is not None else set(op.variants)
         if self.refused:
             return self._bsp(problem, op, f"fallback: {self.refused}", "fallback")
         data = self.ops.get(problem.op)
@@ -265,7 +233,7 @@ class Policy:
         model = data.get("model")
         if model is None:
             return self._bsp(problem, op, f"unsure: too few tuned {problem.op} problems to fit a model", "unsure")
-        x = vector(problem_features(problem, op), data["features"])
+        x = self.features(problem, op)
         best, gain, _ = predict(model, x, allowed)
         margin = data["margin"] if data.get("margin") is not None else math.inf
         name = model["kind"]
@@ -275,27 +243,23 @@ class Policy:
             err = f"{math.exp(margin):.3f}x" if math.isfinite(margin) else "unknown"
             return self._bsp(problem, op, f"unsure: policy ({name}) predicts {best} {math.exp(gain):.3f}x over bsp, "
                              f"within the model's error {err}: bsp", "unsure", gain)
-        config, source = self.config_for(problem, best, op, x)
+        config, source = self.config_for(problem, best, op)
         if config is None:
             return self._bsp(problem, op, f"fallback: policy ({name}) picked {best} but no tuned config of it "
                              f"accepts {problem.key}", "fallback", gain)
-        return Decision(best, config, f"policy ({name}): predicts {best} {math.exp(gain):.3f}x over bsp, above "
+        return self._choice(problem, best, config, f"policy ({name}): predicts {best} {math.exp(gain):.3f}x over bsp, above "
                         f"the model's error {math.exp(margin):.3f}x", "policy", gain, source)
 
-    def config_for(self, problem: Problem, variant: str, op: Op | None = None,
-                   x: Sequence[float] | None = None) -> tuple[Config | None, str]:
+    def config_for(self, problem: Problem, variant: str, op: Op) -> tuple[Config | None, str]:
         """The variant's config tuned on the nearest measured problem that it accepts, and its source."""
-        return next(self._configs(problem, variant, op, x), (None, ""))
+        return next(self._configs(problem, variant, op), (None, ""))
 
-    def _configs(self, problem: Problem, variant: str, op: Op | None, x: Sequence[float] | None
-                 ) -> Iterator[tuple[Config, str]]:
+    def _configs(self, problem: Problem, variant: str, op: Op) -> Iterator[tuple[Config, str]]:
         """(config, where it comes from) of `variant` that accept `problem`: tuned ones, nearest tuned
         problem first (standardised feature distance), then the variant's defaults."""
-        op = op if op is not None else _op_or_none(problem.op)
         data = self.ops.get(problem.op)
         if data is not None and not self.refused:
-            if x is None:
-                x = vector(problem_features(problem, op), data["features"])
+            x = self.features(problem, op)
             scale = data["scale"]
             ranked = sorted(self._op_index(problem.op).get(variant, []),
                             key=lambda e: (e[0] != problem.key,
@@ -304,24 +268,23 @@ class Policy:
                 if _valid(op, problem, variant, config):
                     yield dict(config), ("tuned on this problem" if key == problem.key
                                          else f"tuned on nearest problem {key}")
-        if op is not None and variant in op.variants:
+        if variant in op.variants:
             for config in op.variant(variant).defaults(problem):
                 if _valid(op, problem, variant, config):
                     yield dict(config), "variant default"
 
-    def candidates(self, problem: Problem, op: Op | None = None, available: Iterable[str] | None = None,
+    def candidates(self, problem: Problem, op: Op, available: Iterable[str] | None = None,
                    k: int = 3) -> list[tuple[str, Config]]:
         """The k most promising (variant, config) pairs other than bsp, best first: variants ranked by
         their measured time where this problem was tuned, else by the model's predicted gain over bsp;
         each variant at its nearest tuned config, then further configs of the best variants while
         fewer than k. What dispatch measures when it confirms a decision on first use."""
-        op = op if op is not None else _op_or_none(problem.op)
         data = self.ops.get(problem.op)
         if self.refused or data is None or k < 1:
             return []
         allowed = set(data["variants"]) if available is None else set(available) & set(data["variants"])
         allowed.discard(BSP)
-        x = vector(problem_features(problem, op), data["features"])
+        x = self.features(problem, op)
         tuned = data["problems"].get(problem.key)
         if tuned:
             ranked = sorted((v for v in tuned["us"] if v in allowed), key=lambda v: tuned["us"][v])
@@ -330,7 +293,7 @@ class Policy:
             ranked = sorted((v for v in gains if v in allowed), key=lambda v: (-gains[v], v))
         else:
             ranked = sorted(allowed)
-        per_variant = {v: self.configs_for(problem, v, op, x, k) for v in ranked}
+        per_variant = {v: self.configs_for(problem, v, op, k) for v in ranked}
         out: list[tuple[str, Config]] = []
         for depth in range(k):
             for v in ranked:
@@ -338,18 +301,17 @@ class Policy:
                     out.append((v, per_variant[v][depth]))
         return out
 
-    def configs_for(self, problem: Problem, variant: str, op: Op | None = None, x: Sequence[float] | None = None,
-                    n: int = 1) -> list[Config]:
+    def configs_for(self, problem: Problem, variant: str, op: Op, n: int = 1) -> list[Config]:
         """Up to `n` distinct configs of `variant` that accept `problem`, in `config_for`'s order."""
         unique: list[Config] = []
-        for config, _ in self._configs(problem, variant, op, x):
+        for config, _ in self._configs(problem, variant, op):
             if config not in unique:
                 unique.append(config)
                 if len(unique) == n:
                     break
         return unique
 
-    def _measured(self, problem: Problem, op: Op | None, us: Mapping[str, float], allowed: set[str]) -> Decision:
+    def _measured(self, problem: Problem, op: Op, us: Mapping[str, float], allowed: set[str]) -> Choice:
         ok = {v: t for v, t in us.items() if v in allowed}
         best = min(sorted(ok), key=lambda v: (ok[v], v != BSP))
         gain = math.log(us[BSP] / ok[best])
@@ -361,16 +323,27 @@ class Policy:
         config, source = self.config_for(problem, best, op)
         if config is None:
             return self._bsp(problem, op, f"fallback: no config of {best} accepts this problem any more", "fallback", gain)
-        return Decision(best, config, f"measured: {best} ran {math.exp(gain):.3f}x faster than bsp on this "
+        return self._choice(problem, best, config, f"measured: {best} ran {math.exp(gain):.3f}x faster than bsp on this "
                         "problem when tuned", "measured", gain, source)
 
-    def _bsp(self, problem: Problem, op: Op | None, reason: str, basis: str, gain: float | None = None) -> Decision:
+    def _bsp(self, problem: Problem, op: Op, reason: str, basis: str, gain: float | None = None) -> Choice:
         config, source = (None, "")
         if not self.refused and problem.op in self.ops:
             config, source = self.config_for(problem, BSP, op)
         if config is None:
             config, source = _bsp_config(problem, op), "variant default"
-        return Decision(BSP, config, reason, basis, gain, source)
+        return self._choice(problem, BSP, config, reason, basis, gain, source)
+
+    def _choice(self, problem: Problem, variant: str, config: Config, reason: str, basis: str,
+                gain: float | None = None, source: str = "") -> Choice:
+        return Choice(problem.op, problem, variant, config, reason, basis, self.path, source, gain=gain)
+
+    def features(self, problem: Problem, op: Op) -> list[float]:
+        """The problem's feature vector in the op's fitted order, computed once per problem."""
+        x = self._features.get(problem.key)
+        if x is None:
+            x = self._features[problem.key] = vector(problem_features(problem, op), self.ops[problem.op]["features"])
+        return x
 
     def _op_index(self, op: str) -> dict[str, list]:
         """Per variant: [(problem key, its features, the config tuned there)], built once."""
@@ -601,12 +574,3 @@ def file_name(fingerprint: Mapping[str, Any], mode: str) -> str:
     if fingerprint.get("device_kind") == "cpu" or not count:
         return f"{gpu}-{fingerprint['id']}-{mode}.json"
     return f"{gpu}-x{count}-{fingerprint['id']}-{mode}.json"
-
-
-def user_models_dir() -> Path:
-    """Where `autofuse fit` writes policies by default, for dispatch to find on this machine:
-    $XDG_DATA_HOME/autofuse/models, or ~/.local/share/autofuse/models where XDG_DATA_HOME is unset or
-    not an absolute path (as the XDG base directory spec says)."""
-    base = os.environ.get("XDG_DATA_HOME", "")
-    root = Path(base) if base and os.path.isabs(base) else Path.home() / ".local" / "share"
-    return root / "autofuse" / "models"

@@ -1,0 +1,165 @@
+"""Settings: every AUTOFUSE_* environment variable, read and validated in one place.
+
+Each reader parses the environment when it is called (tests, benches and servers change the
+environment between calls; none of these is read on a cached call's hot path) and raises
+`SettingError` (a ValueError) naming the variable and what it accepts. `NAMES` documents them all;
+`snapshot()` returns every rank-visible setting's raw text, so ranks can compare what they were
+started with.
+"""
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+
+NAMES = {
+    "AUTOFUSE_VARIANT": "op:variant[,op:variant...] (or *:variant): force variants (debugging)",
+    "AUTOFUSE_POLICY": "path of a policy JSON to use instead of searching the models folders",
+    "AUTOFUSE_MODELS_DIR": "extra folders searched first for policies (os.pathsep-separated)",
+    "AUTOFUSE_MODE": "graph | eager: the timing mode decisions are made for (default graph on GPUs)",
+    "AUTOFUSE_ONLINE": "1 | 0: confirm predicted decisions by measuring on first use (default on GPUs)",
+    "AUTOFUSE_CONFIRM_K": "1..16: candidates measured beside BSP when confirming (default 3)",
+    "AUTOFUSE_ONLINE_DB": "path of this machine's online store of confirmed measurements",
+    "AUTOFUSE_CHECK": "1: read the fault record after every call (a device sync), not only the first",
+    "AUTOFUSE_WAIT_TIMEOUT": "seconds a flag wait may take (default 10 on GPUs, 120 on CPU)",
+    "AUTOFUSE_HEAP_SIZE": "symmetric heap size per rank: bytes or a number with K, M or G",
+    "AUTOFUSE_HEAP_PROVIDER": "symm | torch | iris | shm: the symmetric heap's provider",
+    "AUTOFUSE_HEAP_TIMEOUT": "seconds a heap rendezvous waits for the other ranks (default 300)",
+}
+DEFAULT_WAIT_TIMEOUT_S = {"cuda": 10.0, "cpu": 120.0}  # the interpreter runs a peer's programs one by one
+MAX_SECONDS = 7 * 24 * 3600.0  # a week: beyond it a wait budget overflows the kernels' int64 nanoseconds
+DEFAULT_HEAP_TIMEOUT_S = 300.0
+DEFAULT_CONFIRM_K = 3
+MODES = ("graph", "eager")
+
+
+class SettingError(ValueError):
+    """An AUTOFUSE_* variable holds a value autofuse cannot use; the message names it."""
+
+
+def _text(name: str) -> str:
+    return os.environ.get(name, "").strip()
+
+
+def _seconds(name: str, default: float) -> float:
+    text = _text(name)
+    if not text:
+        return default
+    try:
+        value = float(text)
+    except ValueError:
+        raise SettingError(f"{name}={text!r} is not a number of seconds (e.g. 10 or 0.5)") from None
+    if not math.isfinite(value) or not 0 < value <= MAX_SECONDS:
+        raise SettingError(f"{name}={text!r} must be a positive number of seconds, at most {MAX_SECONDS:.0f}")
+    return value
+
+
+def wait_timeout_s(device_type: str) -> float:
+    """Seconds a flag wait may take: AUTOFUSE_WAIT_TIMEOUT, else a default per device kind."""
+    return _seconds("AUTOFUSE_WAIT_TIMEOUT", DEFAULT_WAIT_TIMEOUT_S[device_type])
+
+
+def heap_timeout_s() -> float:
+    """Seconds a heap rendezvous waits for the group's other ranks: AUTOFUSE_HEAP_TIMEOUT, else 300."""
+    return _seconds("AUTOFUSE_HEAP_TIMEOUT", DEFAULT_HEAP_TIMEOUT_S)
+
+
+def heap_size_text() -> str | None:
+    """AUTOFUSE_HEAP_SIZE as written (autofuse.comm.heap.parse_size reads it), None if unset."""
+    return _text("AUTOFUSE_HEAP_SIZE") or None
+
+
+def heap_provider() -> str | None:
+    """AUTOFUSE_HEAP_PROVIDER, None if unset (the heap picks its default and checks the name)."""
+    return _text("AUTOFUSE_HEAP_PROVIDER") or None
+
+
+def _switch(name: str) -> bool | None:
+    text = _text(name)
+    if text in ("0", "1"):
+        return text == "1"
+    if text:
+        raise SettingError(f"{name}={text!r}: use 1 or 0")
+    return None
+
+
+def online(device_type: str) -> bool:
+    """Whether first calls confirm predictions by measuring: AUTOFUSE_ONLINE, else on for GPUs."""
+    value = _switch("AUTOFUSE_ONLINE")
+    return device_type == "cuda" if value is None else value
+
+
+def check_every_call() -> bool:
+    """AUTOFUSE_CHECK=1: read the fault record after every call of a problem, not only its first."""
+    return bool(_switch("AUTOFUSE_CHECK"))
+
+
+def confirm_k() -> int:
+    """How many candidates besides BSP a confirmation measures: AUTOFUSE_CONFIRM_K (1..16), default 3."""
+    text = _text("AUTOFUSE_CONFIRM_K") or str(DEFAULT_CONFIRM_K)
+    if not text.isdigit() or not 1 <= int(text) <= 16:
+        raise SettingError(f"AUTOFUSE_CONFIRM_K={text!r}: a number of candidates in 1..16")
+    return int(text)
+
+
+def mode(device_type: str) -> str:
+    """The timing mode decisions are made for: AUTOFUSE_MODE, else graph on GPUs, eager on CPU.
+
+    The one place where the run-time mode is derived (the tuner's modes are its own option)."""
+    text = _text("AUTOFUSE_MODE") or ("graph" if device_type == "cuda" else "eager")
+    if text not in MODES or (text == "graph" and device_type != "cuda"):
+        raise SettingError(f"AUTOFUSE_MODE={text!r}: use graph (GPUs) or eager")
+    return text
+
+
+def variant_override(op: str) -> str | None:
+    """The variant AUTOFUSE_VARIANT forces for `op` (an `op:` item wins over `*:`), None if none."""
+    text = os.environ.get("AUTOFUSE_VARIANT", "")
+    chosen = None
+    for item in filter(None, (s.strip() for s in text.split(","))):
+        name, sep, variant = item.partition(":")
+        if not sep or not variant or not name:
+            raise SettingError(f"AUTOFUSE_VARIANT={text!r}: items are op:variant (or *:variant), got {item!r}")
+        if name == op or (name == "*" and chosen is None):
+            chosen = variant
+    return chosen
+
+
+def variant_text() -> str:
+    """AUTOFUSE_VARIANT as written (for messages)."""
+    return os.environ.get("AUTOFUSE_VARIANT", "")
+
+
+def policy_path() -> Path | None:
+    """AUTOFUSE_POLICY as a path, None if unset."""
+    text = _text("AUTOFUSE_POLICY")
+    return Path(text) if text else None
+
+
+def models_dirs() -> list[Path]:
+    """AUTOFUSE_MODELS_DIR's folders, in order."""
+    return [Path(p) for p in os.environ.get("AUTOFUSE_MODELS_DIR", "").split(os.pathsep) if p.strip()]
+
+
+def online_db(hardware_id: str) -> Path:
+    """This machine's online store: AUTOFUSE_ONLINE_DB, else <user cache>/autofuse/online-<hardware id>.db."""
+    text = _text("AUTOFUSE_ONLINE_DB")
+    if text:
+        return Path(text)
+    base = os.environ.get("XDG_CACHE_HOME", "")
+    root = Path(base) if base and os.path.isabs(base) else Path.home() / ".cache"
+    return root / "autofuse" / f"online-{hardware_id}.db"
+
+
+def user_models_dir() -> Path:
+    """Where `autofuse fit` writes policies by default and dispatch looks: $XDG_DATA_HOME/autofuse/models,
+    else ~/.local/share/autofuse/models."""
+    base = os.environ.get("XDG_DATA_HOME", "")
+    root = Path(base) if base and os.path.isabs(base) else Path.home() / ".local" / "share"
+    return root / "autofuse" / "models"
+
+
+def snapshot() -> dict[str, str]:
+    """Every AUTOFUSE_* variable of `NAMES` that is set, as written (what ranks compare)."""
+    return {name: os.environ[name] for name in NAMES if name in os.environ}
+

@@ -1,0 +1,74 @@
+"""Deciding a new problem: the variant= argument, AUTOFUSE_VARIANT, an earlier confirmation on this
+machine, then the policy; and confirming a predicted decision by measuring it on first use."""
+from __future__ import annotations
+
+from typing import Any
+
+from autofuse.core import settings
+from autofuse.core.op import Config, InvalidConfig, Op, config_key
+from autofuse.comm.world import World
+from autofuse.dispatch import online
+from autofuse.dispatch.choice import Choice
+from autofuse.dispatch.policies import policy_for
+from autofuse.dispatch.state import STATE
+
+
+def decide(op: Op, world: World, args: tuple, variant: str | None, config: Config | None) -> Choice:
+    """The Choice for `op(*args)` on this rank (validates the inputs; no collective, builds nothing)."""
+    problem = op.problem_of(world, *args)
+    available = [n for n, v in op.variants.items() if v.available(world)]
+    if variant is None and config is not None:
+        raise ValueError(f"autofuse.{op.name}: config= needs variant= (a config belongs to one variant)")
+    basis, reason = "override", f"override: variant={variant!r} argument"
+    if variant is None:
+        variant = settings.variant_override(op.name)
+        basis, reason = "env", f"override: AUTOFUSE_VARIANT={settings.variant_text()}"
+    policy = policy_for(world)
+    if variant is not None:
+        v = op.variant(variant)
+        if variant not in available:
+            raise ValueError(f"autofuse.{op.name}: variant {variant!r} ({reason}) is not available on "
+                             f"{world.device.type}; available: {available}")
+        if config is None:
+            config, config_source = policy.config_for(problem, variant, op)
+            if config is None:
+                raise InvalidConfig(f"{op.name}.{variant}: no config accepts {problem.key}")
+        else:
+            config, config_source = dict(config), "override: config= argument"
+            why = v.check(problem, config)
+            if why:
+                raise InvalidConfig(f"{op.name}.{variant} cannot run {problem.key} with {config_key(config)}: {why}")
+        return Choice(op.name, problem, variant, config, reason, basis, policy.path, config_source)
+    confirmed = online.confirmed_choice(op, world, problem, available, policy)
+    if confirmed is not None:
+        return confirmed
+    choice = policy.decide(problem, op, available)
+    if not policy.needs_confirmation(problem, choice):
+        return choice
+    if settings.online(world.device.type):
+        choice.candidates = policy.candidates(problem, op, available, settings.confirm_k())
+    elif problem.op in policy.stale_ops:
+        config, source = policy.config_for(problem, "bsp", op)
+        return Choice(op.name, problem, "bsp", config or {}, f"fallback: {policy.stale_ops[problem.op]}, and "
+                      "confirmation on first use is off (AUTOFUSE_ONLINE=0 or the CPU emulation): bsp", "fallback",
+                      policy.path, source)
+    return choice
+
+
+def confirm(world: World, op: Op, choice: Choice, args: tuple) -> Choice:
+    """Measure BSP and the choice's candidates on `args` (every rank), keep the fastest correct one,
+    record the measurements in this machine's online store."""
+    from autofuse.dispatch.confirm import confirm as measure_candidates
+
+    policy: Any = policy_for(world)
+    bsp_config, _ = policy.config_for(choice.problem, "bsp", op)
+    result = measure_candidates(world, op, choice.problem, args, choice.candidates, settings.mode(world.device.type),
+                                bsp_config=bsp_config)
+    STATE.stats.confirmations += 1
+    if world.rank == 0:
+        online.record(world, choice.problem, result)
+    online.remember(world, choice.problem, result.timed)
+    stale = "stale: confirmed: " if choice.reason.startswith("stale:") else ""
+    return Choice(op.name, choice.problem, result.variant, result.config,
+                  f"{stale}{result.describe()}; the policy said: [{choice.basis}] {choice.reason}", "confirmed",
+                  choice.policy_path, "measured on first use", confirmation=result)

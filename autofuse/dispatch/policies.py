@@ -1,0 +1,83 @@
+"""Which policy dispatch uses on this machine: AUTOFUSE_POLICY, else the best match in the models folders.
+
+Search order (first match wins): AUTOFUSE_MODELS_DIR's folders, this user's fitted policies
+(`autofuse fit`'s default output, $XDG_DATA_HOME/autofuse/models), models/ beside the package, the
+package's own models/, then <prefix>/share/autofuse/models (the installed shipped ones). Among the
+valid files fitted on this machine's hardware, preferred in order: the timing mode
+(AUTOFUSE_MODE), the same software, earlier folders. None: BSP for every op with one warning.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+from autofuse.core import settings
+from autofuse.comm.world import World
+from autofuse.dispatch.state import STATE, warn_once
+
+
+def models_dirs() -> list[Path]:
+    """The folders searched for policies, in order (existing ones only, each once)."""
+    package = Path(__file__).resolve().parents[1]
+    dirs = [*settings.models_dirs(), settings.user_models_dir(), package.parent / "models", package / "models",
+            Path(sys.prefix) / "share" / "autofuse" / "models"]
+    return [d for i, d in enumerate(dirs) if d.is_dir() and d not in dirs[:i]]
+
+
+def find_policy(fingerprint: dict, mode: str | None = None) -> Path | None:
+    """The first valid policy fitted on this hardware, or None. Preferred, in order: the timing
+    `mode`, the same software (a policy from other software is used with every decision confirmed),
+    earlier folders."""
+    from autofuse.dispatch.policy import read_file, validate
+    from autofuse.measure.environment import hardware_id, software_id
+
+    found: list[tuple[bool, bool, int, str, Path]] = []
+    for index, d in enumerate(models_dirs()):
+        for path in sorted(d.glob("*.json")):
+            data, _ = read_file(path)
+            if data is None or validate(data) is not None:
+                continue
+            theirs = data["fingerprint"]
+            if hardware_id(theirs) == fingerprint["hardware_id"]:
+                found.append((data.get("mode") != mode, software_id(theirs) != fingerprint["software_id"], index,
+                              str(path), path))
+    return min(found)[-1] if found else None
+
+
+def policy_for(world: World) -> Any:
+    """The Policy decisions on `world`'s device kind use (loaded once per process and kind)."""
+    if STATE.forced_policy is not None:
+        return STATE.forced_policy
+    kind = world.device.type
+    if kind not in STATE.policies:
+        from autofuse.dispatch.policy import Policy
+        from autofuse.measure import environment
+
+        STATE.stats.policy_loads += 1
+        fp = environment.fingerprint(kind)
+        path = settings.policy_path() or find_policy(fp, settings.mode(kind))
+        if path is not None:
+            STATE.policies[kind] = Policy.load(path, fp)
+        else:
+            reason = (f"no policy for this machine (fingerprint {fp['id']}) in AUTOFUSE_POLICY or "
+                      f"{', '.join(map(str, models_dirs())) or 'models/'}")
+            warn_once(f"autofuse: {reason}; every op runs bsp. Tune and fit one: autofuse tune, then autofuse fit.",
+                      stacklevel=5)
+            STATE.policies[kind] = Policy.bsp(reason)
+    return STATE.policies[kind]
+
+
+def set_policy(policy: Any) -> None:
+    """Use `policy` (a Policy, a JSON path, or None to go back to the default search) from now on.
+
+    Clears cached decisions: every rank must call it alike.
+    """
+    if policy is not None and not hasattr(policy, "decide"):
+        from autofuse.dispatch.policy import Policy
+
+        policy = Policy.load(policy)
+    STATE.forced_policy = policy
+    STATE.policies.clear()
+    STATE.confirmed.clear()
+    STATE.cache.clear()

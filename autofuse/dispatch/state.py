@@ -1,0 +1,92 @@
+"""What dispatch keeps per process, in one place: cached decisions, Worlds, ops, policies, counters.
+
+`STATE` is the only instance. `reset()` forgets everything but the agreement sequence numbers (store
+keys are never reused within a job). The generated entry points bind `STATE.cache` and `STATE.stats`
+when made, so those two objects are cleared in place, never replaced.
+"""
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from autofuse.core.op import Op
+from autofuse.comm.world import World
+from autofuse.dispatch.choice import Choice
+
+
+@dataclass
+class Stats:
+    """Counters of this process's dispatch (tests assert on them; `reset()` zeroes them)."""
+
+    hits: int = 0
+    misses: int = 0
+    agreements: int = 0
+    policy_loads: int = 0
+    builds: int = 0
+    checks: int = 0
+    confirmations: int = 0
+
+
+class Entry:
+    """A cached decision: the runner, why it was chosen, whether to read the fault record every call."""
+
+    __slots__ = ("runner", "choice", "check")
+
+    def __init__(self, runner: Any, choice: Choice, check: bool):
+        self.runner, self.choice, self.check = runner, choice, check
+
+
+@dataclass
+class State:
+    cache: dict[tuple, Entry] = field(default_factory=dict)
+    worlds: dict[int, tuple[Any, World]] = field(default_factory=dict)  # id(group) -> (group, World)
+    ops: dict[str, Op] = field(default_factory=dict)
+    policies: dict[str, Any] = field(default_factory=dict)  # device kind -> Policy
+    forced_policy: Any = None  # set_policy's Policy
+    warned: set[str] = field(default_factory=set)
+    agreement_seq: dict[str, int] = field(default_factory=dict)  # per group name; never reset
+    confirmed: dict[str, dict[str, dict]] = field(default_factory=dict)  # kind -> problem key -> {variant: (us, config)}
+    stats: Stats = field(default_factory=Stats)
+
+    def reset(self) -> None:
+        """Forget cached decisions, runners, Worlds, policies, warnings and counters (tests)."""
+        for d in (self.cache, self.worlds, self.ops, self.policies, self.warned, self.confirmed):
+            d.clear()
+        self.forced_policy = None
+        for f in fields(self.stats):
+            setattr(self.stats, f.name, 0)
+
+
+STATE = State()
+
+
+def warn_once(text: str, category: type[Warning] = RuntimeWarning, stacklevel: int = 3) -> None:
+    """Warn with `text` once per process."""
+    if text not in STATE.warned:
+        STATE.warned.add(text)
+        warnings.warn(text, category, stacklevel=stacklevel)
+
+
+def op_of(op: str | Op) -> Op:
+    """The Op itself, or the registered op called `op` (NotImplementedError if not installed)."""
+    if not isinstance(op, str):
+        return op
+    if op not in STATE.ops:
+        from autofuse.core import registry
+
+        try:
+            STATE.ops[op] = registry.get(op)
+        except ModuleNotFoundError as exc:
+            raise NotImplementedError(f"autofuse.{op} is not available in this installation ({exc})") from None
+    return STATE.ops[op]
+
+
+def world_of(group: Any) -> World:
+    """The World of a process group (None: the default group), or `group` itself if it is one."""
+    if isinstance(group, World):
+        return group
+    got = STATE.worlds.get(id(group))
+    if got is None:
+        got = STATE.worlds[id(group)] = (group, World.from_group(group))  # holding `group` keeps its id unique
+    return got[1]
