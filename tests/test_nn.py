@@ -14,7 +14,10 @@ shard, a missing sum or a head given to the wrong rank moves the outputs by O(1)
 from __future__ import annotations
 
 import copy
+import subprocess
+import sys
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -266,3 +269,14 @@ def test_llama_modules_and_state_dict(job) -> None:
 def test_llama_refuses_kv_heads_that_do_not_divide(job) -> None:
     w, ranks = job
     assert f"num_key_value_heads={w // 2} not divisible by the tensor-parallel size {w}" in ranks[0]["llama"]["kv error"]
+
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+
+
+def test_example_generate_starts_its_ranks_and_agrees() -> None:
+    """examples/generate_llama.py run plainly starts 2 CPU ranks and generates the unsharded model's tokens."""
+    out = subprocess.run([sys.executable, str(EXAMPLES / "generate_llama.py"), "--world", "2", "--tokens", "2",
+                          "--sequence-parallel"], capture_output=True, text=True, timeout=300, cwd=EXAMPLES.parent)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "the same tokens" in out.stdout, out.stdout

@@ -82,16 +82,16 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     return layers
 
 
-def check_divisible(model: nn.Module, world: int) -> None:
-    """ValueError unless heads, KV heads and the MLP width divide by the group size."""
-    cfg = model.config
-    heads = cfg.num_attention_heads
-    sizes = {"num_attention_heads": heads,
-             "num_key_value_heads": getattr(cfg, "num_key_value_heads", None) or heads,
-             "intermediate_size": cfg.intermediate_size}
+def check_sizes(config: Any, world: int, what: str = "the model") -> None:
+    """ValueError unless heads, KV heads and the MLP width of `config` (a transformers config or a dict
+    of its fields) divide by the group size."""
+    get = config.get if isinstance(config, dict) else lambda k, d=None: getattr(config, k, d)
+    heads = get("num_attention_heads")
+    sizes = {"num_attention_heads": heads, "num_key_value_heads": get("num_key_value_heads") or heads,
+             "intermediate_size": get("intermediate_size")}
     bad = [f"{k}={v}" for k, v in sizes.items() if v % world]
     if bad:
-        raise ValueError(f"{type(model).__name__}: {', '.join(bad)} not divisible by the tensor-parallel size {world}")
+        raise ValueError(f"{what}: {', '.join(bad)} not divisible by the tensor-parallel size {world}")
 
 
 def _local_head_counts(attn: nn.Module, world: int) -> None:
@@ -107,17 +107,26 @@ def parallelize(model: nn.Module, group: Any, sequence_parallel: bool) -> None:
     """Make a Llama-family model tensor-parallel in place (module doc)."""
     layers = decoder_layers(model)
     world = dist.get_world_size(group)
-    check_divisible(model, world)
-    sp = _SequenceParallel(group, world)
+    check_sizes(model.config, world, type(model).__name__)
     for layer in layers:
-        _local_head_counts(layer.self_attn, world)
-        if sequence_parallel:
-            sp.layer(layer)
-        else:
-            apply_plan(layer, PLAN, group)
+        parallelize_layer(layer, group, sequence_parallel)
     if sequence_parallel:
+        sp = _SequenceParallel(group, world)
         layers[0].register_forward_pre_hook(sp.enter, with_kwargs=True)
         layers[-1].register_forward_hook(sp.leave, with_kwargs=True)
+
+
+def parallelize_layer(layer: nn.Module, group: Any, sequence_parallel: bool) -> nn.Module:
+    """One decoder layer made tensor-parallel in place (the caller checks that heads divide). With
+    sequence_parallel its input and output are this rank's row block (B, S'/W, H) (module doc): the
+    caller scatters and gathers the rows (`parallelize` hooks the first and last layer for that)."""
+    world = dist.get_world_size(group)
+    _local_head_counts(layer.self_attn, world)
+    if sequence_parallel:
+        _SequenceParallel(group, world).layer(layer)
+    else:
+        apply_plan(layer, PLAN, group)
+    return layer
 
 
 def _seq_len(kwargs: dict) -> int:
