@@ -412,6 +412,11 @@ def test_op_digest_counts_code_not_docstrings_or_comments(tmp_path):
     later = _digests(roots)
     assert {op for op in base if later[op] != after[op]} == {"gemm_rs", "gemm_ar"}  # both build on row_parallel
 
+    edit(roots["autofuse.ops"] / "hybrid.py", "\nimport torch\n", "\nimport torch\nUNUSED = 5\n")
+    shared = _digests(roots)  # the hybrids' shared base: the three GEMM ops import it, flash_decode does not
+    assert {op for op in base if shared[op] != later[op]} == {"ag_gemm", "gemm_rs", "gemm_ar"}
+    later = shared
+
     edit(roots["autofuse.kernels"] / "shmem.py", "\nimport triton\n", "\nimport triton\nUNUSED = 3\n")
     last = _digests(roots)
     assert all(last[op] != later[op] for op in base), "the device API is part of every op"

@@ -18,7 +18,7 @@ fp32). Any M >= W, any number of rows per rank (1 included), blocks need not div
 Variants (`OP.variants`):
 - `bsp` (family bsp): all-gather with torch.distributed into a preallocated buffer, torch.matmul.
 - `torch_symm` (family peer): torch's symm_mem.fused_all_gather_matmul, CUDA only.
-- `heap_mm`, `heap_mm_overlap` (family hybrid, autofuse/ops/hybrid.py): a one-launch heap all-gather
+- `heap_mm`, `heap_mm_overlap` (family hybrid, in this module on autofuse/ops/hybrid.py): a one-launch heap all-gather
   beside torch.matmul, without or with the local shard's matmul overlapping the peers' arrival.
 - `pull`, `push`, `push_ws` (family fused): the one Triton kernel of `autofuse.kernels.ag_gemm`
   with PULL on or off, launched with one program per work item (pull, push) or PERSISTENT
@@ -41,6 +41,7 @@ import torch.distributed as dist
 
 from autofuse.core import gemm, shapes
 from autofuse.ops import hybrid
+from autofuse.comm import collectives
 from autofuse.comm.heap import torch_symm_available
 from autofuse.core.op import (Config, InvalidConfig, InvalidInput, Op, Problem, SearchSpace, Variant, default_tolerance,
                          dtype_name)
@@ -515,10 +516,93 @@ def bound(world: Any, problem: Problem, seed: int) -> dict[str, Any]:
             "matmul": lambda: torch.matmul(full, b, out=out)}
 
 
+# ------------------------------------------------------------------------------------------------
+# hybrids (the shared base: autofuse/ops/hybrid.py)
+class _AGRunner(Runner):
+    """heap_mm / heap_mm_overlap on one problem (see the module docstring)."""
+
+    def __init__(self, world: Any, problem: Problem, ag: collectives.AllGather, overlap: bool, priority: str):
+        m, n, k, w = hybrid.dims(problem)
+        dt = problem.torch_dtype
+        self.ag, self.overlap, self.rows_form = ag, overlap, problem["gather"] == "rows"
+        self.streams = hybrid.Streams(world.device, priority)
+        r = world.rank
+        if self.rows_form:
+            self.mine = slice(r * ag.rows, (r + 1) * ag.rows)
+        else:
+            self.mine = slice(r * ag.cols, (r + 1) * ag.cols)
+        self.parts = [(i, *ag.rows_of(c)) for i, c in enumerate(ag.chunks)]
+        specs = [TensorSpec("a", (ag.rows, ag.cols), dt), TensorSpec("b", (k, n), dt, "dense")]
+        super().__init__(world, problem, specs, TensorSpec("out", (m, n), dt), workspaces=ag.workspaces)
+
+    def launch(self, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
+        ag = self.ag
+        if not self.overlap:
+            ag._launch(a, ag.buffer, waited=False)
+            torch.matmul(ag.buffer, b, out=out)
+            return
+        st = self.streams
+        st.fork()
+        with st.on_comm():
+            ag._launch(a, ag.buffer, waited=bool(ag.chunks))
+        g = ag.buffer
+        if self.rows_form:
+            torch.matmul(a, b, out=out[self.mine])
+            for i, rows, _ in self.parts:
+                ag.wait(i)
+                torch.matmul(g[rows], b, out=out[rows])
+        else:
+            torch.matmul(a, b[self.mine], out=out)
+            for i, rows, cols in self.parts:
+                ag.wait(i)
+                out[rows].addmm_(g[rows, cols], b[cols])
+        st.join()
+
+
+class _AGVariant(hybrid.HybridVariant):
+    op = "ag_gemm"
+    kind = "all_gather"
+
+    def shape(self, problem: Problem) -> tuple[int, int, int]:
+        m, _, k, w = hybrid.dims(problem)
+        return (m // w, k, 0) if problem.get("gather", "rows") == "rows" else (m, k // w, 1)
+
+    def problem_error(self, problem: Problem) -> str | None:
+        why = super().problem_error(problem)
+        if why:
+            return why
+        m, _, k, w = hybrid.dims(problem)
+        gather = problem.get("gather")
+        if gather not in ("rows", "k"):
+            return f"gather must be rows or k, got {gather!r}"
+        if gather == "rows" and m % w:
+            return f"rows form: M={m} is not divisible by the world size {w}"
+        if gather == "k" and k % w:
+            return f"k form: K={k} is not divisible by the world size {w}"
+        return None
+
+    def runner(self, world: Any, problem: Problem, config: Config) -> Runner:
+        ag = self._collective(world, problem, config)
+        return _AGRunner(world, problem, ag, self.overlap, config.get("PRIORITY", "high"))
+
+
+class HeapMM(_AGVariant):
+    """ag_gemm heap_mm: heap all-gather, then torch.matmul on the gathered buffer."""
+
+    name = "heap_mm"
+
+
+class HeapMMOverlap(_AGVariant):
+    """ag_gemm heap_mm_overlap: the local shard's matmul while the peers' shards arrive, then per chunk."""
+
+    name = "heap_mm_overlap"
+    overlap = True
+
+
 OP = Op(
     name=NAME,
     args=("a", "b"),
-    variants=[Bsp(), TorchSymm(), *hybrid.variants(NAME), Pull(), Push(), PushWs()],
+    variants=[Bsp(), TorchSymm(), HeapMM(), HeapMMOverlap(), Pull(), Push(), PushWs()],
     problem_of=problem_of,
     inputs=inputs,
     reference=reference,

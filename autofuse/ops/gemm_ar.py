@@ -4,7 +4,7 @@ Rank r holds A_r (M x K/W) and B_r (K/W x N) and gets C = sum_q A_q @ B_q (M x N
 
 Variants:
 - `bsp`: torch.matmul, then the collective library's all_reduce.
-- `mm_heap` (hybrid, autofuse/ops/hybrid.py): torch.matmul into out, then the one-launch heap all-reduce
+- `mm_heap` (hybrid, in this module on autofuse/ops/hybrid.py): torch.matmul into out, then the one-launch heap all-reduce
   in place (autofuse/comm/collectives.py: one-shot or two-shot, same bits on every rank).
 - `one_shot` (fused): one persistent kernel; each GEMM tile's partial is pushed to every peer's
   inbox with an epoch flag, and every rank sums the W partials of each tile (one hop: small M).
@@ -24,9 +24,10 @@ import torch.distributed as dist
 
 from autofuse.core import gemm
 from autofuse.ops import hybrid
+from autofuse.comm import collectives
 from autofuse.core.op import Config, Op, Problem, Variant
 from autofuse.ops import row_parallel as rp
-from autofuse.core.runner import Runner
+from autofuse.core.runner import Runner, TensorSpec
 from autofuse.core.sizes import cdiv
 from autofuse.comm.workspace import workspace
 
@@ -116,6 +117,35 @@ class TwoShot(OneShot):
         return AllReduceRunner(world, problem, config, two_shot=True)
 
 
+# ------------------------------------------------------------------------------------------------
+# hybrids (the shared base: autofuse/ops/hybrid.py)
+class _ARRunner(Runner):
+    """mm_heap of gemm_ar: torch.matmul into out, then the heap all-reduce in place."""
+
+    def __init__(self, world: Any, problem: Problem, ar: collectives.AllReduce):
+        m, n, k, w = hybrid.dims(problem)
+        dt = problem.torch_dtype
+        self.ar = ar
+        super().__init__(world, problem, [TensorSpec("a", (m, k // w), dt, "dense"),
+                                          TensorSpec("b", (k // w, n), dt, "dense")],
+                         TensorSpec("out", (m, n), dt), workspaces=ar.workspaces)
+
+    def launch(self, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
+        torch.matmul(a, b, out=out)
+        self.ar._call(out, out)
+
+
+class MMHeapAR(rp.RowParallelHybrid):
+    """gemm_ar mm_heap: torch.matmul, then the heap all-reduce (one-shot or two-shot), same bits everywhere."""
+
+    name = "mm_heap"
+    op = "gemm_ar"
+    kind = "all_reduce"
+
+    def runner(self, world: Any, problem: Problem, config: Config) -> Runner:
+        return _ARRunner(world, problem, self._collective(world, problem, config))
+
+
 def bound(world: Any, problem: Problem, seed: int) -> dict[str, Callable[[], Any]]:
     """The pieces of the BSP bound: this rank's matmul alone and the all-reduce alone."""
     a, b = rp.inputs(world, problem, seed)
@@ -127,7 +157,7 @@ def bound(world: Any, problem: Problem, seed: int) -> dict[str, Callable[[], Any
 OP = Op(
     name=NAME,
     args=("a", "b"),
-    variants=[Bsp(), *hybrid.variants(NAME), OneShot(), TwoShot()],
+    variants=[Bsp(), MMHeapAR(), OneShot(), TwoShot()],
     problem_of=problem_of,
     inputs=rp.inputs,
     reference=reference,

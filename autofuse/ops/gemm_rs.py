@@ -8,7 +8,7 @@ Variants:
 - `bsp`: torch.matmul, then the collective library's reduce-scatter. gloo (CPU) has no
   reduce_scatter_tensor, so on CPU it is all_reduce of the whole partial, then this rank's rows.
 - `torch_symm` (peer): torch's `torch.ops.symm_mem.fused_matmul_reduce_scatter` (CUDA only).
-- `mm_heap`, `mm_heap_overlap` (hybrid, autofuse/ops/hybrid.py): torch.matmul, then the one-launch heap
+- `mm_heap`, `mm_heap_overlap` (hybrid, in this module on autofuse/ops/hybrid.py): torch.matmul, then the one-launch heap
   reduce-scatter (autofuse/comm/collectives.py); overlapped: the matmul in row chunks, each pushed to its
   owner as soon as it is written.
 - `push_last` (fused): one persistent kernel; each partial tile goes from the GEMM to its owner's
@@ -27,10 +27,11 @@ import torch.distributed as dist
 
 from autofuse.core import gemm
 from autofuse.ops import hybrid
+from autofuse.comm import collectives
 from autofuse.comm.heap import torch_symm_available
 from autofuse.core.op import Config, InvalidInput, Op, Problem, Variant
 from autofuse.ops import row_parallel as rp
-from autofuse.core.runner import Runner
+from autofuse.core.runner import Runner, TensorSpec
 from autofuse.core.sizes import cdiv
 from autofuse.comm.workspace import workspace
 
@@ -187,6 +188,68 @@ class PushReducer(PushLast):
         return PushRunner(world, problem, config, reducer=True)
 
 
+# ------------------------------------------------------------------------------------------------
+# hybrids (the shared base: autofuse/ops/hybrid.py)
+class _RSRunner(Runner):
+    """mm_heap / mm_heap_overlap of gemm_rs on one problem (see the module docstring)."""
+
+    def __init__(self, world: Any, problem: Problem, rs: collectives.ReduceScatter, overlap: bool, priority: str):
+        m, n, k, w = hybrid.dims(problem)
+        dt = problem.torch_dtype
+        self.rs, self.overlap = rs, overlap
+        self.streams = hybrid.Streams(world.device, priority)
+        self.partial = torch.empty((m, n), dtype=dt, device=world.device)
+        per = m // w
+        self.parts = [(i, c.owner != world.rank, slice(c.owner * per + c.start, c.owner * per + c.stop))
+                      for i, c in enumerate(rs.chunks)]
+        super().__init__(world, problem, [TensorSpec("a", (m, k // w), dt, "dense"),
+                                          TensorSpec("b", (k // w, n), dt, "dense")],
+                         TensorSpec("out", (per, n), dt), workspaces=rs.workspaces)
+
+    def launch(self, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
+        rs, partial = self.rs, self.partial
+        if not self.overlap:
+            torch.matmul(a, b, out=partial)
+            rs._call(partial, out)
+            return
+        st = self.streams
+        for i, remote, rows in self.parts:
+            torch.matmul(a[rows], b, out=partial[rows])
+            if remote:
+                st.fork()
+                with st.on_comm():
+                    rs.push(partial, i)
+        st.fork()
+        with st.on_comm():
+            rs.reduce(partial, out)
+        st.join()
+
+
+class MMHeapRS(rp.RowParallelHybrid):
+    """gemm_rs mm_heap: torch.matmul, then the heap reduce-scatter."""
+
+    name = "mm_heap"
+    op = "gemm_rs"
+    kind = "reduce_scatter"
+
+    def runner(self, world: Any, problem: Problem, config: Config) -> Runner:
+        return _RSRunner(world, problem, self._collective(world, problem, config), False, "high")
+
+
+class MMHeapRSOverlap(rp.RowParallelHybrid):
+    """gemm_rs mm_heap_overlap: the matmul in row chunks, each pushed to its owner as it finishes."""
+
+    name = "mm_heap_overlap"
+    op = "gemm_rs"
+    kind = "reduce_scatter"
+    overlap = True
+    engines = ("sm",)
+
+    def runner(self, world: Any, problem: Problem, config: Config) -> Runner:
+        rs = self._collective(world, problem, config)
+        return _RSRunner(world, problem, rs, True, config.get("PRIORITY", "high"))
+
+
 def bound(world: Any, problem: Problem, seed: int) -> dict[str, Callable[[], Any]]:
     """The pieces of the BSP bound: this rank's matmul alone and the reduce-scatter alone."""
     a, b = rp.inputs(world, problem, seed)
@@ -199,7 +262,7 @@ def bound(world: Any, problem: Problem, seed: int) -> dict[str, Callable[[], Any
 OP = Op(
     name=NAME,
     args=("a", "b"),
-    variants=[Bsp(), TorchSymm(), *hybrid.variants(NAME), PushLast(), PushReducer()],
+    variants=[Bsp(), TorchSymm(), MMHeapRS(), MMHeapRSOverlap(), PushLast(), PushReducer()],
     problem_of=problem_of,
     inputs=rp.inputs,
     reference=reference,

@@ -1,10 +1,13 @@
-"""Hybrid variants: a one-launch heap collective (autofuse.comm.collectives) beside the vendor GEMM (torch.matmul).
+"""What the hybrid variants share: a one-launch heap collective (autofuse.comm.collectives) beside the
+vendor GEMM (torch.matmul).
 
 On LLM inference shapes cuBLAS beats the fused kernels' Triton GEMM, so these keep torch.matmul and
 replace only the collective (docs: ../shared/GPU-NOTES.md, "A one-launch Triton all-gather beside
-cuBLAS"). Each class is a self-contained autofuse.core.op.Variant (family "hybrid") for one op, built
-from the op's Problem alone, with its own search space, defaults and checks; the op modules list
-them (`autofuse.ops.hybrid.variants("ag_gemm")`, or the classes one by one).
+cuBLAS"). `HybridVariant` is the base (the collective's search space, defaults and checks, the
+overlap keys), `Streams` the communication stream; each op module defines its own hybrids on them
+(ag_gemm: HeapMM, HeapMMOverlap; gemm_rs: MMHeapRS, MMHeapRSOverlap; gemm_ar: MMHeapAR, both on
+`row_parallel.RowParallelHybrid`; flash_decode's split_heap combines partials, its own kind), so an
+edit to one op's hybrid changes only that op's digest. What they compute:
 
 ag_gemm (dims M, N, K, gather; rank r holds A_r and B_r, returns M x N):
     heap_mm          all-gather of A (rows form: W*M/W x K; k form: M x W*K/W) into the
@@ -64,7 +67,7 @@ def comm_stream(device: torch.device, priority: str) -> Any:
     return _streams[key]
 
 
-class _Streams:
+class Streams:
     """fork(): the communication stream waits for the current one; join(): the reverse. No-ops on CPU."""
 
     def __init__(self, device: torch.device, priority: str):
@@ -91,7 +94,7 @@ class _Nothing:
         return None
 
 
-def _dims(problem: Problem) -> tuple[int, int, int, int]:
+def dims(problem: Problem) -> tuple[int, int, int, int]:
     return problem["M"], problem["N"], problem["K"], problem.world
 
 
@@ -128,7 +131,7 @@ def _collective_config(config: Config, kind: str) -> Config:
     return cfg
 
 
-class _HybridVariant(Variant):
+class HybridVariant(Variant):
     """What the hybrids share: the op they serve, the collective kind, the overlap keys."""
 
     family = "hybrid"
@@ -144,7 +147,7 @@ class _HybridVariant(Variant):
     def problem_error(self, problem: Problem) -> str | None:
         if problem.op != self.op:
             return f"{self.name} serves {self.op}, not {problem.op}"
-        m, n, k, w = _dims(problem)
+        m, n, k, w = dims(problem)
         if min(m, n, k, w) < 1:
             return f"sizes must be positive (M={m}, N={n}, K={k}, world={w})"
         return None
@@ -195,201 +198,3 @@ class _HybridVariant(Variant):
                                      name=f"{self.op}.hybrid")
         except InvalidConfig as exc:
             raise InvalidConfig(f"{problem.op}.{self.name}: {exc}") from None
-
-
-# ---------------------------------------------------------------------------------------------
-# ag_gemm
-class _AGRunner(Runner):
-    """heap_mm / heap_mm_overlap on one problem (see the module docstring)."""
-
-    def __init__(self, world: Any, problem: Problem, ag: collectives.AllGather, overlap: bool, priority: str):
-        m, n, k, w = _dims(problem)
-        dt = problem.torch_dtype
-        self.ag, self.overlap, self.rows_form = ag, overlap, problem["gather"] == "rows"
-        self.streams = _Streams(world.device, priority)
-        r = world.rank
-        if self.rows_form:
-            self.mine = slice(r * ag.rows, (r + 1) * ag.rows)
-        else:
-            self.mine = slice(r * ag.cols, (r + 1) * ag.cols)
-        self.parts = [(i, *ag.rows_of(c)) for i, c in enumerate(ag.chunks)]
-        specs = [TensorSpec("a", (ag.rows, ag.cols), dt), TensorSpec("b", (k, n), dt, "dense")]
-        super().__init__(world, problem, specs, TensorSpec("out", (m, n), dt), workspaces=ag.workspaces)
-
-    def launch(self, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
-        ag = self.ag
-        if not self.overlap:
-            ag._launch(a, ag.buffer, waited=False)
-            torch.matmul(ag.buffer, b, out=out)
-            return
-        st = self.streams
-        st.fork()
-        with st.on_comm():
-            ag._launch(a, ag.buffer, waited=bool(ag.chunks))
-        g = ag.buffer
-        if self.rows_form:
-            torch.matmul(a, b, out=out[self.mine])
-            for i, rows, _ in self.parts:
-                ag.wait(i)
-                torch.matmul(g[rows], b, out=out[rows])
-        else:
-            torch.matmul(a, b[self.mine], out=out)
-            for i, rows, cols in self.parts:
-                ag.wait(i)
-                out[rows].addmm_(g[rows, cols], b[cols])
-        st.join()
-
-
-class _AGVariant(_HybridVariant):
-    op = "ag_gemm"
-    kind = "all_gather"
-
-    def shape(self, problem: Problem) -> tuple[int, int, int]:
-        m, _, k, w = _dims(problem)
-        return (m // w, k, 0) if problem.get("gather", "rows") == "rows" else (m, k // w, 1)
-
-    def problem_error(self, problem: Problem) -> str | None:
-        why = super().problem_error(problem)
-        if why:
-            return why
-        m, _, k, w = _dims(problem)
-        gather = problem.get("gather")
-        if gather not in ("rows", "k"):
-            return f"gather must be rows or k, got {gather!r}"
-        if gather == "rows" and m % w:
-            return f"rows form: M={m} is not divisible by the world size {w}"
-        if gather == "k" and k % w:
-            return f"k form: K={k} is not divisible by the world size {w}"
-        return None
-
-    def runner(self, world: Any, problem: Problem, config: Config) -> Runner:
-        ag = self._collective(world, problem, config)
-        return _AGRunner(world, problem, ag, self.overlap, config.get("PRIORITY", "high"))
-
-
-class HeapMM(_AGVariant):
-    """ag_gemm heap_mm: heap all-gather, then torch.matmul on the gathered buffer."""
-
-    name = "heap_mm"
-
-
-class HeapMMOverlap(_AGVariant):
-    """ag_gemm heap_mm_overlap: the local shard's matmul while the peers' shards arrive, then per chunk."""
-
-    name = "heap_mm_overlap"
-    overlap = True
-
-
-# ---------------------------------------------------------------------------------------------
-# gemm_rs and gemm_ar
-class _RSRunner(Runner):
-    """mm_heap / mm_heap_overlap of gemm_rs on one problem (see the module docstring)."""
-
-    def __init__(self, world: Any, problem: Problem, rs: collectives.ReduceScatter, overlap: bool, priority: str):
-        m, n, k, w = _dims(problem)
-        dt = problem.torch_dtype
-        self.rs, self.overlap = rs, overlap
-        self.streams = _Streams(world.device, priority)
-        self.partial = torch.empty((m, n), dtype=dt, device=world.device)
-        per = m // w
-        self.parts = [(i, c.owner != world.rank, slice(c.owner * per + c.start, c.owner * per + c.stop))
-                      for i, c in enumerate(rs.chunks)]
-        super().__init__(world, problem, [TensorSpec("a", (m, k // w), dt, "dense"),
-                                          TensorSpec("b", (k // w, n), dt, "dense")],
-                         TensorSpec("out", (per, n), dt), workspaces=rs.workspaces)
-
-    def launch(self, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
-        rs, partial = self.rs, self.partial
-        if not self.overlap:
-            torch.matmul(a, b, out=partial)
-            rs._call(partial, out)
-            return
-        st = self.streams
-        for i, remote, rows in self.parts:
-            torch.matmul(a[rows], b, out=partial[rows])
-            if remote:
-                st.fork()
-                with st.on_comm():
-                    rs.push(partial, i)
-        st.fork()
-        with st.on_comm():
-            rs.reduce(partial, out)
-        st.join()
-
-
-class _ARRunner(Runner):
-    """mm_heap of gemm_ar: torch.matmul into out, then the heap all-reduce in place."""
-
-    def __init__(self, world: Any, problem: Problem, ar: collectives.AllReduce):
-        m, n, k, w = _dims(problem)
-        dt = problem.torch_dtype
-        self.ar = ar
-        super().__init__(world, problem, [TensorSpec("a", (m, k // w), dt, "dense"),
-                                          TensorSpec("b", (k // w, n), dt, "dense")],
-                         TensorSpec("out", (m, n), dt), workspaces=ar.workspaces)
-
-    def launch(self, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
-        torch.matmul(a, b, out=out)
-        self.ar._call(out, out)
-
-
-class _RowParallel(_HybridVariant):
-    def shape(self, problem: Problem) -> tuple[int, int, int]:
-        return problem["M"], problem["N"], 0
-
-    def problem_error(self, problem: Problem) -> str | None:
-        why = super().problem_error(problem)
-        if why:
-            return why
-        m, _, k, w = _dims(problem)
-        if k % w:
-            return f"K={k} is not divisible by the world size {w}"
-        if self.kind == "reduce_scatter" and m % w:
-            return f"M={m} rows are not divisible by the world size {w}"
-        return None
-
-
-class MMHeapRS(_RowParallel):
-    """gemm_rs mm_heap: torch.matmul, then the heap reduce-scatter."""
-
-    name = "mm_heap"
-    op = "gemm_rs"
-    kind = "reduce_scatter"
-
-    def runner(self, world: Any, problem: Problem, config: Config) -> Runner:
-        return _RSRunner(world, problem, self._collective(world, problem, config), False, "high")
-
-
-class MMHeapRSOverlap(_RowParallel):
-    """gemm_rs mm_heap_overlap: the matmul in row chunks, each pushed to its owner as it finishes."""
-
-    name = "mm_heap_overlap"
-    op = "gemm_rs"
-    kind = "reduce_scatter"
-    overlap = True
-    engines = ("sm",)
-
-    def runner(self, world: Any, problem: Problem, config: Config) -> Runner:
-        rs = self._collective(world, problem, config)
-        return _RSRunner(world, problem, rs, True, config.get("PRIORITY", "high"))
-
-
-class MMHeapAR(_RowParallel):
-    """gemm_ar mm_heap: torch.matmul, then the heap all-reduce (one-shot or two-shot), same bits everywhere."""
-
-    name = "mm_heap"
-    op = "gemm_ar"
-    kind = "all_reduce"
-
-    def runner(self, world: Any, problem: Problem, config: Config) -> Runner:
-        return _ARRunner(world, problem, self._collective(world, problem, config))
-
-
-_BY_OP = {"ag_gemm": (HeapMM, HeapMMOverlap), "gemm_rs": (MMHeapRS, MMHeapRSOverlap), "gemm_ar": (MMHeapAR,)}
-
-
-def variants(op: str) -> list[Variant]:
-    """Fresh instances of the hybrid variants of `op` (ag_gemm, gemm_rs, gemm_ar), to list in its Op."""
-    if op not in _BY_OP:
-        raise KeyError(f"no hybrid variants for {op!r}; ops with hybrids: {sorted(_BY_OP)}")
-    return [cls() for cls in _BY_OP[op]]

@@ -18,6 +18,7 @@ from autofuse.core import gemm, shapes
 from autofuse.core.op import (Config, InvalidInput, Problem, SearchSpace, Variant, config_key, default_tolerance,
                          dtype_name)
 from autofuse.core.runner import Runner, TensorSpec
+from autofuse.ops import hybrid
 from autofuse.comm.workspace import Workspace
 
 PARTIALS = ("fp32", "out")
@@ -275,3 +276,21 @@ def io_specs(problem: Problem, out_rows: int) -> tuple[list[TensorSpec], TensorS
     dtype = problem.torch_dtype
     return ([TensorSpec("a", (m, k_r), dtype, "dense"), TensorSpec("b", (k_r, n), dtype, "dense")],
             TensorSpec("out", (out_rows, n), dtype))
+
+
+class RowParallelHybrid(hybrid.HybridVariant):
+    """What gemm_rs's and gemm_ar's hybrids share: the collective runs on the M x N partial result."""
+
+    def shape(self, problem: Problem) -> tuple[int, int, int]:
+        return problem["M"], problem["N"], 0
+
+    def problem_error(self, problem: Problem) -> str | None:
+        why = super().problem_error(problem)
+        if why:
+            return why
+        m, _, k, w = hybrid.dims(problem)
+        if k % w:
+            return f"K={k} is not divisible by the world size {w}"
+        if self.kind == "reduce_scatter" and m % w:
+            return f"M={m} rows are not divisible by the world size {w}"
+        return None
