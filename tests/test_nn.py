@@ -99,6 +99,11 @@ def _modules(world) -> dict:
         got = fused(x[rows])
     want = torch.cat([x @ q.weight[r * 64 // w:(r + 1) * 64 // w].t(), x @ k.weight[r * 32 // w:(r + 1) * 32 // w].t()], -1)
     out["fused"] = rel(got, want), float((fused.to_linear().weight - torch.cat([q.weight, k.weight])).abs().max())
+    # a copy shares the process group (groups cannot be copied) and holds its own shard
+    group = torch.distributed.new_group(list(range(w)))
+    twin = copy.deepcopy(ColumnParallelLinear.from_linear(lin1, group, sequence_parallel=True))
+    with torch.no_grad():
+        out["deepcopy"] = twin.group is group, rel(twin(x[rows]), h64[..., cols])
     errors = {}
     for name, make in {"column 63": lambda: ColumnParallelLinear(32, 63, group=world.group),
                        "row 33": lambda: RowParallelLinear(33, 32, group=world.group),
@@ -166,6 +171,9 @@ def _llama(world) -> dict:
                                  pad_token_id=0)
         out[f"generate sp={sp}"] = got.tolist(), tokens.tolist()
         out[f"keys sp={sp}"] = sorted(model.state_dict())
+        full, want = autofuse.nn.full_state_dict(model), ref.state_dict()
+        out[f"full_state_dict sp={sp}"] = (sorted(full) == sorted(want),
+                                           max(float((full[k] - want[k]).abs().max()) for k in want if k in full))
         out[f"modules sp={sp}"] = {type(m).__name__ for m in model.modules()}
     out["ref keys"] = sorted(ref.state_dict())
     try:
@@ -199,6 +207,7 @@ def test_modules_match_the_whole_layer(job) -> None:
             assert shape == ((8 // w if sp else 8), 3, 32) and err <= TOL, (r, sp, shape, err)
         assert m["column input grad"] <= TOL
         assert m["fused"][0] <= TOL and m["fused"][1] == 0.0
+        assert m["deepcopy"][0] and m["deepcopy"][1] <= TOL
 
 
 def test_modules_shard_state_and_repr(job) -> None:
@@ -256,7 +265,7 @@ def test_llama_greedy_generation_matches(job) -> None:
 
 def test_llama_modules_and_state_dict(job) -> None:
     """Without sequence parallelism the state_dict keeps transformers' keys (each a shard); with it,
-    q/k/v and gate/up are one layer each."""
+    q/k/v and gate/up are one layer each; full_state_dict gives back the unsharded model's."""
     _, ranks = job
     llama = ranks[0]["llama"]
     assert llama["keys sp=False"] == llama["ref keys"]
@@ -264,6 +273,8 @@ def test_llama_modules_and_state_dict(job) -> None:
     assert "Linear" in llama["modules sp=False"]  # lm_head stays whole
     fused = {k for k in llama["keys sp=True"] if "qkv_proj" in k or "gate_up_proj" in k}
     assert len(fused) == 4 and not any(k.endswith(("q_proj.weight", "gate_proj.weight")) for k in llama["keys sp=True"])
+    for sp in (False, True):  # gathered, fused layers split back: the unsharded model's state_dict exactly
+        assert llama[f"full_state_dict sp={sp}"] == (True, 0.0)
 
 
 def test_llama_refuses_kv_heads_that_do_not_divide(job) -> None:

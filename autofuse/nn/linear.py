@@ -13,6 +13,7 @@ is the op's contiguous operand. state_dict holds this rank's shard under nn.Line
 """
 from __future__ import annotations
 
+import copy
 import math
 from typing import Any
 
@@ -48,6 +49,7 @@ class _ParallelLinear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.sequence_parallel = bool(sequence_parallel)
         self.parts = tuple(parts) if parts else (out_features,)
+        self.part_names: tuple[str, ...] = ()  # the layers a fused one was made from (`from_linears`)
         name = type(self).__name__
         if sum(self.parts) != out_features or (len(self.parts) > 1 and self.split_dim != 0):
             raise ValueError(f"{name}: parts {self.parts} must add up to out_features={out_features} "
@@ -70,6 +72,14 @@ class _ParallelLinear(nn.Module):
     def transposed(self) -> bool:
         """Whether `weight` is stored (in, out) row-major (an op reads it)."""
         return True
+
+    def __deepcopy__(self, memo: dict) -> "_ParallelLinear":
+        """A copy sharing the process group (a group cannot be copied; the copy's shards are its own)."""
+        memo[id(self.group)] = self.group
+        new = object.__new__(type(self))
+        memo[id(self)] = new
+        new.__dict__.update(copy.deepcopy(self.__dict__, memo))
+        return new
 
     def _shard(self, t: torch.Tensor, dim: int, rank: int | None = None) -> torch.Tensor:
         """Rank `rank`'s (default: this rank's) shard of a whole tensor along `dim`: its block of each part."""
@@ -122,10 +132,11 @@ class _ParallelLinear(nn.Module):
         return cls.from_linears([linear], group, sequence_parallel)
 
     @classmethod
-    def from_linears(cls, linears: list[nn.Linear], group: Any = None,
-                     sequence_parallel: bool = False) -> "_ParallelLinear":
+    def from_linears(cls, linears: list[nn.Linear], group: Any = None, sequence_parallel: bool = False,
+                     names: tuple[str, ...] = ()) -> "_ParallelLinear":
         """One layer from several that read the same input, their outputs side by side (q, k and v;
-        gate and up): this rank holds its block of each, so one call gathers the input once."""
+        gate and up): this rank holds its block of each, so one call gathers the input once.
+        `names`: the layers' module names, under which `full_state_dict` gives them back."""
         for lin in linears:
             if not isinstance(lin, nn.Linear):
                 raise TypeError(f"{cls.__name__}.from_linear takes nn.Linear layers, got {type(lin).__name__}")
@@ -145,20 +156,29 @@ class _ParallelLinear(nn.Module):
         m.weight = tpf.transposed_parameter(shard, grad) if m.transposed else nn.Parameter(shard.contiguous(), grad)
         if bias is not None:
             m.bias = nn.Parameter(bias.clone(), requires_grad=first.bias.requires_grad)
+        if names:
+            if len(names) != len(linears):
+                raise ValueError(f"{cls.__name__}.from_linears: {len(names)} names for {len(linears)} layers")
+            m.part_names = tuple(names)
         return m
 
-    def _gather(self, t: torch.Tensor, dim: int) -> torch.Tensor:
+    def gather(self, t: torch.Tensor, bias: bool = False) -> torch.Tensor:
+        """The whole tensor from every rank's shard of a weight-shaped tensor (the weight, its gradient,
+        an optimizer state) or, with `bias`, a bias-shaped one; a new tensor, on every rank
+        (collective: every rank of the group calls it)."""
         t = t.detach().contiguous()
+        if bias and not self.bias_split:
+            return t.clone()
         shards = [torch.empty_like(t) for _ in range(self.world)]
         dist.all_gather(shards, t, group=self.group)
-        return self._unshard(shards, dim)
+        return self._unshard(shards, 0 if bias else self.split_dim)
 
     def to_linear(self) -> nn.Linear:
         """The whole layer as an nn.Linear on every rank (collective: every rank of the group calls it)."""
         linear = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None, device="meta")
-        linear.weight = nn.Parameter(self._gather(self.weight, self.split_dim))
+        linear.weight = nn.Parameter(self.gather(self.weight))
         if self.bias is not None:
-            linear.bias = nn.Parameter(self._gather(self.bias, 0) if self.bias_split else self.bias.detach().clone())
+            linear.bias = nn.Parameter(self.gather(self.bias, bias=True))
         return linear
 
     def extra_repr(self) -> str:

@@ -162,6 +162,9 @@ class _SequenceParallel:
     def __init__(self, group: Any, world: int):
         self.group, self.world = group, world
 
+    def __deepcopy__(self, memo: dict) -> "_SequenceParallel":
+        return self  # no state but the group, which a copied model shares
+
     def padded(self, s: int) -> int:
         return -(-s // self.world) * self.world
 
@@ -169,11 +172,11 @@ class _SequenceParallel:
         """Fuse and swap one decoder layer's projections, hook its blocks, sum its norms' gradients."""
         attn, mlp, g = layer.self_attn, layer.mlp, self.group
         qkv = [attn.q_proj, attn.k_proj, attn.v_proj]
-        attn.qkv_proj = ColumnParallelLinear.from_linears(qkv, g, sequence_parallel=True)
+        attn.qkv_proj = ColumnParallelLinear.from_linears(qkv, g, True, ("q_proj", "k_proj", "v_proj"))
         _parts(attn, ("q_proj", "k_proj", "v_proj"), [lin.out_features // self.world for lin in qkv])
         attn.o_proj = RowParallelLinear.from_linear(attn.o_proj, g, sequence_parallel=True)
         gate_up = [mlp.gate_proj, mlp.up_proj]
-        mlp.gate_up_proj = ColumnParallelLinear.from_linears(gate_up, g, sequence_parallel=True)
+        mlp.gate_up_proj = ColumnParallelLinear.from_linears(gate_up, g, True, ("gate_proj", "up_proj"))
         _parts(mlp, ("gate_proj", "up_proj"), [lin.out_features // self.world for lin in gate_up])
         mlp.down_proj = RowParallelLinear.from_linear(mlp.down_proj, g, sequence_parallel=True)
         attn.register_forward_pre_hook(self.attention_in, with_kwargs=True)

@@ -1,0 +1,35 @@
+"""The whole model's state_dict from a tensor-parallel one: for saving a checkpoint every loader reads.
+
+A parallelized model's own state_dict holds this rank's shards (and, under Llama sequence
+parallelism, fused `qkv_proj` / `gate_up_proj` layers). `full_state_dict` gathers every
+tensor-parallel layer and splits fused ones back into the layers they were made from, so the result
+has the unsharded model's keys and shapes, e.g. for `save_pretrained(dir, state_dict=...)`.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from autofuse.nn.linear import _ParallelLinear
+
+
+def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The unsharded model's state_dict, on every rank (collective: every rank of each layer's group
+    calls it, in the same order). Tensor-parallel weights and split biases are gathered, fused layers
+    split into their parts' keys; every other entry is the model's own tensor."""
+    layers = {path: m for path, m in model.named_modules() if isinstance(m, _ParallelLinear)}
+    out: dict[str, torch.Tensor] = {}
+    for key, t in model.state_dict().items():
+        path, _, name = key.rpartition(".")
+        layer = layers.get(path)
+        if layer is None:
+            out[key] = t
+            continue
+        whole = layer.gather(t, bias=name == "bias")
+        if not layer.part_names:
+            out[key] = whole
+            continue
+        parent = path.rpartition(".")[0]
+        for part, piece in zip(layer.part_names, whole.split(list(layer.parts), 0)):
+            out[f"{parent}.{part}.{name}" if parent else f"{part}.{name}"] = piece.clone()
+    return out
