@@ -354,8 +354,8 @@ def test_merge_keeps_every_real_measurement_once(tmp_path):
     before = {p: p.read_bytes() for p in (a, b)}
     result = CliRunner().invoke(app, ["merge", str(out), str(a), str(b)])
     assert result.exit_code == 0, result.output
-    assert "host0.db: 3 of 3 measurements added" in result.output
-    assert "host1.db: 2 of 5 measurements added, 2 already there as the same trial, 1 identical" in result.output
+    assert "host0.db: 3 of 3 measurements added, 0 already there" in result.output
+    assert "host1.db: 2 of 5 measurements added, 3 already there (identical)" in result.output
     assert {p: p.read_bytes() for p in (a, b)} == before
     again = CliRunner().invoke(app, ["merge", str(out), str(b), str(out), "--json"])
     report = json.loads(again.output)
@@ -367,6 +367,43 @@ def test_merge_keeps_every_real_measurement_once(tmp_path):
         assert s.conn.execute("PRAGMA foreign_key_check").fetchall() == []
     bad_input = CliRunner().invoke(app, ["merge", str(out), str(tmp_path / "nope.db")])
     assert bad_input.exit_code == 1 and "nope.db: no such file" in bad_input.output
+    fresh = tmp_path / "fresh.db"
+    bad_input = CliRunner().invoke(app, ["merge", str(fresh), str(a), str(tmp_path / "nope.db")])
+    assert bad_input.exit_code == 1 and "nope.db: no such file" in bad_input.output
+    assert not list(tmp_path.glob("fresh.db*")), "a failed merge left its output behind"
+
+
+def test_merge_keeps_independent_runs_whose_trial_numbers_collide(tmp_path):
+    """Two runs on one machine, each with its own Optuna storage, name their studies alike and number
+    their trials from 0: merging keeps every measurement (the second run's under a tagged study name),
+    and merging again adds nothing."""
+    from typer.testing import CliRunner
+
+    from autofuse.cli import app
+
+    fp = environment.fingerprint()
+    a, b = tmp_path / "run0.db", tmp_path / "run1.db"
+    with Store(a) as s:
+        s.add([ok(P, "push", {"BLOCK": 16}, 10.0)], fp, study="same", trial=0)
+        s.add([ok(P, "push", {"BLOCK": 32}, 11.0)], fp, study="same", trial=1)
+    with Store(b) as s:
+        s.add([ok(P, "push", {"BLOCK": 16}, 12.0), ok(P, "push", {"BLOCK": 16}, 13.0, mode="graph")], fp,
+              study="same", trial=0)
+        s.add([ok(P, "push", {"BLOCK": 8}, 9.0)], fp, study="same", trial=1)
+    out = tmp_path / "all.db"
+    first = CliRunner().invoke(app, ["merge", str(out), str(a), str(b), "--json"])
+    assert first.exit_code == 0, first.output
+    counts = json.loads(first.output)["inputs"]
+    assert [(c["added"], c["renamed"], c["identical"]) for c in counts] == [(2, 0, 0), (3, 3, 0)]
+    again = CliRunner().invoke(app, ["merge", str(out), str(b), str(a), "--json"])
+    assert [c["added"] for c in json.loads(again.output)["inputs"]] == [0, 0]
+    with Store.open(out, readonly=True) as s:
+        rows = s.measurements(hardware_id=ALL, op_digest=ALL)
+        assert sorted(r["median_us"] for r in rows) == [9.0, 10.0, 11.0, 12.0, 13.0]
+        studies = {(r["median_us"], r["study"], r["trial"]) for r in rows}
+        renamed = {st for us, st, _ in studies if us in (12.0, 13.0)}
+        assert len(renamed) == 1 and next(iter(renamed)).startswith("same#")  # one trial, one name in both modes
+        assert len(s.trial_rows(next(iter(renamed)), 0)) == 2
 
 
 # -- op digests --------------------------------------------------------------------------------------

@@ -612,11 +612,14 @@ class Store:
     def merge_from(self, other: "Store") -> dict[str, int]:
         """Copy another store's rows into this one without duplicates; returns counts.
 
-        Environments, problems and configs are keyed by id and copied once. A measurement is
-        skipped when this store already holds the same trial (same study, trial and mode: one
-        trial, copied twice) or an identical row (same problem, config, environment, mode, source,
-        time and latency: the same measurement copied). Two real measurements of one config (two
-        hosts, two runs) are both kept: `best` takes the faster, `lookup` sees a failure in either.
+        Environments, problems and configs are keyed by id and copied once. A measurement already
+        here (same problem, config, environment, mode, source, verdict, latency and time: the same
+        measurement copied twice) is skipped (`identical`). Every other measurement is added: two
+        real measurements of one config (two hosts, two runs) are both kept, `best` takes the faster
+        and `lookup` sees a failure in either. Independent runs name their studies alike (problem,
+        mode, hardware, op code) and number trials from 0, so a trial whose (study, trial, mode) is
+        taken here by another measurement is added under the study name `<study>#<tag>` (`renamed`;
+        tag: a hash of that trial's rows, so merging the same file again adds nothing).
         """
         self._writable()
         src = other.conn
@@ -624,25 +627,35 @@ class Store:
         problems = [dict(r) for r in src.execute("SELECT * FROM problems")]
         configs = [dict(r) for r in src.execute("SELECT * FROM configs")]
         rows = [dict(r) for r in src.execute("SELECT * FROM measurements ORDER BY id")]
-        ident = ("problem", "config_id", "fingerprint", "mode", "source", "created_at", "median_us", "ok",
-                 "study", "trial")
+        ident = ("problem", "config_id", "fingerprint", "mode", "source", "created_at", "median_us", "ok")
         have = {tuple(r[k] for k in ident) for r in self._query(f"SELECT {', '.join(ident)} FROM measurements")}
-        trials = {(r["study"], r["trial"], r["mode"]) for r in self._query(
+        taken = {(r["study"], r["trial"], r["mode"]) for r in self._query(
             "SELECT study, trial, mode FROM measurements WHERE study IS NOT NULL")}
-        counts = {"rows": len(rows), "added": 0, "same_trial": 0, "identical": 0}
-        new = []
+        counts = {"rows": len(rows), "added": 0, "renamed": 0, "identical": 0}
+        new, trials = [], {}
         for r in rows:
             key = tuple(r[k] for k in ident)
-            if r["study"] is not None and (r["study"], r["trial"], r["mode"]) in trials:
-                counts["same_trial"] += 1
-            elif key in have:
+            if key in have:
                 counts["identical"] += 1
-            else:
-                have.add(key)
-                if r["study"] is not None:
-                    trials.add((r["study"], r["trial"], r["mode"]))
-                r.pop("id")
-                new.append(r)
+                continue
+            have.add(key)
+            r.pop("id")
+            new.append(r)
+            if r["study"] is not None:
+                trials.setdefault((r["study"], r["trial"]), []).append(r)
+        for (study, trial), group in trials.items():
+            if not any((study, trial, r["mode"]) in taken for r in group):
+                taken.update((study, trial, r["mode"]) for r in group)
+                continue
+            content = json.dumps(sorted([r[k] for k in ident] for r in group), default=str)
+            tag = hashlib.sha256(content.encode()).hexdigest()[:8]
+            name = f"{study}#{tag}"
+            while any((name, trial, r["mode"]) in taken for r in group):
+                name += "+"
+            for r in group:
+                r["study"] = name
+                taken.add((name, trial, r["mode"]))
+            counts["renamed"] += len(group)
         with self.conn:
             _insert(self.conn, "environments", envs)
             _insert(self.conn, "problems", problems)
