@@ -22,6 +22,9 @@ from autofuse.cli import app
 
 ROOT = Path(__file__).resolve().parents[1]
 FP = environment.fingerprint("cpu")
+# Made-up timings are recorded as a GPU's: the CPU emulation's timings are never shown as speedups.
+GPU_FP = {k: v for k, v in FP.items() if k not in ("id", "hardware_id", "software_id")}
+GPU_FP.update(device_kind="cuda", gpu_name="Test GPU", gpu_count=4, topology="NV4", driver="1", cuda="1", nccl="1")
 SIZES = (64, 1024, 16384)
 WORLDS = (1, 2, 4)
 
@@ -39,11 +42,12 @@ def _latency(variant: str, m: int, world: int) -> float:
     return bsp * (0.9 if variant == "push" and fast else 0.8 if fast else 1.15)
 
 
-def make_db(path: Path, modes: tuple[str, ...] = ("eager",)) -> Path:
-    """A tuning database with ag_gemm at M in SIZES on world sizes 1, 2, 4 (written through the store)."""
-    from autofuse.measure.timing import Measurement
+def make_db(path: Path, modes: tuple[str, ...] = ("eager",), fp: dict = GPU_FP) -> Path:
+    """A tuning database with ag_gemm at M in SIZES on world sizes 1, 2, 4 (written through the store),
+    recorded as measured in `fp` (a made-up GPU by default)."""
     from autofuse.core.op import Problem
     from autofuse.measure.store import Store
+    from autofuse.measure.timing import Measurement
 
     ms = []
     for world in WORLDS:
@@ -56,7 +60,7 @@ def make_db(path: Path, modes: tuple[str, ...] = ("eager",)) -> Path:
                                           p10_us=t * 0.99, p90_us=t * 1.01, min_us=t * 0.98, reps=3))
     store = Store.open(path) if hasattr(Store, "open") else Store(path)
     try:
-        store.add(ms, FP, source="tune")
+        store.add(ms, fp, source="tune")
     finally:
         store.close()
     return path
@@ -214,7 +218,8 @@ def test_plot_series_in_numeric_order():
 # safe outputs and read-only databases
 
 
-def test_fit_writes_to_the_user_data_dir_and_never_replaces(runner, db, tmp_path):
+def test_fit_writes_to_the_user_data_dir_and_never_replaces(runner, tmp_path):
+    db = make_db(tmp_path / "cpu.db", fp=FP)
     res = runner.invoke(app, ["fit", "--db", str(db)])
     assert res.exit_code == 0, res.output
     written = list((tmp_path / "xdg" / "autofuse" / "models").glob("*.json"))
@@ -241,7 +246,8 @@ def test_default_outputs_leave_shipped_files_alone(runner, db, tmp_path):
         for f in (ROOT / sub).iterdir():
             if f.is_file() and f.suffix in (".json", ".csv", ".md"):
                 shutil.copy(f, repo / sub / f.name)
-    shutil.copy(db, repo / "tuning_db" / "autofuse.db")  # the default --db
+    (repo / "autofuse-out").mkdir()
+    shutil.copy(db, repo / "autofuse-out" / "autofuse.db")  # the default --db
     before = {p: _digest(p) for p in repo.rglob("*") if p.is_file()}
     os.chdir(repo)
     for args in (["fit"], ["export"], ["export", "--format", "json"], ["show"]):
@@ -250,7 +256,7 @@ def test_default_outputs_leave_shipped_files_alone(runner, db, tmp_path):
     after = {p: _digest(p) for p in before}
     assert after == before
     assert sorted(p.name for p in (repo / "autofuse-out").iterdir()) == \
-        ["scaling-eager.csv", "scaling-eager.json", "tuning-eager.csv", "tuning-eager.json"]
+        ["autofuse.db", "scaling-eager.csv", "scaling-eager.json", "tuning-eager.csv", "tuning-eager.json"]
     assert not list((repo / "models").glob("cpu-*"))
 
 
@@ -329,6 +335,9 @@ def render(result: dict, console) -> None:
     console.print(f"fake table [bold]{len(result['rows'])} row[/bold] [/red]")
 
 
+DEFAULT_SWEEP = {"cpu": "tiny", "cuda": "tiny"}  # the fake target's default sweep (names the output file)
+
+
 @pytest.fixture
 def fake_target(monkeypatch):
     from autofuse.training import bench
@@ -347,9 +356,10 @@ def test_bench_target_contract(runner, fake_target, tmp_path):
     doc = json.loads(path.read_text())
     assert doc["target"] == "fake" and doc["rows"][0]["us"] == 1.5 and doc["rows"][0]["nan"] is None
     assert doc["options"]["world"] == 3 and doc["fingerprint"]["id"] == FP["id"]
-    res = runner.invoke(app, ["bench", "fake", "--world", "3"])  # a second run never replaces the first
-    assert res.exit_code == 0 and path.with_name(path.stem + "-2.json").exists()
-    assert json.loads(path.read_text()) == doc
+    res = runner.invoke(app, ["bench", "fake", "--world", "3"])  # a second run never replaces the first:
+    assert res.exit_code == 1 and "exists; pass --force" in res.output  # it stops before any work, as
+    assert "fake measurement" not in res.output and json.loads(path.read_text()) == doc  # show, fit, export do
+    assert not path.with_name(path.stem + "-2.json").exists()
     res = runner.invoke(app, ["bench", "fake", "--out", str(path)])
     assert res.exit_code == 1 and "exists" in res.output
     res = runner.invoke(app, ["bench", "fake", "--json", "--out", "b.json"])  # stdout: the JSON document only
@@ -409,11 +419,36 @@ def test_readme_commands_use_existing_options(runner):
             assert opt in help_text, f"README: `autofuse {cmd}` uses {opt}, which `autofuse {name}` lacks"
 
 
+def test_readme_names_the_commands_that_take_world_json_out(runner):
+    """The README's "`--opt` (`cmd`, ...)" lists name exactly the commands whose help has the option."""
+    text = " ".join((ROOT / "README.md").read_text().split())
+    commands = ("doctor", "tune", "fit", "export", "show", "bench", "merge")
+    helps = {c: runner.invoke(app, [c, "--help"]).output for c in commands}
+    for opt in ("--world", "--json", "--out"):
+        said = re.search(rf"`{opt}[^`]*` \(((?:`[a-z]+`(?:, )?)+)\)", text)
+        assert said, f"README does not say which commands take {opt}"
+        assert set(re.findall(r"`([a-z]+)`", said.group(1))) == {c for c in commands if opt in helps[c]}, opt
+
+
+def test_readme_examples_write_where_git_ignores():
+    """Files the README's commands write (tune's --db, merge's OUT, --plot, --out, --report) go under the
+    git-ignored autofuse-out/, so following the README leaves the checkout as it was (CI checks it too)."""
+    blocks = re.findall(r"```bash\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
+    lines = [line.split("#")[0] for block in blocks for line in block.splitlines()]
+    written = [m for line in lines for m in re.findall(r"autofuse merge (\S+)", line)]
+    written += [m for line in lines if "autofuse tune" in line for m in re.findall(r"--db (\S+)", line)]
+    written += [m for line in lines for m in re.findall(r"--(?:plot|out|report) (\S+)", line)]
+    assert len(written) >= 3
+    for path in written:
+        assert path.startswith("autofuse-out/"), f"README writes {path} outside autofuse-out/"
+
+
 def test_default_tuning_database_is_git_ignored():
+    """What the commands write by default is git-ignored; shipped files are not (their home is apart)."""
     if shutil.which("git") is None or not (ROOT / ".git").exists():
         pytest.skip("not a git checkout")
-    paths = ["tuning_db/autofuse.db", "tuning_db/autofuse.db-wal", "tuning_db/autofuse.db-shm",
-             "tuning_db/autofuse.optuna.db", "autofuse-out/bench-x.json"]
+    paths = ["autofuse-out/autofuse.db", "autofuse-out/autofuse.db-wal", "autofuse-out/autofuse.optuna.db",
+             "autofuse-out/mine.db", "autofuse-out/bench-x.json", "tuning_db/autofuse.db"]
     res = subprocess.run(["git", "check-ignore", *paths], cwd=ROOT, capture_output=True, text=True, timeout=30)
     assert sorted(res.stdout.split()) == sorted(paths), res.stdout
     res = subprocess.run(["git", "check-ignore", "tuning_db/h200x2.db", "models/x.json"], cwd=ROOT,

@@ -260,7 +260,8 @@ def test_cli_fit_export_show(db, tmp_path):
     table = json.loads((tmp_path / "table.json").read_text())
     assert len(table) == 14
     row = next(r for r in table if r["M"] == 1024 and r["N"] == 16)
-    assert row["variant"] == "fused" and row["config"]["BLOCK"] in (16, 32) and row["speedup_vs_bsp"] > 1
+    assert row["variant"] == "fused" and row["config"]["BLOCK"] in (16, 32) and row["latency_us"] < row["bsp_us"]
+    assert row["speedup_vs_bsp"] is None and row["timing"] == "cpu-interpreter"  # CPU timings: never a speedup
     assert (tmp_path / "table.csv").read_text().splitlines()[0].startswith("op,problem,dtype,world")
     res = runner.invoke(app, ["show", "--db", str(db), "--mode", "eager"])
     assert res.exit_code == 0 and "toy_mm" in res.output, res.output
@@ -276,7 +277,7 @@ def test_cli_fit_export_show(db, tmp_path):
 
 
 def test_bound_rows_are_shown_never_chosen():
-    from autofuse.commands.policy import problem_table
+    from autofuse.commands._common import problem_table
 
     rows = _synthetic_rows(noise=0.01, gain=1.5)
     keys = sorted({r["problem"] for r in rows})
@@ -284,7 +285,8 @@ def test_bound_rows_are_shown_never_chosen():
              {"problem": keys[1], "op": "toy_mm", "variant": "bound.allgather", "config": {}, "median_us": 2.0},
              {"problem": keys[1], "op": "toy_mm", "variant": "bound.matmul", "config": {}, "median_us": 3.0}]
     table = {e["problem"]: e for e in problem_table(rows)}
-    assert table[keys[0]]["bound"] == 1.0 and table[keys[1]]["bound"] == 3.0 and table[keys[2]]["bound"] is None
+    assert table[keys[0]]["bound_us"] == 1.0 and table[keys[1]]["bound_us"] == 3.0
+    assert table[keys[2]]["bound_us"] is None
     assert all(e["best"] == "fused" for e in table.values())
     res = fitting.fit(rows, FP, "eager", ops={"toy_mm": TOY})
     assert res.data["ops"]["toy_mm"]["variants"] == ["bsp", "fused"]

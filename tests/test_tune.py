@@ -353,7 +353,8 @@ def test_tune_ag_gemm_two_ranks_writes_db_and_skips_failed_and_stale(tmp_path):
     assert out.startswith("autofuse tune: test_tune:AG_GEMM_WITH_WRONG into ")  # said before anything starts
     assert "tuning 1 problems (ag_gemm 1) at world 2 on 2 CPU ranks" in out and "CPU emulation" in out
     assert "kept but not used" in out and "Imaginary GPU" in out
-    assert "ag_gemm: best latency per variant" in out and "x BSP" in out and "How to read it" in out
+    assert "eager mode, us per call" in out and "no speedup is shown" in out and "x BSP" not in out  # CPU timings
+    assert f"Next: `autofuse show --db {db}`" in out and f"`autofuse fit --db {db} --mode eager`" in out
     assert "FutureWarning" not in proc.stderr and "is deprecated" not in proc.stderr
 
     store = Store(db)
@@ -477,7 +478,7 @@ def test_two_workers_share_one_study_on_postgres(tmp_path):
         if s.study_name.startswith("fake_sum|"):
             optuna.delete_study(study_name=s.study_name, storage=storage_url(url))
     dbs = [tmp_path / "host0.db", tmp_path / "host1.db"]
-    procs = [_start(_tune_cmd(db, "--op", "test_tune:FAKE_OP", "--world", "1", "--trials", "6", "--shapes", "N=96",
+    procs = [_start(_tune_cmd(db, "--op", "test_tune:FAKE_OP", "--world", "2", "--trials", "6", "--shapes", "N=96",
                               "--storage", url), _env(AUTOFUSE_FAKE_DELAY_MS="40")) for db in dbs]
     try:
         outs = [p.communicate(timeout=300) for p in procs]
@@ -488,7 +489,7 @@ def test_two_workers_share_one_study_on_postgres(tmp_path):
                 p.wait(timeout=30)
     for p, (out, err) in zip(procs, outs):
         assert p.returncode == 0, f"{out[-2000:]}\n{err[-2000:]}"
-    problem = Problem.make("fake_sum", "float32", 1, N=96)
+    problem = Problem.make("fake_sum", "float32", 2, N=96)
     name = study_name(problem, "eager", here["hardware_id"], environment.op_digest(FAKE_OP))
     trials = _studies(storage_url(url))[name]
     measured = _measured(trials)
@@ -634,6 +635,7 @@ def test_recovery_of_a_dead_workers_running_trials(tmp_path):
 
 @pytest.mark.parametrize("args, says", [
     (["--trials", "-1"], "--trials must be at least 1, not -1"),
+    (["--limit", "-1"], "--limit must be 0 (every problem) or more, not -1"),
     (["--world", "0"], "--world sizes must be at least 1, not 0"),
     (["--world", "x"], "--world takes integers"),
     (["--mode", "graph"], "--mode graph needs CUDA graphs"),
@@ -761,3 +763,52 @@ def test_sigterm_and_kill_9_on_gpus(tmp_path):
     ranks = _ranks_of(p.pid)
     left = _kill_parent_alone(p, ranks)
     assert ranks and not left, f"ranks {left} outlived their parent"
+
+
+# -- what a World can run, and what one GPU tunes --------------------------------------------------------
+
+@pytest.mark.filterwarnings("ignore:Heartbeat of storage")
+def test_configs_the_heap_refuses_are_pruned_before_launch(tmp_path):
+    """On a heap without peer-mapped tensors (torch's symm heap), copy-engine configs of a hybrid are
+    never handed out to measure: they are told PRUNED with the heap's reason and cost no trial."""
+    from types import SimpleNamespace
+
+    from autofuse.core import registry
+    from autofuse.training.storage import open_storage
+    from autofuse.training.study import StudyDriver
+
+    op = registry.get("ag_gemm")
+    world = SimpleNamespace(size=2, rank=0, device=torch.device("cuda"), heap=SimpleNamespace(provider="symm"))
+    problem = Problem.make("ag_gemm", "bfloat16", 2, M=4096, N=3584, K=8192, gather="rows")
+    store = Store(tmp_path / "h.db")
+    storage = open_storage(default_storage(tmp_path / "h.db"))
+    driver = StudyDriver(storage, store, environment.fingerprint(), op, problem, "eager", ["heap_mm"], 6,
+                         environment.op_digest(op), world=world)
+    try:
+        jobs = []
+        while (job := driver.next(None)) is not None:
+            jobs.append(job)
+            _finish(driver, job)
+        assert len(jobs) == 6 and all(j.config.get("ENGINE", "sm") != "ce" for j in jobs), jobs
+        refused = [t for t in driver.study.get_trials(deepcopy=False) if "peer-mapped" in t.user_attrs.get("invalid", "")]
+        assert refused and all(t.state == optuna.trial.TrialState.PRUNED for t in refused)
+    finally:
+        store.close()
+
+
+def test_world_one_measures_baselines_only_and_cpu_scaling_keeps_global_sizes():
+    """World size 1 has nothing to communicate: its plan tunes no variant (only baselines, the base of strong
+    scaling). `--sweep scaling` on CPU takes the cpu sweep's problems at the same global sizes at every world."""
+    from autofuse.core.op import global_sizes
+    from autofuse.training.tune import Settings, describe_plan, make_plan
+
+    settings = Settings(db="x.db", sweep="scaling", worlds=[1, 2], limit=0)
+    plan = make_plan(settings, "cpu", 2)
+    assert all((vs == []) == (w == 1) and all(p.world == w for p in ps) for w, _, ps, vs in plan.items)
+    sizes = {w: {global_sizes(p, op.per_rank) for ww, op, ps, _ in plan.items if ww == w for p in ps} for w in (1, 2)}
+    assert sizes[1] and sizes[1] == sizes[2]
+    assert max(p.get("M", p.get("B", 0)) for _, _, ps, _ in plan.items for p in ps) <= 64  # CPU-sized
+    assert plan.trials(settings) == sum(len(ps) * len(vs) for _, _, ps, vs in plan.items)
+    assert "world 1: baselines only" in describe_plan(plan, settings, 2)
+    short = make_plan(Settings(db="x.db"), "cpu", 2)
+    assert all(len(ps) <= 2 for _, _, ps, _ in short.items)  # the README's CPU tune: 2 problems per op

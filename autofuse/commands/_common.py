@@ -7,6 +7,7 @@ install hints such as `pip install 'autofuse[plot]'` print exactly as written; s
 """
 from __future__ import annotations
 
+import math
 import os
 import tempfile
 from pathlib import Path
@@ -17,6 +18,11 @@ from rich.console import Console
 from rich.table import Table
 
 MODE_ORDER = ("graph", "eager")
+# Everything the commands write by default goes under ./autofuse-out/ (git-ignored) or the user data
+# folder (policies): the checkout's tuning_db/ and models/ hold shipped files only.
+OUT_DIR = Path("autofuse-out")
+DEFAULT_DB = OUT_DIR / "autofuse.db"
+SHIPPED_DB_DIR = Path(__file__).resolve().parents[2] / "tuning_db"
 
 
 def console_for(stderr: bool = False) -> Console:
@@ -36,6 +42,26 @@ def fail(text: str, code: int = 1) -> NoReturn:
 
 def note(text: str, style: str = "yellow") -> None:
     notes.print(text, style=style, soft_wrap=True)
+
+
+def missing_db(db: Path) -> NoReturn:
+    """Fail for a database that does not exist, naming what could be read instead."""
+    hint = "run `autofuse tune` first, or pass --db"
+    legacy = Path("tuning_db/autofuse.db")
+    if db == DEFAULT_DB and legacy.is_file():
+        hint += f" (an earlier autofuse wrote its default database to {legacy}: --db {legacy})"
+    shipped = sorted(SHIPPED_DB_DIR.glob("*.db")) if SHIPPED_DB_DIR.is_dir() else []
+    if shipped:
+        hint += "; shipped GPU measurements: " + ", ".join(f"--db {_shown(p)}" for p in shipped)
+    fail(f"no tuning database at {db}: {hint}")
+
+
+def _shown(path: Path) -> str:
+    """`path` relative to the current folder where it lies inside it, else absolute."""
+    try:
+        return str(path.relative_to(Path.cwd()))
+    except ValueError:
+        return str(path)
 
 
 def order_modes(modes: Sequence[str]) -> list[str]:
@@ -177,3 +203,84 @@ def print_split_table(console: Console, title: str, key_cols: Sequence[str], val
         for row in body:
             t.add_row(*[str(c) for c in row[:nkey]], *[str(row[nkey + j]) for j in chunk])
         console.print(t)
+
+
+# ---------------------------------------------------------------------------------------------
+# the problem table of show, export and tune: one row per problem, the numbers of autofuse.measure.compare
+
+
+def problem_table(rows: list[dict], interpreted: bool = False) -> list[dict]:
+    """Per problem: latency and config per variant, and the numbers of `autofuse.measure.compare` (best, x BSP,
+    x alt, bound, ceiling; no ratio where `interpreted`). Rows of variant `bound` (or its pieces
+    `bound.*`, whose max is the bound) are shown, never chosen."""
+    from autofuse.measure.compare import compare
+
+    by: dict[str, dict] = {}
+    for r in rows:
+        e = by.setdefault(r["problem"], {"op": r["op"], "problem": r["problem"], "us": {}, "configs": {},
+                                         "bound_pieces": {}, "stale": False})
+        v, t = r["variant"], r["median_us"]
+        e["stale"] |= bool(r.get("stale"))
+        if v == "bound":
+            e["bound_us"] = t
+        elif v.startswith("bound"):
+            e["bound_pieces"][v] = t
+        elif v not in e["us"] or t < e["us"][v]:
+            e["us"][v], e["configs"][v] = t, r["config"]
+    out_rows = []
+    for key in sorted(by, key=problem_sort_key):
+        e = by[key]
+        if "bound_us" not in e and e["bound_pieces"]:
+            e["bound_us"] = max(e["bound_pieces"].values())
+        e.update(compare(e["op"], e["us"], e.get("bound_us"), interpreted).as_dict())
+        out_rows.append(e)
+    return out_rows
+
+
+def fmt(x: Any, digits: int = 1) -> str:
+    """A number for a table cell; '-' for None or non-finite."""
+    return "-" if x is None or (isinstance(x, float) and not math.isfinite(x)) else f"{x:.{digits}f}"
+
+
+LEGEND = ("best: the fastest variant, BSP included; x BSP: BSP us / best us; x alt: the fastest alternative "
+          "users run instead (torch's symmetric-memory ops) us / best us; bound: the slowest piece timed alone "
+          "(perfect overlap); ceiling: BSP us / bound us")
+STALE_NOTE = ("stale: measured with older code of the op; dispatch uses such entries as predictions and "
+              "confirms each on first use (`stale: confirmed` in autofuse.explain)")
+
+
+def print_problems(console: Console, table: list[dict], mode: str, where: str = "") -> None:
+    """Per op: latency per variant (BSP first), best, x BSP, x alt (where an alternative was measured),
+    bound and ceiling (where timed); interpreter timings get latencies and best only; a `stale` column
+    where some problem's rows were measured with older code of the op."""
+    from autofuse.measure.compare import INTERPRETED_NOTE
+
+    interpreted = False
+    for name in sorted({e["op"] for e in table}):
+        entries = [e for e in table if e["op"] == name]
+        variants = ["bsp"] + sorted({v for e in entries for v in e["us"]} - {"bsp"})
+        key_cols, cells, fixed = split_problems([e["problem"] for e in entries])
+        interp = any(e["interpreted"] for e in entries)
+        interpreted |= interp
+        cols: list[tuple[str, Any]] = [("best", lambda e: e["best"] or "-")]
+        if not interp:
+            cols.append(("x BSP", lambda e: fmt(e["speedup_vs_bsp"], 2)))
+            if any(e["alternative"] for e in entries):
+                cols.append(("x alt", lambda e: fmt(e["speedup_vs_alternative"], 2)))
+        if any(e.get("bound_us") is not None for e in entries):
+            cols.append(("bound", lambda e: fmt(e.get("bound_us"))))
+            if not interp:
+                cols.append(("ceiling", lambda e: fmt(e["ceiling"], 2)))
+        stale = any(e.get("stale") for e in entries)
+        if stale:
+            cols.append(("stale", lambda e: "stale" if e.get("stale") else ""))
+        body = [[*cells[e["problem"]], *[fmt(e["us"].get(v)) for v in variants], *[f(e) for _, f in cols]]
+                for e in entries]
+        print_split_table(console, f"{name} {fixed}: {mode} mode, us per call (rank-max median){where}",
+                          key_cols, [*variants, *[c for c, _ in cols]], body)
+        if stale:
+            console.print(STALE_NOTE)
+    if interpreted:
+        console.print(INTERPRETED_NOTE, style="yellow")
+    elif table:
+        console.print(LEGEND)

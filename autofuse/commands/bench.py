@@ -8,7 +8,7 @@ from typing import Optional
 
 import typer
 
-from autofuse.commands._common import OutputExists, fail, note, out, write_new
+from autofuse.commands._common import OutputExists, check_new, fail, note, out, write_new
 
 
 def bench(
@@ -46,10 +46,10 @@ def bench(
         CPU_NOTE,
         BenchOptions,
         BenchTargetMissing,
-        default_out,
         dumps,
         is_op,
         load_target,
+        planned_out,
         report,
     )
 
@@ -72,8 +72,9 @@ def bench(
 
         if options.world > gpu_count():
             fail(f"--world {options.world} needs {options.world} GPUs; {gpu_count()} are visible")
-    if options.out is not None and not force and options.out.exists():
-        fail(f"{options.out} exists; pass --force to replace it, or --out to write elsewhere")
+    date = datetime.datetime.now(datetime.timezone.utc).date().isoformat()
+    path = options.out or planned_out(module, options, date)
+    check_new([path], force)  # the one rule of every command: stop before any work, never replace silently
     where = "GPU" if options.device_kind == "cuda" else "CPU"
     sweep_shown = options.sweep or (("gpu" if options.device_kind == "cuda" else "cpu") if is_op(target) else "default")
     note(f"bench {target}: sweep {sweep_shown}, {options.world} {where} ranks", style="")
@@ -90,14 +91,7 @@ def bench(
         fail(f"bench {target} failed: {first if isinstance(exc, RankFailed) else f'{type(exc).__name__}: {first}'}")
     if not json_out:
         module.render(result, out)
-    date = datetime.datetime.now(datetime.timezone.utc).date().isoformat()
-    path = options.out or default_out(target, result.get("sweep", options.sweep), result.get("world", options.world),
-                                      date)
     doc = report(result, options)
-    if options.out is None and not force:
-        stem, n = path.with_suffix(""), 2
-        while path.exists():  # a default name never replaces an earlier run's file
-            path, n = Path(f"{stem}-{n}.json"), n + 1
     try:
         write_new(path, dumps(doc), force=force)
     except OutputExists as exc:

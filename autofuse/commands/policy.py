@@ -23,22 +23,27 @@ from typing import Any, Optional
 
 import typer
 
+from autofuse.measure.compare import interpreted
 from autofuse.commands._common import (
+    DEFAULT_DB,
+    OUT_DIR,
     OutputExists,
     check_new,
     fail,
+    fmt,
+    missing_db,
     note,
     order_modes,
     out,
+    print_problems,
     print_split_table,
     problem_sort_key,
+    problem_table,
     split_problems,
     write_new,
 )
 
-DEFAULT_DB = Path("tuning_db/autofuse.db")
 MODES = ("graph", "eager")
-OUT_DIR = Path("autofuse-out")
 ModeOpt = typer.Option(None, "--mode", help="Timing mode: graph or eager (default: every mode the database holds).")
 DbOpt = typer.Option(DEFAULT_DB, "--db", help="The tuning database (opened read-only).")
 FpOpt = typer.Option(None, "--fingerprint", help="Environment id to read (default: this machine's if it has "
@@ -54,17 +59,21 @@ def _open(db: Path) -> Any:
     from autofuse.measure.store import Store, StoreError
 
     if not db.exists():
-        fail(f"no tuning database at {db}: run `autofuse tune` first, or pass --db")
+        missing_db(db)
     try:
         return Store.open(db, readonly=True)
     except StoreError as exc:
         fail(str(exc).strip().splitlines()[0] if str(exc).strip() else f"{db}: cannot be opened")
 
 
-def load(db: Path, mode: str | None, fingerprint: str | None, op: str | None = None) -> list[tuple[str, list, dict]]:
+def load(db: Path, mode: str | None, fingerprint: str | None, op: str | None = None,
+         stale: bool = True) -> list[tuple[str, list, dict]]:
     """Per timing mode to read: (mode, best row per (problem, variant) of one environment, its fingerprint).
 
-    Without `mode`: every mode the database holds, with a note saying so.
+    Without `mode`: every mode the database holds, with a note saying so. Rows of today's code of
+    each op come first; with `stale`, a problem measured only with older code of its op gets the rows
+    of its newest older code, marked `stale` (dispatch uses such entries as predictions, confirmed on
+    first use); without it (fit) they are left out, with a note.
     """
     import sqlite3
 
@@ -74,14 +83,39 @@ def load(db: Path, mode: str | None, fingerprint: str | None, op: str | None = N
         fail(f"--mode must be graph or eager, not {mode!r}")
     store = _open(db)
     try:
-        return _load(store, db, mode, fingerprint, op)
+        return _load(store, db, mode, fingerprint, op, stale)
     except (StoreError, sqlite3.Error) as exc:
         fail(f"{db}: cannot be read ({type(exc).__name__}: {exc})")
     finally:
         store.close()
 
 
-def _load(store: Any, db: Path, mode: str | None, fingerprint: str | None, op: str | None) -> list:
+def _with_stale(store: Any, rows: list[dict], op: str | None, mode: str, fp_id: str, keep: bool) -> list[dict]:
+    """`rows` (today's code) plus, per problem they lack, the rows of the newest older code of its op
+    (marked stale) if `keep`; else a note of what was left out."""
+    from autofuse.measure import environment
+
+    now = environment.op_digests()
+    covered = {r["problem"] for r in rows}
+    added: list[dict] = []
+    left: dict[str, int] = {}
+    for version in store.code_versions(op, mode, fp_id):
+        if now.get(version["op"]) in (None, version["op_digest"]):
+            continue  # today's code, or an op this install does not know (read as it is)
+        older = [r for r in store.best(version["op"], mode, fingerprint_id=fp_id, op_digest=version["op_digest"])
+                 if r["problem"] not in covered]
+        for key in {r["problem"] for r in older}:
+            covered.add(key)
+            left[version["op"]] = left.get(version["op"], 0) + 1
+        added += [dict(r, stale=True) for r in older]
+    if left and not keep:
+        note(f"{mode} mode: left out {', '.join(f'{n} problems of {o}' for o, n in sorted(left.items()))} measured "
+             "only with older code of the op (re-tune them)")
+        return rows
+    return rows + added
+
+
+def _load(store: Any, db: Path, mode: str | None, fingerprint: str | None, op: str | None, stale: bool) -> list:
     from autofuse.measure import environment
     from autofuse.measure.store import ALL
 
@@ -103,7 +137,7 @@ def _load(store: Any, db: Path, mode: str | None, fingerprint: str | None, op: s
         fp_id = fingerprint
         if fp_id is None:
             counts: dict[str, int] = {}
-            for r in store.best(op, m, fingerprint_id=ALL):
+            for r in store.best(op, m, fingerprint_id=ALL, op_digest=ALL):
                 counts[r["fingerprint"]] = counts.get(r["fingerprint"], 0) + 1
             if not counts:
                 note(f"{db} has no successful {m}-mode measurements" + (f" of {op}" if op else ""))
@@ -111,7 +145,7 @@ def _load(store: Any, db: Path, mode: str | None, fingerprint: str | None, op: s
             fp_id = here["id"] if here["id"] in counts else max(sorted(counts), key=counts.get)
             if fp_id != here["id"]:
                 note(f"{m} mode: reading environment {fp_id} ({counts[fp_id]} rows), not this machine's ({here['id']})")
-        rows = store.best(op, m, fingerprint_id=fp_id)
+        rows = _with_stale(store, store.best(op, m, fingerprint_id=fp_id), op, m, fp_id, stale)
         if not rows:
             note(f"{db} has no successful {m}-mode measurements in environment {fp_id}" + (f" of {op}" if op else ""))
             continue
@@ -128,36 +162,6 @@ def _load(store: Any, db: Path, mode: str | None, fingerprint: str | None, op: s
 
 # ---------------------------------------------------------------------------------------------
 # tables
-
-
-def problem_table(rows: list[dict]) -> list[dict]:
-    """Per problem: latency and config per variant, the best non-bound variant, BSP and the bound."""
-    by: dict[str, dict] = {}
-    for r in rows:
-        e = by.setdefault(r["problem"], {"op": r["op"], "problem": r["problem"], "us": {}, "configs": {},
-                                         "bound_pieces": {}})
-        v, t = r["variant"], r["median_us"]
-        if v == "bound":
-            e["bound"] = t
-        elif v.startswith("bound"):
-            e["bound_pieces"][v] = t
-        elif v not in e["us"] or t < e["us"][v]:
-            e["us"][v], e["configs"][v] = t, r["config"]
-    out_rows = []
-    for key in sorted(by, key=problem_sort_key):
-        e = by[key]
-        if "bound" not in e and e["bound_pieces"]:
-            e["bound"] = max(e["bound_pieces"].values())
-        e.setdefault("bound", None)
-        if e["us"]:
-            e["best"] = min(sorted(e["us"]), key=lambda v, u=e["us"]: u[v])
-            e["best_us"] = e["us"][e["best"]]
-        else:
-            e["best"], e["best_us"] = None, None
-        e["bsp_us"] = e["us"].get("bsp")
-        e["speedup_vs_bsp"] = e["bsp_us"] / e["best_us"] if e["bsp_us"] and e["best_us"] else None
-        out_rows.append(e)
-    return out_rows
 
 
 def scaling_sizes(key: str) -> tuple[str, int]:
@@ -177,7 +181,10 @@ def scaling_sizes(key: str) -> tuple[str, int]:
 
 def scaling_table(table: list[dict]) -> list[dict]:
     """Strong scaling: per op and global sizes (`scaling_sizes`) measured at two or more world
-    sizes, per world size the best variant, its latency, BSP's, and the speedup over the smallest world size."""
+    sizes, per world size the best variant, its latency, BSP's, and the speedup over the smallest world size
+    (None for interpreter timings)."""
+    from autofuse.measure.compare import ratio
+
     groups: dict[str, dict[int, dict]] = {}
     for e in table:
         if e["best_us"] is None:
@@ -194,24 +201,9 @@ def scaling_table(table: list[dict]) -> list[dict]:
         rows.append({"op": sizes.split("|")[0], "sizes": sizes, "worlds": worlds, "smallest_world": worlds[0],
                      "per_world": {str(w): {"variant": per[w]["best"], "us": per[w]["best_us"],
                                             "bsp_us": per[w]["bsp_us"], "problem": per[w]["problem"],
-                                            "speedup_vs_smallest": base / per[w]["best_us"]} for w in worlds}})
+                                            "speedup_vs_smallest": None if per[w]["interpreted"]
+                                            else ratio(base, per[w]["best_us"])} for w in worlds}})
     return rows
-
-
-def _fmt(x: Any, digits: int = 1) -> str:
-    return "-" if x is None or (isinstance(x, float) and not math.isfinite(x)) else f"{x:.{digits}f}"
-
-
-def _print_problems(table: list[dict], mode: str, fp_id: str) -> None:
-    for name in sorted({e["op"] for e in table}):
-        entries = [e for e in table if e["op"] == name]
-        variants = ["bsp"] + sorted({v for e in entries for v in e["us"]} - {"bsp"})
-        key_cols, cells, fixed = split_problems([e["problem"] for e in entries])
-        bound = any(e["bound"] is not None for e in entries)
-        body = [[*cells[e["problem"]], *[_fmt(e["us"].get(v)) for v in variants], e["best"] or "-",
-                 _fmt(e["speedup_vs_bsp"], 2), *([_fmt(e["bound"])] if bound else [])] for e in entries]
-        print_split_table(out, f"{name} {fixed}: {mode} mode, us per call (rank-max median), environment {fp_id}",
-                          key_cols, [*variants, "best", "x bsp", *(["bound"] if bound else [])], body)
 
 
 def _print_scaling(scaling: list[dict], mode: str) -> None:
@@ -227,9 +219,9 @@ def _print_scaling(scaling: list[dict], mode: str) -> None:
             row = list(cells[s["sizes"] + "|"])
             for w in worlds:
                 pw = s["per_world"].get(str(w))
-                row += [pw["variant"] if pw else "-", _fmt(pw["us"]) if pw else "-"]
+                row += [pw["variant"] if pw else "-", fmt(pw["us"]) if pw else "-"]
                 if w != worlds[0]:
-                    row.append(_fmt(pw["speedup_vs_smallest"], 2) if pw and s["smallest_world"] == worlds[0] else "-")
+                    row.append(fmt(pw["speedup_vs_smallest"], 2) if pw and s["smallest_world"] == worlds[0] else "-")
             body.append(row)
         print_split_table(out, f"{name} {fixed}: strong scaling (global sizes), {mode} mode: best variant and us per "
                           f"call per world size; speedup = w{worlds[0]} us / wN us", key_cols, cols, body)
@@ -258,7 +250,7 @@ def fit(
     from autofuse.core.settings import user_models_dir
     from autofuse.dispatch.policy import Policy, file_name
 
-    found = load(db, mode, fingerprint, op)
+    found = load(db, mode, fingerprint, op, stale=False)
     if (out_path or report) and len(found) > 1:
         fail(f"{db} holds {' and '.join(m for m, _, _ in found)} measurements and --out/--report name one file: "
              "add --mode to fit one of them")
@@ -308,9 +300,9 @@ def _print_fit(name: str, rep: dict, mode: str) -> None:
     for label, r in entries:
         margin = r.get("margin")
         body.append([label + (" (kept)" if label == rep["kept"] else ""), f"{r['within_5pct']:.0%}",
-                     _fmt(r["geomean_vs_oracle"], 3), _fmt(r["speedup_vs_bsp"], 3), _fmt(r["worst_vs_bsp"], 3),
+                     fmt(r["geomean_vs_oracle"], 3), fmt(r["speedup_vs_bsp"], 3), fmt(r["worst_vs_bsp"], 3),
                      str(r["correct"]), str(r["wrong"]), str(r["unsure"]),
-                     _fmt(math.exp(margin), 3) if margin is not None else ("inf" if label in rep["models"] else "-")])
+                     fmt(math.exp(margin), 3) if margin is not None else ("inf" if label in rep["models"] else "-")])
     print_split_table(out, f"{title}; held out: {rep['folds']} folds by problem", ["model"], cols, body)
     out.print(f"  {rep['why']}")
     if rep["skipped"]:
@@ -322,6 +314,8 @@ def _print_fit(name: str, rep: dict, mode: str) -> None:
 
 
 def _records(table: list[dict], mode: str, fp_id: str) -> list[dict]:
+    """One record per problem: the best variant, its config and latency, and the numbers of
+    autofuse.measure.compare (speedups empty for interpreter timings; `timing` says which)."""
     from autofuse.core.op import Problem
 
     variants = sorted({v for e in table for v in e["us"]})
@@ -331,7 +325,12 @@ def _records(table: list[dict], mode: str, fp_id: str) -> list[dict]:
         rec: dict[str, Any] = {"op": p.op, "problem": e["problem"], "dtype": p.dtype, "world": p.world,
                                **dict(p.dims), "mode": mode, "fingerprint": fp_id, "variant": e["best"],
                                "config": e["configs"].get(e["best"], {}), "latency_us": e["best_us"],
-                               "bsp_us": e["bsp_us"], "speedup_vs_bsp": e["speedup_vs_bsp"], "bound_us": e["bound"]}
+                               "bsp_us": e["bsp_us"], "speedup_vs_bsp": e["speedup_vs_bsp"],
+                               "alternative": e["alternative"], "alternative_us": e["alternative_us"],
+                               "speedup_vs_alternative": e["speedup_vs_alternative"],
+                               "bound_us": e.get("bound_us"), "ceiling": e["ceiling"],
+                               "timing": "cpu-interpreter" if e["interpreted"] else "gpu",
+                               "stale": bool(e.get("stale"))}
         rec.update({f"{v}_us": e["us"].get(v) for v in variants})
         records.append(rec)
     return records
@@ -385,7 +384,7 @@ def export(
     found = load(db, mode, fingerprint, op)
     files: dict[Path, tuple[str, list[dict]]] = {}  # path -> (what it holds, records)
     for m, rows, fp in found:
-        table = problem_table(rows)
+        table = problem_table(rows, interpreted(fp.get("device_kind")))
         main = out_path or OUT_DIR / f"tuning-{m}.{fmt}"
         side = main.with_name(f"{main.stem}-scaling{main.suffix}") if out_path else OUT_DIR / f"scaling-{m}.{fmt}"
         files.setdefault(main, ("problems", []))[1].extend(_records(table, m, fp.get("id")))
@@ -424,11 +423,11 @@ def show(
     found = load(db, mode, fingerprint, op)
     sections = []
     for m, rows, fp in found:
-        table = problem_table(rows)
+        table = problem_table(rows, interpreted(fp.get("device_kind")))
         scaling = scaling_table(table)
         sections.append((m, table, scaling, fp.get("id")))
         if not json_out:
-            _print_problems(table, m, fp.get("id"))
+            print_problems(out, table, m, f", environment {fp.get('id')}")
             if scaling:
                 _print_scaling(scaling, m)
     if json_out:
@@ -508,13 +507,15 @@ def draw(sections: list[tuple[str, list[dict], list[dict]]], path: Path, x: str 
     for (ax_t, ax_s), (mode, label, xd, pts) in zip(axes, shown):
         xs = [p[0] for p in pts]
         variants = ["bsp"] + sorted({v for _, e in pts for v in e["us"]} - {"bsp"})
+        interp = any(e["interpreted"] for _, e in pts)
         for v in variants:
             ys = [e["us"].get(v, math.nan) for _, e in pts]
             sp = [(e["bsp_us"] or math.nan) / e["us"].get(v, math.nan) for _, e in pts]
             style = {"color": "black", "linewidth": 2} if v == "bsp" else {}
             ax_t.plot(xs, ys, marker="o", markersize=7 if single else 4, label=v, **style)
-            ax_s.plot(xs, sp, marker="o", markersize=7 if single else 4, label=v, **style)
-        bounds = [e["bound"] if e["bound"] else math.nan for _, e in pts]
+            if not interp:
+                ax_s.plot(xs, sp, marker="o", markersize=7 if single else 4, label=v, **style)
+        bounds = [e.get("bound_us") or math.nan for _, e in pts]
         if any(b == b for b in bounds):
             ax_t.plot(xs, bounds, linestyle="--", color="gray", label="bound")
         for ax in (ax_t, ax_s):
@@ -525,6 +526,11 @@ def draw(sections: list[tuple[str, list[dict], list[dict]]], path: Path, x: str 
         ax_t.set_ylabel(f"us per call ({mode})")
         ax_s.set_ylabel("speedup vs bsp")
         ax_t.set_title(textwrap.fill(label, 60), fontsize=9)
+        if interp:
+            ax_t.legend(fontsize=7)
+            ax_s.set_title("CPU emulation: interpreter timings, no speedup", fontsize=9)
+            ax_s.set_axis_off()
+            continue
         ax_s.set_title("speedup vs bsp", fontsize=9)
         ax_s.legend(fontsize=7)
     for (ax_t, ax_s), (mode, name, entries) in zip(axes[len(shown):], scaling[:4]):
@@ -537,7 +543,8 @@ def draw(sections: list[tuple[str, list[dict], list[dict]]], path: Path, x: str 
             for w in ws:
                 ax_t.annotate(s["per_world"][str(w)]["variant"], (w, s["per_world"][str(w)]["us"]), fontsize=6,
                               xytext=(3, 3), textcoords="offset points", color=line.get_color())
-            ax_s.plot(ws, [s["per_world"][str(w)]["speedup_vs_smallest"] for w in ws], marker="o", label=label)
+            ax_s.plot(ws, [s["per_world"][str(w)]["speedup_vs_smallest"] or math.nan for w in ws], marker="o",
+                      label=label)
         worlds = sorted({w for s in entries for w in s["worlds"]})
         ax_s.plot(worlds, [w / worlds[0] for w in worlds], linestyle="--", color="gray", label="ideal")
         for ax in (ax_t, ax_s):

@@ -8,7 +8,8 @@ from typing import Any, NoReturn, Optional
 
 import typer
 from rich.console import Console
-from rich.table import Table
+
+from autofuse.commands._common import DEFAULT_DB
 
 console = Console()
 errors = Console(stderr=True)
@@ -16,20 +17,26 @@ errors = Console(stderr=True)
 CPU_INTRO = (
     "No GPU here, so this is the CPU emulation: each rank is a process, the real Triton kernels run under "
     "Triton's interpreter, gloo carries the collectives and a shared-memory file stands in for the GPUs' "
-    "symmetric heap. It checks that every tuned variant matches the float64 reference and runs the whole "
-    "tune -> fit -> dispatch loop on small problems. Its timings are the interpreter's, not a GPU's: the "
-    "interpreter runs a kernel element by element, so BSP (torch's own compute) wins almost everywhere, "
-    "and differences of a few tens of percent are noise of a busy CPU.")
-CPU_OUTRO = (
-    "How to read it: one table per op, one row per problem; each variant's best latency in microseconds per "
-    "call (median of the timed calls, slowest rank); bsp = collective + torch compute, torch_symm = torch's own "
-    "symmetric-memory op, the others are autofuse's tuned variants (hybrid and fused kernels); x BSP = BSP's "
-    "latency / the fastest tuned one (above 1: it pays). Every tuned variant was "
-    "checked against the reference and timed on every problem.\n"
-    "Next: `autofuse fit --mode eager` fits a dispatch policy on these rows, `autofuse show --mode eager` lists "
-    "them. On a machine with GPUs, `autofuse tune` tunes on every local GPU (graph and eager modes, 8 trials "
-    "per problem of the default sweep, about 10 min for all ops on two GPUs), then `autofuse fit` writes the policy that dispatch uses.")
-DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
+    "symmetric heap. It checks that every tuned variant matches the float64 reference, and records each "
+    "measurement, as the first step of the tune -> fit -> dispatch loop, on small problems. Its timings are "
+    "the interpreter's, not a GPU's: they say nothing about which variant is faster on GPUs, so no speedup "
+    "is shown.")
+ONE_GPU = (
+    "One GPU: world size 1, where there is nothing to communicate: each problem's baselines are measured "
+    "(the base of strong scaling, `--world 1,2 --sweep scaling` on two GPUs) and nothing is tuned. What one GPU "
+    "cannot tell: which variant is faster with 2 or more GPUs; tune on the GPUs you will run on.")
+
+
+def next_steps(db: Path, kind: str) -> str:
+    """What to run after this tune, with its --db (omitted where it is the default)."""
+    where = "" if db == DEFAULT_DB else f" --db {db}"
+    mode = " --mode eager" if kind == "cpu" else ""
+    text = (f"Next: `autofuse show{where}` lists these rows again, `autofuse fit{where}{mode}` fits a dispatch "
+            "policy on them and writes it where dispatch finds it.")
+    if kind == "cpu":
+        text += (" On a machine with GPUs, `autofuse tune` tunes on every local GPU (graph and eager modes, 8 "
+                 "trials per problem of the default sweep, about 10 min for all ops on two GPUs).")
+    return text
 
 
 def say(text: str, style: str | None = None) -> None:
@@ -47,45 +54,18 @@ def _split(values: Optional[list[str]], sep: str = ",") -> list[str]:
     return [v.strip() for item in values or [] for v in item.split(sep) if v.strip()]
 
 
-def _short(problem: str) -> str:
-    """'ag_gemm|K=64,M=4,N=32,gather=rows|bfloat16|w2' -> 'K=64,M=4,N=32,gather=rows bf16 w2'."""
-    parts = problem.split("|")
-    if len(parts) != 4:
-        return problem
-    return f"{parts[1]} {DTYPES.get(parts[2], parts[2])} {parts[3]}"
-
-
-def _us(x: Optional[float]) -> str:
-    return "-" if x is None else f"{x:.1f}"
-
-
 def render(summary: list[dict]) -> None:
-    """One table per op: per problem, every variant's best latency, the best, and BSP / best tuned."""
+    """The table of `autofuse show` for what this run tuned: per op, each problem's best latency per
+    variant, the best, x BSP and x alt (latencies only for the CPU emulation)."""
+    from autofuse.commands._common import print_problems, problem_table
+    from autofuse.measure.compare import interpreted
+
     if not summary:
         say("nothing was tuned")
         return
-    mode = summary[0]["mode"]
-    by_op: dict[str, list[dict]] = {}
-    for r in summary:
-        by_op.setdefault(r["op"], []).append(r)
-    for op, rows in by_op.items():
-        variants: list[str] = []
-        for r in rows:
-            variants += [v for v in r.get("variants_us", {}) if v not in variants]
-        variants.sort(key=lambda v: (v != "bsp", v))
-        say(f"{op}: best latency per variant, us per call ({mode} mode)", "bold")
-        t = Table()
-        t.add_column("problem", overflow="fold")
-        for v in variants:
-            t.add_column(v, justify="right")
-        t.add_column("best")
-        t.add_column("x BSP", justify="right")
-        for r in rows:
-            us = r.get("variants_us", {})
-            speed = (r["bsp_us"] / r["best_tuned_us"]) if r.get("bsp_us") and r.get("best_tuned_us") else None
-            t.add_row(_short(r["problem"]), *[_us(us.get(v)) for v in variants], r["best_variant"] or "-",
-                      "-" if speed is None else f"{speed:.2f}")
-        console.print(t)
+    rows = [{"problem": r["problem"], "op": r["op"], "variant": v, "median_us": t, "config": r["configs"].get(v, {})}
+            for r in summary for v, t in r["variants_us"].items()]
+    print_problems(console, problem_table(rows, interpreted(summary[0]["device_kind"])), summary[0]["mode"])
     trials = sum(r["trials_this_run"] for r in summary)
     compile_s = sum(r["compile_s"] for r in summary)
     say(f"{trials} trials measured in this run ({compile_s:.0f} s of it compiling and checking kernels)")
@@ -125,11 +105,13 @@ def tune(
                                          "(default: 8 on GPUs; on CPU one per tunable variant)."),
     storage: Optional[str] = typer.Option(None, help="Optuna storage URL (default: sqlite file <db stem>.optuna.db "
                                           "beside --db). Several hosts on one study: postgresql://user@host/db."),
-    db: Path = typer.Option(Path("tuning_db/autofuse.db"), help="Measurement database (SQLite)."),
+    db: Path = typer.Option(DEFAULT_DB, help="Measurement database (SQLite; created if missing)."),
     sweep: Optional[str] = typer.Option(None, help="Problem set: default (every op's mix of model shapes and the "
                                         "papers' sweeps), models, gpu, llama70b, scaling (the same global problems at "
                                         "every --world: strong scaling) or cpu (default: default with GPUs, "
                                         "else cpu)."),
+    limit: Optional[int] = typer.Option(None, "--limit", help="Only the first N problems of each op per world size "
+                                        "(0: every problem; default: 2 on CPU, every problem on GPUs)."),
     reps: Optional[int] = typer.Option(None, help="Timed batches per measurement (default: 10 GPU, 5 CPU)."),
     budget: Optional[float] = typer.Option(None, help="Seconds one trial may take before it is failed as too slow."),
     time_limit: Optional[float] = typer.Option(None, help="Minutes: no new trial starts after this."),
@@ -143,7 +125,7 @@ def tune(
         say(f"autofuse tune: {', '.join(ops) if ops else 'every op'} into {db}; finding GPUs and reading the sweeps")
     try:
         _run(ops, world, settings_args=dict(sweep=sweep or "", shapes=list(shapes or []), mode=mode, trials=trials,
-                                            storage=storage, reps=reps, budget_s=budget, seed=seed,
+                                            storage=storage, reps=reps, budget_s=budget, seed=seed, limit=limit,
                                             time_limit_s=time_limit * 60 if time_limit is not None else None,
                                             verbose=not quiet), db=db, quiet=quiet)
     except KeyboardInterrupt:  # before the ranks started, or a torchrun rank's second signal
@@ -182,6 +164,8 @@ def _run(ops: list[str], world: Optional[list[str]], settings_args: dict, db: Pa
         say(describe_plan(plan, settings, n))
         if kind == "cpu":
             say(CPU_INTRO)
+        elif plan.worlds == [1]:
+            say(ONE_GPU)
     _check_writable(settings)
     from autofuse.training.lifecycle import Supervisor
     from autofuse.comm.world import spawn
@@ -202,8 +186,8 @@ def _run(ops: list[str], world: Optional[list[str]], settings_args: dict, db: Pa
             line = reason.split(setup, 1)[1] if setup in reason else reason
             fail(f"rank {getattr(exc, 'rank', '?')} failed: {line.strip().splitlines()[0] if line.strip() else exc}")
     render(results[0])
-    if kind == "cpu" and not quiet:
-        say(CPU_OUTRO)
+    if not quiet:
+        say(next_steps(db, kind))
     say(f"database: {settings.db} ({time.monotonic() - t0:.0f} s)")
     code = supervisor.exit_code()
     if code is not None:

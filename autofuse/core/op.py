@@ -148,6 +148,11 @@ class Variant:
     def check(self, problem: Problem, config: Config) -> str | None:
         return f"{self.name} takes no config, got {config_key(config)}" if config else None
 
+    def refuses(self, world: Any, problem: Problem, config: Config) -> str | None:
+        """Why this World (its heap, its devices) cannot run a config that `check` accepts, or None;
+        the tuner asks it before launching anything, so such configs are never measured."""
+        return None
+
     def runner(self, world: Any, problem: Problem, config: Config) -> "Runner":
         raise NotImplementedError(f"{self.name} builds no runner")
 

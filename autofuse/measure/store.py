@@ -531,6 +531,19 @@ class Store:
         rows = self._query(sql, params)
         return self._decode(rows[0]) if rows else None
 
+    def code_versions(self, op: str | None = None, mode: str | None = None,
+                      fingerprint_id: str | None = None) -> list[dict]:
+        """Each (op, op_digest) with successful rows (of one environment if `fingerprint_id`, in one mode
+        if `mode`): {op, op_digest, rows, last (newest created_at)}, newest first."""
+        clauses, params = ["ok = 1"], {}
+        for col, value in (("op", op), ("mode", mode), ("fingerprint", fingerprint_id)):
+            if value is not None:
+                clauses.append(f"{col} = :{col}")
+                params[col] = value
+        return self._query(f"SELECT op, op_digest, COUNT(*) AS rows, MAX(created_at) AS last FROM measurements "
+                           f"WHERE {' AND '.join(clauses)} GROUP BY op, op_digest ORDER BY last DESC, op_digest",
+                           params)
+
     def trial_rows(self, study: str, trial: int) -> list[dict]:
         """The rows written for one trial of one study."""
         return [self._decode(r) for r in self._query(

@@ -190,6 +190,13 @@ class HybridVariant(Variant):
         return collectives.check(self.kind, problem.world, rows, cols, problem.torch_dtype,
                                  _collective_config(config, self.kind), dim)
 
+    def refuses(self, world: Any, problem: Problem, config: Config) -> str | None:
+        """The collective's own check against this World's heap (e.g. the copy engine needs
+        peer-mapped heap tensors, which the symm heap does not provide)."""
+        rows, cols, dim = self.shape(problem)
+        return collectives.check(self.kind, world, rows, cols, problem.torch_dtype,
+                                 _collective_config(config, self.kind), dim)
+
     def _collective(self, world: Any, problem: Problem, config: Config) -> Any:
         rows, cols, dim = self.shape(problem)
         cfg = _collective_config(config, self.kind)

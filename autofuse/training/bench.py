@@ -15,17 +15,22 @@ module). Every target follows one contract, so the command treats them alike:
     render(result: dict, console) -> None
         Prints the result for people on `console` (a rich Console with markup off: foreign text
         prints as written) readable at 80 columns (split or wrap wide tables, no truncation).
+    DEFAULT_SWEEP = {"cuda": ..., "cpu": ...} and WORLD (optional module constants)
+        The sweep run when `--sweep` is not given, and the world size of a target that runs a fixed
+        one: they name the default output file before the run starts (`planned_out`).
 
 The command adds "target", "date", "fingerprint" and "options" to the result and writes it to
-`options.out`, or by default to `default_out(...)`: ./autofuse-out/bench-TARGET-SWEEP-wWORLD-DATE.json
-in the current directory; an existing file is never replaced unless `options.force`.
+`options.out`, or by default to `planned_out(...)`: ./autofuse-out/bench-TARGET-SWEEP-wWORLD-DATE.json
+in the current directory; as with every command, an existing file stops the run before any work
+unless `options.force`.
 
 The op benchmark: for each problem of `op.sweep(kind, world)`, each available variant is measured
 at each of its known-good configs (`variant.defaults(problem)`), correctness-checked first; the
 fastest correct config per variant is reported. The pieces of the op's bound (`op.extra["bound"]`,
-e.g. the all-gather alone and the matmul alone) are timed in the same run, and bound = max(pieces).
-On CPU the timings are the Triton interpreter's and gloo's, not a GPU's: they show that every
-variant runs, not how fast it would be. With `options.profile`, each measured variant's best config
+e.g. the all-gather alone and the matmul alone) are timed in the same run, and bound = max(pieces);
+best, x BSP, x alt, bound and ceiling are those of `autofuse.measure.compare`. On CPU the timings are the
+Triton interpreter's and gloo's, not a GPU's: they show that every variant runs, not how fast it
+would be, so no speedup is reported. With `options.profile`, each measured variant's best config
 is then profiled per mode (`autofuse.training.kernel_profile`): its rows gain a "profile" key
 {variant: per-kernel breakdown} and `render` prints a kernel table per problem.
 """
@@ -41,17 +46,16 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, Sequence
 
+from autofuse.measure.compare import INTERPRETED_NOTE
+
 # The extra targets: name -> module that implements run/render (see the module docstring).
 TARGETS: dict[str, str] = {
     "collectives": "autofuse.training.bench_collectives",
     "gemm_core": "autofuse.training.bench_gemm_core",
     "layer": "autofuse.training.bench_layer",
 }
-OUT_DIR = Path("autofuse-out")
 OUT_PATTERN = "autofuse-out/bench-TARGET-SWEEP-wWORLD-DATE.json"
-CPU_NOTE = ("CPU emulation: these are Triton-interpreter and gloo timings on CPU ranks, not GPU timings; "
-            "they show that every variant runs and agrees with the reference, not which is faster on a GPU. "
-            "Run the same command on a GPU machine for real numbers.")
+CPU_NOTE = INTERPRETED_NOTE
 
 
 class BenchTargetMissing(LookupError):
@@ -133,8 +137,21 @@ def load_target(target: str) -> ModuleType:
     return module
 
 
+def planned_out(module: ModuleType, options: BenchOptions, date: str | None = None) -> Path:
+    """The default output of a run, known before it starts (so an existing file stops it before any work):
+    the target's sweep (`options.sweep`, else the module's DEFAULT_SWEEP for this device kind, else
+    'default'; an op's is gpu or cpu) and world size (the module's WORLD if it runs a fixed one)."""
+    o = options.resolved()
+    sweeps = getattr(module, "DEFAULT_SWEEP", {})
+    if module.__name__ == __name__:
+        sweeps = {"cuda": "gpu", "cpu": "cpu"}
+    return default_out(o.target, o.sweep or sweeps.get(o.device_kind), getattr(module, "WORLD", None) or o.world, date)
+
+
 def default_out(target: str, sweep: str | None, world: int | None, date: str | None = None) -> Path:
     """./autofuse-out/bench-TARGET-SWEEP-wWORLD-DATE.json (SWEEP 'default' when the target has none)."""
+    from autofuse.commands._common import OUT_DIR
+
     date = date or datetime.datetime.now(datetime.timezone.utc).date().isoformat()
     return OUT_DIR / f"bench-{target}-{sweep or 'default'}-w{world if world is not None else 0}-{date}.json"
 
@@ -246,7 +263,10 @@ def bench_rank(world, op_name: str, kind: str, variants: Sequence[str] | None, m
                     row.pieces_bw["local_vs_copy"] = row.pieces_bw["local_GBps"] / row.pieces_bw["copy_GBps"]
             del copy
         rows.extend(per_mode.values())
-    return {"rows": [_row_dict(r, op) for r in rows], "raw": raw, "variants": names, "modes": list(modes)}
+    from autofuse.measure.compare import interpreted
+
+    return {"rows": [_row_dict(r, op, interpreted(world.device.type)) for r in rows], "raw": raw, "variants": names,
+            "modes": list(modes)}
 
 
 def _profile_best(world, op: Any, problem: Any, vname: str, per_mode: dict[str, BenchRow], say: bool) -> None:
@@ -282,23 +302,22 @@ def _keep_best(row: BenchRow, ms: Any) -> None:
         row.failures.pop(ms.variant, None)
 
 
-def _row_dict(row: BenchRow, op: Any) -> dict[str, Any]:
-    """The row as JSON: every variant's best time, the best candidate other than bsp (any family: what
-    dispatch could pick instead of bsp) and the best of each family, against bsp and the bound."""
-    others = [n for n in op.variants if n != "bsp"]
-    bv, bt = row.fastest(others)
+def _row_dict(row: BenchRow, op: Any, is_interpreted: bool) -> dict[str, Any]:
+    """The row as JSON: every variant's best time (`us`) and config, the bound's pieces, and the numbers of
+    autofuse.measure.compare (best, x BSP, x alt, autofuse's own best vs BSP, bound, ceiling; no ratio for the
+    interpreter), plus the best variant of each family."""
+    from autofuse.measure.compare import compare
+
     by_family = {}
     for family in ("peer", "hybrid", "fused"):
         v, t = row.fastest([n for n, var in op.variants.items() if var.family == family])
         if v != "-":
             by_family[family] = {"variant": v, "us": t}
-    bsp = row.best.get("bsp", math.nan)
+    bound = row.bound if row.bound == row.bound else None
     return {
         "problem": row.problem.key, **row.problem.as_dict(), "mode": row.mode,
-        "best_us": row.best, "config": row.config, "pieces_us": row.pieces, "bound_us": row.bound,
-        "best_variant": bv, "best_variant_us": bt, "best_by_family": by_family,
-        "speedup_vs_bsp": bsp / bt if bt and bt == bt else math.nan,
-        "vs_bound": bt / row.bound if row.bound == row.bound and bt == bt else math.nan,
+        "us": row.best, "config": row.config, "pieces_us": row.pieces,
+        **compare(op, row.best, bound, is_interpreted).as_dict(), "best_by_family": by_family,
         "failures": row.failures, "bandwidth": row.pieces_bw,
         **({"profile": row.profiles} if row.profiles is not None else {}),
     }
@@ -324,53 +343,61 @@ def run(options: BenchOptions) -> dict[str, Any]:
     return result
 
 
-def geomean(xs: Sequence[float]) -> float:
-    xs = [x for x in xs if x and x == x and x > 0]
-    return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else math.nan
-
-
 def _f(x: Any, digits: int = 2) -> str:
     return "-" if x is None or (isinstance(x, float) and not math.isfinite(x)) else f"{x:.{digits}f}"
 
 
 def render(result: dict[str, Any], console: Any) -> None:
-    """One table per mode (the problem parts that vary as columns, the fixed ones in the title), the geomean;
-    with profiles, a kernel table per problem after its mode's table."""
-    from autofuse.commands._common import print_split_table, split_problems
+    """One table per mode (the problem parts that vary as columns, the fixed ones in the title): each variant's
+    latency, the best, x BSP, x alt, the bound and the ceiling (autofuse.measure.compare), then the geomeans; the
+    CPU emulation's tables hold latencies only. With profiles, a kernel table per problem after its mode's."""
+    from autofuse.commands._common import LEGEND, print_split_table, split_problems
+    from autofuse.measure.compare import geomean
     from autofuse.training.kernel_profile import render_profile
 
     op_name = result.get("op") or result.get("target", "?")
     for mode in result["modes"]:
         rows = [r for r in result["rows"] if r["mode"] == mode]
+        interp = any(r["interpreted"] for r in rows)
         key_cols, cells, fixed = split_problems([r["problem"] for r in rows])
+        cols = ["best"] + ([] if interp else ["x BSP"] + (["x alt"] if any(r["alternative"] for r in rows) else [])
+                           + ["bound", "ceiling"])
         body = []
         for r in rows:
-            times = [f"{r['best_us'][v]:.1f}" if v in r["best_us"] else ("fail" if v in r["failures"] else "-")
+            times = [f"{r['us'][v]:.1f}" if v in r["us"] else ("fail" if v in r["failures"] else "-")
                      for v in result["variants"]]
-            body.append([*cells[r["problem"]], *times, _f(r["bound_us"], 1), r["best_variant"],
-                         _f(r["speedup_vs_bsp"]), _f(r["vs_bound"])])
+            extra = {"best": r["best"] or "-", "x BSP": _f(r["speedup_vs_bsp"]),
+                     "x alt": _f(r["speedup_vs_alternative"]), "bound": _f(r["bound_us"], 1),
+                     "ceiling": _f(r["ceiling"])}
+            body.append([*cells[r["problem"]], *times, *[extra[c] for c in cols]])
         print_split_table(console, f"{op_name} {fixed}, {mode} mode: us per call (median, rank-max)",
-                          key_cols, [*result["variants"], "bound", "best", "x BSP", "/ bound"], body)
+                          key_cols, [*result["variants"], *cols], body)
         bw = [r for r in rows if (r.get("bandwidth") or {}).get("local_GBps")]
-        if bw:
+        if bw and not interp:
             body = [[*cells[r["problem"]], f"{r['bandwidth']['local_GBps']:.0f}", f"{r['bandwidth']['copy_GBps']:.0f}",
                      f"{r['bandwidth']['local_vs_copy']:.2f}"] for r in bw]
             print_split_table(console, f"{op_name}, {mode} mode: local kernel bandwidth vs a device copy",
                               key_cols, ["local GB/s", "copy GB/s (read+write)", "local / copy"], body)
-        console.print(f"{mode}: geomean speedup of the best candidate over BSP = "
-                      f"{_f(geomean([r['speedup_vs_bsp'] for r in rows]), 3)}x over {len(rows)} problems")
-        for family in ("hybrid", "fused"):
-            ups = [r["best_us"]["bsp"] / r["best_by_family"][family]["us"] for r in rows
-                   if family in r.get("best_by_family", {}) and "bsp" in r["best_us"]]
-            if ups:
-                console.print(f"{mode}: geomean of the best {family} variant over BSP = {_f(geomean(ups), 3)}x "
-                              f"over {len(ups)} problems")
+        if not interp:
+            console.print(f"{mode}: geomean over {len(rows)} problems: x BSP of the best "
+                          f"{_f(geomean(r['speedup_vs_bsp'] for r in rows), 3)}, of autofuse's own best "
+                          f"{_f(geomean(r['own_vs_bsp'] for r in rows), 3)}"
+                          + (f"; x alt {_f(geomean(r['speedup_vs_alternative'] for r in rows), 3)}"
+                             if any(r["alternative"] for r in rows) else ""))
+            for family in ("hybrid", "fused"):
+                ups = [r["us"]["bsp"] / r["best_by_family"][family]["us"] for r in rows
+                       if family in r.get("best_by_family", {}) and "bsp" in r["us"]]
+                if ups:
+                    console.print(f"{mode}: geomean of the best {family} variant over BSP = {_f(geomean(ups), 3)}x "
+                                  f"over {len(ups)} problems")
         fails = {(r["problem"], v): why for r in rows for v, why in r["failures"].items()}
         for (p, v), why in list(fails.items())[:10]:
             console.print(f"  {v} failed on {p}: {why}", style="yellow")
         for r in rows:
             if r.get("profile"):
                 render_profile(r, result.get("device_kind", ""), console)
+    if not any(r["interpreted"] for r in result["rows"]):
+        console.print(LEGEND)
     for line in result.get("notes", []):
         console.print(line, style="yellow")
 

@@ -49,6 +49,8 @@ BATCH_US = 500.0           # work per timed batch
 MEASURE_S = 0.3            # at most this long per measurement (reps cut, never below MIN_REPS)
 MIN_REPS = 5
 CPU_REPS = 2
+DEFAULT_SWEEP = {"cuda": "gpu", "cpu": "cpu"}  # the shapes, when --sweep is not given
+WORLD = 1  # one device: the core against the vendor GEMM
 FAMILIES = ("tma", "ptr", "swap", "splitk", "ws")
 CPU_NOTE = ("CPU: Triton-interpreter and torch CPU timings, not GPU timings: they show that the core runs "
             "and agrees with torch.matmul, not how fast it is. Run the same command on a GPU machine.")
@@ -281,7 +283,7 @@ def run(options: Any) -> dict:
     kind = _opt(options, "device_kind", "") or ("cuda" if torch.cuda.is_available() else "cpu")
     opts = {
         "device_kind": kind,
-        "sweep": _opt(options, "sweep", "gpu" if kind == "cuda" else "cpu"),
+        "sweep": _opt(options, "sweep", DEFAULT_SWEEP[kind]),
         "keep": parse_shapes(_opt(options, "shapes", None)),
         "variants": parse_variants(_opt(options, "variants", None)),
         "reps": int(_opt(options, "reps", 20)),

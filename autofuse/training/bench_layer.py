@@ -55,6 +55,7 @@ DECODE_CONTEXT = {"cuda": (4096, 8192, 16384, 32768), "cpu": (24,)}
 KV_BLOCK = {"cuda": 64, "cpu": 4}
 CPU_NOTE = ("CPU emulation: Triton's interpreter and gloo on a tiny config; these are interpreter timings, "
             "not GPU numbers (run on a GPU machine for the layer's real latency)")
+DEFAULT_SWEEP = {"cuda": "70b", "cpu": "tiny"}  # the model, when --sweep is not given
 CPU_REPS = 3  # timed batches per median on CPU at most: the interpreter takes ~0.1-0.5 s per attention call
 
 
@@ -238,7 +239,7 @@ def run(options: Any = None) -> dict:
     opts = Options.of(options)
     kind = opts.device_kind or default_device_kind()
     world = opts.world or (gpu_count() if kind == "cuda" else 2)
-    model = opts.model or ("70b" if kind == "cuda" else "tiny")
+    model = opts.model or DEFAULT_SWEEP[kind]
     modes = list(opts.modes or (("eager", "graph") if kind == "cuda" else ("eager",)))
     if kind != "cuda" and "graph" in modes:
         raise ValueError("graph mode needs CUDA graphs; on CPU only eager mode runs")

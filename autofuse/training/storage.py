@@ -1,7 +1,7 @@
 """Optuna's storage for the tuner: URLs, opening with heartbeats, a write check, and worker liveness.
 
 Studies live in an Optuna RDB storage: by default an SQLite file beside the measurement database
-(`tuning_db/autofuse.db` -> `tuning_db/autofuse.optuna.db`), or any Optuna RDB URL (PostgreSQL for
+(`autofuse-out/autofuse.db` -> `autofuse-out/autofuse.optuna.db`), or any Optuna RDB URL (PostgreSQL for
 several tuning hosts on one study). Each trial records the worker that runs it (host, pid, process
 start time) and a heartbeat, so a resumed run can tell a dead worker's trial on its own host at once,
 and Optuna fails the trials of dead workers on other hosts after the grace period.
@@ -23,7 +23,7 @@ GRACE_S = 120
 
 
 def default_storage(db: str | Path) -> str:
-    """Optuna's SQLite file beside the database: `tuning_db/autofuse.db` -> `tuning_db/autofuse.optuna.db`."""
+    """Optuna's SQLite file beside the database: `autofuse-out/autofuse.db` -> `autofuse-out/autofuse.optuna.db`."""
     db = Path(db).absolute()
     return f"sqlite:///{db.with_name(db.stem + '.optuna.db')}"
 

@@ -19,8 +19,9 @@
   mode, or PRUNED (with the error as a user attribute) for a wrong, crashing, hanging or too slow
   config, never a made-up number: TPE ranks pruned trials below every complete one, so it learns to
   avoid them, which it would not from FAIL. FAIL is kept for trials that did not finish (process
-  died, abandoned) and for duplicates of a config another worker is measuring. An invalid config is
-  told PRUNED with its reason (attribute `invalid`) before anything is launched; a config the store
+  died, abandoned) and for duplicates of a config another worker is measuring. An invalid config
+  (the variant's `check`, or what this World's heap refuses: `refuses`) is told PRUNED with its
+  reason (attribute `invalid`) before anything is launched, and never counts as a measured trial; a config the store
   or the study already holds is not measured again: the trial is told the known verdict.
 - **Resume**: a trial left RUNNING by a dead process of this host is settled on resume: told its
   result if its rows reached the store, else marked FAIL (attribute `abandoned`) and its config
@@ -120,8 +121,10 @@ class StudyDriver:
     """Rank 0's side of one study: asks trials, filters invalid and known configs, tells results."""
 
     def __init__(self, storage: optuna.storages.RDBStorage, store: Store, fingerprint: Mapping[str, Any], op: Op,
-                 problem: Problem, mode: str, variants: list[str], trials: int, op_digest: str, seed: int = 0):
+                 problem: Problem, mode: str, variants: list[str], trials: int, op_digest: str, seed: int = 0,
+                 world: Any = None):
         self.storage, self.store, self.fp = storage, store, fingerprint
+        self.world = world  # where given, configs its heap or devices refuse are pruned before launch
         self.op, self.problem, self.mode = op, problem, mode
         self.variants = variants
         self.trials = int(trials)
@@ -278,6 +281,8 @@ class StudyDriver:
         if space.unrecorded:
             trial.set_user_attr("unrecorded", sorted(set(space.unrecorded)))
         reason = v.check(self.problem, config)
+        if not reason and self.world is not None:
+            reason = v.refuses(self.world, self.problem, config)
         if reason:
             trial.set_user_attr("invalid", reason)
             self.study.tell(trial, state=TrialState.PRUNED)

@@ -8,7 +8,9 @@
   recorded per trial (eager and graph on CUDA); the study optimises one of them (`mode`).
 - **Variants**: the tunable ones (families `hybrid` and `fused`: they have a search space) are
   searched; the others (`bsp`, `peer` such as torch_symm) are baselines, measured once per problem
-  at their default configs (source 'baseline').
+  at their default configs (source 'baseline'). At world size 1 an op has nothing to communicate:
+  only its baselines are measured (the base of strong scaling), so one GPU tunes nothing. A config
+  the World's heap refuses (`Variant.refuses`) is pruned before launch, never measured.
 - **Budget**: `trials` counts measured trials per study (pruned and already-known configs are free),
   across runs and workers; on CPU it defaults to one per tunable variant, so every variant's first
   known-good config is measured on every problem. A run also stops after many asks in a row found
@@ -46,9 +48,10 @@ from autofuse.training.progress import Progress, first_line
 from autofuse.training.storage import check_writable, default_storage, open_storage
 from autofuse.training.study import Job, StudyDriver, study_name
 
-DEFAULTS = {  # per device type: trials per study (None: one per tunable variant), timed reps, warm-up calls, s per trial
-    "cpu": {"trials": None, "reps": 5, "warmup": 0, "budget_s": 120.0},  # the interpreter: slow, nothing to warm
-    "cuda": {"trials": 8, "reps": 10, "warmup": 3, "budget_s": 20.0},  # the default sweep: ~10 problems per op
+DEFAULTS = {  # per device type: trials per study (None: one per tunable variant), timed reps, warm-up calls,
+    # s per trial, problems per op and world size (None: the whole sweep)
+    "cpu": {"trials": None, "reps": 5, "warmup": 0, "budget_s": 120.0, "limit": 2},  # the interpreter: slow
+    "cuda": {"trials": 8, "reps": 10, "warmup": 3, "budget_s": 20.0, "limit": None},  # default sweep: ~10 per op
 }
 # Rough seconds per measured trial and per baseline, and to start the ranks: for `describe_plan` only.
 ESTIMATE_S = {"cpu": (2.0, 1.0, 15.0), "cuda": (1.5, 0.5, 30.0)}
@@ -80,6 +83,7 @@ class Settings:
     seed: int = 0
     time_limit_s: float | None = None
     verbose: bool = True
+    limit: int | None = None
 
     def value(self, name: str, device_type: str) -> Any:
         given = getattr(self, name)
@@ -106,6 +110,8 @@ class Settings:
                              f"the CPU emulation times {' and '.join(modes)} mode only (use --mode eager)")
         if self.trials is not None and self.trials < 1:
             raise ValueError(f"--trials must be at least 1, not {self.trials}")
+        if self.limit is not None and self.limit < 0:
+            raise ValueError(f"--limit must be 0 (every problem) or more, not {self.limit}")
         if any(w < 1 for w in self.worlds):
             raise ValueError(f"--world sizes must be at least 1, not {min(self.worlds)}")
         if device_type == "cuda" and self.worlds and max(self.worlds) > ranks:
@@ -167,7 +173,10 @@ def _available(v: Any, world: Any) -> bool:
 
 
 def tunable_variants(op: Op, world: Any) -> list[str]:
-    """The variants searched (hybrid and fused: they have a search space) that can run on `world`."""
+    """The variants searched (hybrid and fused: they have a search space) that can run on `world`; none at
+    world size 1, where an op has nothing to communicate (its baselines are the base of strong scaling)."""
+    if world.size == 1:
+        return []
     return [n for n, v in op.variants.items() if v.tunable and _available(v, world)]
 
 
@@ -193,7 +202,7 @@ class Plan:
         return sum(len(ps) for _, _, ps, _ in self.items)
 
     def trials(self, settings: Settings) -> int:
-        return sum(len(ps) * settings.trials_for(self.device_type, vs) for _, _, ps, vs in self.items)
+        return sum(len(ps) * settings.trials_for(self.device_type, vs) for _, _, ps, vs in self.items if vs)
 
 
 def make_plan(settings: Settings, device_type: str, ranks: int) -> Plan:
@@ -204,12 +213,30 @@ def make_plan(settings: Settings, device_type: str, ranks: int) -> Plan:
     if worlds[-1] > ranks or worlds[0] < 1:
         raise ValueError(f"world sizes {worlds} must be within 1..{ranks}")
     ops = [resolve_op(n) for n in (settings.ops or registry.names())]
+    limit = settings.value("limit", device_type) or None  # 0: every problem
     items = []
     for w in worlds:
         stand_in = SimpleNamespace(device=torch.device(device_type), size=w, rank=0)
         for op in ops:
-            items.append((w, op, problems_for(op, sweep, w, settings.shapes), tunable_variants(op, stand_in)))
+            if sweep == "scaling" and device_type == "cpu":
+                problems = cpu_scaling(op, w, worlds[-1], settings.shapes)
+            else:
+                problems = problems_for(op, sweep, w, settings.shapes)
+            items.append((w, op, problems[:limit], tunable_variants(op, stand_in)))
     return Plan(device_type, mode, sweep, worlds, items)
+
+
+def cpu_scaling(op: Op, world: int, largest: int, shapes: Sequence[str] = ()) -> list[Problem]:
+    """Strong scaling on the CPU emulation: the `cpu` sweep's problems at the largest world size, each
+    at `world` with the same global sizes (the op's `per_rank` dims times the world), where they divide.
+    The `scaling` sweep itself holds GPU-sized problems the interpreter cannot run in reasonable time."""
+    out = []
+    for p in problems_for(op, "cpu", largest, shapes):
+        dims = dict(p.dims)
+        if all(isinstance(dims[k], int) and dims[k] * largest % world == 0 for k in op.per_rank if k in dims):
+            dims.update({k: dims[k] * largest // world for k in op.per_rank if k in dims})
+            out.append(Problem.make(op.name, p.dtype, world, **dims))
+    return out
 
 
 def describe_plan(plan: Plan, settings: Settings, ranks: int) -> str:
@@ -219,6 +246,7 @@ def describe_plan(plan: Plan, settings: Settings, ranks: int) -> str:
         per_op[op.name] = per_op.get(op.name, 0) + len(ps)
     trials = plan.trials(settings)
     per_trial, per_baseline, start = ESTIMATE_S[plan.device_type]
+    only_base = sorted({w for w, _, ps, vs in plan.items if ps and not vs})
     seconds = start + trials * per_trial + plan.problems * 1.5 * per_baseline
     rough = "under a minute" if seconds < 60 else f"about {math.ceil(seconds / 60)} min"
     where = (f"{ranks} CPU ranks (Triton interpreter, gloo, shared-memory heap)" if plan.device_type == "cpu"
@@ -226,9 +254,12 @@ def describe_plan(plan: Plan, settings: Settings, ranks: int) -> str:
     trials_text = (f"{settings.trials} trials per problem" if settings.trials is not None
                    else "one trial per tunable variant per problem" if plan.device_type == "cpu"
                    else f"{DEFAULTS['cuda']['trials']} trials per problem")
+    limit = settings.value("limit", plan.device_type)
+    sweep = f"sweep {plan.sweep}" + (f" (its first {limit} problems per op; --limit 0: all)" if limit else "")
+    base = (f"; world {', '.join(map(str, only_base))}: baselines only (nothing to communicate)" if only_base else "")
     return (f"tuning {plan.problems} problems ({', '.join(f'{k} {v}' for k, v in per_op.items())}) at world "
-            f"{', '.join(map(str, plan.worlds))} on {where}: baselines, then {trials_text} ({trials} in all), "
-            f"{plan.mode} mode, {rough} if nothing is stored yet; database {settings.db}")
+            f"{', '.join(map(str, plan.worlds))} on {where}, {sweep}: baselines, then {trials_text} ({trials} in all"
+            f"{base}), {plan.mode} mode, {rough} if nothing is stored yet; database {settings.db}")
 
 
 # -- collectives -------------------------------------------------------------------------------------
@@ -275,28 +306,23 @@ def _measure_baselines(world: Any, op: Op, problem: Problem, mode: str, settings
 
 
 def _summary_row(state: RunState, op: Op, problem: Problem, mode: str, driver: StudyDriver | None,
-                 seconds: float) -> dict:
+                 seconds: float, device_kind: str) -> dict:
+    """The problem's line of the run's summary: each variant's best latency and config so far, and the
+    numbers of autofuse.measure.compare (no ratio for interpreter timings)."""
+    from autofuse.measure.compare import compare, interpreted
+
     assert state.store is not None
-    rows = {r["variant"]: r for r in state.store.best(op.name, mode, hardware_id=state.fingerprint["hardware_id"],
-                                                      op_digest=state.digests[op.name])
-            if r["problem"] == problem.key}
-    best = min(rows.values(), key=lambda r: r["median_us"]) if rows else None
-    tuned = {v: r for v, r in rows.items() if op.variants.get(v) is not None and op.variants[v].tunable}
-    best_tuned = min(tuned.values(), key=lambda r: r["median_us"]) if tuned else None
-    bsp = rows.get("bsp")
-    out = {"problem": problem.key, "op": op.name, "mode": mode, "best_variant": best["variant"] if best else None,
-           "config": best["config"] if best else None, "latency_us": best["median_us"] if best else None,
-           "bsp_us": bsp["median_us"] if bsp else None, "speedup_vs_bsp": None,
-           "best_tuned": best_tuned["variant"] if best_tuned else None,
-           "best_tuned_us": best_tuned["median_us"] if best_tuned else None,
-           "variants_us": {v: r["median_us"] for v, r in sorted(rows.items(), key=lambda kv: kv[1]["median_us"])},
-           "trials_this_run": driver.measured_here if driver else 0,
-           "compile_s": round(driver.compile_s, 2) if driver else 0.0, "seconds": round(seconds, 1),
-           "study": driver.name if driver else study_name(problem, mode, state.fingerprint["hardware_id"],
-                                                           state.digests[op.name])}
-    if best and bsp:
-        out["speedup_vs_bsp"] = bsp["median_us"] / best["median_us"]
-    return out
+    rows = sorted((r for r in state.store.best(op.name, mode, hardware_id=state.fingerprint["hardware_id"],
+                                                op_digest=state.digests[op.name]) if r["problem"] == problem.key),
+                  key=lambda r: r["median_us"])
+    us = {r["variant"]: r["median_us"] for r in rows}
+    return {"problem": problem.key, "op": op.name, "mode": mode, "device_kind": device_kind, "variants_us": us,
+            "configs": {r["variant"]: r["config"] for r in rows},
+            **compare(op, us, is_interpreted=interpreted(device_kind)).as_dict(),
+            "trials_this_run": driver.measured_here if driver else 0,
+            "compile_s": round(driver.compile_s, 2) if driver else 0.0, "seconds": round(seconds, 1),
+            "study": driver.name if driver else study_name(problem, mode, state.fingerprint["hardware_id"],
+                                                            state.digests[op.name])}
 
 
 def _should_stop(world: Any, state: RunState) -> bool:
@@ -318,7 +344,7 @@ def _tune_problem(world: Any, op: Op, problem: Problem, mode: str, settings: Set
     if world.rank == 0 and variants:
         assert state.store is not None and state.storage is not None and state.progress is not None
         driver = StudyDriver(state.storage, state.store, state.fingerprint, op, problem, mode, variants,
-                             settings.trials_for(dev, variants), state.digests[op.name], settings.seed)
+                             settings.trials_for(dev, variants), state.digests[op.name], settings.seed, world=world)
         state.progress.expect(-min(driver.initially_measured, driver.trials))
     while not _should_stop(world, state):
         job: Job | None = driver.next(state.deadline) if driver is not None else None
@@ -342,7 +368,7 @@ def _tune_problem(world: Any, op: Op, problem: Problem, mode: str, settings: Set
         assert state.progress is not None
         state.progress.expect(-max(0, driver.trials - min(driver.initially_measured, driver.trials)
                                    - driver.measured_here))
-    return _summary_row(state, op, problem, mode, driver, time.monotonic() - t0)
+    return _summary_row(state, op, problem, mode, driver, time.monotonic() - t0, dev)
 
 
 def quiet_warnings() -> None:

@@ -1,0 +1,136 @@
+"""One definition of the numbers every command reports about a problem (tune, show, export, bench, bench layer).
+
+- **best**: the fastest correct variant measured on the problem, of any family, BSP included: what
+  dispatch could at best run (it chooses among the same variants). `x BSP` (`speedup_vs_bsp`) =
+  BSP's latency / best's latency, so it is never below 1.00; 1.00 means BSP is the best.
+- **alternatives**: what a user would otherwise run instead of autofuse: an op's variants of the
+  families in `ALTERNATIVE_FAMILIES` (`peer`: torch's symmetric-memory ops such as `torch_symm`,
+  and any peer variant added later, e.g. torch's symmetric-memory all-reduce or NCCL on
+  registered buffers). `x alt` (`speedup_vs_alternative`) = the fastest alternative's latency /
+  best's latency (>= 1.00; absent where the op has no alternative measured).
+- **autofuse's own**: the variants of the families in `OWN_FAMILIES` (hybrid, fused);
+  `own_vs_bsp` = BSP / the fastest of them, below 1.00 where they lose: what the per-family
+  geomeans of `bench` report.
+- **bound**: the slowest of the op's pieces (communication alone, computation alone) timed in the
+  same run: the latency perfect overlap would reach. **ceiling** = BSP / bound: the most any
+  overlap can give over BSP; **captured** = (x BSP - 1) / (ceiling - 1). A bound above BSP means the
+  pieces' timings are not consistent with BSP's (noise): the ceiling is then left out.
+- Timings of the CPU emulation (Triton's interpreter, gloo) say nothing about GPUs: where a
+  comparison is `interpreted`, every ratio above is None and tables print latencies only, never
+  a speedup (`INTERPRETED_NOTE` says why).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any, Iterable, Mapping
+
+ALTERNATIVE_FAMILIES = ("peer",)
+OWN_FAMILIES = ("hybrid", "fused")
+INTERPRETED_NOTE = ("CPU emulation: latencies are Triton-interpreter and gloo timings on CPU ranks, not GPU "
+                    "timings; no speedup is shown (they show that every variant runs, not which is faster on a GPU)")
+
+
+def interpreted(device_kind: str | None) -> bool:
+    """Whether timings of this device kind come from the CPU emulation (never shown as speedups)."""
+    return device_kind == "cpu"
+
+
+def families(op: Any) -> dict[str, str]:
+    """{variant: family} of an op (an Op or a registered op's name; {} for an op this install lacks)."""
+    if isinstance(op, str):
+        from autofuse.core import registry
+
+        try:
+            op = registry.get(op)
+        except (KeyError, ImportError):
+            return {}
+    return {name: v.family for name, v in op.variants.items()}
+
+
+def alternatives(op: Any) -> list[str]:
+    """The op's variants users would otherwise run (families in ALTERNATIVE_FAMILIES), in registry order."""
+    return [v for v, f in families(op).items() if f in ALTERNATIVE_FAMILIES]
+
+
+def own(op: Any) -> list[str]:
+    """autofuse's own variants of the op (families in OWN_FAMILIES), in registry order."""
+    return [v for v, f in families(op).items() if f in OWN_FAMILIES]
+
+
+def ratio(slow: float | None, fast: float | None) -> float | None:
+    """slow / fast where both are finite positive latencies, else None."""
+    if slow is None or fast is None or not (math.isfinite(slow) and math.isfinite(fast)) or slow <= 0 or fast <= 0:
+        return None
+    return slow / fast
+
+
+def ceiling(bsp_us: float | None, bound_us: float | None) -> float | None:
+    """BSP / bound, the most perfect overlap can give over BSP; None where the bound is above BSP."""
+    r = ratio(bsp_us, bound_us)
+    return r if r is not None and r >= 1.0 else None
+
+
+def captured(speedup: float | None, top: float | None) -> float | None:
+    """The share of the ceiling a speedup reaches: (x - 1) / (ceiling - 1); None without a ceiling above 1."""
+    if speedup is None or top is None or top <= 1.0:
+        return None
+    return (speedup - 1.0) / (top - 1.0)
+
+
+def _fastest(us: Mapping[str, float], among: Iterable[str]) -> tuple[str | None, float | None]:
+    cands = [(t, v) for v, t in us.items() if v in set(among) and t is not None and math.isfinite(t)]
+    if not cands:
+        return None, None
+    t, v = min(cands)
+    return v, t
+
+
+@dataclass
+class Comparison:
+    """The numbers of one problem in one timing mode (see the module docstring)."""
+
+    best: str | None
+    best_us: float | None
+    bsp_us: float | None
+    speedup_vs_bsp: float | None
+    alternative: str | None
+    alternative_us: float | None
+    speedup_vs_alternative: float | None
+    own: str | None
+    own_us: float | None
+    own_vs_bsp: float | None
+    bound_us: float | None
+    ceiling: float | None
+    ceiling_captured: float | None
+    interpreted: bool
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def compare(op: Any, us: Mapping[str, float], bound_us: float | None = None,
+            is_interpreted: bool = False) -> Comparison:
+    """The comparison of one problem: `us` = {variant: its best correct latency}, `bound_us` = the
+    slowest piece timed alone (None if not timed). With `is_interpreted` every ratio is None."""
+    fam = families(op)
+    finite = {v: t for v, t in us.items() if t is not None and math.isfinite(t) and t > 0}
+    best, best_us = _fastest(finite, finite)
+    alt, alt_us = _fastest(finite, [v for v in finite if fam.get(v) in ALTERNATIVE_FAMILIES])
+    mine, mine_us = _fastest(finite, [v for v in finite if fam.get(v, "bsp" if v == "bsp" else "fused")
+                                      in OWN_FAMILIES])
+    bsp_us = finite.get("bsp")
+    bound = bound_us if bound_us is not None and math.isfinite(bound_us) else None
+    if is_interpreted:
+        x_bsp = x_alt = x_own = top = None
+    else:
+        x_bsp, x_alt, x_own = ratio(bsp_us, best_us), ratio(alt_us, best_us), ratio(bsp_us, mine_us)
+        top = ceiling(bsp_us, bound)
+    return Comparison(best, best_us, bsp_us, x_bsp, alt, alt_us, x_alt, mine, mine_us, x_own, bound, top,
+                      captured(x_bsp, top), is_interpreted)
+
+
+def geomean(xs: Iterable[float | None]) -> float | None:
+    """Geometric mean of the finite positive values; None if there are none."""
+    vals = [x for x in xs if x is not None and math.isfinite(x) and x > 0]
+    return math.exp(sum(math.log(x) for x in vals) / len(vals)) if vals else None
