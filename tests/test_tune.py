@@ -706,7 +706,7 @@ def test_runtime_never_imports_optuna_or_sklearn():
             "    except Exception as exc:\n"
             "        if 'training-only' in str(exc): bad.append(f'{m}: {exc}')\n"
             "        else: print(f'(not importable for another reason: {m}: {type(exc).__name__})', file=sys.stderr)\n"
-            "from autofuse import environment\n"
+            "from autofuse.measure import environment\n"
             "environment.fingerprint('cpu')\n"
             "print(bad + sorted(m for m in ('optuna', 'sklearn') if m in sys.modules))\n")
     env = {**{k: v for k, v in os.environ.items() if k != "PYTHONPATH"}, "TRITON_INTERPRET": "1"}
