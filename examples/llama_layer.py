@@ -100,22 +100,24 @@ class TPOps(Protocol):
 
 
 class AutofuseOps:
-    """autofuse's public API: each call runs the variant autofuse picks for its shapes."""
+    """autofuse's public API: each call runs the variant autofuse picks for its shapes, or the one
+    `variants` forces for its op (e.g. {"ag_gemm": "push"}; autofuse's `variant=` argument)."""
 
-    def __init__(self, group: Any = None):
+    def __init__(self, group: Any = None, variants: dict[str, str] | None = None):
         self.group = group
+        self.variants = dict(variants or {})
 
     def ag_gemm(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        return autofuse.ag_gemm(a, b, group=self.group)
+        return autofuse.ag_gemm(a, b, group=self.group, variant=self.variants.get("ag_gemm"))
 
     def gemm_rs(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        return autofuse.gemm_rs(a, b, group=self.group)
+        return autofuse.gemm_rs(a, b, group=self.group, variant=self.variants.get("gemm_rs"))
 
     def gemm_ar(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        return autofuse.gemm_ar(a, b, group=self.group)
+        return autofuse.gemm_ar(a, b, group=self.group, variant=self.variants.get("gemm_ar"))
 
     def flash_decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-        return autofuse.flash_decode(q, k, v, lengths, group=self.group)
+        return autofuse.flash_decode(q, k, v, lengths, group=self.group, variant=self.variants.get("flash_decode"))
 
 
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor

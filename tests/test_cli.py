@@ -454,3 +454,53 @@ def test_default_tuning_database_is_git_ignored():
     res = subprocess.run(["git", "check-ignore", "tuning_db/h200x2.db", "models/x.json"], cwd=ROOT,
                          capture_output=True, text=True, timeout=30)
     assert res.stdout == ""
+
+
+def test_show_and_export_mark_rows_of_older_op_code_stale(runner, tmp_path):
+    """Problems measured only with older code of their op are shown (not hidden) and marked stale, as dispatch
+    uses them: predictions confirmed on first use; export says so per record; fit leaves them out."""
+    from autofuse.core.op import Problem
+    from autofuse.measure.store import Store
+    from autofuse.measure.timing import Measurement
+
+    db = make_db(tmp_path / "stale.db")
+    old = Problem.make("ag_gemm", "bfloat16", 2, M=512, N=7168, K=8192, gather="rows")
+    with Store.open(db) as store:
+        store.add([Measurement(old, v, {}, "eager", True, median_us=t, p10_us=t, p90_us=t, min_us=t, reps=3)
+                   for v, t in (("bsp", 20.0), ("push", 15.0))], GPU_FP, source="tune", op_digest="older-code")
+    res = runner.invoke(app, ["show", "--db", str(db), "--op", "ag_gemm"])
+    assert res.exit_code == 0, res.output
+    _check_80(res.stdout)
+    lines = [line for line in res.stdout.splitlines() if line.startswith("│ 512")]
+    assert len(lines) == 1 and "stale" in lines[0], res.stdout
+    assert sum("stale" in line for line in res.stdout.splitlines() if line.startswith("│")) == 1
+    assert "confirms each on first use" in " ".join(res.stdout.split())
+    res = runner.invoke(app, ["export", "--db", str(db), "--format", "json"])
+    assert res.exit_code == 0, res.output
+    records = json.loads((tmp_path / "autofuse-out" / "tuning-eager.json").read_text())
+    assert {r["problem"]: r["stale"] for r in records if r["M"] == 512} == {old.key: True}
+    assert not any(r["stale"] for r in records if r["M"] != 512)
+    res = runner.invoke(app, ["fit", "--db", str(db), "--out", "p.json"])
+    assert res.exit_code == 0 and "left out 1 problems of ag_gemm measured only with older code" in res.stderr
+
+
+def test_gemm_core_bench_table_at_80_columns_and_no_ratio_on_cpu():
+    """The GEMM-core bench table in a log (80 columns, long config texts): nothing cut; the core/torch ratio
+    and the target verdict appear for GPU timings only."""
+    import io
+
+    from rich.console import Console
+
+    from autofuse.training import bench_gemm_core
+
+    row = {"M": 16384, "N": 28672, "K": 14336, "mode": "graph", "cublas_us": 13229.41, "core_us": 14001.2,
+           "core_vs_cublas": 1.058, "meets_target": False, "configs": [],
+           "best_text": "BLOCK_M=128,BLOCK_N=256,BLOCK_K=64,GROUP_M=8,num_warps=8,num_stages=3,TMA,WARP_SPEC"}
+    for kind in ("cuda", "cpu"):
+        text = io.StringIO()
+        bench_gemm_core.render({"rows": [row], "device_kind": kind, "device": "x"},
+                               Console(file=text, width=80, markup=False, highlight=False))
+        out = text.getvalue()
+        _check_80(out)
+        assert "13229.4" in out and "14001.2" in out
+        assert ("1.06" in out) == (kind == "cuda") and ("NO" in out) == (kind == "cuda")

@@ -560,6 +560,7 @@ def test_bench_collectives_runs_on_cpu_and_renders_at_80_columns():
     out = text.getvalue()
     assert "CPU emulation" in out and "one_shot" in out
     assert max(len(line) for line in out.splitlines()) <= 80
+    assert "x gloo" not in out and "bus GB/s" not in out  # interpreter timings: never a speedup
 
 
 def test_collective_sweep_script_checks_times_and_profiles_every_config(tmp_path):

@@ -323,8 +323,41 @@ def test_bench_layer_cpu() -> None:
     json.loads(dumps(result))
     text = io.StringIO()
     module.render(result, Console(file=text, width=80, markup=False))
-    assert "interpreter timings" in text.getvalue() and "geomean" in text.getvalue()
-    assert max(len(line) for line in text.getvalue().splitlines()) <= 80
+    out = text.getvalue()
+    assert "interpreter timings" in out and "outputs agree" in out
+    assert "geomean" not in out and "x base" not in out and "captured" not in out  # CPU: never a speedup
+    assert all(r["speedup"] is None and r["ceiling"] is None for r in rows)
+    assert "compares BSP with itself" in out  # no CPU policy: autofuse's own choice is bsp everywhere
+    assert max(len(line) for line in out.splitlines()) <= 80
+
+
+def test_bench_layer_numbers_on_gpu_timings() -> None:
+    """A GPU row (made-up timings): x base, the ceiling from the layer's bound max(collectives, rest) as
+    autofuse.measure.compare defines it, x alt against the fastest alternative layer; rendered at 80 columns."""
+    import io
+
+    from rich.console import Console
+
+    from autofuse.training.bench_layer import _row, render, summarize
+
+    item = {"phase": "decode", "batch": 8, "context": 4096}
+    t = {"baseline": 100.0, "autofuse": 80.0, "alternative 0": 90.0, "alternative 1": 95.0}
+    alts = {"alternative 0": {"ag_gemm": "torch_symm"}, "alternative 1": {"ag_gemm": "other"}}
+    row = _row(item, "graph", "default", t, 30.0, {}, 1e-3, {"o_proj": "gemm_ar:one_shot"}, False, alts)
+    assert row["speedup"] == 1.25 and row["bound_us"] == 70.0 and abs(row["ceiling"] - 100 / 70) < 1e-12
+    assert abs(row["ceiling_captured"] - 0.25 / (100 / 70 - 1)) < 1e-12
+    assert row["alternative_us"] == 90.0 and row["alternative"] == {"ag_gemm": "torch_symm"}
+    assert row["speedup_vs_alternative"] == 90.0 / 80.0
+    heavy = _row(item, "graph", "default", t, 70.0, {}, 1e-3, {}, False, {})  # collectives > rest: bound = comm
+    assert heavy["bound_us"] == 70.0 and heavy["speedup_vs_alternative"] is None
+    (s,) = summarize([row])
+    assert s["speedup_geomean"] == 1.25 and s["speedup_vs_alternative_geomean"] == 90.0 / 80.0 and not s["all_bsp"]
+    text = io.StringIO()
+    render({"rows": [row], "modes": ["graph"], "model": "70b", "world": 2, "device": "GPU"},
+           Console(file=text, width=80, markup=False))
+    out = text.getvalue()
+    assert "x alt" in out and "1.125" in out and "x1.250 geomean" in out and "over the best alternative" in out
+    assert max(len(line) for line in out.splitlines()) <= 80
 
 
 def test_bench_layer_plan() -> None:

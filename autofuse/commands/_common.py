@@ -174,32 +174,33 @@ def print_split_table(console: Console, title: str, key_cols: Sequence[str], val
     """
     width = width or console.width
     nkey = len(key_cols)
+    heads = [*key_cols, *value_cols]
 
-    def col_width(i: int, header: str) -> int:
-        return max([_width(header, True)] + [len(str(row[i])) for row in body]) + 3
+    def col_width(i: int, wrap: bool) -> int:
+        return max([_width(heads[i], wrap)] + [len(str(row[i])) for row in body]) + 3
 
-    key_w = sum(col_width(i, h) for i, h in enumerate(key_cols)) + 1
+    key_w = sum(col_width(i, True) for i in range(nkey)) + 1
     chunks: list[list[int]] = [[]]
     used = key_w
-    for j, h in enumerate(value_cols):
-        w = col_width(nkey + j, h)
+    for j in range(len(value_cols)):
+        w = col_width(nkey + j, True)
         if chunks[-1] and used + w > width:
             chunks.append([])
             used = key_w
         chunks[-1].append(j)
         used += w
+    cap = max(8, width - 4)
     for n, chunk in enumerate(chunks):
         part = f" (part {n + 1} of {len(chunks)})" if len(chunks) > 1 else ""
         console.print(title + part, style="bold", soft_wrap=False)
         t = Table()
-        # fixed widths: each column as wide as its widest cell (cells never wrap), headers wrap at spaces;
-        # only a cell wider than the whole console folds onto a second line
-        cap = max(8, width - 4)
-        for i, h in enumerate(key_cols):
-            t.add_column(h, overflow="fold", width=min(cap, col_width(i, h) - 3))
-        for j in chunk:
-            t.add_column(value_cols[j], justify="right", overflow="fold",
-                         width=min(cap, col_width(nkey + j, value_cols[j]) - 3))
+        # fixed widths: each column as wide as its widest cell (cells never wrap); headers unwrapped where
+        # the part fits so, else wrapped at spaces; only a cell wider than the console folds
+        columns = [*range(nkey), *(nkey + j for j in chunk)]
+        wrap = sum(col_width(i, False) for i in columns) + 1 > width
+        for i in columns:
+            t.add_column(heads[i], justify="right" if i >= nkey else "left", overflow="fold",
+                         width=min(cap, col_width(i, wrap) - 3))
         for row in body:
             t.add_row(*[str(c) for c in row[:nkey]], *[str(row[nkey + j]) for j in chunk])
         console.print(t)

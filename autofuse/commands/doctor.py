@@ -9,7 +9,7 @@ from typing import Optional
 import typer
 from rich.table import Table
 
-from autofuse.commands._common import OutputExists, console_for, fail, write_new
+from autofuse.commands._common import OutputExists, check_new, console_for, fail, fmt, print_split_table, write_new
 
 
 def _rank_job(world, measure: bool) -> dict:
@@ -45,8 +45,8 @@ def doctor(
     from autofuse.comm.world import RankFailed, default_device_kind, gpu_count, spawn
 
     console = console_for(stderr=json_out)  # with --json, stdout holds only the JSON
-    if out_path is not None and out_path.exists() and not force:
-        fail(f"{out_path} exists; pass --force to replace it, or name another file")
+    if out_path is not None:
+        check_new([out_path], force)
     kind = default_device_kind()
     n = world or (gpu_count() if kind == "cuda" else 2)
     if kind == "cuda" and n > gpu_count():
@@ -75,24 +75,16 @@ def doctor(
     except RankFailed as exc:
         fail(f"doctor: {(str(exc).strip().splitlines() or [''])[0]}")
     console.print(f"heap provider: {results[0]['provider']} ({results[0]['heap_bytes'] >> 20} MiB per rank)")
-    checks = Table(title="device primitives")
-    checks.add_column("check", overflow="fold")
-    for r in range(n):
-        checks.add_column(f"rank {r}", overflow="fold")
-    for i, (name, _, _) in enumerate(results[0]["checks"]):
-        checks.add_row(name, *["ok" if res["checks"][i][1] else f"FAIL: {res['checks'][i][2]}" for res in results])
-    checks.add_row("bounded wait -> error", *["ok" if res["bounded_wait"] else "FAIL: no error" for res in results])
-    console.print(checks)
+    body = [[name, *["ok" if res["checks"][i][1] else f"FAIL: {res['checks'][i][2]}" for res in results]]
+            for i, (name, _, _) in enumerate(results[0]["checks"])]
+    body.append(["bounded wait -> error", *["ok" if res["bounded_wait"] else "FAIL: no error" for res in results]])
+    print_split_table(console, "device primitives", ["check"], [f"rank {r}" for r in range(n)], body)
     failed = any(not c[1] for res in results for c in res["checks"]) or any(not res["bounded_wait"] for res in results)
     if not skip_link and n >= 2:
-        link = Table(title="links (rank r reads rank r+1)")
-        for col in ("rank", "pull GB/s", "copy engine GB/s", "flag round trip us"):
-            link.add_column(col, overflow="fold")
-        for res in results:
-            lk = res.get("link", {})
-            fmt = lambda k: f"{lk[k]:.1f}" if k in lk else "-"  # noqa: E731
-            link.add_row(str(res["rank"]), fmt("pull_GBps"), fmt("copy_engine_GBps"), fmt("flag_round_trip_us"))
-        console.print(link)
+        body = [[str(res["rank"]), *[fmt(res.get("link", {}).get(k)) for k in
+                                     ("pull_GBps", "copy_engine_GBps", "flag_round_trip_us")]] for res in results]
+        print_split_table(console, "links (rank r reads rank r+1)", ["rank"],
+                          ["pull GB/s", "copy engine GB/s", "flag round trip us"], body)
         if kind == "cpu":
             console.print("(CPU emulation: latencies are the interpreter's, not a GPU's)")
     doc = json.dumps({"fingerprint": fp, "topology": topo, "world": n, "ranks": results, "ok": not failed},

@@ -319,27 +319,26 @@ def _f(x: Any, digits: int = 1) -> str:
 
 def render(result: dict[str, Any], console: Any) -> None:
     """One table per collective and mode (sizes as rows, implementations as columns), then the notes."""
-    from rich import box
-    from rich.table import Table
+    from autofuse.commands._common import print_split_table
 
     best = result.get("best") or best_rows(result["rows"])
     lib_name = "NCCL" if result.get("device_kind") == "cuda" else "gloo"
+    gpu = result.get("device_kind") == "cuda"  # the CPU emulation's times are never shown as a speedup
     for kind in result["kinds"]:
         impls = list(IMPLS[kind])
         for mode in result["modes"]:
             rows = sorted((b for b in best if b["kind"] == kind and b["mode"] == mode), key=lambda b: b["bytes"])
             if not rows:
                 continue
-            table = Table(title=f"{kind}, {mode} mode, {result.get('dtype', '')}, {result['world']} ranks: us per call "
-                                f"(median, rank-max; best config per column)", box=box.SIMPLE_HEAD, pad_edge=False)
-            for col in ["size", lib_name, *impls, "best", f"x {lib_name}", "bus GB/s"]:
-                table.add_column(col, justify="right", overflow="fold")
+            body = []
             for b in rows:
                 cells = [_f(b["impl_us"].get(i)) if i in b["impl_us"] else ("fail" if i in b["failed"] else "-")
                          for i in impls]
-                table.add_row(size_text(b["bytes"]), _f(b["library_us"]), *cells, b["best"] or "-",
-                              _f(b["speedup"], 2), _f(b["busbw_GBps"], 0))
-            console.print(table)
+                body.append([size_text(b["bytes"]), _f(b["library_us"]), *cells, b["best"] or "-",
+                             *([_f(b["speedup"], 2), _f(b["busbw_GBps"], 0)] if gpu else [])])
+            print_split_table(console, f"{kind}, {mode} mode, {result.get('dtype', '')}, {result['world']} ranks: us "
+                              "per call (median, rank-max; best config per column)", ["size"],
+                              [lib_name, *impls, "best", *([f"x {lib_name}", "bus GB/s"] if gpu else [])], body)
     failures = [r for r in result["rows"] if r.get("error")]
     for r in failures[:10]:
         console.print(f"  {r['kind']} {size_text(r['bytes'])} {r['impl']} {config_text(r['config'])}: {r['error']}",

@@ -323,20 +323,20 @@ def summary(rows: Sequence[dict]) -> dict[str, Any]:
 def render(result: dict, console: Any) -> None:
     """One table per mode (M, N, K, torch us, core us, core/torch, target met, best config), then
     a summary line per mode and the notes; fits 80 columns."""
-    from rich.table import Table
+    from autofuse.commands._common import print_split_table
 
     rows = result.get("rows", [])
+    gpu = result.get("device_kind") == "cuda"  # the CPU emulation's times are never compared as speed
     for mode in [md for md in ("graph", "eager") if any(r["mode"] == md for r in rows)]:
-        t = Table(title=f"gemm_core vs torch.matmul (cuBLAS on GPUs), {result.get('device', '')}, {mode} mode, "
-                        f"{DTYPE}, us per call; x = core / torch time, ok = within the target")
-        for col, just in (("M", "right"), ("N", "right"), ("K", "right"), ("torch", "right"), ("core", "right"),
-                          ("x", "right"), ("ok", "center"), ("best core config", "left")):
-            t.add_column(col, justify=just, no_wrap=col != "best core config")
+        body = []
         for r in (r for r in rows if r["mode"] == mode):
             ok = "-" if r["meets_target"] is None else ("yes" if r["meets_target"] else "NO")
-            t.add_row(str(r["M"]), str(r["N"]), str(r["K"]), _f(r["cublas_us"]), _f(r["core_us"]),
-                      _f(r["core_vs_cublas"], 2), ok, r["best_text"] or "all failed")
-        console.print(t)
+            body.append([str(r["M"]), str(r["N"]), str(r["K"]), _f(r["cublas_us"]), _f(r["core_us"]),
+                         *([_f(r["core_vs_cublas"], 2), ok] if gpu else []), r["best_text"] or "all failed"])
+        print_split_table(console, f"gemm_core vs torch.matmul (cuBLAS on GPUs), {result.get('device', '')}, {mode} "
+                          f"mode, {DTYPE}, us per call" + ("; x = core / torch time, ok = within the target" if gpu
+                                                           else ""),
+                          ["M", "N", "K"], ["torch", "core", *(["x", "ok"] if gpu else []), "best core config"], body)
     for mode, s in summary(rows).items():
         if result.get("device_kind") != "cuda":
             continue

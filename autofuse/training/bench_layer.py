@@ -54,7 +54,7 @@ DECODE_BATCH = {"cuda": (1, 8, 32, 128), "cpu": (1, 2)}
 DECODE_CONTEXT = {"cuda": (4096, 8192, 16384, 32768), "cpu": (24,)}
 KV_BLOCK = {"cuda": 64, "cpu": 4}
 CPU_NOTE = ("CPU emulation: Triton's interpreter and gloo on a tiny config; these are interpreter timings, "
-            "not GPU numbers (run on a GPU machine for the layer's real latency)")
+            "not GPU numbers: no speedup is shown (run on a GPU machine for the layer's real latency)")
 DEFAULT_SWEEP = {"cuda": "70b", "cpu": "tiny"}  # the model, when --sweep is not given
 CPU_REPS = 3  # timed batches per median on CPU at most: the interpreter takes ~0.1-0.5 s per attention call
 
@@ -227,6 +227,19 @@ def expand_configs(configs: Sequence[str], world: Any) -> list[str]:
     return list(dict.fromkeys(out))
 
 
+def alternative_sets(world: Any) -> list[dict[str, str]]:
+    """The layers users would otherwise run (autofuse.measure.compare.alternatives: torch's symmetric-memory
+    ops): set i forces each op's i-th alternative available on `world` (cycling) and BSP on ops that have
+    none; [] where no op has an alternative here (the CPU emulation)."""
+    from autofuse.core import registry
+    from autofuse.measure.compare import alternatives
+
+    per_op = {op: [v for v in alternatives(op) if registry.get(op).variants[v].available(world)]
+              for op in registry.names()}
+    runs = max((len(vs) for vs in per_op.values()), default=0)
+    return [{op: vs[i % len(vs)] if vs else "bsp" for op, vs in per_op.items()} for i in range(runs)]
+
+
 def shape_label(item: dict) -> str:
     return f"T={item['tokens']}" if item["phase"] == "prefill" else f"B={item['batch']} S={item['context']}"
 
@@ -367,6 +380,9 @@ def _rank(world, cfg: dict, shapes: list[dict]) -> dict:
     group = world.group
     layers = {"autofuse": m.TPLlamaLayer(model, weights, m.AutofuseOps(group), group),
               "baseline": m.TPLlamaLayer(model, weights, m.TorchOps(group), group)}
+    alternatives = {f"alternative {i}": (forced, m.TPLlamaLayer(model, weights, m.AutofuseOps(group, forced), group))
+                    for i, forced in enumerate(alternative_sets(world))}
+    layers.update({name: layer for name, (_, layer) in alternatives.items()})
     reps, warmup = cfg["reps"], 3 if cuda else 1
     configs = expand_configs(cfg["autofuse"], world)
 
@@ -390,10 +406,10 @@ def _rank(world, cfg: dict, shapes: list[dict]) -> dict:
         """Each op alone in both layers (timed in turns, op by op); `rest` = layer - ops."""
         if not cfg["op_shares"]:
             return {}
-        out: dict[str, dict[str, float]] = {name: {} for name in layer_us}
+        out: dict[str, dict[str, float]] = {name: {} for name in ("baseline", "autofuse")}
         for label in s.ops["baseline"]:
             pair = together({name: (lambda fn=s.ops[name][label][0], args=s.ops[name][label][1]: fn(*args))
-                             for name in layer_us}, mode)
+                             for name in out}, mode)
             for name, us in pair.items():
                 out[name][label] = us
         for name, ops in out.items():
@@ -428,12 +444,18 @@ def _rank(world, cfg: dict, shapes: list[dict]) -> dict:
                     continue
                 chosen = {label: f"{op}:{autofuse.explain(op, *s.ops['autofuse'][label][1], group=group).variant}"
                           for label, op in s.autofuse_ops.items()}
-                t = together({"baseline": s.layers["baseline"], "autofuse": s.layers["autofuse"]}, mode)
+                alts = [name for name in alternatives if not variants]  # beside autofuse's own choice only
+                for name in alts:
+                    s.layers[name]()  # its problems seen before any capture
+                t = together({name: s.layers[name] for name in ("baseline", "autofuse", *alts)}, mode)
                 base, fused = t["baseline"], t["autofuse"]
-                rows.append(_row(item, mode, variants or "default", t, comm, op_times(s, mode, t), err, chosen))
+                row = _row(item, mode, variants or "default", t, comm, op_times(s, mode, t), err, chosen, not cuda,
+                           {name: alternatives[name][0] for name in alts})
+                rows.append(row)
                 if say:
+                    alt = f", best alternative {row['alternative_us']:.0f} us" if row["alternative_us"] else ""
                     print(f"{item['phase']} {shape_label(item)} {mode} autofuse {variants or 'default'}: baseline "
-                          f"{base:.0f} us, autofuse {fused:.0f} us, x{base / fused:.3f}, diff {err:.1e}", flush=True)
+                          f"{base:.0f} us, autofuse {fused:.0f} us{alt}, diff {err:.1e}", flush=True)
         select("", "eager")
         del s, expected
         if cuda:
@@ -448,22 +470,27 @@ def _rank(world, cfg: dict, shapes: list[dict]) -> dict:
 
 
 def _row(item: dict, mode: str, config: str, t: dict[str, float], comm: float, ops: dict, err: float,
-         variants: dict) -> dict:
+         variants: dict, is_interpreted: bool, alternatives: dict[str, dict[str, str]]) -> dict:
+    """One shape in one mode: both layers' latencies and the numbers of autofuse.measure.compare, the
+    layer's bound being the larger of the baseline's collectives alone and the rest of its layer
+    (perfect overlap); x alt against the fastest of the alternative layers timed beside it. The CPU
+    emulation gets latencies only."""
+    from autofuse.measure.compare import captured, ceiling, ratio
+
     base, fused = t["baseline"], t["autofuse"]
     c = comm / base if base > 0 else math.nan
-    ceiling = 1 / (1 - c) if c < 1 else math.inf
-    speedup = base / fused if fused > 0 else math.nan
-    captured = (speedup - 1) / (ceiling - 1) if math.isfinite(ceiling) and ceiling > 1 else math.nan
+    alt_name = min(alternatives, key=lambda n: t[n]) if alternatives else None
+    alt_us = t[alt_name] if alt_name else None
+    speedup = top = x_alt = None
+    if not is_interpreted:
+        speedup, top, x_alt = ratio(base, fused), ceiling(base, max(comm, base - comm)), ratio(alt_us, fused)
     shares = {name: {k: v / t[name] for k, v in table.items()} for name, table in ops.items()}
     return {**item, "shape": shape_label(item), "mode": mode, "autofuse": config, "autofuse_us": fused, "baseline_us": base,
-            "speedup": speedup, "comm_us": comm, "comm_share": c, "ceiling": ceiling, "ceiling_captured": captured,
-            "ops_us": ops, "ops_share": shares, "variants": variants, "rel_diff": err, "tolerance": TOLERANCE,
-            "ok": err <= TOLERANCE}
-
-
-def geomean(xs: Sequence[float]) -> float:
-    xs = [x for x in xs if x and x == x and x > 0 and math.isfinite(x)]
-    return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else math.nan
+            "speedup": speedup, "comm_us": comm, "comm_share": c, "bound_us": max(comm, base - comm), "ceiling": top,
+            "ceiling_captured": captured(speedup, top), "alternative_us": alt_us,
+            "alternative": alternatives.get(alt_name) if alt_name else None, "speedup_vs_alternative": x_alt,
+            "interpreted": is_interpreted, "ops_us": ops, "ops_share": shares, "variants": variants, "rel_diff": err,
+            "tolerance": TOLERANCE, "ok": err <= TOLERANCE}
 
 
 def _num(x: Any) -> float:
@@ -471,8 +498,11 @@ def _num(x: Any) -> float:
 
 
 def summarize(rows: Sequence[dict]) -> list[dict]:
-    """Per mode, phase and autofuse configuration: geomean speedup and ceiling, the share of the
-    geomean ceiling captured, the worst speedup, shapes refused, and whether every output matched."""
+    """Per mode, phase and autofuse configuration: geomean speedup over the baseline and over the best
+    alternative, the geomean ceiling and the share of it captured, the worst speedup, shapes refused,
+    and whether every output matched (ratios None for the CPU emulation)."""
+    from autofuse.measure.compare import captured, geomean
+
     groups: dict[tuple, list[dict]] = {}
     for r in rows:
         groups.setdefault((r["mode"], r["phase"], r["autofuse"]), []).append(r)
@@ -482,14 +512,16 @@ def summarize(rows: Sequence[dict]) -> list[dict]:
         if not rs:
             out.append({"mode": mode, "phase": phase, "autofuse": config, "shapes": 0, "refused": len(group)})
             continue
-        sp, ce = geomean([_num(r["speedup"]) for r in rs]), geomean([_num(r["ceiling"]) for r in rs])
-        worst = min(rs, key=lambda r: _num(r["speedup"]) if _num(r["speedup"]) == _num(r["speedup"]) else math.inf)
+        sp, ce = geomean(r["speedup"] for r in rs), geomean(r["ceiling"] for r in rs)
+        worst = min(rs, key=lambda r: r["speedup"] if r["speedup"] is not None else math.inf)
         out.append({"mode": mode, "phase": phase, "autofuse": config, "shapes": len(rs),
                     "refused": len(group) - len(rs), "speedup_geomean": sp, "ceiling_geomean": ce,
-                    "ceiling_captured": (sp - 1) / (ce - 1) if ce > 1 else math.nan,
+                    "ceiling_captured": captured(sp, ce),
+                    "speedup_vs_alternative_geomean": geomean(r.get("speedup_vs_alternative") for r in rs),
                     "comm_share_mean": sum(_num(r["comm_share"]) for r in rs) / len(rs),
-                    "worst_speedup": _num(worst["speedup"]), "worst_shape": worst["shape"],
-                    "all_ok": all(r["ok"] for r in rs)})
+                    "worst_speedup": worst["speedup"], "worst_shape": worst["shape"],
+                    "all_ok": all(r["ok"] for r in rs), "interpreted": any(r.get("interpreted") for r in rs),
+                    "all_bsp": all(v.endswith(":bsp") for r in rs for v in r.get("variants", {}).values())})
     return out
 
 
@@ -507,59 +539,75 @@ def _short(r: dict) -> str:
 
 
 def render(result: dict, console: Any) -> None:
-    """Tables on a rich Console, readable at 80 columns and without markup: per mode and autofuse
-    configuration the layer latencies, then where the time goes op by op; the geomeans; the notes."""
-    from rich import box
-    from rich.table import Table
+    """Readable at 80 columns, in a log too, without markup: per mode and autofuse configuration the layer
+    latencies and the numbers of autofuse.measure.compare (latencies only for the CPU emulation), then
+    where the time goes op by op; the geomeans; the notes."""
     from rich.text import Text
+
+    from autofuse.commands._common import print_split_table
 
     def say(text: str, style: str = "") -> None:
         console.print(Text(text, style=style))
 
     rows = result["rows"]
+    interp = any(r.get("interpreted") for r in rows) or result.get("device_kind") == "cpu"
     say(f"Llama-3 {result.get('model', '?')} layer, TP={result.get('world', '?')} on {result.get('device', '?')}, "
         "bf16. Baseline: torch.distributed + torch.matmul, the same kernels otherwise. us per layer, median, "
-        "rank-max. c: the baseline's collectives alone / its layer; ceiling 1/(1-c); captured (x-1)/(ceiling-1).")
+        "rank-max." + ("" if interp else " x base = baseline / autofuse; x alt = the fastest alternative layer "
+                       "(torch's symmetric-memory ops) / autofuse; c = the baseline's collectives alone / its layer; "
+                       "ceiling = baseline / max(collectives, rest); captured = (x base - 1) / (ceiling - 1)."))
     configs = list(dict.fromkeys(r["autofuse"] for r in rows))
+    alt = any(r.get("alternative_us") for r in rows)
+    cols = ["base", "autofuse"] + ([] if interp else ["x base"] + (["alt", "x alt"] if alt else [])
+                                   + ["c", "ceiling", "captured"]) + ["diff"]
     for mode in result.get("modes") or list(dict.fromkeys(r["mode"] for r in rows)):
         for config in configs:
             rs = [r for r in rows if r["mode"] == mode and r["autofuse"] == config]
             if not rs:
                 continue
             name = f"{mode} mode" + (f", autofuse {config}" if len(configs) > 1 else "")
-            t = Table(title=Text(f"layer, {name}"), box=box.SIMPLE_HEAD)
-            for col in ("shape", "base", "autofuse", "x base", "c", "ceiling", "captured", "diff"):
-                t.add_column(col, justify="left" if col == "shape" else "right")
+            body = []
             for r in rs:
                 if "error" in r:
-                    t.add_row(_short(r), "-", "-", "-", "-", "-", "-", Text("refused", style="red"))
+                    body.append([_short(r), *["-"] * (len(cols) - 1), "refused"])
                     continue
-                diff = Text(f"{r['rel_diff']:.1e}" + ("" if r["ok"] else " WRONG"), style="" if r["ok"] else "red")
-                t.add_row(_short(r), _f(r["baseline_us"], 0), _f(r["autofuse_us"], 0), _f(r["speedup"], 3),
-                          _f(r["comm_share"], 3), _f(r["ceiling"], 3), _f(r["ceiling_captured"], 2), diff)
-            console.print(t)
+                cell = {"base": _f(r["baseline_us"], 0), "autofuse": _f(r["autofuse_us"], 0),
+                        "x base": _f(r["speedup"], 3), "alt": _f(r.get("alternative_us"), 0),
+                        "x alt": _f(r.get("speedup_vs_alternative"), 3), "c": _f(r["comm_share"], 3),
+                        "ceiling": _f(r["ceiling"], 3), "captured": _f(r["ceiling_captured"], 2),
+                        "diff": f"{r['rel_diff']:.1e}" + ("" if r["ok"] else " WRONG")}
+                body.append([_short(r), *[cell[c] for c in cols]])
+            print_split_table(console, f"layer, {name}", ["shape"], cols, body)
             with_ops = [r for r in rs if r.get("ops_us")]
             if not with_ops:
                 continue
-            o = Table(title=Text(f"ops alone, {name}: % of the baseline layer, autofuse - baseline us"),
-                      box=box.SIMPLE_HEAD)
-            o.add_column("shape")
-            for op in (*OPS, "rest"):
-                o.add_column(op, justify="right")
+            body = []
             for r in with_ops:
                 b, a, share = r["ops_us"]["baseline"], r["ops_us"]["autofuse"], r["ops_share"]["baseline"]
-                o.add_row(_short(r), *(f"{_f(100 * _num(share[op]), 0)}% {_f(_num(a[op]) - _num(b[op]), 0)}"
-                                       for op in (*OPS, "rest")))
-            console.print(o)
+                body.append([_short(r), *(f"{_f(100 * _num(share[op]), 0)}% {_f(_num(a[op]) - _num(b[op]), 0)}"
+                                          for op in (*OPS, "rest"))])
+            print_split_table(console, f"ops alone, {name}: % of the baseline layer, autofuse - baseline us",
+                              ["shape"], [*OPS, "rest"], body)
     for s in result.get("summary") or summarize(rows):
         head = f"{s['mode']} {s['phase']}" + (f" (autofuse {s['autofuse']})" if len(configs) > 1 else "")
         if not s["shapes"]:
             say(f"{head}: every shape refused", "red")
             continue
-        say(f"{head}: x{_f(s['speedup_geomean'], 3)} geomean over {s['shapes']} shapes (worst "
-            f"x{_f(s['worst_speedup'], 3)} at {s['worst_shape']}), ceiling x{_f(s['ceiling_geomean'], 3)}, "
-            f"captured {_f(s['ceiling_captured'], 2)} of it" + (f", {s['refused']} shapes refused" if s["refused"] else "")
-            + ("" if s["all_ok"] else ", SOME OUTPUTS DIFFER FROM THE BASELINE"), "" if s["all_ok"] else "red")
+        refused = f", {s['refused']} shapes refused" if s["refused"] else ""
+        wrong = "" if s["all_ok"] else ", SOME OUTPUTS DIFFER FROM THE BASELINE"
+        if s.get("interpreted"):
+            say(f"{head}: {s['shapes']} shapes, outputs " + ("agree" if s["all_ok"] else "DIFFER") + refused,
+                "" if s["all_ok"] else "red")
+        else:
+            x_alt = s.get("speedup_vs_alternative_geomean")
+            say(f"{head}: x{_f(s['speedup_geomean'], 3)} geomean over {s['shapes']} shapes (worst "
+                f"x{_f(s['worst_speedup'], 3)} at {s['worst_shape']})"
+                + (f", x{_f(x_alt, 3)} over the best alternative" if x_alt else "")
+                + f", ceiling x{_f(s['ceiling_geomean'], 3)}, captured {_f(s['ceiling_captured'], 2)} of it"
+                + refused + wrong, "" if s["all_ok"] else "red")
+        if s.get("all_bsp"):
+            say(f"{head}: autofuse ran bsp on every op, the baseline's own path: this compares BSP with itself "
+                "(no policy for this machine?); `--variants each` forces autofuse's other variants", "yellow")
     for r in rows:
         if "error" in r:
             say(f"{r['mode']} {r['phase']} {r['shape']} autofuse {r['autofuse']}: {r['error']}", "red")
