@@ -288,7 +288,7 @@ def test_sweeps_defaults_space_and_extras():
             for name, var in fd.OP.variants.items():
                 for cfg in var.defaults(p):
                     assert var.check(p, cfg) is None, (name, p, cfg)
-            assert set(fd.OP.features(p)) and fd.OP.extra["bytes"](p) > 0
+            assert set(fd.OP.features(p)) and fd.OP.bytes_read(p) > 0
     with pytest.raises(ValueError, match="sweep kind"):
         fd.OP.sweep("nope", 2)
     # the split kernel fills the GPU; the merge programs reach the SMs at B=1 (D split in 4)
@@ -304,7 +304,7 @@ def test_sweeps_defaults_space_and_extras():
         reason = fd.OP.variant("split_heap").check(short, cfg)
         assert reason is None or "shared" in reason or "live" in reason, reason
     assert fd.kv_bytes(short) == 2 * 8 * 1024 * 128 * 2 + 64 * 128 * 2
-    assert set(fd.OP.extra) >= {"bound", "bytes", "copy_rate", "inputs"}
+    assert fd.OP.bound is fd.bound and fd.OP.bytes_read is fd.kv_bytes and fd.OP.copy_rate is fd.copy_rate
 
 
 def test_ragged_inputs_cover_the_patterns():

@@ -78,10 +78,6 @@ class World:
     _heap: Any = field(default=None, repr=False)
 
     @property
-    def is_cpu(self) -> bool:
-        return self.device.type == "cpu"
-
-    @property
     def spans_job(self) -> bool:
         """True if this World holds every rank of the job (what torch's own symmetric memory needs)."""
         return not dist.is_initialized() or self.size == dist.get_world_size()

@@ -17,7 +17,10 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-MODE_ORDER = ("graph", "eager")
+from autofuse.core.keys import parse_key
+from autofuse.core.modes import DISPLAY_ORDER
+
+MODE_ORDER = DISPLAY_ORDER
 # Everything the commands write by default goes under ./autofuse-out/ (git-ignored) or the user data
 # folder (policies): the checkout's tuning_db/ and models/ hold shipped files only.
 OUT_DIR = Path("autofuse-out")
@@ -124,12 +127,12 @@ def _sort_value(v: Any) -> tuple:
 
 def problem_sort_key(key: str) -> tuple:
     """Problems in numeric order of their sizes (1024 before 16384), then dtype and world size."""
-    op, dims, dtype, world = (key.split("|") + ["", "", ""])[:4]
-    parts = []
-    for item in filter(None, dims.split(",")):
-        k, _, v = item.partition("=")
-        parts.append((k, _sort_value(int(v) if v.lstrip("-").isdigit() else v)))
-    return (op, dtype, tuple(parts), _sort_value(int(world[1:]) if world[1:].isdigit() else world))
+    try:
+        p = parse_key(key.rstrip("|"))
+    except ValueError:
+        return (key, "", (), _sort_value(""))
+    parts = tuple((k, _sort_value(v)) for k, v in p.dims.items())
+    return (p.op, p.dtype, parts, _sort_value(p.world if p.world is not None else ""))
 
 
 def split_problems(keys: Sequence[str]) -> tuple[list[str], dict[str, list[str]], str]:
@@ -141,14 +144,10 @@ def split_problems(keys: Sequence[str]) -> tuple[list[str], dict[str, list[str]]
     parsed: dict[str, dict[str, str]] = {}
     names: list[str] = []
     for key in keys:
-        op, dims, dtype, world = (key.split("|") + ["", "", ""])[:4]
-        d = {"op": op}
-        for item in filter(None, dims.split(",")):
-            k, _, v = item.partition("=")
-            d[k] = v
-        d["dtype"] = dtype
-        if world:  # keys without the world part (strong-scaling groups) have no world column
-            d["world"] = world.lstrip("w")
+        p = parse_key(key)
+        d = {"op": p.op, **{k: str(v) for k, v in p.dims.items()}, "dtype": p.dtype}
+        if p.world is not None:  # keys without the world part (strong-scaling groups) have no world column
+            d["world"] = str(p.world)
         parsed[key] = d
         names += [n for n in d if n not in names]
     vary = [n for n in names if len({parsed[k].get(n) for k in keys}) > 1]

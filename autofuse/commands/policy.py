@@ -23,6 +23,8 @@ from typing import Any, Optional
 
 import typer
 
+from autofuse.core import modes
+from autofuse.core.keys import parse_key
 from autofuse.measure.compare import interpreted
 from autofuse.commands._common import (
     DEFAULT_DB,
@@ -79,7 +81,7 @@ def load(db: Path, mode: str | None, fingerprint: str | None, op: str | None = N
 
     from autofuse.measure.store import StoreError
 
-    if mode is not None and mode not in MODES:
+    if mode is not None and mode not in modes.MODES:
         fail(f"--mode must be graph or eager, not {mode!r}")
     store = _open(db)
     try:
@@ -198,7 +200,7 @@ def scaling_table(table: list[dict]) -> list[dict]:
             continue
         worlds = sorted(per)
         base = per[worlds[0]]["best_us"]
-        rows.append({"op": sizes.split("|")[0], "sizes": sizes, "worlds": worlds, "smallest_world": worlds[0],
+        rows.append({"op": parse_key(sizes).op, "sizes": sizes, "worlds": worlds, "smallest_world": worlds[0],
                      "per_world": {str(w): {"variant": per[w]["best"], "us": per[w]["best_us"],
                                             "bsp_us": per[w]["bsp_us"], "problem": per[w]["problem"],
                                             "speedup_vs_smallest": None if per[w]["interpreted"]

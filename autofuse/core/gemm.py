@@ -92,6 +92,13 @@ class GemmConfig:
                 "USE_TMA": self.TMA, "WARP_SPEC": self.WARP_SPEC,
                 "num_warps": self.num_warps, "num_stages": self.num_stages}
 
+    def fused_kwargs(self) -> dict[str, Any]:
+        """`kernel_kwargs` without WARP_SPEC: what the fused kernels built on the core take (a program
+        that waits on peers' flags cannot be warp-specialised)."""
+        kwargs = self.kernel_kwargs()
+        del kwargs["WARP_SPEC"]
+        return kwargs
+
     def tiles(self, rows: int, n: int) -> int:
         return cdiv(rows, self.BLOCK_M) * cdiv(n, self.BLOCK_N)
 

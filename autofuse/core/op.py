@@ -10,11 +10,12 @@ maps op name -> Op.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol, Sequence
 
 import torch
 
+from autofuse.core.keys import parse_key
 if TYPE_CHECKING:
     from autofuse.core.runner import Runner
 
@@ -71,12 +72,11 @@ class Problem:
 
     @classmethod
     def from_key(cls, key: str) -> "Problem":
-        op, dims, dtype, world = key.split("|")
-        parsed: dict[str, Any] = {}
-        for item in filter(None, dims.split(",")):
-            k, v = item.split("=")
-            parsed[k] = int(v) if v.lstrip("-").isdigit() else v
-        return cls.make(op, dtype, int(world[1:]), **parsed)
+        """The Problem of a full key (`key`'s inverse); InvalidInput for a malformed one."""
+        parts = parse_key(key)
+        if parts.world is None:
+            raise InvalidInput(f"problem key {key!r} has no world part ('|w<N>')")
+        return cls.make(parts.op, parts.dtype, parts.world, **parts.dims)
 
     def as_dict(self) -> dict[str, Any]:
         return {"op": self.op, "dtype": self.dtype, "world": self.world, **dict(self.dims)}
@@ -186,6 +186,12 @@ class Op:
     - `args` names the public entry point's tensor arguments in order (`autofuse.<op>(*args, group=...)`).
     - `per_rank` names the dims given per rank (the global size along them is the dim times the
       world size; every other dim is global): strong scaling compares problems of equal global size.
+    - `bound(world, problem, seed)` returns the BSP baseline's pieces as callables (e.g. the matmul
+      alone, the collective alone), which `autofuse bench` times to show the bound: the sum of the
+      pieces is what BSP pays, their maximum what perfect overlap would pay.
+    - `bytes_read(problem)` and `copy_rate(world, problem)` (memory-bound ops): the bytes a call must
+      read, and a callable that copies as many bytes on the device, so the bench reports the
+      achieved share of the memory bandwidth measured in the same run.
     """
 
     name: str
@@ -199,7 +205,9 @@ class Op:
     sweep: Callable[[str, int], list[Problem]]
     description: str = ""
     per_rank: tuple[str, ...] = ()
-    extra: dict[str, Any] = field(default_factory=dict)
+    bound: Callable[[Any, Problem, int], dict[str, Callable[[], Any]]] | None = None
+    bytes_read: Callable[[Problem], int] | None = None
+    copy_rate: Callable[[Any, Problem], Callable[[], Any]] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.variants, dict):

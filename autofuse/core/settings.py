@@ -12,6 +12,8 @@ import math
 import os
 from pathlib import Path
 
+from autofuse.core import modes
+
 NAMES = {
     "AUTOFUSE_VARIANT": "op:variant[,op:variant...] (or *:variant): force variants (debugging)",
     "AUTOFUSE_POLICY": "path of a policy JSON to use instead of searching the models folders",
@@ -30,7 +32,6 @@ DEFAULT_WAIT_TIMEOUT_S = {"cuda": 10.0, "cpu": 120.0}  # the interpreter runs a 
 MAX_SECONDS = 7 * 24 * 3600.0  # a week: beyond it a wait budget overflows the kernels' int64 nanoseconds
 DEFAULT_HEAP_TIMEOUT_S = 300.0
 DEFAULT_CONFIRM_K = 3
-MODES = ("graph", "eager")
 
 
 class SettingError(ValueError):
@@ -106,8 +107,8 @@ def mode(device_type: str) -> str:
     """The timing mode decisions are made for: AUTOFUSE_MODE, else graph on GPUs, eager on CPU.
 
     The one place where the run-time mode is derived (the tuner's modes are its own option)."""
-    text = _text("AUTOFUSE_MODE") or ("graph" if device_type == "cuda" else "eager")
-    if text not in MODES or (text == "graph" and device_type != "cuda"):
+    text = _text("AUTOFUSE_MODE") or modes.default(device_type)
+    if text not in modes.supported(device_type):
         raise SettingError(f"AUTOFUSE_MODE={text!r}: use graph (GPUs) or eager")
     return text
 

@@ -354,14 +354,6 @@ class Store:
         if self.readonly:
             raise self._error("opened read-only")
 
-    def add_fingerprint(self, fingerprint: Mapping[str, Any]) -> str:
-        """Record an environment once; returns its id (hardware + software)."""
-        self._writable()
-        row = _env_row(fingerprint)
-        with self.conn:
-            _insert(self.conn, "environments", [row])
-        return row["id"]
-
     def add(self, measurements: Iterable[Any], fingerprint: Mapping[str, Any] | str, study: str | None = None,
             trial: int | None = None, source: str = "tune", op_digest: str | None = None) -> int:
         """Write measurements (autofuse.measure.timing.Measurement) taken in `fingerprint`; returns rows added.

@@ -18,10 +18,10 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from autofuse.core.modes import supported as supported_modes
 from autofuse.comm import status
 from autofuse.core.op import Config, InvalidConfig, Op, Problem, rel_error
 
-MODES = ("eager", "graph")
 L2_BYTES = 50 << 20
 
 
@@ -60,11 +60,6 @@ class Measurement:
         d = asdict(self)
         d["problem"] = self.problem.key
         return d
-
-
-def modes_for(world) -> tuple[str, ...]:
-    """Timing modes this World supports: graph mode needs CUDA graphs."""
-    return MODES if world.device.type == "cuda" else ("eager",)
 
 
 def check_faults(world, runner: Callable) -> None:
@@ -358,7 +353,7 @@ def measure(world, op: Op, problem: Problem, variant: str, config: Config, modes
     times out on a flag, is wrong, or would exceed `budget_s`). Every rank must call it with the same
     arguments; every rank returns the same verdicts and the rank-max timings.
     """
-    modes = tuple(modes or modes_for(world))
+    modes = tuple(modes or supported_modes(world.device.type))
     fail = lambda why, err=math.nan: [Measurement(problem, variant, dict(config), m, False, why, err)  # noqa: E731
                                       for m in modes]
     t0 = time.perf_counter()

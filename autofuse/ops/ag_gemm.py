@@ -450,11 +450,8 @@ class FusedRunner(Runner):
         if cfg.TMA:
             gemm.ensure_allocator()
         self.args = (r, c, n, self.data_half, ws.half_flags, comm)
-        self.meta = dict(BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, GROUP_M=cfg.GROUP_M,
-                         NUM_STAGES=cfg.num_stages, SPLIT_K=cfg.SPLIT_K, SWAP_AB=cfg.SWAP_AB, USE_TMA=cfg.TMA,
-                         FLAG=FLAGS[config["FLAG"]], GATHER_K=problem["gather"] == "k",
-                         GATHERED=layout == "gathered", PULL=pull, PERSISTENT=persistent,
-                         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        self.meta = dict(cfg.fused_kwargs(), FLAG=FLAGS[config["FLAG"]], GATHER_K=problem["gather"] == "k",
+                         GATHERED=layout == "gathered", PULL=pull, PERSISTENT=persistent)
 
     def launch(self, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
         if self.tma and (a.data_ptr() | b.data_ptr() | out.data_ptr()) & 15:
@@ -611,5 +608,5 @@ OP = Op(
     sweep=sweep,
     per_rank=("N",),
     description="all-gather of A (rows, or K columns) + GEMM with this rank's B",
-    extra={"bound": bound},
+    bound=bound,
 )

@@ -50,7 +50,7 @@ a wait that runs out aborts every rank's workspace, the programs concerned write
 raises FlagTimeout on every rank (autofuse.comm.status). BSP has no workspace (NCCL waits as NCCL does).
 
 Measurement inputs: random q/K/V; on GPUs lengths full and K/V contiguous (bytes / time is the
-achieved bandwidth of the whole cache, see `extra["bytes"]`); on CPU ragged: see `make_inputs`.
+achieved bandwidth of the whole cache, see `OP.bytes_read`); on CPU ragged: see `make_inputs`.
 """
 from __future__ import annotations
 
@@ -638,6 +638,7 @@ OP = Op(
     sweep=sweep,
     per_rank=("S",),
     description="decode attention over a sequence-split KV cache (GQA): split-KV kernel + cross-rank LSE merge",
-    extra={"bound": bound, "bytes": kv_bytes, "copy_rate": copy_rate, "inputs": make_inputs,
-           "attention_reference": attention_reference, "partial_bytes": partial_bytes},
+    bound=bound,
+    bytes_read=kv_bytes,
+    copy_rate=copy_rate,
 )

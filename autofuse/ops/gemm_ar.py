@@ -165,5 +165,5 @@ OP = Op(
     features=features,
     sweep=sweep,
     description="GEMM + all-reduce: A_r (M x K/W) @ B_r (K/W x N) summed over ranks, M x N on every rank",
-    extra={"bound": bound},
+    bound=bound,
 )

@@ -270,5 +270,5 @@ OP = Op(
     features=features,
     sweep=sweep,
     description="GEMM + reduce-scatter of rows: A_r (M x K/W) @ B_r (K/W x N) summed over ranks, M/W x N each",
-    extra={"bound": bound},
+    bound=bound,
 )

@@ -243,10 +243,8 @@ class FusedRunner(Runner):
         super().__init__(world, problem, specs, out, workspaces=(ws,))
         self.cfg = gemm.GemmConfig.from_dict(config)
         self.ws = ws
-        self.meta = {"WORLD": problem.world, "BLOCK_M": self.cfg.BLOCK_M, "BLOCK_N": self.cfg.BLOCK_N,
-                     "BLOCK_K": self.cfg.BLOCK_K, "GROUP_M": self.cfg.GROUP_M, "NUM_STAGES": self.cfg.num_stages,
-                     "SPLIT_K": self.cfg.SPLIT_K, "SWAP_AB": self.cfg.SWAP_AB,
-                     "num_warps": self.cfg.num_warps, "num_stages": self.cfg.num_stages}
+        self.meta = {"WORLD": problem.world, **self.cfg.fused_kwargs()}
+        del self.meta["USE_TMA"]  # decided per call from the inputs' alignment (`use_tma`)
         if self.cfg.TMA:
             gemm.ensure_allocator()
         self.kernel: Any = None

@@ -26,7 +26,7 @@ unless `options.force`.
 
 The op benchmark: for each problem of `op.sweep(kind, world)`, each available variant is measured
 at each of its known-good configs (`variant.defaults(problem)`), correctness-checked first; the
-fastest correct config per variant is reported. The pieces of the op's bound (`op.extra["bound"]`,
+fastest correct config per variant is reported. The pieces of the op's bound (`op.bound`,
 e.g. the all-gather alone and the matmul alone) are timed in the same run, and bound = max(pieces);
 best, x BSP, x alt, bound and ceiling are those of `autofuse.measure.compare`. On CPU the timings are the
 Triton interpreter's and gloo's, not a GPU's: they show that every variant runs, not how fast it
@@ -209,7 +209,8 @@ def bench_rank(world, op_name: str, kind: str, variants: Sequence[str] | None, m
     """Run on every rank; returns plain data (rank 0's is printed). Rank 0 prints one line per measurement
     (and, with `profile`, one per profile)."""
     from autofuse.core import registry
-    from autofuse.measure.timing import measure, modes_for, time_fn
+    from autofuse.core.modes import supported as supported_modes
+    from autofuse.measure.timing import measure, time_fn
 
     op = registry.get(op_name)
     problems = op.sweep(kind, world.size)
@@ -217,7 +218,7 @@ def bench_rank(world, op_name: str, kind: str, variants: Sequence[str] | None, m
         problems = [p for p in problems if p.get("M", p.get("B")) in set(shapes)]
     if limit:
         problems = problems[:limit]
-    modes = tuple(modes or modes_for(world))
+    modes = tuple(modes or supported_modes(world.device.type))
     names = [v for v in op.variants if (variants is None or v in variants) and op.variants[v].available(world)]
     plan = [(p, v, c) for p in problems for v in names for c in op.variants[v].defaults(p)]
     rows: list[BenchRow] = []
@@ -240,9 +241,8 @@ def bench_rank(world, op_name: str, kind: str, variants: Sequence[str] | None, m
                           f"{_config_text(config)}: {times}", flush=True)
             if profile:
                 _profile_best(world, op, problem, vname, per_mode, say)
-        bound = op.extra.get("bound")
-        if bound is not None:
-            pieces = bound(world, problem, 0)
+        if op.bound is not None:
+            pieces = op.bound(world, problem, 0)
             for mode in modes:
                 for pname, fn in pieces.items():
                     per_mode[mode].pieces[pname] = time_fn(world, fn, mode, reps=reps).median_us
@@ -250,10 +250,10 @@ def bench_rank(world, op_name: str, kind: str, variants: Sequence[str] | None, m
             if say:
                 print(f"  bound of {problem.key}: " + "; ".join(
                     f"{m} {per_mode[m].bound:.1f} us" for m in modes), flush=True)
-        if "bytes" in op.extra and "copy_rate" in op.extra:
+        if op.bytes_read is not None and op.copy_rate is not None:
             # HBM rate in the same run: a device copy of the same bytes (it reads and writes them).
-            copy = op.extra["copy_rate"](world, problem)
-            nbytes = op.extra["bytes"](problem)
+            copy = op.copy_rate(world, problem)
+            nbytes = op.bytes_read(problem)
             for mode in modes:
                 t_copy = time_fn(world, copy, mode, reps=reps).median_us
                 row = per_mode[mode]

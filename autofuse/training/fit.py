@@ -29,7 +29,8 @@ import numpy as np
 
 from autofuse import __version__
 from autofuse.core.features import problem_features, vector
-from autofuse.core.op import Config, Op, Problem
+from autofuse.core import registry
+from autofuse.core.op import Config, Op, Problem, config_key
 from autofuse.dispatch.policy import BSP, FORMAT, FORMAT_VERSION, Policy, predict, validate
 
 WITHIN = 0.05  # "within 5% of the best measured candidate"
@@ -40,17 +41,6 @@ MODELS = ("gbr", "tree")
 
 class FitError(RuntimeError):
     """A fitted policy failed the loader's validation (a bug: it would be refused at run time)."""
-
-
-def _op_or_none(name: str) -> Op | None:
-    from autofuse.core import registry
-
-    try:
-        return registry.get(name)
-    except Exception:
-        return None
-
-
 
 
 @dataclass
@@ -82,8 +72,10 @@ def collect(rows: Iterable[Mapping[str, Any]], ops: Mapping[str, Op] | None = No
             per[variant] = (t, config)
     out: dict[str, OpData] = {}
     for name, problems in sorted(best.items()):
-        op = ops.get(name) or _op_or_none(name)
         d = OpData(name)
+        # An op this installation does not register (e.g. one defined in a user's module and tuned
+        # with `--op module:attr` without passing it here) is fitted on the generic features only.
+        op = ops.get(name) or (registry.get(name) if name in registry.MODULES else None)
         feats: dict[str, dict[str, float]] = {}
         for key in sorted(problems):
             per = problems[key]
@@ -307,7 +299,7 @@ def fit(rows: Iterable[Mapping[str, Any]], fingerprint: Mapping[str, Any], mode:
             for key in d.keys:
                 if v in d.configs[key]:
                     c = d.configs[key][v]
-                    groups.setdefault(json.dumps(c, sort_keys=True), {"config": c, "problems": []})["problems"].append(key)
+                    groups.setdefault(config_key(c), {"config": c, "problems": []})["problems"].append(key)
             candidates[v] = list(groups.values())
         cols = np.asarray(d.x, dtype=np.float64) if d.x else np.zeros((0, len(d.features)))
         scale = feature_scale(cols, len(d.features))

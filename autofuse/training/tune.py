@@ -40,7 +40,8 @@ import torch.distributed as dist
 
 from autofuse.measure import environment
 from autofuse.core import registry
-from autofuse.measure.timing import MODES, measure
+from autofuse.core import modes
+from autofuse.measure.timing import measure
 from autofuse.core.op import Op, Problem
 from autofuse.measure.store import Store, StoreError, config_id, describe_stale
 from autofuse.training.lifecycle import STOP, ParentLink
@@ -95,19 +96,19 @@ class Settings:
         return len(variants) if n is None else int(n)
 
     def mode_for(self, device_type: str) -> str:
-        return self.mode or ("graph" if device_type == "cuda" else "eager")
+        return self.mode or modes.default(device_type)
 
     def storage_url(self) -> str:
         return self.storage or default_storage(self.db)
 
     def validate(self, device_type: str, ranks: int) -> None:
         """Raise ValueError (one line, naming the option) for settings no run can take."""
-        modes = modes_of(device_type)
-        if self.mode is not None and self.mode not in MODES:
-            raise ValueError(f"--mode must be one of {', '.join(MODES)}, not {self.mode!r}")
-        if self.mode_for(device_type) not in modes:
+        supported = modes.supported(device_type)
+        if self.mode is not None and self.mode not in modes.MODES:
+            raise ValueError(f"--mode must be one of {', '.join(modes.MODES)}, not {self.mode!r}")
+        if self.mode_for(device_type) not in supported:
             raise ValueError(f"--mode {self.mode_for(device_type)} needs CUDA graphs, and this machine has no GPU: "
-                             f"the CPU emulation times {' and '.join(modes)} mode only (use --mode eager)")
+                             f"the CPU emulation times {' and '.join(supported)} mode only (use --mode eager)")
         if self.trials is not None and self.trials < 1:
             raise ValueError(f"--trials must be at least 1, not {self.trials}")
         if self.limit is not None and self.limit < 0:
@@ -122,11 +123,6 @@ class Settings:
             raise ValueError(f"--budget must be a positive number of seconds, not {self.budget_s}")
         if self.time_limit_s is not None and not self.time_limit_s > 0:
             raise ValueError(f"--time-limit must be a positive number of minutes, not {self.time_limit_s / 60:g}")
-
-
-def modes_of(device_type: str) -> tuple[str, ...]:
-    """Timing modes a device type supports: graph mode needs CUDA graphs."""
-    return MODES if device_type == "cuda" else ("eager",)
 
 
 def resolve_op(name: str) -> Op:
@@ -296,7 +292,7 @@ def _measure_baselines(world: Any, op: Op, problem: Problem, mode: str, settings
                 if state.store.lookup(problem.key, config_id(op.name, v, cfg), mode, hardware_id=hw,
                                       op_digest=digest) is None]
     for variant, cfg in _bcast(world, jobs):
-        results = measure(world, op, problem, variant, cfg, modes=modes_of(dev), seed=settings.seed,
+        results = measure(world, op, problem, variant, cfg, modes=modes.supported(dev), seed=settings.seed,
                           reps=settings.value("reps", dev), warmup=settings.value("warmup", dev),
                           budget_s=settings.value("budget_s", dev))
         if world.rank == 0:
@@ -352,7 +348,7 @@ def _tune_problem(world: Any, op: Op, problem: Problem, mode: str, settings: Set
         if job is None:
             break
         try:
-            results = measure(world, op, problem, job.variant, job.config, modes=modes_of(dev), seed=settings.seed,
+            results = measure(world, op, problem, job.variant, job.config, modes=modes.supported(dev), seed=settings.seed,
                               reps=settings.value("reps", dev), warmup=settings.value("warmup", dev),
                               budget_s=settings.value("budget_s", dev))
         except KeyboardInterrupt:
