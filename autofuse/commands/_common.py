@@ -128,7 +128,7 @@ def _sort_value(v: Any) -> tuple:
 def problem_sort_key(key: str) -> tuple:
     """Problems in numeric order of their sizes (1024 before 16384), then dtype and world size."""
     try:
-        p = parse_key(key.rstrip("|"))
+        p = parse_key(key)
     except ValueError:
         return (key, "", (), _sort_value(""))
     parts = tuple((k, _sort_value(v)) for k, v in p.dims.items())

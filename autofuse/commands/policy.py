@@ -45,7 +45,6 @@ from autofuse.commands._common import (
     write_new,
 )
 
-MODES = ("graph", "eager")
 ModeOpt = typer.Option(None, "--mode", help="Timing mode: graph or eager (default: every mode the database holds).")
 DbOpt = typer.Option(DEFAULT_DB, "--db", help="The tuning database (opened read-only).")
 FpOpt = typer.Option(None, "--fingerprint", help="Environment id to read (default: this machine's if it has "

@@ -20,6 +20,8 @@ class KeyParts:
 def parse_key(key: str) -> KeyParts:
     """Read 'op|K=8192,M=1024,...|dtype[|wN]' (the one parser of problem keys); ValueError if malformed."""
     parts = key.split("|")
+    if len(parts) == 4 and not parts[3]:  # 'op|dims|dtype|': a global-size key written with its separator
+        parts = parts[:3]
     if len(parts) not in (3, 4) or not parts[0]:
         raise ValueError(f"not a problem key: {key!r} (expected 'op|dims|dtype|wN')")
     dims: dict[str, Any] = {}
