@@ -441,3 +441,26 @@ def test_layer_gpu(model: str) -> None:
     rows = spawn(_gpu_job, 2, model, device_kind="cuda", timeout_s=900)
     bad = [(case, err) for case, err in rows[0] if not err <= TOL]
     assert not bad, f"errors above {TOL}: {bad}\nall: {rows[0]}"
+
+
+def test_example_default_run_checks_autofuse_variants_without_torchrun(tmp_path) -> None:
+    """`python examples/llama_layer.py`, as the examples README says, without torchrun: it starts its own
+    2 CPU ranks; with no policy here autofuse's choice is bsp everywhere, so it checks every variant forced
+    in turn against the baseline layer (a bsp-vs-bsp comparison alone would check nothing)."""
+    import re
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "AUTOFUSE_VARIANT")}
+    env["XDG_DATA_HOME"] = str(tmp_path)  # no user policy
+    proc = subprocess.run([sys.executable, str(EXAMPLE)], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    forced = re.findall(r"^(prefill|decode): autofuse \(forced: ([^)]*)\) vs baseline: rel\. difference \S+ \(ok",
+                        proc.stdout, re.M)
+    ran = {v for _, names in forced for v in names.split(", ")}
+    from autofuse.core import registry
+
+    every = {f"{op}:{v}" for op in registry.names() for v in registry.get(op).variants if v not in ("bsp", "torch_symm")}
+    assert ran == every, (ran ^ every, proc.stdout)
+    assert "WRONG" not in proc.stdout
