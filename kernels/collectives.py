@@ -270,30 +270,42 @@ def all_gather_kernel(x, out, buf, ctx, flags, half_flags, data_half, rows, widt
 
 
 @triton.jit
+def _missing(first, offs, mask, value):
+    """(the flags as this thread loaded them, how many of them miss `value`, the same in every thread).
+
+    The flags are loaded per thread (volatile); where the vector is smaller than the program, warps
+    hold copies and the sum runs per warp, so warps may count differently: program_max makes it
+    one count for the program (the largest: a flag missing for any warp is missing)."""
+    seen = tl.load(first + offs, mask=mask, other=value, volatile=True)
+    return seen, shmem.program_max(tl.sum((seen != value).to(tl.int32), axis=0))
+
+
+@triton.jit
 def _wait_all(first, count, value, ctx, BLOCK: tl.constexpr):
     """Wait until the `count` local int32 flags from `first` on all hold exactly `value`; True if they did.
 
     shmem.wait_until for many flags at once: one vector of volatile loads per poll and ONE acquire at
     the end (a successful wait_until costs a system-scope atomic each: ~P of them per chunk), with
     the same exact-epoch, wall-clock budget and collective-abort semantics (the first missing flag is
-    the one reported). `count` <= BLOCK.
+    the one reported). Every decision is the program's, as in wait_until (`_missing`, the status word
+    and the clock are read for the whole program). `count` <= BLOCK.
     """
     offs = tl.arange(0, BLOCK)
     mask = offs < count
-    seen = tl.load(first + offs, mask=mask, other=value, volatile=True)
-    missing = tl.sum((seen != value).to(tl.int32), axis=0)
-    code = tl.load(ctx.status + shmem.CODE, volatile=True)
-    if (missing > 0) & (code == 0):
+    seen, missing = _missing(first, offs, mask, value)
+    code = tl.zeros([], tl.int32)
+    if missing > 0:
+        code = shmem.read_uniform(ctx.status + shmem.CODE, "relaxed")
         start = shmem.now_ns()
-        elapsed = tl.full([], 0, tl.int64)
+        elapsed = tl.zeros([], tl.int64)
         while (missing > 0) & (code == 0) & (elapsed <= ctx.budget):
-            seen = tl.load(first + offs, mask=mask, other=value, volatile=True)
-            missing = tl.sum((seen != value).to(tl.int32), axis=0)
-            code = tl.load(ctx.status + shmem.CODE, volatile=True)
-            elapsed = shmem.now_ns() - start
+            seen, missing = _missing(first, offs, mask, value)
+            code = shmem.read_uniform(ctx.status + shmem.CODE, "relaxed")
+            elapsed = shmem.program_max(shmem.now_ns() - start)
     ok = missing == 0
     if ok:
-        tl.atomic_add(first, 0, sem="acquire", scope="sys")
+        # the acquire's result is used, else Triton drops it (an unused atomic add of 0 is a dead load)
+        ok = shmem.read_uniform(first, "acquire") == value
         tl.debug_barrier()
     elif code == 0:
         index = tl.min(tl.where(seen != value, offs, BLOCK), axis=0)
@@ -317,7 +329,7 @@ def chunk_wait_kernel(ctx, flags, half_flags, out, src, chunk, lo, hi, width, ds
 
     grid = (1,)
     """
-    epoch = tl.load(flags + WDONE, volatile=True) + 1
+    epoch = shmem.read_uniform(flags + WDONE, "relaxed") + 1
     first = _flag(flags, half_flags, epoch, DONE, src, chunk, 0, ctx.world, chunks, programs)
     ok = _wait_all(first, programs, epoch, ctx, WAIT_BLOCK)
     if ok == 0:

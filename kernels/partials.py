@@ -109,8 +109,9 @@ def take(flags, stride, count, value, ok, ctx):
 
 @triton.jit
 def clean(ctx):
-    """True while this rank's workspace holds no fault record (a volatile read of its status code)."""
-    return tl.load(ctx.status + shmem.CODE, volatile=True) == 0
+    """True while this rank's workspace holds no fault record: one read of its status code for the
+    whole program (shmem.read_uniform), since K loops and pushes branch on it around barriers."""
+    return shmem.read_uniform(ctx.status + shmem.CODE, "relaxed") == 0
 
 
 @triton.jit

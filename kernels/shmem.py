@@ -28,6 +28,17 @@ status words and marks every peer's status "aborted" with its own rank, so every
 waiting and the host raises `autofuse.comm.status.FlagTimeout` on every rank. A workspace whose status
 is not clean computes nothing: kernels fill their outputs with NaN until the host rebuilds it.
 
+**Decisions are made once per program.** A scalar in a Triton program lives in every thread, and
+a volatile load is issued by every thread: two threads of one program can read a status word or a
+flag a moment apart and see different values. A branch on such a value splits the program, and
+a split program deadlocks at its next barrier (a K loop's pipeline, a reduction, the broadcast of
+an atomic's result), or pairs barriers wrongly: seen on GPUs as a fused kernel that never ended
+after a fault, with a fraction of its programs stuck (docs/results/faults.md). So every value a
+branch depends on is program-uniform: flags and status words are read with `read_uniform` (one
+thread reads, Triton broadcasts the value through shared memory), clocks are combined with
+`program_max`; only the hot polling loop reads per thread, and nothing inside it branches
+around a barrier.
+
 Everything here runs compiled (CUDA) and under TRITON_INTERPRET=1 (no inline asm there).
 """
 import os
@@ -52,6 +63,7 @@ RECORD = tl.constexpr(1)
 TIMEOUT = tl.constexpr(1)
 ABORTED = tl.constexpr(2)
 POLLS_PER_CHECK = tl.constexpr(64)  # flag polls between two reads of the clock and the status word
+MAX_THREADS = tl.constexpr(1024)    # threads of one program at most (32 warps): program_max spans them all
 
 
 # -- address translation and remote access ------------------------------------------------------
@@ -137,6 +149,30 @@ else:
 
 
 @triton.jit
+def read_uniform(pointer, sem):
+    """The int32 at `pointer`, read once for the whole program (with `sem`: relaxed or acquire, system scope).
+
+    A scalar atomic whose result is used: Triton lets one thread do it and broadcasts the value to
+    every thread through shared memory (a barrier), so every thread takes the same branch on it
+    (Triton 3.6 emits `ld.global.sys.<sem>` on one thread, st.shared, bar.sync, ld.shared; checked
+    by tests/test_gemm_rs.py). A volatile load is per thread: see the module doc. Call it where
+    every thread of the program is (it holds a barrier), never inside a per-thread loop.
+    """
+    return tl.atomic_add(pointer, 0, sem=sem, scope="sys")
+
+
+@triton.jit
+def program_max(x):
+    """The largest of the values of the scalar `x` that the program's threads hold, in every thread.
+
+    A reduction over a tensor with an element per thread (and more): the threads' copies of `x`
+    meet in shared memory, so a per-thread value (a clock read) becomes one value the whole
+    program agrees on. Holds barriers: call it where every thread of the program is.
+    """
+    return tl.max(tl.zeros([MAX_THREADS], x.dtype) + x, axis=0)
+
+
+@triton.jit
 def _record(kind, flag_word, value, seen, target, ctx):
     """Write my timeout record into `target`'s status, then set its code unless it holds one already."""
     slot = ctx.status + RECORD + 3 * ctx.rank
@@ -161,31 +197,35 @@ def give_up(flag, value, seen, ctx):
 
 @triton.jit
 def wait_until(flag, value, ctx):
-    """Wait until the local int32 `flag` holds exactly `value`; True if it did.
+    """Wait until the local int32 `flag` holds exactly `value`; True if it did (the same in every thread).
 
-    Polls with volatile loads (atomics poll ~5x slower across GPUs), POLLS_PER_CHECK at a time
-    between reads of the clock and the status word, then one acquire so the data the producer
-    released before the flag is visible. Gives up (returns False) when this rank's
+    First one acquire read of the flag for the whole program (`read_uniform`): a flag that is
+    already up costs nothing more. Otherwise it polls with volatile loads (atomics poll ~5x slower
+    across GPUs), POLLS_PER_CHECK at a time per thread, then reads the flag (acquire) and the
+    status word once for the program and takes the program's latest clock (`program_max`), so
+    every thread leaves the loop in the same round. Gives up (returns False) when this rank's
     status is no longer clean (a peer or another program of this rank gave up: every wait then
     returns at once, so the time to fail does not grow with the number of waiting programs) or
     when `ctx.budget` ns pass; the first to run out calls `give_up`. Callers skip the work that
     needed the flag and write NaN instead.
     """
-    seen = tl.load(flag, volatile=True)
-    code = tl.load(ctx.status + CODE, volatile=True)
-    if (seen != value) & (code == 0):
+    seen = read_uniform(flag, "acquire")
+    code = tl.zeros([], tl.int32)
+    if seen != value:
+        code = read_uniform(ctx.status + CODE, "relaxed")
         start = now_ns()
-        elapsed = tl.full([], 0, tl.int64)
+        elapsed = tl.zeros([], tl.int64)
         while (seen != value) & (code == 0) & (elapsed <= ctx.budget):
             polls = 0
-            while (seen != value) & (polls < POLLS_PER_CHECK):  # the hot loop: one volatile load
-                seen = tl.load(flag, volatile=True)
+            hot = tl.load(flag, volatile=True)
+            while (hot != value) & (polls < POLLS_PER_CHECK):  # the hot loop: one volatile load per thread
+                hot = tl.load(flag, volatile=True)
                 polls += 1
-            code = tl.load(ctx.status + CODE, volatile=True)
-            elapsed = now_ns() - start
+            seen = read_uniform(flag, "acquire")
+            code = read_uniform(ctx.status + CODE, "relaxed")
+            elapsed = program_max(now_ns() - start)
     ok = seen == value
-    if ok:  # the acquire's result is used: Triton 3.6 drops an atomic whose result nobody reads
-        ok = tl.atomic_add(flag, 0, sem="acquire", scope="sys") == value
+    if ok:
         tl.debug_barrier()  # no thread of the program reads the data before the acquire
     elif code == 0:
         give_up(flag, value, seen, ctx)
@@ -204,8 +244,8 @@ def epoch_begin(ctx):
     program reads it at its start; `epoch_end` publishes the next one. An unhealthy workspace (a
     fault was recorded and not yet cleared by the host) must not compute: callers write NaN.
     """
-    epoch = tl.load(ctx.counter, volatile=True) + 1
-    code = tl.load(ctx.status + CODE, volatile=True)
+    epoch = read_uniform(ctx.counter, "relaxed") + 1  # the program's flag waits compare with it
+    code = read_uniform(ctx.status + CODE, "relaxed")  # the program's K loops and pushes branch on it
     if code != 0:
         tl.store(ctx.mirror, code)
     return epoch, code == 0

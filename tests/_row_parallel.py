@@ -15,7 +15,7 @@ from autofuse.core import gemm
 from autofuse.comm import workspace
 from autofuse.core.op import InvalidConfig, Op, Problem, Variant
 from autofuse.comm.world import World, spawn
-from conftest import assert_pipelined_gemm
+from conftest import assert_pipelined_gemm, assert_uniform
 
 TINY = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "GROUP_M": 2, "num_warps": 4, "num_stages": 2}
 SCENARIOS = ("late_peer", "skipped_call", "dead_peer")  # harness.fault_run's
@@ -170,9 +170,10 @@ def check_sweeps(op: Op, divisible: Sequence[str]) -> list[tuple[Problem, Varian
 
 # -- sm_90 -------------------------------------------------------------------------------------------------
 def check_compiled_gemm(compiled: dict, name: str, base: dict, table: dict) -> tuple[str, dict]:
-    """conftest.assert_pipelined_gemm on row `name` of a compile_table `table` over `base`; (its PTX, its
-    constexprs) for the op's own checks."""
+    """conftest.assert_pipelined_gemm and assert_uniform on row `name` of one version's compile_table
+    `table` over `base`; (its PTX, its constexprs) for the op's own checks."""
     ptx, shared = compiled[name]["ptx"], compiled[name]["shared"]
     consts = {**base, **table[name][0]}
     assert_pipelined_gemm(ptx, shared, consts, gemm.SMEM_LIMIT)
+    assert_uniform(compiled[name], name)
     return ptx, consts

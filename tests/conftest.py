@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from divergence import divergent_barriers
+
 ROOT = Path(__file__).resolve().parents[1]
 # The GPU machines' Triton (3.6) in a side venv where developers have one; CI has only the current one.
 T36 = Path(os.environ.get("AUTOFUSE_T36_PYTHON", "/tmp/t36/bin/python"))
@@ -32,7 +34,7 @@ for req in json.loads(sys.argv[1]):
     src = ASTSource(fn=fn, signature=sig, constexprs=req["constexprs"], attrs=attrs)
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                        options={"num_warps": req["num_warps"], "num_stages": req["num_stages"]})
-    out[req["name"]] = {"ptx": k.asm["ptx"], "shared": k.metadata.shared}
+    out[req["name"]] = {"ptx": k.asm["ptx"], "llir": k.asm["llir"], "shared": k.metadata.shared}
 sys.stdout.write(json.dumps(out))
 """
 
@@ -111,15 +113,16 @@ def compile_sm90_versions(requests: list[dict]) -> dict[str, dict[str, dict]]:
 
 
 def compile_table(module: str, kernel: str, base: dict, signature: dict[str, str], table: dict,
-                  divisible: tuple[str, ...] | list[str]) -> dict[str, dict]:
+                  divisible: tuple[str, ...] | list[str]) -> dict[str, dict[str, dict]]:
     """Compile each row of `table` ({name: (constexpr changes over `base`, inbox dtype, num_warps)}) for
-    sm_90 in one child process; the `inbox` argument takes the row's dtype."""
+    sm_90, one child process per Triton of VERSIONS found here; the `inbox` argument takes the row's
+    dtype. {version: {name: {'ptx', 'llir', 'shared'}}}."""
     reqs = []
     for name, (changes, inbox, warps) in table.items():
         consts = {**base, **changes}
         sig = {**signature, "inbox": f"*{inbox}", **{k: "constexpr" for k in consts}}
         reqs.append(compile_request(module, kernel, sig, consts, warps, consts["NUM_STAGES"], divisible, name))
-    return compile_sm90_many(reqs)
+    return compile_sm90_versions(reqs)
 
 
 def assert_pipelined_gemm(ptx: str, shared: int, consts: dict, smem_limit: int) -> None:
@@ -135,6 +138,13 @@ def assert_pipelined_gemm(ptx: str, shared: int, consts: dict, smem_limit: int) 
     assert "ld.local" not in ptx and "st.local" not in ptx, "registers spill"
     assert "ld.volatile.global" in ptx and "%globaltimer" in ptx, "waits must poll and be bounded in time"
     assert "atom.global.release.sys.cas.b32" in ptx, "a timed-out wait must abort the peers"
+
+
+def assert_uniform(kernel: dict, name: str = "") -> None:
+    """No barrier of a compiled kernel ({'llir', ...}) lies where a per-thread branch lets some threads of a
+    program skip or repeat it (tests/divergence.py): fault decisions are the program's, not a thread's."""
+    bad = divergent_barriers(kernel["llir"])
+    assert not bad, f"{name}: barriers inside per-thread branches (a program can split and hang): {bad[:4]}"
 
 
 def compile_sm90(module: str, kernel: str, signature: dict[str, str], constexprs: dict | None = None,

@@ -27,7 +27,7 @@ from autofuse.ops import ag_gemm
 from autofuse.ops.ag_gemm import OP
 from autofuse.comm.workspace import workspaces
 from autofuse.comm.world import World, spawn
-from conftest import CTX, T36, VERSIONS, compile_request, compile_sm90_versions
+from conftest import CTX, T36, VERSIONS, assert_uniform, compile_request, compile_sm90_versions
 
 FUSED = ("pull", "push", "push_ws")
 LAYOUTS = {"pull": ("shard",), "push": ("shard", "gathered"), "push_ws": ("shard", "gathered")}
@@ -363,6 +363,7 @@ def test_sm90_compiles_every_switch(compiled, version):
     for name, (g, flag, gather_k, gathered, pull, dt) in COMPILES.items():
         k = compiled[version][name]
         ptx = k["ptx"]
+        assert_uniform(k, name)  # every fault decision is the program's (no barrier in a per-thread branch)
         dtype = "float32" if dt == "fp32" else "bfloat16"
         assert k["shared"] <= g.smem_bytes(dtype) <= gemm.SMEM_LIMIT, (name, k["shared"])  # one pipeline
         assert "ld.volatile.global" in ptx and "%globaltimer" in ptx, name  # bounded polls with loads

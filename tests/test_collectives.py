@@ -21,7 +21,7 @@ from autofuse.core.op import InvalidConfig, InvalidInput, Op, Problem, Variant, 
 from autofuse.core.runner import Runner, TensorSpec
 from autofuse.comm.workspace import workspaces
 from autofuse.comm.world import spawn
-from conftest import CTX, compile_request, compile_sm90_many
+from conftest import CTX, assert_uniform, compile_request, compile_sm90_many
 
 BF, HALF, F32 = "bfloat16", "float16", "float32"
 
@@ -417,7 +417,10 @@ def _sm90_requests():
 
 
 def test_kernels_compile_for_sm90_with_vector_accesses_sys_release_and_bounded_waits():
-    ptx = {name: v["ptx"] for name, v in compile_sm90_many(_sm90_requests()).items()}
+    kernels = compile_sm90_many(_sm90_requests())
+    for name, k in kernels.items():
+        assert_uniform(k, name)  # every wait's decision is the program's (no barrier in a per-thread branch)
+    ptx = {name: v["ptx"] for name, v in kernels.items()}
     movers = ["ag00", "ag10", "ag20", "rs", "rs_push", "ar1", "ar2"]
     for name in movers:  # 16-byte vector stores of the data (rows of 1024 elements, aligned)
         assert "st.global.v4" in ptx[name], name

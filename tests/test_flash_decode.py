@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 import harness
-from conftest import CTX, VERSIONS, compile_request, compile_sm90_versions
+from conftest import CTX, VERSIONS, assert_uniform, compile_request, compile_sm90_versions
 
 from autofuse.core.op import InvalidConfig, InvalidInput, rel_error
 from autofuse.ops import flash_decode as fd
@@ -381,6 +381,8 @@ def test_kernels_compile_for_sm90(compiled, version):
     %globaltimer and read split partials past L1; the fused kernel counts arrivals with a GPU-scope
     acq_rel atomic."""
     k = compiled[version]
+    for name in k:
+        assert_uniform(k[name], name)  # every fault decision is the program's
     for name in ("split", "split_d64", "fused"):
         ptx = k[name]["ptx"]
         assert "cp.async.cg" in ptx and "cp.async.wait_group" in ptx, f"{name}: K/V loads not pipelined"

@@ -20,7 +20,7 @@ from _row_parallel import (TINY, assert_rejected, cases_and_faults, check_compil
 from autofuse.core.op import InvalidConfig, InvalidInput, Problem
 from autofuse.ops import gemm_ar
 from autofuse.comm.world import spawn
-from conftest import CTX, compile_table
+from conftest import CTX, VERSIONS, compile_table
 
 OP = gemm_ar.OP
 FUSED = ("one_shot", "two_shot")
@@ -199,9 +199,10 @@ def compiled() -> dict:
     return compile_table(MOD, "gemm_ar_kernel", BASE, SIG, COMPILES, DIVISIBLE)
 
 
+@pytest.mark.parametrize("version", VERSIONS)
 @pytest.mark.parametrize("name", list(COMPILES))
-def test_compiles_for_sm90_with_pipelined_wgmma_and_bounded_waits(compiled, name):
-    ptx, consts = check_compiled_gemm(compiled, name, BASE, COMPILES)
+def test_compiles_for_sm90_with_pipelined_wgmma_and_bounded_waits(compiled, name, version):
+    ptx, consts = check_compiled_gemm(compiled[version], name, BASE, COMPILES)
     if consts["SWAP_AB"]:
         assert "wgmma.mma_async.sync.aligned.m64n16k16" in ptx, "swap-AB: BLOCK_N on the wgmma's M side"
     if consts["SPLIT_K"] > 1:

@@ -203,12 +203,25 @@ def test_check_accepts(config, dims, dtype):
 
 
 def test_smem_model_matches_triton36_allocation():
-    """GemmConfig.smem_bytes against what Triton 3.6 allocated in AOT compiles (B, mbarriers aside)."""
-    measured = [((128, 256, 64, 8, 3, True), 213016), ((128, 256, 64, 8, 3, False), 147456),
-                ((16, 128, 128, 4, 4, True), 151584), ((128, 128, 64, 4, 3, True), 131544)]
-    for (bm, bn, bk, w, s, tma), shared in measured:
-        model = GemmConfig(bm, bn, bk, 8, w, s, TMA=tma).smem_bytes("bfloat16")
-        assert shared <= model <= shared + gemm.SMEM_SLACK, (bm, bn, bk, s, tma, shared, model)
+    """GemmConfig.smem_bytes against what Triton 3.6 allocated in AOT compiles (B, mbarriers aside): the
+    GEMM core, and ag_gemm's kernel in its gathered layout (TMA store of C) with split-K in float32 and
+    bf16, TMA and pointer loads (2026-11-25). The first float32 row failed on the GPUs with OutOfResources
+    (262144 B needed) while the model without split-K's float32 partial tile said 230400."""
+    measured = [((128, 256, 64, 8, 3, True, 1, False), "bfloat16", 213016),
+                ((128, 256, 64, 8, 3, False, 1, False), "bfloat16", 147456),
+                ((16, 128, 128, 4, 4, True, 1, False), "bfloat16", 151584),
+                ((128, 128, 64, 4, 3, True, 1, False), "bfloat16", 131544),
+                ((128, 256, 32, 8, 2, True, 4, False), "float32", 262144),
+                ((128, 256, 32, 8, 2, True, 1, False), "float32", 229400),
+                ((128, 128, 32, 8, 2, False, 4, False), "float32", 65536),
+                ((16, 128, 64, 4, 3, True, 4, True), "float32", 118832),
+                ((128, 256, 64, 8, 3, True, 4, False), "bfloat16", 213016),
+                ((64, 128, 64, 4, 2, False, 4, False), "bfloat16", 49152)]
+    for (bm, bn, bk, w, s, tma, split, swap), dtype, shared in measured:
+        model = GemmConfig(bm, bn, bk, 8, w, s, SPLIT_K=split, SWAP_AB=swap, TMA=tma).smem_bytes(dtype)
+        assert shared <= model <= shared + gemm.SMEM_SLACK, (bm, bn, bk, s, tma, split, dtype, shared, model)
+    big_fp32_split = GemmConfig(128, 256, 32, 8, 8, 2, SPLIT_K=4)
+    assert "split-K's 128x256 float32 partial" in gemm.check(big_fp32_split, 1024, 1024, 2048, "float32")
 
 
 class _RandomTrial:
@@ -371,6 +384,7 @@ def test_sm90_waiting_consumer_keeps_the_pipeline(compiled, version):
         shared = k[waiting]["shared"]
         assert _pipeline_bytes(COMPILES[plain][0]) <= shared <= k[plain]["shared"], (plain, k[plain]["shared"], shared)
         assert "ld.volatile.global" in k[waiting]["ptx"] and "prefetch.global.L2" in k[waiting]["ptx"]
+        conftest.assert_uniform(k[waiting], waiting)  # a timed-out wait never splits the program
 
 
 # ------------------------------------------------------------------------------------------------

@@ -25,7 +25,7 @@ from autofuse.core import gemm
 from autofuse.core.op import InvalidInput, Problem
 from autofuse.ops import gemm_rs
 from autofuse.comm.world import spawn
-from conftest import CTX, compile_table
+from conftest import CTX, VERSIONS, compile_table
 
 OP = gemm_rs.OP
 _defaults = partial(default_cases, OP)  # (variant, dims, dtype, pick: the first `pick` defaults or a slice, world)
@@ -243,9 +243,10 @@ def compiled() -> dict:
     return compile_table(MOD, "gemm_rs_kernel", BASE, SIG, COMPILES, DIVISIBLE)
 
 
+@pytest.mark.parametrize("version", VERSIONS)
 @pytest.mark.parametrize("name", list(COMPILES))
-def test_compiles_for_sm90_with_pipelined_wgmma_and_bounded_waits(compiled, name):
-    ptx, consts = check_compiled_gemm(compiled, name, BASE, COMPILES)
+def test_compiles_for_sm90_with_pipelined_wgmma_and_bounded_waits(compiled, name, version):
+    ptx, consts = check_compiled_gemm(compiled[version], name, BASE, COMPILES)
     if consts["ROW_BLOCK"]:
         assert "red.global.sys.release.add" in ptx or "atom.global.sys.release.add" in ptx, "no arrival count"
     else:

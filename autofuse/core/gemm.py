@@ -112,12 +112,18 @@ class GemmConfig:
 
     def smem_bytes(self, dtype: str | torch.dtype) -> int:
         """Shared memory of one program on sm_90, as Triton 3.6 allocates it: num_stages buffers of
-        the A and B tiles, plus the C tile a TMA store stages through (measured exact to the
-        mbarriers' few bytes for TMA, pointer, split-K, swap-AB and warp-specialised kernels)."""
+        the A and B tiles; with split-K, the float32 partial tile on its way to the partials buffer
+        (a layout change through shared memory that reuses the pipeline's buffers, so the larger of
+        the two counts: it is the larger in float32 with few stages); plus the C tile a TMA store
+        stages through. Measured exact to the mbarriers' few bytes for TMA, pointer, split-K,
+        swap-AB and warp-specialised kernels, float32 and 16-bit (tests/test_gemm_core.py); kernels
+        that store float32 tiles through pointers without split-K (gemm_rs's fp32 inbox) reuse the
+        pipeline the same way and stay below the model where it binds."""
         e = ELEMENT_BYTES[_dtype_name(dtype)]
         pipeline = self.num_stages * (self.BLOCK_M * self.BLOCK_K + self.BLOCK_K * self.BLOCK_N) * e
+        partial = self.BLOCK_M * self.BLOCK_N * 4 if self.SPLIT_K > 1 else 0
         epilogue = self.BLOCK_M * self.BLOCK_N * e if self.TMA else 0
-        return pipeline + epilogue + SMEM_SLACK
+        return max(pipeline, partial) + epilogue + SMEM_SLACK
 
     def acc_regs(self) -> int:
         """float32 accumulator registers per thread of the warps that hold it (with WARP_SPEC two
@@ -151,8 +157,9 @@ def check(config: Mapping[str, Any] | GemmConfig, rows: int, n: int, k: int, dty
       older mma.sync, and 16 warps halve each thread's registers for no tile we run.
     - accumulator: BLOCK_M * BLOCK_N / (32 * warps holding it) <= 128 float32 registers per thread
       (of 255), or the tile spills; 128x256 needs 8 warps (or WARP_SPEC's two consumer warpgroups).
-    - shared memory: num_stages x (A tile + B tile) plus the C tile of a TMA store <= 227 KiB
-      (GemmConfig.smem_bytes; Triton compiles bigger kernels and fails only at launch).
+    - shared memory: num_stages x (A tile + B tile), or split-K's float32 partial tile where that is
+      larger, plus the C tile of a TMA store <= 227 KiB (GemmConfig.smem_bytes; Triton compiles
+      bigger kernels and fails only at launch, with OutOfResources).
     - num_stages 1..8, GROUP_M 1..64.
     - TMA: A's and B's row strides (k and n elements) must be multiples of 16 bytes (a tensor
       descriptor's rule; base addresses are checked at launch).
@@ -206,8 +213,9 @@ def check(config: Mapping[str, Any] | GemmConfig, rows: int, n: int, k: int, dty
     smem = cfg.smem_bytes(dt)
     if smem > SMEM_LIMIT:
         return (f"shared memory {smem} B ({cfg.num_stages} stages of {cfg.BLOCK_M}x{cfg.BLOCK_K} + {cfg.BLOCK_K}x"
-                f"{cfg.BLOCK_N} {dt}" + (" + the TMA store's C tile" if cfg.TMA else "") +
-                f") exceeds {SMEM_LIMIT} B on sm_90")
+                f"{cfg.BLOCK_N} {dt}" + (f", or split-K's {cfg.BLOCK_M}x{cfg.BLOCK_N} float32 partial if larger"
+                                          if cfg.SPLIT_K > 1 else "")
+                + (" + the TMA store's C tile" if cfg.TMA else "") + f") exceeds {SMEM_LIMIT} B on sm_90")
     e = ELEMENT_BYTES[dt]
     if cfg.TMA:
         for what, size in (("k (A's row stride)", k), ("n (B's and C's row stride)", n)):
