@@ -1,4 +1,4 @@
-"""The tensor-parallel Llama layer (examples/llama_layer.py) on 2 CPU ranks: autofuse = baseline = float64.
+"""The tensor-parallel Llama layer (autofuse.nn.llama_layer, run by examples/llama_layer.py) on 2 CPU ranks: autofuse = baseline = float64.
 
 One spawned job builds the tiny config's layer twice over one set of bf16 weights, on autofuse's
 public API and on torch.distributed + torch.matmul (the baseline), and runs prefill (16 tokens,
@@ -34,7 +34,6 @@ Tolerance, as ||out - other|| / ||other|| over a whole output (TOL = 2.5e-2):
 """
 from __future__ import annotations
 
-import importlib.util
 import math
 import os
 import sys
@@ -54,13 +53,10 @@ CONTEXT = (35, 16, 5)  # tokens cached per sequence = the first decode step's po
 
 
 def example():
-    """examples/llama_layer.py as a module (examples/ is not a package)."""
-    if "llama_layer" not in sys.modules:
-        spec = importlib.util.spec_from_file_location("llama_layer", EXAMPLE)
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules["llama_layer"] = mod
-        spec.loader.exec_module(mod)
-    return sys.modules["llama_layer"]
+    """The layer module (autofuse.nn.llama_layer) that examples/llama_layer.py and `bench layer` run."""
+    from autofuse.nn import llama_layer
+
+    return llama_layer
 
 
 # ------------------------------------------------------------------- float64 reference of the layer

@@ -113,17 +113,23 @@ def mode(device_type: str) -> str:
     return text
 
 
-def variant_override(op: str) -> str | None:
-    """The variant AUTOFUSE_VARIANT forces for `op` (an `op:` item wins over `*:`), None if none."""
-    text = os.environ.get("AUTOFUSE_VARIANT", "")
-    chosen = None
+def parse_variants(text: str, source: str = "AUTOFUSE_VARIANT") -> dict[str, str]:
+    """'op:variant,op:variant' (or '*:variant' for every op) as {op or '*': variant}; the last item of
+    an op wins, the first '*' item wins."""
+    out: dict[str, str] = {}
     for item in filter(None, (s.strip() for s in text.split(","))):
         name, sep, variant = item.partition(":")
         if not sep or not variant or not name:
-            raise SettingError(f"AUTOFUSE_VARIANT={text!r}: items are op:variant (or *:variant), got {item!r}")
-        if name == op or (name == "*" and chosen is None):
-            chosen = variant
-    return chosen
+            raise SettingError(f"{source}={text!r}: items are op:variant (or *:variant), got {item!r}")
+        if name != "*" or "*" not in out:
+            out[name] = variant
+    return out
+
+
+def variant_override(op: str) -> str | None:
+    """The variant AUTOFUSE_VARIANT forces for `op` (an `op:` item wins over `*:`), None if none."""
+    forced = parse_variants(os.environ.get("AUTOFUSE_VARIANT", ""))
+    return forced.get(op, forced.get("*"))
 
 
 def variant_text() -> str:

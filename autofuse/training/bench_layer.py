@@ -1,6 +1,6 @@
 """`autofuse bench layer`: a tensor-parallel Llama-3 layer on autofuse against the same layer on NCCL + cuBLAS.
 
-The layer is `examples/llama_layer.py` (one file, one code path; only its four communicating steps
+The layer is `autofuse.nn.llama_layer` (one module, one code path; only its four communicating steps
 differ: autofuse's public API, or torch.distributed collectives + torch.matmul). One rank per
 local GPU (or 2 CPU ranks running Triton's interpreter); both layers share one set of random bf16
 weights; in the same run, per shape and timing mode:
@@ -34,19 +34,19 @@ autofuse.training.bench_layer` runs it without the CLI and writes `--out`.
 from __future__ import annotations
 
 import datetime
-import importlib.util
 import json
 import math
 import os
 import re
-import sys
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch
 
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "llama_layer.py"
+from autofuse.core import registry, settings
+from autofuse.nn import llama_layer
+
 TOLERANCE = 2.5e-2  # bf16 layer vs bf16 layer, norm-wise relative; see tests/test_layer.py
 OPS = ("qkv", "attention", "o_proj", "gate_up", "down")
 PREFILL_TOKENS = {"cuda": (512, 2048, 8192), "cpu": (16, 32)}
@@ -70,7 +70,7 @@ class Options:
     'prefill' / 'decode' (that phase's default grid); shapes not in the grid are added; reps: timed
     batches per median (default 30 GPU; at most 3 on CPU); out: JSON path (written by `main` only,
     never by `run`); op_shares: time each op alone;
-    kv_block: positions per KV-cache block (ranks own blocks round-robin; default 64, 4 on CPU); example: the layer file;
+    kv_block: positions per KV-cache block (ranks own blocks round-robin; default 64, 4 on CPU);
     autofuse: the autofuse configurations to time against the one baseline, each an AUTOFUSE_VARIANT
     value ('' or 'default': autofuse's own choice; 'ag_gemm:push,gemm_rs:push_last' forces those), a
     list or one string split at ';' (default: this process's AUTOFUSE_VARIANT, else autofuse's choice);
@@ -92,7 +92,6 @@ class Options:
     op_shares: bool = True
     seed: int = 0
     kv_block: int | None = None
-    example: str | Path | None = None
     autofuse: Sequence[str] | str | None = None
     variants: Sequence[str] | None = None
     progress: bool = True
@@ -109,22 +108,6 @@ class Options:
         opts = cls(**{f.name: get(f.name, f.default) for f in fields(cls)})
         opts.model = opts.model or get("sweep", None)
         return opts
-
-
-def layer_module(path: str | Path | None = None) -> Any:
-    """examples/llama_layer.py loaded as the module `llama_layer` (examples/ is not a package)."""
-    path = Path(path or EXAMPLE)
-    mod = sys.modules.get("llama_layer")
-    if mod is not None and Path(mod.__file__).resolve() == path.resolve():
-        return mod
-    if not path.is_file():
-        raise FileNotFoundError(f"the layer example {path} is missing: run from an autofuse checkout "
-                                "(examples/ is not installed with the package) or pass example=PATH")
-    spec = importlib.util.spec_from_file_location("llama_layer", path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["llama_layer"] = mod
-    spec.loader.exec_module(mod)
-    return mod
 
 
 # ------------------------------------------------------------------------------------- the plan
@@ -190,8 +173,6 @@ def autofuse_configs(opts: Options) -> list[str]:
 
 def _from_variants(names: Sequence[str]) -> list[str]:
     """The CLI's --variants items as configurations (see Options.variants)."""
-    from autofuse.core import registry
-
     out: list[str] = []
     pairs = [n for n in names if ":" in n]
     for name in names:
@@ -212,18 +193,12 @@ def _from_variants(names: Sequence[str]) -> list[str]:
 def expand_configs(configs: Sequence[str], world: Any) -> list[str]:
     """Replace 'each' by the forced combinations covering every non-bsp variant of every op available
     on `world` (combination i takes each op's i-th variant, cycling); keeps the order, no repeats."""
-    from autofuse.core import registry
-
     out: list[str] = []
     for c in configs:
         if c != "each":
             out.append(c)
             continue
-        per_op = {op: [n for n, v in registry.get(op).variants.items() if n != "bsp" and v.available(world)]
-                  for op in registry.names()}
-        per_op = {op: vs for op, vs in per_op.items() if vs}
-        runs = max((len(vs) for vs in per_op.values()), default=0)
-        out += [",".join(f"{op}:{vs[i % len(vs)]}" for op, vs in per_op.items()) for i in range(runs)]
+        out += [",".join(f"{op}:{v}" for op, v in forced.items()) for forced in llama_layer.forced_sets(world)]
     return list(dict.fromkeys(out))
 
 
@@ -257,8 +232,8 @@ def run(options: Any = None) -> dict:
     if kind != "cuda" and "graph" in modes:
         raise ValueError("graph mode needs CUDA graphs; on CPU only eager mode runs")
     shapes = plan(opts, kind)[:opts.limit or None]
-    if model not in layer_module(opts.example).CONFIGS:
-        raise ValueError(f"unknown model {model!r}: use one of {', '.join(layer_module(opts.example).CONFIGS)}")
+    if model not in llama_layer.CONFIGS:
+        raise ValueError(f"unknown model {model!r}: use one of {', '.join(llama_layer.CONFIGS)}")
     reps = opts.reps or 30
     notes = [CPU_NOTE] if kind == "cpu" else []
     if kind == "cpu" and reps > CPU_REPS:
@@ -266,9 +241,9 @@ def run(options: Any = None) -> dict:
         reps = CPU_REPS
     cfg = {"model": model, "modes": modes, "reps": reps, "progress": bool(opts.progress),
            "op_shares": opts.op_shares, "seed": opts.seed, "kv_block": opts.kv_block or KV_BLOCK[kind],
-           "example": str(opts.example or EXAMPLE), "autofuse": autofuse_configs(opts),
+           "autofuse": autofuse_configs(opts),
            "policy_mode": os.environ.get("AUTOFUSE_MODE", "")}
-    layer_module(cfg["example"]).check_tp(layer_module(cfg["example"]).CONFIGS[model], world)
+    llama_layer.check_tp(llama_layer.CONFIGS[model], world)
     started = datetime.datetime.now(datetime.timezone.utc)
     per_rank = spawn(_rank, world, cfg, shapes, device_kind=kind, timeout_s=3600)
     result = dict(per_rank[0])
@@ -371,7 +346,7 @@ def _rank(world, cfg: dict, shapes: list[dict]) -> dict:
     import autofuse
     from autofuse.measure.timing import time_fn, time_in_turns
 
-    m = layer_module(cfg["example"])
+    m = llama_layer
     model = m.CONFIGS[cfg["model"]]
     cuda = world.device.type == "cuda"
     if not cuda:
@@ -396,10 +371,12 @@ def _rank(world, cfg: dict, shapes: list[dict]) -> dict:
         return {name: t.median_us for name, t in zip(fns, times)}
 
     def select(variants: str, mode: str) -> None:
-        """Make autofuse decide afresh: AUTOFUSE_VARIANT for this configuration, and the policy
-        fitted for this timing mode (unless AUTOFUSE_MODE was set for the whole run)."""
-        os.environ["AUTOFUSE_VARIANT"] = variants
-        os.environ["AUTOFUSE_MODE"] = cfg["policy_mode"] or ("graph" if cuda and mode == "graph" else "eager")
+        """Make autofuse decide afresh: the variants this configuration forces (AUTOFUSE_VARIANT's
+        syntax, passed as autofuse's `variant=` argument), and the policy fitted for this timing mode
+        (unless AUTOFUSE_MODE was set for the whole run)."""
+        forced = settings.parse_variants(variants, "configuration")
+        layers["autofuse"].ops.variants = {op: forced.get(op, forced.get("*")) for op in registry.names()}
+        os.environ["AUTOFUSE_MODE"] = cfg["policy_mode"] or mode
         autofuse.set_policy(None)  # forgets cached decisions and policies; every rank calls it alike
 
     def op_times(s: _Shape, mode: str, layer_us: dict[str, float]) -> dict[str, dict[str, float]]:
@@ -442,7 +419,8 @@ def _rank(world, cfg: dict, shapes: list[dict]) -> dict:
                     if say:
                         print(f"{item['phase']} {shape_label(item)} {mode} autofuse {variants}: refused", flush=True)
                     continue
-                chosen = {label: f"{op}:{autofuse.explain(op, *s.ops['autofuse'][label][1], group=group).variant}"
+                forced = layers["autofuse"].ops.variants
+                chosen = {label: f"{op}:{autofuse.explain(op, *s.ops['autofuse'][label][1], group=group, variant=forced.get(op)).variant}"
                           for label, op in s.autofuse_ops.items()}
                 alts = [name for name in alternatives if not variants]  # beside autofuse's own choice only
                 for name in alts:
@@ -460,7 +438,6 @@ def _rank(world, cfg: dict, shapes: list[dict]) -> dict:
         del s, expected
         if cuda:
             torch.cuda.empty_cache()
-    os.environ.pop("AUTOFUSE_VARIANT", None)
     if cfg["policy_mode"]:
         os.environ["AUTOFUSE_MODE"] = cfg["policy_mode"]
     else:
