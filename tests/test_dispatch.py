@@ -717,3 +717,34 @@ def test_eval_dispatch_script_times_every_candidate_in_turns(tmp_path):
     assert set(row["us"]) == {"bsp", "one_shot", "two_shot", "mm_heap"}, row["us"]
     assert all(math.isfinite(t) and t > 0 for t in row["us"].values()), row["us"]
     assert row["pick"] == "bsp" and row["pick_us"] == row["us"]["bsp"], row
+
+
+def _no_policy_job(world, models_dir: str) -> list[tuple[str, str]]:
+    import warnings
+
+    import torch
+
+    import autofuse
+
+    os.environ["AUTOFUSE_MODELS_DIR"] = models_dir
+    a, b = torch.randn(8, 16, dtype=torch.bfloat16), torch.randn(16, 8, dtype=torch.bfloat16)
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always")
+        autofuse.gemm_ar(a, b, group=world.group)
+    return [(os.path.basename(w.filename), str(w.message)) for w in got if "policy" in str(w.message)]
+
+
+def test_no_policy_warning_names_every_place_searched_and_the_callers_line(tmp_path):
+    """Without a policy: one warning at the caller's line (not autofuse's generated entry point, `<string>`),
+    naming AUTOFUSE_POLICY, AUTOFUSE_MODELS_DIR and the user folder `autofuse fit` writes to, and saying
+    that forced variants still run."""
+    os.environ["XDG_DATA_HOME"] = str(tmp_path / "data")
+    try:
+        (got,) = spawn(_no_policy_job, 1, str(tmp_path / "extra"))
+    finally:
+        os.environ.pop("XDG_DATA_HOME", None)
+    (where, text), = got
+    assert where == "test_dispatch.py", where
+    assert "AUTOFUSE_POLICY (unset)" in text and f"AUTOFUSE_MODELS_DIR ({tmp_path / 'extra'})" in text
+    assert f"{tmp_path / 'data' / 'autofuse' / 'models'} (where autofuse fit writes)" in text
+    assert "unless variant= or AUTOFUSE_VARIANT forces another" in text

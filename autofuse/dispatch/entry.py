@@ -61,7 +61,8 @@ def entry_point(name: str) -> Callable[..., torch.Tensor]:
     op = op_of(name)
     params = ", ".join(op.args)
     key = " ".join(f"{a}.shape, {a}.dtype, {a}.device, {a}.is_contiguous()," for a in op.args)
-    namespace = {"cache": STATE.cache, "miss": miss, "check": check, "stats": STATE.stats, "config_key": config_key}
+    namespace = {"cache": STATE.cache, "miss": miss, "check": check, "stats": STATE.stats, "config_key": config_key,
+                 "__name__": __name__}  # warnings skip this frame as autofuse's own (state.user_stacklevel)
     exec(_ENTRY_TEMPLATE.format(name=name, params=params, key=key), namespace)  # noqa: S102 - our own template
     fn = namespace[name]
     fn.__doc__ = (f"{op.description}.\n\nEvery rank of `group` (None: the default group) calls it with its own "

@@ -45,6 +45,18 @@ def find_policy(fingerprint: dict, mode: str | None = None) -> Path | None:
     return min(found)[-1] if found else None
 
 
+def no_policy_reason(fp: dict) -> str:
+    """Why no policy was found, naming every place searched (existing or not) and what runs instead."""
+    searched = ["AUTOFUSE_POLICY (unset)",
+                "AUTOFUSE_MODELS_DIR (" + (", ".join(map(str, settings.models_dirs())) or "unset") + ")",
+                f"{settings.user_models_dir()} (where autofuse fit writes)",
+                *(str(d) for d in models_dirs() if d not in (*settings.models_dirs(), settings.user_models_dir()))]
+    forced = settings.variant_text()
+    runs = (f"ops that AUTOFUSE_VARIANT={forced} does not force run bsp" if forced else
+            "every op runs bsp unless variant= or AUTOFUSE_VARIANT forces another")
+    return f"no policy fitted on this machine's hardware (fingerprint {fp['id']}) in {'; '.join(searched)}: {runs}"
+
+
 def policy_for(world: World) -> Any:
     """The Policy decisions on `world`'s device kind use (loaded once per process and kind)."""
     if STATE.forced_policy is not None:
@@ -60,10 +72,8 @@ def policy_for(world: World) -> Any:
         if path is not None:
             STATE.policies[kind] = Policy.load(path, fp)
         else:
-            reason = (f"no policy for this machine (fingerprint {fp['id']}) in AUTOFUSE_POLICY or "
-                      f"{', '.join(map(str, models_dirs())) or 'models/'}")
-            warn_once(f"autofuse: {reason}; every op runs bsp. Tune and fit one: autofuse tune, then autofuse fit.",
-                      stacklevel=5)
+            reason = no_policy_reason(fp)
+            warn_once(f"autofuse: {reason}. To fit one here: autofuse tune, then autofuse fit.")
             STATE.policies[kind] = Policy.bsp(reason)
     return STATE.policies[kind]
 

@@ -36,6 +36,7 @@ from autofuse.measure import environment
 from autofuse.core.features import problem_features, vector
 from autofuse.core.op import Config, Op, Problem
 from autofuse.dispatch.choice import Choice
+from autofuse.dispatch.state import user_stacklevel
 
 FORMAT = "autofuse-policy"
 FORMAT_VERSION = 1
@@ -151,8 +152,8 @@ class Policy:
                 shown = "; ".join(f"{k}: policy {a!r} vs here {b!r}" for k, (a, b) in sorted(diff.items()))
                 problem = f"it was fitted on other hardware ({shown})"
         if problem:
-            reason = f"policy {path} refused: {problem}; running BSP for every op"
-            warnings.warn(reason, PolicyWarning, stacklevel=2)
+            reason = f"policy {path} refused: {problem}; every op runs bsp unless forced (AUTOFUSE_VARIANT, variant=)"
+            warnings.warn(reason, PolicyWarning, stacklevel=user_stacklevel())
             return cls.bsp(reason)
         policy = cls(data, path)
         ops_here, ops_then = dict(fp.get("ops") or {}), dict(data["fingerprint"].get("ops") or {})
@@ -164,7 +165,7 @@ class Policy:
         if policy.software:
             shown = "; ".join(f"{k} {a} there, {b} here" for k, (a, b) in sorted(policy.software.items()))
             warnings.warn(f"policy {path} was fitted with other software ({shown}): it is used, and every "
-                          "decision is confirmed by measuring on first use", PolicyWarning, stacklevel=2)
+                          "decision is confirmed by measuring on first use", PolicyWarning, stacklevel=user_stacklevel())
         return policy
 
     @classmethod
@@ -174,8 +175,8 @@ class Policy:
         path = Path(path)
         data, why = read_file(path)
         if why:
-            reason = f"policy {path} refused: {why}; running BSP for every op"
-            warnings.warn(reason, PolicyWarning, stacklevel=2)
+            reason = f"policy {path} refused: {why}; every op runs bsp unless forced (AUTOFUSE_VARIANT, variant=)"
+            warnings.warn(reason, PolicyWarning, stacklevel=user_stacklevel())
             return cls.bsp(reason)
         return cls.from_dict(data, fingerprint, path=str(path))
 

@@ -6,6 +6,7 @@ when made, so those two objects are cleared in place, never replaced.
 """
 from __future__ import annotations
 
+import sys
 import warnings
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -61,11 +62,21 @@ class State:
 STATE = State()
 
 
-def warn_once(text: str, category: type[Warning] = RuntimeWarning, stacklevel: int = 3) -> None:
-    """Warn with `text` once per process."""
+def user_stacklevel() -> int:
+    """The `stacklevel` that makes warnings.warn, called by the caller of this function, name the first
+    frame outside autofuse (the user's call of `autofuse.<op>`, not autofuse's own code nor the generated
+    entry point)."""
+    level, frame = 2, sys._getframe(2)  # stacklevel k names the frame k - 1 above the caller of warnings.warn
+    while frame is not None and str(frame.f_globals.get("__name__", "")).split(".")[0] == "autofuse":
+        level, frame = level + 1, frame.f_back
+    return level
+
+
+def warn_once(text: str, category: type[Warning] = RuntimeWarning) -> None:
+    """Warn with `text` once per process, at the user's line that called autofuse."""
     if text not in STATE.warned:
         STATE.warned.add(text)
-        warnings.warn(text, category, stacklevel=stacklevel)
+        warnings.warn(text, category, stacklevel=user_stacklevel())
 
 
 def op_of(op: str | Op) -> Op:
