@@ -34,12 +34,10 @@ autofuse.training.bench_layer` runs it without the CLI and writes `--out`.
 from __future__ import annotations
 
 import datetime
-import json
 import math
 import os
 import re
 from dataclasses import asdict, dataclass, field, fields
-from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch
@@ -68,8 +66,7 @@ class Options:
     prefill and/or decode; shapes: filter, items like 'T=2048' (prefill tokens), 'B=8', 'S=16K'
     (decode batch / context; a missing one takes the default grid), '8x16K' (one decode shape),
     'prefill' / 'decode' (that phase's default grid); shapes not in the grid are added; reps: timed
-    batches per median (default 30 GPU; at most 3 on CPU); out: JSON path (written by `main` only,
-    never by `run`); op_shares: time each op alone;
+    batches per median (default 30 GPU; at most 3 on CPU); op_shares: time each op alone;
     kv_block: positions per KV-cache block (ranks own blocks round-robin; default 64, 4 on CPU);
     autofuse: the autofuse configurations to time against the one baseline, each an AUTOFUSE_VARIANT
     value ('' or 'default': autofuse's own choice; 'ag_gemm:push,gemm_rs:push_last' forces those), a
@@ -88,7 +85,6 @@ class Options:
     phases: Sequence[str] | None = None
     shapes: Sequence[str] | str | None = None
     reps: int | None = None
-    out: str | Path | None = None
     op_shares: bool = True
     seed: int = 0
     kv_block: int | None = None
@@ -593,37 +589,3 @@ def render(result: dict, console: Any) -> None:
         say("autofuse ran: " + ", ".join(chosen))
     for line in result.get("notes", []):
         say(line, "yellow")
-
-
-def main(argv: Sequence[str] | None = None) -> None:
-    """`python -m autofuse.training.bench_layer ...`: `autofuse bench layer` without the CLI (writes --out)."""
-    import argparse
-
-    from rich.console import Console
-
-    p = argparse.ArgumentParser(description="Llama-3 tensor-parallel layer: autofuse vs NCCL + cuBLAS")
-    p.add_argument("--world", type=int)
-    p.add_argument("--model", choices=["70b", "8b", "tiny"])
-    p.add_argument("--mode", action="append", dest="modes", choices=["eager", "graph"])
-    p.add_argument("--phase", action="append", dest="phases", choices=["prefill", "decode"])
-    p.add_argument("--shapes", help="e.g. T=2048,B=8,S=16K,8x4K")
-    p.add_argument("--reps", type=int)
-    p.add_argument("--no-op-shares", dest="op_shares", action="store_false")
-    p.add_argument("--autofuse", help="';'-separated AUTOFUSE_VARIANT values; 'default', 'each'")
-    p.add_argument("--out", help="JSON path")
-    args = p.parse_args(argv)
-    result = run(Options.of(args))
-    render(result, Console())
-    if args.out:
-        from autofuse.measure import environment
-
-        doc = {"target": "layer", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-               "fingerprint": environment.fingerprint(result["device_kind"]), **result}
-        path = Path(args.out)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(_finite(doc), indent=1, default=str, allow_nan=False) + "\n")
-        print(f"wrote {path}")
-
-
-if __name__ == "__main__":
-    main()
