@@ -61,6 +61,8 @@ SMALL_TILE = {"BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 8, "num_
 
 GPU_CASES = [
     ("bsp", {"M": 128, **GPU_SWEEP}, "bfloat16", {}), ("bsp", {"M": 77, **QWEN}, "float32", {}),
+    ("torch_symm_one_shot", {"M": 128, **GPU_SWEEP}, "bfloat16", {}),
+    ("torch_symm_two_shot", {"M": 77, **QWEN}, "bfloat16", {}),
     *_defaults("mm_heap", {"M": 8, **O_PROJ}, pick=4), *_defaults("mm_heap", {"M": 256, **GPU_SWEEP}),
     *_defaults("mm_heap", {"M": 77, **QWEN}, "float16", pick=1),
     *_defaults("one_shot", {"M": 1, **O_PROJ}), *_defaults("one_shot", {"M": 32, **DOWN}),
@@ -173,7 +175,9 @@ def test_sweeps_defaults_and_features():
     assert 8 <= len(default) <= 12 and max(p["M"] for p in default) <= 256
     decode = OP.variant("one_shot").defaults(Problem.make("gemm_ar", "bfloat16", 2, M=8, N=8192, K=8192))[0]
     assert decode["SWAP_AB"] and decode["SPLIT_K"] > 1  # skinny: N on the wgmma's M side, K split to fill SMs
-    assert {v.family for v in OP.variants.values()} == {"bsp", "hybrid", "fused"}
+    assert {v.family for v in OP.variants.values()} == {"bsp", "peer", "hybrid", "fused"}
+    for name in ("torch_symm_one_shot", "torch_symm_two_shot"):  # torch's symmetric memory: CUDA only
+        assert OP.variant(name).available(fake_world()) is False and OP.variant(name).family == "peer"
 
 
 # -- sm_90 -----------------------------------------------------------------------------------------------

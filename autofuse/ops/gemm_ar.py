@@ -4,6 +4,9 @@ Rank r holds A_r (M x K/W) and B_r (K/W x N) and gets C = sum_q A_q @ B_q (M x N
 
 Variants:
 - `bsp`: torch.matmul, then the collective library's all_reduce.
+- `torch_symm_one_shot`, `torch_symm_two_shot` (peer): torch.matmul into a torch symmetric-memory
+  buffer, then torch's own one-shot / two-shot all-reduce on it (`torch.ops.symm_mem`): what vLLM- and
+  SGLang-style custom all-reduce runs; a baseline users would otherwise run (CUDA, whole-job groups).
 - `mm_heap` (hybrid, in this module on autofuse/ops/hybrid.py): torch.matmul into out, then the one-launch heap all-reduce
   in place (autofuse/comm/collectives.py: one-shot or two-shot, same bits on every rank).
 - `one_shot` (fused): one persistent kernel; each GEMM tile's partial is pushed to every peer's
@@ -25,6 +28,7 @@ import torch.distributed as dist
 from autofuse.core import gemm
 from autofuse.ops import hybrid
 from autofuse.comm import collectives
+from autofuse.comm.heap import torch_symm_available
 from autofuse.core.op import Config, Op, Problem, Variant
 from autofuse.ops import row_parallel as rp
 from autofuse.core.runner import Runner, TensorSpec
@@ -71,6 +75,45 @@ class Bsp(Variant):
 
     def runner(self, world: Any, problem: Problem, config: Config) -> Runner:
         return BspRunner(world, problem)
+
+
+# -- peer: torch's symmetric-memory all-reduce ------------------------------------------------------------
+class SymmAllReduceRunner(Runner):
+    """torch.matmul into a symmetric buffer, then torch.ops.symm_mem's one-shot or two-shot all-reduce."""
+
+    def __init__(self, world: Any, problem: Problem, group: str, algo: str):
+        import torch.distributed._symmetric_memory as symm
+
+        super().__init__(world, problem, *rp.io_specs(problem, problem["M"]))
+        self.group, self.algo = group, algo
+        self.buffer = symm.empty((problem["M"], problem["N"]), dtype=problem.torch_dtype, device=world.device)
+        symm.rendezvous(self.buffer, group)
+
+    def launch(self, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
+        torch.matmul(a, b, out=self.buffer)
+        if self.algo == "one_shot":
+            torch.ops.symm_mem.one_shot_all_reduce_out(self.buffer, "sum", self.group, out)
+        else:
+            torch.ops.symm_mem.two_shot_all_reduce_(self.buffer, "sum", self.group)
+            out.copy_(self.buffer)
+
+
+class TorchSymmOneShot(Variant):
+    """torch's symmetric-memory one-shot all-reduce after torch.matmul (every rank reads every peer's partial)."""
+
+    name, family, algo, torch_op = "torch_symm_one_shot", "peer", "one_shot", "one_shot_all_reduce_out"
+
+    def available(self, world: Any) -> bool:
+        return torch_symm_available(world, self.torch_op)
+
+    def runner(self, world: Any, problem: Problem, config: Config) -> Runner:
+        return SymmAllReduceRunner(world, problem, rp.symm_mem_group(world), self.algo)
+
+
+class TorchSymmTwoShot(TorchSymmOneShot):
+    """torch's symmetric-memory two-shot all-reduce (reduce-scatter then all-gather, in place)."""
+
+    name, algo, torch_op = "torch_symm_two_shot", "two_shot", "two_shot_all_reduce_"
 
 
 # -- fused: one_shot, two_shot ---------------------------------------------------------------------------
@@ -157,7 +200,7 @@ def bound(world: Any, problem: Problem, seed: int) -> dict[str, Callable[[], Any
 OP = Op(
     name=NAME,
     args=("a", "b"),
-    variants=[Bsp(), MMHeapAR(), OneShot(), TwoShot()],
+    variants=[Bsp(), TorchSymmOneShot(), TorchSymmTwoShot(), MMHeapAR(), OneShot(), TwoShot()],
     problem_of=problem_of,
     inputs=rp.inputs,
     reference=reference,

@@ -116,16 +116,7 @@ class TorchSymm(Variant):
         return torch_symm_available(world, "fused_matmul_reduce_scatter")
 
     def runner(self, world: Any, problem: Problem, config: Config) -> Runner:
-        import torch.distributed._symmetric_memory as symm
-
-        group = rp.group_name(world)
-        enabled = getattr(symm, "is_symm_mem_enabled_for_group", lambda name: True)
-        if hasattr(symm, "enable_symm_mem_for_group") and not enabled(group):  # needed before torch 2.13
-            import warnings
-
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", FutureWarning)
-                symm.enable_symm_mem_for_group(group)
+        rp.symm_mem_group(world)
         return TorchSymmRunner(world, problem)
 
 
