@@ -504,3 +504,23 @@ def test_gemm_core_bench_table_at_80_columns_and_no_ratio_on_cpu():
         _check_80(out)
         assert "13229.4" in out and "14001.2" in out
         assert ("1.06" in out) == (kind == "cuda") and ("NO" in out) == (kind == "cuda")
+
+
+def test_docs_agree_on_the_policy_search_order_and_name_no_branch():
+    """The policy search order is written in three places (models/README.md, the dispatch package's
+    docstring, dispatch/policies.py's): each names the folders in the order the code searches them. The
+    pages that describe today's state (README, docs/results/README) point to no branch: only main lands."""
+    import autofuse.dispatch
+    import autofuse.dispatch.policies as policies
+
+    order = ["AUTOFUSE_MODELS_DIR", "XDG_DATA_HOME", "models/", "share/autofuse/models"]
+    texts = {"models/README.md": (ROOT / "models" / "README.md").read_text(),
+             "autofuse/dispatch/__init__.py": autofuse.dispatch.__doc__, "policies.py": policies.__doc__}
+    for name, text in texts.items():
+        text = " ".join(text.split())
+        at = text.find("AUTOFUSE_POLICY")
+        for word in order:  # each after the one before
+            at = text.find(word, at + 1)
+            assert at >= 0, f"{name} does not name {word} after {order[:order.index(word)]}"
+    for page in ("README.md", "docs/results/README.md"):
+        assert not re.findall(r"branch `[^`]+`", (ROOT / page).read_text()), page

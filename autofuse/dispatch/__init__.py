@@ -16,9 +16,11 @@ needs no hand-written entry point; the generated code builds the cache key inlin
 Miss path (a problem this process has not seen, per op/group/shapes): the op's `problem_of`
 validates the inputs; the decision comes from, in order, the `variant=` argument,
 `AUTOFUSE_VARIANT=op:variant,...` (`*:variant` for every op), the policy. The policy is
-`AUTOFUSE_POLICY` (a JSON path), else the file in `models/` whose fingerprint matches this machine
-(preferring `AUTOFUSE_MODE`, default graph on GPUs), else BSP for everything with a one-time
-warning. Then every rank agrees: each publishes its validation outcome and a hash of (problem,
+`AUTOFUSE_POLICY` (a JSON path), else the best match for this machine's hardware in the folders
+`autofuse/dispatch/policies.py` searches, in order: AUTOFUSE_MODELS_DIR, the user folder
+`autofuse fit` writes to ($XDG_DATA_HOME/autofuse/models), models/ beside the package, the package's
+own models/, <prefix>/share/autofuse/models (preferring `AUTOFUSE_MODE`, default graph on GPUs);
+else BSP for every op not forced, with a one-time warning. Then every rank agrees: each publishes its validation outcome and a hash of (problem,
 variant, config) through the job's store and waits, bounded (the wait budget + 2 s), for all the
 others. If any rank's input was invalid, every rank raises InvalidInput naming that rank and the
 reason; if the choices differ, every rank raises DispatchMismatch naming each rank's choice; if a
