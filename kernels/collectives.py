@@ -66,7 +66,9 @@ Costs on two H200 (paper estimates written before measuring; graph mode; hop = o
     the bytes: not built; the flag protocol above is the baseline to measure them against.
 
 Faults: a program whose workspace is unhealthy, or whose wait failed, writes NaN into every output
-element it owns instead of data; waits are exact and bounded (kernels/shmem.py).
+element it owns instead of data; waits are exact and bounded (kernels/shmem.py). An unhealthy call
+reads no peer's data even where it finds a flag set: after a fault, a flag of this epoch may have
+been raised by a peer's other call (one this rank skipped).
 Every kernel here compiles for sm_90 with Triton 3.6 and runs under the 3.9 interpreter.
 """
 import triton
@@ -253,8 +255,9 @@ def all_gather_kernel(x, out, buf, ctx, flags, half_flags, data_half, rows, widt
                 for i in range(1, world):
                     s = (me + world - i) % world
                     dst = out + s * src_step
-                    ok = shmem.wait_until(_flag(flags, half_flags, epoch, DATA, s, c, k, world, chunks, nprog),
-                                          epoch, ctx)
+                    ok = healthy  # an unhealthy call reads nothing: a flag it finds set may be of a peer's other call
+                    ok = ok & shmem.wait_until(_flag(flags, half_flags, epoch, DATA, s, c, k, world, chunks, nprog),
+                                               epoch, ctx)
                     if ok:
                         if ALGO == INBOX:
                             _move(mine + s * rows * width, width, dst, dst_ld, lo, hi, width, BLOCK_R, BLOCK_C)
@@ -437,8 +440,9 @@ def reduce_kernel(x, out, buf, ctx, flags, half_flags, data_half, owner_rows, to
                     for i in range(1, world):
                         s = (me + world - i) % world
                         slo, shi = _clamp(lo, hi, s, owner_rows, total_rows)
-                        ok = shmem.wait_until(_flag(flags, half_flags, epoch, DATA2, s, j, k, world, chunks, nprog),
-                                              epoch, ctx)
+                        ok = healthy
+                        ok = ok & shmem.wait_until(_flag(flags, half_flags, epoch, DATA2, s, j, k, world, chunks,
+                                                         nprog), epoch, ctx)
                         if ok:
                             _move(box + box2 + s * slot, width, out + s * slot, width, slo, shi, width, BLOCK_R,
                                   BLOCK_C)

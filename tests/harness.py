@@ -8,7 +8,9 @@
 - `assert_ok(results)`: every rank within tolerance; optionally bitwise-equal results across ranks.
 - fault scenarios (`late_peer`, `skipped_call`, `dead_peer`): a peer that is late past the wait
   budget, that skips a call, or that never calls; every rank must raise (FlagTimeout or
-  WorkspaceAborted) within the budget plus a few seconds, and no call may return a wrong result.
+  WorkspaceAborted) within the budget plus a few seconds, no call may return a wrong result, and
+  a call that raises must leave NaN in every element of its `out` (given prefilled with finite
+  values, so stale or untouched elements show).
 The case tables live in each op's test module and are used by its CPU and GPU tests alike.
 """
 from __future__ import annotations
@@ -130,19 +132,23 @@ def assert_ok(results: Sequence[Sequence[tuple]], same_bits: Sequence[str] = ())
 # -- faults -------------------------------------------------------------------------------------------
 FAULT_BUDGET_S = 2.0  # AUTOFUSE_WAIT_TIMEOUT the fault tests run with
 FAULTS = (status.FlagTimeout, status.WorkspaceAborted)
+STALE = 3.0  # what fault runs prefill `out` with: finite, so a failed call that leaves it (or stale data) shows
 
 
 def _call(op: Op, world: Any, problem: Problem, runner: Any, seed: int) -> tuple[str, float]:
-    """One call: ('raised', kind) or ('returned', relative error vs the reference)."""
+    """One call into an `out` prefilled with STALE: ('returned', relative error vs the reference) or
+    (the exception's name, how many elements of `out` are not NaN after it: 0 is what a failed call owes)."""
     inputs = op.inputs(world, problem, seed)
     ref = op.reference(world, problem, seed)
+    out = torch.full(ref.shape, STALE, dtype=problem.torch_dtype, device=world.device)
     try:
-        out = runner(*inputs, out=_out_like(ref, problem, world.device))
-        runner.check()
+        runner(*inputs, out=out)
+        runner.check(out)
     except FAULTS as exc:
-        return type(exc).__name__, math.nan
-    err = rel_error(out, ref)
-    return "returned", err
+        if world.device.type == "cuda":
+            torch.cuda.synchronize(world.device)
+        return type(exc).__name__, int((~torch.isnan(out)).sum().item())
+    return "returned", rel_error(out, ref)
 
 
 PROGRESS_ENV = "AUTOFUSE_TEST_PROGRESS"  # set (e.g. to 60): fault runs print each call's outcome to stderr and
@@ -206,10 +212,13 @@ def fault_run(world: Any, op: Op, variant: str, dims: dict, dtype: str, config: 
 
 
 def check_fault_run(results: Sequence[dict]) -> None:
-    """No call returned a wrong result; every rank that kept calling raised, within budget + 5 s."""
+    """No call returned a wrong result, every call that raised left NaN in all of `out`, and every rank
+    that kept calling raised, within budget + 5 s."""
     for r in results:
         for kind, err in r["seen"]:
             assert kind != "returned" or err <= r["tol"], f"rank {r['rank']}: silent wrong result ({err:.3g})"
+            assert kind == "returned" or err == 0, (
+                f"rank {r['rank']}: a call raised {kind} but left {err} elements of out that are not NaN")
         calls_made = len(r["seen"])
         if r["scenario"] == "dead_peer" and r["rank"] == r["victim"]:
             continue

@@ -177,6 +177,66 @@ def test_faults_raise_on_every_rank_and_never_return_wrong_results():
         harness.check_fault_run([r[i] for r in results])
 
 
+STALE_CASES = [
+    ("heap_mm", _ag(8, 24, 32, "rows"), BF, {"ENGINE": "sm", "ALGO": "inbox", **SMALL}),
+    ("heap_mm", _ag(8, 24, 32, "rows"), BF, {"ENGINE": "sm", "ALGO": "push", **SMALL}),
+    ("heap_mm_overlap", _ag(8, 24, 32, "rows"), BF, {"ENGINE": "sm", "ALGO": "push", **SMALL, **OVER}),
+]
+
+
+def _stale_job(world, cases):
+    """Per case: the last rank skips call 1 (every rank passes a barrier after it), so its peers time out and
+    abort it; then every rank calls again WITHOUT reading the fault record (as a GPU call that is not checked)
+    into an `out` prefilled with finite values. Returns, per case and for that call: (what it raised or
+    'launched', the relative error of its finite elements against the reference, how many elements are finite
+    after `check(out)`)."""
+    os.environ["AUTOFUSE_WAIT_TIMEOUT"] = str(harness.FAULT_BUDGET_S)
+    op, rows = OPS["ag_gemm"], []
+    for variant, dims, dtype, config in cases:
+        problem = harness.problem_of(op, world.size, dims, dtype)
+        runner = op.variant(variant).build(world, problem, config)
+        for seed in (0, 1):
+            if seed == 0 or world.rank != world.size - 1:
+                try:
+                    runner(*op.inputs(world, problem, seed))
+                    runner.check()
+                except harness.FAULTS:
+                    pass
+            world.sync()
+        ref = op.reference(world, problem, 2).to(problem.torch_dtype)
+        out = torch.full(ref.shape, harness.STALE, dtype=problem.torch_dtype, device=world.device)
+        try:
+            runner(*op.inputs(world, problem, 2), out=out)
+            what = "launched"
+        except status.WorkspaceAborted:
+            what = "WorkspaceAborted"
+        finite = torch.isfinite(out)
+        err = float((out[finite] - ref[finite]).double().norm() / ref[finite].double().norm()) if finite.any() else 0.0
+        try:
+            runner.check(out)
+        except harness.FAULTS:
+            pass
+        rows.append((what, err, int(torch.isfinite(out).sum()), problem.key))
+        world.sync()
+        for ws in workspaces(world):
+            ws.rebuild()
+    return rows
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_a_call_after_a_peers_fault_reads_no_stale_data(world_size):
+    """A rank whose workspace a peer aborted reads none of the peers' data (a flag of its epoch may have come
+    from the peer's other call, the one it skipped): no finite value of `out` is wrong even before the fault
+    is read, and once it is read (`check(out)`) every element is NaN. The peers refuse the call (NaN)."""
+    cases = STALE_CASES if world_size == 2 else STALE_CASES[:1]
+    results = spawn(_stale_job, world_size, cases, device_kind="cpu", timeout_s=600)
+    for rank, rows in enumerate(results):
+        for what, err, finite, key in rows:
+            assert what == ("launched" if rank == world_size - 1 else "WorkspaceAborted"), (rank, key, what)
+            assert err <= 1e-2, f"rank {rank} {key}: finite values of an aborted call are wrong (rel err {err:.3g})"
+            assert finite == 0, f"rank {rank} {key}: {finite} elements not NaN after the fault was read"
+
+
 # -- spaces, defaults, checks (no ranks) ---------------------------------------------------------------
 class _Trial:
     def __init__(self, seed):

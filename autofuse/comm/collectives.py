@@ -310,14 +310,24 @@ class _Base:
             raise InvalidInput(f"{self.kind}: {what} must be a contiguous {shape} {self.dtype} tensor on "
                                f"{self.device}, got {got}")
 
-    def _refuse(self) -> None:
+    def _refuse(self, out: torch.Tensor | None = None) -> None:
+        """Raise WorkspaceAborted after a fault, leaving NaN in `out` (never the previous call's values)."""
         for ws in self.workspaces:
-            ws.refuse_if_faulty()
+            if ws.faulty():
+                if out is not None:
+                    out.fill_(float("nan"))
+                ws.refuse_if_faulty()
 
-    def check(self) -> None:
-        """Raise the fault any of this collective's workspaces recorded (synchronises with the device)."""
-        for ws in self.workspaces:
-            ws.check()
+    def check(self, out: torch.Tensor | None = None) -> None:
+        """Raise the fault any of this collective's workspaces recorded (synchronises with the device);
+        `out` (the call's output) is filled with NaN first, as Runner.check does."""
+        try:
+            for ws in self.workspaces:
+                ws.check()
+        except Exception:
+            if out is not None:
+                out.fill_(float("nan"))
+            raise
 
     def _peer_views(self, local: torch.Tensor) -> list[tuple[torch.Tensor, int]]:
         """(peer q's copy of heap tensor `local`, q) for every peer, for copy-engine copies."""
@@ -381,7 +391,7 @@ class AllGather(_Base):
         self._check_x(x)
         if out is not None:
             self._check_x(out, "out", self.out_shape)
-        self._refuse()
+        self._refuse(out)
         target = out if out is not None and self._direct_out else self.buffer
         self._launch(x, target, waited=False)
         if out is not None and target is not out:
@@ -480,7 +490,7 @@ class _Reduce(_Base):
             out = torch.empty(self.out_shape, dtype=self.dtype, device=self.device)
         else:
             self._check_x(out, "out", self.out_shape)
-        self._refuse()
+        self._refuse(out)
         self._call(x, out)
         return out
 

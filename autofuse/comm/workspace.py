@@ -68,6 +68,10 @@ class Workspace:
             raise ValueError(f"{self.name}: offset {offset} is not aligned for {dtype}")
         return self.data[offset:].view(dtype), self.half_bytes // dtype.itemsize
 
+    def faulty(self) -> bool:
+        """Whether a fault was seen here (no device sync: reads the host mirror)."""
+        return self.aborted is not None or self._mirror[0] != 0
+
     def refuse_if_faulty(self) -> None:
         """Raise WorkspaceAborted if a fault was seen (no device sync: reads the host mirror)."""
         if self.aborted is None and self._mirror[0] == 0:

@@ -2,12 +2,14 @@
 
 Every variant's runner derives from `Runner`, which does what all of them need on every call,
 cheaply (this is the hot path): check the inputs against what it was built for (shape, dtype,
-device, layout), refuse a workspace that saw a fault, make or check `out`, then `launch`. A
+device, layout), make or check `out`, refuse a workspace that saw a fault (leaving NaN in `out`),
+then `launch`. A
 subclass only implements `launch(*inputs, out)`. Calls may be captured in a CUDA graph: runners
 keep their epochs on the device and allocate nothing per call.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -74,13 +76,15 @@ class Runner:
         specs, device = self.in_specs, self.device
         if len(inputs) != len(specs) or not all(s.fits(t, device) for s, t in zip(specs, inputs)):
             self._reject(inputs)
-        for ws in self.workspaces:
-            ws.refuse_if_faulty()
         spec = self.out_spec
         if out is None:
             out = torch.empty(spec.shape, dtype=spec.dtype, device=device)
         elif not spec.fits(out, device):
-            raise InvalidInput(f"{self.problem.op}: out: {spec.problem_with(out, device)}")
+            raise InvalidInput(f"{self.problem.op}: out: {spec.problem_with(out, device)} (out was not written)")
+        for ws in self.workspaces:
+            if ws.faulty():
+                out.fill_(math.nan)  # a refused call leaves NaN, never the previous call's values
+                ws.refuse_if_faulty()
         self.launch(*inputs, out=out)
         return out
 
@@ -88,10 +92,19 @@ class Runner:
         """Compute into `out` (subclasses)."""
         raise NotImplementedError
 
-    def check(self) -> None:
-        """Raise the fault any of this runner's workspaces recorded (synchronises with the device)."""
-        for ws in self.workspaces:
-            ws.check()
+    def check(self, out: torch.Tensor | None = None) -> None:
+        """Raise the fault any of this runner's workspaces recorded (synchronises with the device).
+
+        `out`: the output of the call just made; on a fault it is filled with NaN before raising,
+        since a kernel that finished before a peer gave up may have written finite values the
+        fault makes meaningless (data of a peer's other call, or this rank's part alone)."""
+        try:
+            for ws in self.workspaces:
+                ws.check()
+        except Exception:
+            if out is not None:
+                out.fill_(math.nan)
+            raise
 
     def _reject(self, inputs: Sequence[Any]) -> None:
         if len(inputs) != len(self.in_specs):
