@@ -524,3 +524,68 @@ def test_docs_agree_on_the_policy_search_order_and_name_no_branch():
             assert at >= 0, f"{name} does not name {word} after {order[:order.index(word)]}"
     for page in ("README.md", "docs/results/README.md"):
         assert not re.findall(r"branch `[^`]+`", (ROOT / page).read_text()), page
+
+
+# ---------------------------------------------------------------------------------------------
+# files that are not what they seem (issue 31): devices, FIFOs, damaged or modified databases
+
+
+def _not_regular(tmp_path: Path) -> dict[str, Path]:
+    fifo = tmp_path / "fifo.out"
+    os.mkfifo(fifo)
+    link = tmp_path / "null.out"
+    link.symlink_to(os.devnull)
+    return {"fifo": fifo, "link to a device": link}
+
+
+def _still(kind: str, path: Path) -> bool:
+    import stat
+
+    return stat.S_ISFIFO(path.lstat().st_mode) if kind == "fifo" else path.is_symlink() and not path.resolve().is_file()
+
+
+def test_outputs_that_are_not_regular_files_are_never_replaced(runner, db, tmp_path):
+    """--out / --plot naming a FIFO or a link to a device fail in one line, --force or not; the FIFO and the
+    link (and the device behind it) stay as they were."""
+    for kind, path in _not_regular(tmp_path).items():
+        for args in (["fit", "--db", str(db), "--out", str(path)], ["show", "--db", str(db), "--plot", str(path)]):
+            for force in ([], ["--force"]):
+                res = runner.invoke(app, [*args, *force])
+                assert res.exit_code == 1, (kind, args, force, res.output)
+                assert "not a regular file" in res.output and "Traceback" not in res.output, res.output
+                assert _still(kind, path), (kind, args, force)
+
+
+def test_damaged_database_given_to_tune_or_merge_is_untouched(runner, db, tmp_path):
+    """tune --db and merge OUT with a database whose later pages are damaged: one line naming it, before any
+    rank starts, and the file stays byte-identical."""
+    damaged = tmp_path / "damaged.db"
+    shutil.copy(db, damaged)
+    con = sqlite3.connect(damaged)
+    con.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    con.close()
+    data = bytearray(damaged.read_bytes())
+    data[-2 * 4096:] = b"\xa5" * (2 * 4096)
+    damaged.write_bytes(bytes(data))
+    before = _digest(damaged)
+    for args in (["tune", "--db", str(damaged), "--op", "gemm_ar", "--trials", "1"],
+                 ["merge", str(damaged), str(db)]):
+        res = runner.invoke(app, args)
+        assert res.exit_code == 1, (args, res.output)
+        assert "corrupt" in res.output and str(damaged) in res.output and "Traceback" not in res.output, res.output
+        assert _digest(damaged) == before
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("damaged")) == ["damaged.db"]
+
+
+@pytest.mark.parametrize("column, value", [("problem", "ag_gemm|M=x|bfloat16"), ("config", "not json"),
+                                           ("median_us", "fast")])
+def test_rows_modified_outside_autofuse_are_one_line(runner, db, tmp_path, column, value):
+    path = tmp_path / "modified.db"
+    shutil.copy(db, path)
+    with sqlite3.connect(path) as con:
+        con.execute(f"UPDATE measurements SET {column} = ?", [value])
+    for command in ("show", "export", "fit"):
+        res = runner.invoke(app, [command, "--db", str(path)])
+        assert res.exit_code == 1, (command, res.output)
+        assert str(path) in res.output and "outside autofuse" in res.output, (command, res.output)
+        assert "Traceback" not in res.output and not isinstance(res.exception, (ValueError, TypeError)), res.output

@@ -438,6 +438,60 @@ def test_deeply_nested_and_oversized_json_are_refused(tmp_path, monkeypatch):
     _refused_once(big, "larger than")
 
 
+def test_files_that_never_end_are_refused_without_reading_them(tmp_path):
+    """A FIFO (no writer: opening it would block), a link to /dev/zero (it never ends), a device, a folder, a
+    200 MB file (sparse: it claims the size) and a growing file are refused before or while reading at most
+    MAX_FILE_BYTES + 1 bytes; a policy larger than that is never written by fit (to_json refuses it)."""
+    import os
+
+    fifo = tmp_path / "fifo.json"
+    os.mkfifo(fifo)
+    _refused_once(fifo, "not a regular file")
+    zero = tmp_path / "zero.json"
+    zero.symlink_to("/dev/zero")
+    _refused_once(zero, "not a regular file")
+    _refused_once(tmp_path, "not a regular file")
+    huge = tmp_path / "huge.json"
+    with open(huge, "wb") as f:
+        f.truncate(200 << 20)
+    _refused_once(huge, "larger than")
+    with pytest.raises(ValueError, match="larger than"):
+        Policy({"pad": "x" * (policy.MAX_FILE_BYTES + 1)}).to_json()
+
+
+def _fifo_policy_job(world, fifo: str):
+    """The first call of a public op with AUTOFUSE_POLICY naming a FIFO: returns (basis, reason, correct)."""
+    import os
+    import warnings
+
+    import torch
+
+    import autofuse
+    from autofuse import dispatch
+
+    os.environ["AUTOFUSE_POLICY"] = fifo
+    g = torch.Generator().manual_seed(world.rank)
+    a, b = torch.randn(4, 8, generator=g), torch.randn(8, 8, generator=g)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = autofuse.gemm_ar(a, b)
+    whole = [torch.empty_like(a @ b) for _ in range(world.size)]
+    torch.distributed.all_gather(whole, a @ b)
+    choice = dispatch.explain("gemm_ar", a, b)
+    return choice.basis, choice.reason, bool(torch.allclose(out, sum(whole), atol=1e-4))
+
+
+def test_a_fifo_as_policy_runs_bsp_on_every_rank(tmp_path):
+    """AUTOFUSE_POLICY naming a FIFO (nobody writes it) blocked every rank's first call forever: now every
+    rank refuses it (one warning) and runs BSP, correctly."""
+    import os
+
+    fifo = tmp_path / "policy.json"
+    os.mkfifo(fifo)
+    for basis, reason, correct in spawn(_fifo_policy_job, 2, str(fifo), device_kind="cpu", timeout_s=300):
+        assert basis == "fallback" and "not a regular file" in reason and correct, (basis, reason)
+
+
 def test_valid_policies_pass_validation(clean):
     """Both model kinds fitted here, and the shipped policies, are accepted as they are."""
     from pathlib import Path

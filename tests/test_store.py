@@ -494,3 +494,93 @@ def test_fingerprint_layers_and_ids():
     assert environment.differences(fp, newer) == {"torch": (fp["torch"], "9.9")}
     with pytest.raises(ValueError):
         environment.differences(fp, newer, "firmware")
+
+
+# -- files a user names: damaged, foreign, not regular, modified rows (issue 31) ---------------------------
+def _good(path: Path) -> Path:
+    s = Store(path)
+    s.add([ok(P, "bsp", {}, 1.0), ok(Q, "bsp", {}, 2.0)], environment.fingerprint(), source="baseline")
+    s.close()
+    return path
+
+
+def _damaged(tmp_path: Path) -> Path:
+    """A store whose last two pages are garbage while the others (page 1: header and schema; meta) are intact."""
+    path = _good(tmp_path / "damaged.db")
+    con = sqlite3.connect(path)
+    con.execute("PRAGMA wal_checkpoint(TRUNCATE)")  # the WAL into the file, so the damage hits real pages
+    con.close()
+    data = bytearray(path.read_bytes())
+    assert len(data) >= 4 * 4096
+    data[-2 * 4096:] = b"\xa5" * (2 * 4096)
+    path.write_bytes(bytes(data))
+    return path
+
+
+def _foreign_lookalike(path: Path) -> Path:
+    """Another application's database that has tables named meta and measurements (schema_version 2)."""
+    con = sqlite3.connect(path)
+    con.execute("CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT)")
+    con.execute("INSERT INTO meta VALUES ('schema_version', '2')")
+    con.execute("CREATE TABLE measurements (id INTEGER PRIMARY KEY, sensor TEXT, reading REAL)")
+    con.execute("INSERT INTO measurements (sensor, reading) VALUES ('t1', 21.5)")
+    con.commit()
+    con.close()
+    return path
+
+
+@pytest.mark.parametrize("kind", ["damaged", "foreign"])
+def test_damaged_or_foreign_databases_are_refused_untouched_by_writable_opens(tmp_path, kind):
+    """A writable open (tune --db, merge OUT) checks an existing file read-only first: a damaged or foreign
+    database raises one line naming it, and the file and its folder stay byte-identical."""
+    folder = tmp_path / "f"
+    folder.mkdir()
+    path = _damaged(folder) if kind == "damaged" else _foreign_lookalike(folder / "lookalike.db")
+    before = _files(folder)
+    for readonly in (False, True):
+        with pytest.raises(StoreError) as info:
+            Store.open(path, readonly=readonly)
+        message = str(info.value)
+        assert "\n" not in message and message.startswith(str(path)), message
+        assert ("corrupt" in message or "malformed" in message) if kind == "damaged" else "tables" in message
+    assert _files(folder) == before
+
+
+def test_only_regular_files_are_opened(tmp_path):
+    """A FIFO or a link to a device (e.g. /dev/null) is refused by both opens, before SQLite touches it (it
+    would block on the FIFO, or write its journal beside the device: /dev/null-journal)."""
+    import os
+
+    fifo = tmp_path / "fifo.db"
+    os.mkfifo(fifo)
+    null = tmp_path / "null.db"
+    null.symlink_to(os.devnull)
+    journal_before = Path(os.devnull + "-journal").exists()
+    for path in (fifo, null):
+        for readonly in (False, True):
+            with pytest.raises(StoreError, match="not a regular file"):
+                Store.open(path, readonly=readonly)
+    assert Path(os.devnull + "-journal").exists() == journal_before
+    assert null.is_symlink() and sorted(p.name for p in tmp_path.iterdir()) == ["fifo.db", "null.db"]
+
+
+@pytest.mark.parametrize("column, value, needle", [
+    ("problem", "not a problem", "is not a problem key"),
+    ("config", "{broken", "config is not a JSON object"),
+    ("median_us", "fast", "median_us is not a number"),
+])
+def test_rows_modified_outside_autofuse_are_one_line_errors(tmp_path, column, value, needle):
+    path = _good(tmp_path / "rows.db")
+    with sqlite3.connect(path) as con:
+        con.execute(f"UPDATE measurements SET {column} = ? WHERE id = 1", [value])
+    store = Store.open(path, readonly=True)
+    try:
+        for read, names in ((lambda: store.measurements(hardware_id=ALL), "measurement 1"),
+                            (lambda: store.best(mode="eager", hardware_id=ALL), "a measurement")):
+            with pytest.raises(StoreError) as info:
+                read()
+            message = str(info.value)
+            assert "\n" not in message and message.startswith(str(path)) and needle in message, message
+            assert names in message, message
+    finally:
+        store.close()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import os
+import stat
 import tempfile
 from pathlib import Path
 from typing import Any, NoReturn, Sequence
@@ -79,15 +80,33 @@ class OutputExists(FileExistsError):
     """An output file exists and --force was not given."""
 
 
+def not_a_file(path: Path) -> str | None:
+    """Why `path` cannot be an output file (a folder, a device, a FIFO, a socket, or a link to one), None if
+    it is a regular file or does not exist. `--force` replaces regular files only."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        return f"{path}: {exc.strerror or exc}"
+    if stat.S_ISDIR(mode):
+        return f"{path} is a directory; name a file"
+    if not stat.S_ISREG(mode):
+        return f"{path} is not a regular file (a device, FIFO or socket); name a file"
+    return None
+
+
 def write_new(path: Path, text: str | bytes, force: bool = False) -> Path:
     """Write `text` (str or bytes) to `path`, creating folders; an existing file is replaced only with `force`.
 
     Without `force` the file is created exclusively (no race with another writer); with it, the
-    text goes to a temporary file beside `path` that then replaces it (never half-written).
+    text goes to a temporary file beside `path` that then replaces it (never half-written). Anything
+    but a regular file at `path` (a device such as /dev/null, a FIFO, a folder) is never replaced.
     """
     path = Path(path)
-    if path.is_dir():
-        raise OutputExists(f"{path} is a directory; name a file")
+    why = not_a_file(path)
+    if why:
+        raise OutputExists(why)
     path.parent.mkdir(parents=True, exist_ok=True)
     data = text.encode("utf-8") if isinstance(text, str) else text
     if not force:
@@ -109,11 +128,13 @@ def write_new(path: Path, text: str | bytes, force: bool = False) -> Path:
 
 
 def check_new(paths: Sequence[Path], force: bool) -> None:
-    """Fail (one line) before any work if an output exists and --force was not given."""
-    if force:
-        return
+    """Fail (one line) before any work if an output exists and --force was not given, or is not a regular
+    file (never replaced, whatever --force says)."""
     for p in paths:
-        if Path(p).exists():
+        why = not_a_file(Path(p))
+        if why:
+            fail(why)
+        if not force and Path(p).exists():
             fail(f"{p} exists; pass --force to replace it, or --out to write elsewhere")
 
 

@@ -269,7 +269,7 @@ def fit(
         result = fitting.fit(rows, fp, m, folds=folds)
         try:
             write_new(path, Policy(result.data).to_json(), force)
-        except OutputExists as exc:
+        except (OutputExists, ValueError) as exc:
             fail(str(exc))
         reports[m] = result.report
         if not json_out:

@@ -27,6 +27,7 @@ import json
 import math
 import os
 import re
+import stat
 import warnings
 from array import array
 from pathlib import Path
@@ -42,8 +43,9 @@ FORMAT = "autofuse-policy"
 FORMAT_VERSION = 1
 BSP = "bsp"
 MEASURED_MARGIN = 0.02  # a tuned problem leaves BSP only for a measured gain above 2% (timing noise)
-# Bounds of what a policy file may hold (far above what `autofuse fit` writes: depth 6, 200 trees of depth 3).
-MAX_FILE_BYTES = 256 << 20
+# Bounds of what a policy file may hold (far above what `autofuse fit` writes: depth 6, 200 trees of depth 3;
+# the shipped policies are about 1 MiB). Every rank of a job parses the file, so its size bounds each one's memory.
+MAX_FILE_BYTES = 16 << 20
 MAX_TREE_NODES = 1 << 16
 MAX_TREE_DEPTH = 64
 MAX_TREES = 10_000
@@ -181,8 +183,13 @@ class Policy:
         return cls.from_dict(data, fingerprint, path=str(path))
 
     def to_json(self) -> str:
-        """The policy file's text (plain JSON: NaN or infinity would raise)."""
-        return json.dumps(self.data, indent=1, sort_keys=True, allow_nan=False) + "\n"
+        """The policy file's text (plain JSON: NaN or infinity would raise; ValueError if it is larger
+        than MAX_FILE_BYTES, which `read_file` would refuse)."""
+        text = json.dumps(self.data, indent=1, sort_keys=True, allow_nan=False) + "\n"
+        if len(text.encode("utf-8")) > MAX_FILE_BYTES:
+            raise ValueError(f"the policy would be {len(text) >> 20} MiB, larger than the {MAX_FILE_BYTES >> 20} MiB "
+                             "dispatch reads: fit fewer problems or ops (--op) per policy")
+        return text
 
     def save(self, path: str | Path) -> Path:
         """Write the policy file (replacing `path`; the CLI's `fit` refuses that without --force)."""
@@ -553,14 +560,22 @@ def validate(data: Any) -> str | None:
 
 
 def read_file(path: str | Path) -> tuple[Any, str]:
-    """(the parsed JSON of a policy file, "") or (None, why it cannot be read). Never raises for a bad
-    file: missing, unreadable, larger than MAX_FILE_BYTES, not UTF-8, not JSON, nested too deeply."""
+    """(the parsed JSON of a policy file, "") or (None, why it cannot be read). Never raises and never
+    blocks for a bad file: missing, unreadable, not a regular file (a FIFO, a device such as /dev/zero,
+    a folder: refused before reading, without waiting for a writer), larger than MAX_FILE_BYTES (at
+    most that many bytes are read, whatever the file claims), not UTF-8, not JSON, nested too deeply."""
     path = Path(path)
     try:
-        size = path.stat().st_size
-        if size > MAX_FILE_BYTES:
-            return None, f"it is {size >> 20} MiB, larger than the {MAX_FILE_BYTES >> 20} MiB a policy may be"
-        return json.loads(path.read_bytes().decode("utf-8")), ""
+        if not stat.S_ISREG(os.stat(path).st_mode):
+            return None, "it is not a regular file (a folder, FIFO, socket or device)"
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))  # a FIFO swapped in opens without a writer
+        with os.fdopen(fd, "rb") as f:
+            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                return None, "it is not a regular file (a folder, FIFO, socket or device)"
+            data = f.read(MAX_FILE_BYTES + 1)
+        if len(data) > MAX_FILE_BYTES:
+            return None, f"it is larger than the {MAX_FILE_BYTES >> 20} MiB a policy may be"
+        return json.loads(data.decode("utf-8")), ""
     except RecursionError:
         return None, "cannot read it: JSON nested too deeply"
     except (OSError, ValueError, MemoryError) as exc:

@@ -18,7 +18,11 @@ is not retried, and is never returned by `best` (not even its OK rows in another
 
 `Store.open(path, readonly=True)` (show, export, fit) never writes: the file is opened with SQLite's
 read-only URI mode, nothing is created or converted, and a missing, foreign, corrupt or truncated
-file raises `StoreError` naming the path and the cause. Schema-1 databases (before layered
+file raises `StoreError` naming the path and the cause. A writable open checks an existing file the
+same way, read-only, before it writes anything, so a damaged or foreign database is refused untouched;
+either open refuses anything but a regular file (a device, a FIFO, a link to one). A row whose values
+are not what autofuse writes (a problem key that does not parse, a config that is not a JSON object,
+text in a latency column) raises `StoreError` naming it when read. Schema-1 databases (before layered
 fingerprints) are migrated in place by a writable open and read through a migrated in-memory copy by
 a read-only one; their rows keep the current op digests when the code is the one they were measured
 with (`environment.legacy_kernel_hash`), else a `legacy-...` digest that no current op matches.
@@ -29,7 +33,9 @@ import datetime
 import hashlib
 import json
 import math
+import os
 import sqlite3
+import stat
 import urllib.parse
 from pathlib import Path
 from typing import Any, Iterable, Mapping
@@ -42,6 +48,7 @@ SOURCES = ("tune", "baseline", "online")
 ALL = "*"  # as hardware_id / op_digest / fingerprint_id: no filter on that layer
 TABLES = ("environments", "problems", "configs", "measurements")
 _QUICK_CHECK_MAX_BYTES = 256 << 20  # larger files are checked as they are read
+_NUMBERS = ("rel_error", "median_us", "p10_us", "p90_us", "min_us", "reps", "trial")
 
 _ENV_COLUMNS = ("id", "hardware_id", "software_id", *environment.HARDWARE_FIELDS, *environment.SOFTWARE_FIELDS,
                 "python", "kernel_hash", "created_at")
@@ -102,17 +109,41 @@ def _columns(conn: sqlite3.Connection, table: str) -> set[str]:
     return {r[1] for r in conn.execute(f"PRAGMA table_info({table})")}
 
 
+_schema_columns: dict[str, set[str]] = {}
+
+
+def _expected_columns() -> dict[str, set[str]]:
+    """{table: its columns} of the current schema (read from an in-memory database made with it)."""
+    if not _schema_columns:
+        mem = sqlite3.connect(":memory:")
+        try:
+            _script(mem, _SCHEMA)
+            _schema_columns.update({t: _columns(mem, t) for t in ("meta", *TABLES)})
+        finally:
+            mem.close()
+    return _schema_columns
+
+
 def _version(conn: sqlite3.Connection) -> int | None:
-    """2+ (meta table), 1 (autofuse before layered fingerprints), 0 (empty), None (not autofuse)."""
+    """2+ (meta table), 1 (autofuse before layered fingerprints), 0 (empty), None (not autofuse: tables
+    of another application, even where some share autofuse's names)."""
     tables = _tables(conn)
     if not tables:
         return 0
     if "meta" in tables and "measurements" in tables:
-        row = conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
+        try:
+            row = conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
+        except sqlite3.OperationalError:  # a table named meta without autofuse's columns
+            return None
         if row is not None and str(row[0]).isdigit():
-            return int(row[0])
+            version = int(row[0])
+            if version == SCHEMA_VERSION and not all(t in tables and cols <= _columns(conn, t)
+                                                      for t, cols in _expected_columns().items()):
+                return None
+            return version
     if set(TABLES) <= tables and {"problem", "variant", "config_id", "fingerprint", "mode", "ok",
-                                  "median_us"} <= _columns(conn, "measurements"):
+                                  "median_us"} <= _columns(conn, "measurements") and {
+            "key", "op"} <= _columns(conn, "problems") and {"id", "op", "variant", "config"} <= _columns(conn, "configs"):
         return 1
     return None
 
@@ -243,12 +274,38 @@ class Store:
     def _error(self, cause: str) -> StoreError:
         return StoreError(f"{self.path}: {cause}")
 
-    def _open_readonly(self) -> sqlite3.Connection:
-        p = self.path
-        if not p.exists():
-            raise self._error("no such file")
-        if p.is_dir():
+    def _regular(self) -> bool:
+        """Whether the file exists; StoreError if it is anything but a regular file (SQLite would write a
+        journal beside a device a symbolic link names, e.g. /dev/null-journal, or block on a FIFO)."""
+        try:
+            mode = os.stat(self.path).st_mode
+        except FileNotFoundError:
+            return False
+        except OSError as exc:
+            raise self._error(f"cannot be read: {exc.strerror or exc}") from None
+        if stat.S_ISDIR(mode):
             raise self._error("is a directory, not a database file")
+        if not stat.S_ISREG(mode):
+            raise self._error("is not a regular file (a device, FIFO or socket): name a database file")
+        return True
+
+    def _open_readonly(self) -> sqlite3.Connection:
+        conn, version = self._checked()
+        if version == 1:
+            mem = sqlite3.connect(":memory:")
+            conn.backup(mem)
+            conn.close()
+            _migrate_v1(mem)
+            self.migrated = True
+            return mem
+        return conn
+
+    def _checked(self) -> tuple[sqlite3.Connection, int]:
+        """A read-only connection to the existing file and its schema version, once it is known to be a
+        readable, uncorrupted autofuse database this version can read (StoreError otherwise)."""
+        p = self.path
+        if not self._regular():
+            raise self._error("no such file")
         size = p.stat().st_size
         if size == 0:
             raise self._error("is an empty file, not an autofuse database")
@@ -263,36 +320,35 @@ class Store:
         # SQLite does not leave -wal/-shm files next to it; with a -wal (a tune running), share it.
         wal = len(header) > 19 and header[18] == 2 and not Path(f"{p}-wal").exists()
         uri = f"file:{urllib.parse.quote(str(p.absolute()))}?mode=ro" + ("&immutable=1" if wal else "")
+        conn = None
         try:
             conn = sqlite3.connect(uri, uri=True, timeout=60)
             version = _version(conn)
-            if size <= _QUICK_CHECK_MAX_BYTES:
-                check = conn.execute("PRAGMA quick_check(1)").fetchone()[0]
-                if check != "ok":
-                    raise self._error(f"is corrupt ({check})")
-        except sqlite3.DatabaseError as exc:
+            check = conn.execute("PRAGMA quick_check(1)").fetchone()[0] if size <= _QUICK_CHECK_MAX_BYTES else "ok"
+            if check != "ok":
+                raise self._error(f"is corrupt ({' '.join(check.replace('*** in database main ***', '').split())})")
+            if version is None or (version == 0 and self.readonly):  # an empty database may be written into
+                tables = sorted(_tables(conn))
+                held = f"its tables: {', '.join(tables[:6])}" if tables else "it has no tables"
+                raise self._error(f"is not an autofuse database ({held})" if self.readonly else
+                                  f"is an SQLite database of another application ({held}): refusing to write into it")
+            if version > SCHEMA_VERSION:
+                raise self._error(f"was written by a newer autofuse (schema {version} > {SCHEMA_VERSION}): "
+                                  "upgrade autofuse")
+        except (sqlite3.DatabaseError, StoreError) as exc:
+            if conn is not None:
+                conn.close()
+            if isinstance(exc, StoreError):
+                raise
             raise self._error(f"cannot be read as an SQLite database: {exc}") from None
-        if version is None or version == 0:
-            tables = sorted(_tables(conn))
-            conn.close()
-            raise self._error("is not an autofuse database (" + (f"its tables: {', '.join(tables[:6])}"
-                                                                 if tables else "it has no tables") + ")")
-        if version > SCHEMA_VERSION:
-            conn.close()
-            raise self._error(f"was written by a newer autofuse (schema {version} > {SCHEMA_VERSION}): upgrade autofuse")
-        if version == 1:
-            mem = sqlite3.connect(":memory:")
-            conn.backup(mem)
-            conn.close()
-            _migrate_v1(mem)
-            self.migrated = True
-            return mem
-        return conn
+        return conn, version
 
     def _open_writable(self) -> sqlite3.Connection:
         p = self.path
-        if p.is_dir():
-            raise self._error("is a directory, not a database file")
+        if self._regular() and p.stat().st_size > 0:
+            # an existing database is checked read-only first (autofuse's, readable, not corrupt), so a
+            # damaged or foreign file is refused before anything is written into it
+            self._checked()[0].close()
         try:
             p.parent.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
@@ -418,12 +474,30 @@ class Store:
                 raise
             raise self._error(f"cannot be read: {exc}") from None
 
-    @staticmethod
-    def _decode(row: Mapping[str, Any]) -> dict:
+    def _decode(self, row: Mapping[str, Any]) -> dict:
+        """A measurement row as Python values (config and extra as dicts, ok as bool); StoreError naming
+        the row where a value is not what autofuse writes (a database modified outside autofuse)."""
         d = dict(row)
+        where = (f"measurement {d['id']}" if "id" in d else "a measurement") + f" ({d.get('problem')}, {d.get('variant')})"
         for key in ("config", "extra"):
-            if key in d and isinstance(d[key], str):
-                d[key] = json.loads(d[key]) if d[key] else {}
+            if key in d:
+                try:
+                    d[key] = json.loads(d[key]) if d[key] else {}
+                except (TypeError, ValueError):
+                    d[key] = None
+                if not isinstance(d[key], dict):
+                    raise self._error(f"{where}: {key} is not a JSON object ({str(row[key])[:60]!r}); "
+                                      "the database was modified outside autofuse")
+        for key in _NUMBERS:
+            if key in d and d[key] is not None and (isinstance(d[key], bool) or not isinstance(d[key], (int, float))):
+                raise self._error(f"{where}: {key} is not a number ({str(d[key])[:60]!r}); "
+                                  "the database was modified outside autofuse")
+        if "problem" in d:
+            try:
+                Problem.from_key(d["problem"])
+            except Exception:  # noqa: BLE001 - any malformed key: the message names it
+                raise self._error(f"{where}: {str(d['problem'])[:80]!r} is not a problem key; "
+                                  "the database was modified outside autofuse") from None
         if "ok" in d:
             d["ok"] = bool(d["ok"])
         return d
