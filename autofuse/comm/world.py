@@ -89,7 +89,8 @@ class World:
         if self._heap is None:
             from autofuse.comm.heap import SymmetricHeap
 
-            self._heap = SymmetricHeap(self)
+            with torch.inference_mode(False):  # it outlives the caller's mode (see Variant.build)
+                self._heap = SymmetricHeap(self)
         return self._heap
 
     def barrier(self) -> None:

@@ -157,7 +157,11 @@ class Variant:
         raise NotImplementedError(f"{self.name} builds no runner")
 
     def build(self, world: Any, problem: Problem, config: Config) -> "Runner":
-        """Check, then build this variant's runner for `problem` on `world` (collective)."""
+        """Check, then build this variant's runner for `problem` on `world` (collective).
+
+        Built outside inference mode whatever the caller's mode: a runner's buffers outlive the call
+        that built it, and buffers made under `torch.inference_mode()` (an inference server's warm-up)
+        could not be written by later calls made outside it."""
         if problem.world != world.size:
             raise InvalidInput(f"{problem.op}: problem is for {problem.world} ranks, this World has {world.size}")
         if not self.available(world):
@@ -165,7 +169,8 @@ class Variant:
         reason = self.check(problem, config)
         if reason:
             raise InvalidConfig(f"{problem.op}.{self.name}: {reason}")
-        return self.runner(world, problem, dict(config))
+        with torch.inference_mode(False):
+            return self.runner(world, problem, dict(config))
 
     def __repr__(self) -> str:
         return f"<{self.family} variant {self.name}>"
