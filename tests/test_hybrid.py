@@ -223,18 +223,27 @@ def _stale_job(world, cases):
     return rows
 
 
+def _assert_no_stale(results) -> None:
+    last = len(results) - 1
+    for rank, rows in enumerate(results):
+        for what, err, finite, key in rows:
+            assert what == ("launched" if rank == last else "WorkspaceAborted"), (rank, key, what)
+            assert err <= 1e-2, f"rank {rank} {key}: finite values of an aborted call are wrong (rel err {err:.3g})"
+            assert finite == 0, f"rank {rank} {key}: {finite} elements not NaN after the fault was read"
+
+
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_a_call_after_a_peers_fault_reads_no_stale_data(world_size):
     """A rank whose workspace a peer aborted reads none of the peers' data (a flag of its epoch may have come
     from the peer's other call, the one it skipped): no finite value of `out` is wrong even before the fault
     is read, and once it is read (`check(out)`) every element is NaN. The peers refuse the call (NaN)."""
     cases = STALE_CASES if world_size == 2 else STALE_CASES[:1]
-    results = spawn(_stale_job, world_size, cases, device_kind="cpu", timeout_s=600)
-    for rank, rows in enumerate(results):
-        for what, err, finite, key in rows:
-            assert what == ("launched" if rank == world_size - 1 else "WorkspaceAborted"), (rank, key, what)
-            assert err <= 1e-2, f"rank {rank} {key}: finite values of an aborted call are wrong (rel err {err:.3g})"
-            assert finite == 0, f"rank {rank} {key}: {finite} elements not NaN after the fault was read"
+    _assert_no_stale(spawn(_stale_job, world_size, cases, device_kind="cpu", timeout_s=600))
+
+
+@harness.gpu(2)
+def test_gpu_a_call_after_a_peers_fault_reads_no_stale_data():
+    _assert_no_stale(spawn(_stale_job, 2, STALE_CASES, device_kind="cuda", timeout_s=900))
 
 
 # -- spaces, defaults, checks (no ranks) ---------------------------------------------------------------

@@ -47,7 +47,7 @@ def {name}({params}, group=None, *, variant=None, config=None, out=None):
     stats.hits += 1
     result = entry.runner({params}) if out is None else entry.runner({params}, out=out)
     if entry.check:
-        check(entry)
+        check(entry, result)
     return result
 """
 
@@ -137,7 +137,7 @@ def key_of(name: str, group: Any, variant: str | None, config: Config | None, ar
 def run(entry: Entry, args: tuple, out: torch.Tensor | None) -> torch.Tensor:
     result = entry.runner(*args) if out is None else entry.runner(*args, out=out)
     if entry.check:
-        check(entry)
+        check(entry, result)
     return result
 
 
@@ -165,19 +165,20 @@ def miss(key: tuple, op: str | Op, args: tuple, group: Any, variant: str | None,
     entry = Entry(runner, choice, every)
     STATE.cache[key] = entry
     result = runner(*args) if out is None else runner(*args, out=out)
-    check(entry)
+    check(entry, result)
     return result
 
 
-def check(entry: Entry) -> None:
-    """Read the fault record of the entry's workspaces (a device sync) and raise what it holds."""
+def check(entry: Entry, result: torch.Tensor) -> None:
+    """Read the fault record of the entry's workspaces (a device sync) and raise what it holds, leaving NaN
+    in `result` (the call's output) first: a call that raises never leaves values in it."""
     runner = entry.runner
     if not getattr(runner, "workspaces", ()):
         return
     if runner.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         return
     STATE.stats.checks += 1
-    runner.check()
+    runner.check(result)
 
 
 def capturing(args: tuple) -> bool:
