@@ -86,6 +86,52 @@ def test_rank_killed_without_report_is_named():
     assert _shm_files() <= before, "heap files survived a hard crash"
 
 
+def _killed_while_waiting_for_the_heap(world):
+    """Rank 0 makes the heap and waits for rank 1, which never comes: it kills rank 0 (SIGKILL, no cleanup)
+    once rank 0 is waiting in the heap's rendezvous."""
+    import signal
+
+    import torch.distributed as dist
+
+    store = dist.distributed_c10d._get_default_store()
+    if world.rank == 0:
+        store.set("pid0", str(os.getpid()))
+        world.heap
+        return "rank 1 did not kill rank 0"
+    pid = int(store.get("pid0"))
+    prefix = f"autofuse/heap/0_1/{dist.group.WORLD.group_name}/0"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not any(store.check([f"{prefix}/{phase}/0"]) for phase in ("arrived", "paths")):
+        time.sleep(0.05)
+    time.sleep(0.5)  # rank 0 is waiting in store.wait now
+    os.kill(pid, signal.SIGKILL)
+    time.sleep(60)
+
+
+def test_a_rank_killed_while_it_waits_for_the_heap_leaves_no_file():
+    before = _shm_files()
+    with pytest.raises(RankFailed) as info:
+        spawn(_killed_while_waiting_for_the_heap, 2, timeout_s=120)
+    assert info.value.rank == 0 and "exit" in info.value.reason, info.value
+    assert _shm_files() <= before, "a heap file survived a rank killed in the heap rendezvous"
+
+
+def _rank(world):
+    return world.rank
+
+
+def test_the_launcher_makes_no_named_semaphores(monkeypatch):
+    """multiprocessing's queues and locks are named semaphores (/dev/shm/sem.mp-*) that a job killed as a
+    group (the launcher with its ranks) leaves behind: the launcher uses none."""
+    import multiprocessing.synchronize
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the launcher made a named semaphore")
+
+    monkeypatch.setattr(multiprocessing.synchronize.SemLock, "__init__", refuse)
+    assert spawn(_rank, 2, timeout_s=120) == [0, 1]
+
+
 def _sleep_forever(world):
     time.sleep(600)
 

@@ -9,7 +9,8 @@ One class, four providers (DESIGN.md, Heap providers):
   fallback for groups that span the whole job only (see below why never on other groups).
 - `iris`: Iris's own heap where `import iris` works (ROCm); whole job only, optional.
 - `shm`: CPU emulation: one shared-memory file per rank, mapped into every rank's process; the
-  files are unlinked as soon as every rank has mapped them, so nothing is left even after a crash.
+  files are made once every rank has arrived and unlinked as soon as every rank has mapped them, so
+  nothing is left even after a crash or a kill (a rank waiting for late peers has made none yet).
 
 Why autofuse does not use torch's rendezvous for its heaps (issue 17). In torch 2.11 (and any
 release without the upstream fix, pytorch/pytorch#196350), `_SymmetricMemory.rendezvous` swaps its requests through a single file-static
@@ -322,7 +323,9 @@ class SymmetricHeap:
         w = self.world
         if w.device.type != "cpu":
             raise ValueError("the shm heap provider emulates GPUs on CPU; use torch or iris on GPUs")
-        path = os.path.join(SHM_DIR, f"{SHM_PREFIX}-{uuid.uuid4().hex[:12]}-{w.rank}")
+        if rv:  # every rank is here before any file exists: a rank killed while it waits leaves none behind
+            rv.all_gather("arrived", None)
+        path = os.path.join(SHM_DIR, f"{SHM_PREFIX}-{os.getpid()}-{uuid.uuid4().hex[:12]}-{w.rank}")
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             os.ftruncate(fd, self.size)

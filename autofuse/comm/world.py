@@ -13,6 +13,7 @@ ranks in any order (see autofuse.comm.heap for why that needs autofuse's own ren
 from __future__ import annotations
 
 import datetime
+import multiprocessing.connection
 import os
 import socket
 import time
@@ -269,11 +270,12 @@ def _rank_main(local_rank: int, size: int, port: int, device_kind: str, fn: Call
     try:
         world = _init(local_rank, size, local_rank, device_kind, f"tcp://127.0.0.1:{port}", timeout_s)
         out = fn(world, *args)
-        results.put((local_rank, "ok", out))
+        results.send(("ok", out))
     except BaseException as exc:  # reported to the launcher, then re-raised so the process fails
-        results.put((local_rank, "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+        results.send(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
         raise
     finally:
+        results.close()
         if world is not None:
             world.close()
         if dist.is_initialized():
@@ -298,10 +300,12 @@ def spawn(fn: Callable[..., Any], size: int, *args: Any, device_kind: str | None
     if size < 1:
         raise ValueError("world size must be >= 1")
     ctx = mp.get_context("spawn")
-    results = ctx.SimpleQueue()
+    # one pipe per rank, not a multiprocessing queue: a queue's locks are named semaphores
+    # (/dev/shm/sem.mp-*) that a killed job would leave behind
+    pipes = [ctx.Pipe(duplex=False) for _ in range(size)]
     port = free_port()
     procs = [
-        ctx.Process(target=_rank_main, args=(r, size, port, device_kind, fn, args, results, timeout_s),
+        ctx.Process(target=_rank_main, args=(r, size, port, device_kind, fn, args, pipes[r][1], timeout_s),
                     daemon=False)
         for r in range(size)
     ]
@@ -316,34 +320,33 @@ def spawn(fn: Callable[..., Any], size: int, *args: Any, device_kind: str | None
             os.environ.pop("TRITON_INTERPRET", None)
         else:
             os.environ["TRITON_INTERPRET"] = saved
+        for _, sender in pipes:
+            sender.close()  # the children hold the sending ends; a dead child's pipe then reads EOF
+    readers = {p[0]: r for r, p in enumerate(pipes)}
     outcomes: dict[int, tuple[str, Any]] = {}
     deadline = time.monotonic() + timeout_s
     failure: RankFailed | None = None
     try:
-        while len(outcomes) < size:
-            while not results.empty():
-                rank, status, payload = results.get()
-                outcomes[rank] = (status, payload)
-                if status == "error" and failure is None:
-                    failure = RankFailed(rank, payload)
-            if failure is not None:
-                break
-            dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in outcomes]
-            if dead:
-                time.sleep(0.2)  # a dying rank may still be flushing its error report
-                if results.empty():
-                    r = dead[0]
-                    failure = RankFailed(r, f"process exited with code {procs[r].exitcode} without reporting")
-                    break
-                continue
-            if time.monotonic() > deadline:
+        while len(outcomes) < size and failure is None:
+            for conn in multiprocessing.connection.wait(list(readers), timeout=0.05):
+                rank = readers.pop(conn)
+                try:
+                    outcomes[rank] = conn.recv()
+                except EOFError:  # exited without reporting
+                    procs[rank].join(timeout=5)
+                    failure = failure or RankFailed(
+                        rank, f"process exited with code {procs[rank].exitcode} without reporting")
+                    continue
+                if outcomes[rank][0] == "error":
+                    failure = failure or RankFailed(rank, outcomes[rank][1])
+            if failure is None and time.monotonic() > deadline:
                 missing = sorted(set(range(size)) - set(outcomes))
                 failure = RankFailed(missing[0] if missing else 0,
                                      f"job exceeded its {timeout_s:.0f} s limit; ranks {missing} never finished")
-                break
-            time.sleep(0.02)
     finally:
         _stop(procs, grace_s=0.0 if failure else 30.0)
+        for conn in [p[0] for p in pipes]:
+            conn.close()
     if failure is not None:
         raise failure
     return [outcomes[r][1] for r in range(size)]
