@@ -51,13 +51,16 @@ engine's inboxes). Every rank must build and call collectives in the same order.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 
 from autofuse.core.op import Config, InvalidConfig, InvalidInput, SearchSpace, dtype_name
 from autofuse.core.sizes import cdiv, next_pow2
 from autofuse.comm.workspace import Workspace, workspace
+
+if TYPE_CHECKING:
+    from autofuse.comm.world import World
 
 KINDS = ("all_gather", "reduce_scatter", "all_reduce")
 ENGINES = ("sm", "ce")
@@ -94,7 +97,7 @@ class Chunk:
 
 # ---------------------------------------------------------------------------------------------
 # configs
-def _size(world: Any) -> int:
+def _size(world: World) -> int:
     return world if isinstance(world, int) else world.size
 
 
@@ -111,7 +114,7 @@ def _ce_allowed(kind: str, dim: int, config: Config) -> bool:
     return True
 
 
-def space(kind: str, trial: SearchSpace, world: Any, rows: int, cols: int, dtype: torch.dtype,
+def space(kind: str, trial: SearchSpace, world: World, rows: int, cols: int, dtype: torch.dtype,
           dim: int = 0, engines: Sequence[str] = ENGINES, chunks: bool = True) -> Config:
     """Draw a config of collective `kind` from its search space (Optuna define-by-run).
 
@@ -140,7 +143,7 @@ def space(kind: str, trial: SearchSpace, world: Any, rows: int, cols: int, dtype
     return cfg
 
 
-def defaults(kind: str, world: Any, rows: int, cols: int, dtype: torch.dtype, dim: int = 0) -> list[Config]:
+def defaults(kind: str, world: World, rows: int, cols: int, dtype: torch.dtype, dim: int = 0) -> list[Config]:
     """Known-good configs, best guess first, chosen by the message size per rank and the world size.
 
     Small messages (<= 256 KB): few programs, latency-bound (inbox / one-shot: one flag hop).
@@ -182,7 +185,7 @@ def _complete(kind: str, config: Config) -> Config:
     return cfg
 
 
-def check(kind: str, world: Any, rows: int, cols: int, dtype: torch.dtype, config: Config, dim: int = 0) -> str | None:
+def check(kind: str, world: World, rows: int, cols: int, dtype: torch.dtype, config: Config, dim: int = 0) -> str | None:
     """None, or why `config` cannot run collective `kind` on this shape (config keys and values,
     world size, divisibility, the copy engine's limits, the heap provider for a World)."""
     if kind not in KINDS:
@@ -225,7 +228,7 @@ def check(kind: str, world: Any, rows: int, cols: int, dtype: torch.dtype, confi
     return None
 
 
-def resolve(kind: str, world: Any, rows: int, cols: int, dtype: torch.dtype, config: Config | None,
+def resolve(kind: str, world: World, rows: int, cols: int, dtype: torch.dtype, config: Config | None,
             dim: int = 0) -> Config:
     """`config` with every missing key taken from the first default; InvalidConfig if it cannot run."""
     given = dict(config or {})
@@ -278,7 +281,7 @@ class _Base:
 
     kind = ""
 
-    def __init__(self, world: Any, rows: int, cols: int, dtype: torch.dtype, config: Config | None, dim: int,
+    def __init__(self, world: World, rows: int, cols: int, dtype: torch.dtype, config: Config | None, dim: int,
                  name: str):
         _check_dtype(dtype)
         self.world, self.rows, self.cols, self.dtype, self.dim, self.name = world, rows, cols, dtype, dim, name
@@ -342,7 +345,7 @@ class AllGather(_Base):
 
     kind = "all_gather"
 
-    def __init__(self, world: Any, rows: int, cols: int, dtype: torch.dtype, config: Config | None = None,
+    def __init__(self, world: World, rows: int, cols: int, dtype: torch.dtype, config: Config | None = None,
                  dim: int = 0, name: str = "collectives"):
         super().__init__(world, rows, cols, dtype, config, dim, name)
         w, r, size = world.size, world.rank, dtype.itemsize
@@ -425,7 +428,7 @@ class AllGather(_Base):
         return slice(c.start, c.stop), slice(c.owner * self.cols, (c.owner + 1) * self.cols)
 
 
-def all_gather(world: Any, rows: int, cols: int, dtype: torch.dtype, config: Config | None = None, dim: int = 0,
+def all_gather(world: World, rows: int, cols: int, dtype: torch.dtype, config: Config | None = None, dim: int = 0,
                name: str = "collectives") -> AllGather:
     """An all-gather of `rows x cols` shards along `dim` on `world` (collective: every rank builds it)."""
     return AllGather(world, rows, cols, dtype, config, dim, name)
@@ -513,7 +516,7 @@ class ReduceScatter(_Reduce):
     kind = "reduce_scatter"
     mode = _RS
 
-    def __init__(self, world: Any, rows: int, cols: int, dtype: torch.dtype, config: Config | None = None,
+    def __init__(self, world: World, rows: int, cols: int, dtype: torch.dtype, config: Config | None = None,
                  name: str = "collectives"):
         super().__init__(world, rows, cols, dtype, config, 0, name)
         w, r = world.size, world.rank
@@ -548,7 +551,7 @@ class AllReduce(_Reduce):
 
     kind = "all_reduce"
 
-    def __init__(self, world: Any, rows: int, cols: int, dtype: torch.dtype, config: Config | None = None,
+    def __init__(self, world: World, rows: int, cols: int, dtype: torch.dtype, config: Config | None = None,
                  name: str = "collectives"):
         super().__init__(world, rows, cols, dtype, config, 0, name)
         w = world.size
@@ -564,19 +567,19 @@ class AllReduce(_Reduce):
             self._setup(owner, rows, self.config["CHUNKS"], 2 * w * slot, 0, w * slot)
 
 
-def reduce_scatter(world: Any, rows: int, cols: int, dtype: torch.dtype, config: Config | None = None,
+def reduce_scatter(world: World, rows: int, cols: int, dtype: torch.dtype, config: Config | None = None,
                    name: str = "collectives") -> ReduceScatter:
     """A reduce-scatter of `rows x cols` partials on `world` (collective: every rank builds it)."""
     return ReduceScatter(world, rows, cols, dtype, config, name)
 
 
-def all_reduce(world: Any, rows: int, cols: int, dtype: torch.dtype, config: Config | None = None,
+def all_reduce(world: World, rows: int, cols: int, dtype: torch.dtype, config: Config | None = None,
                name: str = "collectives") -> AllReduce:
     """An all-reduce of `rows x cols` partials on `world` (collective: every rank builds it)."""
     return AllReduce(world, rows, cols, dtype, config, name)
 
 
-def build(kind: str, world: Any, rows: int, cols: int, dtype: torch.dtype, config: Config | None = None,
+def build(kind: str, world: World, rows: int, cols: int, dtype: torch.dtype, config: Config | None = None,
           dim: int = 0, name: str = "collectives") -> AllGather | ReduceScatter | AllReduce:
     """Any of the three by kind (benches and tests)."""
     if kind == "all_gather":

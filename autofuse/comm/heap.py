@@ -54,12 +54,15 @@ import socket
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 import torch.distributed as dist
 
 from autofuse.core import settings
+
+if TYPE_CHECKING:
+    from autofuse.comm.world import World
 
 ALIGN = 256
 STATUS_WORDS = 8
@@ -124,7 +127,7 @@ def default_provider(device: torch.device, spans_job: bool = False) -> str:
     return "symm" if spans_job else "torch"
 
 
-def torch_symm_available(world: Any, op: str) -> bool:
+def torch_symm_available(world: World, op: str) -> bool:
     """True if torch's own symmetric-memory op `torch.ops.symm_mem.<op>` can run on `world`: a CUDA World
     that spans the whole job (torch's rendezvous hangs once groups that leave ranks out used it:
     `Rendezvous` says why) and a torch that registers the op (importing `_symmetric_memory` does)."""
@@ -144,15 +147,15 @@ _seq: dict[tuple, int] = {}
 _seq_job: list[Any] = [None]
 
 
-def _group_of(world: Any) -> Any:
+def _group_of(world: World) -> Any:
     return world.group if world.group is not None else dist.group.WORLD
 
 
-def _global_ranks(world: Any) -> tuple[int, ...]:
+def _global_ranks(world: World) -> tuple[int, ...]:
     return tuple(world.global_ranks) if world.global_ranks else tuple(range(world.size))
 
 
-def describe_group(world: Any) -> str:
+def describe_group(world: World) -> str:
     """'group "3" (global ranks [0, 1])': how errors name a World's group."""
     try:
         name = _group_of(world).group_name
@@ -205,7 +208,7 @@ class Rendezvous:
     other groups did on some ranks cannot shift them. Collective over the World's ranks.
     """
 
-    def __init__(self, world: Any, provider: str, size: int, timeout_s: float | None = None):
+    def __init__(self, world: World, provider: str, size: int, timeout_s: float | None = None):
         self.world = world
         self.timeout_s = settings.heap_timeout_s() if timeout_s is None else float(timeout_s)
         self.ranks = _global_ranks(world)
@@ -291,7 +294,7 @@ class SymmetricHeap:
     (default AUTOFUSE_HEAP_TIMEOUT or 300 s); it raises HeapRendezvousError instead of hanging.
     """
 
-    def __init__(self, world: Any, size: int | str | None = None, provider: str | None = None,
+    def __init__(self, world: World, size: int | str | None = None, provider: str | None = None,
                  timeout_s: float | None = None):
         self.world = world
         env = settings.heap_size_text()
@@ -550,7 +553,7 @@ class SymmetricHeap:
         self._handle = None
 
 
-def _spans_job(world: Any) -> bool:
+def _spans_job(world: World) -> bool:
     spans = getattr(world, "spans_job", None)
     if spans is not None:
         return bool(spans)

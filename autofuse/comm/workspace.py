@@ -16,13 +16,16 @@ after zeroing the flags keeps a fast peer from raising a flag before this rank h
 from __future__ import annotations
 
 import weakref
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from autofuse.comm import status
 from autofuse.kernels import shmem
 from autofuse.core.sizes import next_pow2
+
+if TYPE_CHECKING:
+    from autofuse.comm.world import World
 
 MIN_DATA = 1 << 12   # capacities are powers of two from these up, so growth steps stay few
 MIN_FLAGS = 1 << 6
@@ -33,7 +36,7 @@ _by_heap: "weakref.WeakKeyDictionary[Any, dict[str, list[Workspace]]]" = weakref
 class Workspace:
     """One named workspace on one World's heap (see the module docstring); made by `workspace()`."""
 
-    def __init__(self, world: Any, name: str, data_bytes: int, flags: int):
+    def __init__(self, world: World, name: str, data_bytes: int, flags: int):
         heap = world.heap
         self.world, self.name = world, name
         self.data = heap.empty(2 * data_bytes, dtype=torch.uint8, name=f"{name}.data")
@@ -102,7 +105,7 @@ class Workspace:
         self.world.sync()
 
 
-def workspace(world: Any, name: str, data_bytes: int = 0, flags: int = 0) -> Workspace:
+def workspace(world: World, name: str, data_bytes: int = 0, flags: int = 0) -> Workspace:
     """The workspace `name` on `world` with at least `data_bytes` per parity of data and `flags` per
     parity of flags; the cached one if it is big enough, else a new one (collective)."""
     made = _by_heap.setdefault(world.heap, {}).setdefault(name, [])
@@ -116,7 +119,7 @@ def workspace(world: Any, name: str, data_bytes: int = 0, flags: int = 0) -> Wor
     return ws
 
 
-def workspaces(world: Any) -> list[Workspace]:
+def workspaces(world: World) -> list[Workspace]:
     """Every workspace made on `world`'s heap so far, outgrown ones included (runners may still use them)."""
     heap = getattr(world, "_heap", None)
     return [ws for made in _by_heap.get(heap, {}).values() for ws in made] if heap is not None else []

@@ -18,6 +18,7 @@ import torch
 from autofuse.core.keys import parse_key
 if TYPE_CHECKING:
     from autofuse.core.runner import Runner
+    from autofuse.comm.world import World
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 Config = dict[str, Any]
@@ -136,7 +137,7 @@ class Variant:
     def tunable(self) -> bool:
         return self.family in ("hybrid", "fused")
 
-    def available(self, world: Any) -> bool:
+    def available(self, world: World) -> bool:
         return True
 
     def space(self, trial: SearchSpace, problem: Problem) -> Config:
@@ -148,15 +149,15 @@ class Variant:
     def check(self, problem: Problem, config: Config) -> str | None:
         return f"{self.name} takes no config, got {config_key(config)}" if config else None
 
-    def refuses(self, world: Any, problem: Problem, config: Config) -> str | None:
+    def refuses(self, world: World, problem: Problem, config: Config) -> str | None:
         """Why this World (its heap, its devices) cannot run a config that `check` accepts, or None;
         the tuner asks it before launching anything, so such configs are never measured."""
         return None
 
-    def runner(self, world: Any, problem: Problem, config: Config) -> "Runner":
+    def runner(self, world: World, problem: Problem, config: Config) -> "Runner":
         raise NotImplementedError(f"{self.name} builds no runner")
 
-    def build(self, world: Any, problem: Problem, config: Config) -> "Runner":
+    def build(self, world: World, problem: Problem, config: Config) -> "Runner":
         """Check, then build this variant's runner for `problem` on `world` (collective).
 
         Built outside inference mode whatever the caller's mode: a runner's buffers outlive the call

@@ -11,12 +11,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 
 from autofuse.core.op import InvalidInput, Problem
 from autofuse.comm.workspace import Workspace
+
+if TYPE_CHECKING:
+    from autofuse.comm.world import World
 
 LAYOUTS = ("contiguous", "dense", "rows")
 
@@ -62,7 +65,7 @@ class TensorSpec:
 class Runner:
     """Base of every variant's runner: call checks, `out` handling, fault refusal, then `launch`."""
 
-    def __init__(self, world: Any, problem: Problem, inputs: Sequence[TensorSpec], out: TensorSpec,
+    def __init__(self, world: World, problem: Problem, inputs: Sequence[TensorSpec], out: TensorSpec,
                  workspaces: Sequence[Workspace] = ()):
         for spec in (*inputs, out):
             if spec.layout not in LAYOUTS:

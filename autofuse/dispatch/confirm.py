@@ -35,13 +35,16 @@ from __future__ import annotations
 import time
 import traceback
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 import torch.distributed as dist
 
 from autofuse.measure.timing import Timing, nbytes, rotation_count, time_in_turns
 from autofuse.core.op import Config, Op, Problem, rel_error
+
+if TYPE_CHECKING:
+    from autofuse.comm.world import World
 
 BSP = "bsp"
 REPS = 6
@@ -82,7 +85,7 @@ class Confirmation:
                 f"{self.reps} batches each in {self.rounds} rounds): {timed}{gone}")
 
 
-def _reduce_all(world: Any, values: list[float], op: dist.ReduceOp) -> list[float]:
+def _reduce_all(world: World, values: list[float], op: dist.ReduceOp) -> list[float]:
     """`values` reduced elementwise over the ranks with `op` (one all-reduce)."""
     if world.size == 1 or not values:
         return values
@@ -91,7 +94,7 @@ def _reduce_all(world: Any, values: list[float], op: dist.ReduceOp) -> list[floa
     return t.tolist()
 
 
-def _build_all(world: Any, op: Op, problem: Problem, args: Sequence[torch.Tensor],
+def _build_all(world: World, op: Op, problem: Problem, args: Sequence[torch.Tensor],
                cands: list[tuple[str, Config]]) -> tuple[list[Any], list[torch.Tensor | None], list[str]]:
     """Build each candidate and run it once on `args`: (runners, outputs, errors), '' where it worked."""
     runners: list[Any] = []
@@ -123,7 +126,7 @@ def _compare(op: Op, problem: Problem, outs: list[torch.Tensor | None], errors: 
                 errors[i] = f"output differs from bsp's by {e:.3g} (> {tol:.3g})"
 
 
-def _input_sets(world: Any, args: Sequence[Any]) -> list[tuple]:
+def _input_sets(world: World, args: Sequence[Any]) -> list[tuple]:
     """The caller's `args` and copies of them to rotate through against L2, as `measure` rotates
     (GPUs only). The count is the smallest any rank could allocate, since every rank must make the
     same calls."""
@@ -139,7 +142,7 @@ def _input_sets(world: Any, args: Sequence[Any]) -> list[tuple]:
     return sets[:keep]
 
 
-def confirm(world: Any, op: Op, problem: Problem, args: Sequence[torch.Tensor],
+def confirm(world: World, op: Op, problem: Problem, args: Sequence[torch.Tensor],
             candidates: Sequence[tuple[str, Config]], mode: str, reps: int = REPS, warmup: int = 2,
             bsp_config: Config | None = None, budget_s: float = BUDGET_S, rounds: int = ROUNDS) -> Confirmation:
     """Measure BSP and `candidates` on `args` (this rank's inputs) in lockstep; see the module docstring.

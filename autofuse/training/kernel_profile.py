@@ -20,9 +20,12 @@ import math
 import re
 import time
 import warnings
-from typing import Any, Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 
 import torch
+
+if TYPE_CHECKING:
+    from autofuse.comm.world import World
 
 PROFILE_CALLS = 20   # op calls profiled per (problem, variant, mode), after warm-up
 PROFILE_WARMUP = 3   # untraced calls first (steady state; caches and autotuning settled)
@@ -144,7 +147,7 @@ def reduce_events(events: Sequence[Any], calls: int, on_device: bool, queued: bo
             "kernels": _table(by_name, calls)}
 
 
-def _op_calls(world: Any, op: Any, problem: Any, runner: Callable) -> list[Callable[[], Any]]:
+def _op_calls(world: World, op: Any, problem: Any, runner: Callable) -> list[Callable[[], Any]]:
     """The callables the bench times (as measure.measure makes them): one per input set, rotated
     against L2 on GPUs, each writing into its own preallocated output."""
     from autofuse.measure.timing import nbytes, rotation_count
@@ -155,7 +158,7 @@ def _op_calls(world: Any, op: Any, problem: Any, runner: Callable) -> list[Calla
     return [lambda x=x, o=o: runner(*x, out=o) for x, o in zip(inputs, outs)]
 
 
-def _sleep_us(world: Any, host_us: float) -> float:
+def _sleep_us(world: World, host_us: float) -> float:
     """How long each GPU sleeps before the profiled calls (collective: the ranks agree on the longest).
 
     The profiler slows the host (each launch and op is recorded), so without a sleep an eager loop
@@ -176,7 +179,7 @@ def _queue_ahead(sleep_us: float) -> bool:
     return True
 
 
-def _traced(world: Any, run: Callable[[], None], steps: int, sleep_us: float) -> tuple[Any, bool]:
+def _traced(world: World, run: Callable[[], None], steps: int, sleep_us: float) -> tuple[Any, bool]:
     """`run` `steps` times under torch.profiler on every rank, the calls inside one MARK range.
 
     A barrier inside the profiler, before the range, lines the ranks up after the profiler's start
@@ -200,7 +203,7 @@ def _traced(world: Any, run: Callable[[], None], steps: int, sleep_us: float) ->
     return prof, queued
 
 
-def profile_calls(world: Any, fns: Sequence[Callable[[], Any]], mode: str, calls: int = PROFILE_CALLS,
+def profile_calls(world: World, fns: Sequence[Callable[[], Any]], mode: str, calls: int = PROFILE_CALLS,
                   warmup: int = PROFILE_WARMUP) -> dict[str, Any]:
     """Run `fns` (each one call; in graph mode captured together in one CUDA graph, replayed) about
     `calls` times under torch.profiler on every rank; rank 0 returns the per-call breakdown
@@ -226,7 +229,7 @@ def profile_calls(world: Any, fns: Sequence[Callable[[], Any]], mode: str, calls
     return reduce_events(prof.events(), steps * len(fns), world.device.type == "cuda", queued)
 
 
-def profile_variant(world: Any, op: Any, problem: Any, variant: str, config: dict, mode: str,
+def profile_variant(world: World, op: Any, problem: Any, variant: str, config: dict, mode: str,
                     latency_us: float, calls: int = PROFILE_CALLS, warmup: int = PROFILE_WARMUP) -> dict[str, Any]:
     """Profile one (problem, variant, config) in `mode` on every rank; rank 0 returns the breakdown.
 

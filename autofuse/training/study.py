@@ -34,7 +34,7 @@ import socket
 import time
 import warnings
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import optuna
 from optuna.trial import TrialState
@@ -43,6 +43,9 @@ from autofuse.measure.timing import Measurement
 from autofuse.core.op import Config, Op, Problem, config_key
 from autofuse.measure.store import Store, config_id
 from autofuse.training.storage import Heartbeat, alive, this_worker
+
+if TYPE_CHECKING:
+    from autofuse.comm.world import World
 
 MAX_ATTEMPTS = 2  # a config whose worker died this often is not queued again
 
@@ -122,7 +125,7 @@ class StudyDriver:
 
     def __init__(self, storage: optuna.storages.RDBStorage, store: Store, fingerprint: Mapping[str, Any], op: Op,
                  problem: Problem, mode: str, variants: list[str], trials: int, op_digest: str, seed: int = 0,
-                 world: Any = None):
+                 world: World = None):
         self.storage, self.store, self.fp = storage, store, fingerprint
         self.world = world  # where given, configs its heap or devices refuse are pruned before launch
         self.op, self.problem, self.mode = op, problem, mode

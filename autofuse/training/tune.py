@@ -32,7 +32,7 @@ import time
 import warnings
 from dataclasses import dataclass, field
 from types import SimpleNamespace
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import optuna
 import torch
@@ -48,6 +48,9 @@ from autofuse.training.lifecycle import STOP, ParentLink
 from autofuse.training.progress import Progress, first_line
 from autofuse.training.storage import check_writable, default_storage, open_storage
 from autofuse.training.study import Job, StudyDriver, study_name
+
+if TYPE_CHECKING:
+    from autofuse.comm.world import World
 
 DEFAULTS = {  # per device type: trials per study (None: one per tunable variant), timed reps, warm-up calls,
     # s per trial, problems per op and world size (None: the whole sweep)
@@ -161,14 +164,14 @@ def problems_for(op: Op, sweep: str, world: int, shapes: Sequence[str] = ()) -> 
     return list(dict.fromkeys(p for p in out if p.op == op.name and p.world == world))
 
 
-def _available(v: Any, world: Any) -> bool:
+def _available(v: Any, world: World) -> bool:
     try:
         return bool(v.available(world))
     except Exception:  # noqa: BLE001 - a stand-in world (the plan, in the parent) may lack what it checks
         return True
 
 
-def tunable_variants(op: Op, world: Any) -> list[str]:
+def tunable_variants(op: Op, world: World) -> list[str]:
     """The variants searched (hybrid and fused: they have a search space) that can run on `world`; none at
     world size 1, where an op has nothing to communicate (its baselines are the base of strong scaling)."""
     if world.size == 1:
@@ -176,7 +179,7 @@ def tunable_variants(op: Op, world: Any) -> list[str]:
     return [n for n, v in op.variants.items() if v.tunable and _available(v, world)]
 
 
-def baseline_variants(op: Op, world: Any) -> list[str]:
+def baseline_variants(op: Op, world: World) -> list[str]:
     """The variants measured once per problem at their defaults (bsp, peer)."""
     return [n for n, v in op.variants.items() if not v.tunable and _available(v, world)]
 
@@ -260,7 +263,7 @@ def describe_plan(plan: Plan, settings: Settings, ranks: int) -> str:
 
 # -- collectives -------------------------------------------------------------------------------------
 
-def _bcast(world: Any, obj: Any) -> Any:
+def _bcast(world: World, obj: Any) -> Any:
     box = [obj if world.rank == 0 else None]
     dist.broadcast_object_list(box, src=world.global_ranks[0], group=world.group)
     return box[0]
@@ -282,7 +285,7 @@ class RunState:
     progress: Progress | None = None
 
 
-def _measure_baselines(world: Any, op: Op, problem: Problem, mode: str, settings: Settings, state: RunState) -> None:
+def _measure_baselines(world: World, op: Op, problem: Problem, mode: str, settings: Settings, state: RunState) -> None:
     dev = world.device.type
     jobs = None
     if world.rank == 0:
@@ -321,7 +324,7 @@ def _summary_row(state: RunState, op: Op, problem: Problem, mode: str, driver: S
                                                             state.digests[op.name])}
 
 
-def _should_stop(world: Any, state: RunState) -> bool:
+def _should_stop(world: World, state: RunState) -> bool:
     """A signal on any rank, or rank 0's time limit: agreed by every rank (a collective)."""
     late = world.rank == 0 and state.deadline is not None and time.monotonic() > state.deadline
     if world.rank_max(1.0 if STOP.requested or late else 0.0) > 0:
@@ -329,7 +332,7 @@ def _should_stop(world: Any, state: RunState) -> bool:
     return state.stopped
 
 
-def _tune_problem(world: Any, op: Op, problem: Problem, mode: str, settings: Settings, state: RunState) -> dict | None:
+def _tune_problem(world: World, op: Op, problem: Problem, mode: str, settings: Settings, state: RunState) -> dict | None:
     dev = world.device.type
     t0 = time.monotonic()
     if _should_stop(world, state):
@@ -376,7 +379,7 @@ def quiet_warnings() -> None:
         warnings.filterwarnings("ignore", message=message)
 
 
-def tune_rank(world: Any, settings: Settings, link: ParentLink | None = None) -> list[dict]:
+def tune_rank(world: World, settings: Settings, link: ParentLink | None = None) -> list[dict]:
     """Run on every rank of `world` (spawned or torchrun); rank 0 returns the summary rows.
 
     `link` is given by `autofuse tune` when it spawned the ranks: signals then go to the parent,
@@ -414,7 +417,7 @@ def _open_rank0(settings: Settings, fp: dict) -> tuple[Store | None, Any, str | 
         return None, None, f"cannot write the Optuna storage {settings.storage_url()}: {first_line(str(exc), 300)}"
 
 
-def _tune(world: Any, settings: Settings, supervised: bool) -> list[dict]:
+def _tune(world: World, settings: Settings, supervised: bool) -> list[dict]:
     dev = world.device.type
     settings.validate(dev, world.size)
     plan = make_plan(settings, dev, world.size)
