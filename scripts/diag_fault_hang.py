@@ -1,17 +1,23 @@
-"""Reproduce (or clear) the survivor's hang of a late-peer fault in gemm_rs on two GPUs.
+"""Check that a late peer in a fused gemm_rs call makes every rank raise, at sizes that used to hang.
 
-Per plan row: build the variant with a 2 s wait budget and make one good call; then rank 1 sleeps
-3 s before its second call while rank 0's second call runs, and rank 0 polls its stream (no
-blocking synchronize) for 12 s, printing each second the host mirror, the epoch counter
+Per plan row: build the variant with a 2 s wait budget and make one good call; then the last rank
+sleeps 3 s before its second call while the others' second calls run, and they poll their streams
+(no blocking synchronize) for 12 s, printing each second the host mirror, the epoch counter
 [epoch, programs done] and the status words (read on a side stream). A call that is not done by
-then is reported HUNG and the job stops (the GPU stays stuck). On two H200 (2026-11-23,
-docs/results/2026-11-23-round2-session4): one tile per program (M=128, and M=1000 N=1024 K=2048)
-finished in 2.0 s; M=1000 N=8192 K=14336 (512 tiles over 132 programs) HUNG on the TMA and the
-pointer paths, 105-114 programs done. Branch fix/uniform-fault-decisions holds the suspected fix;
-run this after it to check it.
+then is reported HUNG and the job stops (the GPU stays stuck); a call that ends must raise
+(FlagTimeout on the ranks that waited, WorkspaceAborted on the late one) within the budget + 5 s.
+A PASS/FAIL table comes last; the exit status is 0 only if every row passed.
 
-    python3 scripts/diag_fault_hang.py
+History: on two H200 (2026-11-23, docs/results/2026-11-23-round2-session4), one tile per program
+(M=128, and M=1000 N=1024 K=2048) finished in 2.0 s; M=1000 N=8192 K=14336 (512 tiles over 132
+programs) HUNG on the TMA and the pointer paths, 105-114 programs done, because the kernels read the
+fault status per thread. Two ranks on one H100 reproduced it exactly (2026-11-25). The kernels now
+make every fault decision once per program (kernels/shmem.py); this script is the check on a GPU.
+
+    python3 scripts/diag_fault_hang.py [--world N]      # N ranks, one GPU each
+    AUTOFUSE_RANKS_PER_GPU=4 python3 scripts/diag_fault_hang.py --world 4   # N ranks on fewer GPUs
 """
+import argparse
 import os
 import sys
 import time
@@ -20,15 +26,21 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 
+BUDGET_S = 2.0
+LATE_S = 3.0   # the last rank's sleep: past the budget
+POLL_S = 12.0  # how long a rank waits for its call's kernel to end before calling it HUNG
+SLACK_S = 5.0  # harness.check_fault_run's bound: every rank raises within the budget + 5 s
+
 
 def job(world, plan):
     import harness
     from autofuse.comm import status
-    from autofuse.ops import gemm_rs
     from autofuse.comm.workspace import workspaces
+    from autofuse.ops import gemm_rs
 
-    os.environ[status.TIMEOUT_ENV] = "2"
+    os.environ[status.TIMEOUT_ENV] = str(BUDGET_S)
     side = torch.cuda.Stream()
+    late = world.size - 1
     out = []
     for variant, dims, dtype, config in plan:
         op = gemm_rs.OP
@@ -52,13 +64,17 @@ def job(world, plan):
             world.sync()
         world.sync()
         tag = f"rank {world.rank} {variant} {dims} {dtype}"
-        if world.rank == 1:
-            time.sleep(3.0)
+        if world.rank == late:
+            time.sleep(LATE_S)
         t0 = time.monotonic()
         inputs = op.inputs(world, problem, 1)
-        runner(*inputs, out=o)
-        done = False
-        while time.monotonic() - t0 < 12:
+        what = "returned"
+        try:
+            runner(*inputs, out=o)
+        except (status.FlagTimeout, status.WorkspaceAborted) as exc:  # refused at once (a peer aborted it)
+            what = type(exc).__name__
+        done = what != "returned"
+        while not done and time.monotonic() - t0 < POLL_S:
             if torch.cuda.current_stream().query():
                 done = True
                 break
@@ -68,16 +84,20 @@ def job(world, plan):
             print(f"{tag}: {time.monotonic() - t0:5.1f} s running; mirror {int(ws.mirror[0])} counter {counter} "
                   f"status {code}", file=sys.__stderr__, flush=True)
             time.sleep(1.0)
-        print(f"{tag}: {'finished' if done else 'HUNG'} after {time.monotonic() - t0:.1f} s; mirror "
-              f"{int(ws.mirror[0])}", file=sys.__stderr__, flush=True)
+        seconds = time.monotonic() - t0
+        print(f"{tag}: {'finished' if done else 'HUNG'} after {seconds:.1f} s; mirror {int(ws.mirror[0])}",
+              file=sys.__stderr__, flush=True)
         if not done:
+            print(f"{tag}: HUNG: stopping the job (the GPU stays stuck)", file=sys.__stderr__, flush=True)
             os._exit(3)
-        try:
-            runner.check()
-            what = "returned"
-        except Exception as exc:
-            what = type(exc).__name__
-        out.append((tag, what))
+        if what == "returned":
+            try:
+                runner.check()
+            except (status.FlagTimeout, status.WorkspaceAborted) as exc:
+                what = type(exc).__name__
+        out.append({"row": f"{variant} M={dims['M']} N={dims['N']} K={dims['K']} {dtype}"
+                           + ("" if config.get("TMA", True) else " pointer") + f" PARTIAL={config.get('PARTIAL')}",
+                    "rank": world.rank, "late": world.rank == late, "outcome": what, "seconds": seconds})
         world.sync()
         for w in workspaces(world):
             w.rebuild()
@@ -85,17 +105,48 @@ def job(world, plan):
     return out
 
 
-if __name__ == "__main__":
-    from autofuse.comm.world import spawn
+def verdict(r: dict) -> str:
+    """PASS where the call raised within the budget + slack (the late rank: at once, its peers aborted it)."""
+    if r["outcome"] == "returned":
+        return "FAIL (returned)"
+    return "PASS" if r["seconds"] <= BUDGET_S + SLACK_S else f"FAIL (raised after {r['seconds']:.1f} s)"
 
-    if torch.cuda.device_count() < 2:
-        sys.exit("diag_fault_hang.py needs two GPUs (the hang is a GPU scheduling matter; CPU ranks never showed it)")
 
+def main() -> int:
+    from autofuse.comm.world import RankFailed, device_plan, spawn
+    from autofuse.core import settings
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--world", type=int, default=2, help="ranks (default 2); AUTOFUSE_RANKS_PER_GPU lets them share GPUs")
+    args = ap.parse_args()
+    try:
+        device_plan(args.world, settings.ranks_per_gpu())
+    except ValueError as exc:
+        sys.exit(f"diag_fault_hang.py: {exc} (the hang is a GPU scheduling matter; CPU ranks never showed it)")
     tile = {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 4, "num_stages": 3}
     big = {"M": 1000, "N": 8192, "K": 14336}
     plan = [("push_last", {"M": 128, "N": 8192, "K": 14336}, "bfloat16", {**tile, "PARTIAL": "out"}),
             ("push_last", big, "bfloat16", {**tile, "PARTIAL": "fp32", "TMA": False}),
             ("push_reducer", big, "bfloat16", {**tile, "PARTIAL": "fp32", "FLAG": "tile", "COMM_SMS": 8}),
+            ("push_reducer", big, "bfloat16", {**tile, "PARTIAL": "out", "FLAG": "row_block", "COMM_SMS": 8}),
             ("push_last", {"M": 264, "N": 8192, "K": 14336}, "bfloat16", {**tile, "PARTIAL": "out"}),
             ("push_last", big, "bfloat16", {**tile, "PARTIAL": "out"})]
-    print(spawn(job, 2, plan, device_kind="cuda", timeout_s=200))
+    try:
+        per_rank = spawn(job, args.world, plan, device_kind="cuda", timeout_s=100 + 60 * len(plan))
+    except RankFailed as exc:
+        print(f"diag_fault_hang.py: FAIL: {str(exc).splitlines()[0]}")
+        return 1
+    rows = [r for ranks in zip(*per_rank) for r in ranks]
+    width = max(len(r["row"]) for r in rows)
+    print(f"\n{'row':{width}}  rank      outcome            s  verdict")
+    for r in rows:
+        who = f"{r['rank']}{' late' if r['late'] else ''}"
+        print(f"{r['row']:{width}}  {who:8}  {r['outcome']:16} {r['seconds']:5.1f}  {verdict(r)}")
+    failed = [r for r in rows if verdict(r) != "PASS"]
+    print(f"diag_fault_hang.py: {'PASS' if not failed else 'FAIL'}: {len(rows) - len(failed)} of {len(rows)} rank-rows "
+          f"raised within {BUDGET_S + SLACK_S:.0f} s at world {args.world}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -4,6 +4,14 @@
 # session's folder; one tarball $OUT/NAME.tgz is rewritten after every stage, so a run cut short
 # still returns what it did. Several sessions may run at once on different GPUs, e.g.
 #   bash scripts/gpu_session.sh --name a --gpus 0,1 STAGE... & bash scripts/gpu_session.sh --name b --gpus 3 STAGE...
+# Options: --ranks-per-gpu N (AUTOFUSE_RANKS_PER_GPU: up to N ranks share a GPU; tests and diagnostics
+# only, nothing is timed), --world N (AUTOFUSE_TEST_WORLD: ranks of the multi-rank GPU tests), --heap SIZE
+# (AUTOFUSE_HEAP_SIZE). Every stage adds PASS/FAIL lines to NAME-summary.txt (in $OUT too), printed last.
+# One GPU, every multi-rank GPU test at 2 ranks on it: the case tables (graph replays included) and the hang
+# check in parallel, then the fault tests (they bound the time to raise), group and dispatch tests:
+#   bash scripts/gpu_session.sh --name onegpu-w2 --ranks-per-gpu 4 --world 2 --heap 1G \
+#     together:test_gemm_rs,test_gemm_ar,test_ag_gemm,test_flash_decode,test_collectives,test_hybrid:300:not+fault+or+sizes_that_hung \
+#     together:test_gemm_rs,test_gemm_ar,test_ag_gemm,test_flash_decode,test_collectives,test_groups,test_dispatch,test_calls:200:fault+and+not+sizes_that_hung+or+test_groups+or+test_dispatch+or+test_calls
 # Stages (LIMIT: seconds, default 300):
 #   pytest:FILES[:LIMIT[:KEXPR]]    pytest -m gpu on tests/FILES (comma-separated file stems, e.g. test_ag_gemm),
 #                                   -k KEXPR if given ('+' for spaces)
@@ -26,6 +34,9 @@ while [ $# -gt 0 ]; do
   case "$1" in
     --name) NAME=$2; shift 2 ;;
     --gpus) GPUS=$2; shift 2 ;;
+    --ranks-per-gpu) export AUTOFUSE_RANKS_PER_GPU=$2; shift 2 ;;
+    --world) export AUTOFUSE_TEST_WORLD=$2; shift 2 ;;
+    --heap) export AUTOFUSE_HEAP_SIZE=$2; shift 2 ;;
     *) break ;;
   esac
 done
@@ -47,7 +58,10 @@ export PYTHONPATH=/tmp/site
 [ -f /tmp/site/.installed ] || { echo "offline install failed"; exit 1; }
 { date -u +"%Y-%m-%dT%H:%M:%SZ"; nvidia-smi --query-gpu=index,name,driver_version,memory.total --format=csv;
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'nccl', torch.cuda.nccl.version(), 'gpus', torch.cuda.device_count())"
-  echo "CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-all}"; } > "$W/machine.txt" 2>&1
+  echo "CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-all} AUTOFUSE_RANKS_PER_GPU=${AUTOFUSE_RANKS_PER_GPU:-1}" \
+       "AUTOFUSE_TEST_WORLD=${AUTOFUSE_TEST_WORLD:-2} AUTOFUSE_HEAP_SIZE=${AUTOFUSE_HEAP_SIZE:-default}"
+  echo "commit $(git rev-parse --short HEAD 2>/dev/null || echo '?')"; } > "$W/machine.txt" 2>&1
+SUMMARY=$W/$NAME-summary.txt; : > "$SUMMARY"
 status=0
 for stage in "$@"; do
   IFS=: read -r what a1 a2 a3 a4 a5 <<< "$stage"
@@ -64,14 +78,16 @@ for stage in "$@"; do
               : > "$W/together.txt"
               for id in $ids; do
                 ( tag=$(echo "$id" | sed 's#^tests/##; s#[^A-Za-z0-9_.-]#_#g')
-                  timeout -k 10 "${a2:-300}" python3 -m pytest -v -m gpu -p no:cacheprovider -o addopts="" --durations=0 \
-                    "$id" > "$W/together-$tag.log" 2>&1
+                  timeout -k 10 "${a2:-300}" python3 -m pytest -v -rs -m gpu -p no:cacheprovider -o addopts="" \
+                    --durations=0 "$id" > "$W/together-$tag.log" 2>&1
                   rc=$?; verdict="FAIL(rc=$rc)"
-                  [ $rc -eq 0 ] && verdict=$(grep -q " passed" "$W/together-$tag.log" && echo PASS || echo SKIP-FAIL)
+                  [ $rc -eq 0 ] && verdict=$(grep -q " passed" "$W/together-$tag.log" && echo PASS || echo \
+                    "SKIPPED($(grep -o 'SKIPPED \[.*' "$W/together-$tag.log" | head -1 | cut -c1-110))")
                   echo "$verdict $id $(grep -Eo 'in [0-9.]+s' \
                     "$W/together-$tag.log" | tail -1)" | tee -a "$W/together.txt" ) &
               done
               wait
+              sed "s#^#[$stage] #" "$W/together.txt" >> "$SUMMARY"
               ! grep -q FAIL "$W/together.txt" ;;
     doctor) AUTOFUSE_HEAP_PROVIDER=${a1:-} timeout 180 python3 -m autofuse doctor --out "$W/doctor${a1:+-$a1}.json" ;;
     bench) timeout "${a3:-300}" python3 -m autofuse bench "$a1" --sweep "${a2:-gpu}" ${a4//+/ } \
@@ -96,7 +112,11 @@ for stage in "$@"; do
   esac > "$log" 2>&1
   rc=$?
   [ $rc -eq 0 ] || status=1
+  echo "$([ $rc -eq 0 ] && echo PASS || echo "FAIL(rc=$rc)") stage $stage in $(( $(date +%s) - t0 )) s" >> "$SUMMARY"
   echo "    rc=$rc in $(( $(date +%s) - t0 )) s; tail:"; tail -n "${TAIL:-15}" "$log"
+  cp "$SUMMARY" "$OUT/"
   tar czf "$OUT/$NAME.tgz" -C "$W" .
 done
+echo "=== [$NAME] summary ($(head -1 "$W/machine.txt"); $(grep AUTOFUSE_RANKS "$W/machine.txt"))"
+cat "$SUMMARY"
 exit $status

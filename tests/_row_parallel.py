@@ -80,8 +80,8 @@ def fault_ids(plan: Sequence[tuple]) -> list[str]:
 
 
 def check_faults_on_gpus(op: Op, plan: Sequence[tuple]) -> None:
-    """Every scenario of `plan` on two GPUs: harness.check_fault_run on what the ranks saw."""
-    for seen in cases_and_faults(2, op, [], 0, plan, device_kind="cuda", timeout_s=900)[1]:
+    """Every scenario of `plan` on harness.gpu_world() GPU ranks: harness.check_fault_run on what they saw."""
+    for seen in cases_and_faults(harness.gpu_world(), op, [], 0, plan, device_kind="cuda", timeout_s=900)[1]:
         harness.check_fault_run(seen)
 
 

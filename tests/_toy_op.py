@@ -94,8 +94,8 @@ class Fused(Variant):
 class GpuOnly(Bsp):
     name, family = "gpu_only", "fused"
 
-    def available(self, world: Any) -> bool:
-        return world.device.type == "cuda"
+    def unavailable(self, world: Any) -> str | None:
+        return None if world.device.type == "cuda" else "runs on CUDA only"
 
 
 def _features(problem: Problem) -> dict[str, float]:

@@ -4,8 +4,13 @@
   times with fresh random inputs into NaN-poisoned outputs, then once more with the cases
   interleaved (so calls of different runners share workspaces and epochs), and compare every output
   with the op's float64 reference at `op.tolerance(problem)`. On GPUs each case is also captured in
-  a CUDA graph and replayed with new inputs copied into the captured buffers.
-- `assert_ok(results)`: every rank within tolerance; optionally bitwise-equal results across ranks.
+  a CUDA graph and replayed with new inputs copied into the captured buffers. A case whose variant
+  is unavailable on the World (torch_symm where ranks share a GPU, say) is skipped with its reason.
+- `assert_ok(results)`: every rank within tolerance; optionally bitwise-equal results across ranks;
+  skipped cases and skipped graph replays are reported as warnings, and at least one case must run.
+- GPU tests: `gpu()` marks them; they spawn `gpu_world()` ranks (AUTOFUSE_TEST_WORLD, default 2), one
+  GPU each or, with AUTOFUSE_RANKS_PER_GPU, several ranks per GPU (autofuse.comm.world: gloo, the
+  IPC heap, no timing; BSP runs eagerly on gloo, so its graph replays are skipped there).
 - fault scenarios (`late_peer`, `skipped_call`, `dead_peer`): a peer that is late past the wait
   budget, that skips a call, or that never calls; every rank must raise (FlagTimeout or
   WorkspaceAborted) within the budget plus a few seconds, no call may return a wrong result, and
@@ -20,12 +25,14 @@ import math
 import os
 import sys
 import time
+import warnings
 from typing import Any, Sequence
 
 import pytest
 import torch
 
 from autofuse.comm import status
+from autofuse.core import settings
 from autofuse.measure.timing import capture
 from autofuse.core.op import Op, Problem, rel_error
 
@@ -36,10 +43,40 @@ def gpus() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-def gpu(min_gpus: int = 2):
-    """Marks a test that runs on `min_gpus` or more CUDA GPUs (`pytest -m gpu` on the GPU machine) and
-    is skipped elsewhere."""
-    skip = pytest.mark.skipif(gpus() < min_gpus, reason=f"needs {min_gpus} CUDA GPUs")
+WORLD_ENV = "AUTOFUSE_TEST_WORLD"  # GPU tests: how many ranks they spawn (default 2)
+
+
+def gpu_world() -> int:
+    """The world size of the multi-rank GPU tests: AUTOFUSE_TEST_WORLD, default 2."""
+    text = os.environ.get(WORLD_ENV, "").strip() or "2"
+    if not text.isdigit() or int(text) < 2:
+        raise ValueError(f"{WORLD_ENV}={text!r}: a world size of at least 2")
+    return int(text)
+
+
+def gpu_ranks_fit(ranks: int) -> bool:
+    """`ranks` ranks fit the visible GPUs: one each, or several each with AUTOFUSE_RANKS_PER_GPU."""
+    return gpus() > 0 and gpus() * settings.ranks_per_gpu() >= ranks
+
+
+def ranks_share_gpus(ranks: int | None = None) -> bool:
+    """Spawned GPU ranks (default gpu_world()) share GPUs here (more ranks than GPUs)."""
+    return gpus() < (ranks or gpu_world())
+
+
+def gpu(min_ranks: int = 2):
+    """Marks a test that runs `max(min_ranks, gpu_world())` ranks on CUDA GPUs (`pytest -m gpu` on the GPU
+    machine), one GPU each or several per GPU (AUTOFUSE_RANKS_PER_GPU); skipped where they do not fit."""
+    ranks = max(min_ranks, gpu_world())
+    skip = pytest.mark.skipif(not gpu_ranks_fit(ranks),
+                              reason=f"needs {ranks} CUDA GPUs, or fewer with AUTOFUSE_RANKS_PER_GPU (tests only)")
+    return lambda fn: pytest.mark.gpu(skip(fn))
+
+
+def distinct_gpus(count: int, why: str):
+    """Marks a GPU test that needs `count` GPUs, one per rank, for `why` (NCCL, torch's symmetric memory,
+    timing): skipped with that reason where fewer are visible, whatever AUTOFUSE_RANKS_PER_GPU says."""
+    skip = pytest.mark.skipif(gpus() < count, reason=f"needs {count} CUDA GPUs, one per rank: {why}")
     return lambda fn: pytest.mark.gpu(skip(fn))
 
 
@@ -68,15 +105,39 @@ def use_ipc_heap(monkeypatch: Any) -> None:
     monkeypatch.setenv("AUTOFUSE_HEAP_PROVIDER", "torch")
 
 
-def run_cases(world: Any, op: Op, cases: Sequence[Case], calls: int = 3, graph: bool | None = None) -> list[tuple]:
-    """Per case: (name, worst relative error, tolerance, checksum of the last output); see the module doc."""
+NO_GLOO_GRAPH = "graph replay skipped: ranks share a GPU, so BSP runs on gloo, which a CUDA graph cannot capture"
+
+
+def run_cases(world: Any, op: Op, cases: Sequence[Case], calls: int = 3, graph: bool | None = None,
+              allow_invalid: bool = False) -> list[tuple]:
+    """Per case: (name, worst relative error, tolerance, checksum of the last output, note); see the module
+    doc. A skipped case has error None and its reason as note. `allow_invalid`: a case the World's size
+    makes invalid (InvalidInput / InvalidConfig at build, e.g. rows not divisible by 4 ranks) is skipped
+    too (for case tables written for 2 ranks and run at another size), as is one whose inputs the op's
+    `problem_of` refuses at this size."""
+    from autofuse.core.op import InvalidConfig, InvalidInput
+
     graph = world.device.type == "cuda" if graph is None else graph
-    built = []
+    built, skipped = [], []
     for variant, dims, dtype, config in cases:
         problem = problem_of(op, world.size, dims, dtype)
-        runner = op.variant(variant).build(world, problem, config)
-        built.append((f"{variant} {config} {problem.key}", problem, runner))
-    worst = {name: 0.0 for name, _, _ in built}
+        name = f"{variant} {config} {problem.key}"
+        why = op.variant(variant).unavailable(world)
+        if why is None:
+            try:
+                if allow_invalid and op.problem_of is not None:
+                    op.problem_of(world, *op.inputs(world, problem, 0))  # e.g. rows not divisible by the ranks
+                runner = op.variant(variant).build(world, problem, config)
+            except (InvalidInput, InvalidConfig) as exc:
+                if not allow_invalid:
+                    raise
+                why = f"invalid at {world.size} ranks: {exc}"
+        if why is not None:
+            skipped.append((name, None, op.tolerance(problem), None, f"skipped: {why}"))
+            continue
+        replay = graph and not (getattr(world, "shares_gpu", False) and op.variant(variant).family == "bsp")
+        built.append((name, problem, runner, replay))
+    worst = {b[0]: 0.0 for b in built}
     last: dict[str, int] = {}
 
     def call(name: str, problem: Problem, runner: Any, seed: int) -> None:
@@ -88,15 +149,22 @@ def run_cases(world: Any, op: Op, cases: Sequence[Case], calls: int = 3, graph: 
         worst[name] = max(worst[name], rel_error(out, ref))
         last[name] = _checksum(out)
 
-    for name, problem, runner in built:
+    for name, problem, runner, _ in built:
         for seed in range(calls):
             call(name, problem, runner, seed)
-    for name, problem, runner in built:
+    for name, problem, runner, _ in built:
         call(name, problem, runner, 100)
-    if graph:
-        for name, problem, runner in built:
+    for name, problem, runner, replay in built:
+        if replay:
             worst[name] = max(worst[name], _graph_replays(world, op, problem, runner, seeds=(200, 201, 202)))
-    return [(name, worst[name], op.tolerance(problem), last[name]) for name, problem, _ in built]
+    notes = {b[0]: ("" if b[3] or not graph else NO_GLOO_GRAPH) for b in built}
+    return [(name, worst[name], op.tolerance(problem), last[name], notes[name]) for name, problem, _, _ in built] + skipped
+
+
+def gpu_cases(world: Any, op: Op, cases: Sequence[Case], calls: int = 2) -> list[tuple]:
+    """run_cases for a GPU case table written for 2 ranks, on however many ranks gpu_world() spawned:
+    at other sizes the cases those ranks cannot take are skipped with the reason."""
+    return run_cases(world, op, cases, calls, allow_invalid=world.size != 2)
 
 
 def _graph_replays(world: Any, op: Op, problem: Problem, runner: Any, seeds: Sequence[int]) -> float:
@@ -119,12 +187,19 @@ def _graph_replays(world: Any, op: Op, problem: Problem, runner: Any, seeds: Seq
 
 
 def assert_ok(results: Sequence[Sequence[tuple]], same_bits: Sequence[str] = ()) -> None:
-    """Every rank within tolerance; cases whose name starts with one of `same_bits` bitwise equal across ranks."""
+    """Every rank within tolerance; cases whose name starts with one of `same_bits` bitwise equal across ranks.
+    Rows are run_cases' (name, err, tol, checksum[, note]); skipped ones (err None) and notes are warned
+    about, and at least one case must have run."""
     for rank, rows in enumerate(results):
-        bad = [(name, err, tol) for name, err, tol, _ in rows if not err <= tol]
+        ran = [row for row in rows if row[1] is not None]
+        assert ran or not rows, f"rank {rank}: every case was skipped: {[row[4] for row in rows]}"
+        bad = [(row[0], row[1], row[2]) for row in ran if not row[1] <= row[2]]
         assert not bad, f"rank {rank}: outside tolerance: {bad}"
-    for i, (name, *_rest) in enumerate(results[0]):
-        if any(name.startswith(p) for p in same_bits):
+    for row in results[0]:
+        if len(row) > 4 and row[4]:
+            warnings.warn(f"{row[0]}: {row[4]}")
+    for i, (name, err, *_rest) in enumerate(results[0]):
+        if err is not None and any(name.startswith(p) for p in same_bits):
             sums = [rows[i][3] for rows in results]
             assert len(set(sums)) == 1, f"{name}: ranks returned different bits ({sums})"
 

@@ -436,8 +436,7 @@ GPU_PARTS = 4  # each part is one spawn, mostly Triton compiles: well inside pyt
 
 
 def _run_gpu(world, cases):
-    cases = [c for c in cases if OP.variant(c[0]).available(world)]
-    return harness.run_cases(world, OP, cases, calls=2)
+    return harness.gpu_cases(world, OP, cases)
 
 
 @harness.gpu()
@@ -448,12 +447,12 @@ def test_gpu_cases_match_reference_with_graph_replay(part, monkeypatch):
     cases = GPU_CASES[part::GPU_PARTS]
     on_ce = [c for c in cases if harness.on_copy_engine(c)]
     on_sm = [c for c in cases if c not in on_ce]
-    results = spawn(_run_gpu, 2, on_sm, device_kind="cuda", timeout_s=1500)
+    results = spawn(_run_gpu, harness.gpu_world(), on_sm, device_kind="cuda", timeout_s=1500)
     harness.assert_ok(results)
-    assert len(results[0]) >= len([c for c in on_sm if c[0] != "torch_symm"])  # torch_symm: where torch has it
+    assert len(results[0]) == len(on_sm)  # torch_symm where torch has it, else skipped with the reason
     if on_ce:
         harness.use_ipc_heap(monkeypatch)
-        results = spawn(_run_gpu, 2, on_ce, device_kind="cuda", timeout_s=900)
+        results = spawn(_run_gpu, harness.gpu_world(), on_ce, device_kind="cuda", timeout_s=900)
         harness.assert_ok(results)
         assert len(results[0]) == len(on_ce)
 
@@ -462,7 +461,7 @@ def test_gpu_cases_match_reference_with_graph_replay(part, monkeypatch):
 def test_gpu_faults_raise_on_every_rank_in_bounded_time():
     runs = [(v, rows(1024, 1024, 2048), s) for v in FUSED for s in ("late_peer", "skipped_call", "dead_peer")]
     runs.append(("push", rows(8192, 1024, 2048), "dead_peer"))
-    results = spawn(_faults_gpu, 2, runs, device_kind="cuda", timeout_s=900)
+    results = spawn(_faults_gpu, harness.gpu_world(), runs, device_kind="cuda", timeout_s=900)
     for i in range(len(runs)):
         harness.check_fault_run([rank_rows[i][2] for rank_rows in results])
     dead = {m: r["first_fault_s"] for v, m, r in results[0] if v == "push" and r["scenario"] == "dead_peer"}
@@ -470,6 +469,6 @@ def test_gpu_faults_raise_on_every_rank_in_bounded_time():
 
 
 def _faults_gpu(world, runs):
-    FAULT_CONFIGS.update({v: OP.variant(v).defaults(harness.problem_of(OP, 2, rows(1024, 1024, 2048), "float32"))[0]
-                          for v in FUSED})
+    FAULT_CONFIGS.update({v: OP.variant(v).defaults(harness.problem_of(OP, world.size, rows(1024, 1024, 2048),
+                                                                       "float32"))[0] for v in FUSED})
     return _faults(world, runs)

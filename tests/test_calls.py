@@ -68,7 +68,7 @@ def test_inference_mode_at_four_ranks():
 
 @harness.gpu(2)
 def test_gpu_a_first_call_under_inference_mode_leaves_later_calls_working():
-    _assert_correct(spawn(_inference_mode_job, 2, GPU_SIZES, device_kind="cuda", timeout_s=900))
+    _assert_correct(spawn(_inference_mode_job, harness.gpu_world(), GPU_SIZES, device_kind="cuda", timeout_s=900))
 
 
 FAULT_CASES = [("ag_gemm", "heap_mm_overlap"), ("gemm_ar", "one_shot")]
@@ -133,4 +133,5 @@ def test_a_call_that_raises_leaves_nan_in_out_at_four_ranks():
 
 @harness.gpu(2)
 def test_gpu_a_call_that_raises_leaves_nan_in_out():
-    _assert_fault_outputs(spawn(_fault_job, 2, FAULT_CASES, GPU_SIZES, device_kind="cuda", timeout_s=900))
+    _assert_fault_outputs(spawn(_fault_job, harness.gpu_world(), FAULT_CASES, GPU_SIZES, device_kind="cuda",
+                                timeout_s=900))

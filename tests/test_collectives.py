@@ -78,13 +78,7 @@ def _op(kind: str) -> Op:
 OPS = {kind: _op(kind) for kind in C.KINDS}
 
 
-def gpu_test(min_gpus: int = 2):
-    """harness.gpu() plus the skip it means to apply (harness.gpu passes the skipif as an argument of the
-    gpu mark, so on its own it does not skip without GPUs)."""
-    def mark(fn):
-        return harness.gpu(min_gpus)(pytest.mark.skipif(harness.gpus() < min_gpus,
-                                                        reason=f"needs {min_gpus} CUDA GPUs")(fn))
-    return mark
+gpu_test = harness.gpu
 
 
 def _dims(rows, cols, dim=0):
@@ -465,14 +459,20 @@ def _copy_engine_refusal(world):
     return None
 
 
+def _gpu_ranks() -> int:
+    """Every GPU up to 8, or harness.gpu_world() ranks where they share GPUs."""
+    return harness.gpu_world() if harness.ranks_share_gpus() else min(harness.gpus(), 8)
+
+
 @gpu_test()
 def test_gpu_every_algorithm_with_graph_replay(monkeypatch):
-    n = min(harness.gpus(), 8)
+    n = _gpu_ranks()
     results = spawn(_gpu_job, n, [c for c in GPU_CASES if not harness.on_copy_engine(c)], device_kind="cuda",
                     timeout_s=900)
     harness.assert_ok(results, same_bits=("all_reduce", "interleaved all_reduce"))
-    for why in spawn(_copy_engine_refusal, n, device_kind="cuda", timeout_s=300):
-        assert why is not None and "copy engine" in why
+    if not harness.ranks_share_gpus(n):  # sharing ranks get the IPC heap by default: no symm heap to refuse
+        for why in spawn(_copy_engine_refusal, n, device_kind="cuda", timeout_s=300):
+            assert why is not None and "copy engine" in why
     harness.use_ipc_heap(monkeypatch)
     results = spawn(_gpu_job, n, [c for c in GPU_CASES if harness.on_copy_engine(c)], device_kind="cuda", timeout_s=900)
     harness.assert_ok(results, same_bits=("all_reduce", "interleaved all_reduce"))
@@ -492,8 +492,8 @@ def test_gpu_faults_late_peer_and_skipped_call(monkeypatch):
     for on_ce in (False, True):
         if on_ce:
             harness.use_ipc_heap(monkeypatch)
-        plan = _fault_plan(2, [c for c in cases if harness.on_copy_engine(c) == on_ce])
-        results = spawn(_gpu_fault_job, 2, plan, device_kind="cuda", timeout_s=900)
+        plan = _fault_plan(harness.gpu_world(), [c for c in cases if harness.on_copy_engine(c) == on_ce])
+        results = spawn(_gpu_fault_job, harness.gpu_world(), plan, device_kind="cuda", timeout_s=900)
         for i in range(len(plan)):
             harness.check_fault_run([r[i] for r in results])
 
@@ -535,7 +535,7 @@ def _graph_late_peer(world):
 
 @gpu_test()
 def test_gpu_graph_replay_with_a_late_peer_raises_everywhere():
-    for raised, finite in spawn(_graph_late_peer, 2, device_kind="cuda", timeout_s=300):
+    for raised, finite in spawn(_graph_late_peer, harness.gpu_world(), device_kind="cuda", timeout_s=300):
         assert raised is not None and not finite
 
 

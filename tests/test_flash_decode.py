@@ -191,7 +191,8 @@ def test_gpu_case_table_with_graph_replay(part):
     """GPU sizes, every variant and flag granularity, eager calls and CUDA-graph replays; the problems
     in two parts (each with a batched problem for the empty-sequence check), so each part's cold
     compiles stay well inside the time limit."""
-    _assert_cases(spawn(_job, 2, cases(GPU_PROBLEMS[part::2]), 2, [], device_kind="cuda", timeout_s=880))
+    _assert_cases(spawn(_job, harness.gpu_world(), cases(GPU_PROBLEMS[part::2]), 2, [], device_kind="cuda",
+                        timeout_s=880))
 
 
 @harness.gpu()
@@ -199,9 +200,10 @@ def test_gpu_case_table_with_graph_replay(part):
 def test_gpu_faults():
     dims = _dims(4, 64, 8, 128, 4096)
     runs = [(v, dims, s, 3) for v in ("split_heap", "push_fused") for s in ("late_peer", "skipped_call", "dead_peer")]
-    gpu_configs = {v: fd.OP.variant(v).defaults(harness.problem_of(fd.OP, 2, dims, "float16"))[0]
+    world = harness.gpu_world()
+    gpu_configs = {v: fd.OP.variant(v).defaults(harness.problem_of(fd.OP, world, dims, "float16"))[0]
                    for v in FAULT_CONFIGS}
-    per_rank = spawn(_faults, 2, runs, gpu_configs, device_kind="cuda")
+    per_rank = spawn(_faults, world, runs, gpu_configs, device_kind="cuda")
     for i in range(len(runs)):
         harness.check_fault_run([rows[i] for rows in per_rank])
 

@@ -102,7 +102,7 @@ def test_four_ranks_and_a_dead_peer():
 
 @harness.gpu()
 def test_gpu_cases_eager_and_graph_replay_bitwise_equal_across_ranks():
-    results = spawn(harness.run_cases, 2, OP, GPU_CASES, 2, device_kind="cuda", timeout_s=1800)
+    results = spawn(harness.gpu_cases, harness.gpu_world(), OP, GPU_CASES, device_kind="cuda", timeout_s=1800)
     harness.assert_ok(results, same_bits=SAME_BITS)
 
 

@@ -12,7 +12,10 @@ budget and never return a wrong result.
 """
 from __future__ import annotations
 
+import subprocess
+import sys
 from functools import partial
+from pathlib import Path
 
 import pytest
 import torch
@@ -107,7 +110,7 @@ GPU_PARTS = 4  # the case table in parts: each compiles its own kernels on a col
 @pytest.mark.parametrize("part", range(GPU_PARTS))
 def test_gpu_cases_eager_and_graph_replay(part):
     cases = GPU_CASES[part::GPU_PARTS]
-    results = spawn(harness.run_cases, 2, OP, cases, 2, device_kind="cuda", timeout_s=580)
+    results = spawn(harness.gpu_cases, harness.gpu_world(), OP, cases, device_kind="cuda", timeout_s=580)
     harness.assert_ok(results)
     assert len(results[0]) == len(cases)
 
@@ -117,6 +120,20 @@ def test_gpu_faults():
     check_faults_on_gpus(OP, fault_plan(MID, "bfloat16", (
         ("push_last", {**MID_TILE, "PARTIAL": "out"}),
         ("push_reducer", {**MID_TILE, "PARTIAL": "fp32", "FLAG": "tile", "COMM_SMS": 8}))))
+
+
+@harness.gpu()
+@pytest.mark.timeout(900)
+def test_gpu_faults_late_peer_at_sizes_that_hung():
+    """scripts/diag_fault_hang.py at harness.gpu_world() ranks: a late peer in push_last / push_reducer
+    at M=1000 N=8192 K=14336 (more tiles than SMs), where the survivor used to hang (docs/results/faults.md):
+    every rank's call must raise within the budget + 5 s, none hang (the script stops a hung job)."""
+    script = Path(__file__).resolve().parents[1] / "scripts" / "diag_fault_hang.py"
+    proc = subprocess.run([sys.executable, str(script), "--world", str(harness.gpu_world())], capture_output=True,
+                          text=True, timeout=840)
+    print(proc.stdout[-6000:])
+    assert proc.returncode == 0, f"diag_fault_hang.py rc={proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    assert "diag_fault_hang.py: PASS" in proc.stdout
 
 
 @pytest.mark.parametrize("i", range(len(FAULT_PLAN) - 1),

@@ -14,11 +14,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import harness
 from autofuse.core import settings
 from autofuse.comm import heap as heap_mod
 from autofuse.kernels import selftest as k
 from autofuse.comm.workspace import workspace
-from autofuse.comm.world import World, gpu_count, spawn
+from autofuse.comm.world import World, spawn
 
 N = 64
 BLOCK = 64
@@ -188,7 +189,9 @@ def test_timeout_setting(monkeypatch):
 # -- GPUs: the same orders with the torch provider (CUDA IPC), and torch's symmetric memory fallback --
 
 def _gpus(n: int):
-    return pytest.mark.skipif(gpu_count() < n, reason=f"needs {n} CUDA GPUs")
+    """n ranks on the GPUs: one each, or several per GPU with AUTOFUSE_RANKS_PER_GPU (the heaps are IPC then)."""
+    return pytest.mark.skipif(not harness.gpu_ranks_fit(n),
+                              reason=f"needs {n} CUDA GPUs, or fewer with AUTOFUSE_RANKS_PER_GPU (tests only)")
 
 
 @pytest.fixture
@@ -228,8 +231,7 @@ def _symm_provider(world: World) -> tuple[bool, str]:
     return bool(_recheck(seen)), refused
 
 
-@pytest.mark.gpu
-@_gpus(2)
+@harness.distinct_gpus(2, "torch's symmetric memory refuses ranks that share a device")
 def test_gpu_symm_provider_whole_job_only(gpu_heap):
     got = _run(_symm_provider, 2, "cuda")
     assert all(ok for ok, _ in got)

@@ -351,14 +351,14 @@ GPU_CASES = {
 
 
 def _gpu_job(world, copy_engine: bool):
-    return {op: harness.run_cases(world, OPS[op], [c for c in cases if harness.on_copy_engine(c) == copy_engine],
-                                  calls=2) for op, cases in GPU_CASES.items()}
+    return {op: harness.gpu_cases(world, OPS[op], [c for c in cases if harness.on_copy_engine(c) == copy_engine])
+            for op, cases in GPU_CASES.items()}
 
 
 @gpu_test()
 def test_gpu_hybrids_with_graph_replay(monkeypatch):
     """SM-driven collectives on the default heap (torch symmetric memory for the whole job); the
     copy-engine ones on the IPC heap (harness.on_copy_engine)."""
-    _assert_all(spawn(_gpu_job, 2, False, device_kind="cuda", timeout_s=900))
+    _assert_all(spawn(_gpu_job, harness.gpu_world(), False, device_kind="cuda", timeout_s=900))
     harness.use_ipc_heap(monkeypatch)
-    _assert_all(spawn(_gpu_job, 2, True, device_kind="cuda", timeout_s=900))
+    _assert_all(spawn(_gpu_job, harness.gpu_world(), True, device_kind="cuda", timeout_s=900))

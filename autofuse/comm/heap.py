@@ -104,9 +104,11 @@ def parse_size(text: str | int) -> int:
     return size
 
 
-def default_provider(device: torch.device, spans_job: bool = False) -> str:
+def default_provider(device: torch.device, spans_job: bool = False, shares_gpu: bool = False) -> str:
     """'shm' on CPU; 'iris' where Iris imports on ROCm; on CUDA 'symm' (torch's symmetric memory) for a
-    group that spans the whole job, 'torch' (CUDA IPC handles exchanged by `Rendezvous`) for any other.
+    group that spans the whole job, 'torch' (CUDA IPC handles exchanged by `Rendezvous`) for any other
+    and wherever ranks share a GPU (torch's symmetric memory refuses allocations from one device in
+    several ranks).
 
     Measured on two H200 (2026-11-22, `autofuse doctor`), the two move bytes and flags alike (copy
     engine 368-371 GB/s, Triton pull 320-331 GB/s, flag round trip 3.7 us either way once the GPUs are
@@ -124,21 +126,32 @@ def default_provider(device: torch.device, spans_job: bool = False) -> str:
             return "iris"
         except ImportError:
             pass
-    return "symm" if spans_job else "torch"
+    return "symm" if spans_job and not shares_gpu else "torch"
 
 
-def torch_symm_available(world: World, op: str) -> bool:
-    """True if torch's own symmetric-memory op `torch.ops.symm_mem.<op>` can run on `world`: a CUDA World
-    that spans the whole job (torch's rendezvous hangs once groups that leave ranks out used it:
-    `Rendezvous` says why) and a torch that registers the op (importing `_symmetric_memory` does)."""
-    if world.device.type != "cuda" or not _spans_job(world):
-        return False
+SHARED_GPU_SYMM = ("ranks share a GPU here (AUTOFUSE_RANKS_PER_GPU), and torch's symmetric memory refuses "
+                   "allocations from one device in several ranks")
+
+
+def torch_symm_unavailable(world: World, op: str) -> str | None:
+    """Why torch's own symmetric-memory op `torch.ops.symm_mem.<op>` cannot run on `world`, None where it
+    can: it needs a CUDA World of one GPU per rank that spans the whole job (torch's rendezvous hangs
+    once groups that leave ranks out used it: `Rendezvous` says why) and a torch that registers the op
+    (importing `_symmetric_memory` does)."""
+    if world.device.type != "cuda":
+        return f"torch's symmetric memory needs CUDA, not {world.device.type}"
+    if world.shares_gpu:
+        return SHARED_GPU_SYMM
+    if not _spans_job(world):
+        return "torch's symmetric-memory rendezvous serves only groups that span the whole job"
     try:
         import torch.distributed._symmetric_memory  # noqa: F401  (importing registers torch.ops.symm_mem)
 
-        return hasattr(torch.ops, "symm_mem") and hasattr(torch.ops.symm_mem, op)
+        if hasattr(torch.ops, "symm_mem") and hasattr(torch.ops.symm_mem, op):
+            return None
     except (ImportError, AttributeError, RuntimeError):
-        return False
+        pass
+    return f"this torch ({torch.__version__}) has no torch.ops.symm_mem.{op}"
 
 
 # -- rendezvous --------------------------------------------------------------------------------------
@@ -298,8 +311,10 @@ class SymmetricHeap:
                  timeout_s: float | None = None):
         self.world = world
         env = settings.heap_size_text()
-        self.size = parse_size(size if size is not None else env if env else DEFAULT_SIZE[world.device.type])
-        self.provider = provider or settings.heap_provider() or default_provider(world.device, _spans_job(world))
+        shares = world.shares_gpu
+        default = DEFAULT_SIZE[world.device.type] // (settings.ranks_per_gpu() if shares else 1)  # one GPU's worth
+        self.size = parse_size(size if size is not None else env if env else default)
+        self.provider = provider or settings.heap_provider() or default_provider(world.device, _spans_job(world), shares)
         if self.provider not in PROVIDERS:
             raise ValueError(f"unknown heap provider {self.provider!r}: use {', '.join(PROVIDERS)}")
         self._top = 0
@@ -307,6 +322,9 @@ class SymmetricHeap:
         self._peers: list[torch.Tensor] = []
         self._maps: list[mmap.mmap] = []
         self._handle: Any = None
+        if self.provider in WHOLE_JOB_ONLY and shares:
+            raise HeapRendezvousError(f"the {self.provider} heap provider cannot serve {describe_group(world)}: "
+                                      f"{SHARED_GPU_SYMM}; use the torch provider (unset AUTOFUSE_HEAP_PROVIDER)")
         if self.provider in WHOLE_JOB_ONLY and not _spans_job(world):
             raise HeapRendezvousError(
                 f"the {self.provider} heap provider can only serve a group that spans the whole job, not "

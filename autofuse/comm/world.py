@@ -9,6 +9,17 @@ say), `World.of_ranks(ranks)` and `World.sub(size)` create one (collectively ove
 torch requires). All three cache per process group, so a group has one World and one symmetric
 heap whichever way it is reached, and heaps of different groups may be created on different
 ranks in any order (see autofuse.comm.heap for why that needs autofuse's own rendezvous).
+
+Several ranks on one GPU (tests and diagnostics only): with `ranks_per_gpu` > 1 (spawn's argument,
+or AUTOFUSE_RANKS_PER_GPU for spawn and init_from_env), a job of more ranks than visible GPUs puts
+its ranks on the GPUs round-robin, each rank its own process and CUDA context. NCCL refuses two
+ranks on one device, so such a job runs its host-side collectives on gloo (CUDA tensors are fine
+for it) and its Worlds say `shares_gpu`: the heap is the CUDA-IPC one (provider `torch`; torch's
+symmetric memory refuses ranks that share a device), `torch_symm` variants are unavailable, BSP runs
+on gloo (eagerly: gloo collectives cannot be captured in a CUDA graph), and nothing is timed
+(autofuse.measure.timing refuses; dispatch does not confirm by measuring). Kernels of the ranks run
+side by side on the GPU (their spin-waits see each other's stores), so correctness and fault
+behaviour can be checked there; timings cannot, since the contexts time-slice the GPU.
 """
 from __future__ import annotations
 
@@ -25,6 +36,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from autofuse.core import settings
+
 
 class RankFailed(RuntimeError):
     """A rank of a spawned job raised, died or timed out; carries which rank and why."""
@@ -40,6 +53,19 @@ def gpu_count() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
+def device_plan(size: int, ranks_per_gpu: int = 1, gpus: int | None = None) -> list[int]:
+    """The GPU index of each of `size` local ranks: one GPU each where there are enough, else (with
+    ranks_per_gpu > 1) round-robin over the visible GPUs, at most `ranks_per_gpu` ranks on one. Raises
+    ValueError, saying what to set, where they do not fit."""
+    gpus = gpu_count() if gpus is None else gpus
+    if size > gpus * ranks_per_gpu:
+        hint = (f" with at most {ranks_per_gpu} ranks per GPU" if ranks_per_gpu > 1 else
+                f"; for tests and diagnostics, AUTOFUSE_RANKS_PER_GPU={-(-size // max(gpus, 1))} lets ranks share "
+                "them (no timing)" if gpus else "")
+        raise ValueError(f"asked for {size} ranks but only {gpus} GPUs are visible{hint}")
+    return [r % min(size, gpus) for r in range(size)]
+
+
 def default_device_kind() -> str:
     """'cuda' where local GPUs exist, else 'cpu' (the emulation)."""
     return "cuda" if gpu_count() > 0 else "cpu"
@@ -48,6 +74,7 @@ def default_device_kind() -> str:
 _cache: dict[int, tuple[Any, "World"]] = {}  # id(process group) -> (the group, its World)
 _made: dict[tuple[int, ...], Any] = {}  # groups autofuse created (World.of_ranks), by global ranks
 _cache_job: list[Any] = [None]  # the default group the two caches belong to
+_shares_gpu: list[bool] = [False]  # this process joined a job whose ranks share GPUs (autofuse's launchers)
 
 
 def _fresh_caches() -> None:
@@ -63,7 +90,9 @@ def _fresh_caches() -> None:
 class World:
     """A process group as seen from one rank: its rank, size, device, backend and heap.
 
-    `group` is None for the default (whole-job) group. `heap` is created on first use, one
+    `group` is None for the default (whole-job) group. `shares_gpu`: its ranks may share GPUs (a job
+    started with several ranks per GPU, see the module doc: gloo, the IPC heap, no timing). `heap` is
+    created on first use, one
     symmetric heap per World, since symmetric offsets only agree among the ranks that allocate.
     Worlds made by `from_group`, `of_ranks` and `sub` are cached per process group, so one group
     has one World and one heap however it is reached (the launcher's World, `from_group(None)`,
@@ -76,6 +105,7 @@ class World:
     backend: str
     group: Any = None
     global_ranks: tuple[int, ...] = ()
+    shares_gpu: bool = False
     _heap: Any = field(default=None, repr=False)
 
     @property
@@ -203,8 +233,10 @@ class World:
             ranks = tuple(range(size))
         else:
             ranks = tuple(dist.get_process_group_ranks(pg))
-        device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in backend else torch.device("cpu")
-        world = cls(rank, size, device, backend, None if pg is dist.group.WORLD else pg, ranks)
+        shares = _shares_gpu[0] and backend == "gloo"
+        cuda = "nccl" in backend or shares
+        device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+        world = cls(rank, size, device, backend, None if pg is dist.group.WORLD else pg, ranks, shares and size > 1)
         _cache[id(pg)] = (pg, world)  # holding the group keeps its id unique
         return world
 
@@ -229,22 +261,30 @@ def _backend_for(device_kind: str) -> str:
 
 
 def init_from_env(device_kind: str | None = None, timeout_s: float = 300.0) -> World:
-    """Join a job whose ranks were started by torchrun (RANK, WORLD_SIZE, MASTER_ADDR, ...)."""
+    """Join a job whose ranks were started by torchrun (RANK, WORLD_SIZE, MASTER_ADDR, ...); with
+    AUTOFUSE_RANKS_PER_GPU > 1, the node's LOCAL_WORLD_SIZE ranks may share its GPUs (module doc)."""
     device_kind = device_kind or default_device_kind()
     rank = int(os.environ["RANK"])
     size = int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
-    return _init(rank, size, local_rank, device_kind, "env://", timeout_s)
+    index, shared = local_rank, False
+    if device_kind == "cuda":
+        plan = device_plan(int(os.environ.get("LOCAL_WORLD_SIZE", size)), settings.ranks_per_gpu())
+        index, shared = plan[local_rank], len(set(plan)) < len(plan)
+    return _init(rank, size, index, device_kind, "env://", timeout_s, shared)
 
 
-def _init(rank: int, size: int, local_rank: int, device_kind: str, init_method: str, timeout_s: float) -> World:
+def _init(rank: int, size: int, device_index: int, device_kind: str, init_method: str, timeout_s: float,
+          shares_gpu: bool = False) -> World:
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
-    backend = _backend_for(device_kind)
+    backend = "gloo" if shares_gpu else _backend_for(device_kind)  # NCCL refuses two ranks on one device
+    _shares_gpu[0] = shares_gpu
     kwargs: dict[str, Any] = {}
     if device_kind == "cuda":
-        torch.cuda.set_device(local_rank)
-        kwargs["device_id"] = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device_index)
+        if not shares_gpu:
+            kwargs["device_id"] = torch.device("cuda", device_index)
     if not dist.is_initialized():
         dist.init_process_group(
             backend,
@@ -265,10 +305,10 @@ def free_port() -> int:
 
 
 def _rank_main(local_rank: int, size: int, port: int, device_kind: str, fn: Callable, args: tuple,
-               results: Any, timeout_s: float) -> None:
+               results: Any, timeout_s: float, device_index: int, shares_gpu: bool) -> None:
     world = None
     try:
-        world = _init(local_rank, size, local_rank, device_kind, f"tcp://127.0.0.1:{port}", timeout_s)
+        world = _init(local_rank, size, device_index, device_kind, f"tcp://127.0.0.1:{port}", timeout_s, shares_gpu)
         out = fn(world, *args)
         results.send(("ok", out))
     except BaseException as exc:  # reported to the launcher, then re-raised so the process fails
@@ -286,40 +326,49 @@ def _rank_main(local_rank: int, size: int, port: int, device_kind: str, fn: Call
 
 
 def spawn(fn: Callable[..., Any], size: int, *args: Any, device_kind: str | None = None,
-          timeout_s: float = 600.0) -> list[Any]:
+          timeout_s: float = 600.0, ranks_per_gpu: int | None = None) -> list[Any]:
     """Run `fn(world, *args)` on `size` local ranks; return each rank's result, rank order.
 
-    GPUs: one process per GPU with NCCL. CPU: `size` processes with gloo and Triton's
-    interpreter (TRITON_INTERPRET=1 is set for the children). If any rank raises or dies, the
-    others are terminated and `RankFailed` names the first rank that failed and why; past
+    GPUs: one process per GPU with NCCL; with more ranks than GPUs and `ranks_per_gpu` > 1 (default
+    AUTOFUSE_RANKS_PER_GPU, else 1), up to that many ranks share each GPU, round-robin, with gloo
+    (module doc: for tests and diagnostics; nothing is timed). CPU: `size` processes with gloo and
+    Triton's interpreter (TRITON_INTERPRET=1 is set for the children). If any rank raises or dies,
+    the others are terminated and `RankFailed` names the first rank that failed and why; past
     `timeout_s` every rank is terminated and `RankFailed` says so. Never waits without bound.
     """
     device_kind = device_kind or default_device_kind()
-    if device_kind == "cuda" and size > gpu_count():
-        raise ValueError(f"asked for {size} ranks but only {gpu_count()} GPUs are visible")
     if size < 1:
         raise ValueError("world size must be >= 1")
+    devices, shared = list(range(size)), False
+    if device_kind == "cuda":
+        devices = device_plan(size, settings.ranks_per_gpu() if ranks_per_gpu is None else ranks_per_gpu)
+        shared = len(set(devices)) < size
     ctx = mp.get_context("spawn")
     # one pipe per rank, not a multiprocessing queue: a queue's locks are named semaphores
     # (/dev/shm/sem.mp-*) that a killed job would leave behind
     pipes = [ctx.Pipe(duplex=False) for _ in range(size)]
     port = free_port()
     procs = [
-        ctx.Process(target=_rank_main, args=(r, size, port, device_kind, fn, args, pipes[r][1], timeout_s),
-                    daemon=False)
+        ctx.Process(target=_rank_main, args=(r, size, port, device_kind, fn, args, pipes[r][1], timeout_s, devices[r],
+                                             shared), daemon=False)
         for r in range(size)
     ]
-    saved = os.environ.get("TRITON_INTERPRET")
+    child_env = {}  # what the children read from the environment at start
     if device_kind == "cpu":
-        os.environ["TRITON_INTERPRET"] = "1"  # children read it when their kernels are imported
+        child_env["TRITON_INTERPRET"] = "1"  # read when their kernels are imported
+    if shared and ranks_per_gpu is not None:
+        child_env["AUTOFUSE_RANKS_PER_GPU"] = str(ranks_per_gpu)  # their settings say what the job does
+    saved = {k: os.environ.get(k) for k in child_env}
+    os.environ.update(child_env)
     try:
         for p in procs:
             p.start()
     finally:
-        if saved is None:
-            os.environ.pop("TRITON_INTERPRET", None)
-        else:
-            os.environ["TRITON_INTERPRET"] = saved
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
         for _, sender in pipes:
             sender.close()  # the children hold the sending ends; a dead child's pipe then reads EOF
     readers = {p[0]: r for r, p in enumerate(pipes)}

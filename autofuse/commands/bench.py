@@ -71,7 +71,9 @@ def bench(
         from autofuse.comm.world import gpu_count
 
         if options.world > gpu_count():
-            fail(f"--world {options.world} needs {options.world} GPUs; {gpu_count()} are visible")
+            from autofuse.measure.timing import NO_SHARED_TIMING
+
+            fail(f"--world {options.world} needs {options.world} GPUs; {gpu_count()} are visible ({NO_SHARED_TIMING})")
     date = datetime.datetime.now(datetime.timezone.utc).date().isoformat()
     path = options.out or planned_out(module, options, date)
     check_new([path], force)  # the one rule of every command: stop before any work, never replace silently

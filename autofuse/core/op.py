@@ -118,7 +118,8 @@ class Variant:
     - `defaults(problem)` lists known-good configs, enqueued first by the tuner.
     - `check(problem, config)` returns None or the reason the config cannot run (shared memory,
       divisibility, ...); the default accepts only the empty config.
-    - `available(world)` is False where the variant cannot run at all (e.g. torch_symm on CPU).
+    - `unavailable(world)` says why the variant cannot run on `world` at all (e.g. torch_symm on CPU,
+      or where ranks share a GPU), None where it can; `available(world)` is its boolean.
     - `runner(world, problem, config)` allocates what the variant needs (heap workspace, compiled
       kernels) and returns a Runner (autofuse/core/runner.py); `build` checks first and raises
       InvalidConfig / InvalidInput, so `runner` may assume a valid config.
@@ -137,8 +138,11 @@ class Variant:
     def tunable(self) -> bool:
         return self.family in ("hybrid", "fused")
 
+    def unavailable(self, world: World) -> str | None:
+        return None
+
     def available(self, world: World) -> bool:
-        return True
+        return self.unavailable(world) is None
 
     def space(self, trial: SearchSpace, problem: Problem) -> Config:
         return {}
@@ -165,8 +169,9 @@ class Variant:
         could not be written by later calls made outside it."""
         if problem.world != world.size:
             raise InvalidInput(f"{problem.op}: problem is for {problem.world} ranks, this World has {world.size}")
-        if not self.available(world):
-            raise InvalidConfig(f"{problem.op}.{self.name} is not available on {world.device.type}")
+        why = self.unavailable(world)
+        if why:
+            raise InvalidConfig(f"{problem.op}.{self.name} is not available: {why}")
         reason = self.check(problem, config)
         if reason:
             raise InvalidConfig(f"{problem.op}.{self.name}: {reason}")

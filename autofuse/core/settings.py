@@ -27,6 +27,7 @@ NAMES = {
     "AUTOFUSE_HEAP_SIZE": "symmetric heap size per rank: bytes or a number with K, M or G",
     "AUTOFUSE_HEAP_PROVIDER": "symm | torch | iris | shm: the symmetric heap's provider",
     "AUTOFUSE_HEAP_TIMEOUT": "seconds a heap rendezvous waits for the other ranks (default 300)",
+    "AUTOFUSE_RANKS_PER_GPU": "tests and diagnostics: up to N ranks share each GPU (gloo, IPC heap, no timing)",
 }
 DEFAULT_WAIT_TIMEOUT_S = {"cuda": 10.0, "cpu": 120.0}  # the interpreter runs a peer's programs one by one
 MAX_SECONDS = 7 * 24 * 3600.0  # a week: beyond it a wait budget overflows the kernels' int64 nanoseconds
@@ -84,9 +85,16 @@ def _switch(name: str) -> bool | None:
     return None
 
 
-def online(device_type: str) -> bool:
-    """Whether first calls confirm predictions by measuring: AUTOFUSE_ONLINE, else on for GPUs."""
+def online(device_type: str, shares_gpu: bool = False) -> bool:
+    """Whether first calls confirm predictions by measuring: AUTOFUSE_ONLINE, else on for GPUs; never
+    where ranks share a GPU (their timings mean nothing), where asking for it is an error."""
     value = _switch("AUTOFUSE_ONLINE")
+    if shares_gpu:
+        if value:
+            raise SettingError(f"AUTOFUSE_ONLINE=1 asks to confirm decisions by timing them, and ranks share a GPU "
+                               f"here (AUTOFUSE_RANKS_PER_GPU={ranks_per_gpu()}), where timings mean nothing: "
+                               "unset one of the two")
+        return False
     return device_type == "cuda" if value is None else value
 
 
@@ -100,6 +108,17 @@ def confirm_k() -> int:
     text = _text("AUTOFUSE_CONFIRM_K") or str(DEFAULT_CONFIRM_K)
     if not text.isdigit() or not 1 <= int(text) <= 16:
         raise SettingError(f"AUTOFUSE_CONFIRM_K={text!r}: a number of candidates in 1..16")
+    return int(text)
+
+
+def ranks_per_gpu() -> int:
+    """AUTOFUSE_RANKS_PER_GPU (1..64, default 1): how many ranks autofuse's launchers may put on one GPU.
+
+    For tests and diagnostics on machines with fewer GPUs than ranks (autofuse.comm.world.spawn says
+    what changes then); 1 is the normal one-GPU-per-rank setup."""
+    text = _text("AUTOFUSE_RANKS_PER_GPU") or "1"
+    if not text.isdigit() or not 1 <= int(text) <= 64:
+        raise SettingError(f"AUTOFUSE_RANKS_PER_GPU={text!r}: a number of ranks per GPU in 1..64")
     return int(text)
 
 

@@ -28,7 +28,7 @@ def decide(op: Op, world: World, args: tuple, variant: str | None, config: Confi
         v = op.variant(variant)
         if variant not in available:
             raise ValueError(f"autofuse.{op.name}: variant {variant!r} ({reason}) is not available on "
-                             f"{world.device.type}; available: {available}")
+                             f"{world.device.type} ({v.unavailable(world)}); available: {available}")
         if config is None:
             config, config_source = policy.config_for(problem, variant, op)
             if config is None:
@@ -45,12 +45,12 @@ def decide(op: Op, world: World, args: tuple, variant: str | None, config: Confi
     choice = policy.decide(problem, op, available)
     if not policy.needs_confirmation(problem, choice):
         return choice
-    if settings.online(world.device.type):
+    if settings.online(world.device.type, world.shares_gpu):
         choice.candidates = policy.candidates(problem, op, available, settings.confirm_k())
     elif problem.op in policy.stale_ops:
         config, source = policy.config_for(problem, "bsp", op)
         return Choice(op.name, problem, "bsp", config or {}, f"fallback: {policy.stale_ops[problem.op]}, and "
-                      "confirmation on first use is off (AUTOFUSE_ONLINE=0 or the CPU emulation): bsp", "fallback",
+                      "confirmation on first use is off (AUTOFUSE_ONLINE=0, the CPU emulation or ranks sharing a GPU): bsp", "fallback",
                       policy.path, source)
     return choice
 

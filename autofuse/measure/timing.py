@@ -140,6 +140,21 @@ class TooSlow(RuntimeError):
     """The projected timing run would exceed its budget (agreed by every rank)."""
 
 
+class TimingRefused(RuntimeError):
+    """Timing was asked for where it means nothing: on ranks that share a GPU."""
+
+
+NO_SHARED_TIMING = ("timing needs one GPU per rank: ranks that share a GPU (AUTOFUSE_RANKS_PER_GPU, for tests and "
+                    "diagnostics) time-slice it, so their timings mean nothing")
+
+
+def refuse_timing(world) -> None:
+    """Raise TimingRefused where `world`'s ranks share a GPU (autofuse.comm.world: several ranks per GPU)."""
+    if world.shares_gpu:
+        raise TimingRefused(f"refused to time on {world.size} ranks that share a GPU: {NO_SHARED_TIMING}. This "
+                            "mode checks correctness and faults only")
+
+
 def capture(world, fn: Callable[[], Any]) -> torch.cuda.CUDAGraph:
     """`fn` captured in a CUDA graph on `world`'s device (collective: every rank calls it alike), or
     on the current device with no peers when `world` is None (a single-GPU benchmark).
@@ -179,6 +194,7 @@ class Batches:
                  warmup: int = 3, target_batch_us: float = 2000.0, max_inner: int = 50):
         if mode == "graph" and world.device.type != "cuda":
             raise ValueError("graph mode needs CUDA graphs; on CPU only eager mode exists")
+        refuse_timing(world)
         self.world, self.mode = world, mode
         self.fns = [fns] if callable(fns) else list(fns)
         self.timer = events_us if world.device.type == "cuda" else _cpu_time
@@ -312,7 +328,8 @@ def build_checked(world, op: Op, problem: Problem, variant: str, config: Config,
     comparison of candidates should time: nothing unchecked.
     """
     v = op.variant(variant)
-    reason = v.check(problem, config) if v.available(world) else f"{variant} is not available on {world.device.type}"
+    why_not = v.unavailable(world)
+    reason = v.check(problem, config) if why_not is None else f"{variant} is not available: {why_not}"
     if reason:
         return None, f"invalid config: {reason}", math.nan
     try:
@@ -351,8 +368,10 @@ def measure(world, op: Op, problem: Problem, variant: str, config: Config, modes
 
     Returns one Measurement per mode (ok=False with the reason when the config is invalid, crashes,
     times out on a flag, is wrong, or would exceed `budget_s`). Every rank must call it with the same
-    arguments; every rank returns the same verdicts and the rank-max timings.
+    arguments; every rank returns the same verdicts and the rank-max timings. Raises TimingRefused
+    on ranks that share a GPU.
     """
+    refuse_timing(world)  # before anything: a refusal is not a failed config
     modes = tuple(modes or supported_modes(world.device.type))
     fail = lambda why, err=math.nan: [Measurement(problem, variant, dict(config), m, False, why, err)  # noqa: E731
                                       for m in modes]

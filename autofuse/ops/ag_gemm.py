@@ -42,7 +42,7 @@ import torch.distributed as dist
 from autofuse.core import gemm, shapes
 from autofuse.ops import hybrid
 from autofuse.comm import collectives
-from autofuse.comm.heap import torch_symm_available
+from autofuse.comm.heap import torch_symm_unavailable
 from autofuse.core.op import (Config, InvalidConfig, InvalidInput, Op, Problem, SearchSpace, Variant, default_tolerance,
                          dtype_name)
 from autofuse.core.runner import Runner, TensorSpec
@@ -317,8 +317,8 @@ class TorchSymm(Variant):
 
     name, family = "torch_symm", "peer"
 
-    def available(self, world: Any) -> bool:
-        return torch_symm_available(world, "fused_all_gather_matmul")
+    def unavailable(self, world: Any) -> str | None:
+        return torch_symm_unavailable(world, "fused_all_gather_matmul")
 
     def runner(self, world: Any, problem: Problem, config: Config) -> Runner:
         return SymmRunner(world, problem)

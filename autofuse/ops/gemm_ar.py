@@ -28,7 +28,7 @@ import torch.distributed as dist
 from autofuse.core import gemm
 from autofuse.ops import hybrid
 from autofuse.comm import collectives
-from autofuse.comm.heap import torch_symm_available
+from autofuse.comm.heap import torch_symm_unavailable
 from autofuse.core.op import Config, Op, Problem, Variant
 from autofuse.ops import row_parallel as rp
 from autofuse.core.runner import Runner, TensorSpec
@@ -103,8 +103,8 @@ class TorchSymmOneShot(Variant):
 
     name, family, algo, torch_op = "torch_symm_one_shot", "peer", "one_shot", "one_shot_all_reduce_out"
 
-    def available(self, world: Any) -> bool:
-        return torch_symm_available(world, self.torch_op)
+    def unavailable(self, world: Any) -> str | None:
+        return torch_symm_unavailable(world, self.torch_op)
 
     def runner(self, world: Any, problem: Problem, config: Config) -> Runner:
         return SymmAllReduceRunner(world, problem, rp.symm_mem_group(world), self.algo)

@@ -28,7 +28,7 @@ import torch.distributed as dist
 from autofuse.core import gemm
 from autofuse.ops import hybrid
 from autofuse.comm import collectives
-from autofuse.comm.heap import torch_symm_available
+from autofuse.comm.heap import torch_symm_unavailable
 from autofuse.core.op import Config, InvalidInput, Op, Problem, Variant
 from autofuse.ops import row_parallel as rp
 from autofuse.core.runner import Runner, TensorSpec
@@ -112,8 +112,8 @@ class TorchSymm(Variant):
 
     name, family = "torch_symm", "peer"
 
-    def available(self, world: Any) -> bool:
-        return torch_symm_available(world, "fused_matmul_reduce_scatter")
+    def unavailable(self, world: Any) -> str | None:
+        return torch_symm_unavailable(world, "fused_matmul_reduce_scatter")
 
     def runner(self, world: Any, problem: Problem, config: Config) -> Runner:
         rp.symm_mem_group(world)

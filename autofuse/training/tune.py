@@ -41,7 +41,7 @@ import torch.distributed as dist
 from autofuse.measure import environment
 from autofuse.core import registry
 from autofuse.core import modes
-from autofuse.measure.timing import measure
+from autofuse.measure.timing import NO_SHARED_TIMING, measure
 from autofuse.core.op import Op, Problem
 from autofuse.measure.store import Store, StoreError, config_id, describe_stale
 from autofuse.training.lifecycle import STOP, ParentLink
@@ -119,7 +119,8 @@ class Settings:
         if any(w < 1 for w in self.worlds):
             raise ValueError(f"--world sizes must be at least 1, not {min(self.worlds)}")
         if device_type == "cuda" and self.worlds and max(self.worlds) > ranks:
-            raise ValueError(f"--world {max(self.worlds)} needs {max(self.worlds)} GPUs; {ranks} are visible")
+            raise ValueError(f"--world {max(self.worlds)} needs {max(self.worlds)} GPUs; {ranks} are visible "
+                             f"({NO_SHARED_TIMING})")
         if self.reps is not None and self.reps < 1:
             raise ValueError(f"--reps must be at least 1, not {self.reps}")
         if self.budget_s is not None and not self.budget_s > 0:
