@@ -1,0 +1,96 @@
+"""autofuse's ops as torch custom ops with autograd: the path of training and of torch.compile / export.
+
+`autofuse.ag_gemm(...)` and friends run plain eager calls that need no gradient on dispatch's hot
+path (autofuse/dispatch). A call whose inputs require grad (with grad mode on), a call made while
+torch.compile / torch.export traces, and a call on tensor subclasses (FakeTensor, ...) goes through
+`route` to the custom ops `torch.ops.autofuse.<op>` instead (autofuse/library/ops.py), whose
+autograd (autofuse/library/grads.py) runs the backward GEMMs as autofuse ops too. In a traced
+graph each call is one node; the variant is chosen when the graph runs.
+
+The gathered operand of ag_gemm: B's gradient needs all_gather(A). By default (as torch's async TP
+does) the forward keeps it (M x K per call, until backward); AUTOFUSE_SAVE_GATHERED=0 keeps only
+this rank's A and gathers it again in backward, inside an ag_gemm of the other form (dispatched
+like any call, so a fused variant overlaps the gather with the GEMM): less memory, more traffic.
+Read at each call (at trace time under torch.compile).
+
+Requires torch.distributed to be initialised; ops take their process group by name
+(`ProcessGroup.group_name`). Importing this module registers the ops (namespace `autofuse`): import
+it before loading an exported program that holds them.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from autofuse.library import grads, ops
+from autofuse.library.groups import group_of, name_of
+from autofuse.library.grads import InferenceOnly, refuse_grad
+
+__all__ = ["ag_gemm", "gemm_rs", "gemm_ar", "flash_decode", "route", "save_gathered", "InferenceOnly",
+           "group_of", "name_of"]
+
+SAVE_ENV = "AUTOFUSE_SAVE_GATHERED"
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+grads.register()
+
+
+def save_gathered() -> bool:
+    """Whether a differentiable ag_gemm keeps all_gather(A) for B's gradient (AUTOFUSE_SAVE_GATHERED,
+    default 1) or gathers it again in backward (0)."""
+    text = os.environ.get(SAVE_ENV, "1").strip()
+    if text not in ("0", "1"):
+        raise ValueError(f"{SAVE_ENV}={text!r}: use 1 (keep the gathered A for backward) or 0 (gather it again)")
+    return text == "1"
+
+
+def ag_gemm(a: torch.Tensor, b: torch.Tensor, group: Any = None, *, variant: str | None = None,
+            config: dict | None = None) -> torch.Tensor:
+    """all_gather(A) @ B_r (rows or K form, from the shapes) through the custom op, differentiable."""
+    name, text = name_of(group), ops.config_text(config)
+    if b.requires_grad and torch.is_grad_enabled() and save_gathered():
+        return torch.ops.autofuse.ag_gemm_gathered(a, b, name, variant=variant, config=text)[0]
+    return torch.ops.autofuse.ag_gemm(a, b, name, variant=variant, config=text)
+
+
+def gemm_rs(a: torch.Tensor, b: torch.Tensor, group: Any = None, *, variant: str | None = None,
+            config: dict | None = None) -> torch.Tensor:
+    """reduce_scatter_rows(A_r @ B_r) through the custom op, differentiable."""
+    return torch.ops.autofuse.gemm_rs(a, b, name_of(group), variant=variant, config=ops.config_text(config))
+
+
+def gemm_ar(a: torch.Tensor, b: torch.Tensor, group: Any = None, *, variant: str | None = None,
+            config: dict | None = None) -> torch.Tensor:
+    """all_reduce(A_r @ B_r) through the custom op, differentiable (dC taken as the same on every rank)."""
+    return torch.ops.autofuse.gemm_ar(a, b, name_of(group), variant=variant, config=ops.config_text(config))
+
+
+def flash_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor, group: Any = None, *,
+                 variant: str | None = None, config: dict | None = None) -> torch.Tensor:
+    """Split-KV decode attention through the custom op; inference only (inputs requiring grad raise)."""
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        refuse_grad("flash_decode", (("q", q), ("k", k), ("v", v)))
+    return torch.ops.autofuse.flash_decode(q, k, v, lengths, name_of(group), variant=variant,
+                                           config=ops.config_text(config))
+
+
+FUNCTIONS = {"ag_gemm": ag_gemm, "gemm_rs": gemm_rs, "gemm_ar": gemm_ar, "flash_decode": flash_decode}
+
+
+def route(op: str, args: tuple, group: Any, variant: str | None, config: dict | None,
+          out: torch.Tensor | None) -> torch.Tensor | None:
+    """The custom op's result where `autofuse.<op>(*args)` must take the library path (an input needs
+    grad, or a trace is running, or an input is a tensor subclass other than Parameter), else None
+    (the caller runs its eager hot path)."""
+    tensors = [t for t in args if isinstance(t, torch.Tensor)]
+    traced = torch.compiler.is_compiling() or any(t.__class__ not in _PLAIN for t in tensors)
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+    if not traced and not grad:
+        return None
+    if out is not None:
+        why = "inputs that require grad" if grad else "tracing (torch.compile / torch.export)"
+        raise ValueError(f"autofuse.{op}: out= is not supported with {why} (as torch's out= functions); "
+                         "drop out= and use the returned tensor")
+    return FUNCTIONS[op](*args, group, variant=variant, config=config)

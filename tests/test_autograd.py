@@ -1,0 +1,271 @@
+"""Autograd through autofuse's GEMM ops, and torch.compile / torch.export of code that calls them.
+
+CPU ranks (gloo, shm heap, Triton's interpreter), float32, tiny shapes:
+- gradients of every GEMM op and form (ag_gemm rows and k, gemm_rs, gemm_ar) with the forward's
+  variant forced to bsp and to each hybrid and fused variant in turn, and the backward's own ops
+  forced to another variant each (AUTOFUSE_VARIANT), the gathered A kept and gathered again,
+  against float64 autograd of the unsharded computation (2 ranks: every variant; 4 ranks: a few);
+  shapes whose backward ag_gemm needs padding (K or rows per rank not a multiple of 16 bytes);
+- a three-step SGD loop of a sequence-parallel two-layer MLP on fused variants, whose losses
+  match the unsharded float64 loop;
+- torch.compile(fullgraph=True, backend="aot_eager") of that MLP and of examples/llama_layer.py's
+  prefill, forward and backward equal to eager, every call one autofuse node in the forward and
+  backward graphs (a graph break fails fullgraph); torch.export keeps each call as one node;
+- flash_decode refuses inputs that require grad.
+A detached output (no grad_fn), a missing or wrong gradient, or a graph break fails these tests.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from autofuse.world import spawn
+
+TOL = 1e-4  # float32 sums of <= 64 products against float64: ~1e-6 relative; a wrong term is O(1)
+
+# (op, gather form, forward variant, backward AUTOFUSE_VARIANT, AUTOFUSE_SAVE_GATHERED)
+# Every forward variant once per op and form; the backward's gemm_rs / ag_gemm variants rotate.
+CASES_W2 = [
+    ("ag_gemm", "rows", "bsp", "", "1"),
+    ("ag_gemm", "rows", "heap_mm", "gemm_rs:push_last,ag_gemm:push", "0"),
+    ("ag_gemm", "rows", "heap_mm_overlap", "gemm_rs:mm_heap", "1"),
+    ("ag_gemm", "rows", "pull", "gemm_rs:push_reducer,ag_gemm:heap_mm", "0"),
+    ("ag_gemm", "rows", "push", "gemm_rs:mm_heap_overlap", "1"),
+    ("ag_gemm", "rows", "push_ws", "gemm_rs:bsp,ag_gemm:push_ws", "0"),
+    ("ag_gemm", "k", "bsp", "gemm_rs:push_last,ag_gemm:pull", "0"),
+    ("ag_gemm", "k", "heap_mm", "gemm_rs:mm_heap", "1"),
+    ("ag_gemm", "k", "heap_mm_overlap", "gemm_rs:push_reducer,ag_gemm:heap_mm_overlap", "0"),
+    ("ag_gemm", "k", "pull", "gemm_rs:mm_heap_overlap", "1"),
+    ("ag_gemm", "k", "push", "", "0"),
+    ("ag_gemm", "k", "push_ws", "gemm_rs:push_last", "1"),
+    ("gemm_rs", "", "bsp", "ag_gemm:push", "1"),
+    ("gemm_rs", "", "mm_heap", "ag_gemm:heap_mm", "1"),
+    ("gemm_rs", "", "mm_heap_overlap", "ag_gemm:pull", "1"),
+    ("gemm_rs", "", "push_last", "ag_gemm:push_ws", "1"),
+    ("gemm_rs", "", "push_reducer", "ag_gemm:heap_mm_overlap", "1"),
+    ("gemm_ar", "", "bsp", "", "1"),
+    ("gemm_ar", "", "mm_heap", "", "1"),
+    ("gemm_ar", "", "one_shot", "", "1"),
+    ("gemm_ar", "", "two_shot", "", "1"),
+]
+CASES_W4 = [
+    ("ag_gemm", "rows", "push", "gemm_rs:push_last,ag_gemm:push", "0"),
+    ("ag_gemm", "k", "heap_mm", "gemm_rs:mm_heap", "1"),
+    ("gemm_rs", "", "push_reducer", "ag_gemm:push_ws", "1"),
+    ("gemm_ar", "", "two_shot", "", "1"),
+]
+# (M, K, N): global rows, global K, columns per rank (ag_gemm) or global N (gemm_rs / gemm_ar), per world
+DIMS = {2: (16, 32, 16), 4: (16, 32, 16)}
+# Backward operands off the 16-byte grid (padded): 3 rows per rank; gemm_rs with 6 K columns per rank.
+ODD = [("ag_gemm", "rows", "push", "gemm_rs:push_last,ag_gemm:push", "0", (6, 32, 12)),
+       ("ag_gemm", "k", "bsp", "gemm_rs:bsp,ag_gemm:pull", "0", (6, 32, 12)),
+       ("gemm_rs", "", "bsp", "ag_gemm:push", "1", (6, 12, 20)),
+       ("gemm_rs", "", "push_last", "ag_gemm:push", "0", (6, 12, 20))]
+
+
+def unsharded(op: str, form: str, w: int, r: int, dims: tuple[int, int, int], seed: int) -> dict:
+    """This rank's float32 shards (a, b, the loss weights g) and float64 references of its output and
+    of its shards' gradients, from autograd of the unsharded loss sum(C * G) (gemm_ar: the loss every
+    rank computes alike, taken once)."""
+    m, k, n = dims
+    gen = torch.Generator().manual_seed(seed)
+    cols = n * w if op == "ag_gemm" else n
+    A = torch.randn(m, k, generator=gen, dtype=torch.float64, requires_grad=True)
+    B = torch.randn(k, cols, generator=gen, dtype=torch.float64, requires_grad=True)
+    G = torch.randn(m, cols, generator=gen, dtype=torch.float64)
+    C = A @ B
+    (C * G).sum().backward()
+    rows, kb, nb = (slice(r * m // w, (r + 1) * m // w), slice(r * k // w, (r + 1) * k // w),
+                    slice(r * n, (r + 1) * n))
+    if op == "ag_gemm":
+        a_idx = (rows, slice(None)) if form == "rows" else (slice(None), kb)
+        b_idx, c_idx = (slice(None), nb), (slice(None), nb)
+    else:
+        a_idx, b_idx = (slice(None), kb), (kb, slice(None))
+        c_idx = (rows, slice(None)) if op == "gemm_rs" else (slice(None), slice(None))
+    return {"a": A.detach()[a_idx].float(), "b": B.detach()[b_idx].float(), "g": G[c_idx].float(),
+            "c": C.detach()[c_idx], "da": A.grad[a_idx], "db": B.grad[b_idx]}
+
+
+def rel(x: torch.Tensor | None, ref: torch.Tensor) -> float:
+    if x is None:
+        return float("inf")
+    return float((x.double() - ref).norm() / ref.norm())
+
+
+def _fresh_dispatch(env: str, save: str) -> None:
+    """Forget cached decisions (AUTOFUSE_VARIANT is read on a problem's first call) and skip the policy
+    search: every unforced op runs BSP."""
+    from autofuse import dispatch
+    from autofuse.policy import Policy
+
+    os.environ["AUTOFUSE_VARIANT"] = env
+    os.environ["AUTOFUSE_SAVE_GATHERED"] = save
+    dispatch.set_policy(Policy.bsp("autograd tests"))
+
+
+def _grad_cases(world, cases: list) -> list:
+    from autofuse import library
+
+    out = []
+    for i, (op, form, variant, env, save, *dims) in enumerate(cases):
+        _fresh_dispatch(env, save)
+        s = unsharded(op, form, world.size, world.rank, dims[0] if dims else DIMS[world.size], seed=i)
+        a, b = s["a"].requires_grad_(), s["b"].requires_grad_()
+        c = getattr(library, op)(a, b, world, variant=variant)
+        attached = c.grad_fn is not None
+        (c * s["g"]).sum().backward()
+        out.append((op, form, variant, env, save, attached, rel(c.detach(), s["c"]), rel(a.grad, s["da"]),
+                    rel(b.grad, s["db"])))
+    return out
+
+
+def _check(results: list) -> None:
+    bad = []
+    for rank, rows in enumerate(results):
+        for op, form, variant, env, save, attached, ec, ea, eb in rows:
+            if not (attached and ec <= TOL and ea <= TOL and eb <= TOL):
+                bad.append(f"rank {rank} {op} {form} {variant} [{env}] save={save}: grad_fn={attached} "
+                           f"out {ec:.2g} dA {ea:.2g} dB {eb:.2g}")
+    assert not bad, "\n".join(bad)
+
+
+def test_gradients_every_variant_w2():
+    _check(spawn(_grad_cases, 2, CASES_W2 + ODD, timeout_s=300))
+
+
+def test_gradients_w4():
+    _check(spawn(_grad_cases, 4, CASES_W4, timeout_s=300))
+
+
+def test_flash_decode_refuses_grad():
+    from autofuse import library
+
+    q = torch.randn(1, 4, 16, dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(1, 2, 8, 16, dtype=torch.bfloat16)
+    with pytest.raises(library.InferenceOnly, match=r"flash_decode is inference only.*q \(1, 4, 16\)"):
+        library.flash_decode(q, k, k, torch.full((1,), 8, dtype=torch.int32))
+
+
+# -- a training loop, torch.compile, torch.export ---------------------------------------------------------
+T, H, F, STEPS, LR = 16, 32, 64, 3, 0.05
+
+
+def _mlp_data(w: int, r: int) -> dict:
+    """The unsharded MLP (float64) and this rank's float32 shards: x rows, W1 columns, W2 rows."""
+    gen = torch.Generator().manual_seed(7)
+    full = {"x": torch.randn(T, H, generator=gen, dtype=torch.float64),
+            "w1": torch.randn(H, F, generator=gen, dtype=torch.float64) * H ** -0.5,
+            "w2": torch.randn(F, H, generator=gen, dtype=torch.float64) * F ** -0.5,
+            "t": torch.randn(T, H, generator=gen, dtype=torch.float64)}
+    rows, cols = slice(r * T // w, (r + 1) * T // w), slice(r * F // w, (r + 1) * F // w)
+    mine = {"x": full["x"][rows], "w1": full["w1"][:, cols], "w2": full["w2"][cols], "t": full["t"][rows]}
+    return {"full": full, "mine": {k: v.float().contiguous() for k, v in mine.items()}}
+
+
+def mlp(ops, x, w1, w2, group):
+    """Sequence-parallel MLP: all-gather + column-parallel, ReLU, row-parallel + reduce-scatter."""
+    return ops.gemm_rs(torch.relu(ops.ag_gemm(x, w1, group)), w2, group)
+
+
+def _losses_unsharded(full: dict) -> list[float]:
+    w1, w2 = full["w1"].clone().requires_grad_(), full["w2"].clone().requires_grad_()
+    out = []
+    for _ in range(STEPS):
+        loss = ((torch.relu(full["x"] @ w1) @ w2 - full["t"]) ** 2).sum() / T
+        loss.backward()
+        with torch.no_grad():
+            w1 -= LR * w1.grad
+            w2 -= LR * w2.grad
+        w1.grad = w2.grad = None
+        out.append(loss.item())
+    return out
+
+
+def _train(world, ops, data: dict) -> list[float]:
+    import torch.distributed as dist
+
+    m = data["mine"]
+    w1, w2 = m["w1"].clone().requires_grad_(), m["w2"].clone().requires_grad_()
+    out = []
+    for _ in range(STEPS):
+        loss = ((mlp(ops, m["x"], w1, w2, world) - m["t"]) ** 2).sum() / T  # this rank's rows' part
+        loss.backward()
+        with torch.no_grad():
+            w1 -= LR * w1.grad
+            w2 -= LR * w2.grad
+        w1.grad = w2.grad = None
+        total = loss.detach().double().reshape(1)
+        dist.all_reduce(total, group=world.group)
+        out.append(total.item())
+    return out
+
+
+class _Recorder:
+    """An aot_eager backend that keeps the forward and backward graphs it is given."""
+
+    def __init__(self):
+        from torch._dynamo.backends.common import aot_autograd
+
+        self.graphs: list = []
+        self.backend = aot_autograd(fw_compiler=self.keep, bw_compiler=self.keep)
+
+    def keep(self, gm, example_inputs):
+        from functorch.compile import make_boxed_func
+
+        self.graphs.append(gm)
+        return make_boxed_func(gm.forward)
+
+
+def autofuse_nodes(gm) -> list[str]:
+    """The autofuse custom ops a graph calls, in order."""
+    return [str(n.target) for n in gm.graph.nodes if n.op == "call_function" and str(n.target).startswith("autofuse.")]
+
+
+def _fwd_bwd(fn, *inputs):
+    """fn's output and the gradients of every input (all require grad) for the output's sum."""
+    leaves = [t.clone().requires_grad_() for t in inputs]
+    out = fn(*leaves)
+    out.sum().backward()
+    return [out.detach(), *(t.grad for t in leaves)]
+
+
+def _train_compile_export(world) -> dict:
+    from autofuse import library
+
+    _fresh_dispatch("ag_gemm:push,gemm_rs:push_last", "1")
+    data = _mlp_data(world.size, world.rank)
+    result = {"losses": _train(world, library, data), "ref": _losses_unsharded(data["full"])}
+
+    m = data["mine"]
+    fn = lambda x, w1, w2: mlp(library, x, w1, w2, world)  # noqa: E731
+    eager = _fwd_bwd(fn, m["x"], m["w1"], m["w2"])
+    rec = _Recorder()
+    compiled = _fwd_bwd(torch.compile(fn, fullgraph=True, backend=rec.backend), m["x"], m["w1"], m["w2"])
+    result["compile_diff"] = max(rel(c, e.double()) for c, e in zip(compiled, eager))
+    result["compile_nodes"] = [autofuse_nodes(g) for g in rec.graphs]
+
+    class Mlp(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w1, self.w2 = torch.nn.Parameter(m["w1"].clone()), torch.nn.Parameter(m["w2"].clone())
+
+        def forward(self, x):
+            return mlp(library, x, self.w1, self.w2, world)
+
+    exported = torch.export.export(Mlp(), (m["x"],))
+    result["export_nodes"] = autofuse_nodes(exported.graph_module)
+    return result
+
+
+def test_training_compile_export_w2():
+    for r in spawn(_train_compile_export, 2, timeout_s=300):
+        assert all(abs(a - b) <= TOL * abs(b) for a, b in zip(r["losses"], r["ref"])), (r["losses"], r["ref"])
+        assert r["losses"][-1] < r["losses"][0]  # it trains
+        assert r["compile_diff"] <= 1e-6, r["compile_diff"]
+        fwd, bwd = r["compile_nodes"]
+        assert fwd == ["autofuse.ag_gemm_gathered.default", "autofuse.gemm_rs.default"], fwd
+        assert bwd == ["autofuse.ag_gemm_gathered.default", "autofuse.gemm_rs.default"], bwd  # gemm_rs's, ag_gemm's
+        assert r["export_nodes"] == ["autofuse.ag_gemm_gathered.default", "autofuse.gemm_rs.default"], r["export_nodes"]
