@@ -21,7 +21,7 @@ import os
 import pytest
 import torch
 
-from autofuse.world import spawn
+from autofuse.comm.world import spawn
 
 TOL = 1e-4  # float32 sums of <= 64 products against float64: ~1e-6 relative; a wrong term is O(1)
 
@@ -99,7 +99,7 @@ def _fresh_dispatch(env: str, save: str) -> None:
     """Forget cached decisions (AUTOFUSE_VARIANT is read on a problem's first call) and skip the policy
     search: every unforced op runs BSP."""
     from autofuse import dispatch
-    from autofuse.policy import Policy
+    from autofuse.dispatch.policy import Policy
 
     os.environ["AUTOFUSE_VARIANT"] = env
     os.environ["AUTOFUSE_SAVE_GATHERED"] = save
@@ -107,14 +107,14 @@ def _fresh_dispatch(env: str, save: str) -> None:
 
 
 def _grad_cases(world, cases: list) -> list:
-    from autofuse import library
+    import autofuse
 
     out = []
     for i, (op, form, variant, env, save, *dims) in enumerate(cases):
         _fresh_dispatch(env, save)
         s = unsharded(op, form, world.size, world.rank, dims[0] if dims else DIMS[world.size], seed=i)
         a, b = s["a"].requires_grad_(), s["b"].requires_grad_()
-        c = getattr(library, op)(a, b, world, variant=variant)
+        c = getattr(autofuse, op)(a, b, group=world, variant=variant)
         attached = c.grad_fn is not None
         (c * s["g"]).sum().backward()
         out.append((op, form, variant, env, save, attached, rel(c.detach(), s["c"]), rel(a.grad, s["da"]),
@@ -141,12 +141,13 @@ def test_gradients_w4():
 
 
 def test_flash_decode_refuses_grad():
-    from autofuse import library
+    import autofuse
+    from autofuse.library import InferenceOnly
 
     q = torch.randn(1, 4, 16, dtype=torch.bfloat16, requires_grad=True)
     k = torch.randn(1, 2, 8, 16, dtype=torch.bfloat16)
-    with pytest.raises(library.InferenceOnly, match=r"flash_decode is inference only.*q \(1, 4, 16\)"):
-        library.flash_decode(q, k, k, torch.full((1,), 8, dtype=torch.int32))
+    with pytest.raises(InferenceOnly, match=r"flash_decode is inference only.*q \(1, 4, 16\)"):
+        autofuse.flash_decode(q, k, k, torch.full((1,), 8, dtype=torch.int32))
 
 
 # -- a training loop, torch.compile, torch.export ---------------------------------------------------------
@@ -167,7 +168,7 @@ def _mlp_data(w: int, r: int) -> dict:
 
 def mlp(ops, x, w1, w2, group):
     """Sequence-parallel MLP: all-gather + column-parallel, ReLU, row-parallel + reduce-scatter."""
-    return ops.gemm_rs(torch.relu(ops.ag_gemm(x, w1, group)), w2, group)
+    return ops.gemm_rs(torch.relu(ops.ag_gemm(x, w1, group=group)), w2, group=group)
 
 
 def _losses_unsharded(full: dict) -> list[float]:
@@ -232,15 +233,59 @@ def _fwd_bwd(fn, *inputs):
     return [out.detach(), *(t.grad for t in leaves)]
 
 
+def _layer_compile(world) -> dict:
+    """examples/llama_layer.py's prefill (autofuse ops), eager and compiled: output, input and weight grads."""
+    from dataclasses import fields
+
+    from test_layer import example
+
+    ex = example()
+    cfg = ex.CONFIGS["tiny"]
+    weights = ex.random_weights(cfg, world.rank, world.size, seed=0, dtype=torch.float32)
+    names = [f.name for f in fields(weights) if f.name != "qkv_rows"]  # qkv_rows: decode's
+    x = torch.randn(16 // world.size, cfg.hidden, generator=torch.Generator().manual_seed(world.rank))
+
+    def prefill(x, *tensors):
+        w = ex.TPWeights(qkv_rows=weights.qkv_rows, **dict(zip(names, tensors)))
+        return ex.TPLlamaLayer(cfg, w, ex.AutofuseOps(world.group), world.group).prefill(x)
+
+    params = [getattr(weights, n) for n in names]
+    eager = _fwd_bwd(prefill, x, *params)
+    rec = _Recorder()
+    compiled = _fwd_bwd(torch.compile(prefill, fullgraph=True, backend=rec.backend), x, *params)
+    return {"diff": max(rel(c, e.double()) for c, e in zip(compiled, eager)),
+            "nodes": [autofuse_nodes(g) for g in rec.graphs]}
+
+
+def _no_agreement_while_tracing(world) -> dict:
+    """Fake tensors: the public op traces to its custom op (no dispatch, no agreement); an op without
+    one raises TraceMiss naming it."""
+    import autofuse
+    from autofuse import dispatch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from _toy_op import OP as TOY
+
+    before = dispatch.stats.agreements
+    with FakeTensorMode():
+        a, b = torch.randn(4, 32), torch.randn(32, 16, requires_grad=True)
+        shape = tuple(autofuse.ag_gemm(a, b, group=world).shape)
+        try:
+            dispatch.call(TOY, a, b.detach(), group=world)
+            miss = ""
+        except dispatch.TraceMiss as exc:
+            miss = str(exc)
+    return {"shape": shape, "agreements": dispatch.stats.agreements - before, "miss": miss}
+
+
 def _train_compile_export(world) -> dict:
-    from autofuse import library
+    import autofuse
 
     _fresh_dispatch("ag_gemm:push,gemm_rs:push_last", "1")
     data = _mlp_data(world.size, world.rank)
-    result = {"losses": _train(world, library, data), "ref": _losses_unsharded(data["full"])}
+    result = {"losses": _train(world, autofuse, data), "ref": _losses_unsharded(data["full"])}
 
     m = data["mine"]
-    fn = lambda x, w1, w2: mlp(library, x, w1, w2, world)  # noqa: E731
+    fn = lambda x, w1, w2: mlp(autofuse, x, w1, w2, world)  # noqa: E731
     eager = _fwd_bwd(fn, m["x"], m["w1"], m["w2"])
     rec = _Recorder()
     compiled = _fwd_bwd(torch.compile(fn, fullgraph=True, backend=rec.backend), m["x"], m["w1"], m["w2"])
@@ -253,10 +298,13 @@ def _train_compile_export(world) -> dict:
             self.w1, self.w2 = torch.nn.Parameter(m["w1"].clone()), torch.nn.Parameter(m["w2"].clone())
 
         def forward(self, x):
-            return mlp(library, x, self.w1, self.w2, world)
+            return mlp(autofuse, x, self.w1, self.w2, world)
 
     exported = torch.export.export(Mlp(), (m["x"],))
     result["export_nodes"] = autofuse_nodes(exported.graph_module)
+    _fresh_dispatch("", "1")
+    result["layer"] = _layer_compile(world)
+    result["fake"] = _no_agreement_while_tracing(world)
     return result
 
 
@@ -269,3 +317,12 @@ def test_training_compile_export_w2():
         assert fwd == ["autofuse.ag_gemm_gathered.default", "autofuse.gemm_rs.default"], fwd
         assert bwd == ["autofuse.ag_gemm_gathered.default", "autofuse.gemm_rs.default"], bwd  # gemm_rs's, ag_gemm's
         assert r["export_nodes"] == ["autofuse.ag_gemm_gathered.default", "autofuse.gemm_rs.default"], r["export_nodes"]
+        layer = r["layer"]
+        assert layer["diff"] <= 1e-6, layer["diff"]
+        fwd, bwd = layer["nodes"]  # qkv, o_proj, gate_up, down; backward in reverse
+        assert fwd == ["autofuse.ag_gemm_gathered.default", "autofuse.gemm_rs.default"] * 2, fwd
+        assert sorted(bwd) == sorted(fwd), bwd
+        fake = r["fake"]
+        assert fake["shape"] == (8, 16) and fake["agreements"] == 0, fake
+        assert "autofuse.toy_mm ((4, 32) torch.float32, (32, 16) torch.float32) was called while a trace runs" in \
+            fake["miss"], fake["miss"]

@@ -28,6 +28,8 @@ NAMES = {
     "AUTOFUSE_HEAP_PROVIDER": "symm | torch | iris | shm: the symmetric heap's provider",
     "AUTOFUSE_HEAP_TIMEOUT": "seconds a heap rendezvous waits for the other ranks (default 300)",
     "AUTOFUSE_RANKS_PER_GPU": "tests and diagnostics: up to N ranks share each GPU (gloo, IPC heap, no timing)",
+    "AUTOFUSE_SAVE_GATHERED": "1 | 0: a differentiable ag_gemm keeps all_gather(A) for backward (default 1) "
+                              "or gathers it again there",
 }
 DEFAULT_WAIT_TIMEOUT_S = {"cuda": 10.0, "cpu": 120.0}  # the interpreter runs a peer's programs one by one
 MAX_SECONDS = 7 * 24 * 3600.0  # a week: beyond it a wait budget overflows the kernels' int64 nanoseconds
@@ -101,6 +103,13 @@ def online(device_type: str, shares_gpu: bool = False) -> bool:
 def check_every_call() -> bool:
     """AUTOFUSE_CHECK=1: read the fault record after every call of a problem, not only its first."""
     return bool(_switch("AUTOFUSE_CHECK"))
+
+
+def save_gathered() -> bool:
+    """AUTOFUSE_SAVE_GATHERED (default 1): whether a differentiable ag_gemm keeps all_gather(A) from the
+    forward for B's gradient (as torch's async TP does) or keeps only A and gathers it again in backward."""
+    value = _switch("AUTOFUSE_SAVE_GATHERED")
+    return True if value is None else value
 
 
 def confirm_k() -> int:

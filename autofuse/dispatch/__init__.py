@@ -33,6 +33,11 @@ miss during capture raises `CaptureMiss`: building a runner allocates heap works
 and the rank check is a collective, neither of which may run inside a capture; call each problem
 once before capturing (warm-up), as inference servers already do.
 
+Autograd and tracing: a call whose inputs require grad, or made while torch.compile / torch.export
+traces, goes to the op's torch custom op (autofuse/library: autograd, fake implementation), which
+dispatches when the graph runs; a miss reached while tracing raises `TraceMiss` naming the op and
+shapes, so the first-call agreement never runs inside a trace.
+
 Confirm on first use (autofuse/dispatch/confirm.py): when the decision for a problem rests on a prediction
 (the policy never measured this problem, or the policy was fitted with other software), every rank
 measures the policy's top candidates (AUTOFUSE_CONFIRM_K, default 3, plus BSP) on the caller's
@@ -51,12 +56,12 @@ from __future__ import annotations
 
 from autofuse.dispatch.agreement import DispatchMismatch, agree_timeout_s
 from autofuse.dispatch.choice import Choice
-from autofuse.dispatch.entry import CaptureMiss, call, entry_point, explain, rebuild, reset, runner_of
+from autofuse.dispatch.entry import CaptureMiss, TraceMiss, call, entry_point, explain, rebuild, reset, runner_of
 from autofuse.dispatch.online import online_db
 from autofuse.dispatch.policies import find_policy, models_dirs, set_policy
 from autofuse.dispatch.state import STATE
 
 stats = STATE.stats
 
-__all__ = ["CaptureMiss", "Choice", "DispatchMismatch", "STATE", "agree_timeout_s", "call", "entry_point", "explain",
+__all__ = ["CaptureMiss", "TraceMiss", "Choice", "DispatchMismatch", "STATE", "agree_timeout_s", "call", "entry_point", "explain",
            "find_policy", "models_dirs", "online_db", "rebuild", "reset", "runner_of", "set_policy", "stats"]

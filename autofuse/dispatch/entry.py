@@ -4,6 +4,12 @@ Hot path (a cached problem): a key from the op name, the group and each input's 
 device and contiguity, one dict lookup, the runner call. No I/O, no collective, no policy walk.
 Miss path: decide (dispatch/decide.py), agree with every rank (dispatch/agreement.py), confirm a
 predicted decision by measuring (dispatch/confirm.py), build the runner, cache it, run it.
+
+Library path: a call whose inputs require grad (grad mode on), or made while torch.compile /
+torch.export traces, or on tensor subclasses (FakeTensor, ...) goes to the op's torch custom op
+instead (autofuse/library: autograd, fake implementation, one node per call in a graph), which
+dispatches on real tensors when it runs. The hot path pays only the test for it. A miss never
+decides while tracing (`TraceMiss`) or capturing a CUDA graph (`CaptureMiss`).
 """
 from __future__ import annotations
 
@@ -23,6 +29,14 @@ class CaptureMiss(RuntimeError):
     """A problem was first seen inside CUDA-graph capture, where dispatch cannot decide it."""
 
 
+class TraceMiss(RuntimeError):
+    """A problem reached dispatch's miss path while a trace runs (torch.compile, torch.export, fake
+    tensors), where nothing can be decided, agreed on or built."""
+
+
+PLAIN = (torch.Tensor, torch.nn.Parameter)  # tensor classes the hot path takes; other classes are traced
+
+
 def call(op: str | Op, *args: Any, group: Any = None, variant: str | None = None, config: Config | None = None,
          out: torch.Tensor | None = None) -> torch.Tensor:
     """Run `op` on this rank's inputs with the chosen (or overridden) variant; every rank must call it.
@@ -30,6 +44,10 @@ def call(op: str | Op, *args: Any, group: Any = None, variant: str | None = None
     `group`: a torch.distributed process group (None: the default group) or an autofuse World.
     """
     name = op if op.__class__ is str else op.name
+    if library_path(args):
+        result = route(name, args, group, variant, config, out)
+        if result is not None:
+            return result
     key = key_of(name, group, variant, config, args)
     entry = STATE.cache.get(key)
     if entry is None:
@@ -38,8 +56,28 @@ def call(op: str | Op, *args: Any, group: Any = None, variant: str | None = None
     return run(entry, args, out)
 
 
+def library_path(args: tuple) -> bool:
+    """Whether a call may need the library path: an input requires grad (grad mode on), a trace runs,
+    or an input is a tensor subclass (the generated entry points inline the same test)."""
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    return ((torch.is_grad_enabled() and any(t.requires_grad for t in tensors)) or torch.compiler.is_dynamo_compiling()
+            or any(t.__class__ not in PLAIN for t in tensors))
+
+
+def route(name: str, args: tuple, group: Any, variant: str | None, config: Config | None,
+          out: torch.Tensor | None) -> torch.Tensor | None:
+    """The library path's result (autofuse.library.route), or None where the call belongs on the hot path."""
+    from autofuse import library
+
+    return library.route(name, args, group, variant, config, out)
+
+
 _ENTRY_TEMPLATE = """
 def {name}({params}, group=None, *, variant=None, config=None, out=None):
+    if grad_enabled() and ({grad}) or compiling() or {subclass}:
+        result = route({name!r}, ({params},), group, variant, config, out)
+        if result is not None:
+            return result
     key = ({name!r}, id(group), variant, None if config is None else config_key(config), {key})
     entry = cache.get(key)
     if entry is None:
@@ -55,15 +93,20 @@ def {name}({params}, group=None, *, variant=None, config=None, out=None):
 def entry_point(name: str) -> Callable[..., torch.Tensor]:
     """The public function `autofuse.<name>`, generated from the op's argument names (`Op.args`).
 
-    Its body is the hot path: one key built inline from each argument's shape, dtype, device and
-    contiguity, one dict lookup, the runner call. `key_of` builds the same key for `call`/`explain`.
+    Its body is the hot path: the library-path test (`library_path`, inlined), one key built inline
+    from each argument's shape, dtype, device and contiguity, one dict lookup, the runner call.
+    `key_of` builds the same key for `call`/`explain`.
     """
     op = op_of(name)
     params = ", ".join(op.args)
     key = " ".join(f"{a}.shape, {a}.dtype, {a}.device, {a}.is_contiguous()," for a in op.args)
+    grad = " or ".join(f"{a}.requires_grad" for a in op.args)
+    subclass = " or ".join(f"{a}.__class__ not in plain" for a in op.args)
     namespace = {"cache": STATE.cache, "miss": miss, "check": check, "stats": STATE.stats, "config_key": config_key,
-                 "__name__": __name__}  # warnings skip this frame as autofuse's own (state.user_stacklevel)
-    exec(_ENTRY_TEMPLATE.format(name=name, params=params, key=key), namespace)  # noqa: S102 - our own template
+                 "route": route, "grad_enabled": torch.is_grad_enabled, "compiling": torch.compiler.is_dynamo_compiling,
+                 "plain": PLAIN, "__name__": __name__}  # warnings skip this frame as autofuse's own (state.user_stacklevel)
+    exec(_ENTRY_TEMPLATE.format(name=name, params=params, key=key, grad=grad, subclass=subclass),  # noqa: S102
+         namespace)  # our own template
     fn = namespace[name]
     fn.__doc__ = (f"{op.description}.\n\nEvery rank of `group` (None: the default group) calls it with its own "
                   f"({params}); `variant=`/`config=` force a choice, `out=` is written in place.")
@@ -145,6 +188,8 @@ def miss(key: tuple, op: str | Op, args: tuple, group: Any, variant: str | None,
          out: torch.Tensor | None) -> torch.Tensor:
     """A problem this process has not seen: decide, agree, confirm, build, cache, run."""
     op = op_of(op)
+    if tracing(args):
+        raise trace_miss(op.name, args)
     if capturing(args):
         raise CaptureMiss(
             f"autofuse.{op.name}: these shapes were first seen inside CUDA-graph capture; dispatch must build "
@@ -179,6 +224,20 @@ def check(entry: Entry, result: torch.Tensor) -> None:
         return
     STATE.stats.checks += 1
     runner.check(result)
+
+
+def trace_miss(name: str, args: tuple) -> TraceMiss:
+    """The error of a call that reaches dispatch while a trace runs, naming the op and the shapes."""
+    shapes = ", ".join(f"{tuple(a.shape)} {a.dtype}" for a in args if isinstance(a, torch.Tensor))
+    return TraceMiss(
+        f"autofuse.{name} ({shapes}) was called while a trace runs (torch.compile, torch.export or fake tensors); "
+        "dispatch decides, agrees with every rank and builds kernels only on real tensors, so nothing was "
+        f"decided. Ops with a custom op trace as one node (torch.ops.autofuse.<op>); {name!r} has none.")
+
+
+def tracing(args: tuple) -> bool:
+    """Whether a trace runs: Dynamo compiling, or an input is a tensor subclass (FakeTensor, FunctionalTensor)."""
+    return torch.compiler.is_dynamo_compiling() or any(isinstance(a, torch.Tensor) and a.__class__ not in PLAIN for a in args)
 
 
 def capturing(args: tuple) -> bool:

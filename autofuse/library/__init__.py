@@ -19,38 +19,27 @@ it before loading an exported program that holds them.
 """
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
 
+from autofuse.core import settings
+from autofuse.dispatch.entry import PLAIN
 from autofuse.library import grads, ops
 from autofuse.library.groups import group_of, name_of
 from autofuse.library.grads import InferenceOnly, refuse_grad
 
-__all__ = ["ag_gemm", "gemm_rs", "gemm_ar", "flash_decode", "route", "save_gathered", "InferenceOnly",
-           "group_of", "name_of"]
+__all__ = ["ag_gemm", "gemm_rs", "gemm_ar", "flash_decode", "route", "InferenceOnly", "group_of", "name_of"]
 
-SAVE_ENV = "AUTOFUSE_SAVE_GATHERED"
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 grads.register()
-
-
-def save_gathered() -> bool:
-    """Whether a differentiable ag_gemm keeps all_gather(A) for B's gradient (AUTOFUSE_SAVE_GATHERED,
-    default 1) or gathers it again in backward (0)."""
-    text = os.environ.get(SAVE_ENV, "1").strip()
-    if text not in ("0", "1"):
-        raise ValueError(f"{SAVE_ENV}={text!r}: use 1 (keep the gathered A for backward) or 0 (gather it again)")
-    return text == "1"
 
 
 def ag_gemm(a: torch.Tensor, b: torch.Tensor, group: Any = None, *, variant: str | None = None,
             config: dict | None = None) -> torch.Tensor:
     """all_gather(A) @ B_r (rows or K form, from the shapes) through the custom op, differentiable."""
     name, text = name_of(group), ops.config_text(config)
-    if b.requires_grad and torch.is_grad_enabled() and save_gathered():
+    if b.requires_grad and torch.is_grad_enabled() and settings.save_gathered():
         return torch.ops.autofuse.ag_gemm_gathered(a, b, name, variant=variant, config=text)[0]
     return torch.ops.autofuse.ag_gemm(a, b, name, variant=variant, config=text)
 
@@ -85,7 +74,7 @@ def route(op: str, args: tuple, group: Any, variant: str | None, config: dict | 
     grad, or a trace is running, or an input is a tensor subclass other than Parameter), else None
     (the caller runs its eager hot path)."""
     tensors = [t for t in args if isinstance(t, torch.Tensor)]
-    traced = torch.compiler.is_compiling() or any(t.__class__ not in _PLAIN for t in tensors)
+    traced = torch.compiler.is_compiling() or any(t.__class__ not in PLAIN for t in tensors)
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
     if not traced and not grad:
         return None
@@ -93,4 +82,12 @@ def route(op: str, args: tuple, group: Any, variant: str | None, config: dict | 
         why = "inputs that require grad" if grad else "tracing (torch.compile / torch.export)"
         raise ValueError(f"autofuse.{op}: out= is not supported with {why} (as torch's out= functions); "
                          "drop out= and use the returned tensor")
-    return FUNCTIONS[op](*args, group, variant=variant, config=config)
+    fn = FUNCTIONS.get(op)
+    if fn is None and traced:
+        from autofuse.dispatch.entry import trace_miss
+
+        raise trace_miss(op, args)
+    if fn is None:
+        raise NotImplementedError(f"autofuse.{op} has no autograd (its output would be cut off from the graph) and "
+                                  f"its inputs require grad; ops with autograd: {[n for n in FUNCTIONS if n != 'flash_decode']}")
+    return fn(*args, group, variant=variant, config=config)

@@ -46,7 +46,7 @@ def config_text(config: dict | None) -> str | None:
     """A config as the ops take it: canonical JSON (None stays None)."""
     if config is None:
         return None
-    from autofuse.op import config_key
+    from autofuse.core.op import config_key
 
     return config_key(config)
 
