@@ -35,6 +35,10 @@ class TraceMiss(RuntimeError):
 
 
 PLAIN = (torch.Tensor, torch.nn.Parameter)  # tensor classes the hot path takes; other classes are traced
+# The library-path test's functions, as module attributes: the generated entry points' namespace bears
+# this module's name, and Dynamo, tracing one, reads its globals from the module of that name.
+grad_enabled = torch.is_grad_enabled
+compiling = torch.compiler.is_dynamo_compiling
 
 
 def call(op: str | Op, *args: Any, group: Any = None, variant: str | None = None, config: Config | None = None,
@@ -60,7 +64,7 @@ def library_path(args: tuple) -> bool:
     """Whether a call may need the library path: an input requires grad (grad mode on), a trace runs,
     or an input is a tensor subclass (the generated entry points inline the same test)."""
     tensors = [a for a in args if isinstance(a, torch.Tensor)]
-    return ((torch.is_grad_enabled() and any(t.requires_grad for t in tensors)) or torch.compiler.is_dynamo_compiling()
+    return ((grad_enabled() and any(t.requires_grad for t in tensors)) or compiling()
             or any(t.__class__ not in PLAIN for t in tensors))
 
 
@@ -101,10 +105,10 @@ def entry_point(name: str) -> Callable[..., torch.Tensor]:
     params = ", ".join(op.args)
     key = " ".join(f"{a}.shape, {a}.dtype, {a}.device, {a}.is_contiguous()," for a in op.args)
     grad = " or ".join(f"{a}.requires_grad" for a in op.args)
-    subclass = " or ".join(f"{a}.__class__ not in plain" for a in op.args)
+    subclass = " or ".join(f"{a}.__class__ not in PLAIN" for a in op.args)
     namespace = {"cache": STATE.cache, "miss": miss, "check": check, "stats": STATE.stats, "config_key": config_key,
-                 "route": route, "grad_enabled": torch.is_grad_enabled, "compiling": torch.compiler.is_dynamo_compiling,
-                 "plain": PLAIN, "__name__": __name__}  # warnings skip this frame as autofuse's own (state.user_stacklevel)
+                 "route": route, "grad_enabled": grad_enabled, "compiling": compiling, "PLAIN": PLAIN,
+                 "__name__": __name__}  # warnings skip this frame as autofuse's own (state.user_stacklevel)
     exec(_ENTRY_TEMPLATE.format(name=name, params=params, key=key, grad=grad, subclass=subclass),  # noqa: S102
          namespace)  # our own template
     fn = namespace[name]
@@ -237,7 +241,7 @@ def trace_miss(name: str, args: tuple) -> TraceMiss:
 
 def tracing(args: tuple) -> bool:
     """Whether a trace runs: Dynamo compiling, or an input is a tensor subclass (FakeTensor, FunctionalTensor)."""
-    return torch.compiler.is_dynamo_compiling() or any(isinstance(a, torch.Tensor) and a.__class__ not in PLAIN for a in args)
+    return compiling() or any(isinstance(a, torch.Tensor) and a.__class__ not in PLAIN for a in args)
 
 
 def capturing(args: tuple) -> bool:
