@@ -17,10 +17,12 @@ A detached output (no grad_fn), a missing or wrong gradient, or a graph break fa
 from __future__ import annotations
 
 import os
+from dataclasses import fields
 
 import pytest
 import torch
 
+import harness
 from autofuse.comm.world import spawn
 
 TOL = 1e-4  # float32 sums of <= 64 products against float64: ~1e-6 relative; a wrong term is O(1)
@@ -65,16 +67,19 @@ ODD = [("ag_gemm", "rows", "push", "gemm_rs:push_last,ag_gemm:push", "0", (6, 32
        ("gemm_rs", "", "push_last", "ag_gemm:push", "0", (6, 12, 20))]
 
 
-def unsharded(op: str, form: str, w: int, r: int, dims: tuple[int, int, int], seed: int) -> dict:
-    """This rank's float32 shards (a, b, the loss weights g) and float64 references of its output and
-    of its shards' gradients, from autograd of the unsharded loss sum(C * G) (gemm_ar: the loss every
-    rank computes alike, taken once)."""
+def unsharded(op: str, form: str, w: int, r: int, dims: tuple[int, int, int], seed: int,
+              dtype: torch.dtype = torch.float32, device: str = "cpu") -> dict:
+    """This rank's shards in `dtype` on `device` (a, b, the loss weights g) and float64 references of its
+    output and of its shards' gradients, from autograd of the unsharded loss sum(C * G) over the same
+    rounded values (gemm_ar: the loss every rank computes alike, taken once)."""
     m, k, n = dims
     gen = torch.Generator().manual_seed(seed)
     cols = n * w if op == "ag_gemm" else n
-    A = torch.randn(m, k, generator=gen, dtype=torch.float64, requires_grad=True)
-    B = torch.randn(k, cols, generator=gen, dtype=torch.float64, requires_grad=True)
-    G = torch.randn(m, cols, generator=gen, dtype=torch.float64)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen, dtype=torch.float64).to(dtype).to(torch.float64)
+
+    A, B, G = rand(m, k).requires_grad_(), rand(k, cols).requires_grad_(), rand(m, cols)
     C = A @ B
     (C * G).sum().backward()
     rows, kb, nb = (slice(r * m // w, (r + 1) * m // w), slice(r * k // w, (r + 1) * k // w),
@@ -85,14 +90,15 @@ def unsharded(op: str, form: str, w: int, r: int, dims: tuple[int, int, int], se
     else:
         a_idx, b_idx = (slice(None), kb), (kb, slice(None))
         c_idx = (rows, slice(None)) if op == "gemm_rs" else (slice(None), slice(None))
-    return {"a": A.detach()[a_idx].float(), "b": B.detach()[b_idx].float(), "g": G[c_idx].float(),
+    mine = {"a": A.detach()[a_idx], "b": B.detach()[b_idx], "g": G[c_idx]}
+    return {**{k: v.to(device=device, dtype=dtype).contiguous() for k, v in mine.items()},
             "c": C.detach()[c_idx], "da": A.grad[a_idx], "db": B.grad[b_idx]}
 
 
 def rel(x: torch.Tensor | None, ref: torch.Tensor) -> float:
     if x is None:
         return float("inf")
-    return float((x.double() - ref).norm() / ref.norm())
+    return float((x.detach().double().cpu() - ref.cpu()).norm() / ref.norm())
 
 
 def _fresh_dispatch(env: str, save: str) -> None:
@@ -106,13 +112,14 @@ def _fresh_dispatch(env: str, save: str) -> None:
     dispatch.set_policy(Policy.bsp("autograd tests"))
 
 
-def _grad_cases(world, cases: list) -> list:
+def _grad_cases(world, cases: list, dtype: torch.dtype = torch.float32, dims: tuple | None = None) -> list:
     import autofuse
 
     out = []
-    for i, (op, form, variant, env, save, *dims) in enumerate(cases):
+    for i, (op, form, variant, env, save, *odd) in enumerate(cases):
         _fresh_dispatch(env, save)
-        s = unsharded(op, form, world.size, world.rank, dims[0] if dims else DIMS[world.size], seed=i)
+        s = unsharded(op, form, world.size, world.rank, odd[0] if odd else dims or DIMS[world.size], seed=i,
+                      dtype=dtype, device=str(world.device))
         a, b = s["a"].requires_grad_(), s["b"].requires_grad_()
         c = getattr(autofuse, op)(a, b, group=world, variant=variant)
         attached = c.grad_fn is not None
@@ -122,11 +129,11 @@ def _grad_cases(world, cases: list) -> list:
     return out
 
 
-def _check(results: list) -> None:
+def _check(results: list, tol: float = TOL) -> None:
     bad = []
     for rank, rows in enumerate(results):
         for op, form, variant, env, save, attached, ec, ea, eb in rows:
-            if not (attached and ec <= TOL and ea <= TOL and eb <= TOL):
+            if not (attached and ec <= tol and ea <= tol and eb <= tol):
                 bad.append(f"rank {rank} {op} {form} {variant} [{env}] save={save}: grad_fn={attached} "
                            f"out {ec:.2g} dA {ea:.2g} dB {eb:.2g}")
     assert not bad, "\n".join(bad)
@@ -235,8 +242,6 @@ def _fwd_bwd(fn, *inputs):
 
 def _layer_compile(world) -> dict:
     """examples/llama_layer.py's prefill (autofuse ops), eager and compiled: output, input and weight grads."""
-    from dataclasses import fields
-
     from test_layer import example
 
     ex = example()
@@ -277,6 +282,28 @@ def _no_agreement_while_tracing(world) -> dict:
     return {"shape": shape, "agreements": dispatch.stats.agreements - before, "miss": miss}
 
 
+def _gathered_sources(world) -> dict:
+    """ag_gemm_gathered's gathered A per forward variant: taken from the runner's buffer (bsp, heap_mm: no
+    second all-gather) or gathered again (push); always the exact all_gather(A) (rows and k forms)."""
+    from autofuse.library import ops as lib_ops
+    from autofuse.library.groups import name_of
+
+    extra = []
+    gather = lib_ops._all_gather
+    lib_ops._all_gather = lambda a, name: extra.append(1) or gather(a, name)  # count the second gathers
+    out = {}
+    for form, m in (("rows", 4 * world.size), ("k", 8)):
+        s = unsharded("ag_gemm", form, world.size, world.rank, (m, 32, 16), seed=9)
+        shards = lib_ops._all_gather(s["a"], name_of(world)).chunk(world.size)
+        full_a = torch.cat(shards, dim=0 if form == "rows" else 1)
+        for variant in ("bsp", "heap_mm", "push"):
+            before = len(extra)
+            _, gathered = torch.ops.autofuse.ag_gemm_gathered(s["a"], s["b"], name_of(world), variant=variant)
+            out[f"{form} {variant}"] = (len(extra) - before, bool(torch.equal(gathered, full_a)))
+    lib_ops._all_gather = gather
+    return out
+
+
 def _train_compile_export(world) -> dict:
     import autofuse
 
@@ -305,6 +332,7 @@ def _train_compile_export(world) -> dict:
     _fresh_dispatch("", "1")
     result["layer"] = _layer_compile(world)
     result["fake"] = _no_agreement_while_tracing(world)
+    result["gathered"] = _gathered_sources(world)
     return result
 
 
@@ -322,7 +350,91 @@ def test_training_compile_export_w2():
         fwd, bwd = layer["nodes"]  # qkv, o_proj, gate_up, down; backward in reverse
         assert fwd == ["autofuse.ag_gemm_gathered.default", "autofuse.gemm_rs.default"] * 2, fwd
         assert sorted(bwd) == sorted(fwd), bwd
+        assert r["gathered"] == {f"{f} {v}": (int(v == "push"), True) for f in ("rows", "k")
+                                 for v in ("bsp", "heap_mm", "push")}, r["gathered"]
         fake = r["fake"]
         assert fake["shape"] == (8, 16) and fake["agreements"] == 0, fake
         assert "autofuse.toy_mm ((4, 32) torch.float32, (32, 16) torch.float32) was called while a trace runs" in \
             fake["miss"], fake["miss"]
+
+
+# -- GPU (marker gpu): bf16 at GPU sizes, inductor and reduce-overhead ------------------------------------
+GPU_DIMS = (512, 1024, 256)  # M, K, N (ag_gemm: N per rank)
+GPU_TOL = 2e-2  # bf16 operands (the reference takes the same rounded values), float32 accumulation; the
+# output, partials and gradients are rounded to bf16 (u = 2^-8) a few times: ~1e-2 at worst, a wrong term O(1)
+
+
+def _gpu_cases(world) -> list:
+    """Every forward variant this job can run, of every GEMM op and form; the backward's gemm_rs and ag_gemm
+    variants rotate over theirs; the gathered A kept and gathered again in turns."""
+    from autofuse.core import registry
+
+    avail = {op: [v for v, var in registry.get(op).variants.items() if var.available(world)]
+             for op in ("ag_gemm", "gemm_rs", "gemm_ar")}
+    forms = {"ag_gemm": ("rows", "k"), "gemm_rs": ("",), "gemm_ar": ("",)}
+    cases = []
+    for op, op_forms in forms.items():
+        for form in op_forms:
+            for v in avail[op]:
+                i = len(cases)
+                env = ",".join(f"{o}:{avail[o][i % len(avail[o])]}" for o in ("gemm_rs", "ag_gemm"))
+                cases.append((op, form, v, env, str(i % 2)))
+    return cases
+
+
+def _gpu_compile(world) -> dict:
+    """The MLP eager vs inductor (fullgraph) vs reduce-overhead over three steps of new inputs, and the
+    example layer's prefill eager vs inductor; every op on heap variants (capturable with ranks sharing a
+    GPU too, where the collective library is gloo)."""
+    import autofuse
+
+    _fresh_dispatch("ag_gemm:heap_mm,gemm_rs:mm_heap", "1")
+    dev, dt = world.device, torch.bfloat16
+    gen = torch.Generator(device=dev).manual_seed(world.rank)
+    w1 = torch.randn(1024, 512, generator=gen, device=dev).mul_(1024 ** -0.5).to(dt)
+    w2 = torch.randn(512, 1024, generator=gen, device=dev).mul_(512 ** -0.5).to(dt)
+    fn = lambda x, w1, w2: mlp(autofuse, x, w1, w2, world)  # noqa: E731
+    inductor = torch.compile(fn, fullgraph=True)
+    graphs = torch.compile(fn, fullgraph=True, mode="reduce-overhead")
+    worst = {"inductor": 0.0, "reduce-overhead": 0.0}
+    for step in range(3):
+        x = torch.randn(128, 1024, generator=gen, device=dev).to(dt)
+        eager = _fwd_bwd(fn, x, w1, w2)
+        for name, compiled in (("inductor", inductor), ("reduce-overhead", graphs)):
+            got = _fwd_bwd(compiled, x, w1, w2)
+            worst[name] = max(worst[name], *(rel(c, e.double()) for c, e in zip(got, eager)))
+    result = {"mlp": worst}
+    _fresh_dispatch("", "1")
+    from test_layer import example
+
+    ex = example()
+    cfg = ex.CONFIGS["tiny"]
+    weights = ex.random_weights(cfg, world.rank, world.size, seed=0, device=dev, dtype=dt)
+    names = [f.name for f in fields(weights) if f.name != "qkv_rows"]
+    x = torch.randn(64 // world.size, cfg.hidden, generator=gen, device=dev).to(dt)
+
+    def prefill(x, *tensors):
+        w = ex.TPWeights(qkv_rows=weights.qkv_rows, **dict(zip(names, tensors)))
+        return ex.TPLlamaLayer(cfg, w, ex.AutofuseOps(world.group), world.group).prefill(x)
+
+    params = [getattr(weights, n) for n in names]
+    eager = _fwd_bwd(prefill, x, *params)
+    got = _fwd_bwd(torch.compile(prefill, fullgraph=True), x, *params)
+    result["layer"] = max(rel(c, e.double()) for c, e in zip(got, eager))
+    return result
+
+
+def _gpu_job(world) -> dict:
+    cases = _gpu_cases(world)
+    return {"grads": _grad_cases(world, cases, torch.bfloat16, GPU_DIMS), "compile": _gpu_compile(world)}
+
+
+@harness.gpu(2)
+def test_gpu_gradients_inductor_reduce_overhead():
+    """GPU: gradients of every variant (bf16, against float64), inductor and reduce-overhead equal to eager."""
+    results = spawn(_gpu_job, harness.gpu_world(), device_kind="cuda", timeout_s=900)
+    _check([r["grads"] for r in results], GPU_TOL)
+    for r in results:
+        c = r["compile"]
+        assert c["mlp"]["inductor"] <= GPU_TOL and c["mlp"]["reduce-overhead"] <= GPU_TOL, c
+        assert c["layer"] <= GPU_TOL, c

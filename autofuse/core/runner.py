@@ -95,6 +95,11 @@ class Runner:
         """Compute into `out` (subclasses)."""
         raise NotImplementedError
 
+    def gathered_input(self) -> torch.Tensor | None:
+        """An all-gathering runner's gathered A of its last call (M x K, row-major), valid until its next
+        call, where it holds it whole (autofuse/library keeps a copy for B's gradient); else None."""
+        return None
+
     def check(self, out: torch.Tensor | None = None) -> None:
         """Raise the fault any of this runner's workspaces recorded (synchronises with the device).
 

@@ -88,6 +88,7 @@ def route(op: str, args: tuple, group: Any, variant: str | None, config: dict | 
 
         raise trace_miss(op, args)
     if fn is None:
+        with_grad = [n for n in FUNCTIONS if n != "flash_decode"]
         raise NotImplementedError(f"autofuse.{op} has no autograd (its output would be cut off from the graph) and "
-                                  f"its inputs require grad; ops with autograd: {[n for n in FUNCTIONS if n != 'flash_decode']}")
+                                  f"its inputs require grad; ops with autograd: {with_grad}")
     return fn(*args, group, variant=variant, config=config)

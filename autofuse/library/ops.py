@@ -18,8 +18,10 @@ where optional inputs such as scales can be added without breaking earlier calle
 
 `ag_gemm_gathered` is ag_gemm that also returns all_gather(A) (M x K, the A every rank multiplied):
 what a training step keeps for B's gradient (autofuse/library/grads.py). It takes it from the
-buffers of the variant that ran where the variant holds the whole gathered A (its
-runner: `gathered_input()`), else it gathers A once more with torch.distributed.
+buffers of the variant that ran where it holds the whole gathered A (its runner's
+`gathered_input()`: bsp and the heap hybrids heap_mm, heap_mm_overlap), else (the fused kernels,
+whose tiles never sit whole in one buffer, and torch_symm) it gathers A once more with
+torch.distributed.
 """
 from __future__ import annotations
 
@@ -85,8 +87,7 @@ def _gathered(a: torch.Tensor, b: torch.Tensor, group_name: str, variant: str | 
 
     runner = dispatch.runner_of("ag_gemm", a, b, group=group_of(group_name), variant=variant,
                                 config=None if config is None else json.loads(config))
-    held = getattr(runner, "gathered_input", None)
-    full = held() if held is not None else None
+    full = runner.gathered_input()
     if full is not None:
         return full.clone()
     shards = _all_gather(a, group_name)

@@ -473,6 +473,9 @@ class BspRunner(Runner):
         self.gathered = torch.empty((w * r, c), dtype=dt, device=dev)  # shard s at rows s*r..
         self.full = self.gathered if problem["gather"] == "rows" else torch.empty((m, k), dtype=dt, device=dev)
 
+    def gathered_input(self) -> torch.Tensor:
+        return self.full
+
     def launch(self, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
         dist.all_gather_into_tensor(self.gathered, a, group=self.group)
         if self.problem["gather"] == "k":
@@ -531,6 +534,9 @@ class _AGRunner(Runner):
         self.parts = [(i, *ag.rows_of(c)) for i, c in enumerate(ag.chunks)]
         specs = [TensorSpec("a", (ag.rows, ag.cols), dt), TensorSpec("b", (k, n), dt, "dense")]
         super().__init__(world, problem, specs, TensorSpec("out", (m, n), dt), workspaces=ag.workspaces)
+
+    def gathered_input(self) -> torch.Tensor:
+        return self.ag.buffer  # M x K in both forms; peers write it again only in my next call
 
     def launch(self, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
         ag = self.ag
