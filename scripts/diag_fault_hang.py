@@ -38,7 +38,7 @@ def job(world, plan):
     from autofuse.comm.workspace import workspaces
     from autofuse.ops import gemm_rs
 
-    os.environ[status.TIMEOUT_ENV] = str(BUDGET_S)
+    os.environ["AUTOFUSE_WAIT_TIMEOUT"] = str(BUDGET_S)
     side = torch.cuda.Stream()
     late = world.size - 1
     out = []
