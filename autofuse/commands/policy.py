@@ -274,7 +274,7 @@ def fit(
         reports[m] = result.report
         if not json_out:
             for name, rep in result.report["ops"].items():
-                _print_fit(name, rep, m)
+                _print_fit(name, rep, m, interpreted(fp.get("device_kind")))
         where = ("dispatch finds it there on this machine" if path.parent == user_models_dir()
                  else f"use it with AUTOFUSE_POLICY={path}")
         note(f"{m}-mode policy written to {path} (fingerprint {fp.get('id')}); {where}", style="green")
@@ -288,21 +288,23 @@ def fit(
         print(json.dumps(doc, indent=1, sort_keys=True))
 
 
-def _print_fit(name: str, rep: dict, mode: str) -> None:
+def _print_fit(name: str, rep: dict, mode: str, interp: bool = False) -> None:
+    """The held-out evaluation of one op's models; its speedups over BSP only for GPU timings."""
     title = f"{name} ({mode} mode): {rep['problems']} tuned problems, variants {', '.join(rep['variants'])}"
     if "models" not in rep:
         out.print(title, style="bold")
         out.print(f"  {rep['why']}")
         return
-    cols = ["within 5%", "t / oracle", "x bsp", "worst / bsp", "correct", "wrong", "unsure", "margin (x)"]
+    speed = [] if interp else ["x bsp", "worst / bsp"]
+    cols = ["within 5%", "t / oracle", *speed, "correct", "wrong", "unsure", "margin (x)"]
     body = []
     entries = [(m, rep["models"][m]) for m in rep["models"]] + \
         [(f"always {b}", rep["baselines"][b]) for b in ("bsp", "oracle")]
     for label, r in entries:
         margin = r.get("margin")
         body.append([label + (" (kept)" if label == rep["kept"] else ""), f"{r['within_5pct']:.0%}",
-                     fmt(r["geomean_vs_oracle"], 3), fmt(r["speedup_vs_bsp"], 3), fmt(r["worst_vs_bsp"], 3),
-                     str(r["correct"]), str(r["wrong"]), str(r["unsure"]),
+                     fmt(r["geomean_vs_oracle"], 3),
+                     *([] if interp else [fmt(r["speedup_vs_bsp"], 3), fmt(r["worst_vs_bsp"], 3)]), str(r["correct"]), str(r["wrong"]), str(r["unsure"]),
                      fmt(math.exp(margin), 3) if margin is not None else ("inf" if label in rep["models"] else "-")])
     print_split_table(out, f"{title}; held out: {rep['folds']} folds by problem", ["model"], cols, body)
     out.print(f"  {rep['why']}")
