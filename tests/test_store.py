@@ -52,20 +52,25 @@ def test_schema_wal_foreign_keys_and_idempotent_trials(store, tmp_path):
     assert store.add(rows, fp, study="s", trial=0) == 2
     assert store.add(rows, fp, study="s", trial=0) == 0  # a resumed study rewriting its trial adds nothing
     assert store.add(rows, fp, study="s", trial=1) == 2
+    # a new Optuna storage numbers trials from 0 again: another config at a taken (study, trial) is kept
+    other = [ok(P, "push", {"BLOCK": 32}, 9.0)]
+    assert store.add(other, fp, study="s", trial=0) == 1
+    kept = store.conn.execute("SELECT study FROM measurements WHERE config LIKE '%32%'").fetchall()
+    assert len(kept) == 1 and kept[0][0].startswith("s#"), kept
     assert store.add([ok(P, "bsp", {}, 20.0)], fp, source="baseline") == 1
     assert store.add([ok(P, "bsp", {}, 21.0)], fp, source="baseline") == 1  # no study: never collides
     for source in ("nonsense", "bench"):  # nothing writes bench rows: not a source any more
         with pytest.raises(ValueError):
             store.add([ok(P, "bsp", {}, 20.0)], fp, source=source)
     got = store.measurements(op="fake_sum", mode="eager")
-    assert len(got) == 4 and all(r["fingerprint"] == fp["id"] for r in got)
+    assert len(got) == 5 and all(r["fingerprint"] == fp["id"] for r in got)
     r0 = got[0]
     assert r0["config"] == {"BLOCK": 16} and r0["ok"] is True and r0["extra"] == {"build_check_s": 0.5}
     assert r0["config_id"] == config_id("fake_sum", "push", {"BLOCK": 16})
     assert (r0["hardware_id"], r0["software_id"]) == (fp["hardware_id"], fp["software_id"])
     assert r0["op_digest"] == ""  # an op the registry does not know: no code to hash
     assert store.conn.execute("SELECT world FROM problems WHERE key = ?", [P.key]).fetchone()[0] == 2
-    assert store.conn.execute("SELECT COUNT(*) FROM configs").fetchone()[0] == 2
+    assert store.conn.execute("SELECT COUNT(*) FROM configs").fetchone()[0] == 3  # push BLOCK 16 and 32, bsp
     env = store.environment(fp["id"])
     assert env["triton"] == fp["triton"] and env["hardware_id"] == fp["hardware_id"]
     # Missing statistics are stored as NULL, not NaN.

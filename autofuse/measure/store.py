@@ -416,8 +416,11 @@ class Store:
 
         `fingerprint` is the environment dict (recorded in `environments`) or the id of one already
         recorded. `op_digest` is the code of the measured op (default: the fingerprint's `ops`
-        entry, else `environment.op_digest` of a registered op, else ''). Rows of one (study,
-        trial, mode) already present are left as they are. All rows are written in one transaction.
+        entry, else `environment.op_digest` of a registered op, else ''). A trial written again
+        (the same study, trial and config: a resumed run) adds nothing. A trial whose (study, trial)
+        is taken by another config (a new Optuna storage numbers trials from 0 again) is kept under
+        the study name `<study>#<tag>`, as `merge_from` does, never dropped. All rows are written in
+        one transaction.
         """
         self._writable()
         if source not in SOURCES:
@@ -457,6 +460,16 @@ class Store:
             })
         if not rows:
             return 0
+        if study is not None and trial is not None:
+            held = {r["config_id"] for r in self._query(
+                "SELECT config_id FROM measurements WHERE study = ? AND trial = ?", [study, trial])}
+            if held and not held & {r["config_id"] for r in rows}:
+                content = json.dumps(sorted((r["config_id"], r["mode"], r["created_at"]) for r in rows))
+                name = f"{study}#{hashlib.sha256(content.encode()).hexdigest()[:8]}"
+                while self._query("SELECT 1 FROM measurements WHERE study = ? AND trial = ? LIMIT 1", [name, trial]):
+                    name += "+"
+                for r in rows:
+                    r["study"] = name
         with self.conn:
             if isinstance(fingerprint, Mapping):
                 _insert(self.conn, "environments", [env])
