@@ -1,5 +1,5 @@
 """`autofuse bench TARGET`: an op's variants at their known-good configs vs BSP and the bound, or an
-extra benchmark (collectives, gemm_core, layer); tables, then one JSON file (autofuse/training/bench.py)."""
+extra benchmark (collectives, gemm_core, layer, train_layer); tables, then one JSON file (autofuse/training/bench.py)."""
 from __future__ import annotations
 
 import datetime
@@ -13,10 +13,10 @@ from autofuse.commands._common import OutputExists, check_new, fail, note, out, 
 
 def bench(
     target: str = typer.Argument(..., help="An op (ag_gemm, gemm_rs, gemm_ar, flash_decode, ...) or an extra "
-                                 "benchmark: collectives, gemm_core, layer."),
+                                 "benchmark: collectives, gemm_core, layer, train_layer."),
     sweep: Optional[str] = typer.Option(None, help="Problem set of an op: gpu (the papers' sweep), llama70b, "
-                                        "models, default or cpu (default: gpu with GPUs, else cpu); of layer: "
-                                        "the model (70b, 8b, tiny)."),
+                                        "models, default or cpu (default: gpu with GPUs, else cpu); of layer and "
+                                        "train_layer: the model (70b, 8b, tiny)."),
     variants: Optional[str] = typer.Option(None, help="Comma-separated variants (default: all available)."),
     mode: Optional[str] = typer.Option(None, help="eager or graph (default: both where CUDA graphs exist; "
                                        "eager on CPU)."),

@@ -73,13 +73,22 @@ def _rows(x: torch.Tensor, what: str, features: int) -> torch.Tensor:
     return x.reshape(-1, features).contiguous()
 
 
+def group_name(group: Any) -> str:
+    """The process group's name (None: the default group): how a traced call names its group."""
+    return (dist.group.WORLD if group is None else group).group_name
+
+
 class _ColumnLocal(torch.autograd.Function):
-    """y = x Wᵀ + b on a replicated x; dx = all_reduce(dy W) via autofuse.gemm_ar (Megatron's f + linear)."""
+    """y = x Wᵀ + b on a replicated x; dx = all_reduce(dy W) via autofuse.gemm_ar (Megatron's f + linear).
+
+    The backward names the group by its name while torch.compile traces it (the ops' custom-op form
+    takes names; resolving a group object there would mutate state inside the traced function)."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, group: Any) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, group: Any,
+                name: str) -> torch.Tensor:
         ctx.save_for_backward(x, weight)
-        ctx.group, ctx.has_bias = group, bias is not None
+        ctx.group, ctx.name, ctx.has_bias = group, name, bias is not None
         return F.linear(x, weight, bias)
 
     @staticmethod
@@ -88,12 +97,13 @@ class _ColumnLocal(torch.autograd.Function):
         dy = dy.contiguous()
         dx = dw = db = None
         if ctx.needs_input_grad[0]:
-            dx = autofuse.gemm_ar(dy, weight.contiguous(), group=ctx.group)
+            group = ctx.name if torch.compiler.is_compiling() else ctx.group
+            dx = autofuse.gemm_ar(dy, weight.contiguous(), group=group)
         if ctx.needs_input_grad[1]:
             dw = dy.t() @ x
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = dy.sum(0)
-        return dx, dw, db, None
+        return dx, dw, db, None, None
 
 
 class _AllReduceGrad(torch.autograd.Function):
@@ -111,33 +121,32 @@ class _AllReduceGrad(torch.autograd.Function):
 
 
 class _ScatterRows(torch.autograd.Function):
-    """This rank's block of dim 0 of a replicated x; backward: the blocks' gradients all-gathered."""
+    """This rank's (rank r of w) block of dim 0 of a replicated x; backward: the blocks' gradients all-gathered."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, group: Any, w: int, r: int) -> torch.Tensor:
         ctx.group = group
-        w, r = dist.get_world_size(group), dist.get_rank(group)
         n = x.shape[0] // w
         return x[r * n:(r + 1) * n]
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> tuple:
-        return _gather0(g, ctx.group), None
+        return _gather0(g, ctx.group), None, None, None
 
 
 class _GatherRows(torch.autograd.Function):
-    """Every rank's dim-0 block concatenated; backward: this rank's block of the (replicated) gradient."""
+    """Every rank's dim-0 block concatenated; backward: this rank's (rank r of w) block of the
+    (replicated) gradient."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
-        ctx.group = group
+    def forward(ctx: Any, x: torch.Tensor, group: Any, w: int, r: int) -> torch.Tensor:
+        ctx.w, ctx.r = w, r
         return _gather0(x, group)
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> tuple:
-        w, r = dist.get_world_size(ctx.group), dist.get_rank(ctx.group)
-        n = g.shape[0] // w
-        return g[r * n:(r + 1) * n], None
+        n = g.shape[0] // ctx.w
+        return g[ctx.r * n:(ctx.r + 1) * n], None, None, None
 
 
 def scatter_rows(x: torch.Tensor, group: Any = None) -> torch.Tensor:
@@ -148,14 +157,15 @@ def scatter_rows(x: torch.Tensor, group: Any = None) -> torch.Tensor:
     w = dist.get_world_size(group)
     if x.shape[0] % w:
         raise ValueError(f"scatter_rows: dim 0 ({x.shape[0]}) is not divisible by the group size {w}")
-    return _ScatterRows.apply(x, group)
+    return _ScatterRows.apply(x, group, w, dist.get_rank(group))
 
 
 def gather_rows(x: torch.Tensor, group: Any = None) -> torch.Tensor:
     """Leave a sequence-parallel region: every rank's x concatenated along dim 0 in rank order. The
     code after it must be replicated (every rank computes the same gradient), so the backward keeps
     this rank's block of the gradient."""
-    return _GatherRows.apply(x, process_group(group))
+    group = process_group(group)
+    return _GatherRows.apply(x, group, dist.get_world_size(group), dist.get_rank(group))
 
 
 def all_reduce_grad(x: torch.Tensor, group: Any = None) -> torch.Tensor:
@@ -180,7 +190,7 @@ def column_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
         y = y.view(dist.get_world_size(group) * x.shape[0], *x.shape[1:-1], weight.shape[0])
         return y if bias is None else y + bias
     if torch.is_grad_enabled() and (x2.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)):
-        y = _ColumnLocal.apply(x2, weight, bias, group)
+        y = _ColumnLocal.apply(x2, weight, bias, group, group_name(group))
     else:
         y = F.linear(x2, weight, bias)
     return y.view(*x.shape[:-1], weight.shape[0])

@@ -53,6 +53,7 @@ TARGETS: dict[str, str] = {
     "collectives": "autofuse.training.bench_collectives",
     "gemm_core": "autofuse.training.bench_gemm_core",
     "layer": "autofuse.training.bench_layer",
+    "train_layer": "autofuse.training.bench_train_layer",
 }
 OUT_PATTERN = "autofuse-out/bench-TARGET-SWEEP-wWORLD-DATE.json"
 CPU_NOTE = INTERPRETED_NOTE

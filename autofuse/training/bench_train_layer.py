@@ -1,0 +1,343 @@
+"""`autofuse bench train_layer`: forward + backward of a tensor-parallel Llama decoder layer, sequence
+parallel, on autofuse against torch's own tensor parallelism.
+
+The layer is transformers' LlamaDecoderLayer with random weights (`--sweep` names the sizes: 70b,
+8b, or tiny, the CPU default), bf16 on GPUs, float32 on CPU; one sequence of T tokens (batch 1, so
+autofuse's row blocks and torch's sequence shards hold the same tokens). Every contender takes this
+rank's T/W tokens and returns them; a step is the forward, then the backward from a fixed output
+gradient (the input's gradient and every weight's). Contenders, all from one set of weights:
+- `autofuse`: `autofuse.nn.llama.parallelize_layer(layer, group, sequence_parallel=True)`: q/k/v one
+  ag_gemm, o_proj gemm_rs, gate/up one ag_gemm, down gemm_rs, their backward GEMMs gemm_rs /
+  ag_gemm, every call dispatched by autofuse (AUTOFUSE_VARIANT forces variants as anywhere).
+- `torch-tp`: torch's DTensor tensor parallelism on the same layer, as torchtitan lays it out
+  (SequenceParallel norms, PrepareModuleInput all-gathers, ColwiseParallel q/k/v/gate/up,
+  RowwiseParallel o/down reduce-scattering to Shard(1)): NCCL + cuBLAS, one after the other.
+- `torch-async-tp` (where torch's symmetric memory runs: CUDA, one GPU per rank, the group spanning
+  the job): torch-tp
+  under torch.compile with inductor's micro-pipeline pass (torch's async TP), which fuses the
+  all-gathers and reduce-scatters with the matmuls.
+First, each contender's output and input gradient against the unsharded layer (rank-max relative
+difference, norm-wise, vs TOLERANCE). Then the contenders are timed in turns
+(`autofuse.measure.time_in_turns`, eager: training runs eagerly or compiled, not graph-replayed),
+median of reps, rank-max. Per-op shares: each communicating projection alone (forward + backward)
+in autofuse and in torch-tp (torch's all-gather counted with the projections it feeds), timed in
+turns; `rest` = layer - ops (attention, norms, residuals, SwiGLU).
+On CPU: the tiny sizes, T in (16, 32), gloo and Triton's interpreter: those timings show that it
+runs and agrees, not which is faster. `run(options)` / `render(result, console)` follow
+autofuse/training/bench.py's contract; `--variants` picks contenders by name.
+"""
+from __future__ import annotations
+
+import copy
+import datetime
+import math
+import os
+from typing import Any, Callable, Sequence
+
+import torch
+
+MODELS = {  # one decoder layer's transformers LlamaConfig fields
+    "70b": {"hidden_size": 8192, "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 128,
+            "intermediate_size": 28672},
+    "8b": {"hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+           "intermediate_size": 14336},
+    "tiny": {"hidden_size": 64, "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 8,
+             "intermediate_size": 128},
+}
+TOKENS = {"cuda": (2048, 4096, 8192), "cpu": (16, 32)}
+CONTENDERS = ("autofuse", "torch-tp", "torch-async-tp")
+BASELINE = "torch-tp"
+OPS = ("qkv", "o_proj", "gate_up", "down")
+TOLERANCE = {"bf16": 2.5e-2, "fp32": 1e-4}  # vs the unsharded layer, norm-wise (tests/test_layer.py argues bf16's)
+CPU_REPS = 3
+
+
+def _tokens(options: Any, kind: str, world: int) -> list[int]:
+    text = ",".join(options.shapes or [])
+    tokens = [int(t) for t in text.replace("T=", "").split(",") if t.strip()] or list(TOKENS[kind])
+    bad = [t for t in tokens if t % world]
+    if bad:
+        raise ValueError(f"token counts {bad} are not divisible by the world size {world}")
+    return tokens
+
+
+def run(options: Any) -> dict:
+    """Spawn the ranks, check and time every contender at every token count; rank 0's result."""
+    from autofuse.comm.world import default_device_kind, gpu_count, spawn
+    from autofuse.measure.compare import INTERPRETED_NOTE, interpreted
+    from autofuse.nn.llama import check_sizes
+
+    kind = options.device_kind or default_device_kind()
+    world = options.world or (gpu_count() if kind == "cuda" else 2)
+    model = options.sweep or ("70b" if kind == "cuda" else "tiny")
+    if model not in MODELS:
+        raise ValueError(f"unknown model {model!r}: use one of {', '.join(MODELS)}")
+    check_sizes(MODELS[model], world)
+    contenders = list(options.variants or CONTENDERS)
+    unknown = sorted(set(contenders) - set(CONTENDERS))
+    if unknown:
+        raise ValueError(f"unknown contenders {unknown}: choose among {', '.join(CONTENDERS)}")
+    reps = options.reps
+    notes = [INTERPRETED_NOTE] if interpreted(kind) else []
+    if kind == "cpu" and reps > CPU_REPS:
+        notes.append(f"reps capped at {CPU_REPS} on CPU (asked for {reps})")
+        reps = CPU_REPS
+    cfg = {"model": model, "tokens": _tokens(options, kind, world)[:options.limit or None], "reps": reps,
+           "contenders": contenders, "progress": bool(options.progress), "seed": 0, "interpreted": interpreted(kind)}
+    started = datetime.datetime.now(datetime.timezone.utc)
+    result = dict(spawn(_rank, world, cfg, device_kind=kind, timeout_s=3600)[0])
+    notes += result.pop("notes", [])
+    result.update(sweep=model, world=world, device_kind=kind, model=model, reps=reps, notes=notes,
+                  interpreted=interpreted(kind),
+                  wall_s=(datetime.datetime.now(datetime.timezone.utc) - started).total_seconds(),
+                  method=("forward + backward per step, eager; median of reps timed batches, rank-max, the "
+                          "contenders in turns (autofuse.measure.time_in_turns); each projection alone the same "
+                          "way; rest = layer - ops"))
+    return _finite(result)
+
+
+def _finite(obj: Any) -> Any:
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    return obj
+
+
+# ------------------------------------------------------------------------------- the contenders
+def _torch_tp(layer: torch.nn.Module, mesh: Any) -> torch.nn.Module:
+    """torch's DTensor tensor parallelism with sequence parallelism on a LlamaDecoderLayer (torchtitan's plan)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                                   SequenceParallel, parallelize_module)
+
+    gather = {"input_layouts": (Shard(1),), "desired_input_layouts": (Replicate(),), "use_local_output": True}
+    plan = {
+        "input_layernorm": SequenceParallel(),
+        "self_attn": PrepareModuleInput(input_kwarg_layouts={"hidden_states": Shard(1)},
+                                        desired_input_kwarg_layouts={"hidden_states": Replicate()},
+                                        use_local_output=True),
+        "self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
+        "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel(output_layouts=Shard(1)),
+        "post_attention_layernorm": SequenceParallel(),
+        "mlp": PrepareModuleInput(**gather),
+        "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
+        "mlp.down_proj": RowwiseParallel(output_layouts=Shard(1)),
+    }
+    return parallelize_module(layer, mesh, plan)
+
+
+def _async_tp_unavailable(world: Any) -> str | None:
+    """Why torch's async TP cannot run here (None where it can): it needs torch's symmetric memory."""
+    from autofuse.comm.heap import torch_symm_unavailable
+
+    return torch_symm_unavailable(world, "fused_all_gather_matmul")
+
+
+def _compiled_async_tp(layer: torch.nn.Module, world: Any) -> torch.nn.Module:
+    """torch-tp under torch.compile with inductor's micro-pipeline TP pass (torch's async TP)."""
+    import torch._inductor.config as inductor
+    from torch.distributed._symmetric_memory import enable_symm_mem_for_group
+
+    inductor._micro_pipeline_tp = True
+    group = world.group if world.group is not None else torch.distributed.group.WORLD
+    enable_symm_mem_for_group(group.group_name)
+    return torch.compile(layer, fullgraph=True)
+
+
+def _first(output: Any) -> torch.Tensor:
+    return output[0] if isinstance(output, tuple) else output
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.detach().double(), b.detach().double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-300))
+
+
+# ------------------------------------------------------------------------------------- per rank
+def _rank(world: Any, cfg: dict) -> dict:
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+
+    from autofuse.measure.timing import time_in_turns
+    from autofuse.nn.llama import parallelize_layer
+
+    cuda = world.device.type == "cuda"
+    os.environ.setdefault("AUTOFUSE_MODE", "eager")  # the policy fitted on eager timings: training runs eagerly
+    if not cuda:
+        torch.set_num_threads(1)
+    dev, dtype = world.device, (torch.bfloat16 if cuda else torch.float32)
+    tol = TOLERANCE["bf16" if cuda else "fp32"]
+    w, r = world.size, world.rank
+    config = LlamaConfig(**MODELS[cfg["model"]], num_hidden_layers=1, vocab_size=128, rms_norm_eps=1e-5,
+                         attn_implementation="sdpa")
+    torch.manual_seed(cfg["seed"])
+    whole = LlamaDecoderLayer(config, 0).to(dev, dtype)
+    rotary = LlamaRotaryEmbedding(config).to(dev)
+    mesh = DeviceMesh.from_group(world.group if world.group is not None else torch.distributed.group.WORLD,
+                                 dev.type)
+    layers: dict[str, torch.nn.Module] = {}
+    notes: list[str] = []
+    for name in cfg["contenders"]:
+        if name == "autofuse":
+            layers[name] = parallelize_layer(copy.deepcopy(whole), world.group, sequence_parallel=True)
+        elif name == "torch-tp":
+            layers[name] = _torch_tp(copy.deepcopy(whole), mesh)
+        elif (why := _async_tp_unavailable(world)) is None:
+            layers[name] = _compiled_async_tp(_torch_tp(copy.deepcopy(whole), mesh), world)
+        else:
+            notes.append(f"torch-async-tp skipped: {why}")
+    say = world.rank == 0 and cfg["progress"]
+    warmup = 3 if cuda else 1
+
+    def gathered(x: torch.Tensor) -> torch.Tensor:
+        """torch-tp's all-gather of this rank's tokens (dim 1), differentiable."""
+        return DTensor.from_local(x, mesh, [Shard(1)], run_check=False).redistribute(mesh, [Replicate()]).to_local()
+
+    rows = []
+    for t in cfg["tokens"]:
+        g = torch.Generator(device=dev).manual_seed(cfg["seed"] + t)
+        x = torch.randn(1, t, config.hidden_size, generator=g, device=dev).to(dtype)
+        dy = torch.randn(1, t, config.hidden_size, generator=g, device=dev).to(dtype)
+        pos = torch.arange(t, device=dev)[None]
+        pe = rotary(x, pos)
+        mine = slice(r * t // w, (r + 1) * t // w)
+        xw = x.clone().requires_grad_()
+        want = _first(whole(xw, position_embeddings=pe, position_ids=pos))
+        want.backward(dy)
+        x_r, dy_r = x[:, mine].contiguous().requires_grad_(), dy[:, mine].contiguous()
+
+        def step(layer: torch.nn.Module) -> Callable[[], None]:
+            return lambda: _first(layer(x_r, position_embeddings=pe, position_ids=pos)).backward(dy_r)
+
+        diffs = {}
+        for name, layer in layers.items():
+            x_r.grad = None
+            got = _first(layer(x_r, position_embeddings=pe, position_ids=pos))
+            got.backward(dy_r)
+            diffs[name] = world.rank_max(max(_rel(got, want[:, mine]), _rel(x_r.grad, xw.grad[:, mine])))
+        times, _ = time_in_turns(world, [step(layer) for layer in layers.values()], "eager", reps=cfg["reps"],
+                                 warmup=warmup, rounds=cfg["reps"])
+        us = {name: tm.median_us for name, tm in zip(layers, times)}
+        ops = _op_times(world, layers, config, t, dev, dtype, gathered, cfg, warmup)
+        speedup = {} if cfg["interpreted"] or BASELINE not in us else {n: us[BASELINE] / v for n, v in us.items()}
+        row = {"tokens": t, "us": us, "diff": diffs, "ok": all(d <= tol for d in diffs.values()), "ops_us": ops,
+               "speedup": speedup}
+        rows.append(row)
+        if say:
+            print(f"T={t}: " + ", ".join(f"{n} {v:.0f} us (diff {diffs[n]:.1e})" for n, v in us.items()), flush=True)
+    return {"rows": rows, "tolerance": tol, "contenders": list(layers), "notes": notes,
+            "config": MODELS[cfg["model"]], "device": torch.cuda.get_device_name(dev) if cuda else "cpu"}
+
+
+def _op_times(world: Any, layers: dict, config: Any, t: int, dev: torch.device, dtype: torch.dtype,
+              gathered: Callable, cfg: dict, warmup: int) -> dict[str, dict[str, float]]:
+    """Each communicating projection alone, forward + backward, in autofuse and torch-tp (in turns)."""
+    from autofuse.measure.timing import time_in_turns
+
+    names = [n for n in ("autofuse", BASELINE) if n in layers]
+    if not names:
+        return {}
+    w = world.size
+    h, d = config.hidden_size, config.head_dim
+    attn_in = config.num_attention_heads * d // w
+    mlp_in = config.intermediate_size // w
+    g = torch.Generator(device=dev).manual_seed(cfg["seed"] + 7)
+
+    def leaf(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g, device=dev).to(dtype).requires_grad_()
+
+    x_r, attn_out, act = leaf(1, t // w, h), leaf(1, t, attn_in), leaf(1, t, mlp_in)
+
+    def fwd_bwd(fn: Callable[[], Any]) -> Callable[[], None]:
+        def go() -> None:
+            outs = fn()
+            outs = outs if isinstance(outs, tuple) else (outs,)
+            torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
+        return go
+
+    steps: dict[str, dict[str, Callable[[], None]]] = {}
+    if "autofuse" in layers:
+        a = layers["autofuse"]
+        steps["autofuse"] = {
+            "qkv": fwd_bwd(lambda: a.self_attn.qkv_proj(x_r.view(-1, h))),
+            "o_proj": fwd_bwd(lambda: a.self_attn.o_proj(attn_out)),
+            "gate_up": fwd_bwd(lambda: a.mlp.gate_up_proj(x_r.view(-1, h))),
+            "down": fwd_bwd(lambda: a.mlp.down_proj(act)),
+        }
+    if BASELINE in layers:
+        b = layers[BASELINE]
+
+        def qkv() -> tuple:
+            xs = gathered(x_r)
+            return b.self_attn.q_proj(xs), b.self_attn.k_proj(xs), b.self_attn.v_proj(xs)
+
+        def gate_up() -> tuple:
+            xs = gathered(x_r)
+            return b.mlp.gate_proj(xs), b.mlp.up_proj(xs)
+
+        steps[BASELINE] = {"qkv": fwd_bwd(qkv), "o_proj": fwd_bwd(lambda: b.self_attn.o_proj(attn_out)),
+                           "gate_up": fwd_bwd(gate_up), "down": fwd_bwd(lambda: b.mlp.down_proj(act))}
+    out: dict[str, dict[str, float]] = {n: {} for n in steps}
+    for op in OPS:
+        times, _ = time_in_turns(world, [steps[n][op] for n in steps], "eager", reps=cfg["reps"], warmup=warmup,
+                                 rounds=cfg["reps"])
+        for n, tm in zip(steps, times):
+            out[n][op] = tm.median_us
+    return out
+
+
+# ------------------------------------------------------------------------------------------ render
+def _f(x: Any, digits: int = 0) -> str:
+    return "-" if not isinstance(x, (int, float)) or not math.isfinite(x) else f"{x:.{digits}f}"
+
+
+def render(result: dict, console: Any) -> None:
+    """The layer table (us per forward+backward, x vs torch-tp, check), the per-op table, the notes."""
+    from rich import box
+    from rich.table import Table
+    from rich.text import Text
+
+    rows, names = result["rows"], result.get("contenders", [])
+    ratios = not result.get("interpreted")  # the CPU emulation's timings are never shown as speedups or shares
+    console.print(Text(f"Llama {result.get('model', '?')} decoder layer, forward + backward, TP={result.get('world')} "
+                       f"with sequence parallelism, on {result.get('device', '?')}; us per step, median, rank-max; "
+                       + (f"x = {BASELINE} / contender; " if ratios else "")
+                       + f"diff vs the unsharded layer (tolerance {result.get('tolerance')})"))
+    t = Table(title=Text("layer"), box=box.SIMPLE_HEAD)
+    t.add_column("T", justify="right")
+    for n in names:
+        t.add_column(f"{n} us", justify="right")
+        if n != BASELINE and ratios:
+            t.add_column("x", justify="right")
+    t.add_column("diff", justify="right")
+    for row in rows:
+        cells = []
+        for n in names:
+            cells.append(_f(row["us"].get(n)))
+            if n != BASELINE and ratios:
+                cells.append(_f(row["speedup"].get(n), 3))
+        worst = max(row["diff"].values()) if row["diff"] else float("nan")
+        cells.append(Text(f"{worst:.1e}" + ("" if row["ok"] else " WRONG"), style="" if row["ok"] else "red"))
+        t.add_row(str(row["tokens"]), *cells)
+    console.print(t)
+    with_ops = [row for row in rows if row.get("ops_us")]
+    if with_ops:
+        o = Table(title=Text("each projection alone, forward + backward: us" + (" (share of its layer)" if ratios else "")),
+                  box=box.SIMPLE_HEAD)
+        o.add_column("T", justify="right")
+        o.add_column("who")
+        for op in (*OPS, "rest"):
+            o.add_column(op, justify="right")
+        for row in with_ops:
+            for n, ops in row["ops_us"].items():
+                layer = row["us"].get(n) or float("nan")
+                vals = [ops[op] for op in OPS] + [layer - sum(ops[op] for op in OPS)]
+                o.add_row(str(row["tokens"]), n, *(f"{_f(v)} ({_f(100 * v / layer)}%)" if ratios else _f(v) for v in vals))
+        console.print(o)
+    for line in result.get("notes", []):
+        console.print(Text(line, style="yellow"))
