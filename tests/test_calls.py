@@ -135,3 +135,203 @@ def test_a_call_that_raises_leaves_nan_in_out_at_four_ranks():
 def test_gpu_a_call_that_raises_leaves_nan_in_out():
     _assert_fault_outputs(spawn(_fault_job, harness.gpu_world(), FAULT_CASES, GPU_SIZES, device_kind="cuda",
                                 timeout_s=900))
+
+
+# -- one rank's mistake (issue 31, item 2): never a hang, never a wrong result on the others -------------
+MISTAKE_CASES = {"gemm_ar": ({"M": 4, "N": 16, "K": 32}, "float32"),
+                 "ag_gemm": ({"M": 8, "N": 32, "K": 64, "gather": "rows"}, "bfloat16")}
+
+
+def _mistaken_args(world, op, problem, seed: int, mistake: str) -> tuple[tuple, object]:
+    """This rank's (args, out) for call `seed`, with `mistake` made (the last rank only)."""
+    args = list(op.inputs(world, problem, seed))
+    ref = op.reference(world, problem, seed)
+    out = torch.full(tuple(ref.shape), harness.STALE, dtype=problem.torch_dtype, device=world.device)
+    if world.rank != world.size - 1:
+        return tuple(args), out
+    if mistake == "bad_out":
+        out = torch.empty(ref.shape[0] + 1, *ref.shape[1:], dtype=problem.torch_dtype, device=world.device)
+    elif mistake == "strided_out":
+        out = torch.full(tuple(reversed(ref.shape)), harness.STALE, dtype=problem.torch_dtype,
+                         device=world.device).t()
+    elif mistake == "misaligned":
+        a = args[0]
+        backing = torch.empty(a.numel() + 1, dtype=a.dtype, device=a.device)
+        args[0] = backing[1:].view(a.shape)
+        args[0].copy_(a)
+    elif mistake == "not_a_tensor":
+        args[1] = None
+    elif mistake == "new_shape":
+        args[0] = torch.cat([args[0], args[0]])
+    return tuple(args), out
+
+
+def _mistake_job(world, cases, budget_s: float = harness.FAULT_BUDGET_S):
+    """Per (op, variant, mistake): call 0 on every rank (cached); call 1 with the last rank's mistake; then,
+    where the group still works, `autofuse.rebuild()`, call 2 on every rank, and call 3, the first call of a
+    new problem on every rank (its agreement must pair every rank's). Returns per case the outcomes: (call,
+    what, detail): 'returned' and the relative error, or the exception and its message. A bsp case whose
+    peers' collective gave up ends the job (the process group is unusable: no barrier may follow)."""
+    import autofuse
+
+    os.environ["AUTOFUSE_WAIT_TIMEOUT"] = str(budget_s)
+    os.environ["AUTOFUSE_CHECK"] = "1"  # GPUs read the fault record of every call (CPU always does)
+    seen = []
+    for name, variant, mistake in cases:
+        op = registry.get(name)
+        dims, dtype = MISTAKE_CASES[name]
+        rows = []
+        ends_group = variant == "bsp" and mistake in ("not_a_tensor", "new_shape")
+        for i in range(4):
+            if i == 2:
+                autofuse.rebuild()
+            problem = Problem.make(name, dtype, world.size, **{k: v * (2 if i == 3 and k == "N" else 1)
+                                                                for k, v in dims.items()})
+            args, out = _mistaken_args(world, op, problem, i, mistake if i == 1 else "")
+            try:
+                got = getattr(autofuse, name)(*args, variant=variant, out=out)
+                rows.append((i, "returned", rel_error(got, op.reference(world, problem, i))))
+            except Exception as exc:  # noqa: BLE001 - what each rank raised is the result
+                rows.append((i, type(exc).__name__, str(exc)))
+            if i == 1 and ends_group:
+                break
+            world.sync()
+        seen.append((name, variant, mistake, rows, op.tolerance(problem)))
+        if ends_group:
+            break
+    return seen
+
+
+def _outcomes(results):
+    """{(op, variant, mistake): {rank: {call: (what, detail)}}}"""
+    out = {}
+    for rank, cases in enumerate(results):
+        for name, variant, mistake, rows, tol in cases:
+            out.setdefault((name, variant, mistake), {})[rank] = ({i: (w, d) for i, w, d in rows}, tol)
+    return out
+
+
+def _assert_mistakes(results, expect_last, expect_peers, third=True):
+    last = len(results) - 1
+    for case, per_rank in _outcomes(results).items():
+        for rank, (calls, tol) in per_rank.items():
+            for i, (what, detail) in calls.items():
+                if what == "returned":
+                    assert detail <= tol, (case, rank, i, detail)
+            assert calls[0][0] == "returned", (case, rank, calls)
+            want = expect_last if rank == last else expect_peers
+            assert calls[1][0] in want, (case, rank, calls[1])
+            if third:
+                assert calls[2][0] == "returned" and calls[3][0] == "returned", (case, rank, calls)
+
+
+def test_a_mistake_one_rank_can_see_lets_the_others_complete():
+    """A wrong out=, a strided out= or a misaligned A on one rank of a cached call: that rank runs the call on
+    copies (so the others, already in it, complete correctly) and raises InvalidInput where out= was not
+    written or the op refuses its input; nothing is aborted (the next call needs no rebuild)."""
+    cases = [("gemm_ar", "bsp", "bad_out"), ("gemm_ar", "one_shot", "bad_out"), ("gemm_ar", "one_shot", "strided_out"),
+             ("ag_gemm", "push", "misaligned"), ("ag_gemm", "heap_mm", "bad_out")]
+    results = spawn(_mistake_job, 2, cases, device_kind="cpu", timeout_s=900)
+    _assert_mistakes(results, {"InvalidInput", "returned"}, {"returned"})
+    outcomes = _outcomes(results)
+    for case in cases:
+        what, detail = outcomes[case][1][0][1]
+        if case[2] == "strided_out":
+            assert what == "returned", (case, what, detail)
+        elif what == "InvalidInput":
+            assert "so that the other ranks complete" in detail and "out was not written" in detail, detail
+
+
+def test_a_rank_that_does_not_take_part_makes_the_others_raise_in_bounded_time():
+    """One rank passes None, or other shapes than the others on a problem they cached: it raises (alone on a
+    first call: InvalidInput or DispatchMismatch after the agreement's bound), the others raise FlagTimeout
+    (heap and fused variants) within the wait budget; after autofuse.rebuild() on every rank, calls and
+    first calls (whose agreement rounds stay paired) work again."""
+    cases = [("gemm_ar", "one_shot", "not_a_tensor"), ("gemm_ar", "one_shot", "new_shape"),
+             ("ag_gemm", "heap_mm", "new_shape")]
+    results = spawn(_mistake_job, 2, cases, device_kind="cpu", timeout_s=900)
+    _assert_mistakes(results, {"InvalidInput", "DispatchMismatch"}, {"FlagTimeout"})
+
+
+def test_a_rank_that_does_not_take_part_at_four_ranks():
+    results = spawn(_mistake_job, 4, [("gemm_ar", "one_shot", "new_shape")], device_kind="cpu", timeout_s=900)
+    _assert_mistakes(results, {"DispatchMismatch"}, {"FlagTimeout"})
+
+
+def test_bsp_peers_of_a_rank_that_does_not_take_part_raise_in_bounded_time():
+    """bsp on the CPU emulation: the others' collective gives up after the wait budget (CollectiveTimeout)
+    instead of waiting for the process group's timeout; the group is then unusable (it says so)."""
+    results = spawn(_mistake_job, 2, [("gemm_ar", "bsp", "not_a_tensor")], 5.0, device_kind="cpu", timeout_s=600)
+    _assert_mistakes(results, {"InvalidInput"}, {"CollectiveTimeout"}, third=False)
+    calls, _ = _outcomes(results)[("gemm_ar", "bsp", "not_a_tensor")][0]
+    assert "restart the job" in calls[1][1], calls[1]
+
+
+@harness.gpu(2)
+def test_gpu_one_ranks_mistake_never_hangs_the_other():
+    """The CPU tests' heap and fused cases on GPUs (several ranks may share one GPU): a mistake the rank sees
+    lets the other complete; a rank absent from a cached call makes the other raise FlagTimeout, and after
+    rebuild both work, first calls too."""
+    seen = [("gemm_ar", "one_shot", "bad_out"), ("gemm_ar", "one_shot", "strided_out"),
+            ("ag_gemm", "push", "misaligned"), ("ag_gemm", "heap_mm", "bad_out")]
+    _assert_mistakes(spawn(_mistake_job, harness.gpu_world(), seen, device_kind="cuda", timeout_s=900),
+                     {"InvalidInput", "returned"}, {"returned"})
+    absent = [("gemm_ar", "one_shot", "not_a_tensor"), ("ag_gemm", "heap_mm", "new_shape")]
+    _assert_mistakes(spawn(_mistake_job, harness.gpu_world(), absent, device_kind="cuda", timeout_s=900),
+                     {"InvalidInput", "DispatchMismatch"}, {"FlagTimeout"})
+
+
+SETTINGS_SCENARIOS = [
+    ("too long everywhere", {"AUTOFUSE_WAIT_TIMEOUT": "1e12"}, {"AUTOFUSE_WAIT_TIMEOUT": "1e12"}),
+    ("different", {"AUTOFUSE_WAIT_TIMEOUT": "2"}, {"AUTOFUSE_WAIT_TIMEOUT": "3"}),
+    ("bad on one rank", {}, {"AUTOFUSE_HEAP_SIZE": "lots"}),
+    ("bad provider on one rank", {}, {"AUTOFUSE_HEAP_PROVIDER": "nvshmem"}),
+    ("good", {}, {}),
+]
+
+
+def _settings_job(world, scenarios):
+    """Per scenario (name, env of the other ranks, env of the last rank): a first call of gemm_ar one_shot
+    (which makes the heap) under that environment. Returns (scenario, what it raised or 'returned', text)."""
+    import autofuse
+    from autofuse import dispatch
+
+    seen = []
+    op = registry.get("gemm_ar")
+    dims, dtype = MISTAKE_CASES["gemm_ar"]
+    problem = Problem.make("gemm_ar", dtype, world.size, **dims)
+    for name, others, last in scenarios:
+        env = last if world.rank == world.size - 1 else others
+        saved = {k: os.environ.pop(k, None) for k in ("AUTOFUSE_WAIT_TIMEOUT", "AUTOFUSE_HEAP_SIZE",
+                                                      "AUTOFUSE_HEAP_PROVIDER")}
+        os.environ.update(env)
+        dispatch.reset()
+        try:
+            got = autofuse.gemm_ar(*op.inputs(world, problem, 0), variant="one_shot")
+            seen.append((name, "returned", str(rel_error(got, op.reference(world, problem, 0)))))
+        except Exception as exc:  # noqa: BLE001 - what each rank raised is the result
+            seen.append((name, type(exc).__name__, str(exc)))
+        for k, v in saved.items():
+            os.environ.pop(k, None)
+            if v is not None:
+                os.environ[k] = v
+        world.sync()
+    return seen
+
+
+def test_settings_are_validated_where_every_rank_agrees():
+    """A setting that cannot be used (a wait too long for the kernels' clock, a heap size or provider that does
+    not parse), on every rank or on one, raises on every rank at the first call, before any heap is made
+    (the others never wait in the heap's rendezvous); ranks whose settings differ raise DispatchMismatch
+    naming the variable; afterwards a first call works (the agreement rounds stayed paired)."""
+    results = spawn(_settings_job, 2, SETTINGS_SCENARIOS, device_kind="cpu", timeout_s=600)
+    by = [{name: (what, text) for name, what, text in rows} for rows in results]
+    for rank in (0, 1):
+        assert by[rank]["too long everywhere"][0] == "SettingError" and "AUTOFUSE_WAIT_TIMEOUT" in by[rank][
+            "too long everywhere"][1]
+        assert by[rank]["different"][0] == "DispatchMismatch" and "AUTOFUSE_WAIT_TIMEOUT" in by[rank]["different"][1]
+        assert by[rank]["good"][0] == "returned" and float(by[rank]["good"][1]) < 1e-3, by[rank]["good"]
+    for name, variable in (("bad on one rank", "AUTOFUSE_HEAP_SIZE"), ("bad provider on one rank",
+                                                                        "AUTOFUSE_HEAP_PROVIDER")):
+        assert by[1][name][0] == "SettingError" and variable in by[1][name][1], by[1][name]
+        assert by[0][name][0] == "InvalidInput" and "rank 1" in by[0][name][1] and variable in by[0][name][1], by[0][name]

@@ -243,7 +243,7 @@ def test_a_call_after_a_peers_fault_reads_no_stale_data(world_size):
 
 @harness.gpu(2)
 def test_gpu_a_call_after_a_peers_fault_reads_no_stale_data():
-    _assert_no_stale(spawn(_stale_job, 2, STALE_CASES, device_kind="cuda", timeout_s=900))
+    _assert_no_stale(spawn(_stale_job, harness.gpu_world(), STALE_CASES, device_kind="cuda", timeout_s=900))
 
 
 # -- spaces, defaults, checks (no ranks) ---------------------------------------------------------------

@@ -49,7 +49,6 @@ import datetime
 import mmap
 import os
 import pickle
-import re
 import socket
 import time
 import uuid
@@ -69,7 +68,9 @@ STATUS_WORDS = 8
 DEFAULT_SIZE = {"cpu": 64 << 20, "cuda": 8 << 30}
 SHM_DIR = "/dev/shm"
 SHM_PREFIX = "autofuse-heap"
-PROVIDERS = ("torch", "symm", "iris", "shm")
+PROVIDERS = settings.HEAP_PROVIDERS
+MIN_SIZE = settings.MIN_HEAP_SIZE
+parse_size = settings.parse_size  # AUTOFUSE_HEAP_SIZE's syntax, also for an explicit size
 WHOLE_JOB_ONLY = ("symm", "iris")
 
 
@@ -81,27 +82,9 @@ class HeapRendezvousError(RuntimeError):
     """Creating a group's heap failed or timed out; the message names the group and what to do."""
 
 
-MIN_SIZE = 1 << 16
-
-
 def _mib(*sizes: int) -> int:
     """The largest of `sizes` in MiB, rounded up (a size to suggest in a message)."""
     return -(-max(sizes) // (1 << 20))
-
-
-def parse_size(text: str | int) -> int:
-    """'64M', '2G', '1048576' -> bytes (AUTOFUSE_HEAP_SIZE's syntax); at least 64 KiB."""
-    if isinstance(text, int):
-        size = text
-    else:
-        m = re.fullmatch(r"\s*(\d+)\s*([kKmMgG]?)i?[bB]?\s*", str(text))
-        if not m:
-            raise ValueError(f"cannot read heap size {text!r} (AUTOFUSE_HEAP_SIZE): use bytes or a number with "
-                             "K, M or G, e.g. 512M or 8G")
-        size = int(m.group(1)) << {"": 0, "k": 10, "m": 20, "g": 30}[m.group(2).lower()]
-    if size < MIN_SIZE:
-        raise ValueError(f"heap size {text!r} (AUTOFUSE_HEAP_SIZE) is below the minimum of {MIN_SIZE >> 10}K")
-    return size
 
 
 def default_provider(device: torch.device, spans_job: bool = False, shares_gpu: bool = False) -> str:
@@ -310,10 +293,9 @@ class SymmetricHeap:
     def __init__(self, world: World, size: int | str | None = None, provider: str | None = None,
                  timeout_s: float | None = None):
         self.world = world
-        env = settings.heap_size_text()
         shares = world.shares_gpu
         default = DEFAULT_SIZE[world.device.type] // (settings.ranks_per_gpu() if shares else 1)  # one GPU's worth
-        self.size = parse_size(size if size is not None else env if env else default)
+        self.size = parse_size(size) if size is not None else settings.heap_size() or default
         self.provider = provider or settings.heap_provider() or default_provider(world.device, _spans_job(world), shares)
         if self.provider not in PROVIDERS:
             raise ValueError(f"unknown heap provider {self.provider!r}: use {', '.join(PROVIDERS)}")

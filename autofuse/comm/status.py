@@ -31,6 +31,12 @@ class WorkspaceAborted(RuntimeError):
     """A call on a workspace that saw a fault: refused until the workspace is rebuilt on every rank."""
 
 
+class CollectiveTimeout(RuntimeError):
+    """A collective library call (a bsp variant's, on the CPU emulation's gloo) did not complete within the
+    wait budget: a peer did not take part. The process group cannot be used after it (a late peer's call
+    would pair with the abandoned one), so its World refuses every later collective: restart the job."""
+
+
 def wait_budget_ns(device_type: str) -> int:
     """The wait budget kernels receive (DeviceContext.budget): nanoseconds of wall-clock time."""
     return int(wait_timeout_s(device_type) * 1e9)

@@ -107,6 +107,7 @@ class World:
     global_ranks: tuple[int, ...] = ()
     shares_gpu: bool = False
     _heap: Any = field(default=None, repr=False)
+    broken: str | None = field(default=None, repr=False)  # why collectives are refused (see `collective`)
 
     @property
     def spans_job(self) -> bool:
@@ -140,6 +141,32 @@ class World:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.barrier()
+
+    def collective(self, fn: Callable[..., Any], *args: Any, what: str = "collective", **kwargs: Any) -> None:
+        """Run the torch.distributed collective `fn(*args, group=<this World's group>, **kwargs)` (what bsp
+        variants call), bounded. On CPU (gloo) the wait gives up after the flag-wait budget
+        (AUTOFUSE_WAIT_TIMEOUT) with CollectiveTimeout, and this World refuses every later collective
+        (the group is unusable: a late peer's call would pair with the abandoned one). On GPUs the
+        host does not wait (NCCL runs on the stream): the process group's timeout bounds it (NCCL's
+        watchdog), so the hot path gains no host synchronisation."""
+        if self.device.type == "cuda":
+            fn(*args, group=self.group, **kwargs)
+            return
+        from autofuse.comm.status import CollectiveTimeout
+        from autofuse.core.settings import wait_timeout_s
+
+        if self.broken:
+            raise CollectiveTimeout(self.broken)
+        work = fn(*args, group=self.group, async_op=True, **kwargs)
+        budget = wait_timeout_s(self.device.type)
+        try:
+            work.wait(timeout=datetime.timedelta(seconds=budget))
+        except Exception as exc:  # noqa: BLE001 - gloo's timeout error type differs across torch versions
+            self.broken = (f"{what}: rank {self.rank}'s collective did not complete within {budget:g} s "
+                           f"(AUTOFUSE_WAIT_TIMEOUT; {type(exc).__name__}): a peer did not take part (it raised on "
+                           "its own arguments, called with other shapes, skipped the call or died). This process "
+                           "group cannot be used any more: restart the job")
+            raise CollectiveTimeout(self.broken) from None
 
     def rank_max(self, value: float) -> float:
         """The largest of every rank's `value` (collective: every rank calls it): how the ranks agree

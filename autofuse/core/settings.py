@@ -1,15 +1,17 @@
 """Settings: every AUTOFUSE_* environment variable, read and validated in one place.
 
 Each reader parses the environment when it is called (tests, benches and servers change the
-environment between calls; none of these is read on a cached call's hot path) and raises
+environment between calls; none of these is read on a cached call's hot path, but for the CPU
+emulation's bsp collectives, which read the wait budget) and raises
 `SettingError` (a ValueError) naming the variable and what it accepts. `NAMES` documents them all;
-`snapshot()` returns every rank-visible setting's raw text, so ranks can compare what they were
-started with.
+`lockstep(device)` parses every setting the ranks of a job must share, which a first call's
+agreement compares (autofuse.dispatch.agreement).
 """
 from __future__ import annotations
 
 import math
 import os
+import re
 from pathlib import Path
 
 from autofuse.core import modes
@@ -34,6 +36,9 @@ NAMES = {
 DEFAULT_WAIT_TIMEOUT_S = {"cuda": 10.0, "cpu": 120.0}  # the interpreter runs a peer's programs one by one
 MAX_SECONDS = 7 * 24 * 3600.0  # a week: beyond it a wait budget overflows the kernels' int64 nanoseconds
 DEFAULT_HEAP_TIMEOUT_S = 300.0
+HEAP_PROVIDERS = ("torch", "symm", "iris", "shm")
+MIN_HEAP_SIZE = 1 << 16
+MAX_HEAP_SIZE = 1 << 40
 DEFAULT_CONFIRM_K = 3
 
 
@@ -68,14 +73,35 @@ def heap_timeout_s() -> float:
     return _seconds("AUTOFUSE_HEAP_TIMEOUT", DEFAULT_HEAP_TIMEOUT_S)
 
 
-def heap_size_text() -> str | None:
-    """AUTOFUSE_HEAP_SIZE as written (autofuse.comm.heap.parse_size reads it), None if unset."""
-    return _text("AUTOFUSE_HEAP_SIZE") or None
+def parse_size(text: str | int) -> int:
+    """'64M', '2G', '1048576' -> bytes (AUTOFUSE_HEAP_SIZE's syntax); at least MIN_HEAP_SIZE."""
+    if isinstance(text, int):
+        size = text
+    else:
+        m = re.fullmatch(r"\s*(\d+)\s*([kKmMgG]?)i?[bB]?\s*", str(text))
+        if not m:
+            raise SettingError(f"cannot read heap size {text!r} (AUTOFUSE_HEAP_SIZE): use bytes or a number with "
+                               "K, M or G, e.g. 512M or 8G")
+        size = int(m.group(1)) << {"": 0, "k": 10, "m": 20, "g": 30}[m.group(2).lower()]
+    if size < MIN_HEAP_SIZE:
+        raise SettingError(f"heap size {text!r} (AUTOFUSE_HEAP_SIZE) is below the minimum of {MIN_HEAP_SIZE >> 10}K")
+    if size > MAX_HEAP_SIZE:
+        raise SettingError(f"heap size {text!r} (AUTOFUSE_HEAP_SIZE) is above the maximum of {MAX_HEAP_SIZE >> 40}T")
+    return size
+
+
+def heap_size() -> int | None:
+    """AUTOFUSE_HEAP_SIZE in bytes, None if unset (the heap picks its default per device)."""
+    text = _text("AUTOFUSE_HEAP_SIZE")
+    return parse_size(text) if text else None
 
 
 def heap_provider() -> str | None:
-    """AUTOFUSE_HEAP_PROVIDER, None if unset (the heap picks its default and checks the name)."""
-    return _text("AUTOFUSE_HEAP_PROVIDER") or None
+    """AUTOFUSE_HEAP_PROVIDER, None if unset (the heap picks its default per device and group)."""
+    text = _text("AUTOFUSE_HEAP_PROVIDER")
+    if text and text not in HEAP_PROVIDERS:
+        raise SettingError(f"AUTOFUSE_HEAP_PROVIDER={text!r}: use one of {', '.join(HEAP_PROVIDERS)}")
+    return text or None
 
 
 def _switch(name: str) -> bool | None:
@@ -194,7 +220,12 @@ def user_models_dir() -> Path:
     return root / "autofuse" / "models"
 
 
-def snapshot() -> dict[str, str]:
-    """Every AUTOFUSE_* variable of `NAMES` that is set, as written (what ranks compare)."""
-    return {name: os.environ[name] for name in NAMES if name in os.environ}
-
+def lockstep(device_type: str) -> dict[str, object]:
+    """Every setting the ranks of a job must share, parsed (SettingError names the first one that cannot
+    be used): what a first call's agreement compares, so a bad or differing value raises on every rank
+    before any heap, workspace or kernel is made (a bad value on one rank would otherwise make the
+    others wait in the heap's rendezvous)."""
+    return {"AUTOFUSE_WAIT_TIMEOUT": wait_timeout_s(device_type), "AUTOFUSE_HEAP_SIZE": heap_size(),
+            "AUTOFUSE_HEAP_PROVIDER": heap_provider(), "AUTOFUSE_HEAP_TIMEOUT": heap_timeout_s(),
+            "AUTOFUSE_CHECK": check_every_call(), "AUTOFUSE_MODE": mode(device_type),
+            "AUTOFUSE_ONLINE": online(device_type), "AUTOFUSE_CONFIRM_K": confirm_k()}

@@ -23,10 +23,17 @@ own models/, <prefix>/share/autofuse/models (preferring `AUTOFUSE_MODE`, default
 else BSP for every op not forced, with a one-time warning. Then every rank agrees: each publishes its validation outcome and a hash of (problem,
 variant, config) through the job's store and waits, bounded (the wait budget + 2 s), for all the
 others. If any rank's input was invalid, every rank raises InvalidInput naming that rank and the
-reason; if the choices differ, every rank raises DispatchMismatch naming each rank's choice; if a
-rank does not take part (it ran a cached call with other shapes, or died), the others raise
-DispatchMismatch when the wait runs out, while that rank's kernels time out on their flags. All
-of it happens before any kernel is built or launched. Then the runner is built and cached.
+reason; if the choices or the settings every rank must share differ, every rank raises
+DispatchMismatch naming them; if a rank does not take part (it ran a cached call with other shapes,
+or died), the others raise DispatchMismatch when the wait runs out, while that rank's kernels time
+out on their flags, and take the round back so their next agreement pairs with the others'. All of
+it happens before any kernel is built or launched. Then the runner is built and cached.
+
+One rank's mistake on a cached call (entry.take_part): a runner checks its arguments before it
+launches anything; where the key admitted them but the runner refuses them (a misaligned or
+strided tensor, a wrong `out=`), that rank runs the call on copies the runner takes, so the other
+ranks (already in the call) complete, then returns or raises InvalidInput. The hot path pays a
+`try` for it, nothing more.
 
 CUDA graphs: a cached problem is safe to capture (the runner keeps its epochs on the device). A
 miss during capture raises `CaptureMiss`: building a runner allocates heap workspace collectively

@@ -1,11 +1,13 @@
 """Every rank agrees on a new problem before anything is built or launched (DESIGN.md, dispatch).
 
-Each rank publishes its validation outcome and a hash of (problem, variant, config, candidates)
-through the job's key-value store and waits, bounded (the flag-wait budget + 2 s), for all the
-others. Any rank's invalid input raises InvalidInput on every rank naming that rank; differing
-choices raise DispatchMismatch naming each rank's; a rank that does not take part (it ran a cached
-call with other shapes, or died) makes the others raise DispatchMismatch when the wait runs out.
-Never NCCL: a collective would block forever if a rank never comes.
+Each rank publishes its validation outcome (its inputs, and the settings every rank must share:
+`settings.lockstep`) and a hash of (problem, variant, config, candidates) through the job's
+key-value store and waits, bounded (the flag-wait budget + 2 s), for all the others. Any rank's
+invalid input or setting raises on every rank naming that rank; differing choices or settings raise
+DispatchMismatch naming them; a rank that does not take part (it ran a cached call with other
+shapes, or died) makes the others raise DispatchMismatch when the wait runs out, and they take the
+round back (its sequence number and their keys), so a rank left alone never shifts the pairing of
+later rounds. Never NCCL: a collective would block forever if a rank never comes.
 """
 from __future__ import annotations
 
@@ -35,6 +37,12 @@ def agree_timeout_s(device_type: str) -> float:
 def agree(world: World, op: str, choice: Choice | None, invalid: Exception | None) -> None:
     """Publish this rank's outcome, wait for every rank's; raise the same error on every rank if any
     rank's input was invalid or the choices differ."""
+    shared = None
+    if invalid is None:
+        try:
+            shared = settings.lockstep(world.device.type)
+        except settings.SettingError as exc:
+            invalid = exc
     if invalid is not None:
         mine = {"ok": False, "why": f"{type(invalid).__name__}: {invalid}"}
     else:
@@ -42,15 +50,26 @@ def agree(world: World, op: str, choice: Choice | None, invalid: Exception | Non
         mine = {"ok": True, "hash": hashlib.sha256(
             f"{choice.problem.key}|{choice.variant}|{config_key(choice.config)}|{cands}".encode()).hexdigest()[:16],
             "said": f"{choice.variant} {config_key(choice.config)} for {choice.problem.key} "
-                    f"([{choice.basis}] {choice.reason})"}
-    every = exchange(world, op, mine)
+                    f"([{choice.basis}] {choice.reason})", "settings": shared}
+    try:
+        every = exchange(world, op, mine)
+    except DispatchMismatch:
+        if invalid is not None:
+            raise invalid from None  # alone on a first call: this rank's own reason is the one to read
+        raise
     bad = [(r, e["why"]) for r, e in enumerate(every) if not e["ok"]]
     if invalid is not None:
         raise invalid  # this rank's own reason; the others raise naming this rank
     if bad:
         lines = "\n".join(f"  rank {r}: {why}" for r, why in bad)
-        raise InvalidInput(f"autofuse.{op}: invalid input on {len(bad)} of {world.size} ranks, so no rank ran it:\n"
-                           f"{lines}")
+        raise InvalidInput(f"autofuse.{op}: invalid input or settings on {len(bad)} of {world.size} ranks, so no "
+                           f"rank ran it:\n{lines}")
+    differ = sorted({k for e in every for k in e["settings"] if e["settings"][k] != every[0]["settings"].get(k)})
+    if differ:
+        lines = "\n".join(f"  rank {r}: " + ", ".join(f"{k}={e['settings'][k]!r}" for k in differ)
+                          for r, e in enumerate(every))
+        raise DispatchMismatch(f"autofuse.{op}: ranks run with different settings, so nothing was launched:\n{lines}\n"
+                               "Give every rank the same AUTOFUSE_* environment.")
     if len({e["hash"] for e in every}) > 1:
         lines = "\n".join(f"  rank {r}: {e['said']}" for r, e in enumerate(every))
         raise DispatchMismatch(
@@ -76,6 +95,10 @@ def exchange(world: World, op: str, mine: dict) -> list[dict]:
         store.wait(keys, datetime.timedelta(seconds=timeout))
     except Exception as exc:  # noqa: BLE001 - the store's timeout error type differs across torch versions
         missing = [r for r, k in enumerate(keys) if not store.check([k])]
+        # this round did not happen: take it back, so this rank's next agreement pairs with the others' next
+        # one (they never entered this round: they ran a cached call, or will call again)
+        STATE.agreement_seq[group] = seq
+        store.delete_key(keys[world.rank])
         raise DispatchMismatch(
             f"autofuse.{op}: rank(s) {missing} did not take part in the first call of this problem within "
             f"{timeout:.0f} s ({type(exc).__name__}). A rank that ran a cached call with other shapes, skipped "

@@ -78,16 +78,23 @@ def route(name: str, args: tuple, group: Any, variant: str | None, config: Confi
 
 _ENTRY_TEMPLATE = """
 def {name}({params}, group=None, *, variant=None, config=None, out=None):
-    if grad_enabled() and ({grad}) or compiling() or {subclass}:
+    try:
+        via_library = grad_enabled() and ({grad}) or compiling() or {subclass}
+        key = ({name!r}, id(group), variant, None if config is None else config_key(config), {key})
+    except AttributeError:  # an argument that is not a tensor: the miss path names it, with every rank
+        via_library, key = False, None
+    if via_library:
         result = route({name!r}, ({params},), group, variant, config, out)
         if result is not None:
             return result
-    key = ({name!r}, id(group), variant, None if config is None else config_key(config), {key})
     entry = cache.get(key)
     if entry is None:
         return miss(key, {name!r}, ({params},), group, variant, config, out)
     stats.hits += 1
-    result = entry.runner({params}) if out is None else entry.runner({params}, out=out)
+    try:
+        result = entry.runner({params}) if out is None else entry.runner({params}, out=out)
+    except InvalidInput as exc:
+        return take_part(entry, ({params},), out, exc, entry.check)
     if entry.check:
         check(entry, result)
     return result
@@ -108,6 +115,7 @@ def entry_point(name: str) -> Callable[..., torch.Tensor]:
     subclass = " or ".join(f"{a}.__class__ not in PLAIN" for a in op.args)
     namespace = {"cache": STATE.cache, "miss": miss, "check": check, "stats": STATE.stats, "config_key": config_key,
                  "route": route, "grad_enabled": grad_enabled, "compiling": compiling, "PLAIN": PLAIN,
+                 "InvalidInput": InvalidInput, "take_part": take_part,
                  "__name__": __name__}  # warnings skip this frame as autofuse's own (state.user_stacklevel)
     exec(_ENTRY_TEMPLATE.format(name=name, params=params, key=key, grad=grad, subclass=subclass),  # noqa: S102
          namespace)  # our own template
@@ -166,29 +174,58 @@ def reset() -> None:
     STATE.reset()
 
 
-def key_of(name: str, group: Any, variant: str | None, config: Config | None, args: tuple) -> tuple:
-    """The cache key: op, group, overrides, and each input's shape, dtype, device and contiguity.
+def key_of(name: str, group: Any, variant: str | None, config: Config | None, args: tuple) -> tuple | None:
+    """The cache key: op, group, overrides, and each input's shape, dtype, device and contiguity (None
+    where an argument is not a tensor).
 
     Contiguity rather than strides: ops that need contiguous inputs reject the others in
     `problem_of` (a new key is a miss, so it runs); ops that take strides read them per call.
     """
     key = [name, id(group), variant, None if config is None else config_key(config)]
     for a in args:
-        if isinstance(a, torch.Tensor):
-            key += (a.shape, a.dtype, a.device, a.is_contiguous())
-        else:
-            key.append(a)
+        if not isinstance(a, torch.Tensor):
+            return None  # no cached call takes it: the miss path names it, with every rank
+        key += (a.shape, a.dtype, a.device, a.is_contiguous())
     return tuple(key)
 
 
 def run(entry: Entry, args: tuple, out: torch.Tensor | None) -> torch.Tensor:
-    result = entry.runner(*args) if out is None else entry.runner(*args, out=out)
+    try:
+        result = entry.runner(*args) if out is None else entry.runner(*args, out=out)
+    except InvalidInput as exc:
+        return take_part(entry, args, out, exc, entry.check)
     if entry.check:
         check(entry, result)
     return result
 
 
-def miss(key: tuple, op: str | Op, args: tuple, group: Any, variant: str | None, config: Config | None,
+def take_part(entry: Entry, args: tuple, out: Any, refused: InvalidInput, checked: bool) -> torch.Tensor:
+    """This rank's runner refused arguments that the call's cache key admitted (a layout, an alignment
+    or an `out=` the key does not show), before launching anything, while the other ranks are already
+    in the call: run it on copies the runner takes, so they complete, then return the result (copied
+    into `out`) or, where the op itself refuses the arguments or `out` cannot hold the result, raise
+    InvalidInput saying that `out` was not written. Only refused calls come here (the hot path pays
+    nothing for it)."""
+    runner, op = entry.runner, op_of(entry.choice.op)
+    copies = tuple(a.clone(memory_format=torch.contiguous_format) if isinstance(a, torch.Tensor) else a for a in args)
+    result = runner(*copies)
+    if checked:
+        check(entry, result)
+    try:
+        op.problem_of(runner.world, *args)
+    except InvalidInput as exc:
+        raise InvalidInput(f"{exc}; this rank ran the call on copies so that the other ranks complete (out was not "
+                           "written)") from None
+    if out is None:
+        return result
+    if isinstance(out, torch.Tensor) and out.shape == result.shape and out.dtype == result.dtype \
+            and out.device == result.device:
+        return out.copy_(result)
+    raise InvalidInput(f"{refused}; this rank ran the call into a buffer of its own so that the other ranks "
+                       "complete") from None
+
+
+def miss(key: tuple | None, op: str | Op, args: tuple, group: Any, variant: str | None, config: Config | None,
          out: torch.Tensor | None) -> torch.Tensor:
     """A problem this process has not seen: decide, agree, confirm, build, cache, run."""
     op = op_of(op)
@@ -212,9 +249,13 @@ def miss(key: tuple, op: str | Op, args: tuple, group: Any, variant: str | None,
     STATE.stats.builds += 1
     every = bool(getattr(runner, "workspaces", ())) and (world.device.type == "cpu" or settings.check_every_call())
     entry = Entry(runner, choice, every)
-    STATE.cache[key] = entry
-    result = runner(*args) if out is None else runner(*args, out=out)
-    check(entry, result)
+    if key is not None:
+        STATE.cache[key] = entry
+    try:
+        result = runner(*args) if out is None else runner(*args, out=out)
+    except InvalidInput as exc:
+        return take_part(entry, args, out, exc, checked=True)
+    check(entry, result)  # the first call of a problem reads its fault record on every device
     return result
 
 

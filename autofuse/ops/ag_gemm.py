@@ -469,7 +469,6 @@ class BspRunner(Runner):
         r, c = _shard_shape(problem)
         m, k, w = problem["M"], problem["K"], problem.world
         dt, dev = problem.torch_dtype, world.device
-        self.group = world.group
         self.gathered = torch.empty((w * r, c), dtype=dt, device=dev)  # shard s at rows s*r..
         self.full = self.gathered if problem["gather"] == "rows" else torch.empty((m, k), dtype=dt, device=dev)
 
@@ -477,7 +476,7 @@ class BspRunner(Runner):
         return self.full
 
     def launch(self, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
-        dist.all_gather_into_tensor(self.gathered, a, group=self.group)
+        self.world.collective(dist.all_gather_into_tensor, self.gathered, a, what="ag_gemm.bsp")
         if self.problem["gather"] == "k":
             w, m, c = self.problem.world, self.problem["M"], a.shape[1]
             self.full.view(m, w, c).copy_(self.gathered.view(w, m, c).transpose(0, 1))

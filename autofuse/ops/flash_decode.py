@@ -518,9 +518,9 @@ class _Base(Runner):
 def all_gather(world: Any, recv: torch.Tensor, send: torch.Tensor) -> None:
     """The collective library's all-gather of flat slots: NCCL's into-tensor form, gloo's list form."""
     if world.device.type == "cuda":
-        dist.all_gather_into_tensor(recv, send, group=world.group)
+        world.collective(dist.all_gather_into_tensor, recv, send, what="flash_decode.bsp")
     else:
-        dist.all_gather(list(recv.view(world.size, -1).unbind(0)), send, group=world.group)
+        world.collective(dist.all_gather, list(recv.view(world.size, -1).unbind(0)), send, what="flash_decode.bsp")
 
 
 class BspRunner(_Base):

@@ -71,11 +71,11 @@ def sweep(kind: str, world: int) -> list[Problem]:
 def reduce_scatter(world: Any, out: torch.Tensor, partial: torch.Tensor) -> None:
     """out = this rank's rows of the sum of every rank's `partial` (NCCL; all_reduce + slice on gloo)."""
     if world.backend == "gloo":
-        dist.all_reduce(partial, group=world.group)
+        world.collective(dist.all_reduce, partial, what="gemm_rs.bsp")
         m_r = out.shape[0]
         out.copy_(partial[world.rank * m_r:(world.rank + 1) * m_r])
     else:
-        dist.reduce_scatter_tensor(out, partial, group=world.group)
+        world.collective(dist.reduce_scatter_tensor, out, partial, what="gemm_rs.bsp")
 
 
 # -- bsp and torch_symm -------------------------------------------------------------------------------
