@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 
 import harness
@@ -61,6 +62,7 @@ def test_a_first_call_under_inference_mode_leaves_later_calls_working():
     _assert_correct(spawn(_inference_mode_job, 2, TINY, device_kind="cpu", timeout_s=900))
 
 
+@pytest.mark.sweep  # 40 s on CI's two cores; the 2-rank test covers every variant
 def test_inference_mode_at_four_ranks():
     _assert_correct(spawn(_inference_mode_job, 4, {"gemm_rs": TINY["gemm_rs"]}, ("bsp", "mm_heap"),
                           device_kind="cpu", timeout_s=900))
@@ -127,6 +129,7 @@ def test_a_call_that_raises_leaves_nan_in_out():
     _assert_fault_outputs(spawn(_fault_job, 2, FAULT_CASES, device_kind="cpu", timeout_s=600))
 
 
+@pytest.mark.sweep  # 45 s on CI's two cores; test_hybrid's stale-data test runs at 4 ranks
 def test_a_call_that_raises_leaves_nan_in_out_at_four_ranks():
     _assert_fault_outputs(spawn(_fault_job, 4, FAULT_CASES[:1], device_kind="cpu", timeout_s=600))
 

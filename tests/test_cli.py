@@ -581,10 +581,17 @@ def test_damaged_database_given_to_tune_or_merge_is_untouched(runner, db, tmp_pa
 @pytest.mark.parametrize("column, value", [("problem", "ag_gemm|M=x|bfloat16"), ("config", "not json"),
                                            ("median_us", "fast")])
 def test_rows_modified_outside_autofuse_are_one_line(runner, db, tmp_path, column, value):
+    """show, export and fit name the row and stop; merge copies nothing from such an input (OUT untouched)."""
     path = tmp_path / "modified.db"
     shutil.copy(db, path)
     with sqlite3.connect(path) as con:
         con.execute(f"UPDATE measurements SET {column} = ?", [value])
+    out = tmp_path / "merged.db"
+    shutil.copy(db, out)
+    before = _digest(out)
+    res = runner.invoke(app, ["merge", str(out), str(path)])
+    assert res.exit_code == 1 and "outside autofuse" in res.output and "Traceback" not in res.output, res.output
+    assert _digest(out) == before
     for command in ("show", "export", "fit"):
         res = runner.invoke(app, [command, "--db", str(path)])
         assert res.exit_code == 1, (command, res.output)

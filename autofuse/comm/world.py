@@ -144,12 +144,12 @@ class World:
 
     def collective(self, fn: Callable[..., Any], *args: Any, what: str = "collective", **kwargs: Any) -> None:
         """Run the torch.distributed collective `fn(*args, group=<this World's group>, **kwargs)` (what bsp
-        variants call), bounded. On CPU (gloo) the wait gives up after the flag-wait budget
-        (AUTOFUSE_WAIT_TIMEOUT) with CollectiveTimeout, and this World refuses every later collective
-        (the group is unusable: a late peer's call would pair with the abandoned one). On GPUs the
-        host does not wait (NCCL runs on the stream): the process group's timeout bounds it (NCCL's
-        watchdog), so the hot path gains no host synchronisation."""
-        if self.device.type == "cuda":
+        variants call), bounded. On gloo (the CPU emulation, ranks sharing a GPU) the wait gives up after
+        the flag-wait budget (AUTOFUSE_WAIT_TIMEOUT) with CollectiveTimeout, and this World refuses every
+        later collective (the group is unusable: a late peer's call would pair with the abandoned one).
+        On NCCL the host does not wait (it runs on the stream): the process group's timeout bounds it
+        (NCCL's watchdog), so the hot path gains no host synchronisation."""
+        if "nccl" in self.backend:
             fn(*args, group=self.group, **kwargs)
             return
         from autofuse.comm.status import CollectiveTimeout

@@ -38,6 +38,7 @@ def merge(
                 continue
             try:
                 sources.append((path, Store.open(path, readonly=True, fingerprint={})))
+                sources[-1][1].check_rows()
             except StoreError as exc:
                 fail(str(exc))
         report = _merge_into(out, sources, fail)

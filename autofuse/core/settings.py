@@ -228,4 +228,5 @@ def lockstep(device_type: str) -> dict[str, object]:
     return {"AUTOFUSE_WAIT_TIMEOUT": wait_timeout_s(device_type), "AUTOFUSE_HEAP_SIZE": heap_size(),
             "AUTOFUSE_HEAP_PROVIDER": heap_provider(), "AUTOFUSE_HEAP_TIMEOUT": heap_timeout_s(),
             "AUTOFUSE_CHECK": check_every_call(), "AUTOFUSE_MODE": mode(device_type),
-            "AUTOFUSE_ONLINE": online(device_type), "AUTOFUSE_CONFIRM_K": confirm_k()}
+            "AUTOFUSE_ONLINE": online(device_type), "AUTOFUSE_CONFIRM_K": confirm_k(),
+            "AUTOFUSE_RANKS_PER_GPU": ranks_per_gpu()}

@@ -701,6 +701,12 @@ class Store:
 
     # -- merging ---------------------------------------------------------------------------------
 
+    def check_rows(self) -> None:
+        """StoreError naming the first measurement whose values autofuse would not write (what reads would
+        refuse): `merge` checks its inputs with it before writing anything."""
+        for r in self._query("SELECT * FROM measurements ORDER BY id"):
+            self._decode(r)
+
     def merge_from(self, other: "Store") -> dict[str, int]:
         """Copy another store's rows into this one without duplicates; returns counts.
 
@@ -714,6 +720,7 @@ class Store:
         tag: a hash of that trial's rows, so merging the same file again adds nothing).
         """
         self._writable()
+        other.check_rows()  # rows modified outside autofuse are never copied
         src = other.conn
         envs = [dict(r) for r in src.execute("SELECT * FROM environments")]
         problems = [dict(r) for r in src.execute("SELECT * FROM problems")]
