@@ -7,11 +7,14 @@
 # Options: --ranks-per-gpu N (AUTOFUSE_RANKS_PER_GPU: up to N ranks share a GPU; tests and diagnostics
 # only, nothing is timed), --world N (AUTOFUSE_TEST_WORLD: ranks of the multi-rank GPU tests), --heap SIZE
 # (AUTOFUSE_HEAP_SIZE). Every stage adds PASS/FAIL lines to NAME-summary.txt (in $OUT too), printed last.
-# One GPU, every multi-rank GPU test at 2 ranks on it: the case tables (graph replays included) and the hang
-# check in parallel, then the fault tests (they bound the time to raise), group and dispatch tests:
+# One GPU, every multi-rank GPU test at 2 ranks on it, in three waves of parallel pytest processes (26 at
+# once ran the GPU out of memory in the float64 references): the heavy case tables and the hang check, the
+# other tables (graph replays included) and the GEMM core, then the fault, group, dispatch and call tests:
 #   bash scripts/gpu_session.sh --name onegpu-w2 --ranks-per-gpu 4 --world 2 --heap 1G \
-#     together:test_gemm_rs,test_gemm_ar,test_ag_gemm,test_flash_decode,test_collectives,test_hybrid:300:not+fault+or+sizes_that_hung \
-#     together:test_gemm_rs,test_gemm_ar,test_ag_gemm,test_flash_decode,test_collectives,test_groups,test_dispatch,test_calls:200:fault+and+not+sizes_that_hung+or+test_groups+or+test_dispatch+or+test_calls
+#     together:test_gemm_rs,test_ag_gemm:240:gpu_cases+or+sizes_that_hung \
+#     together:test_gemm_ar,test_flash_decode,test_collectives,test_hybrid,test_gemm_core:270:not+test_gpu_faults \
+#     together:test_gemm_rs,test_gemm_ar,test_ag_gemm,test_flash_decode,test_collectives,test_groups,test_dispatch,test_calls:150:test_gpu_faults+and+not+sizes_that_hung+or+test_groups+or+test_dispatch+or+test_calls
+# (--world 4: the same at 4 ranks on the GPU.)
 # Stages (LIMIT: seconds, default 300):
 #   pytest:FILES[:LIMIT[:KEXPR]]    pytest -m gpu on tests/FILES (comma-separated file stems, e.g. test_ag_gemm),
 #                                   -k KEXPR if given ('+' for spaces)
@@ -60,7 +63,7 @@ export PYTHONPATH=/tmp/site
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'nccl', torch.cuda.nccl.version(), 'gpus', torch.cuda.device_count())"
   echo "CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-all} AUTOFUSE_RANKS_PER_GPU=${AUTOFUSE_RANKS_PER_GPU:-1}" \
        "AUTOFUSE_TEST_WORLD=${AUTOFUSE_TEST_WORLD:-2} AUTOFUSE_HEAP_SIZE=${AUTOFUSE_HEAP_SIZE:-default}"
-  echo "commit $(git rev-parse --short HEAD 2>/dev/null || echo '?')"; } > "$W/machine.txt" 2>&1
+  } > "$W/machine.txt" 2>&1
 SUMMARY=$W/$NAME-summary.txt; : > "$SUMMARY"
 status=0
 for stage in "$@"; do
@@ -78,7 +81,7 @@ for stage in "$@"; do
               : > "$W/together.txt"
               for id in $ids; do
                 ( tag=$(echo "$id" | sed 's#^tests/##; s#[^A-Za-z0-9_.-]#_#g')
-                  timeout -k 10 "${a2:-300}" python3 -m pytest -v -rs -m gpu -p no:cacheprovider -o addopts="" \
+                  timeout -k 10 "${a2:-300}" python3 -m pytest -v -rsP -m gpu -p no:cacheprovider -o addopts="" \
                     --durations=0 "$id" > "$W/together-$tag.log" 2>&1
                   rc=$?; verdict="FAIL(rc=$rc)"
                   [ $rc -eq 0 ] && verdict=$(grep -q " passed" "$W/together-$tag.log" && echo PASS || echo \

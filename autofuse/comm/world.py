@@ -263,7 +263,7 @@ class World:
         shares = _shares_gpu[0] and backend == "gloo"
         cuda = "nccl" in backend or shares
         device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-        world = cls(rank, size, device, backend, None if pg is dist.group.WORLD else pg, ranks, shares and size > 1)
+        world = cls(rank, size, device, backend, None if pg is dist.group.WORLD else pg, ranks, shares)
         _cache[id(pg)] = (pg, world)  # holding the group keeps its id unique
         return world
 
