@@ -39,6 +39,13 @@ Device functions, in the order a kernel uses them:
                                       counts[tile]; the last to arrive gets the summed tile (last
                                       True) and resets the count to 0 (CUDA-graph replays need no
                                       clearing). The others get last False and must not store.
+                                      The sum runs in split order: bitwise deterministic.
+  fixup(acc, partials, counts, count, slot, first, n, BLOCK_M, BLOCK_N) -> (acc, last)
+                                      the same for any n contributors in slots first..first+n-1
+                                      (split_k_reduce and stream-K both use it).
+  stream_k_plan(tiles, steps, programs, STREAM_K) -> (dp_tiles, sk_iters, sk_programs)
+  stream_k_piece(t, p, steps, sk_iters, sk_programs) -> (k_first, k_end, slot, first, n)
+                                      the last-wave split (below).
   store_tile(c, acc, off_m, off_n, M, N, stride_cm, stride_cn, BLOCK_M, BLOCK_N, USE_TMA)
                                       masked store of the tile in C's dtype (a descriptor with
                                       USE_TMA: TMA clips the edges).
@@ -68,6 +75,16 @@ shard's come first (they wait for nothing) and peers' in arrival order: remap pi
 (pid_m + first) % num_pid_m) before waiting. Several K ranges (gather-k: one per shard, each its
 own descriptor) accumulate by calling gemm_tile again with the same acc.
 
+The last wave (STREAM_K, in gemm_kernel). tiles = T on P persistent programs leave T % P tiles for
+a last wave in which the other SMs idle (80 tiles of 128x256 for N=5120 at M=512: 52 of 132 SMs
+idle for the whole GEMM). With STREAM_K the whole waves (T - T % P tiles) run data-parallel, one
+program per tile over all of K, and the T % P tail tiles' K steps, laid end to end, are cut into
+equal shares of consecutive steps, one per program (stream-K on the tail, "DP + SK"). A share may
+end inside one tile and start the next, so a tail tile has 1..few contributors; each stores its
+float32 partial in its own slot (program + tail tile) and counts itself, and the last to arrive
+sums the slots in order (`fixup`): bounded (nobody waits), deterministic, and runnable under the
+interpreter. Shares are at least SK_MIN_STEPS K steps, so a short tail uses fewer programs.
+
 Skinny problems: SPLIT_K splits each tile's K steps over SPLIT_K work items (float32 partials,
 the last arrival sums), so few output tiles still fill every SM; SWAP_AB computes the tile as
 C^T = B^T A^T so BLOCK_N (>= 64) fills the wgmma's M dimension while BLOCK_M (16..64 rows of A)
@@ -90,6 +107,10 @@ import triton.language as tl
 from autofuse.kernels import shmem
 
 INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
+SK_MIN_STEPS = tl.constexpr(4)  # fewest K steps in a stream-K share (the pipeline's depth)
+NO_SCALE = tl.constexpr(0)      # SCALE: the output is A @ B as accumulated
+TENSORWISE = tl.constexpr(1)    # SCALE: times scale_a[0] * scale_b[0] (FP8 per-tensor scales)
+ROWWISE = tl.constexpr(2)       # SCALE: times scale_a[row] * scale_b[column] (FP8 row-wise scales)
 
 
 @triton.jit
@@ -105,12 +126,17 @@ def dot(a, b, acc):
 
 @triton.jit
 def operands(a, b, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
-             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_TMA: tl.constexpr):
+             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_TMA: tl.constexpr,
+             B_T: tl.constexpr = False):
     """(A source, B source) for gemm_tile: TMA descriptors of A (M x K) and B (K x N) with
-    USE_TMA (stride_ak and stride_bn must be 1), else the base pointers unchanged."""
+    USE_TMA (stride_ak must be 1, and stride_bn, or with B_T stride_bk: B stored transposed, N x K
+    row-major, as FP8 weights and torch._scaled_mm's B are), else the base pointers unchanged."""
     if USE_TMA:
         a_src = tl.make_tensor_descriptor(a, shape=[M, K], strides=[stride_am, 1], block_shape=[BLOCK_M, BLOCK_K])
-        b_src = tl.make_tensor_descriptor(b, shape=[K, N], strides=[stride_bk, 1], block_shape=[BLOCK_K, BLOCK_N])
+        if B_T:
+            b_src = tl.make_tensor_descriptor(b, shape=[N, K], strides=[stride_bn, 1], block_shape=[BLOCK_N, BLOCK_K])
+        else:
+            b_src = tl.make_tensor_descriptor(b, shape=[K, N], strides=[stride_bk, 1], block_shape=[BLOCK_K, BLOCK_N])
     else:
         a_src = a
         b_src = b
@@ -190,10 +216,22 @@ def _load(src, off_r, off_c, R, C, stride_r, stride_c,
 
 
 @triton.jit
+def _load_b(src, off_k, off_n, K, N, stride_bk, stride_bn,
+            BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, USE_TMA: tl.constexpr, B_T: tl.constexpr):
+    """B's BLOCK_K x BLOCK_N block at (off_k, off_n); with B_T and TMA the descriptor is over B's
+    N x K storage, so the block is loaded N x K (K-major, as FP8 wgmma wants it) and transposed."""
+    if B_T and USE_TMA:
+        block = tl.trans(src.load([off_n, off_k]))
+    else:
+        block = _load(src, off_k, off_n, K, N, stride_bk, stride_bn, BLOCK_K, BLOCK_N, USE_TMA)
+    return block
+
+
+@triton.jit
 def gemm_tile(acc, a_src, b_src, off_m, off_n, k_first, k_end, M, N, K,
               stride_am, stride_ak, stride_bk, stride_bn,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
-              SWAP_AB: tl.constexpr, USE_TMA: tl.constexpr, WARP_SPEC: tl.constexpr):
+              SWAP_AB: tl.constexpr, USE_TMA: tl.constexpr, WARP_SPEC: tl.constexpr, B_T: tl.constexpr = False):
     """acc + A[off_m:+BLOCK_M, k-range] @ B[k-range, off_n:+BLOCK_N] over K steps [k_first, k_end).
 
     acc: float32 BLOCK_M x BLOCK_N. a_src/b_src come from `operands` (or the consumer's own
@@ -207,14 +245,14 @@ def gemm_tile(acc, a_src, b_src, off_m, off_n, k_first, k_end, M, N, K,
         for ki in tl.range(k_first, k_end, num_stages=NUM_STAGES, warp_specialize=WARP_SPEC):
             off_k = ki * BLOCK_K
             a = _load(a_src, off_m, off_k, M, K, stride_am, stride_ak, BLOCK_M, BLOCK_K, USE_TMA)
-            b = _load(b_src, off_k, off_n, K, N, stride_bk, stride_bn, BLOCK_K, BLOCK_N, USE_TMA)
+            b = _load_b(b_src, off_k, off_n, K, N, stride_bk, stride_bn, BLOCK_K, BLOCK_N, USE_TMA, B_T)
             acc_t = dot(tl.trans(b), tl.trans(a), acc_t)
         acc = tl.trans(acc_t)
     else:
         for ki in tl.range(k_first, k_end, num_stages=NUM_STAGES, warp_specialize=WARP_SPEC):
             off_k = ki * BLOCK_K
             a = _load(a_src, off_m, off_k, M, K, stride_am, stride_ak, BLOCK_M, BLOCK_K, USE_TMA)
-            b = _load(b_src, off_k, off_n, K, N, stride_bk, stride_bn, BLOCK_K, BLOCK_N, USE_TMA)
+            b = _load_b(b_src, off_k, off_n, K, N, stride_bk, stride_bn, BLOCK_K, BLOCK_N, USE_TMA, B_T)
             acc = dot(a, b, acc)
     return acc
 
@@ -226,9 +264,37 @@ def tile_offsets(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
+def fixup(acc, partials, counts, count, slot, first, n, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Sum the n partial accumulators of one output tile, stored at slots first .. first + n - 1 of
+    `partials` (float32 BLOCK_M x BLOCK_N each); this program's own is `acc`, for slot `slot`.
+    Returns (acc, last): every contributor stores its partial and counts itself on counts[count];
+    the last to arrive gets the sum (last True) and resets the count to 0 (CUDA-graph replays need
+    no clearing); the others get last False and must not store. The sum always runs from slot
+    `first` upwards, whoever arrives last, so results are bitwise deterministic. No program ever
+    waits for another (bounded by construction; runs under the interpreter, whose programs run one
+    after another). With n == 1 it returns (acc, True) and touches nothing.
+    """
+    last = n == 1
+    if n > 1:
+        offs = tile_offsets(BLOCK_M, BLOCK_N)
+        tl.store(partials + tl.cast(slot, tl.int64) * (BLOCK_M * BLOCK_N) + offs, acc)
+        tl.debug_barrier()  # every thread's partial is stored before the count's release
+        done = tl.atomic_add(counts + count, 1, sem="acq_rel", scope="gpu")
+        last = done == n - 1
+        if last:
+            tl.debug_barrier()  # the acquire happens before any thread reads the other partials
+            tl.store(counts + count, 0)
+            acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+            for s in range(first, first + n):
+                acc += tl.load(partials + tl.cast(s, tl.int64) * (BLOCK_M * BLOCK_N) + offs, cache_modifier=".cg")
+    return acc, last
+
+
+@triton.jit
 def split_k_reduce(acc, partials, counts, tile, split,
                    SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Combine the SPLIT_K partial accumulators of output tile `tile`; returns (acc, last).
+    """Combine the SPLIT_K partial accumulators of output tile `tile`; returns (acc, last) as
+    `fixup` (deterministic: the splits are summed in split order).
 
     partials: float32, tiles x SPLIT_K x BLOCK_M x BLOCK_N; counts: int32, one per tile, zero
     before the first launch and left at zero by every launch. With SPLIT_K == 1 it returns
@@ -236,19 +302,68 @@ def split_k_reduce(acc, partials, counts, tile, split,
     """
     last = tl.full([], 1, tl.int1)
     if SPLIT_K > 1:
-        offs = tile_offsets(BLOCK_M, BLOCK_N)
-        first = partials + tl.cast(tile, tl.int64) * (SPLIT_K * BLOCK_M * BLOCK_N)
-        tl.store(first + split * (BLOCK_M * BLOCK_N) + offs, acc)
-        tl.debug_barrier()  # every thread's partial is stored before the count's release
-        done = tl.atomic_add(counts + tile, 1, sem="acq_rel", scope="gpu")
-        last = done == SPLIT_K - 1
-        if last:
-            tl.debug_barrier()  # the acquire happens before any thread reads the other partials
-            tl.store(counts + tile, 0)
-            for other in range(0, SPLIT_K):
-                if other != split:
-                    acc += tl.load(first + other * (BLOCK_M * BLOCK_N) + offs, cache_modifier=".cg")
+        acc, last = fixup(acc, partials, counts, tile, tile * SPLIT_K + split, tile * SPLIT_K, SPLIT_K,
+                          BLOCK_M, BLOCK_N)
     return acc, last
+
+
+@triton.jit
+def stream_k_plan(tiles, steps, programs, STREAM_K: tl.constexpr):
+    """(dp_tiles, sk_iters, sk_programs): how a persistent launch of `programs` programs shares
+    `tiles` output tiles of `steps` K steps each. The first dp_tiles (whole waves: a multiple of
+    `programs`) run data-parallel, one program per tile over all of K. With STREAM_K the tiles of
+    the last, partial wave (tiles % programs of them, sk_iters = their K steps in all) are spread
+    over sk_programs programs in equal shares of consecutive K steps (stream-K), so no SM idles
+    through the last wave; each share is at least SK_MIN_STEPS K steps, so fewer programs take
+    part when the tail is short. Without STREAM_K every tile is data-parallel."""
+    if STREAM_K:
+        tail = tiles % programs
+        sk_iters = tail * steps
+        sk_programs = max(min(programs, sk_iters // SK_MIN_STEPS), 1)
+    else:
+        tail = tiles * 0
+        sk_iters = tail
+        sk_programs = tail + 1
+    return tiles - tail, sk_iters, sk_programs
+
+
+@triton.jit
+def stream_k_owner(it, sk_iters, sk_programs):
+    """The stream-K program whose share holds K step `it` of the tail (shares: program p runs steps
+    [p * sk_iters // sk_programs, (p + 1) * sk_iters // sk_programs))."""
+    return ((it + 1) * sk_programs - 1) // sk_iters
+
+
+@triton.jit
+def stream_k_piece(t, p, steps, sk_iters, sk_programs):
+    """Program p's piece of tail tile t: (k_first, k_end, slot, first, n). [k_first, k_end) are
+    the tile's K steps in p's share (empty when none); the tile's n contributors are programs
+    owner(first step) .. owner(last step), and the piece of program q in tile t has partial slot
+    q + t, so the tile's slots are first .. first + n - 1 with first = owner(first step) + t."""
+    it0 = p * sk_iters // sk_programs
+    it1 = (p + 1) * sk_iters // sk_programs
+    k_first = max(it0 - t * steps, 0)
+    k_end = min(it1 - t * steps, steps)
+    lo = stream_k_owner(t * steps, sk_iters, sk_programs)
+    hi = stream_k_owner((t + 1) * steps - 1, sk_iters, sk_programs)
+    return k_first, k_end, p + t, lo + t, hi - lo + 1
+
+
+@triton.jit
+def scale_tile(acc, scale_a, scale_b, off_m, off_n, M, N,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SCALE: tl.constexpr):
+    """acc times the FP8 scales (float32): SCALE TENSORWISE multiplies by scale_a[0] * scale_b[0],
+    ROWWISE by scale_a[row] (one per row of A) and scale_b[column] (one per column of B), as
+    torch._scaled_mm does; NO_SCALE returns acc. Apply it once, to the summed tile."""
+    if SCALE == TENSORWISE:
+        acc = acc * (tl.load(scale_a) * tl.load(scale_b))
+    elif SCALE == ROWWISE:
+        rows = off_m + tl.arange(0, BLOCK_M)
+        cols = off_n + tl.arange(0, BLOCK_N)
+        sa = tl.load(scale_a + rows, mask=rows < M, other=0.0)
+        sb = tl.load(scale_b + cols, mask=cols < N, other=0.0)
+        acc = acc * sa[:, None] * sb[None, :]
+    return acc
 
 
 @triton.jit
@@ -267,23 +382,33 @@ def store_tile(c, acc, off_m, off_n, M, N, stride_cm, stride_cn,
 
 
 @triton.jit
-def gemm_kernel(a, b, c, partials, counts, M, N, K,
+def gemm_kernel(a, b, c, partials, counts, scale_a, scale_b, M, N, K,
                 stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                 NUM_STAGES: tl.constexpr, SPLIT_K: tl.constexpr, SWAP_AB: tl.constexpr, USE_TMA: tl.constexpr,
-                WARP_SPEC: tl.constexpr):
-    """C = A @ B, persistent: each program loops over work items (output tile, K split).
+                WARP_SPEC: tl.constexpr, STREAM_K: tl.constexpr, B_T: tl.constexpr, SCALE: tl.constexpr):
+    """C = A @ B (times the FP8 scales: scale_tile), persistent: each program loops over work
+    items (output tile, K split), then, with STREAM_K, over its share of the last wave's K steps
+    (stream_k_plan). B_T: B is stored N x K (see operands). scale_a/scale_b: float32 scales, unused
+    with SCALE NO_SCALE.
 
-    grid = (min(cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N) * SPLIT_K, NUM_SMS),)
-    partials/counts: split-K workspace (see split_k_reduce; unused when SPLIT_K == 1).
+    grid = (min(cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N) * SPLIT_K, NUM_SMS),), or (NUM_SMS,) with STREAM_K.
+    partials/counts: split-K workspace (see split_k_reduce; unused when SPLIT_K == 1) or, with
+    STREAM_K, (NUM_SMS + tail tiles) partial slots and a count per tail tile (see fixup).
     """
     a_src, b_src = operands(a, b, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
-                            BLOCK_M, BLOCK_N, BLOCK_K, USE_TMA)
+                            BLOCK_M, BLOCK_N, BLOCK_K, USE_TMA, B_T)
     if USE_TMA:
         c_dst = tl.make_tensor_descriptor(c, shape=[M, N], strides=[stride_cm, 1], block_shape=[BLOCK_M, BLOCK_N])
     else:
         c_dst = c
-    for work in tl.range(tl.program_id(0), work_count(M, N, BLOCK_M, BLOCK_N, SPLIT_K), tl.num_programs(0)):
+    pid = tl.program_id(0)
+    programs = tl.num_programs(0)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    steps = tl.cdiv(K, BLOCK_K)
+    dp_tiles, sk_iters, sk_programs = stream_k_plan(num_pid_m * num_pid_n, steps, programs, STREAM_K)
+    for work in tl.range(pid, dp_tiles * SPLIT_K, programs):
         pid_m, pid_n, tile, split, k_first, k_end = schedule(work, M, N, K, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
                                                              SPLIT_K)
         off_m = pid_m * BLOCK_M
@@ -291,10 +416,28 @@ def gemm_kernel(a, b, c, partials, counts, M, N, K,
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc = gemm_tile(acc, a_src, b_src, off_m, off_n, k_first, k_end, M, N, K,
                         stride_am, stride_ak, stride_bk, stride_bn,
-                        BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, SWAP_AB, USE_TMA, WARP_SPEC)
+                        BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, SWAP_AB, USE_TMA, WARP_SPEC, B_T)
         acc, last = split_k_reduce(acc, partials, counts, tile, split, SPLIT_K, BLOCK_M, BLOCK_N)
         if last:
+            acc = scale_tile(acc, scale_a, scale_b, off_m, off_n, M, N, BLOCK_M, BLOCK_N, SCALE)
             store_tile(c_dst, acc, off_m, off_n, M, N, stride_cm, stride_cn, BLOCK_M, BLOCK_N, USE_TMA)
+    if STREAM_K:
+        if pid < sk_programs:
+            it0 = pid * sk_iters // sk_programs
+            it1 = (pid + 1) * sk_iters // sk_programs
+            for t in range(it0 // steps, tl.cdiv(it1, steps)):
+                k_first, k_end, slot, first, n = stream_k_piece(t, pid, steps, sk_iters, sk_programs)
+                pid_m, pid_n = swizzle(dp_tiles + t, num_pid_m, num_pid_n, GROUP_M)
+                off_m = pid_m * BLOCK_M
+                off_n = pid_n * BLOCK_N
+                acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                acc = gemm_tile(acc, a_src, b_src, off_m, off_n, k_first, k_end, M, N, K,
+                                stride_am, stride_ak, stride_bk, stride_bn,
+                                BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, SWAP_AB, USE_TMA, False, B_T)
+                acc, last = fixup(acc, partials, counts, t, slot, first, n, BLOCK_M, BLOCK_N)
+                if last:
+                    acc = scale_tile(acc, scale_a, scale_b, off_m, off_n, M, N, BLOCK_M, BLOCK_N, SCALE)
+                    store_tile(c_dst, acc, off_m, off_n, M, N, stride_cm, stride_cn, BLOCK_M, BLOCK_N, USE_TMA)
 
 
 @triton.jit

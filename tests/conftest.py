@@ -152,3 +152,16 @@ def compile_sm90(module: str, kernel: str, signature: dict[str, str], constexprs
     """Compile one kernel for sm_90; returns {'ptx', 'shared'} (see compile_request)."""
     req = compile_request(module, kernel, signature, constexprs, num_warps, num_stages, divisible)
     return compile_sm90_many([req])[req["name"]]
+
+
+def ptxas_spills(python: str | os.PathLike, ptx: str, workdir: Path) -> str:
+    """Assemble `ptx` for sm_90a with the ptxas of `python`'s Triton; returns ptxas's -v report
+    (raises AssertionError if it fails). The GPU machines' Triton is 3.6: pass T36."""
+    out = subprocess.run([str(python), "-c", "import triton, pathlib; print(pathlib.Path(triton.__file__).parent)"],
+                         capture_output=True, text=True, timeout=120)
+    ptxas = Path(out.stdout.strip()) / "backends" / "nvidia" / "bin" / "ptxas"
+    (workdir / "k.ptx").write_text(ptx)
+    proc = subprocess.run([str(ptxas), "-arch=sm_90a", "-v", str(workdir / "k.ptx"), "-o", str(workdir / "k.cubin")],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return proc.stderr

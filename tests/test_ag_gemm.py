@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import math
 import re
-import subprocess
-from pathlib import Path
 
 import pytest
 import torch
@@ -27,6 +25,7 @@ from autofuse.ops import ag_gemm
 from autofuse.ops.ag_gemm import OP
 from autofuse.comm.workspace import workspaces
 from autofuse.comm.world import World, spawn
+import conftest
 from conftest import CTX, T36, VERSIONS, assert_uniform, compile_request, compile_sm90_versions
 
 FUSED = ("pull", "push", "push_ws")
@@ -391,25 +390,13 @@ def test_sm90_compiles_every_switch(compiled, version):
             assert f"wgmma.mma_async.sync.aligned.m64n{g.BLOCK_M}k" in ptx, name  # BLOCK_M on the MMA's N side
 
 
-def _ptxas(python: Path) -> Path:
-    """The ptxas that `python`'s Triton uses for sm_90."""
-    out = subprocess.run([str(python), "-c", "import triton, pathlib; print(pathlib.Path(triton.__file__).parent)"],
-                         capture_output=True, text=True, timeout=120)
-    return Path(out.stdout.strip()) / "backends" / "nvidia" / "bin" / "ptxas"
-
-
 @pytest.mark.skipif(not T36.exists(), reason=f"no Triton 3.6 at {T36}")
 def test_sm90_no_register_spills(compiled, tmp_path):
     """Triton 3.6's ptxas (the GPU machines') assembles every switch without spilling: a 128x256
     float32 accumulator over 8 warps is 128 registers a thread, little room left for the rest."""
-    ptxas = _ptxas(T36)
     for name, k in compiled["3.6"].items():
-        ptx = tmp_path / "k.ptx"
-        ptx.write_text(k["ptx"])
-        proc = subprocess.run([str(ptxas), "-arch=sm_90a", "-v", str(ptx), "-o", str(tmp_path / "k.cubin")],
-                              capture_output=True, text=True, timeout=300)
-        assert proc.returncode == 0, f"{name}: {proc.stderr[-2000:]}"
-        assert "0 bytes spill stores" in proc.stderr and "0 bytes stack frame" in proc.stderr, (name, proc.stderr)
+        report = conftest.ptxas_spills(T36, k["ptx"], tmp_path)
+        assert "0 bytes spill stores" in report and "0 bytes stack frame" in report, (name, report)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -1,12 +1,14 @@
 """The GEMM core (kernels/gemm_core.py) and its typed config (autofuse/core/gemm.py).
 
 Interpreter (Triton's CPU interpreter, one spawned child for every case): the pointer and the
-TMA-descriptor paths, SPLIT_K 1/2/4, SWAP_AB, sizes that are not multiples of the blocks, bf16,
+TMA-descriptor paths, SPLIT_K 1/2/4, SWAP_AB, STREAM_K at several program counts (shares that
+straddle tiles, tiles of 1-4 contributors), sizes that are not multiples of the blocks, bf16,
 fp16 and fp32, into NaN-poisoned outputs, against the float64 product of the dtype-rounded inputs
 at `default_tolerance(dtype, K)`: the interpreter's dot multiplies exactly (bf16 widened to fp32)
 and accumulates in float32, so the error is the final rounding to the dtype (~u/sqrt(3) rms,
 u = 2^-8 bf16, 2^-11 fp16) or float32 roundoff, far inside 4u * max(1, sqrt(log2 K / 8)).
-Repeated split-K calls check the arrival counts come back to zero. The waiting consumer template
+Repeated split-K and stream-K calls check the arrival counts come back to zero and the results are
+bitwise equal (the fixup sums in a fixed order). The waiting consumer template
 runs with its flags raised and with one flag left down (bounded wait, recorded timeout).
 
 Compiled (sm_90, ahead of time, no GPU): the same kernels with Triton 3.9 (this venv) and, where
@@ -27,10 +29,10 @@ import torch
 
 from autofuse.core import gemm
 from autofuse.core.gemm import GemmConfig
-from autofuse.core.op import InvalidConfig, default_tolerance, rel_error
+from autofuse.core.op import InvalidConfig, InvalidInput, default_tolerance, rel_error
 from autofuse.comm.world import spawn
 import conftest
-from conftest import VERSIONS, compile_request
+from conftest import T36, VERSIONS, compile_request
 
 ROOT = Path(__file__).resolve().parents[1]
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -51,6 +53,26 @@ CASES = [
     ("tma bf16 warp_spec", 64, 64, 48, "bfloat16", {"WARP_SPEC": True, "BLOCK_M": 64}),
     ("tma fp32 1 row", 1, 36, 20, "float32", {"BLOCK_K": 32}),
 ]
+# STREAM_K (name, M, N, K, dtype, config changes, programs): with tiles % programs tail tiles shared
+# out in K steps. 3 tiles on 4 programs of 7 steps: shares of 5-6 steps straddle tiles; 9 tiles on 4
+# programs: 1 tail tile in 4 pieces; 30 tiles on 7 programs: 2 tail tiles; 1 tile of 4 steps: one share.
+STREAM_K_CASES = [
+    ("sk tma bf16 straddle", 48, 32, 112, "bfloat16", {"STREAM_K": True}, 4),
+    ("sk tma bf16 one tail tile", 37, 72, 256, "bfloat16", {"STREAM_K": True}, 4),
+    ("sk ptr fp16 3 programs", 37, 70, 200, "float16", {"STREAM_K": True, "TMA": False}, 3),
+    ("sk tma fp32 7 programs", 80, 96, 160, "float32", {"STREAM_K": True, "GROUP_M": 1}, 7),
+    ("sk tma bf16 swap short", 16, 32, 64, "bfloat16", {"STREAM_K": True, "SWAP_AB": True}, 4),
+]
+# FP8 (name, M, N, K, scaling, config changes, B stored N x K, programs): e4m3 inputs, bf16 output,
+# against float64 of the FP8 values times their scales.
+FP8_CASES = [
+    ("fp8 tma tensorwise bt", 37, 64, 96, "tensorwise", {}, True, None),
+    ("fp8 tma rowwise bt", 37, 64, 96, "rowwise", {}, True, None),
+    ("fp8 tma rowwise row-major b", 37, 64, 96, "rowwise", {}, False, None),
+    ("fp8 ptr rowwise odd", 37, 70, 96, "rowwise", {"TMA": False}, True, None),
+    ("fp8 swap split2", 21, 64, 128, "tensorwise", {"SWAP_AB": True, "SPLIT_K": 2}, True, None),
+    ("fp8 stream-k rowwise", 48, 32, 224, "rowwise", {"STREAM_K": True}, True, 4),
+]
 CALLS = 2  # every case twice, fresh inputs each time: split-K counts must reset themselves
 
 
@@ -65,17 +87,36 @@ def _interpreter_cases(world) -> dict:
     """In the interpreter child: every case CALLS times (errors, leftover counts), then the waiting
     consumer template with and without a missing flag."""
     out: dict = {}
-    for name, m, n, k, dtype, change in CASES:
+    for name, m, n, k, dtype, change, programs in [(*c, None) for c in CASES] + STREAM_K_CASES:
         config = {**TINY, **change}
-        errs, counts = [], 0
+        errs, same = [], True
         ws = gemm.SplitKWorkspace(torch.empty(1 << 14), torch.zeros(64, dtype=torch.int32))
         for call in range(CALLS):
             a, b = _inputs(m, n, k, dtype, seed=call)
             c = torch.full((m, n), math.nan, dtype=DTYPES[dtype])
-            gemm.matmul(a, b, config, out=c, workspace=ws)
+            gemm.matmul(a, b, config, out=c, workspace=ws, num_programs=programs)
             errs.append(rel_error(c, a.double() @ b.double()))
+            again = torch.full_like(c, math.nan)
+            gemm.matmul(a, b, config, out=again, workspace=ws, num_programs=programs)
+            same = same and torch.equal(c, again)
         counts = int(ws.counts.abs().sum())
-        out[name] = {"errs": errs, "tol": default_tolerance(dtype, k), "counts": counts}
+        out[name] = {"errs": errs, "tol": default_tolerance(dtype, k), "counts": counts, "same": same}
+    for name, m, n, k, scaling, change, b_t, programs in FP8_CASES:
+        g = torch.Generator().manual_seed(3)
+        a = (2 * torch.randn(m, k, generator=g)).to(torch.float8_e4m3fn)
+        w = (2 * torch.randn(n, k, generator=g)).to(torch.float8_e4m3fn)
+        b = w.t() if b_t else w.t().contiguous()
+        if scaling == "tensorwise":
+            sa, sb = torch.tensor([0.7]), torch.tensor([1.3])
+        else:
+            sa, sb = torch.rand(m, 1, generator=g) + 0.5, torch.rand(1, n, generator=g) + 0.5
+        c = torch.full((m, n), math.nan, dtype=torch.bfloat16)
+        ws = gemm.SplitKWorkspace(torch.empty(1 << 14), torch.zeros(64, dtype=torch.int32))
+        gemm.matmul(a, b, {**TINY, "BLOCK_K": 32, **change}, out=c, workspace=ws, num_programs=programs,
+                    scale_a=sa, scale_b=sb)
+        ref = (a.double() @ b.double()) * sa.double() * sb.double()
+        out[name] = {"errs": [rel_error(c, ref)], "tol": default_tolerance("float8_e4m3fn", k),
+                     "counts": int(ws.counts.abs().sum()), "same": True}
     out["wait"] = _wait_cases()
     return out
 
@@ -121,11 +162,12 @@ def interpreted() -> dict:
     return spawn(_interpreter_cases, 1, device_kind="cpu", timeout_s=300)[0]
 
 
-@pytest.mark.parametrize("name", [c[0] for c in CASES])
+@pytest.mark.parametrize("name", [c[0] for c in CASES + STREAM_K_CASES + FP8_CASES])
 def test_interpreter_matches_float64(interpreted, name):
     case = interpreted[name]
     assert all(e <= case["tol"] for e in case["errs"]), f"{name}: rel errors {case['errs']} > {case['tol']:.2e}"
-    assert case["counts"] == 0, f"{name}: split-K arrival counts not reset to 0"
+    assert case["counts"] == 0, f"{name}: split-K / stream-K arrival counts not reset to 0"
+    assert case["same"], f"{name}: two calls on the same inputs differ (the fixup must sum in a fixed order)"
 
 
 def test_wait_template_waits_and_times_out(interpreted):
@@ -178,6 +220,8 @@ BIG = {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "GROUP_M": 8, "num_warps":
     ({**BIG, "BLOCK_N": 128, "num_warps": 4, "WARP_SPEC": True, "SPLIT_K": 2}, (4096, 3584, 8192), "bfloat16",
      "WARP_SPEC needs SPLIT_K=1"),
     ({**BIG, "BLOCK_M": 16, "num_warps": 4, "WARP_SPEC": True}, (16, 3584, 8192), "bfloat16", "MMA M side >= 64"),
+    ({**BIG, "STREAM_K": True}, (4096, 3584, 8192), "bfloat16", "STREAM_K is run only by the core's standalone"),
+    ({**BIG, "STREAM_K": 1}, (4096, 3584, 8192), "bfloat16", "STREAM_K=1 must be true or false"),
     ({**BIG, "FLAG": "tile"}, (4096, 3584, 8192), "bfloat16", "unknown ['FLAG']"),
     ({k: v for k, v in BIG.items() if k != "GROUP_M"}, (4096, 3584, 8192), "bfloat16", "missing ['GROUP_M']"),
     (BIG, (65536, 65536, 8192), "bfloat16", "2^31"),
@@ -200,6 +244,33 @@ def test_check_rejects_with_a_reason(config, dims, dtype, reason):
 ])
 def test_check_accepts(config, dims, dtype):
     assert gemm.check(config, *dims, dtype, extra=("FLAG", "COMM_SMS")) is None
+
+
+def test_check_stream_k_in_the_standalone_kernel():
+    assert gemm.check({**BIG, "STREAM_K": True}, 1024, 5120, 8192, "bfloat16", stream_k=True) is None
+    why = gemm.check({**BIG, "STREAM_K": True, "SPLIT_K": 2}, 1024, 5120, 8192, "bfloat16", stream_k=True)
+    assert why and "STREAM_K needs SPLIT_K=1" in why
+    ws = {**BIG, "BLOCK_N": 128, "num_warps": 4, "WARP_SPEC": True, "STREAM_K": True}
+    why = gemm.check(ws, 1024, 5120, 8192, "bfloat16", stream_k=True)
+    assert why and "STREAM_K needs WARP_SPEC=false" in why
+    cfg = GemmConfig.from_dict({**BIG, "STREAM_K": True})
+    assert cfg.grid(512, 5120, 132) == (132,) and cfg.stream_k_slots(512, 5120, 132) == (132 + 80, 80)
+    assert cfg.replace(STREAM_K=False).grid(512, 5120, 132) == (80,)
+
+
+def test_stream_k_defaults_where_the_last_wave_idles():
+    assert gemm.last_wave_fill(80) == 80 / 132 and gemm.last_wave_fill(264) == 1.0
+    assert gemm.stream_k_helps(80, 128) and not gemm.stream_k_helps(130, 128) and not gemm.stream_k_helps(264, 128)
+    assert not gemm.stream_k_helps(20, 8)  # 160 K steps for 132 SMs: shares too short to pipeline
+    plain = gemm.defaults(512, 5120, 8192, "bfloat16")
+    both = gemm.defaults(512, 5120, 8192, "bfloat16", stream_k=True)
+    assert both[:len(plain)] == plain and any(c["STREAM_K"] for c in both)
+    assert not any(c["STREAM_K"] for c in plain)
+    for c in both:
+        assert gemm.check(c, 512, 5120, 8192, "bfloat16", stream_k=True) is None, c
+    full = gemm.defaults(16384, 8192, 8192, "bfloat16", stream_k=True)  # 4096 tiles of 128x256: 31 full waves
+    assert all(not c["STREAM_K"] or gemm.stream_k_helps(GemmConfig.from_dict(c).tiles(16384, 8192), 128)
+               for c in full)
 
 
 def test_smem_model_matches_triton36_allocation():
@@ -279,6 +350,41 @@ def test_auto_split_fills_waves():
     assert gemm.auto_split(28, 8) == 2       # never fewer than 4 K steps per split
 
 
+def test_matmul_rejects_bad_fp8_inputs():
+    a = torch.randn(32, 64).to(torch.float8_e4m3fn)
+    w = torch.randn(32, 64).to(torch.float8_e4m3fn)
+    one = torch.tensor([1.0])
+    fp8 = {**TINY, "BLOCK_K": 32}
+    cases = [
+        (dict(a=a.to(torch.float8_e5m2), b=w.t().to(torch.float8_e5m2), scale_a=one, scale_b=one), "float8_e5m2"),
+        (dict(a=a, b=w.t()), "need scale_a and scale_b"),
+        (dict(a=a, b=w.t(), scale_a=one.double(), scale_b=one), "scale_a must be float32"),
+        (dict(a=a, b=w.t(), scale_a=torch.ones(32), scale_b=torch.ones(32)), "neither tensorwise"),
+        (dict(a=a, b=w.t(), scale_a=torch.ones(32, 1), scale_b=one), "neither tensorwise"),
+        (dict(a=a.float(), b=w.t().float(), scale_a=one, scale_b=one), "scale_a/scale_b are for float8_e4m3fn"),
+    ]
+    for kwargs, reason in cases:
+        with pytest.raises(InvalidInput, match=reason):
+            gemm.matmul(config=fp8, **kwargs)
+    with pytest.raises(ValueError, match="out must be bfloat16"):
+        gemm.matmul(a, w.t(), fp8, out=torch.empty(32, 32), scale_a=one, scale_b=one)
+    with pytest.raises(InvalidConfig, match="too small for FP8"):
+        gemm.matmul(a, w.t(), TINY, scale_a=one, scale_b=one)
+
+
+def test_fp8_config_rules_and_defaults():
+    assert gemm.output_dtype("float8_e4m3fn") == "bfloat16" and gemm.output_dtype(torch.float16) == "float16"
+    with pytest.raises(ValueError, match="gradient format"):
+        gemm.check(BIG, 4096, 3584, 8192, "float8_e5m2") and gemm.output_dtype("float8_e5m2")
+    # 3 stages of 128x128 + 128x256 FP8 tiles plus the bfloat16 C tile of the TMA store (measured 213040 B)
+    assert GemmConfig(128, 256, 128, 8, 8, 3).smem_bytes("float8_e4m3fn") == 3 * 128 * 384 + 128 * 256 * 2 + 1024
+    for rows in (16, 128, 512, 4096):
+        configs = gemm.defaults(rows, 5120, 8192, "float8_e4m3fn", stream_k=True)
+        assert configs and all(c["BLOCK_K"] >= 32 for c in configs)
+        assert all(gemm.check(c, rows, 5120, 8192, "float8_e4m3fn", stream_k=True) is None for c in configs)
+    assert all(32 <= c["BLOCK_K"] <= 64 for c in gemm.defaults(37, 64, 96, "float8_e4m3fn"))  # tiny, still FP8-sized
+
+
 def test_matmul_rejects_unaligned_tma_operands():
     a = torch.randn(32, 48)[:, :40]  # row stride 48 floats is aligned; a view with offset is not
     b = torch.randn(40, 32)
@@ -291,26 +397,38 @@ def test_matmul_rejects_unaligned_tma_operands():
 # ------------------------------------------------------------------------------------------------
 # sm_90 compiles with Triton 3.9 (this venv) and 3.6 (/tmp/t36, the GPU machines' version)
 MOD = "autofuse.kernels.gemm_core"
-_SIG = {"a": "*bf16", "b": "*bf16", "c": "*bf16", "partials": "*fp32", "counts": "*i32", "M": "i32", "N": "i32",
-        "K": "i32", "stride_am": "i32", "stride_ak": "constexpr", "stride_bk": "i32", "stride_bn": "constexpr",
-        "stride_cm": "i32", "stride_cn": "constexpr"}
+_HEAD = {"a": "*bf16", "b": "*bf16", "c": "*bf16", "partials": "*fp32", "counts": "*i32"}
+_SIZES = {"M": "i32", "N": "i32", "K": "i32", "stride_am": "i32", "stride_ak": "constexpr", "stride_bk": "i32",
+          "stride_bn": "constexpr", "stride_cm": "i32", "stride_cn": "constexpr"}
 _CONST = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "NUM_STAGES", "SPLIT_K", "SWAP_AB", "USE_TMA")
-_DIV = ("a", "b", "c", "partials", "counts", "M", "N", "K", "stride_am", "stride_bk", "stride_cm")
+_DIV = ("a", "b", "c", "partials", "counts", "M", "N", "K", "stride_am", "stride_cm")
 _WAIT_EXTRA = {"ready": "*i32", "epoch": "i32", "ctx": conftest.CTX}
+SCALE_CODES = {"none": 0, "tensorwise": 1, "rowwise": 2}
 
 
-def _request(name: str, cfg: GemmConfig, dtype: str = "bf16", wait: bool = False) -> dict:
-    sig = {**_SIG, "a": f"*{dtype}", "b": f"*{dtype}", "c": f"*{dtype}"}
+def _request(name: str, cfg: GemmConfig, dtype: str = "bf16", wait: bool = False, b_t: bool = False,
+             scale: str = "none") -> dict:
+    """gemm_kernel (or gemm_wait_kernel) at `cfg` for inputs of Triton type `dtype` (FP8 'fp8e4nv'
+    writes bf16), B row-major K x N or, with b_t, stored N x K (stride_bk 1)."""
+    out = "bf16" if dtype == "fp8e4nv" else dtype
+    sig = {**_HEAD, "a": f"*{dtype}", "b": f"*{dtype}", "c": f"*{out}"}
+    sig.update(_WAIT_EXTRA if wait else {"scale_a": "*fp32", "scale_b": "*fp32"})
+    sig.update(_SIZES)
+    consts = {"stride_ak": 1, "stride_cn": 1, **{k: v for k, v in cfg.kernel_kwargs().items() if k in _CONST}}
+    if b_t:
+        sig["stride_bk"], sig["stride_bn"] = "constexpr", "i32"
+        consts["stride_bk"] = 1
+    else:
+        consts["stride_bn"] = 1
     if wait:
-        sig = {**{k: v for k, v in sig.items() if k in ("a", "b", "c", "partials", "counts")}, **_WAIT_EXTRA,
-               **{k: v for k, v in sig.items() if k not in ("a", "b", "c", "partials", "counts")}}
-    consts = {"stride_ak": 1, "stride_bn": 1, "stride_cn": 1, **{k: v for k, v in cfg.kernel_kwargs().items()
-                                                                   if k in _CONST}}
-    consts["WARP_SPEC" if not wait else "PREFETCH"] = cfg.WARP_SPEC if not wait else 2
+        consts["PREFETCH"] = 2
+    else:
+        consts.update(WARP_SPEC=cfg.WARP_SPEC, STREAM_K=cfg.STREAM_K, B_T=b_t, SCALE=SCALE_CODES[scale])
     for k in consts:
         sig[k] = "constexpr"
+    div = _DIV + ("stride_bn" if b_t else "stride_bk",) + (("ready",) if wait else ())
     return compile_request(MOD, "gemm_wait_kernel" if wait else "gemm_kernel", sig, consts, cfg.num_warps,
-                           cfg.num_stages, _DIV + (("ready",) if wait else ()), name=name)
+                           cfg.num_stages, div, name=name)
 
 
 def _cfg(bm, bn, bk, warps, stages, **kw) -> GemmConfig:
@@ -325,15 +443,25 @@ COMPILES = {
     "noswap16": (_cfg(16, 64, 256, 4, 3), "bf16", False),
     "ws": (_cfg(128, 128, 64, 4, 3, WARP_SPEC=True), "bf16", False),
     "fp32": (_cfg(64, 64, 32, 4, 3), "fp32", False),
+    "streamk": (_cfg(128, 256, 64, 8, 3, STREAM_K=True), "bf16", False),
     "wait_tma": (_cfg(128, 256, 64, 8, 3), "bf16", True),
     "wait_ptr": (_cfg(128, 128, 64, 8, 4, TMA=False), "bf16", True),
+}
+# FP8 (e4m3 in, bf16 out, B stored N x K as torch._scaled_mm takes it): (config, scaling)
+FP8_COMPILES = {
+    "fp8_tma_row": (_cfg(128, 256, 128, 8, 3), "rowwise"),
+    "fp8_tma_tensor_sk": (_cfg(128, 256, 128, 8, 3, STREAM_K=True), "tensorwise"),
+    "fp8_swap_split": (_cfg(16, 128, 256, 4, 3, SWAP_AB=True, SPLIT_K=4), "rowwise"),
+    "fp8_ptr": (_cfg(128, 128, 128, 8, 4, TMA=False), "tensorwise"),
 }
 
 @pytest.fixture(scope="module")
 def compiled() -> dict:
     """{version: {case: {'ptx', 'shared'}}} for every entry of conftest.VERSIONS present here."""
     return conftest.compile_sm90_versions([_request(name, cfg, dtype, wait)
-                                           for name, (cfg, dtype, wait) in COMPILES.items()])
+                                           for name, (cfg, dtype, wait) in COMPILES.items()] +
+                                          [_request(name, cfg, "fp8e4nv", b_t=True, scale=scale)
+                                           for name, (cfg, scale) in FP8_COMPILES.items()])
 
 
 def _pipeline_bytes(cfg: GemmConfig, elem: int = 2) -> int:
@@ -365,6 +493,10 @@ def test_sm90_split_k_swap_ab_and_warp_spec(compiled, version):
     k = compiled[version]
     assert "atom.global.gpu.acq_rel.add" in k["split"]["ptx"] and "ld.global.cg" in k["split"]["ptx"]
     assert "atom.global" not in k["tma"]["ptx"]  # SPLIT_K=1 touches no counts
+    # stream-K: the tail's fixup counts and reads partials; its second tile loop is pipelined like the first
+    assert "atom.global.gpu.acq_rel.add" in k["streamk"]["ptx"] and "ld.global.cg" in k["streamk"]["ptx"]
+    assert k["streamk"]["ptx"].count("wgmma.mma_async") >= 2 * k["tma"]["ptx"].count("wgmma.mma_async")
+    assert k["streamk"]["shared"] <= COMPILES["streamk"][0].smem_bytes("bfloat16")
     # swap-AB: BLOCK_N=128 on the wgmma's M side, the 16 rows of A as its N; without, BLOCK_M=16 rows
     # cannot use wgmma at all (mma.sync)
     assert "wgmma.mma_async.sync.aligned.m64n16k16" in k["swap"]["ptx"]
@@ -385,6 +517,24 @@ def test_sm90_waiting_consumer_keeps_the_pipeline(compiled, version):
         assert _pipeline_bytes(COMPILES[plain][0]) <= shared <= k[plain]["shared"], (plain, k[plain]["shared"], shared)
         assert "ld.volatile.global" in k[waiting]["ptx"] and "prefetch.global.L2" in k[waiting]["ptx"]
         conftest.assert_uniform(k[waiting], waiting)  # a timed-out wait never splits the program
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_sm90_fp8_runs_e4m3_wgmma_from_k_major_tiles(compiled, version, tmp_path):
+    """FP8 compiles to e4m3 wgmma with B's N x K storage loaded by TMA (K-major, what FP8 wgmma
+    reads), its scales in the epilogue, stream-K and swap-AB/split-K too, within the shared-memory
+    model, and (Triton 3.6's ptxas, the GPU machines') without register spills."""
+    k = compiled[version]
+    for name, (cfg, scale) in FP8_COMPILES.items():
+        ptx = k[name]["ptx"]
+        assert re.search(r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k32\.f32\.e4m3\.e4m3", ptx), name
+        assert k[name]["shared"] <= cfg.smem_bytes("float8_e4m3fn") <= gemm.SMEM_LIMIT, (name, k[name]["shared"])
+        if cfg.TMA:
+            assert re.search(r"cp\.async\.bulk\.tensor\.2d\.shared::\w+\.global", ptx), f"{name}: no TMA loads"
+        if version == "3.6":
+            report = conftest.ptxas_spills(T36, ptx, tmp_path)
+            assert "0 bytes spill stores" in report and "0 bytes stack frame" in report, (name, report)
+    assert "atom.global.gpu.acq_rel.add" in k["fp8_tma_tensor_sk"]["ptx"]  # the stream-K fixup
 
 
 # ------------------------------------------------------------------------------------------------
@@ -424,9 +574,11 @@ def test_bench_shapes_and_candidates():
     with pytest.raises(ValueError, match="families"):
         bench.parse_variants(["pull"])
     assert bench.families({**BIG, "TMA": False, "SPLIT_K": 2}) == {"ptr", "splitk"}
+    assert bench.families({**BIG, "STREAM_K": True}) == {"tma", "streamk"}
+    assert any(c["STREAM_K"] for c in bench.candidates(512, 5120, 8192))  # 80 tiles of 128x256 on 132 SMs
     for m, n, k in shapes:
         configs = bench.candidates(m, n, k)
-        assert 4 <= len(configs) <= 7 and all(gemm.check(c, m, n, k, "bfloat16") is None for c in configs)
+        assert 4 <= len(configs) <= 9 and all(gemm.check(c, m, n, k, "bfloat16", stream_k=True) is None for c in configs)
         assert any(not c["TMA"] for c in configs) and any(c["WARP_SPEC"] for c in configs)
         if m <= 64:
             assert any(c["SWAP_AB"] for c in configs) and any(c["SPLIT_K"] > 1 for c in configs) == (n < 28672)
@@ -440,3 +592,15 @@ def test_bench_runs_on_cpu_under_the_interpreter():
     (row,) = result["rows"]
     assert row["mode"] == "eager" and row["core_us"] > 0 and row["meets_target"] is None
     assert all(c["error"] is None for c in row["configs"]), row["configs"]
+
+
+def test_bench_fp8_runs_on_cpu_against_scaled_mm():
+    from autofuse.training import bench_gemm_core as bench
+
+    result = bench.run({"shapes": ["16"], "reps": 1, "progress": False, "dtype": "fp8"})
+    assert result["dtype"] == "fp8" and "_scaled_mm" in result["vendor"]
+    (row,) = result["rows"]
+    assert row["dtype"] == "float8_e4m3fn" and row["core_us"] > 0 and row["rowwise_core_us"] > 0
+    assert all(c["error"] is None for c in row["configs"]), row["configs"]
+    with pytest.raises(ValueError, match="bf16 or fp8"):
+        bench.run({"dtype": "fp16"})

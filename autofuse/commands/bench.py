@@ -36,6 +36,8 @@ def bench(
     profile: bool = typer.Option(False, "--profile", help="Op targets: after measuring, run each variant's best "
                                  "config 20 more calls under torch.profiler and report its kernels per call "
                                  "(device us, share, GPU busy vs measured latency); rows gain a 'profile' key."),
+    dtype: Optional[str] = typer.Option(None, "--dtype", help="gemm_core only: bf16 (default) or fp8 "
+                                        "(float8_e4m3fn against torch._scaled_mm)."),
 ) -> None:
     """Benchmark an op (each variant at its known-good configs vs BSP and the bound) or an extra target.
 
@@ -59,12 +61,16 @@ def bench(
         fail(str(exc))
     if profile and not is_op(target):
         fail(f"--profile profiles an op's variants; {target} is not an op")
+    if dtype is not None and target != "gemm_core":
+        fail(f"--dtype selects gemm_core's input dtype; {target} takes its dtype from its problems")
+    if dtype is not None and dtype not in ("bf16", "fp8"):
+        fail(f"--dtype must be bf16 or fp8, not {dtype!r}")
     if mode is not None and mode not in ("eager", "graph"):
         fail(f"--mode must be eager or graph, not {mode!r}")
     options = BenchOptions(target=target, sweep=sweep, reps=reps, limit=limit, world=world, out=out_path,
                            variants=[v.strip() for v in variants.split(",") if v.strip()] if variants else None,
                            modes=[mode] if mode else None, shapes=list(shapes) if shapes else None, force=force,
-                           progress=not (quiet or json_out), profile=profile).resolved()
+                           progress=not (quiet or json_out), profile=profile, dtype=dtype).resolved()
     if options.device_kind == "cpu" and mode == "graph":
         fail("--mode graph needs CUDA graphs (a GPU); on CPU only eager mode exists")
     if options.device_kind == "cuda":

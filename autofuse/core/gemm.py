@@ -2,7 +2,8 @@
 
 `GemmConfig` is the typed form of the GEMM part of a variant's plain config dict (the form the
 database stores): BLOCK_M/N/K, GROUP_M, num_warps, num_stages, plus the core's own switches
-SPLIT_K, SWAP_AB, TMA and WARP_SPEC (absent in a dict: 1, False, True, False). An op's own keys
+SPLIT_K, SWAP_AB, TMA, WARP_SPEC and STREAM_K (absent in a dict: 1, False, True, False, False). An
+op's own keys
 (FLAG, COMM_SMS, PARTIAL, LAYOUT, ...) stay in the dict: `check(..., extra=op_keys)` validates the
 GEMM part and accepts those names, and the op checks their values itself:
 
@@ -25,7 +26,7 @@ from typing import Any, Callable, Iterable, Mapping
 
 import torch
 
-from autofuse.core.op import Config, InvalidConfig, SearchSpace
+from autofuse.core.op import Config, InvalidConfig, InvalidInput, SearchSpace
 from autofuse.core.sizes import cdiv, next_pow2
 
 SMEM_LIMIT = 232448       # bytes of shared memory one program may use on sm_90 (227 KiB)
@@ -40,9 +41,13 @@ INT32_LIMIT = 1 << 31
 H200_SMS = 132
 CPU_PROGRAMS = 4          # persistent programs under the interpreter: several tiles per program
 TINY_MACS = 1 << 22       # problems below this many multiply-adds get the interpreter's tiny configs
-ELEMENT_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+FP8 = "float8_e4m3fn"
+ELEMENT_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, FP8: 1}
+OUTPUT_DTYPE = {FP8: "bfloat16"}  # an FP8 GEMM writes bfloat16 (scaled); the others write their input dtype
+FP8_MIN_BLOCK_K = 32      # an FP8 wgmma consumes K in steps of 32
+SCALINGS = {"none": 0, "tensorwise": 1, "rowwise": 2}  # kernels/gemm_core.py NO_SCALE, TENSORWISE, ROWWISE
 REQUIRED = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages")
-OPTIONAL: dict[str, Any] = {"SPLIT_K": 1, "SWAP_AB": False, "TMA": True, "WARP_SPEC": False}
+OPTIONAL: dict[str, Any] = {"SPLIT_K": 1, "SWAP_AB": False, "TMA": True, "WARP_SPEC": False, "STREAM_K": False}
 KEYS = REQUIRED + tuple(OPTIONAL)
 
 
@@ -50,8 +55,15 @@ def _dtype_name(dtype: str | torch.dtype) -> str:
     if isinstance(dtype, torch.dtype):
         dtype = str(dtype).removeprefix("torch.")
     if dtype not in ELEMENT_BYTES:
-        raise ValueError(f"GEMM dtype {dtype!r} not supported: use one of {sorted(ELEMENT_BYTES)}")
+        hint = " (float8_e5m2 is a gradient format: FP8 GEMMs take float8_e4m3fn)" if "e5m2" in dtype else ""
+        raise ValueError(f"GEMM dtype {dtype!r} not supported{hint}: use one of {sorted(ELEMENT_BYTES)}")
     return dtype
+
+
+def output_dtype(dtype: str | torch.dtype) -> str:
+    """The dtype a GEMM of `dtype` inputs writes: bfloat16 for FP8, else the input dtype."""
+    dt = _dtype_name(dtype)
+    return OUTPUT_DTYPE.get(dt, dt)
 
 
 @dataclass(frozen=True)
@@ -68,6 +80,7 @@ class GemmConfig:
     SWAP_AB: bool = False
     TMA: bool = True
     WARP_SPEC: bool = False
+    STREAM_K: bool = False
 
     @classmethod
     def from_dict(cls, config: Mapping[str, Any]) -> "GemmConfig":
@@ -89,7 +102,7 @@ class GemmConfig:
         """Keyword arguments of a gemm_core kernel launch: the constexprs and launch options."""
         return {"BLOCK_M": self.BLOCK_M, "BLOCK_N": self.BLOCK_N, "BLOCK_K": self.BLOCK_K, "GROUP_M": self.GROUP_M,
                 "NUM_STAGES": self.num_stages, "SPLIT_K": self.SPLIT_K, "SWAP_AB": self.SWAP_AB,
-                "USE_TMA": self.TMA, "WARP_SPEC": self.WARP_SPEC,
+                "USE_TMA": self.TMA, "WARP_SPEC": self.WARP_SPEC, "STREAM_K": self.STREAM_K,
                 "num_warps": self.num_warps, "num_stages": self.num_stages}
 
     def fused_kwargs(self) -> dict[str, Any]:
@@ -107,8 +120,15 @@ class GemmConfig:
         return self.tiles(rows, n) * self.SPLIT_K
 
     def grid(self, rows: int, n: int, programs: int) -> tuple[int]:
-        """Persistent grid: one program per SM (`programs`), never more than there are work items."""
-        return (max(1, min(self.work_items(rows, n), programs)),)
+        """Persistent grid: one program per SM (`programs`), never more than there are work items
+        (with STREAM_K every program takes a share of the last wave: always `programs`)."""
+        return (max(1, programs if self.STREAM_K else min(self.work_items(rows, n), programs)),)
+
+    def stream_k_slots(self, rows: int, n: int, programs: int) -> tuple[int, int]:
+        """(partial tiles, counts) the stream-K fixup of a `programs`-program launch needs: a slot
+        per (program, tail tile) piece, at most programs + tail - 1, and a count per tail tile."""
+        tail = self.tiles(rows, n) % programs
+        return programs + tail, max(tail, 1)
 
     def smem_bytes(self, dtype: str | torch.dtype) -> int:
         """Shared memory of one program on sm_90, as Triton 3.6 allocates it: num_stages buffers of
@@ -121,8 +141,8 @@ class GemmConfig:
         pipeline the same way and stay below the model where it binds."""
         e = ELEMENT_BYTES[_dtype_name(dtype)]
         pipeline = self.num_stages * (self.BLOCK_M * self.BLOCK_K + self.BLOCK_K * self.BLOCK_N) * e
-        partial = self.BLOCK_M * self.BLOCK_N * 4 if self.SPLIT_K > 1 else 0
-        epilogue = self.BLOCK_M * self.BLOCK_N * e if self.TMA else 0
+        partial = self.BLOCK_M * self.BLOCK_N * 4 if self.SPLIT_K > 1 or self.STREAM_K else 0
+        epilogue = self.BLOCK_M * self.BLOCK_N * ELEMENT_BYTES[output_dtype(dtype)] if self.TMA else 0
         return max(pipeline, partial) + epilogue + SMEM_SLACK
 
     def acc_regs(self) -> int:
@@ -145,9 +165,10 @@ def _is_int(v: Any) -> bool:
 
 
 def check(config: Mapping[str, Any] | GemmConfig, rows: int, n: int, k: int, dtype: str | torch.dtype,
-          extra: Iterable[str] = ()) -> str | None:
+          extra: Iterable[str] = (), stream_k: bool = False) -> str | None:
     """Why the GEMM part of `config` cannot run a rows x n x k GEMM (A rows x k, B k x n) in `dtype`
-    on sm_90, or None. `extra` names the op's own keys (accepted here, checked by the op).
+    on sm_90, or None. `extra` names the op's own keys (accepted here, checked by the op);
+    `stream_k` says the kernel runs STREAM_K (the core's standalone kernel does).
 
     The rules, and why (one set for every GEMM op; the two earlier validators disagreed):
     - BLOCK_M/N/K powers of two in 16..256: tl.dot needs 16 on every side, a TMA box and a wgmma
@@ -169,6 +190,11 @@ def check(config: Mapping[str, Any] | GemmConfig, rows: int, n: int, k: int, dty
       consumer warpgroups, 12 warps; with 8 it silently does nothing), 16-bit inputs (float32
       fails to compile), SPLIT_K 1 (silently not specialised) and an MMA M side (BLOCK_M, or
       BLOCK_N with SWAP_AB) of at least 64 (smaller tiles use mma.sync: nothing to specialise).
+    - STREAM_K (the last wave's tiles shared out in K steps, kernels/gemm_core.py stream_k_plan):
+      only in the core's standalone kernel (`prepare`: stream_k=True; the fused kernels schedule
+      their own tiles), with SPLIT_K 1 (one way of splitting K at a time) and without WARP_SPEC
+      (a kernel with a second tile loop is not specialised).
+    - FP8 (float8_e4m3fn inputs, bfloat16 output): BLOCK_K >= 32 (an FP8 wgmma takes K in 32s).
     - int32 offsets: A, B and C under 2^31 elements, and so the split-K partials.
     """
     extra = set(extra)
@@ -195,7 +221,7 @@ def check(config: Mapping[str, Any] | GemmConfig, rows: int, n: int, k: int, dty
     split = config.get("SPLIT_K", OPTIONAL["SPLIT_K"])
     if not _is_int(split) or not 1 <= split <= MAX_SPLIT_K:
         return f"SPLIT_K={split!r} must be an int in 1..{MAX_SPLIT_K}"
-    for key in ("SWAP_AB", "TMA", "WARP_SPEC"):
+    for key in ("SWAP_AB", "TMA", "WARP_SPEC", "STREAM_K"):
         if not isinstance(config.get(key, OPTIONAL[key]), bool):
             return f"{key}={config[key]!r} must be true or false"
     if min(rows, n, k) < 1:
@@ -205,6 +231,8 @@ def check(config: Mapping[str, Any] | GemmConfig, rows: int, n: int, k: int, dty
         cap = max(16, next_pow2(size))
         if block > cap:
             return f"{key}={block} is larger than {size} needs (at most {cap})"
+    if dt == FP8 and cfg.BLOCK_K < FP8_MIN_BLOCK_K:
+        return f"BLOCK_K={cfg.BLOCK_K} is too small for FP8 (an FP8 wgmma takes K in steps of {FP8_MIN_BLOCK_K})"
     regs = cfg.acc_regs()
     if regs > MAX_ACC_REGS:
         warps = "two consumer warpgroups" if cfg.WARP_SPEC else f"{cfg.num_warps} warps"
@@ -236,6 +264,12 @@ def check(config: Mapping[str, Any] | GemmConfig, rows: int, n: int, k: int, dty
                if mma_m < 64 else None)
         if why:
             return f"WARP_SPEC {why}"
+    if cfg.STREAM_K:
+        why = ("is run only by the core's standalone kernel (this kernel schedules its own tiles)" if not stream_k else
+               "needs SPLIT_K=1 (one way of splitting K at a time)" if cfg.SPLIT_K > 1 else
+               "needs WARP_SPEC=false (the stream-K loop is not warp-specialised)" if cfg.WARP_SPEC else None)
+        if why:
+            return f"STREAM_K {why}"
     biggest = max(rows * k, k * n, rows * n, cfg.tiles(rows, n) * cfg.SPLIT_K * cfg.BLOCK_M * cfg.BLOCK_N)
     if biggest >= INT32_LIMIT:
         return f"an operand or the split-K partials have {biggest} >= 2^31 elements: the core indexes with int32"
@@ -255,10 +289,11 @@ def _tma_ok(n: int, k: int, dtype: str) -> bool:
     return n * e % 16 == 0 and k * e % 16 == 0
 
 
-def space(trial: SearchSpace, rows: int, n: int, k: int, dtype: str | torch.dtype, warp_spec: bool = True) -> Config:
+def space(trial: SearchSpace, rows: int, n: int, k: int, dtype: str | torch.dtype, warp_spec: bool = True,
+          stream_k: bool = False) -> Config:
     """Draw the GEMM keys of a config (define-by-run); the op draws its own keys after. Kernels that
     wait or push inside their tile loop pass warp_spec=False (Triton's Hopper warp specialisation
-    rejects such loops).
+    rejects such loops); only a kernel that runs STREAM_K passes stream_k=True.
 
     Every key's choices depend only on the problem (Optuna needs fixed choices per parameter within
     a study); combinations `check` rejects (shared memory, registers, WARP_SPEC limits) are
@@ -266,12 +301,13 @@ def space(trial: SearchSpace, rows: int, n: int, k: int, dtype: str | torch.dtyp
     """
     dt = _dtype_name(dtype)
     cap = lambda size: max(16, next_pow2(size))  # noqa: E731
+    min_k = FP8_MIN_BLOCK_K if dt == FP8 else 16
     if tiny(rows, n, k):
         blocks = (16, 32)
         config: Config = {
             "BLOCK_M": trial.suggest_categorical("BLOCK_M", [b for b in blocks if b <= cap(rows)]),
             "BLOCK_N": trial.suggest_categorical("BLOCK_N", [b for b in blocks if b <= cap(n)]),
-            "BLOCK_K": trial.suggest_categorical("BLOCK_K", [b for b in blocks if b <= cap(k)]),
+            "BLOCK_K": trial.suggest_categorical("BLOCK_K", [b for b in blocks if min_k <= b <= max(cap(k), min_k)]),
             "GROUP_M": trial.suggest_categorical("GROUP_M", [1, 4]),
             "num_warps": 4,
             "num_stages": 2,
@@ -280,7 +316,8 @@ def space(trial: SearchSpace, rows: int, n: int, k: int, dtype: str | torch.dtyp
         config = {
             "BLOCK_M": trial.suggest_categorical("BLOCK_M", [b for b in BLOCKS if b <= cap(rows)]),
             "BLOCK_N": trial.suggest_categorical("BLOCK_N", [b for b in (32, 64, 128, 256) if b <= cap(n)]),
-            "BLOCK_K": trial.suggest_categorical("BLOCK_K", [b for b in (32, 64, 128, 256) if b <= cap(k)]),
+            "BLOCK_K": trial.suggest_categorical("BLOCK_K", [b for b in (32, 64, 128, 256)
+                                                             if b <= max(cap(k), min_k)]),
             "GROUP_M": trial.suggest_categorical("GROUP_M", [1, 4, 8, 16]),
             "num_warps": trial.suggest_categorical("num_warps", list(WARPS)),
             "num_stages": trial.suggest_int("num_stages", 2, 6),
@@ -291,6 +328,7 @@ def space(trial: SearchSpace, rows: int, n: int, k: int, dtype: str | torch.dtyp
     config["SPLIT_K"] = trial.suggest_categorical("SPLIT_K", [1, 2, 4, 8]) if few_tiles else 1
     ws_possible = warp_spec and config["TMA"] and ELEMENT_BYTES[dt] == 2 and not tiny(rows, n, k)
     config["WARP_SPEC"] = trial.suggest_categorical("WARP_SPEC", [False, True]) if ws_possible else False
+    config["STREAM_K"] = trial.suggest_categorical("STREAM_K", [False, True]) if stream_k else False
     return config
 
 
@@ -312,22 +350,38 @@ def auto_split(tiles: int, steps: int, sms: int = H200_SMS, min_steps: int = 4) 
     return best
 
 
+def last_wave_fill(tiles: int, sms: int = H200_SMS) -> float:
+    """Share of the SMs busy in the last wave of `tiles` data-parallel tiles (1.0: whole waves)."""
+    tail = tiles % sms
+    return 1.0 if tail == 0 else tail / sms
+
+
+def stream_k_helps(tiles: int, steps: int, sms: int = H200_SMS) -> bool:
+    """Whether STREAM_K is worth a candidate: the last wave leaves at least a fifth of the SMs idle
+    and its tiles hold enough K steps for every SM's share to keep the pipeline full."""
+    return last_wave_fill(tiles, sms) <= 0.8 and (tiles % sms) * steps >= 4 * sms
+
+
 def _cfg(bm: int, bn: int, bk: int, warps: int, stages: int, group: int = 8, split: int = 1, swap: bool = False,
          tma: bool = True, ws: bool = False) -> GemmConfig:
     return GemmConfig(bm, bn, bk, group, warps, stages, split, swap, tma, ws)
 
 
 def defaults(rows: int, n: int, k: int, dtype: str | torch.dtype, sms: int = H200_SMS,
-             warp_spec: bool = True) -> list[Config]:
+             warp_spec: bool = True, stream_k: bool = False) -> list[Config]:
     """Known-good GEMM configs for a rows x n x k GEMM, best guess first (every one passes `check`;
-    none warp-specialised with warp_spec=False, for kernels that wait inside their tile loop).
+    none warp-specialised with warp_spec=False, for kernels that wait inside their tile loop). With
+    stream_k=True (the core's standalone kernel), the first two configs' STREAM_K twins follow
+    wherever the last wave leaves SMs idle (`stream_k_helps`).
 
     From GPU-NOTES (H200, bf16, graph mode): the persistent TMA kernel is best at 128x256x64,
     3 stages, 8 warps from 1024 rows up, and at 64x128..256 with BLOCK_K 64-128 below; a plain
     Triton GEMM was best at BLOCK 16 x 64..128 x 128-256 for <= 64 rows, where the core adds
     swap-AB (BLOCK_N on the wgmma's M side) and split-K (auto_split fills the SMs when few tiles
     exist). Tiny (interpreter) problems get 16x32 tiles. float32 halves BLOCK_K or the stages
-    until the tiles fit (`check`). TMA is off where row strides are not 16-byte aligned.
+    until the tiles fit (`check`); FP8 doubles BLOCK_K (the same bytes per stage as bf16, as
+    Triton's FP8 tutorial tiles: 128x256x128), at least 32. TMA is off where row strides are not
+    16-byte aligned.
     """
     dt = _dtype_name(dtype)
     tma = _tma_ok(n, k, dt)
@@ -350,7 +404,10 @@ def defaults(rows: int, n: int, k: int, dtype: str | torch.dtype, sms: int = H20
     out: list[Config] = []
     caps = [max(16, next_pow2(size)) for size in (rows, n, k)]
     for c in cands:
-        c = c.replace(BLOCK_M=min(c.BLOCK_M, caps[0]), BLOCK_N=min(c.BLOCK_N, caps[1]), BLOCK_K=min(c.BLOCK_K, caps[2]))
+        if dt == FP8:
+            c = c.replace(BLOCK_K=max(FP8_MIN_BLOCK_K, min(2 * c.BLOCK_K, 256, caps[2])))
+        c = c.replace(BLOCK_M=min(c.BLOCK_M, caps[0]), BLOCK_N=min(c.BLOCK_N, caps[1]),
+                      BLOCK_K=max(min(c.BLOCK_K, caps[2]), FP8_MIN_BLOCK_K if dt == FP8 else 16))
         if dt == "float32" and c.BLOCK_K > 32 and c.smem_bytes(dt) > SMEM_LIMIT:
             c = c.replace(BLOCK_K=c.BLOCK_K // 2)
         while c.num_stages > 2 and c.smem_bytes(dt) > SMEM_LIMIT:
@@ -364,6 +421,13 @@ def defaults(rows: int, n: int, k: int, dtype: str | torch.dtype, sms: int = H20
         d = c.to_dict()
         if check(d, rows, n, k, dt) is None and d not in out:
             out.append(d)
+    if stream_k and not tiny(rows, n, k):
+        for d in out[:2]:
+            c = GemmConfig.from_dict(d).replace(SPLIT_K=1, WARP_SPEC=False, STREAM_K=True)
+            twin = c.to_dict()
+            if (stream_k_helps(c.tiles(rows, n), cdiv(k, c.BLOCK_K), sms) and twin not in out
+                    and check(twin, rows, n, k, dt, stream_k=True) is None):
+                out.append(twin)
     return out
 
 
@@ -436,45 +500,94 @@ def split_k_workspace(device: torch.device, partial_elems: int, tiles: int) -> S
     return ws
 
 
+def fp8_scaling(dtype: torch.dtype, m: int, n: int, scale_a: torch.Tensor | None,
+                scale_b: torch.Tensor | None, what: str = "matmul") -> str:
+    """The scaling of a GEMM of `dtype` inputs, A m x k and B k x n, as torch._scaled_mm takes it:
+    'none' (no scales: bf16/fp16/fp32 inputs), 'tensorwise' (float8_e4m3fn, scale_a and scale_b
+    float32 with one element each) or 'rowwise' (float8_e4m3fn, scale_a float32 m x 1: one per row
+    of A, scale_b float32 1 x n: one per column of B). Raises InvalidInput naming what is wrong
+    (e5m2 inputs, a missing scale, scales of the wrong dtype, shape or device, scales on a non-FP8 GEMM)."""
+    if dtype == torch.float8_e5m2:
+        raise InvalidInput(f"{what}: float8_e5m2 inputs are not supported (a gradient format); use float8_e4m3fn")
+    if dtype != torch.float8_e4m3fn:
+        if scale_a is not None or scale_b is not None:
+            raise InvalidInput(f"{what}: scale_a/scale_b are for float8_e4m3fn inputs, these are {dtype}")
+        return "none"
+    if scale_a is None or scale_b is None:
+        raise InvalidInput(f"{what}: float8_e4m3fn inputs need scale_a and scale_b (float32; the output is "
+                           f"bfloat16 (A @ B) * scale_a * scale_b, as torch._scaled_mm)")
+    for name, t in (("scale_a", scale_a), ("scale_b", scale_b)):
+        if t.dtype != torch.float32:
+            raise InvalidInput(f"{what}: {name} must be float32, got {t.dtype}")
+    if scale_a.numel() == 1 and scale_b.numel() == 1:
+        return "tensorwise"
+    if tuple(scale_a.shape) == (m, 1) and tuple(scale_b.shape) == (1, n):
+        if not (scale_a.is_contiguous() and scale_b.is_contiguous()):
+            raise InvalidInput(f"{what}: row-wise scales must be contiguous")
+        return "rowwise"
+    raise InvalidInput(f"{what}: scales of shapes {tuple(scale_a.shape)} and {tuple(scale_b.shape)} are neither "
+                       f"tensorwise (one element each) nor rowwise ({(m, 1)} and {(1, n)})")
+
+
+def b_transposed(b: torch.Tensor) -> bool:
+    """Whether B (K x N) is stored transposed (N x K row-major: column stride K, row stride 1), as
+    torch._scaled_mm's B and nn.Linear weights (w.t()) are; the core then loads it K-major."""
+    return b.stride(0) == 1 and b.stride(1) != 1
+
+
 def prepare(a: torch.Tensor, b: torch.Tensor, config: Mapping[str, Any] | GemmConfig, out: torch.Tensor,
-            workspace: SplitKWorkspace | None = None, num_programs: int | None = None) -> Callable[[], None]:
+            workspace: SplitKWorkspace | None = None, num_programs: int | None = None,
+            scale_a: torch.Tensor | None = None, scale_b: torch.Tensor | None = None) -> Callable[[], None]:
     """Validate once and return a no-argument launcher of C = A @ B into `out` (the core's
     standalone `gemm_kernel`): what benchmarks time and CUDA graphs capture, with no per-call checks.
 
-    A (M x K) and B (K x N) of one dtype (bf16, fp16, fp32) on one device; any strides on the
-    pointer path; with TMA, unit column strides and 16-byte aligned rows and base addresses.
-    Raises InvalidConfig when `check` rejects the config or the tensors break TMA's alignment.
+    A (M x K) and B (K x N) of one dtype (bf16, fp16, fp32, or float8_e4m3fn with its scales, see
+    `fp8_scaling`, into a bfloat16 `out`) on one device; any strides on the pointer path; with TMA,
+    A's and C's columns and B's columns or rows (B stored N x K: `b_transposed`) of unit stride and
+    16-byte aligned rows and base addresses. Raises InvalidConfig when `check` rejects the config or
+    the tensors break TMA's alignment, InvalidInput for unsupported dtypes and bad scales.
     """
     from autofuse.kernels import gemm_core
 
     if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0]:
         raise ValueError(f"matmul: shapes {tuple(a.shape)} and {tuple(b.shape)} do not multiply")
-    if a.dtype != b.dtype or out.dtype != a.dtype:
-        raise ValueError(f"matmul: A is {a.dtype}, B is {b.dtype}, out is {out.dtype}: they must match")
+    scaling = fp8_scaling(a.dtype, a.shape[0], b.shape[1], scale_a, scale_b)
+    want = output_dtype(a.dtype)
+    if a.dtype != b.dtype or str(out.dtype).removeprefix("torch.") != want:
+        raise ValueError(f"matmul: A is {a.dtype}, B is {b.dtype}, out is {out.dtype}: A and B must match and out "
+                         f"must be {want}")
     m, k = a.shape
     n = b.shape[1]
     if tuple(out.shape) != (m, n):
         raise ValueError(f"matmul: out is {tuple(out.shape)}, expected {(m, n)}")
     cfg = config if isinstance(config, GemmConfig) else GemmConfig.from_dict(config)
-    why = check(cfg, m, n, k, a.dtype)
+    why = check(cfg, m, n, k, a.dtype, stream_k=True)
     if why:
         raise InvalidConfig(why)
+    b_t = b_transposed(b)
     if cfg.TMA:
-        for name, t in (("A", a), ("B", b), ("C", out)):
+        for name, t in (("A", a), ("B", b.t() if b_t else b), ("C", out)):
             if t.stride(1) != 1 or t.data_ptr() % 16 or t.stride(0) * t.element_size() % 16:
                 raise InvalidConfig(f"TMA needs {name} with unit column stride, 16-byte aligned base and rows "
                                     f"(strides {t.stride()}, address % 16 = {t.data_ptr() % 16}); use TMA=false")
         ensure_allocator()
-    if cfg.SPLIT_K > 1:
-        tiles = cfg.tiles(m, n)
-        workspace = workspace or split_k_workspace(a.device, tiles * cfg.SPLIT_K * cfg.BLOCK_M * cfg.BLOCK_N, tiles)
+    grid = cfg.grid(m, n, num_programs or programs(a.device))
+    if cfg.SPLIT_K > 1 or cfg.STREAM_K:
+        slots, tiles = (cfg.stream_k_slots(m, n, grid[0]) if cfg.STREAM_K else
+                        (cfg.tiles(m, n) * cfg.SPLIT_K, cfg.tiles(m, n)))
+        need = slots * cfg.BLOCK_M * cfg.BLOCK_N
+        if workspace is not None and (workspace.partials.numel() < need or workspace.counts.numel() < tiles):
+            raise ValueError(f"matmul: the workspace holds {workspace.partials.numel()} partial floats and "
+                             f"{workspace.counts.numel()} counts, this config needs {need} and {tiles}")
+        workspace = workspace or split_k_workspace(a.device, need, tiles)
         partials, counts = workspace.partials, workspace.counts
     else:
-        partials, counts = out, out  # unused by the kernel when SPLIT_K == 1
-    kernel = gemm_core.gemm_kernel[cfg.grid(m, n, num_programs or programs(a.device))]
-    args = (a, b, out, partials, counts, m, n, k, a.stride(0), a.stride(1), b.stride(0), b.stride(1),
+        partials, counts = out, out  # unused by the kernel when SPLIT_K == 1 and STREAM_K is off
+    kernel = gemm_core.gemm_kernel[grid]
+    scales = (scale_a, scale_b) if scaling != "none" else (out, out)  # unused by the kernel without scales
+    args = (a, b, out, partials, counts, *scales, m, n, k, a.stride(0), a.stride(1), b.stride(0), b.stride(1),
             out.stride(0), out.stride(1))
-    kwargs = cfg.kernel_kwargs()
+    kwargs = {**cfg.kernel_kwargs(), "B_T": b_t, "SCALE": SCALINGS[scaling]}
 
     def launch() -> None:
         kernel(*args, **kwargs)
@@ -484,10 +597,13 @@ def prepare(a: torch.Tensor, b: torch.Tensor, config: Mapping[str, Any] | GemmCo
 
 def matmul(a: torch.Tensor, b: torch.Tensor, config: Mapping[str, Any] | GemmConfig,
            out: torch.Tensor | None = None, workspace: SplitKWorkspace | None = None,
-           num_programs: int | None = None) -> torch.Tensor:
-    """C = A @ B with the core's standalone kernel at `config` (see `prepare`); returns `out`."""
+           num_programs: int | None = None, scale_a: torch.Tensor | None = None,
+           scale_b: torch.Tensor | None = None) -> torch.Tensor:
+    """C = A @ B (FP8: times scale_a and scale_b, in bfloat16) with the core's standalone kernel at
+    `config` (see `prepare`); returns `out`."""
     if out is None:
-        out = torch.empty((a.shape[0], b.shape[1]) if a.dim() == 2 and b.dim() == 2 else (0,), dtype=a.dtype,
+        dtype = torch.bfloat16 if a.dtype == torch.float8_e4m3fn else a.dtype
+        out = torch.empty((a.shape[0], b.shape[1]) if a.dim() == 2 and b.dim() == 2 else (0,), dtype=dtype,
                           device=a.device)
-    prepare(a, b, config, out, workspace, num_programs)()
+    prepare(a, b, config, out, workspace, num_programs, scale_a, scale_b)()
     return out

@@ -76,6 +76,7 @@ class BenchOptions:
     GPU, or 2 CPU ranks). out: JSON path (None: `default_out`). device_kind: "cuda" or "cpu"
     ("" = detect). force: replace an existing output file. progress: print a line per measurement.
     profile: op targets only: after measuring, profile each variant's best config per kernel.
+    dtype: the input dtype of targets that take one (gemm_core: bf16 or fp8; None: bf16).
     """
 
     target: str
@@ -91,6 +92,7 @@ class BenchOptions:
     force: bool = False
     progress: bool = True
     profile: bool = False
+    dtype: str | None = None
 
     def resolved(self) -> "BenchOptions":
         """A copy with device_kind and world filled in for this machine."""

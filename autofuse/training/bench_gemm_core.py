@@ -1,12 +1,20 @@
 """`autofuse bench gemm_core`: the GEMM core alone (kernels/gemm_core.py) against cuBLAS, one GPU.
 
 For every shape (C = A @ B, A M x K, B K x N, bf16, row-major), in one run: each candidate config
-of the core (autofuse.core.gemm.defaults for the shape, the pointer-path twin of the first default, and
-a few regime extras: warp specialisation, other tiles) is first checked against torch.matmul on
-random inputs (NaN-poisoned output, relative error within default_tolerance); the correct ones are
-timed, and so is torch.matmul (cuBLAS). Per mode the row reports the best core config, its time,
-cuBLAS's time, their ratio and whether it meets issue 13's target (core within 1.05x of cuBLAS at
-M >= 512, within 1.15x at M <= 256).
+of the core (autofuse.core.gemm.defaults for the shape with their stream-K twins where the last wave
+idles SMs, the pointer-path twin of the first default, and a few regime extras: warp
+specialisation, other tiles) is first checked against torch.matmul on random inputs (NaN-poisoned
+output, relative error within default_tolerance); the correct ones are timed, and so is
+torch.matmul (cuBLAS). Per mode the row reports the best core config, its time, the best time
+without stream-K (`dp_us`: what the core did before it), cuBLAS's time, their ratio and whether
+it meets issue 29's target: no shape above 1.10x of cuBLAS; the summary's geomeans have their own
+targets (<= 1.05 at M <= 256, <= 1.03 at M >= 512).
+
+--dtype fp8: the same sweep in FP8 (float8_e4m3fn A, B stored N x K as weights are, bfloat16
+output) against torch._scaled_mm (cuBLASLt) with fast accumulation (use_fast_accum=True: the FP8
+accumulation Triton's Hopper dot uses too), tensorwise scales for every config; the best config
+and _scaled_mm are then also timed with row-wise scales (`rowwise_core_us`, `rowwise_vendor_us`).
+Targets: no shape above 1.15x, geomean <= 1.05.
 
 Modes: `graph` (the calls captured in a CUDA graph and replayed: launch cost removed) and `eager`
 (back-to-back launches between two events). Each measurement is the median of `reps` batches of
@@ -22,8 +30,8 @@ seconds: interpreter timings that only show the core runs and agrees with torch,
 --shapes: comma-separated items, each `M`, `MxN` or `MxNxK`; a shape of the sweep is kept if it
 matches any item (e.g. `--shapes 16,64x3584,1024x28672x8192`).
 --variants: the config families to time, from FAMILIES (default all): a config is timed when every
-family it belongs to is listed, e.g. `--variants tma,ptr,swap,splitk` leaves out warp
-specialisation. cuBLAS is always timed.
+family it belongs to is listed, e.g. `--variants tma,ptr,swap,splitk,ws` leaves out stream-K
+(the core as it was before stream-K). cuBLAS is always timed.
 """
 from __future__ import annotations
 
@@ -44,14 +52,17 @@ K_SET = (8192, 14336)
 GPU_M = (16, 64, 128, 256, 512, 1024, 4096, 16384)
 FULL_M = tuple(16 << i for i in range(11))
 CPU_SHAPES = ((16, 64, 64), (40, 72, 48), (64, 128, 96))
-DTYPE = "bfloat16"
+DTYPES = {"bf16": "bfloat16", "fp8": "float8_e4m3fn"}
 BATCH_US = 500.0           # work per timed batch
 MEASURE_S = 0.3            # at most this long per measurement (reps cut, never below MIN_REPS)
 MIN_REPS = 5
 CPU_REPS = 2
 DEFAULT_SWEEP = {"cuda": "gpu", "cpu": "cpu"}  # the shapes, when --sweep is not given
 WORLD = 1  # one device: the core against the vendor GEMM
-FAMILIES = ("tma", "ptr", "swap", "splitk", "ws")
+FAMILIES = ("tma", "ptr", "swap", "splitk", "ws", "streamk")
+SHAPE_TARGETS = {"bf16": 1.10, "fp8": 1.15}  # issue 29: no shape's core/vendor time above this
+GEOMEAN_TARGETS = {"bf16": {"M<=256": 1.05, "M>=512": 1.03}, "fp8": {"M<=256": 1.05, "M>=512": 1.05}}
+VENDOR = {"bf16": "torch.matmul (cuBLAS)", "fp8": "torch._scaled_mm (cuBLASLt, fast accumulation)"}
 CPU_NOTE = ("CPU: Triton-interpreter and torch CPU timings, not GPU timings: they show that the core runs "
             "and agrees with torch.matmul, not how fast it is. Run the same command on a GPU machine.")
 
@@ -91,23 +102,25 @@ def select(shapes: list[tuple[int, int, int]], keep: list[tuple[int, ...]] | Non
     return [s for s in shapes if any(s[:len(prefix)] == prefix for prefix in keep)]
 
 
-def candidates(m: int, n: int, k: int, dtype: str = DTYPE) -> list[dict]:
-    """The configs timed for one shape: gemm.defaults (what the ops enqueue first), the pointer
-    twin of the first default (TMA's gain), and per regime a warp-specialised and a wider tile."""
-    configs = gemm.defaults(m, n, k, dtype)
+def candidates(m: int, n: int, k: int, dtype: str = "bfloat16") -> list[dict]:
+    """The configs timed for one shape: gemm.defaults (what the ops enqueue first) with their
+    stream-K twins, the pointer twin of the first default (TMA's gain), and per regime a
+    warp-specialised and a wider tile."""
+    configs = gemm.defaults(m, n, k, dtype, stream_k=True)
     first = GemmConfig.from_dict(configs[0])
     extra = [first.replace(TMA=False, WARP_SPEC=False)]
+    bk = 2 if dtype == gemm.FP8 else 1  # FP8 tiles take twice the K for the same bytes
     if not gemm.tiny(m, n, k):
         small = min(64, max(16, gemm.next_pow2(m)))
         if m <= 64:
-            extra.append(GemmConfig(small, 128, 128, 8, 4, 4, SWAP_AB=True, WARP_SPEC=True))
+            extra.append(GemmConfig(small, 128, min(128 * bk, 256), 8, 4, 4, SWAP_AB=True, WARP_SPEC=True))
         elif m <= 512:
-            extra.append(GemmConfig(128, 256, 64, 8, 8, 3))
+            extra.append(GemmConfig(128, 256, 64 * bk, 8, 8, 3))
         else:
-            extra.append(GemmConfig(128, 128, 128, 8, 8, 3))
+            extra.append(GemmConfig(128, 128, 128 * bk, 8, 8, 3))
     for c in extra:
         d = c.to_dict()
-        if gemm.check(d, m, n, k, dtype) is None and d not in configs:
+        if gemm.check(d, m, n, k, dtype, stream_k=True) is None and d not in configs:
             configs.append(d)
     return configs
 
@@ -116,7 +129,8 @@ def families(config: dict) -> set[str]:
     """The FAMILIES a config belongs to: its load path (tma or ptr) and each switch it turns on."""
     c = GemmConfig.from_dict(config)
     out = {"tma" if c.TMA else "ptr"}
-    out |= {name for name, on in (("swap", c.SWAP_AB), ("splitk", c.SPLIT_K > 1), ("ws", c.WARP_SPEC)) if on}
+    out |= {name for name, on in (("swap", c.SWAP_AB), ("splitk", c.SPLIT_K > 1), ("ws", c.WARP_SPEC),
+                                  ("streamk", c.STREAM_K)) if on}
     return out
 
 
@@ -131,19 +145,15 @@ def parse_variants(items: Sequence[str] | None) -> set[str] | None:
 
 
 def config_text(config: dict) -> str:
-    """'128x256x64 w8 s3' + ' sk4' (split-K) + ' swap' + ' ws' + ' ptr' (no TMA)."""
+    """'128x256x64 w8 s3' + ' sk4' (split-K) + ' swap' + ' ws' + ' streamk' + ' ptr' (no TMA)."""
     c = GemmConfig.from_dict(config)
     text = f"{c.BLOCK_M}x{c.BLOCK_N}x{c.BLOCK_K} w{c.num_warps} s{c.num_stages}"
     if c.SPLIT_K > 1:
         text += f" sk{c.SPLIT_K}"
     if c.GROUP_M != 8:
         text += f" g{c.GROUP_M}"
-    return text + (" swap" if c.SWAP_AB else "") + (" ws" if c.WARP_SPEC else "") + ("" if c.TMA else " ptr")
-
-
-def target_ratio(m: int) -> float:
-    """Issue 13's target for the core alone: time within 1.05x of cuBLAS at M >= 512, 1.15x below."""
-    return 1.05 if m >= 512 else 1.15
+    return (text + (" swap" if c.SWAP_AB else "") + (" ws" if c.WARP_SPEC else "") + (" streamk" if c.STREAM_K else "")
+            + ("" if c.TMA else " ptr"))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -192,33 +202,58 @@ def _opt(options: Any, name: str, default: Any) -> Any:
     return default if value is None else value
 
 
+def weights(n: int, k: int, dtype: str, device: torch.device) -> torch.Tensor:
+    """B (K x N) of a shape: row-major bf16, or FP8 stored N x K (a weight, as torch._scaled_mm takes B)."""
+    if dtype == "fp8":
+        return torch.randn(n, k, device=device).to(torch.float8_e4m3fn).t()
+    return torch.randn(k, n, device=device, dtype=torch.float32).to(torch.bfloat16)
+
+
+def fp8_scales(m: int, n: int, scaling: str, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random positive float32 scales (tensorwise: one each; rowwise: M x 1 and 1 x N)."""
+    g = torch.Generator(device="cpu").manual_seed(m * 31 + n)
+    shapes = ((1,), (1,)) if scaling == "tensorwise" else ((m, 1), (1, n))
+    return tuple((torch.rand(s, generator=g) + 0.5).to(device) for s in shapes)  # type: ignore[return-value]
+
+
+def _vendor(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, scales: tuple | None) -> Callable[[], Any]:
+    """The vendor call of the run: torch.matmul into c (bf16), or torch._scaled_mm (FP8)."""
+    if scales is None:
+        return lambda: torch.matmul(a, b, out=c)
+    sa, sb = scales
+    return lambda: torch._scaled_mm(a, b, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16, use_fast_accum=True)
+
+
 def _measure_shape(m: int, n: int, k: int, b: torch.Tensor, modes: Sequence[str], reps: int, device: torch.device,
-                   say: Callable[[str], None], allowed: set[str] | None = None) -> list[dict]:
-    """Rows (one per mode) of one shape: every candidate checked, then timed; cuBLAS timed."""
-    dtype = getattr(torch, DTYPE)
-    a = torch.randn(m, k, device=device, dtype=torch.float32).to(dtype)
-    c = torch.empty(m, n, device=device, dtype=dtype)
-    ref = torch.matmul(a, b)
-    tol = default_tolerance(DTYPE, k)
+                   say: Callable[[str], None], allowed: set[str] | None = None, dtype: str = "bf16") -> list[dict]:
+    """Rows (one per mode) of one shape: every candidate checked, then timed; the vendor GEMM timed
+    (FP8: the best config and the vendor again with row-wise scales)."""
+    fp8 = dtype == "fp8"
+    a = torch.randn(m, k, device=device, dtype=torch.float32).to(torch.float8_e4m3fn if fp8 else torch.bfloat16)
+    c = torch.empty(m, n, device=device, dtype=torch.bfloat16)
+    scales = fp8_scales(m, n, "tensorwise", device) if fp8 else None
+    scale_kw = {"scale_a": scales[0], "scale_b": scales[1]} if scales else {}
+    ref = _vendor(a, b, c, scales)().clone()
+    tol = default_tolerance(DTYPES[dtype], k)
     cuda = device.type == "cuda"
     timer = (lambda fn, mode: time_cuda(fn, mode, reps)) if cuda else (lambda fn, mode: time_cpu(fn, reps))
-    cublas = {mode: timer(lambda: torch.matmul(a, b, out=c), mode) for mode in modes}
-    say(f"M={m} N={n} K={k} torch.matmul: " + ", ".join(f"{md} {t:.1f} us" for md, t in cublas.items()))
+    cublas = {mode: timer(_vendor(a, b, c, scales), mode) for mode in modes}
+    say(f"M={m} N={n} K={k} {VENDOR[dtype]}: " + ", ".join(f"{md} {t:.1f} us" for md, t in cublas.items()))
     results: list[dict] = []
-    for config in candidates(m, n, k):
+    for config in candidates(m, n, k, DTYPES[dtype]):
         if allowed is not None and not families(config) <= allowed:
             continue
         entry: dict[str, Any] = {"config": config, "text": config_text(config), "us": {}, "error": None}
         try:
-            launch = gemm.prepare(a, b, config, c)
+            launch = gemm.prepare(a, b, config, c, **scale_kw)
             c.fill_(math.nan)
             launch()
             if cuda:
                 torch.cuda.synchronize()
             err = _rel_err(c, ref)
             entry["rel_error"] = err if math.isfinite(err) else None
-            if not err <= 2 * tol:  # torch.matmul rounds too: twice the float64 reference's allowance
-                entry["error"] = f"wrong result: rel error {err:.3g} vs torch.matmul > {2 * tol:.3g}"
+            if not err <= 2 * tol:  # the vendor rounds too: twice the float64 reference's allowance
+                entry["error"] = f"wrong result: rel error {err:.3g} vs {VENDOR[dtype]} > {2 * tol:.3g}"
             else:
                 entry["us"] = {mode: timer(launch, mode) for mode in modes}
         except Exception as exc:  # a config that fails to compile or launch is reported, not fatal
@@ -233,10 +268,18 @@ def _measure_shape(m: int, n: int, k: int, b: torch.Tensor, modes: Sequence[str]
         best = min(timed, key=lambda e: e["us"][mode]) if timed else None
         core = best["us"][mode] if best else None
         ratio = core / cublas[mode] if core else None
-        target = target_ratio(m) if cuda else None  # interpreter timings have no target
+        target = SHAPE_TARGETS[dtype] if cuda else None  # interpreter timings have no target
+        dp = [e["us"][mode] for e in timed if not e["config"].get("STREAM_K")]
+        rowwise: dict[str, Any] = {}
+        if fp8 and best is not None:
+            row_scales = fp8_scales(m, n, "rowwise", device)
+            launch = gemm.prepare(a, b, best["config"], c, scale_a=row_scales[0], scale_b=row_scales[1])
+            rowwise = {"rowwise_core_us": timer(launch, mode),
+                       "rowwise_vendor_us": timer(_vendor(a, b, c, row_scales), mode)}
         rows.append({
-            "M": m, "N": n, "K": k, "dtype": DTYPE, "mode": mode, "cublas_us": cublas[mode], "core_us": core,
-            "core_vs_cublas": ratio, "target": target,
+            "M": m, "N": n, "K": k, "dtype": DTYPES[dtype], "mode": mode, **rowwise,
+            "cublas_us": cublas[mode], "core_us": core,
+            "dp_us": min(dp) if dp else None, "core_vs_cublas": ratio, "target": target,
             "meets_target": None if ratio is None or target is None else ratio <= target,
             "best_config": best["config"] if best else None, "best_text": best["text"] if best else None,
             "configs": [{"config": e["text"], "us": e["us"].get(mode), "error": e["error"]} for e in results],
@@ -251,6 +294,7 @@ def _run_rows(opts: dict) -> dict:
     modes = [md for md in opts["modes"] if cuda or md == "eager"] or ["eager"]
     reps = opts["reps"] if cuda else min(opts["reps"], CPU_REPS)
     say = (lambda text: print(text, flush=True)) if opts["progress"] else (lambda text: None)
+    dtype = opts["dtype"]
     torch.manual_seed(0)
     shapes = select(sweep_shapes(opts["sweep"]), opts["keep"])
     if opts["limit"]:
@@ -261,12 +305,13 @@ def _run_rows(opts: dict) -> dict:
     for i, (m, n, k) in enumerate(shapes):
         if b_key != (n, k):
             b = None
-            b = torch.randn(k, n, device=device, dtype=torch.float32).to(getattr(torch, DTYPE))
+            b = weights(n, k, dtype, device)
             b_key = (n, k)
         say(f"[{i + 1}/{len(shapes)}] M={m} N={n} K={k}")
-        rows.extend(_measure_shape(m, n, k, b, modes, reps, device, say, opts["variants"]))
+        rows.extend(_measure_shape(m, n, k, b, modes, reps, device, say, opts["variants"], dtype))
     notes = [] if cuda else [CPU_NOTE]
     return {"rows": rows, "summary": summary(rows) if cuda else {}, "sweep": opts["sweep"], "world": 1,
+            "dtype": dtype, "vendor": VENDOR[dtype],
             "device_kind": "cuda" if cuda else "cpu",
             "device": torch.cuda.get_device_name(device) if cuda else "cpu (Triton interpreter)",
             "modes": modes, "seconds": round(time.perf_counter() - started, 1), "notes": notes}
@@ -278,10 +323,15 @@ def _child(world: Any, opts: dict) -> dict:
 
 def run(options: Any) -> dict:
     """Run the benchmark (see the module docstring); options: sweep, shapes, variants, reps, modes,
-    limit, progress, device_kind (attributes of autofuse bench's options, or a dict). Returns JSON-able
-    data with "rows"; writes no file. On CPU it runs in one interpreter child process."""
+    limit, progress, device_kind, dtype (bf16 or fp8; attributes of autofuse bench's options, or a
+    dict). Returns JSON-able data with "rows"; writes no file. On CPU it runs in one interpreter child
+    process."""
     kind = _opt(options, "device_kind", "") or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = _opt(options, "dtype", "bf16")
+    if dtype not in DTYPES:
+        raise ValueError(f"gemm_core --dtype is bf16 or fp8, not {dtype!r}")
     opts = {
+        "dtype": dtype,
         "device_kind": kind,
         "sweep": _opt(options, "sweep", DEFAULT_SWEEP[kind]),
         "keep": parse_shapes(_opt(options, "shapes", None)),
@@ -305,15 +355,22 @@ def _f(x: Any, digits: int = 1) -> str:
     return "-" if x is None or (isinstance(x, float) and not math.isfinite(x)) else f"{x:.{digits}f}"
 
 
+def _geomean(xs: Sequence[float]) -> float | None:
+    return math.exp(sum(map(math.log, xs)) / len(xs)) if xs else None
+
+
 def summary(rows: Sequence[dict]) -> dict[str, Any]:
-    """Per mode: geomean core/cuBLAS time ratio at M <= 256 and at M >= 512, and targets met."""
+    """Per mode: geomean core/cuBLAS time ratio at M <= 256 and at M >= 512, the same without
+    stream-K ('... dp'), the shapes within their SHAPE_TARGETS, and FP8's row-wise geomean."""
     out: dict[str, Any] = {}
     for mode in sorted({r["mode"] for r in rows}):
         mine = [r for r in rows if r["mode"] == mode and r["core_vs_cublas"]]
         entry = {}
         for name, keep in (("M<=256", lambda r: r["M"] <= 256), ("M>=512", lambda r: r["M"] >= 512)):
-            xs = [r["core_vs_cublas"] for r in mine if keep(r)]
-            entry[name] = math.exp(sum(map(math.log, xs)) / len(xs)) if xs else None
+            entry[name] = _geomean([r["core_vs_cublas"] for r in mine if keep(r)])
+            entry[name + " dp"] = _geomean([r["dp_us"] / r["cublas_us"] for r in mine if keep(r) and r["dp_us"]])
+        entry["rowwise"] = _geomean([r["rowwise_core_us"] / r["rowwise_vendor_us"] for r in mine
+                                     if r.get("rowwise_core_us") and r.get("rowwise_vendor_us")])
         entry["met"] = sum(bool(r["meets_target"]) for r in mine)
         entry["of"] = len([r for r in rows if r["mode"] == mode])
         out[mode] = entry
@@ -321,27 +378,33 @@ def summary(rows: Sequence[dict]) -> dict[str, Any]:
 
 
 def render(result: dict, console: Any) -> None:
-    """One table per mode (M, N, K, torch us, core us, core/torch, target met, best config), then
-    a summary line per mode and the notes; fits 80 columns."""
+    """One table per mode (M, N, K, vendor us, core us, the best without stream-K, core/vendor, target
+    met, best config), then a summary line per mode and the notes; tables split at 80 columns."""
     from autofuse.commands._common import print_split_table
 
     rows = result.get("rows", [])
     gpu = result.get("device_kind") == "cuda"  # the CPU emulation's times are never compared as speed
+    dtype = result.get("dtype", "bf16")
     for mode in [md for md in ("graph", "eager") if any(r["mode"] == md for r in rows)]:
         body = []
         for r in (r for r in rows if r["mode"] == mode):
             ok = "-" if r["meets_target"] is None else ("yes" if r["meets_target"] else "NO")
-            body.append([str(r["M"]), str(r["N"]), str(r["K"]), _f(r["cublas_us"]), _f(r["core_us"]),
+            body.append([str(r["M"]), str(r["N"]), str(r["K"]), _f(r["cublas_us"]), _f(r["core_us"]), _f(r["dp_us"]),
                          *([_f(r["core_vs_cublas"], 2), ok] if gpu else []), r["best_text"] or "all failed"])
-        print_split_table(console, f"gemm_core vs torch.matmul (cuBLAS on GPUs), {result.get('device', '')}, {mode} "
-                          f"mode, {DTYPE}, us per call" + ("; x = core / torch time, ok = within the target" if gpu
-                                                           else ""),
-                          ["M", "N", "K"], ["torch", "core", *(["x", "ok"] if gpu else []), "best core config"], body)
+        print_split_table(console, f"gemm_core vs {VENDOR[dtype]}, {result.get('device', '')}, {mode} mode, "
+                          f"{DTYPES[dtype]}, us per call; no sk = best without stream-K"
+                          + (f"; x = core / vendor time, ok = within {SHAPE_TARGETS[dtype]}x" if gpu else ""),
+                          ["M", "N", "K"], ["vendor", "core", "no sk", *(["x", "ok"] if gpu else []),
+                                            "best core config"], body)
     for mode, s in summary(rows).items():
         if result.get("device_kind") != "cuda":
             continue
-        console.print(f"{mode}: core/cuBLAS time, geomean: M<=256 {_f(s['M<=256'], 3)} (target 1.15), "
-                      f"M>=512 {_f(s['M>=512'], 3)} (target 1.05); {s['met']} of {s['of']} shapes meet the target")
+        goal = GEOMEAN_TARGETS[dtype]
+        console.print(f"{mode}: core/vendor time, geomean: M<=256 {_f(s['M<=256'], 3)} (target {goal['M<=256']}; "
+                      f"without stream-K {_f(s['M<=256 dp'], 3)}), M>=512 {_f(s['M>=512'], 3)} (target "
+                      f"{goal['M>=512']}; without stream-K {_f(s['M>=512 dp'], 3)}); {s['met']} of {s['of']} "
+                      f"shapes within {SHAPE_TARGETS[dtype]}x"
+                      + (f"; row-wise scales: core/vendor geomean {_f(s['rowwise'], 3)}" if s.get("rowwise") else ""))
     failed = [(r["M"], r["N"], r["K"], c["config"], c["error"]) for r in rows if r["mode"] == rows[0]["mode"]
               for c in r["configs"] if c["error"]] if rows else []
     for m, n, k, text, why in failed[:12]:
@@ -366,6 +429,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--shapes", action="append", help="M, MxN or MxNxK items, comma-separated")
     p.add_argument("--variants", action="append", help=f"config families from {', '.join(FAMILIES)}")
     p.add_argument("--modes", action="append", choices=("graph", "eager"))
+    p.add_argument("--dtype", choices=tuple(DTYPES), default="bf16")
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--limit", type=int)
     p.add_argument("--out", type=Path)
