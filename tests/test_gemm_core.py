@@ -558,6 +558,77 @@ def test_gpu_defaults_match_torch(m, n, k, dtype):
             assert rel_error(out, ref) <= default_tolerance(dtype, k), (config, rel_error(out, ref))
 
 
+def _graph_replays(launch, out: torch.Tensor, replays: int = 3) -> list[torch.Tensor]:
+    """Capture `launch` in a CUDA graph, replay it `replays` times; the output after each replay."""
+    launch()  # compiled and workspace grown before capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        launch()
+    results = []
+    for _ in range(replays):
+        out.fill_(math.nan)
+        graph.replay()
+        torch.cuda.synchronize()
+        results.append(out.clone())
+    return results
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("m, n, k", [(512, 5120, 8192), (1024, 28672, 8192), (256, 3584, 14336), (77, 1000, 520)])
+def test_gpu_stream_k_matches_float64_and_replays_bitwise(m, n, k):
+    """STREAM_K configs (the defaults' stream-K twins, or a 64x128 one where none is proposed) on
+    shapes whose last wave idles SMs: correct, bitwise the same over calls and CUDA-graph replays
+    (the fixup's counts reset themselves, its sum order is fixed)."""
+    torch.manual_seed(1)
+    a = torch.randn(m, k, device="cuda").bfloat16()
+    b = torch.randn(k, n, device="cuda").bfloat16()
+    ref = a.double() @ b.double()
+    configs = [c for c in gemm.defaults(m, n, k, "bfloat16", stream_k=True) if c["STREAM_K"]]
+    configs = configs or [GemmConfig(64, 128, 64, 8, 4, 4, TMA=n % 8 == 0 and k % 8 == 0, STREAM_K=True).to_dict()]
+    for config in configs:
+        out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+        launch = gemm.prepare(a, b, config, out)
+        first = None
+        for _ in range(3):
+            out.fill_(math.nan)
+            launch()
+            torch.cuda.synchronize()
+            assert rel_error(out, ref) <= default_tolerance("bfloat16", k), (config, rel_error(out, ref))
+            first = out.clone() if first is None else first
+            assert torch.equal(out, first), config
+        for replayed in _graph_replays(launch, out):
+            assert torch.equal(replayed, first), (config, "graph replay differs")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("scaling", ["tensorwise", "rowwise"])
+@pytest.mark.parametrize("m, n, k", [(16, 3584, 8192), (128, 5120, 8192), (1024, 8192, 14336), (77, 1024, 528)])
+def test_gpu_fp8_matches_float64_and_scaled_mm(m, n, k, scaling):
+    """Every FP8 default (B stored N x K, as weights are) against the float64 product of the FP8
+    values times their scales, next to torch._scaled_mm's own error, also under graph replay."""
+    torch.manual_seed(2)
+    a = torch.randn(m, k, device="cuda").to(torch.float8_e4m3fn)
+    b = torch.randn(n, k, device="cuda").to(torch.float8_e4m3fn).t()
+    shapes = ((1,), (1,)) if scaling == "tensorwise" else ((m, 1), (1, n))
+    sa, sb = (torch.rand(s, device="cuda") + 0.5 for s in shapes)
+    ref = (a.double() @ b.double()) * sa.double() * sb.double()
+    tol = default_tolerance("float8_e4m3fn", k)
+    vendor = torch._scaled_mm(a, b, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16, use_fast_accum=True)
+    assert rel_error(vendor, ref) <= tol
+    for config in gemm.defaults(m, n, k, "float8_e4m3fn", stream_k=True):
+        out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+        launch = gemm.prepare(a, b, config, out, scale_a=sa, scale_b=sb)
+        out.fill_(math.nan)
+        launch()
+        torch.cuda.synchronize()
+        assert rel_error(out, ref) <= tol, (config, rel_error(out, ref), rel_error(vendor, ref))
+        for replayed in _graph_replays(launch, out, 2):
+            assert rel_error(replayed, ref) <= tol, (config, "graph replay")
+
+
 # ------------------------------------------------------------------------------------------------
 # the benchmark's plumbing (the GPU run is the lead's: autofuse bench gemm_core)
 def test_bench_shapes_and_candidates():
