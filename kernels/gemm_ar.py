@@ -29,15 +29,18 @@ from autofuse.kernels import gemm_core, partials, shmem
 
 
 @triton.jit(do_not_specialize=["M"])  # one binary for every M
-def gemm_ar_kernel(a, b, out, inbox, inbox_half, gathered, gathered_half, flags, half_flags, sk_partials, sk_counts,
+def gemm_ar_kernel(a, b, out, scale_a, scale_b, inbox, inbox_half, gathered, gathered_half, flags, half_flags, sk_partials, sk_counts,
                    ctx, M, N, K_r, stride_am, stride_ak, stride_bk, stride_bn, stride_om, stride_on,
                    WORLD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    GROUP_M: tl.constexpr, NUM_STAGES: tl.constexpr, SPLIT_K: tl.constexpr,
-                   SWAP_AB: tl.constexpr, USE_TMA: tl.constexpr, TWO_SHOT: tl.constexpr):
+                   SWAP_AB: tl.constexpr, USE_TMA: tl.constexpr, TWO_SHOT: tl.constexpr, B_T: tl.constexpr,
+                   SCALE: tl.constexpr):
     """out (M x N) = sum_q A_q @ B_q on every rank; a: M x K_r, b: K_r x N.
 
     grid = (min(cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N) * SPLIT_K, NUM_SMS),)
-    sk_partials/sk_counts: the core's split-K workspace (unused when SPLIT_K == 1).
+    sk_partials/sk_counts: the core's split-K workspace (unused when SPLIT_K == 1). FP8: b stored
+    N x K_r (B_T) and this rank's scale_a/scale_b (SCALE: gemm_core.TENSORWISE or ROWWISE) applied
+    to its partial tiles.
     """
     epoch, healthy = shmem.epoch_begin(ctx)
     parity = shmem.parity(epoch)
@@ -49,7 +52,7 @@ def gemm_ar_kernel(a, b, out, inbox, inbox_half, gathered, gathered_half, flags,
     tiles = tl.cdiv(M, BLOCK_M) * tiles_n
     owned = tl.cdiv(tiles, WORLD)
     a_src, b_src = gemm_core.operands(a, b, M, N, K_r, stride_am, stride_ak, stride_bk, stride_bn,
-                                      BLOCK_M, BLOCK_N, BLOCK_K, USE_TMA)
+                                      BLOCK_M, BLOCK_N, BLOCK_K, USE_TMA, B_T)
     alive = healthy
     for work in tl.range(tl.program_id(0), tiles * SPLIT_K, tl.num_programs(0)):
         pid_m, pid_n, tile, split, k_first, k_end = gemm_core.schedule(work, M, N, K_r, BLOCK_M, BLOCK_N, BLOCK_K,
@@ -58,8 +61,8 @@ def gemm_ar_kernel(a, b, out, inbox, inbox_half, gathered, gathered_half, flags,
         alive = alive & partials.clean(ctx)
         acc, last = partials.partial_tile(a_src, b_src, sk_partials, sk_counts, tile, split, pid_m * BLOCK_M,
                                           pid_n * BLOCK_N, k_first, k_end, alive, M, N, K_r, stride_am, stride_ak,
-                                          stride_bk, stride_bn, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, SPLIT_K,
-                                          SWAP_AB, USE_TMA)
+                                          stride_bk, stride_bn, scale_a, scale_b, BLOCK_M, BLOCK_N, BLOCK_K,
+                                          NUM_STAGES, SPLIT_K, SWAP_AB, USE_TMA, B_T, SCALE)
         if last:
             mine = acc.to(inbox.dtype.element_ty)
             ok = alive

@@ -56,18 +56,20 @@ def _reduce_tile(out, inbox, pos, pid_m, pid_n, tiles, ok, M_r, N, stride_om, st
 
 
 @triton.jit(do_not_specialize=["M_r", "gemm_programs"])  # one binary for every M
-def gemm_rs_kernel(a, b, out, inbox, inbox_half, flags, half_flags, sk_partials, sk_counts, ctx,
+def gemm_rs_kernel(a, b, out, scale_a, scale_b, inbox, inbox_half, flags, half_flags, sk_partials, sk_counts, ctx,
                    M_r, N, K_r, stride_am, stride_ak, stride_bk, stride_bn, stride_om, stride_on, gemm_programs,
                    WORLD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    GROUP_M: tl.constexpr, NUM_STAGES: tl.constexpr, SPLIT_K: tl.constexpr,
                    SWAP_AB: tl.constexpr, USE_TMA: tl.constexpr,
-                   PUSH_ALL: tl.constexpr, ROW_BLOCK: tl.constexpr, RED_M: tl.constexpr):
+                   PUSH_ALL: tl.constexpr, ROW_BLOCK: tl.constexpr, RED_M: tl.constexpr, B_T: tl.constexpr,
+                   SCALE: tl.constexpr):
     """out (M_r x N) = this rank's rows of sum_q A_q @ B_q; a: M x K_r, b: K_r x N.
 
     push_last:    grid = (gemm_programs,),            gemm_programs = min(tiles * SPLIT_K, NUM_SMS)
     push_reducer: grid = (gemm_programs + COMM_SMS,), gemm_programs = min(tiles * SPLIT_K, NUM_SMS - COMM_SMS)
     with tiles = cdiv(M_r, BLOCK_M) * cdiv(N, BLOCK_N). sk_partials/sk_counts: the core's split-K
-    workspace for W * tiles tiles (unused when SPLIT_K == 1). ctx: shmem.DeviceContext.
+    workspace for W * tiles tiles (unused when SPLIT_K == 1). ctx: shmem.DeviceContext. FP8: b
+    stored N x K_r (B_T) and this rank's scale_a/scale_b (SCALE) applied to its partial tiles.
     """
     epoch, healthy = shmem.epoch_begin(ctx)
     parity = shmem.parity(epoch)
@@ -80,7 +82,7 @@ def gemm_rs_kernel(a, b, out, inbox, inbox_half, flags, half_flags, sk_partials,
     pid = tl.program_id(0)
     if pid < gemm_programs:
         a_src, b_src = gemm_core.operands(a, b, M_r * WORLD, N, K_r, stride_am, stride_ak, stride_bk, stride_bn,
-                                          BLOCK_M, BLOCK_N, BLOCK_K, USE_TMA)
+                                          BLOCK_M, BLOCK_N, BLOCK_K, USE_TMA, B_T)
         alive = healthy
         for work in tl.range(pid, tiles * SPLIT_K, gemm_programs):
             pid_m, pid_n, tile, split, k_first, k_end = gemm_core.schedule(work, M_r, N, K_r, BLOCK_M, BLOCK_N,
@@ -93,8 +95,8 @@ def gemm_rs_kernel(a, b, out, inbox, inbox_half, flags, half_flags, sk_partials,
                 acc, last = partials.partial_tile(a_src, b_src, sk_partials, sk_counts, g * tiles + tile, split,
                                                   owner * M_r + pid_m * BLOCK_M, pid_n * BLOCK_N, k_first, k_end,
                                                   alive, M_r * WORLD, N, K_r, stride_am, stride_ak, stride_bk,
-                                                  stride_bn, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, SPLIT_K,
-                                                  SWAP_AB, USE_TMA)
+                                                  stride_bn, scale_a, scale_b, BLOCK_M, BLOCK_N, BLOCK_K,
+                                                  NUM_STAGES, SPLIT_K, SWAP_AB, USE_TMA, B_T, SCALE)
                 if last & alive:
                     partials.push(partials.tile_ptr(inbox, partials.slot(rank, owner, WORLD), pos, tiles,
                                                     BLOCK_M, BLOCK_N), acc, rank, owner, ctx.heap_bases,
@@ -106,7 +108,8 @@ def gemm_rs_kernel(a, b, out, inbox, inbox_half, flags, half_flags, sk_partials,
             acc, last = partials.partial_tile(a_src, b_src, sk_partials, sk_counts, (WORLD - 1) * tiles + tile, split,
                                               rank * M_r + pid_m * BLOCK_M, pid_n * BLOCK_N, k_first, k_end, alive,
                                               M_r * WORLD, N, K_r, stride_am, stride_ak, stride_bk, stride_bn,
-                                              BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, SPLIT_K, SWAP_AB, USE_TMA)
+                                              scale_a, scale_b, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, SPLIT_K,
+                                              SWAP_AB, USE_TMA, B_T, SCALE)
             if PUSH_ALL:
                 if last & alive:  # into my own inbox's slot W - 1 (a local store)
                     partials.push(partials.tile_ptr(inbox, WORLD - 1, pos, tiles, BLOCK_M, BLOCK_N), acc, rank, rank,

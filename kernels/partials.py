@@ -42,17 +42,22 @@ from autofuse.kernels import gemm_core, shmem
 
 @triton.jit
 def partial_tile(a_src, b_src, sk_partials, sk_counts, sk_tile, split, off_m, off_n, k_first, k_end, alive,
-                 M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
+                 M, N, K, stride_am, stride_ak, stride_bk, stride_bn, scale_a, scale_b,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
-                 SPLIT_K: tl.constexpr, SWAP_AB: tl.constexpr, USE_TMA: tl.constexpr):
+                 SPLIT_K: tl.constexpr, SWAP_AB: tl.constexpr, USE_TMA: tl.constexpr, B_T: tl.constexpr,
+                 SCALE: tl.constexpr):
     """(acc, last): A[off_m:+BLOCK_M] @ B[:, off_n:+BLOCK_N] over K steps [k_first, k_end) in float32,
     combined with the tile's other K splits (split-K tile index `sk_tile`); `last` marks the program
-    that holds the summed tile. A program that is not `alive` (a fault was seen) runs no K step."""
+    that holds the summed tile, times this rank's FP8 scales (gemm_core.scale_tile; B_T: B stored
+    N x K). A program that is not `alive` (a fault was seen) runs no K step."""
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc = gemm_core.gemm_tile(acc, a_src, b_src, off_m, off_n, k_first, tl.where(alive, k_end, k_first), M, N, K,
                               stride_am, stride_ak, stride_bk, stride_bn, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES,
-                              SWAP_AB, USE_TMA, False)
-    return gemm_core.split_k_reduce(acc, sk_partials, sk_counts, sk_tile, split, SPLIT_K, BLOCK_M, BLOCK_N)
+                              SWAP_AB, USE_TMA, False, B_T)
+    acc, last = gemm_core.split_k_reduce(acc, sk_partials, sk_counts, sk_tile, split, SPLIT_K, BLOCK_M, BLOCK_N)
+    if last:
+        acc = gemm_core.scale_tile(acc, scale_a, scale_b, off_m, off_n, M, N, BLOCK_M, BLOCK_N, SCALE)
+    return acc, last
 
 
 @triton.jit

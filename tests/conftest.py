@@ -116,12 +116,20 @@ def compile_table(module: str, kernel: str, base: dict, signature: dict[str, str
                   divisible: tuple[str, ...] | list[str]) -> dict[str, dict[str, dict]]:
     """Compile each row of `table` ({name: (constexpr changes over `base`, inbox dtype, num_warps)}) for
     sm_90, one child process per Triton of VERSIONS found here; the `inbox` argument takes the row's
-    dtype. {version: {name: {'ptx', 'llir', 'shared'}}}."""
+    dtype. A row whose changes set B_T (FP8: float8_e4m3fn a and b, b stored N x K, bf16 out) gets
+    that signature: a and b '*fp8e4nv', stride_bk the constexpr 1 and stride_bn a (divisible) i32.
+    {version: {name: {'ptx', 'llir', 'shared'}}}."""
     reqs = []
     for name, (changes, inbox, warps) in table.items():
         consts = {**base, **changes}
-        sig = {**signature, "inbox": f"*{inbox}", **{k: "constexpr" for k in consts}}
-        reqs.append(compile_request(module, kernel, sig, consts, warps, consts["NUM_STAGES"], divisible, name))
+        sig, div = dict(signature), list(divisible)
+        if consts.get("B_T"):
+            sig.update(a="*fp8e4nv", b="*fp8e4nv", stride_bk="i32", stride_bn="i32")
+            consts.pop("stride_bn", None)
+            consts["stride_bk"] = 1
+            div = [d for d in div if d != "stride_bk"] + ["stride_bn"]
+        sig.update({"inbox": f"*{inbox}", **{k: "constexpr" for k in consts}})
+        reqs.append(compile_request(module, kernel, sig, consts, warps, consts["NUM_STAGES"], div, name))
     return compile_sm90_versions(reqs)
 
 
@@ -133,7 +141,8 @@ def assert_pipelined_gemm(ptx: str, shared: int, consts: dict, smem_limit: int) 
         assert "cp.async.bulk.tensor.2d" in ptx and "mbarrier.try_wait" in ptx, "no TMA loads"
     else:
         assert "cp.async.commit_group" in ptx and "cp.async.bulk.tensor" not in ptx
-    stages = consts["NUM_STAGES"] * (consts["BLOCK_M"] + consts["BLOCK_N"]) * consts["BLOCK_K"] * 2
+    elem = 1 if consts.get("B_T") else 2  # B_T rows are FP8 (compile_table)
+    stages = consts["NUM_STAGES"] * (consts["BLOCK_M"] + consts["BLOCK_N"]) * consts["BLOCK_K"] * elem
     assert stages <= shared <= smem_limit, "the K loop is not pipelined in NUM_STAGES buffers"
     assert "ld.local" not in ptx and "st.local" not in ptx, "registers spill"
     assert "ld.volatile.global" in ptx and "%globaltimer" in ptx, "waits must poll and be bounded in time"

@@ -85,7 +85,7 @@ def problem_of(op: Op, world_size: int, dims: dict, dtype: str) -> Problem:
 
 
 def _out_like(ref: torch.Tensor, problem: Problem, device: torch.device) -> torch.Tensor:
-    return torch.full(ref.shape, math.nan, dtype=problem.torch_dtype, device=device)
+    return torch.full(ref.shape, math.nan, dtype=problem.out_dtype, device=device)
 
 
 def _checksum(out: torch.Tensor) -> int:

@@ -8,6 +8,7 @@ bitwise the same matrix. Fault scenarios must raise on every rank, never return 
 """
 from __future__ import annotations
 
+import re
 from functools import partial
 
 import pytest
@@ -182,19 +183,24 @@ def test_sweeps_defaults_and_features():
 
 # -- sm_90 -----------------------------------------------------------------------------------------------
 MOD = "autofuse.kernels.gemm_ar"
-SIG = {"a": "*bf16", "b": "*bf16", "out": "*bf16", "inbox": "*bf16", "inbox_half": "i64", "gathered": "*bf16",
+SIG = {"a": "*bf16", "b": "*bf16", "out": "*bf16", "scale_a": "*fp32", "scale_b": "*fp32", "inbox": "*bf16", "inbox_half": "i64", "gathered": "*bf16",
        "gathered_half": "i64", "flags": "*i32", "half_flags": "i32", "sk_partials": "*fp32", "sk_counts": "*i32",
        "ctx": CTX, "M": "i32", "N": "i32", "K_r": "i32", "stride_am": "i32", "stride_ak": "constexpr",
        "stride_bk": "i32", "stride_bn": "constexpr", "stride_om": "i32", "stride_on": "constexpr"}
 DIVISIBLE = ("a", "b", "out", "inbox", "gathered", "flags", "sk_partials", "sk_counts", "N", "K_r", "stride_am",
              "stride_bk", "stride_om")
 BASE = {"stride_ak": 1, "stride_bn": 1, "stride_on": 1, "WORLD": 2, "BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 128,
-        "GROUP_M": 8, "NUM_STAGES": 4, "SPLIT_K": 1, "SWAP_AB": False, "USE_TMA": True, "TWO_SHOT": False}
+        "GROUP_M": 8, "NUM_STAGES": 4, "SPLIT_K": 1, "SWAP_AB": False, "USE_TMA": True, "TWO_SHOT": False,
+        "B_T": False, "SCALE": 0}
 COMPILES = {  # name: (constexpr changes, inbox dtype, num_warps)
     "one_shot_decode": ({"BLOCK_M": 16, "SWAP_AB": True, "SPLIT_K": 4}, "bf16", 4),
     "one_shot_fp32_w4": ({"WORLD": 4}, "fp32", 4),
     "two_shot_w4": ({"TWO_SHOT": True, "WORLD": 4, "BLOCK_M": 128, "BLOCK_K": 64, "NUM_STAGES": 3}, "bf16", 8),
     "two_shot_ptr": ({"TWO_SHOT": True, "USE_TMA": False}, "fp32", 4),
+    # FP8 (B stored N x K, row-wise / tensorwise scales on each partial): e4m3 wgmma, bf16 inbox
+    "fp8_one_shot_rowwise": ({"B_T": True, "SCALE": 2, "BLOCK_K": 256, "NUM_STAGES": 3}, "bf16", 4),
+    "fp8_two_shot_tensor_swap": ({"B_T": True, "SCALE": 1, "TWO_SHOT": True, "BLOCK_M": 16, "SWAP_AB": True,
+                                  "SPLIT_K": 2, "BLOCK_K": 256, "NUM_STAGES": 3}, "fp32", 4),
 }
 
 
@@ -207,7 +213,9 @@ def compiled() -> dict:
 @pytest.mark.parametrize("name", list(COMPILES))
 def test_compiles_for_sm90_with_pipelined_wgmma_and_bounded_waits(compiled, name, version):
     ptx, consts = check_compiled_gemm(compiled[version], name, BASE, COMPILES)
-    if consts["SWAP_AB"]:
+    if consts["B_T"]:
+        assert re.search(r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k32\.f32\.e4m3\.e4m3", ptx), "no FP8 wgmma"
+    elif consts["SWAP_AB"]:
         assert "wgmma.mma_async.sync.aligned.m64n16k16" in ptx, "swap-AB: BLOCK_N on the wgmma's M side"
     if consts["SPLIT_K"] > 1:
         assert "atom.global.gpu.acq_rel.add" in ptx, "split-K arrivals"

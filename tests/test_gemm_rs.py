@@ -236,7 +236,7 @@ def test_sweeps_defaults_and_features():
 
 # -- sm_90 -----------------------------------------------------------------------------------------------
 MOD = "autofuse.kernels.gemm_rs"
-SIG = {"a": "*bf16", "b": "*bf16", "out": "*bf16", "inbox": "*bf16", "inbox_half": "i64", "flags": "*i32",
+SIG = {"a": "*bf16", "b": "*bf16", "out": "*bf16", "scale_a": "*fp32", "scale_b": "*fp32", "inbox": "*bf16", "inbox_half": "i64", "flags": "*i32",
        "half_flags": "i32", "sk_partials": "*fp32", "sk_counts": "*i32", "ctx": CTX, "M_r": "i32", "N": "i32",
        "K_r": "i32", "stride_am": "i32", "stride_ak": "constexpr", "stride_bk": "i32", "stride_bn": "constexpr",
        "stride_om": "i32", "stride_on": "constexpr", "gemm_programs": "i32"}
@@ -244,7 +244,7 @@ DIVISIBLE = ("a", "b", "out", "inbox", "flags", "sk_partials", "sk_counts", "N",
              "stride_om")
 BASE = {"stride_ak": 1, "stride_bn": 1, "stride_on": 1, "WORLD": 2, "BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64,
         "GROUP_M": 8, "NUM_STAGES": 3, "SPLIT_K": 1, "SWAP_AB": False, "USE_TMA": True, "PUSH_ALL": False,
-        "ROW_BLOCK": False, "RED_M": 16}
+        "ROW_BLOCK": False, "RED_M": 16, "B_T": False, "SCALE": 0}
 COMPILES = {  # name: (constexpr changes, inbox dtype, num_warps)
     "push_last_tma": ({}, "bf16", 8),
     "push_last_swap_split": ({"BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 128, "NUM_STAGES": 4, "SPLIT_K": 4,
@@ -252,6 +252,9 @@ COMPILES = {  # name: (constexpr changes, inbox dtype, num_warps)
     "push_reducer_tile_w4": ({"PUSH_ALL": True, "WORLD": 4}, "bf16", 8),
     "push_reducer_row_ptr": ({"PUSH_ALL": True, "ROW_BLOCK": True, "USE_TMA": False, "BLOCK_N": 128,
                               "NUM_STAGES": 4, "RED_M": 32}, "fp32", 8),
+    # FP8 (B stored N x K, scales on each partial before it is pushed): e4m3 wgmma
+    "fp8_push_last_rowwise": ({"B_T": True, "SCALE": 2, "BLOCK_K": 128}, "bf16", 8),
+    "fp8_push_reducer_tensor": ({"B_T": True, "SCALE": 1, "PUSH_ALL": True, "BLOCK_K": 128}, "fp32", 8),
 }
 
 
@@ -264,6 +267,8 @@ def compiled() -> dict:
 @pytest.mark.parametrize("name", list(COMPILES))
 def test_compiles_for_sm90_with_pipelined_wgmma_and_bounded_waits(compiled, name, version):
     ptx, consts = check_compiled_gemm(compiled[version], name, BASE, COMPILES)
+    if consts["B_T"]:
+        assert "f32.e4m3.e4m3" in ptx, "no FP8 wgmma"
     if consts["ROW_BLOCK"]:
         assert "red.global.sys.release.add" in ptx or "atom.global.sys.release.add" in ptx, "no arrival count"
     else:

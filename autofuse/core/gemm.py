@@ -26,7 +26,7 @@ from typing import Any, Callable, Iterable, Mapping
 
 import torch
 
-from autofuse.core.op import Config, InvalidConfig, InvalidInput, SearchSpace
+from autofuse.core.op import FP8, OUTPUT_DTYPES, Config, InvalidConfig, InvalidInput, SearchSpace
 from autofuse.core.sizes import cdiv, next_pow2
 
 SMEM_LIMIT = 232448       # bytes of shared memory one program may use on sm_90 (227 KiB)
@@ -41,9 +41,7 @@ INT32_LIMIT = 1 << 31
 H200_SMS = 132
 CPU_PROGRAMS = 4          # persistent programs under the interpreter: several tiles per program
 TINY_MACS = 1 << 22       # problems below this many multiply-adds get the interpreter's tiny configs
-FP8 = "float8_e4m3fn"
 ELEMENT_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, FP8: 1}
-OUTPUT_DTYPE = {FP8: "bfloat16"}  # an FP8 GEMM writes bfloat16 (scaled); the others write their input dtype
 FP8_MIN_BLOCK_K = 32      # an FP8 wgmma consumes K in steps of 32
 SCALINGS = {"none": 0, "tensorwise": 1, "rowwise": 2}  # kernels/gemm_core.py NO_SCALE, TENSORWISE, ROWWISE
 REQUIRED = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages")
@@ -63,7 +61,7 @@ def _dtype_name(dtype: str | torch.dtype) -> str:
 def output_dtype(dtype: str | torch.dtype) -> str:
     """The dtype a GEMM of `dtype` inputs writes: bfloat16 for FP8, else the input dtype."""
     dt = _dtype_name(dtype)
-    return OUTPUT_DTYPE.get(dt, dt)
+    return OUTPUT_DTYPES.get(dt, dt)
 
 
 @dataclass(frozen=True)
@@ -106,10 +104,10 @@ class GemmConfig:
                 "num_warps": self.num_warps, "num_stages": self.num_stages}
 
     def fused_kwargs(self) -> dict[str, Any]:
-        """`kernel_kwargs` without WARP_SPEC: what the fused kernels built on the core take (a program
-        that waits on peers' flags cannot be warp-specialised)."""
+        """`kernel_kwargs` without WARP_SPEC and STREAM_K: what the fused kernels built on the core take
+        (a program that waits on peers' flags cannot be warp-specialised; they schedule their own tiles)."""
         kwargs = self.kernel_kwargs()
-        del kwargs["WARP_SPEC"]
+        del kwargs["WARP_SPEC"], kwargs["STREAM_K"]
         return kwargs
 
     def tiles(self, rows: int, n: int) -> int:

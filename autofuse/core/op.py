@@ -20,7 +20,10 @@ if TYPE_CHECKING:
     from autofuse.core.runner import Runner
     from autofuse.comm.world import World
 
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+FP8 = "float8_e4m3fn"
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, FP8: torch.float8_e4m3fn}
+OUTPUT_DTYPES = {FP8: "bfloat16"}  # FP8 GEMM problems write bfloat16 (the scaled product); others their dtype
+SCALINGS = ("tensorwise", "rowwise")  # an FP8 problem's `scaling` dim (torch._scaled_mm's two kinds)
 Config = dict[str, Any]
 
 
@@ -34,7 +37,10 @@ class InvalidInput(ValueError):
 
 @dataclass(frozen=True)
 class Problem:
-    """op + sizes + dtype + world size: the key of measurements, policies and dispatch caches."""
+    """op + sizes + dtype + world size: the key of measurements, policies and dispatch caches.
+
+    FP8 problems (dtype float8_e4m3fn) also carry a `scaling` dim (tensorwise or rowwise): the same
+    shapes in bf16 and in each FP8 scaling are different problems to the tuner and the policy."""
 
     op: str
     dims: tuple[tuple[str, Any], ...]
@@ -64,6 +70,11 @@ class Problem:
     @property
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
+
+    @property
+    def out_dtype(self) -> torch.dtype:
+        """The output's dtype: bfloat16 for FP8 problems, else the input dtype."""
+        return DTYPES[OUTPUT_DTYPES.get(self.dtype, self.dtype)]
 
     @property
     def key(self) -> str:

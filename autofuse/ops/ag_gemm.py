@@ -99,6 +99,8 @@ def problem_of(world: Any, a: torch.Tensor, b: torch.Tensor, gather: str | None 
     if a.dtype != b.dtype:
         raise InvalidInput(f"ag_gemm: A is {a.dtype} but B is {b.dtype}; they must match")
     dtype = dtype_name(a.dtype)
+    if a.dtype == torch.float8_e4m3fn:
+        raise InvalidInput("ag_gemm: FP8 inputs are not built yet (gemm_rs and gemm_ar take them); use bfloat16")
     if a.device != world.device or b.device != world.device:
         raise InvalidInput(f"ag_gemm: inputs on {a.device} and {b.device}, but this rank's device is {world.device}")
     if not a.is_contiguous() or not b.is_contiguous():

@@ -17,6 +17,11 @@ Variants:
 Partials are float32 (PARTIAL="fp32") or the output dtype ("out"), summed in float32 in rank order,
 so every rank returns bitwise the same C (kernels/gemm_ar.py). Shared with gemm_rs:
 autofuse/ops/row_parallel.py.
+
+FP8 (`autofuse.gemm_ar(a, b, scale_a, scale_b, group=...)`, float8_e4m3fn, b = w.t(), see
+autofuse/ops/row_parallel.py): bsp is torch._scaled_mm into out (bfloat16), then the all-reduce of
+out; the fused kernels scale each partial tile before it is pushed. The hybrid refuses FP8
+problems (InvalidConfig: not yet built).
 """
 from __future__ import annotations
 
@@ -38,11 +43,13 @@ from autofuse.comm.workspace import workspace
 NAME = "gemm_ar"
 
 
-def problem_of(world: Any, a: torch.Tensor, b: torch.Tensor) -> Problem:
-    """The gemm_ar Problem of this call: a = A_r (M x K/W), b = B_r (K/W x N); any M."""
+def problem_of(world: Any, a: torch.Tensor, b: torch.Tensor, scale_a: Any = None, scale_b: Any = None) -> Problem:
+    """The gemm_ar Problem of this call: a = A_r (M x K/W), b = B_r (K/W x N); any M; FP8: the
+    rank's scales too (rp.check_scales)."""
     rp.check_operands(world, a, b, NAME)
+    extra = rp.check_scales(world, a, b, scale_a, scale_b, NAME)
     m, k_r = a.shape
-    return Problem.make(NAME, a.dtype, world.size, M=int(m), N=int(b.shape[1]), K=int(k_r) * world.size)
+    return Problem.make(NAME, a.dtype, world.size, M=int(m), N=int(b.shape[1]), K=int(k_r) * world.size, **extra)
 
 
 def reference(world: Any, problem: Problem, seed: int) -> torch.Tensor:
@@ -51,7 +58,7 @@ def reference(world: Any, problem: Problem, seed: int) -> torch.Tensor:
 
 def features(problem: Problem) -> dict[str, float]:
     m, n, w = problem["M"], problem["N"], problem.world
-    return rp.features(problem, 2 * (w - 1) / w * m * n * problem.torch_dtype.itemsize)
+    return rp.features(problem, 2 * (w - 1) / w * m * n * problem.out_dtype.itemsize)
 
 
 def sweep(kind: str, world: int) -> list[Problem]:
@@ -65,8 +72,8 @@ class BspRunner(Runner):
     def __init__(self, world: Any, problem: Problem):
         super().__init__(world, problem, *rp.io_specs(problem, problem["M"]))
 
-    def launch(self, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
-        torch.matmul(a, b, out=out)
+    def launch(self, a: torch.Tensor, b: torch.Tensor, *scales: torch.Tensor, out: torch.Tensor) -> None:
+        rp.local_mm(a, b, scales, out)
         self.world.collective(dist.all_reduce, out, what="gemm_ar.bsp")
 
 
@@ -130,11 +137,11 @@ class AllReduceRunner(rp.FusedRunner):
         pdtype = rp.partial_dtype(problem, config)
         boxes = cdiv(tiles, w) if two_shot else tiles       # tiles per inbox slot
         inbox_bytes = rp.align((w - 1) * boxes * tile_elems * pdtype.itemsize)
-        gathered_bytes = tiles * tile_elems * problem.torch_dtype.itemsize if two_shot else 0
+        gathered_bytes = tiles * tile_elems * problem.out_dtype.itemsize if two_shot else 0
         ws = workspace(world, NAME, inbox_bytes + gathered_bytes, (w - 1) * boxes + (tiles if two_shot else 0))
         super().__init__(world, problem, config, m, ws)
         inbox, inbox_half = ws.data_view(pdtype)
-        gathered, gathered_half = ws.data_view(problem.torch_dtype, inbox_bytes if two_shot else 0)
+        gathered, gathered_half = ws.data_view(problem.out_dtype, inbox_bytes if two_shot else 0)
         self.kernel = k.gemm_ar_kernel
         self.grid = cfg.grid(m, n, gemm.programs(world.device))
         self.args = (inbox, inbox_half, gathered, gathered_half, ws.flags, ws.half_flags,
@@ -191,9 +198,10 @@ class MMHeapAR(rp.RowParallelHybrid):
 
 def bound(world: Any, problem: Problem, seed: int) -> dict[str, Callable[[], Any]]:
     """The pieces of the BSP bound: this rank's matmul alone and the all-reduce alone."""
-    a, b = rp.inputs(world, problem, seed)
-    c = torch.matmul(a, b)
-    return {"matmul": lambda: torch.matmul(a, b, out=c),
+    a, b, *scales = rp.inputs(world, problem, seed)
+    c = torch.empty(problem["M"], problem["N"], dtype=problem.out_dtype, device=world.device)
+    rp.local_mm(a, b, scales, c)
+    return {"matmul": lambda: rp.local_mm(a, b, scales, c),
             "all_reduce": lambda: dist.all_reduce(c, group=world.group)}
 
 

@@ -17,6 +17,11 @@ Variants:
   reducer programs wait per tile or per row block (FLAG) and sum.
 kernels/gemm_rs.py has the algorithms; the fused configs are the GEMM core's (autofuse/core/gemm.py)
 plus PARTIAL ("fp32" | "out": the inbox dtype) and, for push_reducer, FLAG and COMM_SMS.
+
+FP8 (`autofuse.gemm_rs(a, b, scale_a, scale_b, group=...)`, float8_e4m3fn, b = w.t(), see
+autofuse/ops/row_parallel.py): bsp is torch._scaled_mm into a bfloat16 partial, then the
+reduce-scatter of that partial; the fused kernels scale each partial tile before it is pushed.
+torch_symm and the hybrids refuse FP8 problems (InvalidConfig: not yet built).
 """
 from __future__ import annotations
 
@@ -41,14 +46,16 @@ COMM_SMS = (4, 8, 16, 32)  # the tuner's choices; any 1..128 is valid
 RED_ELEMS = 4096           # a reducer sums RED_M x BLOCK_N elements at a time (registers)
 
 
-def problem_of(world: Any, a: torch.Tensor, b: torch.Tensor) -> Problem:
-    """The gemm_rs Problem of this call: a = A_r (M x K/W), b = B_r (K/W x N); M % W == 0."""
+def problem_of(world: Any, a: torch.Tensor, b: torch.Tensor, scale_a: Any = None, scale_b: Any = None) -> Problem:
+    """The gemm_rs Problem of this call: a = A_r (M x K/W), b = B_r (K/W x N); M % W == 0; FP8:
+    the rank's scales too (rp.check_scales)."""
     rp.check_operands(world, a, b, NAME)
+    extra = rp.check_scales(world, a, b, scale_a, scale_b, NAME)
     m, k_r = a.shape
     if m % world.size:
         raise InvalidInput(f"{NAME}: M={m} rows are not divisible by the world size {world.size}; "
                            "the rows are split evenly (pad M to a multiple of W)")
-    return Problem.make(NAME, a.dtype, world.size, M=int(m), N=int(b.shape[1]), K=int(k_r) * world.size)
+    return Problem.make(NAME, a.dtype, world.size, M=int(m), N=int(b.shape[1]), K=int(k_r) * world.size, **extra)
 
 
 def reference(world: Any, problem: Problem, seed: int) -> torch.Tensor:
@@ -58,7 +65,7 @@ def reference(world: Any, problem: Problem, seed: int) -> torch.Tensor:
 
 def features(problem: Problem) -> dict[str, float]:
     m, n, w = problem["M"], problem["N"], problem.world
-    return rp.features(problem, (w - 1) / w * m * n * problem.torch_dtype.itemsize)
+    return rp.features(problem, (w - 1) / w * m * n * problem.out_dtype.itemsize)
 
 
 def sweep(kind: str, world: int) -> list[Problem]:
@@ -83,10 +90,10 @@ class BspRunner(Runner):
     def __init__(self, world: Any, problem: Problem):
         specs, out = rp.io_specs(problem, problem["M"] // problem.world)
         super().__init__(world, problem, specs, out)
-        self.partial = torch.empty(problem["M"], problem["N"], dtype=problem.torch_dtype, device=world.device)
+        self.partial = torch.empty(problem["M"], problem["N"], dtype=problem.out_dtype, device=world.device)
 
-    def launch(self, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
-        torch.matmul(a, b, out=self.partial)
+    def launch(self, a: torch.Tensor, b: torch.Tensor, *scales: torch.Tensor, out: torch.Tensor) -> None:
+        rp.local_mm(a, b, scales, self.partial)
         reduce_scatter(self.world, out, self.partial)
 
 
@@ -114,6 +121,11 @@ class TorchSymm(Variant):
 
     def unavailable(self, world: Any) -> str | None:
         return torch_symm_unavailable(world, "fused_matmul_reduce_scatter")
+
+    def check(self, problem: Problem, config: Config) -> str | None:
+        if rp.is_fp8(problem):
+            return "FP8 is not built for torch_symm (torch's fused_scaled_matmul_reduce_scatter is not wired)"
+        return super().check(problem, config)
 
     def runner(self, world: Any, problem: Problem, config: Config) -> Runner:
         rp.symm_mem_group(world)
@@ -170,7 +182,7 @@ class PushReducer(PushLast):
         return config["COMM_SMS"]
 
     def op_defaults(self, problem: Problem) -> list[Config]:
-        partial = "out" if problem.torch_dtype.itemsize == 2 else "fp32"
+        partial = "out" if problem.out_dtype.itemsize == 2 else "fp32"
         comm = 8 if problem["M"] * problem["N"] <= 1 << 22 else 16
         return [{"PARTIAL": partial, "FLAG": "tile", "COMM_SMS": comm},
                 {"PARTIAL": partial, "FLAG": "row_block", "COMM_SMS": comm}]
@@ -243,10 +255,11 @@ class MMHeapRSOverlap(rp.RowParallelHybrid):
 
 def bound(world: Any, problem: Problem, seed: int) -> dict[str, Callable[[], Any]]:
     """The pieces of the BSP bound: this rank's matmul alone and the reduce-scatter alone."""
-    a, b = rp.inputs(world, problem, seed)
-    partial = torch.matmul(a, b)
-    out = torch.empty(problem["M"] // problem.world, problem["N"], dtype=problem.torch_dtype, device=world.device)
-    return {"matmul": lambda: torch.matmul(a, b, out=partial),
+    a, b, *scales = rp.inputs(world, problem, seed)
+    partial = torch.empty(problem["M"], problem["N"], dtype=problem.out_dtype, device=world.device)
+    rp.local_mm(a, b, scales, partial)
+    out = torch.empty(problem["M"] // problem.world, problem["N"], dtype=problem.out_dtype, device=world.device)
+    return {"matmul": lambda: rp.local_mm(a, b, scales, partial),
             "reduce_scatter": lambda: reduce_scatter(world, out, partial)}
 
 

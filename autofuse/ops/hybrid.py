@@ -46,7 +46,7 @@ from typing import Any
 import torch
 
 from autofuse.comm import collectives
-from autofuse.core.op import Config, InvalidConfig, Problem, SearchSpace, Variant
+from autofuse.core.op import FP8, Config, InvalidConfig, Problem, SearchSpace, Variant
 from autofuse.core.runner import Runner, TensorSpec
 
 FLAGS = ("shard", "row_block")
@@ -147,6 +147,8 @@ class HybridVariant(Variant):
     def problem_error(self, problem: Problem) -> str | None:
         if problem.op != self.op:
             return f"{self.name} serves {self.op}, not {problem.op}"
+        if problem.dtype == FP8:
+            return f"FP8 is not built for {self.name} yet (bsp and the fused variants run FP8)"
         m, n, k, w = dims(problem)
         if min(m, n, k, w) < 1:
             return f"sizes must be positive (M={m}, N={n}, K={k}, world={w})"

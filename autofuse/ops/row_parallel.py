@@ -5,6 +5,12 @@ op sums A_q @ B_q over the ranks. This module holds, once for both ops: call val
 the float64 reference, the tolerance, features, sweeps, and the base of their fused variants
 (typed GEMM config from autofuse/core/gemm.py plus the op's own keys, the heap workspace, the runner
 that picks the TMA or pointer path per call). Each op module keeps only what differs.
+
+FP8 (float8_e4m3fn A_r and B_r with float32 scales, as torch._scaled_mm takes them: B_r stored
+N x K/W, i.e. b = w_r.t(); scales tensorwise (0-dim each) or row-wise (scale_a M x 1, scale_b
+1 x N)): every rank's partial is scaled by its own scales before the sum, C = sum_q (A_q @ B_q) *
+sa_q * sb_q in bfloat16. The inputs are then (a, b, scale_a, scale_b), the problem has dtype
+float8_e4m3fn and a `scaling` dim; what is reduced is the bfloat16 (or float32) partial.
 """
 from __future__ import annotations
 
@@ -15,8 +21,8 @@ import torch
 import torch.distributed as dist
 
 from autofuse.core import gemm, shapes
-from autofuse.core.op import (Config, InvalidInput, Problem, SearchSpace, Variant, config_key, default_tolerance,
-                         dtype_name)
+from autofuse.core.op import (FP8, SCALINGS, Config, InvalidInput, Problem, SearchSpace, Variant, config_key,
+                              default_tolerance, dtype_name)
 from autofuse.core.runner import Runner, TensorSpec
 from autofuse.ops import hybrid
 from autofuse.comm.workspace import Workspace
@@ -51,28 +57,82 @@ def check_operands(world: Any, a: Any, b: Any, op: str) -> None:
                            "a's columns (K/W) must equal b's rows")
 
 
-def rank_inputs(problem: Problem, rank: int, seed: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """A_rank (M x K/W) and B_rank (K/W x N), standard normal, deterministic in (seed, rank)."""
-    k_r, n = problem["K"] // problem.world, problem["N"]
+def check_scales(world: Any, a: torch.Tensor, b: torch.Tensor, scale_a: Any, scale_b: Any, op: str) -> dict[str, str]:
+    """The problem's extra dims for this call's dtype and scales: {} for bf16/fp16/fp32 (no scales
+    allowed), {"scaling": "tensorwise" | "rowwise"} for float8_e4m3fn. FP8 needs b stored N x K/W
+    (b = w.t(): what torch._scaled_mm takes), a row-major, float32 scales on the World's device,
+    tensorwise 0-dim (torch.tensor(s)) or rowwise scale_a (M x 1) and scale_b (1 x N); else InvalidInput."""
+    if a.dtype != torch.float8_e4m3fn and scale_a is None and scale_b is None:
+        return {}
+    for name, t in (("scale_a", scale_a), ("scale_b", scale_b)):
+        if t is not None and not isinstance(t, torch.Tensor):
+            raise InvalidInput(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
+    scaling = gemm.fp8_scaling(a.dtype, a.shape[0], b.shape[1], scale_a, scale_b, op)
+    if not a.is_contiguous() or not gemm.b_transposed(b):
+        raise InvalidInput(f"{op}: FP8 needs a row-major and b stored N x K (b = w.t(), as torch._scaled_mm takes "
+                           f"it); got strides a {a.stride()}, b {b.stride()}")
+    for name, t in (("scale_a", scale_a), ("scale_b", scale_b)):
+        if t.device != world.device:
+            raise InvalidInput(f"{op}: {name} is on {t.device}, this rank's device is {world.device}")
+        if scaling == "tensorwise" and t.dim() != 0:
+            raise InvalidInput(f"{op}: tensorwise scales are 0-dim float32 tensors (torch.tensor(s)), "
+                               f"{name} has shape {tuple(t.shape)}")
+    return {"scaling": scaling}
+
+
+def is_fp8(problem: Problem) -> bool:
+    return problem.dtype == FP8
+
+
+def rank_inputs(problem: Problem, rank: int, seed: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """A_rank (M x K/W) and B_rank (K/W x N), standard normal, deterministic in (seed, rank); FP8
+    problems: B_rank stored N x K/W, and the rank's own scales (0.5..1.5) after them."""
+    m, k_r, n = problem["M"], problem["K"] // problem.world, problem["N"]
     g = torch.Generator(device=device)
     g.manual_seed(seed * 100_003 + rank * 7_919 + 1)
-    a = torch.randn(problem["M"], k_r, generator=g, device=device, dtype=torch.float32).to(problem.torch_dtype)
-    b = torch.randn(k_r, n, generator=g, device=device, dtype=torch.float32).to(problem.torch_dtype)
-    return a, b
+    a = torch.randn(m, k_r, generator=g, device=device, dtype=torch.float32).to(problem.torch_dtype)
+    if not is_fp8(problem):
+        return a, torch.randn(k_r, n, generator=g, device=device, dtype=torch.float32).to(problem.torch_dtype)
+    b = torch.randn(n, k_r, generator=g, device=device, dtype=torch.float32).to(problem.torch_dtype).t()
+    shapes = ((), ()) if problem["scaling"] == "tensorwise" else ((m, 1), (1, n))
+    scales = [torch.rand(s, generator=g, device=device, dtype=torch.float32) + 0.5 for s in shapes]
+    return a, b, *scales
 
 
-def inputs(world: Any, problem: Problem, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+def inputs(world: Any, problem: Problem, seed: int) -> tuple[torch.Tensor, ...]:
     return rank_inputs(problem, world.rank, seed, world.device)
 
 
+def dequantised(problem: Problem, rank: int, seed: int, device: torch.device, rows: slice
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """float64 A_rank[rows] and B_rank with the rank's FP8 scales folded in (as they are otherwise)."""
+    a, b, *scales = rank_inputs(problem, rank, seed, device)
+    a, b = a[rows].to(torch.float64), b.to(torch.float64)
+    if scales:
+        sa, sb = (s.to(torch.float64) for s in scales)
+        a, b = a * (sa if sa.dim() == 0 else sa[rows]), b * sb
+    return a, b
+
+
 def full_product(world: Any, problem: Problem, seed: int, rows: slice) -> torch.Tensor:
-    """float64 (sum over ranks of A_q @ B_q)[rows], rebuilt from every rank's inputs on this device."""
+    """float64 (sum over ranks of A_q @ B_q)[rows] (FP8: each rank's product times its scales),
+    rebuilt from every rank's inputs on this device."""
     acc = None
     for q in range(problem.world):
-        a, b = rank_inputs(problem, q, seed, world.device)
-        part = a[rows].to(torch.float64) @ b.to(torch.float64)
+        a, b = dequantised(problem, q, seed, world.device, rows)
+        part = a @ b
         acc = part if acc is None else acc.add_(part)
     return acc
+
+
+def local_mm(a: torch.Tensor, b: torch.Tensor, scales: tuple, out: torch.Tensor) -> None:
+    """out = a @ b with the vendor library: torch.matmul, or torch._scaled_mm for FP8 (`scales` =
+    (scale_a, scale_b), bfloat16 out, fast accumulation as the Triton kernels' FP8 dot)."""
+    if scales:
+        torch._scaled_mm(a, b, scale_a=scales[0], scale_b=scales[1], out_dtype=out.dtype, use_fast_accum=True,
+                         out=out)
+    else:
+        torch.matmul(a, b, out=out)
 
 
 def tolerance(problem: Problem) -> float:
@@ -83,7 +143,8 @@ def tolerance(problem: Problem) -> float:
     partial when PARTIAL='out' (W partials of size ~|C|/sqrt(W) with independent rounding errors
     add up to ~u|C|/sqrt(3) rms) and the final rounding to the dtype (~u/sqrt(3) rms): under 2u
     in all, well inside 4u * max(1, sqrt(log2(K) / 8)) for bf16 (u = 2^-8), fp16 and fp32 (2^-11).
-    Split-K and the summation order across ranks only move float32 roundoff.
+    Split-K and the summation order across ranks only move float32 roundoff. FP8: the reference
+    multiplies the FP8 values themselves, the output is bfloat16: bfloat16's bound.
     """
     return default_tolerance(problem.dtype, problem["K"])
 
@@ -111,12 +172,20 @@ def sweep(op: str, kind: str, world: int, model_m: tuple[int, ...],
     - "default" (what `autofuse tune` runs, about 10 problems): `default` maps "gpu" to the M of
       the "gpu" sweep to take, and model names (autofuse.core.shapes) to the M of their o_proj and down;
     - "scaling": Llama-3-70B's o_proj and down (K global) at `scaling_m`, the same problems at every
-      world size, for strong-scaling tables (`autofuse tune --world 1,2 --sweep scaling`).
+      world size, for strong-scaling tables (`autofuse tune --world 1,2 --sweep scaling`);
+    - "fp8": the "default" problems in FP8 (float8_e4m3fn), tensorwise and row-wise scales;
+    - "fp8-cpu": tiny FP8 problems for the interpreter, both scalings.
     Problems whose M is not a multiple of the world size are left out (gemm_rs splits the rows).
     """
     if kind == "cpu":
         tiny = [(8, 32, 16, "float32"), (20, 48, 24, "bfloat16"), (16, 40, 32, "float16"), (2, 24, 8, "float32")]
         return [Problem.make(op, dt, world, M=m * world, N=n, K=k * world) for m, n, k, dt in tiny]
+    if kind == "fp8-cpu":
+        return [Problem.make(op, FP8, world, M=m * world, N=n, K=32 * world, scaling=s)
+                for (m, n), s in zip(((8, 32), (12, 48)), SCALINGS)]
+    if kind == "fp8":
+        return [Problem.make(op, FP8, world, scaling=s, **{d: p[d] for d in ("M", "N", "K")})
+                for p in sweep(op, "default", world, model_m, default, scaling_m) for s in SCALINGS]
     if kind == "gpu":
         dims = [(m, GPU_N, GPU_K) for m in SWEEP_M]
     elif kind == "llama70b":
@@ -131,7 +200,8 @@ def sweep(op: str, kind: str, world: int, model_m: tuple[int, ...],
             if model != "gpu":
                 dims += [(m, g.N, g.K) for g in shapes.gemms("row", world, (model,)) for m in ms]
     else:
-        raise ValueError(f"unknown sweep kind {kind!r}: use cpu, gpu, llama70b, models, default or scaling")
+        raise ValueError(f"unknown sweep kind {kind!r}: use cpu, gpu, llama70b, models, default, scaling, fp8 "
+                         "or fp8-cpu")
     seen: dict[str, Problem] = {}
     for m, n, k in dims:
         if op == "gemm_ar" or m % world == 0:
@@ -162,7 +232,7 @@ class FusedVariant(Variant):
     def op_defaults(self, problem: Problem) -> list[Config]:
         """The op keys' known-good values, best first (the first goes with every GEMM default): partials
         in the output dtype for bf16/fp16 (half the bytes on the link), then float32."""
-        first = "out" if problem.torch_dtype.itemsize == 2 else "fp32"
+        first = "out" if problem.out_dtype.itemsize == 2 else "fp32"
         return [{"PARTIAL": p} for p in dict.fromkeys((first, "fp32"))]
 
     def gemm_dims(self, problem: Problem) -> tuple[int, int, int]:
@@ -210,8 +280,8 @@ class FusedVariant(Variant):
 
 
 def partial_dtype(problem: Problem, config: Mapping[str, Any]) -> torch.dtype:
-    """The inbox dtype: float32, or the output dtype (half the bytes for bf16/fp16)."""
-    return torch.float32 if config["PARTIAL"] == "fp32" else problem.torch_dtype
+    """The inbox dtype: float32, or the output dtype (half the bytes for bf16/fp16/FP8's bf16 out)."""
+    return torch.float32 if config["PARTIAL"] == "fp32" else problem.out_dtype
 
 
 def split_k_buffers(world: Any, cfg: gemm.GemmConfig, tiles: int, fallback: torch.Tensor
@@ -229,13 +299,14 @@ def align(nbytes: int) -> int:
 
 
 class FusedRunner(Runner):
-    """The runner of a fused row-parallel kernel: a (M x K_r), b (K_r x N), dense; out contiguous.
+    """The runner of a fused row-parallel kernel: a (M x K_r), b (K_r x N), dense (FP8: and the two
+    scales, applied to each partial tile before it leaves the GEMM); out contiguous.
 
     The GEMM reads A and B through TMA descriptors when the config says TMA and this call's a and
-    b are row-major with 16-byte aligned bases (rows are aligned by the config check); otherwise,
-    e.g. for b = weight.t(), through the pointer path. Subclasses set `kernel`, `grid`, `args` (the
-    kernel's arguments between `out` and `ctx`), `sizes` (between `ctx` and the strides) and `tail`
-    (after the strides).
+    b are row-major (FP8: b stored N x K, read K-major) with 16-byte aligned bases (rows are
+    aligned by the config check); otherwise, e.g. for a bf16 b = weight.t(), through the pointer
+    path. Subclasses set `kernel`, `grid`, `args` (the kernel's arguments between the scales and
+    `ctx`), `sizes` (between `ctx` and the strides) and `tail` (after the strides).
     """
 
     def __init__(self, world: Any, problem: Problem, config: Config, out_rows: int, ws: Workspace):
@@ -245,6 +316,8 @@ class FusedRunner(Runner):
         self.ws = ws
         self.meta = {"WORLD": problem.world, **self.cfg.fused_kwargs()}
         del self.meta["USE_TMA"]  # decided per call from the inputs' alignment (`use_tma`)
+        self.meta["SCALE"] = gemm.SCALINGS[problem.get("scaling", "none")]
+        self.fp8 = is_fp8(problem)
         if self.cfg.TMA:
             gemm.ensure_allocator()
         self.kernel: Any = None
@@ -254,13 +327,15 @@ class FusedRunner(Runner):
         self.tail: tuple = ()
 
     def use_tma(self, a: torch.Tensor, b: torch.Tensor) -> bool:
-        return (self.cfg.TMA and a.stride(1) == 1 and b.stride(1) == 1 and a.data_ptr() % 16 == 0
+        b_rows = b.stride(0) == 1 if self.fp8 else b.stride(1) == 1  # FP8: b stored N x K
+        return (self.cfg.TMA and a.stride(1) == 1 and b_rows and a.data_ptr() % 16 == 0
                 and b.data_ptr() % 16 == 0)
 
-    def launch(self, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
-        self.kernel[self.grid](a, b, out, *self.args, self.ws.ctx, *self.sizes, a.stride(0), a.stride(1),
+    def launch(self, a: torch.Tensor, b: torch.Tensor, *scales: torch.Tensor, out: torch.Tensor) -> None:
+        sa, sb = scales or (out, out)  # unused by the kernel without FP8 scales
+        self.kernel[self.grid](a, b, out, sa, sb, *self.args, self.ws.ctx, *self.sizes, a.stride(0), a.stride(1),
                                b.stride(0), b.stride(1), out.stride(0), out.stride(1), *self.tail,
-                               USE_TMA=self.use_tma(a, b), **self.meta)
+                               USE_TMA=self.use_tma(a, b), B_T=self.fp8, **self.meta)
 
 
 # -- the collective library's side (BSP) ------------------------------------------------------------
@@ -284,11 +359,16 @@ def symm_mem_group(world: Any) -> str:
 
 
 def io_specs(problem: Problem, out_rows: int) -> tuple[list[TensorSpec], TensorSpec]:
-    """(input specs, out spec) of a row-parallel op's runner: a, b dense; out contiguous."""
+    """(input specs, out spec) of a row-parallel op's runner: a, b dense (FP8: then scale_a and
+    scale_b, float32); out contiguous in the problem's output dtype."""
     m, n, k_r = problem["M"], problem["N"], problem["K"] // problem.world
     dtype = problem.torch_dtype
-    return ([TensorSpec("a", (m, k_r), dtype, "dense"), TensorSpec("b", (k_r, n), dtype, "dense")],
-            TensorSpec("out", (out_rows, n), dtype))
+    specs = [TensorSpec("a", (m, k_r), dtype, "dense"), TensorSpec("b", (k_r, n), dtype, "dense")]
+    if is_fp8(problem):
+        rowwise = problem["scaling"] == "rowwise"
+        specs += [TensorSpec("scale_a", (m, 1) if rowwise else (), torch.float32),
+                  TensorSpec("scale_b", (1, n) if rowwise else (), torch.float32)]
+    return specs, TensorSpec("out", (out_rows, n), problem.out_dtype)
 
 
 class RowParallelHybrid(hybrid.HybridVariant):
