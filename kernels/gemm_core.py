@@ -49,6 +49,10 @@ Device functions, in the order a kernel uses them:
   store_tile(c, acc, off_m, off_n, M, N, stride_cm, stride_cn, BLOCK_M, BLOCK_N, USE_TMA)
                                       masked store of the tile in C's dtype (a descriptor with
                                       USE_TMA: TMA clips the edges).
+  scale_tile(acc, scale_a, scale_b, off_m, off_n, M, N, BLOCK_M, BLOCK_N, SCALE) -> acc
+                                      times the FP8 scales (TENSORWISE or ROWWISE), once per summed tile.
+  tile_product(...), finish_tile(...)  gemm_kernel's two loops' shared steps: a tile's accumulator
+                                      from zero; scale and store a summed tile.
 
 A fused consumer that waits per tile (the ag_gemm gathered layout, say) keeps the same loop and
 puts its wait between B's prefetch and the K loop; `gemm_wait_kernel` below is that template,
@@ -382,6 +386,25 @@ def store_tile(c, acc, off_m, off_n, M, N, stride_cm, stride_cn,
 
 
 @triton.jit
+def tile_product(a_src, b_src, pid_m, pid_n, k_first, k_end, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
+                 SWAP_AB: tl.constexpr, USE_TMA: tl.constexpr, WARP_SPEC: tl.constexpr, B_T: tl.constexpr):
+    """Output tile (pid_m, pid_n)'s float32 accumulator over K steps [k_first, k_end) (gemm_tile from zero)."""
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    return gemm_tile(acc, a_src, b_src, pid_m * BLOCK_M, pid_n * BLOCK_N, k_first, k_end, M, N, K,
+                     stride_am, stride_ak, stride_bk, stride_bn,
+                     BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, SWAP_AB, USE_TMA, WARP_SPEC, B_T)
+
+
+@triton.jit
+def finish_tile(c_dst, acc, scale_a, scale_b, pid_m, pid_n, M, N, stride_cm, stride_cn,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_TMA: tl.constexpr, SCALE: tl.constexpr):
+    """The summed tile (pid_m, pid_n) times its FP8 scales (scale_tile), stored in C's dtype (store_tile)."""
+    acc = scale_tile(acc, scale_a, scale_b, pid_m * BLOCK_M, pid_n * BLOCK_N, M, N, BLOCK_M, BLOCK_N, SCALE)
+    store_tile(c_dst, acc, pid_m * BLOCK_M, pid_n * BLOCK_N, M, N, stride_cm, stride_cn, BLOCK_M, BLOCK_N, USE_TMA)
+
+
+@triton.jit
 def gemm_kernel(a, b, c, partials, counts, scale_a, scale_b, M, N, K,
                 stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
@@ -411,16 +434,12 @@ def gemm_kernel(a, b, c, partials, counts, scale_a, scale_b, M, N, K,
     for work in tl.range(pid, dp_tiles * SPLIT_K, programs):
         pid_m, pid_n, tile, split, k_first, k_end = schedule(work, M, N, K, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
                                                              SPLIT_K)
-        off_m = pid_m * BLOCK_M
-        off_n = pid_n * BLOCK_N
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        acc = gemm_tile(acc, a_src, b_src, off_m, off_n, k_first, k_end, M, N, K,
-                        stride_am, stride_ak, stride_bk, stride_bn,
-                        BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, SWAP_AB, USE_TMA, WARP_SPEC, B_T)
+        acc = tile_product(a_src, b_src, pid_m, pid_n, k_first, k_end, M, N, K, stride_am, stride_ak, stride_bk,
+                           stride_bn, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, SWAP_AB, USE_TMA, WARP_SPEC, B_T)
         acc, last = split_k_reduce(acc, partials, counts, tile, split, SPLIT_K, BLOCK_M, BLOCK_N)
         if last:
-            acc = scale_tile(acc, scale_a, scale_b, off_m, off_n, M, N, BLOCK_M, BLOCK_N, SCALE)
-            store_tile(c_dst, acc, off_m, off_n, M, N, stride_cm, stride_cn, BLOCK_M, BLOCK_N, USE_TMA)
+            finish_tile(c_dst, acc, scale_a, scale_b, pid_m, pid_n, M, N, stride_cm, stride_cn, BLOCK_M, BLOCK_N,
+                        USE_TMA, SCALE)
     if STREAM_K:
         if pid < sk_programs:
             it0 = pid * sk_iters // sk_programs
@@ -428,16 +447,13 @@ def gemm_kernel(a, b, c, partials, counts, scale_a, scale_b, M, N, K,
             for t in range(it0 // steps, tl.cdiv(it1, steps)):
                 k_first, k_end, slot, first, n = stream_k_piece(t, pid, steps, sk_iters, sk_programs)
                 pid_m, pid_n = swizzle(dp_tiles + t, num_pid_m, num_pid_n, GROUP_M)
-                off_m = pid_m * BLOCK_M
-                off_n = pid_n * BLOCK_N
-                acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-                acc = gemm_tile(acc, a_src, b_src, off_m, off_n, k_first, k_end, M, N, K,
-                                stride_am, stride_ak, stride_bk, stride_bn,
-                                BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, SWAP_AB, USE_TMA, False, B_T)
+                acc = tile_product(a_src, b_src, pid_m, pid_n, k_first, k_end, M, N, K, stride_am, stride_ak,
+                                   stride_bk, stride_bn, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, SWAP_AB, USE_TMA,
+                                   False, B_T)
                 acc, last = fixup(acc, partials, counts, t, slot, first, n, BLOCK_M, BLOCK_N)
                 if last:
-                    acc = scale_tile(acc, scale_a, scale_b, off_m, off_n, M, N, BLOCK_M, BLOCK_N, SCALE)
-                    store_tile(c_dst, acc, off_m, off_n, M, N, stride_cm, stride_cn, BLOCK_M, BLOCK_N, USE_TMA)
+                    finish_tile(c_dst, acc, scale_a, scale_b, pid_m, pid_n, M, N, stride_cm, stride_cn, BLOCK_M,
+                                BLOCK_N, USE_TMA, SCALE)
 
 
 @triton.jit

@@ -649,7 +649,8 @@ def test_bench_shapes_and_candidates():
     assert any(c["STREAM_K"] for c in bench.candidates(512, 5120, 8192))  # 80 tiles of 128x256 on 132 SMs
     for m, n, k in shapes:
         configs = bench.candidates(m, n, k)
-        assert 4 <= len(configs) <= 9 and all(gemm.check(c, m, n, k, "bfloat16", stream_k=True) is None for c in configs)
+        assert 4 <= len(configs) <= 9
+        assert all(gemm.check(c, m, n, k, "bfloat16", stream_k=True) is None for c in configs)
         assert any(not c["TMA"] for c in configs) and any(c["WARP_SPEC"] for c in configs)
         if m <= 64:
             assert any(c["SWAP_AB"] for c in configs) and any(c["SPLIT_K"] > 1 for c in configs) == (n < 28672)

@@ -533,6 +533,47 @@ def b_transposed(b: torch.Tensor) -> bool:
     return b.stride(0) == 1 and b.stride(1) != 1
 
 
+def fp8_dims(device: torch.device, a: torch.Tensor, b: torch.Tensor, scale_a: Any, scale_b: Any, op: str
+             ) -> dict[str, str]:
+    """The problem's extra dims for this call's dtype and scales: {} for bf16/fp16/fp32 (no scales
+    allowed), {"scaling": "tensorwise" | "rowwise"} for float8_e4m3fn. FP8 needs b stored N x K
+    (b = w.t(): what torch._scaled_mm takes), a row-major, float32 scales on `device` (the rank's),
+    tensorwise 0-dim (torch.tensor(s)) or rowwise scale_a (M x 1) and scale_b (1 x N); else InvalidInput."""
+    if a.dtype != torch.float8_e4m3fn and scale_a is None and scale_b is None:
+        return {}
+    for name, t in (("scale_a", scale_a), ("scale_b", scale_b)):
+        if t is not None and not isinstance(t, torch.Tensor):
+            raise InvalidInput(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
+    scaling = fp8_scaling(a.dtype, a.shape[0], b.shape[1], scale_a, scale_b, op)
+    if not a.is_contiguous() or not b_transposed(b):
+        raise InvalidInput(f"{op}: FP8 needs a row-major and b stored N x K (b = w.t(), as torch._scaled_mm takes "
+                           f"it); got strides a {a.stride()}, b {b.stride()}")
+    for name, t in (("scale_a", scale_a), ("scale_b", scale_b)):
+        if t.device != device:
+            raise InvalidInput(f"{op}: {name} is on {t.device}, this rank's device is {device}")
+        if scaling == "tensorwise" and t.dim() != 0:
+            raise InvalidInput(f"{op}: tensorwise scales are 0-dim float32 tensors (torch.tensor(s)), "
+                               f"{name} has shape {tuple(t.shape)}")
+    return {"scaling": scaling}
+
+
+def scale_rows(scales: tuple, rows: slice) -> tuple:
+    """The FP8 scales of A's `rows` (row-wise scale_a is sliced; tensorwise and scale_b stay)."""
+    if not scales or scales[0].dim() == 0:
+        return scales
+    return scales[0][rows], scales[1]
+
+
+def vendor_mm(a: torch.Tensor, b: torch.Tensor, scales: tuple, out: torch.Tensor) -> None:
+    """out = a @ b with the vendor library: torch.matmul, or torch._scaled_mm for FP8 (`scales` =
+    (scale_a, scale_b), bfloat16 out, fast accumulation as the Triton kernels' FP8 dot)."""
+    if scales:
+        torch._scaled_mm(a, b, scale_a=scales[0], scale_b=scales[1], out_dtype=out.dtype, use_fast_accum=True,
+                         out=out)
+    else:
+        torch.matmul(a, b, out=out)
+
+
 def prepare(a: torch.Tensor, b: torch.Tensor, config: Mapping[str, Any] | GemmConfig, out: torch.Tensor,
             workspace: SplitKWorkspace | None = None, num_programs: int | None = None,
             scale_a: torch.Tensor | None = None, scale_b: torch.Tensor | None = None) -> Callable[[], None]:

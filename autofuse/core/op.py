@@ -206,6 +206,9 @@ class Op:
     - `features(problem)` are the numbers the policy learns from.
     - `sweep(kind, world)` lists problems to tune/bench (kinds: the op's docstring).
     - `args` names the public entry point's tensor arguments in order (`autofuse.<op>(*args, group=...)`).
+    - `optional` names keyword-only tensor arguments of the entry point (None by default) that, when
+      given, follow `args` as inputs: the FP8 scales (`autofuse.gemm_ar(a, b, group=..., scale_a=...,
+      scale_b=...)` calls problem_of and the runner with (a, b, scale_a, scale_b)).
     - `per_rank` names the dims given per rank (the global size along them is the dim times the
       world size; every other dim is global): strong scaling compares problems of equal global size.
     - `bound(world, problem, seed)` returns the BSP baseline's pieces as callables (e.g. the matmul
@@ -230,6 +233,7 @@ class Op:
     bound: Callable[[Any, Problem, int], dict[str, Callable[[], Any]]] | None = None
     bytes_read: Callable[[Problem], int] | None = None
     copy_rate: Callable[[Any, Problem], Callable[[], Any]] | None = None
+    optional: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.variants, dict):

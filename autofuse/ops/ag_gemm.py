@@ -30,6 +30,15 @@ Variants (`OP.variants`):
   takes SPLIT_K > 1). kernels/ag_gemm.py says what each one means.
 All fused variants of a World share one workspace, `ag_gemm` (one epoch for all of them: calls of
 any fused variant or config may interleave, as long as every rank makes the same calls).
+
+FP8 (`autofuse.ag_gemm(a, b, group=..., scale_a=..., scale_b=...)`, rows form only): A_r
+float8_e4m3fn row-major, B_r stored N x K (b = w.t(), as torch._scaled_mm takes it), bfloat16 out.
+Tensorwise: one 0-dim float32 scale_a that every rank passes alike (one activation scale, as torch's
+fused_all_gather_scaled_matmul assumes) and the rank's scale_b; row-wise: scale_a (M/W x 1) of this
+rank's rows, gathered with them, and scale_b (1 x N). bsp gathers the FP8 A (and row-wise scales)
+with the collective library, then torch._scaled_mm; heap_mm / heap_mm_overlap gather it on the
+heap (tensorwise only). torch_symm, the fused kernels and the hybrids' row-wise case do not run
+FP8 yet (InvalidConfig says so).
 """
 from __future__ import annotations
 
@@ -43,8 +52,8 @@ from autofuse.core import gemm, shapes
 from autofuse.ops import hybrid
 from autofuse.comm import collectives
 from autofuse.comm.heap import torch_symm_unavailable
-from autofuse.core.op import (Config, InvalidConfig, InvalidInput, Op, Problem, SearchSpace, Variant, default_tolerance,
-                         dtype_name)
+from autofuse.core.op import (FP8, SCALINGS, Config, InvalidConfig, InvalidInput, Op, Problem, SearchSpace,
+                              Variant, default_tolerance, dtype_name)
 from autofuse.core.runner import Runner, TensorSpec
 from autofuse.core.sizes import cdiv
 from autofuse.comm.workspace import workspace
@@ -78,6 +87,8 @@ def validate(problem: Problem) -> None:
         raise InvalidInput(f"ag_gemm rows: M={m} is not divisible by the world size {w}")
     if gather == "k" and k % w:
         raise InvalidInput(f"ag_gemm k: K={k} is not divisible by the world size {w}")
+    if problem.dtype == FP8 and gather != "rows":
+        raise InvalidInput("ag_gemm: FP8 takes the rows form only")
     size = problem.torch_dtype.itemsize
     _, c = _shard_shape(problem)
     for what, v in (("N", n), ("K per rank" if gather == "k" else "K", c)):
@@ -86,8 +97,10 @@ def validate(problem: Problem) -> None:
                                f"(16 bytes of {problem.dtype}) so rows stay 16-byte aligned")
 
 
-def problem_of(world: Any, a: torch.Tensor, b: torch.Tensor, gather: str | None = None) -> Problem:
-    """Validate this rank's (A_r, B_r) and return the Problem; `gather` is inferred from the shapes.
+def problem_of(world: Any, a: torch.Tensor, b: torch.Tensor, scale_a: Any = None, scale_b: Any = None,
+               gather: str | None = None) -> Problem:
+    """Validate this rank's (A_r, B_r) (FP8: and its scales) and return the Problem; `gather` is
+    inferred from the shapes.
 
     B with as many rows as A has columns is the rows form; with W times as many, the k form (at
     W == 1 both are the same computation and the rows form is returned). No collectives.
@@ -99,11 +112,10 @@ def problem_of(world: Any, a: torch.Tensor, b: torch.Tensor, gather: str | None 
     if a.dtype != b.dtype:
         raise InvalidInput(f"ag_gemm: A is {a.dtype} but B is {b.dtype}; they must match")
     dtype = dtype_name(a.dtype)
-    if a.dtype == torch.float8_e4m3fn:
-        raise InvalidInput("ag_gemm: FP8 inputs are not built yet (gemm_rs and gemm_ar take them); use bfloat16")
     if a.device != world.device or b.device != world.device:
         raise InvalidInput(f"ag_gemm: inputs on {a.device} and {b.device}, but this rank's device is {world.device}")
-    if not a.is_contiguous() or not b.is_contiguous():
+    extra = gemm.fp8_dims(world.device, a, b, scale_a, scale_b, NAME)  # FP8: scaling; b stored N x K
+    if not extra and (not a.is_contiguous() or not b.is_contiguous()):
         raise InvalidInput("ag_gemm: A and B must be contiguous (row-major); call .contiguous() first")
     if a.data_ptr() % 16 or b.data_ptr() % 16:
         raise InvalidInput("ag_gemm: A and B must start at 16-byte aligned addresses")
@@ -114,7 +126,9 @@ def problem_of(world: Any, a: torch.Tensor, b: torch.Tensor, gather: str | None 
     if gather is None:
         gather = "rows" if kb == ca else "k" if kb == ca * w else None
     if gather == "rows" and kb == ca:
-        problem = Problem.make(NAME, dtype, w, M=ra * w, N=n, K=kb, gather="rows")
+        problem = Problem.make(NAME, dtype, w, M=ra * w, N=n, K=kb, gather="rows", **extra)
+    elif extra and gather == "k":
+        raise InvalidInput(f"ag_gemm: FP8 takes the rows form (A_r rows gathered), not gather='k' (B has {kb} rows)")
     elif gather == "k" and kb == ca * w:
         problem = Problem.make(NAME, dtype, w, M=ra, N=n, K=kb, gather="k")
     else:
@@ -129,26 +143,40 @@ def _generator(device: torch.device, seed: int, rank: int) -> torch.Generator:
     return torch.Generator(device=device).manual_seed(seed * 1_000_003 + rank)
 
 
-def _rank_inputs(problem: Problem, seed: int, rank: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def _rank_inputs(problem: Problem, seed: int, rank: int, device: torch.device) -> tuple[torch.Tensor, ...]:
     r, c = _shard_shape(problem)
     g = _generator(device, seed, rank)
     a = torch.randn((r, c), generator=g, device=device, dtype=torch.float32).to(problem.torch_dtype)
-    b = torch.randn((problem["K"], problem["N"]), generator=g, device=device, dtype=torch.float32)
-    return a, b.to(problem.torch_dtype)
+    if problem.dtype != FP8:
+        b = torch.randn((problem["K"], problem["N"]), generator=g, device=device, dtype=torch.float32)
+        return a, b.to(problem.torch_dtype)
+    b = torch.randn((problem["N"], problem["K"]), generator=g, device=device, dtype=torch.float32)
+    if problem["scaling"] == "tensorwise":  # one activation scale on every rank (seeded by the call only)
+        scale_a = torch.rand((), generator=_generator(device, seed, -1), device=device) + 0.5
+        scale_b = torch.rand((), generator=g, device=device) + 0.5
+    else:
+        scale_a = torch.rand((r, 1), generator=g, device=device) + 0.5
+        scale_b = torch.rand((1, problem["N"]), generator=g, device=device) + 0.5
+    return a, b.to(problem.torch_dtype).t(), scale_a, scale_b
 
 
-def inputs(world: Any, problem: Problem, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """This rank's (A_r, B_r): random normal, deterministic in (seed, rank), on the World's device."""
+def inputs(world: Any, problem: Problem, seed: int) -> tuple[torch.Tensor, ...]:
+    """This rank's (A_r, B_r) (FP8: and scale_a, scale_b): random, deterministic in (seed, rank), on
+    the World's device."""
     validate(problem)
     return _rank_inputs(problem, seed, world.rank, world.device)
 
 
 def reference(world: Any, problem: Problem, seed: int) -> torch.Tensor:
-    """This rank's expected output in float64 (rebuilds every rank's A shard; no collectives)."""
-    shards = [_rank_inputs(problem, seed, s, world.device)[0].to(torch.float64) for s in range(problem.world)]
+    """This rank's expected output in float64 (rebuilds every rank's A shard; no collectives); FP8:
+    each shard times its scale_a, B times this rank's scale_b."""
+    shards = []
+    for s in range(problem.world):
+        a, _, *scales = _rank_inputs(problem, seed, s, world.device)
+        shards.append(a.to(torch.float64) * (scales[0].to(torch.float64) if scales else 1.0))
     full = torch.cat(shards, dim=0 if problem["gather"] == "rows" else 1)
-    b = _rank_inputs(problem, seed, world.rank, world.device)[1].to(torch.float64)
-    return full @ b
+    _, b, *scales = _rank_inputs(problem, seed, world.rank, world.device)
+    return full @ (b.to(torch.float64) * (scales[1].to(torch.float64) if scales else 1.0))
 
 
 def tolerance(problem: Problem) -> float:
@@ -180,7 +208,7 @@ DEFAULT_GPU_M = (128, 1024, 4096)
 DEFAULT_MODELS = {("llama3-70b", "gate_up"): (8, 512, 2048), ("llama3-70b", "qkv"): (32, 2048),
                   ("llama3-8b", "gate_up"): (128, 8192)}
 SCALING = ((8192 + 2 * 1024, (32, 2048)), (2 * 28672, (2048,)))  # Llama-3-70B QKV, gate+up: global N, M
-SWEEPS = ("cpu", "gpu", "llama70b", "models", "default", "scaling")
+SWEEPS = ("cpu", "gpu", "llama70b", "models", "default", "scaling", "fp8", "fp8-cpu")
 
 
 def _valid(problem: Problem) -> bool:
@@ -222,6 +250,12 @@ def sweep(kind: str, world: int) -> list[Problem]:
     elif kind == "cpu":
         probs = [Problem.make(NAME, "bfloat16", world, M=m, N=n, K=k, gather=g)
                  for g in GATHERS for (m, n, k) in CPU_SHAPES]
+    elif kind == "fp8":
+        probs = [Problem.make(NAME, FP8, world, scaling=s, **dict(p.dims)) for p in sweep("default", world)
+                 for s in SCALINGS]
+    elif kind == "fp8-cpu":
+        probs = [Problem.make(NAME, FP8, world, M=m * world, N=n, K=64, gather="rows", scaling=s)
+                 for (m, n), s in zip(((4, 32), (12, 48)), SCALINGS)]
     else:
         raise ValueError(f"unknown sweep {kind!r}: use one of {', '.join(SWEEPS)}")
     seen: list[Problem] = []
@@ -252,6 +286,8 @@ def flag_units(problem: Problem, config: Config) -> int:
 
 def check(problem: Problem, config: Config, variant: str = "push") -> str | None:
     """The reason `config` cannot run `problem` with the fused `variant`, or None."""
+    if problem.dtype == FP8:
+        return f"FP8 is not built for the fused {variant} kernel yet (bsp and the heap hybrids run it)"
     if not isinstance(config, dict):
         return f"a config is a dict, got {type(config).__name__}"
     missing = [k for k in ("FLAG", "COMM_SMS") if k not in config]
@@ -321,6 +357,11 @@ class TorchSymm(Variant):
 
     def unavailable(self, world: Any) -> str | None:
         return torch_symm_unavailable(world, "fused_all_gather_matmul")
+
+    def check(self, problem: Problem, config: Config) -> str | None:
+        if problem.dtype == FP8:
+            return "FP8 is not built for torch_symm (torch's fused_all_gather_scaled_matmul is not wired)"
+        return super().check(problem, config)
 
     def runner(self, world: Any, problem: Problem, config: Config) -> Runner:
         return SymmRunner(world, problem)
@@ -405,10 +446,17 @@ class PushWs(Fused):
 # ------------------------------------------------------------------------------------------------
 # runners
 def _specs(problem: Problem) -> tuple[list[TensorSpec], TensorSpec]:
+    """a and b contiguous (FP8: b stored N x K, then the two float32 scales); out M x N."""
     r, c = _shard_shape(problem)
     dt = problem.torch_dtype
-    return ([TensorSpec("a", (r, c), dt), TensorSpec("b", (problem["K"], problem["N"]), dt)],
-            TensorSpec("out", (problem["M"], problem["N"]), dt))
+    if problem.dtype != FP8:
+        return ([TensorSpec("a", (r, c), dt), TensorSpec("b", (problem["K"], problem["N"]), dt)],
+                TensorSpec("out", (problem["M"], problem["N"]), dt))
+    rowwise = problem["scaling"] == "rowwise"
+    return ([TensorSpec("a", (r, c), dt), TensorSpec("b", (problem["K"], problem["N"]), dt, "dense"),
+             TensorSpec("scale_a", (r, 1) if rowwise else (), torch.float32),
+             TensorSpec("scale_b", (1, problem["N"]) if rowwise else (), torch.float32)],
+            TensorSpec("out", (problem["M"], problem["N"]), problem.out_dtype))
 
 
 class FusedRunner(Runner):
@@ -473,11 +521,21 @@ class BspRunner(Runner):
         dt, dev = problem.torch_dtype, world.device
         self.gathered = torch.empty((w * r, c), dtype=dt, device=dev)  # shard s at rows s*r..
         self.full = self.gathered if problem["gather"] == "rows" else torch.empty((m, k), dtype=dt, device=dev)
+        rowwise = problem.get("scaling") == "rowwise"
+        self.scales = torch.empty((w * r, 1), dtype=torch.float32, device=dev) if rowwise else None
 
     def gathered_input(self) -> torch.Tensor:
         return self.full
 
-    def launch(self, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
+    def launch(self, a: torch.Tensor, b: torch.Tensor, *scales: torch.Tensor, out: torch.Tensor) -> None:
+        if scales:  # FP8: the collective moves bytes (uint8 views); row-wise scales travel with their rows
+            self.world.collective(dist.all_gather_into_tensor, self.gathered.view(torch.uint8), a.view(torch.uint8),
+                                  what="ag_gemm.bsp")
+            if self.scales is not None:
+                self.world.collective(dist.all_gather_into_tensor, self.scales, scales[0], what="ag_gemm.bsp")
+                scales = (self.scales, scales[1])
+            gemm.vendor_mm(self.gathered, b, scales, out)
+            return
         self.world.collective(dist.all_gather_into_tensor, self.gathered, a, what="ag_gemm.bsp")
         if self.problem["gather"] == "k":
             w, m, c = self.problem.world, self.problem["M"], a.shape[1]
@@ -505,16 +563,18 @@ class SymmRunner(Runner):
 
 def bound(world: Any, problem: Problem, seed: int) -> dict[str, Any]:
     """The pieces of the lower bound: the all-gather alone and the full-size matmul alone."""
-    a, b = inputs(world, problem, seed)
+    a, b, *scales = inputs(world, problem, seed)
     r, c = _shard_shape(problem)
     w = problem.world
-    gathered = torch.empty((w * r, c), dtype=a.dtype, device=a.device)
+    gathered = torch.empty((w * r, c), dtype=a.dtype, device=a.device).view(torch.uint8)
     full = torch.randn((problem["M"], problem["K"]), generator=_generator(world.device, seed, w + world.rank),
                        device=world.device).to(a.dtype)
-    out = torch.empty((problem["M"], problem["N"]), dtype=a.dtype, device=a.device)
+    out = torch.empty((problem["M"], problem["N"]), dtype=problem.out_dtype, device=a.device)
+    if scales and scales[0].dim():  # row-wise: the gathered rows' scales
+        scales = (torch.rand((problem["M"], 1), device=a.device) + 0.5, scales[1])
     group = world.group
-    return {"allgather": lambda: dist.all_gather_into_tensor(gathered, a, group=group),
-            "matmul": lambda: torch.matmul(full, b, out=out)}
+    return {"allgather": lambda: dist.all_gather_into_tensor(gathered, a.view(torch.uint8), group=group),
+            "matmul": lambda: gemm.vendor_mm(full, b, tuple(scales), out)}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -534,16 +594,19 @@ class _AGRunner(Runner):
             self.mine = slice(r * ag.cols, (r + 1) * ag.cols)
         self.parts = [(i, *ag.rows_of(c)) for i, c in enumerate(ag.chunks)]
         specs = [TensorSpec("a", (ag.rows, ag.cols), dt), TensorSpec("b", (k, n), dt, "dense")]
-        super().__init__(world, problem, specs, TensorSpec("out", (m, n), dt), workspaces=ag.workspaces)
+        if problem.dtype == FP8:  # tensorwise (problem_error): the scales are 0-dim
+            specs += [TensorSpec("scale_a", (), torch.float32), TensorSpec("scale_b", (), torch.float32)]
+        super().__init__(world, problem, specs, TensorSpec("out", (m, n), problem.out_dtype),
+                         workspaces=ag.workspaces)
 
     def gathered_input(self) -> torch.Tensor:
         return self.ag.buffer  # M x K in both forms; peers write it again only in my next call
 
-    def launch(self, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
+    def launch(self, a: torch.Tensor, b: torch.Tensor, *scales: torch.Tensor, out: torch.Tensor) -> None:
         ag = self.ag
         if not self.overlap:
             ag._launch(a, ag.buffer, waited=False)
-            torch.matmul(ag.buffer, b, out=out)
+            gemm.vendor_mm(ag.buffer, b, scales, out)
             return
         st = self.streams
         st.fork()
@@ -551,10 +614,10 @@ class _AGRunner(Runner):
             ag._launch(a, ag.buffer, waited=bool(ag.chunks))
         g = ag.buffer
         if self.rows_form:
-            torch.matmul(a, b, out=out[self.mine])
+            gemm.vendor_mm(a, b, scales, out[self.mine])
             for i, rows, _ in self.parts:
                 ag.wait(i)
-                torch.matmul(g[rows], b, out=out[rows])
+                gemm.vendor_mm(g[rows], b, scales, out[rows])
         else:
             torch.matmul(a, b[self.mine], out=out)
             for i, rows, cols in self.parts:
@@ -575,6 +638,8 @@ class _AGVariant(hybrid.HybridVariant):
         why = super().problem_error(problem)
         if why:
             return why
+        if problem.dtype == FP8 and problem["scaling"] != "tensorwise":
+            return f"FP8 {self.name} runs tensorwise scales only (the row-wise scales' heap gather is not built)"
         m, _, k, w = hybrid.dims(problem)
         gather = problem.get("gather")
         if gather not in ("rows", "k"):
@@ -606,6 +671,7 @@ class HeapMMOverlap(_AGVariant):
 OP = Op(
     name=NAME,
     args=("a", "b"),
+    optional=("scale_a", "scale_b"),
     variants=[Bsp(), TorchSymm(), HeapMM(), HeapMMOverlap(), Pull(), Push(), PushWs()],
     problem_of=problem_of,
     inputs=inputs,

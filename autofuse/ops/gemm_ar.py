@@ -18,10 +18,10 @@ Partials are float32 (PARTIAL="fp32") or the output dtype ("out"), summed in flo
 so every rank returns bitwise the same C (kernels/gemm_ar.py). Shared with gemm_rs:
 autofuse/ops/row_parallel.py.
 
-FP8 (`autofuse.gemm_ar(a, b, scale_a, scale_b, group=...)`, float8_e4m3fn, b = w.t(), see
+FP8 (`autofuse.gemm_ar(a, b, group=..., scale_a=..., scale_b=...)`, float8_e4m3fn, b = w.t(), see
 autofuse/ops/row_parallel.py): bsp is torch._scaled_mm into out (bfloat16), then the all-reduce of
-out; the fused kernels scale each partial tile before it is pushed. The hybrid refuses FP8
-problems (InvalidConfig: not yet built).
+out; mm_heap the same with the heap all-reduce; the fused kernels scale each partial tile before
+it is pushed.
 """
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ from autofuse.comm import collectives
 from autofuse.comm.heap import torch_symm_unavailable
 from autofuse.core.op import Config, Op, Problem, Variant
 from autofuse.ops import row_parallel as rp
-from autofuse.core.runner import Runner, TensorSpec
+from autofuse.core.runner import Runner
 from autofuse.core.sizes import cdiv
 from autofuse.comm.workspace import workspace
 
@@ -45,9 +45,9 @@ NAME = "gemm_ar"
 
 def problem_of(world: Any, a: torch.Tensor, b: torch.Tensor, scale_a: Any = None, scale_b: Any = None) -> Problem:
     """The gemm_ar Problem of this call: a = A_r (M x K/W), b = B_r (K/W x N); any M; FP8: the
-    rank's scales too (rp.check_scales)."""
+    rank's scales too (gemm.fp8_dims)."""
     rp.check_operands(world, a, b, NAME)
-    extra = rp.check_scales(world, a, b, scale_a, scale_b, NAME)
+    extra = gemm.fp8_dims(world.device, a, b, scale_a, scale_b, NAME)
     m, k_r = a.shape
     return Problem.make(NAME, a.dtype, world.size, M=int(m), N=int(b.shape[1]), K=int(k_r) * world.size, **extra)
 
@@ -73,7 +73,7 @@ class BspRunner(Runner):
         super().__init__(world, problem, *rp.io_specs(problem, problem["M"]))
 
     def launch(self, a: torch.Tensor, b: torch.Tensor, *scales: torch.Tensor, out: torch.Tensor) -> None:
-        rp.local_mm(a, b, scales, out)
+        gemm.vendor_mm(a, b, scales, out)
         self.world.collective(dist.all_reduce, out, what="gemm_ar.bsp")
 
 
@@ -112,6 +112,11 @@ class TorchSymmOneShot(Variant):
 
     def unavailable(self, world: Any) -> str | None:
         return torch_symm_unavailable(world, self.torch_op)
+
+    def check(self, problem: Problem, config: Config) -> str | None:
+        if rp.is_fp8(problem):
+            return f"FP8 is not built for {self.name} (its matmul is torch.matmul)"
+        return super().check(problem, config)
 
     def runner(self, world: Any, problem: Problem, config: Config) -> Runner:
         return SymmAllReduceRunner(world, problem, rp.symm_mem_group(world), self.algo)
@@ -173,15 +178,12 @@ class _ARRunner(Runner):
     """mm_heap of gemm_ar: torch.matmul into out, then the heap all-reduce in place."""
 
     def __init__(self, world: Any, problem: Problem, ar: collectives.AllReduce):
-        m, n, k, w = hybrid.dims(problem)
-        dt = problem.torch_dtype
         self.ar = ar
-        super().__init__(world, problem, [TensorSpec("a", (m, k // w), dt, "dense"),
-                                          TensorSpec("b", (k // w, n), dt, "dense")],
-                         TensorSpec("out", (m, n), dt), workspaces=ar.workspaces)
+        specs, out = rp.io_specs(problem, problem["M"])
+        super().__init__(world, problem, specs, out, workspaces=ar.workspaces)
 
-    def launch(self, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
-        torch.matmul(a, b, out=out)
+    def launch(self, a: torch.Tensor, b: torch.Tensor, *scales: torch.Tensor, out: torch.Tensor) -> None:
+        gemm.vendor_mm(a, b, scales, out)
         self.ar._call(out, out)
 
 
@@ -200,14 +202,15 @@ def bound(world: Any, problem: Problem, seed: int) -> dict[str, Callable[[], Any
     """The pieces of the BSP bound: this rank's matmul alone and the all-reduce alone."""
     a, b, *scales = rp.inputs(world, problem, seed)
     c = torch.empty(problem["M"], problem["N"], dtype=problem.out_dtype, device=world.device)
-    rp.local_mm(a, b, scales, c)
-    return {"matmul": lambda: rp.local_mm(a, b, scales, c),
+    gemm.vendor_mm(a, b, scales, c)
+    return {"matmul": lambda: gemm.vendor_mm(a, b, scales, c),
             "all_reduce": lambda: dist.all_reduce(c, group=world.group)}
 
 
 OP = Op(
     name=NAME,
     args=("a", "b"),
+    optional=("scale_a", "scale_b"),
     variants=[Bsp(), TorchSymmOneShot(), TorchSymmTwoShot(), MMHeapAR(), OneShot(), TwoShot()],
     problem_of=problem_of,
     inputs=rp.inputs,

@@ -18,10 +18,11 @@ Variants:
 kernels/gemm_rs.py has the algorithms; the fused configs are the GEMM core's (autofuse/core/gemm.py)
 plus PARTIAL ("fp32" | "out": the inbox dtype) and, for push_reducer, FLAG and COMM_SMS.
 
-FP8 (`autofuse.gemm_rs(a, b, scale_a, scale_b, group=...)`, float8_e4m3fn, b = w.t(), see
+FP8 (`autofuse.gemm_rs(a, b, group=..., scale_a=..., scale_b=...)`, float8_e4m3fn, b = w.t(), see
 autofuse/ops/row_parallel.py): bsp is torch._scaled_mm into a bfloat16 partial, then the
-reduce-scatter of that partial; the fused kernels scale each partial tile before it is pushed.
-torch_symm and the hybrids refuse FP8 problems (InvalidConfig: not yet built).
+reduce-scatter of that partial (the hybrids: the heap reduce-scatter, overlapped per row chunk);
+the fused kernels scale each partial tile before it is pushed. torch_symm refuses FP8 problems
+(InvalidConfig: torch's fused_scaled_matmul_reduce_scatter is not wired).
 """
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ from autofuse.comm import collectives
 from autofuse.comm.heap import torch_symm_unavailable
 from autofuse.core.op import Config, InvalidInput, Op, Problem, Variant
 from autofuse.ops import row_parallel as rp
-from autofuse.core.runner import Runner, TensorSpec
+from autofuse.core.runner import Runner
 from autofuse.core.sizes import cdiv
 from autofuse.comm.workspace import workspace
 
@@ -48,9 +49,9 @@ RED_ELEMS = 4096           # a reducer sums RED_M x BLOCK_N elements at a time (
 
 def problem_of(world: Any, a: torch.Tensor, b: torch.Tensor, scale_a: Any = None, scale_b: Any = None) -> Problem:
     """The gemm_rs Problem of this call: a = A_r (M x K/W), b = B_r (K/W x N); M % W == 0; FP8:
-    the rank's scales too (rp.check_scales)."""
+    the rank's scales too (gemm.fp8_dims)."""
     rp.check_operands(world, a, b, NAME)
-    extra = rp.check_scales(world, a, b, scale_a, scale_b, NAME)
+    extra = gemm.fp8_dims(world.device, a, b, scale_a, scale_b, NAME)
     m, k_r = a.shape
     if m % world.size:
         raise InvalidInput(f"{NAME}: M={m} rows are not divisible by the world size {world.size}; "
@@ -93,7 +94,7 @@ class BspRunner(Runner):
         self.partial = torch.empty(problem["M"], problem["N"], dtype=problem.out_dtype, device=world.device)
 
     def launch(self, a: torch.Tensor, b: torch.Tensor, *scales: torch.Tensor, out: torch.Tensor) -> None:
-        rp.local_mm(a, b, scales, self.partial)
+        gemm.vendor_mm(a, b, scales, self.partial)
         reduce_scatter(self.world, out, self.partial)
 
 
@@ -198,26 +199,24 @@ class _RSRunner(Runner):
 
     def __init__(self, world: Any, problem: Problem, rs: collectives.ReduceScatter, overlap: bool, priority: str):
         m, n, k, w = hybrid.dims(problem)
-        dt = problem.torch_dtype
         self.rs, self.overlap = rs, overlap
         self.streams = hybrid.Streams(world.device, priority)
-        self.partial = torch.empty((m, n), dtype=dt, device=world.device)
+        self.partial = torch.empty((m, n), dtype=problem.out_dtype, device=world.device)
         per = m // w
         self.parts = [(i, c.owner != world.rank, slice(c.owner * per + c.start, c.owner * per + c.stop))
                       for i, c in enumerate(rs.chunks)]
-        super().__init__(world, problem, [TensorSpec("a", (m, k // w), dt, "dense"),
-                                          TensorSpec("b", (k // w, n), dt, "dense")],
-                         TensorSpec("out", (per, n), dt), workspaces=rs.workspaces)
+        specs, out = rp.io_specs(problem, per)
+        super().__init__(world, problem, specs, out, workspaces=rs.workspaces)
 
-    def launch(self, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
+    def launch(self, a: torch.Tensor, b: torch.Tensor, *scales: torch.Tensor, out: torch.Tensor) -> None:
         rs, partial = self.rs, self.partial
         if not self.overlap:
-            torch.matmul(a, b, out=partial)
+            gemm.vendor_mm(a, b, scales, partial)
             rs._call(partial, out)
             return
         st = self.streams
         for i, remote, rows in self.parts:
-            torch.matmul(a[rows], b, out=partial[rows])
+            gemm.vendor_mm(a[rows], b, gemm.scale_rows(scales, rows), partial[rows])
             if remote:
                 st.fork()
                 with st.on_comm():
@@ -257,15 +256,16 @@ def bound(world: Any, problem: Problem, seed: int) -> dict[str, Callable[[], Any
     """The pieces of the BSP bound: this rank's matmul alone and the reduce-scatter alone."""
     a, b, *scales = rp.inputs(world, problem, seed)
     partial = torch.empty(problem["M"], problem["N"], dtype=problem.out_dtype, device=world.device)
-    rp.local_mm(a, b, scales, partial)
+    gemm.vendor_mm(a, b, scales, partial)
     out = torch.empty(problem["M"] // problem.world, problem["N"], dtype=problem.out_dtype, device=world.device)
-    return {"matmul": lambda: rp.local_mm(a, b, scales, partial),
+    return {"matmul": lambda: gemm.vendor_mm(a, b, scales, partial),
             "reduce_scatter": lambda: reduce_scatter(world, out, partial)}
 
 
 OP = Op(
     name=NAME,
     args=("a", "b"),
+    optional=("scale_a", "scale_b"),
     variants=[Bsp(), TorchSymm(), MMHeapRS(), MMHeapRSOverlap(), PushLast(), PushReducer()],
     problem_of=problem_of,
     inputs=rp.inputs,

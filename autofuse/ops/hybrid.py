@@ -46,7 +46,7 @@ from typing import Any
 import torch
 
 from autofuse.comm import collectives
-from autofuse.core.op import FP8, Config, InvalidConfig, Problem, SearchSpace, Variant
+from autofuse.core.op import Config, InvalidConfig, Problem, SearchSpace, Variant
 from autofuse.core.runner import Runner, TensorSpec
 
 FLAGS = ("shard", "row_block")
@@ -144,11 +144,13 @@ class HybridVariant(Variant):
         """(rows, cols, dim) of the collective this variant runs for `problem`."""
         raise NotImplementedError
 
+    def comm_dtype(self, problem: Problem) -> torch.dtype:
+        """The dtype the collective moves: the inputs' (a gathered A) unless a subclass says otherwise."""
+        return problem.torch_dtype
+
     def problem_error(self, problem: Problem) -> str | None:
         if problem.op != self.op:
             return f"{self.name} serves {self.op}, not {problem.op}"
-        if problem.dtype == FP8:
-            return f"FP8 is not built for {self.name} yet (bsp and the fused variants run FP8)"
         m, n, k, w = dims(problem)
         if min(m, n, k, w) < 1:
             return f"sizes must be positive (M={m}, N={n}, K={k}, world={w})"
@@ -156,15 +158,15 @@ class HybridVariant(Variant):
 
     def space(self, trial: SearchSpace, problem: Problem) -> Config:
         rows, cols, dim = self.shape(problem)
-        cfg = collectives.space(self.kind, trial, problem.world, rows, cols, problem.torch_dtype, dim, self.engines,
-                                chunks=not self.overlap)
+        cfg = collectives.space(self.kind, trial, problem.world, rows, cols, self.comm_dtype(problem), dim,
+                                self.engines, chunks=not self.overlap)
         return _overlap_space(trial, cfg) if self.overlap else cfg
 
     def defaults(self, problem: Problem) -> list[Config]:
         if self.problem_error(problem):
             return []
         rows, cols, dim = self.shape(problem)
-        base = [c for c in collectives.defaults(self.kind, problem.world, rows, cols, problem.torch_dtype, dim)
+        base = [c for c in collectives.defaults(self.kind, problem.world, rows, cols, self.comm_dtype(problem), dim)
                 if c["ENGINE"] in self.engines]
         if not self.overlap:
             return base
@@ -189,21 +191,21 @@ class HybridVariant(Variant):
         if config.get("ENGINE", "sm") not in self.engines:
             return f"ENGINE must be one of {self.engines}, got {config.get('ENGINE')!r}"
         rows, cols, dim = self.shape(problem)
-        return collectives.check(self.kind, problem.world, rows, cols, problem.torch_dtype,
+        return collectives.check(self.kind, problem.world, rows, cols, self.comm_dtype(problem),
                                  _collective_config(config, self.kind), dim)
 
     def refuses(self, world: Any, problem: Problem, config: Config) -> str | None:
         """The collective's own check against this World's heap (e.g. the copy engine needs
         peer-mapped heap tensors, which the symm heap does not provide)."""
         rows, cols, dim = self.shape(problem)
-        return collectives.check(self.kind, world, rows, cols, problem.torch_dtype,
+        return collectives.check(self.kind, world, rows, cols, self.comm_dtype(problem),
                                  _collective_config(config, self.kind), dim)
 
     def _collective(self, world: Any, problem: Problem, config: Config) -> Any:
         rows, cols, dim = self.shape(problem)
         cfg = _collective_config(config, self.kind)
         try:
-            return collectives.build(self.kind, world, rows, cols, problem.torch_dtype, cfg, dim,
+            return collectives.build(self.kind, world, rows, cols, self.comm_dtype(problem), cfg, dim,
                                      name=f"{self.op}.hybrid")
         except InvalidConfig as exc:
             raise InvalidConfig(f"{problem.op}.{self.name}: {exc}") from None

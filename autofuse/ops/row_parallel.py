@@ -57,29 +57,6 @@ def check_operands(world: Any, a: Any, b: Any, op: str) -> None:
                            "a's columns (K/W) must equal b's rows")
 
 
-def check_scales(world: Any, a: torch.Tensor, b: torch.Tensor, scale_a: Any, scale_b: Any, op: str) -> dict[str, str]:
-    """The problem's extra dims for this call's dtype and scales: {} for bf16/fp16/fp32 (no scales
-    allowed), {"scaling": "tensorwise" | "rowwise"} for float8_e4m3fn. FP8 needs b stored N x K/W
-    (b = w.t(): what torch._scaled_mm takes), a row-major, float32 scales on the World's device,
-    tensorwise 0-dim (torch.tensor(s)) or rowwise scale_a (M x 1) and scale_b (1 x N); else InvalidInput."""
-    if a.dtype != torch.float8_e4m3fn and scale_a is None and scale_b is None:
-        return {}
-    for name, t in (("scale_a", scale_a), ("scale_b", scale_b)):
-        if t is not None and not isinstance(t, torch.Tensor):
-            raise InvalidInput(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
-    scaling = gemm.fp8_scaling(a.dtype, a.shape[0], b.shape[1], scale_a, scale_b, op)
-    if not a.is_contiguous() or not gemm.b_transposed(b):
-        raise InvalidInput(f"{op}: FP8 needs a row-major and b stored N x K (b = w.t(), as torch._scaled_mm takes "
-                           f"it); got strides a {a.stride()}, b {b.stride()}")
-    for name, t in (("scale_a", scale_a), ("scale_b", scale_b)):
-        if t.device != world.device:
-            raise InvalidInput(f"{op}: {name} is on {t.device}, this rank's device is {world.device}")
-        if scaling == "tensorwise" and t.dim() != 0:
-            raise InvalidInput(f"{op}: tensorwise scales are 0-dim float32 tensors (torch.tensor(s)), "
-                               f"{name} has shape {tuple(t.shape)}")
-    return {"scaling": scaling}
-
-
 def is_fp8(problem: Problem) -> bool:
     return problem.dtype == FP8
 
@@ -123,16 +100,6 @@ def full_product(world: Any, problem: Problem, seed: int, rows: slice) -> torch.
         part = a @ b
         acc = part if acc is None else acc.add_(part)
     return acc
-
-
-def local_mm(a: torch.Tensor, b: torch.Tensor, scales: tuple, out: torch.Tensor) -> None:
-    """out = a @ b with the vendor library: torch.matmul, or torch._scaled_mm for FP8 (`scales` =
-    (scale_a, scale_b), bfloat16 out, fast accumulation as the Triton kernels' FP8 dot)."""
-    if scales:
-        torch._scaled_mm(a, b, scale_a=scales[0], scale_b=scales[1], out_dtype=out.dtype, use_fast_accum=True,
-                         out=out)
-    else:
-        torch.matmul(a, b, out=out)
 
 
 def tolerance(problem: Problem) -> float:
@@ -376,6 +343,10 @@ class RowParallelHybrid(hybrid.HybridVariant):
 
     def shape(self, problem: Problem) -> tuple[int, int, int]:
         return problem["M"], problem["N"], 0
+
+    def comm_dtype(self, problem: Problem) -> torch.dtype:
+        """The reduced partial's dtype: the output's (bfloat16 for FP8 problems)."""
+        return problem.out_dtype
 
     def problem_error(self, problem: Problem) -> str | None:
         why = super().problem_error(problem)
