@@ -368,7 +368,7 @@ def summary(rows: Sequence[dict]) -> dict[str, Any]:
         entry = {}
         for name, keep in (("M<=256", lambda r: r["M"] <= 256), ("M>=512", lambda r: r["M"] >= 512)):
             entry[name] = _geomean([r["core_vs_cublas"] for r in mine if keep(r)])
-            entry[name + " dp"] = _geomean([r["dp_us"] / r["cublas_us"] for r in mine if keep(r) and r["dp_us"]])
+            entry[name + " dp"] = _geomean([r["dp_us"] / r["cublas_us"] for r in mine if keep(r) and r.get("dp_us")])
         entry["rowwise"] = _geomean([r["rowwise_core_us"] / r["rowwise_vendor_us"] for r in mine
                                      if r.get("rowwise_core_us") and r.get("rowwise_vendor_us")])
         entry["met"] = sum(bool(r["meets_target"]) for r in mine)
@@ -389,8 +389,9 @@ def render(result: dict, console: Any) -> None:
         body = []
         for r in (r for r in rows if r["mode"] == mode):
             ok = "-" if r["meets_target"] is None else ("yes" if r["meets_target"] else "NO")
-            body.append([str(r["M"]), str(r["N"]), str(r["K"]), _f(r["cublas_us"]), _f(r["core_us"]), _f(r["dp_us"]),
-                         *([_f(r["core_vs_cublas"], 2), ok] if gpu else []), r["best_text"] or "all failed"])
+            body.append([str(r["M"]), str(r["N"]), str(r["K"]), _f(r["cublas_us"]), _f(r["core_us"]),
+                         _f(r.get("dp_us")), *([_f(r["core_vs_cublas"], 2), ok] if gpu else []),
+                         r["best_text"] or "all failed"])
         print_split_table(console, f"gemm_core vs {VENDOR[dtype]}, {result.get('device', '')}, {mode} mode, "
                           f"{DTYPES[dtype]}, us per call; no sk = best without stream-K"
                           + (f"; x = core / vendor time, ok = within {SHAPE_TARGETS[dtype]}x" if gpu else ""),
