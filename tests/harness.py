@@ -215,7 +215,7 @@ def _call(op: Op, world: Any, problem: Problem, runner: Any, seed: int) -> tuple
     (the exception's name, how many elements of `out` are not NaN after it: 0 is what a failed call owes)."""
     inputs = op.inputs(world, problem, seed)
     ref = op.reference(world, problem, seed)
-    out = torch.full(ref.shape, STALE, dtype=problem.torch_dtype, device=world.device)
+    out = torch.full(ref.shape, STALE, dtype=problem.out_dtype, device=world.device)
     try:
         runner(*inputs, out=out)
         runner.check(out)

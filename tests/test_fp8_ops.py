@@ -14,8 +14,6 @@ machine has one GPU): the same variants at model sizes, eager and under CUDA-gra
 """
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
@@ -227,23 +225,11 @@ GPU_CASES = {
 }
 
 
-TWO_RANKS = harness.gpus() >= 2 or (harness.gpus() == 1 and int(os.environ.get("AUTOFUSE_RANKS_PER_GPU", "1")) >= 2)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not TWO_RANKS, reason="needs 2 CUDA GPUs, or 1 with AUTOFUSE_RANKS_PER_GPU=2")
+@harness.gpu()
 @pytest.mark.parametrize("op", list(GPU_CASES))
 def test_gpu_fp8_variants_eager_and_graph_replay(op):
-    """Two ranks (on one GPU when the machine has one: AUTOFUSE_RANKS_PER_GPU, see README), every
-    FP8-capable variant at its first default, eager calls and CUDA-graph replays with new inputs."""
-    results = spawn(_gpu_cases, 2, op, device_kind="cuda", timeout_s=900)
+    """Two ranks (on one GPU with AUTOFUSE_RANKS_PER_GPU=2: gloo, the IPC heap), every FP8-capable
+    variant at its first default, eager calls and CUDA-graph replays with new inputs (BSP's replays
+    are skipped where ranks share a GPU: gloo cannot be captured)."""
+    results = spawn(harness.run_cases, 2, OPS[op], GPU_CASES[op], 2, device_kind="cuda", timeout_s=900)
     harness.assert_ok(results, same_bits=SAME_BITS if op == "gemm_ar" else ())
-
-
-def _gpu_cases(world, op: str) -> list:
-    """The op's GPU cases; bsp replayed from a CUDA graph only where each rank has its own GPU (ranks
-    sharing one GPU talk through gloo, whose calls a CUDA graph cannot capture)."""
-    cases = GPU_CASES[op]
-    shared = harness.gpus() < 2
-    return (harness.run_cases(world, OPS[op], [c for c in cases if c[0] != "bsp"], 2)
-            + harness.run_cases(world, OPS[op], [c for c in cases if c[0] == "bsp"], 2, graph=not shared))
