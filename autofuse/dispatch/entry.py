@@ -99,17 +99,23 @@ def {name}({params}, group=None, *, variant=None, config=None, out=None):
         check(entry, result)
     return result
 """
-# An op with keyword-only optional tensors (Op.optional: the FP8 scales): without them the plain entry
-# point runs; those given follow the positional inputs, and their shape, dtype, device and contiguity
-# join the key (as key_of). Such calls (FP8) run through dispatch eagerly: the autograd and
-# torch.compile routes do not carry the scales.
+# An op with keyword-only optional tensors (Op.optional: the FP8 scales): without them, what the plain
+# template does; those given follow the positional inputs, and their shape, dtype, device and
+# contiguity join the key (as key_of). Such calls (FP8) run through dispatch eagerly: the library
+# path (autograd, torch.compile) does not carry the scales.
 _ENTRY_TEMPLATE_OPTIONAL = """
 def {name}({params}, group=None, *, {optional_params}, variant=None, config=None, out=None):
     if {none}:
-        return plain({params}, group, variant=variant, config=config, out=out)
-    args = ({params},) + tuple(x for x in ({optional},) if x is not None)
-    key = ({name!r}, id(group), variant, None if config is None else config_key(config)) + tuple(
-        k for x in args for k in (x.shape, x.dtype, x.device, x.is_contiguous()))
+        if grad_enabled() and ({grad}) or compiling() or {subclass}:
+            result = route({name!r}, ({params},), group, variant, config, out)
+            if result is not None:
+                return result
+        args = ({params},)
+        key = ({name!r}, id(group), variant, None if config is None else config_key(config), {key})
+    else:
+        args = ({params},) + tuple(x for x in ({optional},) if x is not None)
+        key = ({name!r}, id(group), variant, None if config is None else config_key(config)) + tuple(
+            k for x in args for k in (x.shape, x.dtype, x.device, x.is_contiguous()))
     entry = cache.get(key)
     if entry is None:
         return miss(key, {name!r}, args, group, variant, config, out)
@@ -137,13 +143,10 @@ def entry_point(name: str) -> Callable[..., torch.Tensor]:
                  "route": route, "grad_enabled": grad_enabled, "compiling": compiling, "PLAIN": PLAIN,
                  "InvalidInput": InvalidInput, "take_part": take_part,
                  "__name__": __name__}  # warnings skip this frame as autofuse's own (state.user_stacklevel)
-    exec(_ENTRY_TEMPLATE.format(name=name, params=params, key=key, grad=grad, subclass=subclass),  # noqa: S102
-         namespace)  # our own template
-    if op.optional:  # the optional tensors' entry point falls back to the plain one when none is given
-        namespace["plain"] = namespace[name]
-        exec(_ENTRY_TEMPLATE_OPTIONAL.format(name=name, params=params, optional=", ".join(op.optional),  # noqa: S102
-                                             optional_params=", ".join(f"{o}=None" for o in op.optional),
-                                             none=" and ".join(f"{o} is None" for o in op.optional)), namespace)
+    template = _ENTRY_TEMPLATE_OPTIONAL if op.optional else _ENTRY_TEMPLATE
+    exec(template.format(name=name, params=params, key=key, grad=grad, subclass=subclass,  # noqa: S102
+                         optional=", ".join(op.optional), optional_params=", ".join(f"{o}=None" for o in op.optional),
+                         none=" and ".join(f"{o} is None" for o in op.optional)), namespace)  # our own template
     fn = namespace[name]
     extra = f"; FP8 inputs also take {' and '.join(o + '=' for o in op.optional)}" if op.optional else ""
     fn.__doc__ = (f"{op.description}.\n\nEvery rank of `group` (None: the default group) calls it with its own "
