@@ -182,6 +182,7 @@ def _llama(world) -> dict:
                                            max(float((full[k] - want[k]).abs().max()) for k in want if k in full))
         out[f"modules sp={sp}"] = {type(m).__name__ for m in model.modules()}
     out["ref keys"] = sorted(ref.state_dict())
+    out["qwen2"] = _qwen2(world, ids)
     try:
         autofuse.parallelize(tiny_llama(world.size, kv_heads=world.size // 2), world.group)
         out["kv error"] = "no error"
@@ -242,6 +243,25 @@ def _compiled_generation(world) -> dict:
     kw = {"attention_mask": torch.ones_like(prompt), "max_new_tokens": 4, "do_sample": False, "pad_token_id": 0}
     with torch.no_grad():
         return {"tokens": (model.generate(prompt, **kw).tolist(), ref.generate(prompt, **kw).tolist())}
+
+
+def _qwen2(world, ids: torch.Tensor) -> dict:
+    """A tiny Qwen2ForCausalLM (q/k/v carry biases: the column-parallel bias path) through the same plan."""
+    import autofuse
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    heads = 4 if world.size <= 2 else 8
+    cfg = Qwen2Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=heads, num_key_value_heads=heads // 2, max_position_embeddings=64)
+    torch.manual_seed(0)
+    ref = Qwen2ForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for m in ref.modules():  # transformers zeroes them; a bias given to the wrong rank must show
+            if isinstance(m, nn.Linear) and m.bias is not None:
+                m.bias.normal_(0.0, 0.5)
+        want = ref(ids).logits
+        return {f"sp={sp}": rel(autofuse.parallelize(copy.deepcopy(ref), world.group, sequence_parallel=sp)(ids).logits,
+                                want) for sp in (False, True)}
 
 
 def _job(world) -> dict:
@@ -318,6 +338,12 @@ def test_llama_logits_match(job) -> None:
     for res in ranks:
         for sp in (False, True):
             assert res["llama"][f"logits sp={sp}"] <= TOL, (sp, res["llama"][f"logits sp={sp}"])
+
+
+def test_qwen2_logits_match(job) -> None:
+    _, ranks = job
+    for res in ranks:
+        assert all(err <= TOL for err in res["llama"]["qwen2"].values()), res["llama"]["qwen2"]
 
 
 def test_llama_greedy_generation_matches(job) -> None:
@@ -441,8 +467,8 @@ def _full_grads(model) -> dict[str, torch.Tensor]:
 
 
 def _gpu_job(world) -> dict:
-    """bf16 on CUDA ranks: logits eager, under inductor and under reduce-overhead (CUDA graphs), greedy
-    generation, the loss and every gradient eager and under inductor; both forms."""
+    """bf16 on CUDA ranks: logits eager and under reduce-overhead (CUDA graphs), greedy generation, the
+    loss and every gradient eager and under inductor (its forward is the logits' too); both forms."""
     import autofuse
 
     dev, out = world.device, {}
@@ -456,7 +482,6 @@ def _gpu_job(world) -> dict:
         model = autofuse.parallelize(copy.deepcopy(ref), world.group, sequence_parallel=sp)
         with torch.no_grad():
             out[f"eager sp={sp}"] = rel(model(ids).logits, want)
-            out[f"inductor sp={sp}"] = rel(torch.compile(model, fullgraph=True)(ids).logits, want)
         if getattr(world, "shares_gpu", False) and (sp or os.environ.get("AUTOFUSE_VARIANT") != FUSED):
             out[f"reduce-overhead sp={sp}"] = ("skipped: ranks share a GPU, so BSP and the row scatter/gather run on "
                                                "gloo, which a CUDA graph cannot capture")
@@ -490,8 +515,11 @@ def _gpu_job(world) -> dict:
 @pytest.mark.parametrize("variants", ["default", "fused"])
 def test_gpu_llama(monkeypatch, variants) -> None:
     """On CUDA ranks (one GPU each, or sharing one with AUTOFUSE_RANKS_PER_GPU): the parallel Llama's logits
-    eager, under inductor and reduce-overhead; greedy generation; loss and gradients eager and under
-    inductor; with autofuse's own choice and with fused variants forced."""
+    eager and under reduce-overhead; greedy generation; loss and gradients eager and under inductor;
+    with autofuse's own choice and with fused variants forced."""
+    if variants == "default" and harness.ranks_share_gpus():
+        pytest.skip("ranks share a GPU: autofuse's own choice is BSP on gloo there (no policy fits); "
+                    "the fused case runs the kernels")
     if variants == "fused":
         monkeypatch.setenv("AUTOFUSE_VARIANT", FUSED)
     ranks = spawn(_gpu_job, harness.gpu_world(), device_kind="cuda", timeout_s=1500)

@@ -23,7 +23,11 @@ which hands each rank its row block back. The first layer scatters the rows (its
 all-gathered), the last gathers them (its gradient kept per block), so everything outside the layers
 runs whole. Norm weights inside the layers see only this rank's rows: their gradients are summed over
 the group (tensor hooks on the parameters). Hidden states recorded between layers
-(output_hidden_states) are the row blocks.
+(output_hidden_states) are the row blocks. `autofuse.nn.full_state_dict` gives transformers' keys
+back. Decode steps (one token) pay W-fold padding here: generate with sequence_parallel=False.
+
+Generation uses transformers' dynamic KV cache, which sizes itself from the keys it is given (this
+rank's heads); a static cache sized from the config (the whole model's heads) is not supported.
 """
 from __future__ import annotations
 

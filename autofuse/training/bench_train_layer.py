@@ -93,17 +93,7 @@ def run(options: Any) -> dict:
                   method=("forward + backward per step, eager; median of reps timed batches, rank-max, the "
                           "contenders in turns (autofuse.measure.time_in_turns); each projection alone the same "
                           "way; rest = layer - ops"))
-    return _finite(result)
-
-
-def _finite(obj: Any) -> Any:
-    if isinstance(obj, float):
-        return obj if math.isfinite(obj) else None
-    if isinstance(obj, dict):
-        return {k: _finite(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_finite(v) for v in obj]
-    return obj
+    return result  # the command's writer turns non-finite floats into null
 
 
 # ------------------------------------------------------------------------------- the contenders
