@@ -584,3 +584,14 @@ def test_collective_sweep_script_checks_times_and_profiles_every_config(tmp_path
     assert entry["best"]["us"] == min(r["us"] for r in entry["rows"])
     assert entry["library_profile"]["calls"] > 0 and entry["best_profile"]["calls"] > 0
     assert "8 KB per rank" in done.stdout and "profile best" in done.stdout
+
+
+def test_reductions_refuse_fp8_all_gather_moves_it():
+    """FP8 moves as bytes in an all-gather (ag_gemm's FP8 A); a sum of FP8 values is never taken:
+    gemm_rs / gemm_ar reduce the bf16 result of the scaled product."""
+    from autofuse.core.op import InvalidInput
+
+    C._check_dtype("all_gather", torch.float8_e4m3fn)
+    for kind in ("reduce_scatter", "all_reduce"):
+        with pytest.raises(InvalidInput, match="does not sum float8_e4m3fn"):
+            C._check_dtype(kind, torch.float8_e4m3fn)

@@ -55,7 +55,7 @@ from typing import TYPE_CHECKING, Sequence
 
 import torch
 
-from autofuse.core.op import Config, InvalidConfig, InvalidInput, SearchSpace, dtype_name
+from autofuse.core.op import FP8, Config, InvalidConfig, InvalidInput, SearchSpace, dtype_name
 from autofuse.core.sizes import cdiv, next_pow2
 from autofuse.comm.workspace import Workspace, workspace
 
@@ -249,8 +249,11 @@ def resolve(kind: str, world: World, rows: int, cols: int, dtype: torch.dtype, c
 
 # ---------------------------------------------------------------------------------------------
 # shared machinery
-def _check_dtype(dtype: torch.dtype) -> None:
-    dtype_name(dtype)  # InvalidInput for unsupported dtypes
+def _check_dtype(kind: str, dtype: torch.dtype) -> None:
+    """InvalidInput for a dtype autofuse does not take, and for FP8 in a reduction (FP8 values move, as
+    bytes, in an all-gather only; sums of FP8 products are reduced in their bf16 output dtype)."""
+    if dtype_name(dtype) == FP8 and kind != "all_gather":
+        raise InvalidInput(f"{kind} does not sum {FP8}: reduce the bf16 result of the scaled product instead")
 
 
 def _split(cols: int, rows_per_chunk: int, programs: int, itemsize: int) -> int:
@@ -283,7 +286,7 @@ class _Base:
 
     def __init__(self, world: World, rows: int, cols: int, dtype: torch.dtype, config: Config | None, dim: int,
                  name: str):
-        _check_dtype(dtype)
+        _check_dtype(self.kind, dtype)
         self.world, self.rows, self.cols, self.dtype, self.dim, self.name = world, rows, cols, dtype, dim, name
         self.config = resolve(self.kind, world, rows, cols, dtype, config, dim)
         self.engine = self.config["ENGINE"]
