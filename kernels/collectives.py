@@ -169,7 +169,9 @@ def _fill_nan(dst, dst_ld, lo, hi, width, BLOCK_R: tl.constexpr, BLOCK_C: tl.con
     for r0 in range(lo, hi, BLOCK_R):
         for c0 in range(0, width, BLOCK_C):
             _, do, mask = _offsets(r0, c0, 0, dst_ld, hi, width, BLOCK_R, BLOCK_C)
-            tl.store(dst + do, tl.full([BLOCK_R, BLOCK_C], float("nan"), dst.dtype.element_ty), mask=mask)
+            # made in float32, then cast: Triton has no FP8 constants (e4m3fn's NaN survives the cast)
+            nan = tl.full([BLOCK_R, BLOCK_C], float("nan"), tl.float32).to(dst.dtype.element_ty)
+            tl.store(dst + do, nan, mask=mask)
 
 
 @triton.jit

@@ -148,6 +148,7 @@ def test_problem_of_rejects_bad_fp8_calls_with_a_reason(op):
         ((a, b, one.half(), one), "float32"),
         ((a, b.contiguous(), one, one), "stored N x K"),
         ((a.bfloat16(), b.bfloat16(), one, one), "for float8_e4m3fn"),
+        ((*_fp8(8, 24, 16), one, one), "multiples of 16"),  # torch._scaled_mm's rule on CUDA
     ]
     for args, reason in bad:
         with pytest.raises(InvalidInput, match=reason):
@@ -210,7 +211,7 @@ def test_fp8_sweeps_defaults_and_features():
 
 
 # -- GPU: world 2 on one GPU (several ranks per GPU) or two -------------------------------------------
-GPU_DIMS = [{"M": 128, "N": 8192, "K": 8192}, {"M": 1024, "N": 8192, "K": 14336}, {"M": 96, "N": 3000, "K": 4096}]
+GPU_DIMS = [{"M": 128, "N": 8192, "K": 8192}, {"M": 1024, "N": 8192, "K": 14336}, {"M": 96, "N": 3008, "K": 4096}]  # N: FP8's multiple of 16, no tile's
 GPU_CASES = {
     "ag_gemm": [(v, {"M": m, "N": 3584, "K": 8192, "gather": "rows", "scaling": s}, FP8, c)
                 for m in (128, 2048) for s in rp.SCALINGS for v in ("bsp", "heap_mm", "heap_mm_overlap")

@@ -545,6 +545,9 @@ def fp8_dims(device: torch.device, a: torch.Tensor, b: torch.Tensor, scale_a: An
         if t is not None and not isinstance(t, torch.Tensor):
             raise InvalidInput(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
     scaling = fp8_scaling(a.dtype, a.shape[0], b.shape[1], scale_a, scale_b, op)
+    k, n = b.shape
+    if k % 16 or n % 16:  # the vendor FP8 GEMM's rule (torch._scaled_mm on CUDA), every family alike
+        raise InvalidInput(f"{op}: FP8 needs b's K ({k}) and N ({n}) to be multiples of 16")
     if not a.is_contiguous() or not b_transposed(b):
         raise InvalidInput(f"{op}: FP8 needs a row-major and b stored N x K (b = w.t(), as torch._scaled_mm takes "
                            f"it); got strides a {a.stride()}, b {b.stride()}")
