@@ -676,3 +676,25 @@ def test_bench_fp8_runs_on_cpu_against_scaled_mm():
     assert all(c["error"] is None for c in row["configs"]), row["configs"]
     with pytest.raises(ValueError, match="bf16 or fp8"):
         bench.run({"dtype": "fp16"})
+
+
+def test_allocator_is_installed_in_every_thread_that_launches():
+    """Triton keeps its allocator in a context variable: a thread that did not set it has none (autograd
+    runs backward in its own thread on GPUs), so ensure_allocator works per thread, not once per process."""
+    import threading
+
+    from triton.runtime import _allocation
+
+    gemm.ensure_allocator()
+    seen = []
+
+    def launcher() -> None:
+        seen.append(_allocation._allocator.get())
+        gemm.ensure_allocator()
+        seen.append(_allocation._allocator.get())
+
+    t = threading.Thread(target=launcher)
+    t.start()
+    t.join()
+    assert isinstance(seen[0], _allocation.NullAllocator)  # a new thread starts without it
+    assert not isinstance(seen[1], _allocation.NullAllocator)

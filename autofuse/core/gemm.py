@@ -432,8 +432,7 @@ def defaults(rows: int, n: int, k: int, dtype: str | torch.dtype, sms: int = H20
 # ---------------------------------------------------------------------------------------------
 # host side of the core: allocator, split-K workspace, the standalone kernel
 # ---------------------------------------------------------------------------------------------
-_ALLOCATOR_LOCK = threading.Lock()
-_ALLOCATOR_SET = False
+_ALLOCATOR_THREAD = threading.local()  # the threads whose Triton context holds `_scratch`
 
 
 def _scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
@@ -443,20 +442,19 @@ def _scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
 
 
 def ensure_allocator() -> None:
-    """Install Triton's allocator for device-side TMA descriptors, once per process (idempotent).
+    """Install Triton's allocator for device-side TMA descriptors in this thread (idempotent, cheap).
 
     `tl.make_tensor_descriptor` in a kernel writes its descriptor to global scratch that Triton
     asks this allocator for at each launch (torch's caching allocator: cheap, CUDA-graph safe).
-    The CPU interpreter needs it too. Call it before the first launch of a TMA kernel."""
-    global _ALLOCATOR_SET
-    if _ALLOCATOR_SET:
+    Triton keeps the allocator in a context variable, so a thread that did not set it has none:
+    autograd's backward runs in its own thread. Every launch of a TMA kernel calls this first; the
+    CPU interpreter needs it too."""
+    if getattr(_ALLOCATOR_THREAD, "set", False):
         return
     import triton
 
-    with _ALLOCATOR_LOCK:
-        if not _ALLOCATOR_SET:
-            triton.set_allocator(_scratch)
-            _ALLOCATOR_SET = True
+    triton.set_allocator(_scratch)
+    _ALLOCATOR_THREAD.set = True
 
 
 def programs(device: torch.device) -> int:

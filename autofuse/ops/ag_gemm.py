@@ -504,8 +504,10 @@ class FusedRunner(Runner):
                          GATHERED=layout == "gathered", PULL=pull, PERSISTENT=persistent)
 
     def launch(self, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
-        if self.tma and (a.data_ptr() | b.data_ptr() | out.data_ptr()) & 15:
-            raise InvalidInput(f"{NAME}: A, B and out must start at 16-byte aligned addresses (TMA)")
+        if self.tma:
+            if (a.data_ptr() | b.data_ptr() | out.data_ptr()) & 15:
+                raise InvalidInput(f"{NAME}: A, B and out must start at 16-byte aligned addresses (TMA)")
+            gemm.ensure_allocator()  # per thread: autograd's backward launches from its own
         self.kernel[self.grid](a, b, out, self.data, self.ws.flags, self.partials, self.counts, self.ws.ctx,
                                *self.args, **self.meta)
 

@@ -300,9 +300,12 @@ class FusedRunner(Runner):
 
     def launch(self, a: torch.Tensor, b: torch.Tensor, *scales: torch.Tensor, out: torch.Tensor) -> None:
         sa, sb = scales or (out, out)  # unused by the kernel without FP8 scales
+        tma = self.use_tma(a, b)
+        if tma:
+            gemm.ensure_allocator()  # per thread: autograd's backward launches from its own
         self.kernel[self.grid](a, b, out, sa, sb, *self.args, self.ws.ctx, *self.sizes, a.stride(0), a.stride(1),
                                b.stride(0), b.stride(1), out.stride(0), out.stride(1), *self.tail,
-                               USE_TMA=self.use_tma(a, b), B_T=self.fp8, **self.meta)
+                               USE_TMA=tma, B_T=self.fp8, **self.meta)
 
 
 # -- the collective library's side (BSP) ------------------------------------------------------------
