@@ -369,8 +369,9 @@ def defaults(rows: int, n: int, k: int, dtype: str | torch.dtype, sms: int = H20
              warp_spec: bool = True, stream_k: bool = False) -> list[Config]:
     """Known-good GEMM configs for a rows x n x k GEMM, best guess first (every one passes `check`;
     none warp-specialised with warp_spec=False, for kernels that wait inside their tile loop). With
-    stream_k=True (the core's standalone kernel), the first two configs' STREAM_K twins follow
-    wherever the last wave leaves SMs idle (`stream_k_helps`).
+    stream_k=True (the core's standalone kernel), every config's STREAM_K twin follows wherever its
+    last wave leaves SMs idle (`stream_k_helps`): the tile that is best without stream-K is often
+    not the first guess (one H100, 2026-11-25: 512 x 5120 x 8192 ran best at 128x256x64, the third).
 
     From GPU-NOTES (H200, bf16, graph mode): the persistent TMA kernel is best at 128x256x64,
     3 stages, 8 warps from 1024 rows up, and at 64x128..256 with BLOCK_K 64-128 below; a plain
@@ -420,7 +421,7 @@ def defaults(rows: int, n: int, k: int, dtype: str | torch.dtype, sms: int = H20
         if check(d, rows, n, k, dt) is None and d not in out:
             out.append(d)
     if stream_k and not tiny(rows, n, k):
-        for d in out[:2]:
+        for d in list(out):
             c = GemmConfig.from_dict(d).replace(SPLIT_K=1, WARP_SPEC=False, STREAM_K=True)
             twin = c.to_dict()
             if (stream_k_helps(c.tiles(rows, n), cdiv(k, c.BLOCK_K), sms) and twin not in out

@@ -105,7 +105,7 @@ def select(shapes: list[tuple[int, int, int]], keep: list[tuple[int, ...]] | Non
 def candidates(m: int, n: int, k: int, dtype: str = "bfloat16") -> list[dict]:
     """The configs timed for one shape: gemm.defaults (what the ops enqueue first) with their
     stream-K twins, the pointer twin of the first default (TMA's gain), and per regime a
-    warp-specialised and a wider tile."""
+    warp-specialised and a wider tile (with its stream-K twin where the last wave leaves SMs idle)."""
     configs = gemm.defaults(m, n, k, dtype, stream_k=True)
     first = GemmConfig.from_dict(configs[0])
     extra = [first.replace(TMA=False, WARP_SPEC=False)]
@@ -119,9 +119,11 @@ def candidates(m: int, n: int, k: int, dtype: str = "bfloat16") -> list[dict]:
         else:
             extra.append(GemmConfig(128, 128, 128 * bk, 8, 8, 3))
     for c in extra:
-        d = c.to_dict()
-        if gemm.check(d, m, n, k, dtype, stream_k=True) is None and d not in configs:
-            configs.append(d)
+        for d in (c.to_dict(), c.replace(SPLIT_K=1, WARP_SPEC=False, STREAM_K=True).to_dict()):
+            if d["STREAM_K"] and not gemm.stream_k_helps(c.tiles(m, n), gemm.cdiv(k, c.BLOCK_K)):
+                continue
+            if gemm.check(d, m, n, k, dtype, stream_k=True) is None and d not in configs:
+                configs.append(d)
     return configs
 
 
