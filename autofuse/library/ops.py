@@ -70,13 +70,16 @@ def _ag_gemm_shape(a: torch.Tensor, b: torch.Tensor, group_name: str) -> tuple[i
     return (a.shape[0] * w if gather_form(a, b) == "rows" else a.shape[0], b.shape[1])
 
 
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # the name torch 2.13 wants
+
+
 def _all_gather(a: torch.Tensor, group_name: str) -> torch.Tensor:
     """all_gather_rows(A) (rows form) or concat_cols(A) (k form, M x K) with torch.distributed."""
     group = group_of(group_name)
     w = dist.get_world_size(group)
     a = a.contiguous()
     shards = a.new_empty((w * a.shape[0], a.shape[1]))
-    dist.all_gather_into_tensor(shards, a, group=group)
+    _ALL_GATHER(shards, a, group=group)
     return shards
 
 
@@ -97,15 +100,24 @@ def _gathered(a: torch.Tensor, b: torch.Tensor, group_name: str, variant: str | 
     return shards.view(w, m, c).transpose(0, 1).reshape(m, w * c)
 
 
-@torch.library.custom_op(f"{NAMESPACE}::ag_gemm", mutates_args=(), schema=SCHEMAS["ag_gemm"])
-def ag_gemm(a: torch.Tensor, b: torch.Tensor, group_name: str, *, variant: str | None = None,
-            config: str | None = None) -> torch.Tensor:
-    return _call("ag_gemm", (a, b), group_name, variant, config)
+def _gemm_op(name: str, out_shape: Any) -> Any:
+    """The custom op `autofuse::<name>` of a two-operand GEMM op: one dispatched call; fake: `out_shape`."""
+
+    @torch.library.custom_op(f"{NAMESPACE}::{name}", mutates_args=(), schema=SCHEMAS[name])
+    def op(a: torch.Tensor, b: torch.Tensor, group_name: str, *, variant: str | None = None,
+           config: str | None = None) -> torch.Tensor:
+        return _call(name, (a, b), group_name, variant, config)
+
+    @op.register_fake
+    def _(a, b, group_name, *, variant=None, config=None):
+        return a.new_empty(out_shape(a, b, group_name))
+
+    return op
 
 
-@ag_gemm.register_fake
-def _(a, b, group_name, *, variant=None, config=None):
-    return a.new_empty(_ag_gemm_shape(a, b, group_name))
+ag_gemm = _gemm_op("ag_gemm", _ag_gemm_shape)
+gemm_rs = _gemm_op("gemm_rs", lambda a, b, group_name: (a.shape[0] // world_size(group_name), b.shape[1]))
+gemm_ar = _gemm_op("gemm_ar", lambda a, b, group_name: (a.shape[0], b.shape[1]))
 
 
 @torch.library.custom_op(f"{NAMESPACE}::ag_gemm_gathered", mutates_args=(), schema=SCHEMAS["ag_gemm_gathered"])
@@ -121,28 +133,6 @@ def _(a, b, group_name, *, variant=None, config=None):
     return a.new_empty((m, n)), a.new_empty((m, b.shape[0]))
 
 
-@torch.library.custom_op(f"{NAMESPACE}::gemm_rs", mutates_args=(), schema=SCHEMAS["gemm_rs"])
-def gemm_rs(a: torch.Tensor, b: torch.Tensor, group_name: str, *, variant: str | None = None,
-            config: str | None = None) -> torch.Tensor:
-    return _call("gemm_rs", (a, b), group_name, variant, config)
-
-
-@gemm_rs.register_fake
-def _(a, b, group_name, *, variant=None, config=None):
-    return a.new_empty((a.shape[0] // world_size(group_name), b.shape[1]))
-
-
-@torch.library.custom_op(f"{NAMESPACE}::gemm_ar", mutates_args=(), schema=SCHEMAS["gemm_ar"])
-def gemm_ar(a: torch.Tensor, b: torch.Tensor, group_name: str, *, variant: str | None = None,
-            config: str | None = None) -> torch.Tensor:
-    return _call("gemm_ar", (a, b), group_name, variant, config)
-
-
-@gemm_ar.register_fake
-def _(a, b, group_name, *, variant=None, config=None):
-    return a.new_empty((a.shape[0], b.shape[1]))
-
-
 @torch.library.custom_op(f"{NAMESPACE}::flash_decode", mutates_args=(), schema=SCHEMAS["flash_decode"])
 def flash_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor, group_name: str, *,
                  variant: str | None = None, config: str | None = None) -> torch.Tensor:
@@ -152,7 +142,3 @@ def flash_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: tor
 @flash_decode.register_fake
 def _(q, k, v, lengths, group_name, *, variant=None, config=None):
     return q.new_empty(q.shape)
-
-
-OPS: dict[str, Any] = {"ag_gemm": ag_gemm, "ag_gemm_gathered": ag_gemm_gathered, "gemm_rs": gemm_rs,
-                       "gemm_ar": gemm_ar, "flash_decode": flash_decode}
