@@ -25,7 +25,8 @@ def name_of(group: Any) -> str:
         if pg is None:
             raise RuntimeError("torch.distributed is not initialised: autofuse's ops need a process group")
     name = pg.group_name
-    _groups[name] = pg
+    if _groups.get(name) is not pg:  # written once per group: a traced call only reads it
+        _groups[name] = pg
     return name
 
 
