@@ -11,7 +11,7 @@ CPU ranks (gloo, shm heap, Triton's interpreter), float32, tiny shapes:
 - torch.compile(fullgraph=True, backend="aot_eager") of that MLP and of examples/llama_layer.py's
   prefill, forward and backward equal to eager, every call one autofuse node in the forward and
   backward graphs (a graph break fails fullgraph); torch.export keeps each call as one node;
-- flash_decode refuses inputs that require grad; fake tensors trace the public ops to their custom
+- flash_decode refuses inputs that require grad, every op FP8 inputs that do; fake tensors trace the public ops to their custom
   ops with no first-call agreement, and an op without one raises TraceMiss naming it;
 - ag_gemm's kept gathered A comes from the bsp and heap_mm runners' buffers (no second all-gather)
   and is gathered again after a fused kernel.
@@ -161,6 +161,14 @@ def test_flash_decode_refuses_grad():
     k = torch.randn(1, 2, 8, 16, dtype=torch.bfloat16)
     with pytest.raises(InferenceOnly, match=r"flash_decode is inference only.*q \(1, 4, 16\)"):
         autofuse.flash_decode(q, k, k, torch.full((1,), 8, dtype=torch.int32))
+
+
+def test_fp8_inputs_that_require_grad_raise():
+    import autofuse
+
+    a = torch.randn(4, 16).to(torch.float8_e4m3fn).requires_grad_()
+    with pytest.raises(NotImplementedError, match=r"autofuse.ag_gemm: FP8 inputs \(torch.float8_e4m3fn, .*no backward"):
+        autofuse.ag_gemm(a, torch.randn(16, 16).to(torch.float8_e4m3fn))
 
 
 # -- a training loop, torch.compile, torch.export ---------------------------------------------------------

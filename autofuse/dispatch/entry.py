@@ -262,9 +262,10 @@ def miss(key: tuple | None, op: str | Op, args: tuple, group: Any, variant: str 
         raise trace_miss(op.name, args)
     if capturing(args):
         raise CaptureMiss(
-            f"autofuse.{op.name}: these shapes were first seen inside CUDA-graph capture; dispatch must build "
-            "the kernels, allocate heap workspace and check that every rank chose the same variant, which "
-            "cannot run during capture. Call it once with the same shapes before capturing (warm-up).")
+            f"autofuse.{op.name} ({shapes_of(args)}): these shapes were first seen inside CUDA-graph capture; "
+            "dispatch must build the kernels, allocate heap workspace and check that every rank chose the same "
+            "variant, which cannot run during capture. Call it once with the same shapes before capturing "
+            "(warm-up).")
     STATE.stats.misses += 1
     world = world_of(group)
     try:
@@ -300,11 +301,15 @@ def check(entry: Entry, result: torch.Tensor) -> None:
     runner.check(result)
 
 
+def shapes_of(args: tuple) -> str:
+    """The tensor arguments' shapes and dtypes, for messages."""
+    return ", ".join(f"{tuple(a.shape)} {a.dtype}" for a in args if isinstance(a, torch.Tensor))
+
+
 def trace_miss(name: str, args: tuple) -> TraceMiss:
     """The error of a call that reaches dispatch while a trace runs, naming the op and the shapes."""
-    shapes = ", ".join(f"{tuple(a.shape)} {a.dtype}" for a in args if isinstance(a, torch.Tensor))
     return TraceMiss(
-        f"autofuse.{name} ({shapes}) was called while a trace runs (torch.compile, torch.export or fake tensors); "
+        f"autofuse.{name} ({shapes_of(args)}) was called while a trace runs (torch.compile, torch.export or fake tensors); "
         "dispatch decides, agrees with every rank and builds kernels only on real tensors, so nothing was "
         f"decided. Ops with a custom op trace as one node (torch.ops.autofuse.<op>); {name!r} has none.")
 

@@ -68,6 +68,14 @@ def flash_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: tor
 FUNCTIONS = {"ag_gemm": ag_gemm, "gemm_rs": gemm_rs, "gemm_ar": gemm_ar, "flash_decode": flash_decode}
 
 
+def refuse_fp8(op: str, tensors: list) -> None:
+    """Raise for 8-bit floating-point inputs that need grad: the ops have no FP8 backward."""
+    fp8 = [t for t in tensors if t.is_floating_point() and t.element_size() == 1]
+    if fp8:
+        raise NotImplementedError(f"autofuse.{op}: FP8 inputs ({', '.join(str(t.dtype) for t in fp8)}) have no "
+                                  "backward here; call it under torch.no_grad() or on tensors that do not require grad")
+
+
 def route(op: str, args: tuple, group: Any, variant: str | None, config: dict | None,
           out: torch.Tensor | None) -> torch.Tensor | None:
     """The custom op's result where `autofuse.<op>(*args)` must take the library path (an input needs
@@ -82,6 +90,8 @@ def route(op: str, args: tuple, group: Any, variant: str | None, config: dict | 
         why = "inputs that require grad" if grad else "tracing (torch.compile / torch.export)"
         raise ValueError(f"autofuse.{op}: out= is not supported with {why} (as torch's out= functions); "
                          "drop out= and use the returned tensor")
+    if grad:
+        refuse_fp8(op, tensors)
     fn = FUNCTIONS.get(op)
     if fn is None and traced:
         from autofuse.dispatch.entry import trace_miss
