@@ -167,8 +167,12 @@ def test_fp8_inputs_that_require_grad_raise():
     import autofuse
 
     a = torch.randn(4, 16).to(torch.float8_e4m3fn).requires_grad_()
+    b = torch.randn(16, 16).to(torch.float8_e4m3fn)
     with pytest.raises(NotImplementedError, match=r"autofuse.ag_gemm: FP8 inputs \(torch.float8_e4m3fn, .*no backward"):
-        autofuse.ag_gemm(a, torch.randn(16, 16).to(torch.float8_e4m3fn))
+        autofuse.ag_gemm(a, b)
+    one = torch.ones(())
+    with pytest.raises(NotImplementedError, match=r"autofuse.gemm_rs: FP8 inputs .*no backward"):
+        autofuse.gemm_rs(a, b.t(), scale_a=one, scale_b=one)  # the scaled form never detaches either
 
 
 # -- a training loop, torch.compile, torch.export ---------------------------------------------------------

@@ -76,6 +76,14 @@ def route(name: str, args: tuple, group: Any, variant: str | None, config: Confi
     return library.route(name, args, group, variant, config, out)
 
 
+def refuse_scaled(name: str, args: tuple) -> None:
+    """Raise for a call with FP8 scales that would need the library path (autograd or a trace): the
+    custom ops take no scales yet, and dispatch must neither detach a gradient nor run inside a trace."""
+    from autofuse import library
+
+    library.refuse_scaled(name, args)
+
+
 _ENTRY_TEMPLATE = """
 def {name}({params}, group=None, *, variant=None, config=None, out=None):
     try:
@@ -102,7 +110,7 @@ def {name}({params}, group=None, *, variant=None, config=None, out=None):
 # An op with keyword-only optional tensors (Op.optional: the FP8 scales): without them, what the plain
 # template does; those given follow the positional inputs, and their shape, dtype, device and
 # contiguity join the key (as key_of). Such calls (FP8) run through dispatch eagerly: the library
-# path (autograd, torch.compile) does not carry the scales.
+# path (autograd, torch.compile) does not carry the scales, so one that needs it raises (refuse_scaled).
 _ENTRY_TEMPLATE_OPTIONAL = """
 def {name}({params}, group=None, *, {optional_params}, variant=None, config=None, out=None):
     if {none}:
@@ -114,6 +122,8 @@ def {name}({params}, group=None, *, {optional_params}, variant=None, config=None
         key = ({name!r}, id(group), variant, None if config is None else config_key(config), {key})
     else:
         args = ({params},) + tuple(x for x in ({optional},) if x is not None)
+        if grad_enabled() and ({grad}) or compiling() or {subclass}:
+            refuse_scaled({name!r}, args)
         key = ({name!r}, id(group), variant, None if config is None else config_key(config)) + tuple(
             k for x in args for k in (x.shape, x.dtype, x.device, x.is_contiguous()))
     entry = cache.get(key)
@@ -140,7 +150,7 @@ def entry_point(name: str) -> Callable[..., torch.Tensor]:
     grad = " or ".join(f"{a}.requires_grad" for a in op.args)
     subclass = " or ".join(f"{a}.__class__ not in PLAIN" for a in op.args)
     namespace = {"cache": STATE.cache, "miss": miss, "check": check, "stats": STATE.stats, "config_key": config_key,
-                 "route": route, "grad_enabled": grad_enabled, "compiling": compiling, "PLAIN": PLAIN,
+                 "route": route, "refuse_scaled": refuse_scaled, "grad_enabled": grad_enabled, "compiling": compiling, "PLAIN": PLAIN,
                  "InvalidInput": InvalidInput, "take_part": take_part,
                  "__name__": __name__}  # warnings skip this frame as autofuse's own (state.user_stacklevel)
     template = _ENTRY_TEMPLATE_OPTIONAL if op.optional else _ENTRY_TEMPLATE

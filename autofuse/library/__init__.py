@@ -76,6 +76,18 @@ def refuse_fp8(op: str, tensors: list) -> None:
                                   "backward here; call it under torch.no_grad() or on tensors that do not require grad")
 
 
+def refuse_scaled(op: str, args: tuple) -> None:
+    """A call with FP8 scales that needs autograd or is traced: raise (the custom ops carry no scales)."""
+    tensors = [t for t in args if isinstance(t, torch.Tensor)]
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        refuse_fp8(op, tensors)
+        raise NotImplementedError(f"autofuse.{op} with scales has no backward; call it under torch.no_grad()")
+    from autofuse.dispatch.entry import TraceMiss, shapes_of
+
+    raise TraceMiss(f"autofuse.{op} with FP8 scales ({shapes_of(args)}) was called while a trace runs; its custom "
+                    "op takes no scales yet, so it cannot be traced: call it outside torch.compile / torch.export")
+
+
 def route(op: str, args: tuple, group: Any, variant: str | None, config: dict | None,
           out: torch.Tensor | None) -> torch.Tensor | None:
     """The custom op's result where `autofuse.<op>(*args)` must take the library path (an input needs
