@@ -111,26 +111,36 @@ def {name}({params}, group=None, *, variant=None, config=None, out=None):
 # template does; those given follow the positional inputs, and their shape, dtype, device and
 # contiguity join the key (as key_of). Such calls (FP8) run through dispatch eagerly: the library
 # path (autograd, torch.compile) does not carry the scales, so one that needs it raises (refuse_scaled).
+# A non-tensor argument and a cached call's refused arguments are handled as in the plain template.
 _ENTRY_TEMPLATE_OPTIONAL = """
 def {name}({params}, group=None, *, {optional_params}, variant=None, config=None, out=None):
-    if {none}:
-        if grad_enabled() and ({grad}) or compiling() or {subclass}:
-            result = route({name!r}, ({params},), group, variant, config, out)
-            if result is not None:
-                return result
-        args = ({params},)
-        key = ({name!r}, id(group), variant, None if config is None else config_key(config), {key})
-    else:
+    try:
+        if {none}:
+            via_library = grad_enabled() and ({grad}) or compiling() or {subclass}
+            args = ({params},)
+            key = ({name!r}, id(group), variant, None if config is None else config_key(config), {key})
+        else:
+            via_library = False
+            args = ({params},) + tuple(x for x in ({optional},) if x is not None)
+            if grad_enabled() and ({grad}) or compiling() or {subclass}:
+                refuse_scaled({name!r}, args)
+            key = ({name!r}, id(group), variant, None if config is None else config_key(config)) + tuple(
+                k for x in args for k in (x.shape, x.dtype, x.device, x.is_contiguous()))
+    except AttributeError:  # an argument that is not a tensor: the miss path names it, with every rank
+        via_library, key = False, None
         args = ({params},) + tuple(x for x in ({optional},) if x is not None)
-        if grad_enabled() and ({grad}) or compiling() or {subclass}:
-            refuse_scaled({name!r}, args)
-        key = ({name!r}, id(group), variant, None if config is None else config_key(config)) + tuple(
-            k for x in args for k in (x.shape, x.dtype, x.device, x.is_contiguous()))
+    if via_library:
+        result = route({name!r}, args, group, variant, config, out)
+        if result is not None:
+            return result
     entry = cache.get(key)
     if entry is None:
         return miss(key, {name!r}, args, group, variant, config, out)
     stats.hits += 1
-    result = entry.runner(*args) if out is None else entry.runner(*args, out=out)
+    try:
+        result = entry.runner(*args) if out is None else entry.runner(*args, out=out)
+    except InvalidInput as exc:
+        return take_part(entry, args, out, exc, entry.check)
     if entry.check:
         check(entry, result)
     return result
@@ -150,8 +160,8 @@ def entry_point(name: str) -> Callable[..., torch.Tensor]:
     grad = " or ".join(f"{a}.requires_grad" for a in op.args)
     subclass = " or ".join(f"{a}.__class__ not in PLAIN" for a in op.args)
     namespace = {"cache": STATE.cache, "miss": miss, "check": check, "stats": STATE.stats, "config_key": config_key,
-                 "route": route, "refuse_scaled": refuse_scaled, "grad_enabled": grad_enabled, "compiling": compiling, "PLAIN": PLAIN,
-                 "InvalidInput": InvalidInput, "take_part": take_part,
+                 "route": route, "refuse_scaled": refuse_scaled, "grad_enabled": grad_enabled, "compiling": compiling,
+                 "PLAIN": PLAIN, "InvalidInput": InvalidInput, "take_part": take_part,
                  "__name__": __name__}  # warnings skip this frame as autofuse's own (state.user_stacklevel)
     template = _ENTRY_TEMPLATE_OPTIONAL if op.optional else _ENTRY_TEMPLATE
     exec(template.format(name=name, params=params, key=key, grad=grad, subclass=subclass,  # noqa: S102
