@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 _groups: dict[str, Any] = {}  # group name -> the ProcessGroup (holding it keeps its id unique)
@@ -25,8 +26,8 @@ def name_of(group: Any) -> str:
         if pg is None:
             raise RuntimeError("torch.distributed is not initialised: autofuse's ops need a process group")
     name = pg.group_name
-    if _groups.get(name) is not pg:  # written once per group: a traced call only reads it
-        _groups[name] = pg
+    if not torch.compiler.is_compiling() and _groups.get(name) is not pg:
+        _groups[name] = pg  # never while Dynamo traces: a traced write of a group is a side effect it cannot replay
     return name
 
 
