@@ -84,11 +84,13 @@ def refuse_scaled(name: str, args: tuple) -> None:
     library.refuse_scaled(name, args)
 
 
+# A call that takes the library path builds no dispatch key: under torch.compile nothing of the hot
+# path may be traced (Dynamo 2.11 cannot trace id(None), the default group's key part).
 _ENTRY_TEMPLATE = """
 def {name}({params}, group=None, *, variant=None, config=None, out=None):
     try:
         via_library = grad_enabled() and ({grad}) or compiling() or {subclass}
-        key = ({name!r}, id(group), variant, None if config is None else config_key(config), {key})
+        key = None if via_library else ({name!r}, id(group), variant, None if config is None else config_key(config), {key})
     except AttributeError:  # an argument that is not a tensor: the miss path names it, with every rank
         via_library, key = False, None
     if via_library:
@@ -118,7 +120,8 @@ def {name}({params}, group=None, *, {optional_params}, variant=None, config=None
         if {none}:
             via_library = grad_enabled() and ({grad}) or compiling() or {subclass}
             args = ({params},)
-            key = ({name!r}, id(group), variant, None if config is None else config_key(config), {key})
+            key = None if via_library else (
+                {name!r}, id(group), variant, None if config is None else config_key(config), {key})
         else:
             via_library = False
             args = ({params},) + tuple(x for x in ({optional},) if x is not None)
