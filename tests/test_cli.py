@@ -380,6 +380,8 @@ def test_bench_errors_are_one_line(runner, fake_target):
     assert "Traceback" not in res.output and "MarkupError" not in res.output
     res = runner.invoke(app, ["bench", "ag_gemm", "--mode", "graph"])
     assert res.exit_code == 1 and "needs CUDA graphs" in res.output
+    res = runner.invoke(app, ["bench", "train-layer", "--mode", "graph"])  # hyphenated: the same target
+    assert res.exit_code == 1 and "needs CUDA graphs" in res.output and "unknown" not in res.output
 
 
 def test_cpu_op_bench(tmp_path):

@@ -13,7 +13,8 @@ from autofuse.commands._common import OutputExists, check_new, fail, note, out, 
 
 def bench(
     target: str = typer.Argument(..., help="An op (ag_gemm, gemm_rs, gemm_ar, flash_decode, ...) or an extra "
-                                 "benchmark: collectives, gemm_core, layer, train_layer."),
+                                 "benchmark: collectives, gemm_core, layer, train_layer (a '-' reads as '_': "
+                                 "train-layer is train_layer)."),
     sweep: Optional[str] = typer.Option(None, help="Problem set of an op: gpu (the papers' sweep), llama70b, "
                                         "models, default or cpu (default: gpu with GPUs, else cpu); of layer and "
                                         "train_layer: the model (70b, 8b, tiny)."),
@@ -55,6 +56,7 @@ def bench(
         report,
     )
 
+    target = target.replace("-", "_")  # one spelling (train_layer), the hyphenated one accepted as typed
     try:
         module = load_target(target)
     except BenchTargetMissing as exc:
