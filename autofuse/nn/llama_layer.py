@@ -50,13 +50,16 @@ baseline layer, times both on GPUs); `autofuse bench layer` benchmarks it
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
 import autofuse
+
+if TYPE_CHECKING:
+    from autofuse.comm.world import World
 
 
 # ------------------------------------------------------------------------------------------ configs
@@ -431,7 +434,7 @@ def time_us(fn: Any, graph: bool, reps: int = 20, group: Any = None) -> float:
     return float(t.item())
 
 
-def forced_sets(world: Any) -> list[dict[str, str]]:
+def forced_sets(world: World) -> list[dict[str, str]]:
     """Configurations that force every non-bsp variant available here at least once: set i takes each
     op's i-th variant (cycling), e.g. [{"ag_gemm": "pull", "gemm_rs": "push_last", ...}, ...]."""
     from autofuse.core import registry

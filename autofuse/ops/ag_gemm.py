@@ -43,7 +43,7 @@ FP8 yet (InvalidConfig says so).
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -57,6 +57,9 @@ from autofuse.core.op import (FP8, SCALINGS, Config, InvalidConfig, InvalidInput
 from autofuse.core.runner import Runner, TensorSpec
 from autofuse.core.sizes import cdiv
 from autofuse.comm.workspace import workspace
+
+if TYPE_CHECKING:
+    from autofuse.comm.world import World
 
 NAME = "ag_gemm"
 GATHERS = ("rows", "k")
@@ -97,7 +100,7 @@ def validate(problem: Problem) -> None:
                                f"(16 bytes of {problem.dtype}) so rows stay 16-byte aligned")
 
 
-def problem_of(world: Any, a: torch.Tensor, b: torch.Tensor, scale_a: Any = None, scale_b: Any = None,
+def problem_of(world: World, a: torch.Tensor, b: torch.Tensor, scale_a: Any = None, scale_b: Any = None,
                gather: str | None = None) -> Problem:
     """Validate this rank's (A_r, B_r) (FP8: and its scales) and return the Problem; `gather` is
     inferred from the shapes.
@@ -160,14 +163,14 @@ def _rank_inputs(problem: Problem, seed: int, rank: int, device: torch.device) -
     return a, b.to(problem.torch_dtype).t(), scale_a, scale_b
 
 
-def inputs(world: Any, problem: Problem, seed: int) -> tuple[torch.Tensor, ...]:
+def inputs(world: World, problem: Problem, seed: int) -> tuple[torch.Tensor, ...]:
     """This rank's (A_r, B_r) (FP8: and scale_a, scale_b): random, deterministic in (seed, rank), on
     the World's device."""
     validate(problem)
     return _rank_inputs(problem, seed, world.rank, world.device)
 
 
-def reference(world: Any, problem: Problem, seed: int) -> torch.Tensor:
+def reference(world: World, problem: Problem, seed: int) -> torch.Tensor:
     """This rank's expected output in float64 (rebuilds every rank's A shard; no collectives); FP8:
     each shard times its scale_a, B times this rank's scale_b."""
     shards = []
@@ -346,7 +349,7 @@ class Bsp(Variant):
 
     name, family = "bsp", "bsp"
 
-    def runner(self, world: Any, problem: Problem, config: Config) -> Runner:
+    def runner(self, world: World, problem: Problem, config: Config) -> Runner:
         return BspRunner(world, problem)
 
 
@@ -355,7 +358,7 @@ class TorchSymm(Variant):
 
     name, family = "torch_symm", "peer"
 
-    def unavailable(self, world: Any) -> str | None:
+    def unavailable(self, world: World) -> str | None:
         return torch_symm_unavailable(world, "fused_all_gather_matmul")
 
     def check(self, problem: Problem, config: Config) -> str | None:
@@ -363,7 +366,7 @@ class TorchSymm(Variant):
             return "FP8 is not built for torch_symm (torch's fused_all_gather_scaled_matmul is not wired)"
         return super().check(problem, config)
 
-    def runner(self, world: Any, problem: Problem, config: Config) -> Runner:
+    def runner(self, world: World, problem: Problem, config: Config) -> Runner:
         return SymmRunner(world, problem)
 
 
@@ -421,7 +424,7 @@ class Fused(Variant):
                 out.append(c)
         return out[:4]
 
-    def runner(self, world: Any, problem: Problem, config: Config) -> Runner:
+    def runner(self, world: World, problem: Problem, config: Config) -> Runner:
         return FusedRunner(world, problem, config, self.pull, self.persistent)
 
 
@@ -468,7 +471,7 @@ class FusedRunner(Runner):
     kernel leaves every count at 0, so calls and CUDA-graph replays need no clearing).
     """
 
-    def __init__(self, world: Any, problem: Problem, config: Config, pull: bool, persistent: bool):
+    def __init__(self, world: World, problem: Problem, config: Config, pull: bool, persistent: bool):
         from autofuse.kernels import ag_gemm as kernels
 
         inputs, out = _specs(problem)
@@ -515,7 +518,7 @@ class FusedRunner(Runner):
 class BspRunner(Runner):
     """dist.all_gather_into_tensor into a preallocated buffer (k form: reordered to M x K), torch.matmul."""
 
-    def __init__(self, world: Any, problem: Problem):
+    def __init__(self, world: World, problem: Problem):
         inputs, out = _specs(problem)
         super().__init__(world, problem, inputs, out)
         r, c = _shard_shape(problem)
@@ -548,7 +551,7 @@ class BspRunner(Runner):
 class SymmRunner(Runner):
     """torch.ops.symm_mem.fused_all_gather_matmul (gather_dim 0 or 1), copied into `out`."""
 
-    def __init__(self, world: Any, problem: Problem):
+    def __init__(self, world: World, problem: Problem):
         import torch.distributed._symmetric_memory as symm
 
         inputs, out = _specs(problem)
@@ -563,7 +566,7 @@ class SymmRunner(Runner):
         out.copy_(outs[0])
 
 
-def bound(world: Any, problem: Problem, seed: int) -> dict[str, Any]:
+def bound(world: World, problem: Problem, seed: int) -> dict[str, Any]:
     """The pieces of the lower bound: the all-gather alone and the full-size matmul alone."""
     a, b, *scales = inputs(world, problem, seed)
     r, c = _shard_shape(problem)
@@ -584,7 +587,7 @@ def bound(world: Any, problem: Problem, seed: int) -> dict[str, Any]:
 class _AGRunner(Runner):
     """heap_mm / heap_mm_overlap on one problem (see the module docstring)."""
 
-    def __init__(self, world: Any, problem: Problem, ag: collectives.AllGather, overlap: bool, priority: str):
+    def __init__(self, world: World, problem: Problem, ag: collectives.AllGather, overlap: bool, priority: str):
         m, n, k, w = hybrid.dims(problem)
         dt = problem.torch_dtype
         self.ag, self.overlap, self.rows_form = ag, overlap, problem["gather"] == "rows"
@@ -652,7 +655,7 @@ class _AGVariant(hybrid.HybridVariant):
             return f"k form: K={k} is not divisible by the world size {w}"
         return None
 
-    def runner(self, world: Any, problem: Problem, config: Config) -> Runner:
+    def runner(self, world: World, problem: Problem, config: Config) -> Runner:
         ag = self._collective(world, problem, config)
         return _AGRunner(world, problem, ag, self.overlap, config.get("PRIORITY", "high"))
 

@@ -55,7 +55,7 @@ achieved bandwidth of the whole cache, see `OP.bytes_read`); on CPU ragged: see 
 from __future__ import annotations
 
 import math
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -66,6 +66,9 @@ from autofuse.core.runner import Runner, TensorSpec
 from autofuse.core.shapes import DECODE_M, MODELS
 from autofuse.core.sizes import cdiv, next_pow2
 from autofuse.comm.workspace import workspace
+
+if TYPE_CHECKING:
+    from autofuse.comm.world import World
 
 NAME = "flash_decode"
 HEAD_DIMS = (16, 32, 64, 128, 256)
@@ -91,7 +94,7 @@ def _fail(msg: str) -> None:
     raise InvalidInput(f"{NAME}: {msg}")
 
 
-def problem_of(world: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor) -> Problem:
+def problem_of(world: World, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor) -> Problem:
     """Validate one rank's arguments (shapes, dtypes, devices, layout) -> Problem; no device sync."""
     for name, t in (("q", q), ("k", k), ("v", v), ("lengths", lengths)):
         if not isinstance(t, torch.Tensor):
@@ -135,7 +138,7 @@ def make_problem(world_size: int, B: int, S: int, Hq: int = 64, Hkv: int = 8, D:
 
 
 # --------------------------------------------------------------------------- inputs, reference
-def make_inputs(world: Any, problem: Problem, seed: int, rank: int | None = None,
+def make_inputs(world: World, problem: Problem, seed: int, rank: int | None = None,
                 ragged: bool | None = None) -> tuple[torch.Tensor, ...]:
     """Rank `rank`'s (q, k, v, lengths): deterministic in (seed, rank), on the World's device.
 
@@ -215,7 +218,7 @@ def attention_reference(q: torch.Tensor, ks: list, vs: list, lengths: list) -> t
     return merge_reference([partial_reference(q, k, v, n) for k, v, n in zip(ks, vs, lengths)])
 
 
-def reference(world: Any, problem: Problem, seed: int, ragged: bool | None = None) -> torch.Tensor:
+def reference(world: World, problem: Problem, seed: int, ragged: bool | None = None) -> torch.Tensor:
     """This rank's expected output in float64 for `make_inputs(..., seed, ragged=ragged)`,
     rebuilding every rank's inputs one at a time."""
     parts = []
@@ -434,7 +437,7 @@ class Bsp(_FlashDecodeVariant):
 
     name, family, extra = "bsp", "bsp", ("BLOCK_D",)
 
-    def runner(self, world: Any, problem: Problem, config: Config) -> Runner:
+    def runner(self, world: World, problem: Problem, config: Config) -> Runner:
         return BspRunner(world, problem, config)
 
 
@@ -443,7 +446,7 @@ class SplitHeap(_FlashDecodeVariant):
 
     name, family, extra = "split_heap", "hybrid", ("BLOCK_D", "FLAG")
 
-    def runner(self, world: Any, problem: Problem, config: Config) -> Runner:
+    def runner(self, world: World, problem: Problem, config: Config) -> Runner:
         return SplitHeapRunner(world, problem, config)
 
 
@@ -452,7 +455,7 @@ class PushFused(_FlashDecodeVariant):
 
     name, family = "push_fused", "fused"
 
-    def runner(self, world: Any, problem: Problem, config: Config) -> Runner:
+    def runner(self, world: World, problem: Problem, config: Config) -> Runner:
         return PushFusedRunner(world, problem, config)
 
 
@@ -486,7 +489,7 @@ class _Plan:
 class _Base(Runner):
     """Every variant's runner: specs, the split partials' scratch and the split kernel's launch."""
 
-    def __init__(self, world: Any, problem: Problem, config: Config, plan: _Plan | None = None,
+    def __init__(self, world: World, problem: Problem, config: Config, plan: _Plan | None = None,
                  workspaces: tuple = ()):
         plan = plan or _Plan(problem, config)
         B, Hq, Hkv, D, S = _dims(problem)
@@ -515,7 +518,7 @@ class _Base(Runner):
             SPLIT_BLOCK=p.split_block_for(next_pow2(p.heads), p.block_d), num_warps=MERGE_WARPS, num_stages=1)
 
 
-def all_gather(world: Any, recv: torch.Tensor, send: torch.Tensor) -> None:
+def all_gather(world: World, recv: torch.Tensor, send: torch.Tensor) -> None:
     """The collective library's all-gather of flat slots: NCCL's into-tensor form, gloo's list form."""
     if world.device.type == "cuda":
         world.collective(dist.all_gather_into_tensor, recv, send, what="flash_decode.bsp")
@@ -526,7 +529,7 @@ def all_gather(world: Any, recv: torch.Tensor, send: torch.Tensor) -> None:
 class BspRunner(_Base):
     """split_kernel; merge_splits_kernel into `send`; all-gather into `recv`; merge_ranks_kernel. 4 launches."""
 
-    def __init__(self, world: Any, problem: Problem, config: Config):
+    def __init__(self, world: World, problem: Problem, config: Config):
         super().__init__(world, problem, config)
         self.send = torch.empty(self.plan.slot_stride, dtype=torch.float32, device=world.device)
         self.recv = torch.empty(world.size * self.plan.slot_stride, dtype=torch.float32, device=world.device)
@@ -546,7 +549,7 @@ class _HeapRunner(_Base):
     """A runner on the op's heap workspace ("flash_decode", shared by split_heap and push_fused: one
     epoch sequence): W float32 slots (the inbox) and W * `flags_per_rank(plan)` flags per parity."""
 
-    def __init__(self, world: Any, problem: Problem, config: Config):
+    def __init__(self, world: World, problem: Problem, config: Config):
         plan = _Plan(problem, config)
         ws = workspace(world, NAME, world.size * plan.slot_stride * 4, world.size * self.flags_per_rank(plan))
         super().__init__(world, problem, config, plan, (ws,))
@@ -578,7 +581,7 @@ class SplitHeapRunner(_HeapRunner):
 class PushFusedRunner(_HeapRunner):
     """fused_kernel (grid units x NUM_SPLITS): 1 launch."""
 
-    def __init__(self, world: Any, problem: Problem, config: Config):
+    def __init__(self, world: World, problem: Problem, config: Config):
         super().__init__(world, problem, config)
         self.arrivals = torch.zeros(self.plan.units, dtype=torch.int32, device=world.device)
         self.block_r = next_pow2(self.plan.heads)
@@ -600,7 +603,7 @@ class PushFusedRunner(_HeapRunner):
 
 
 # ------------------------------------------------------------------------------- bound, extras
-def bound(world: Any, problem: Problem, seed: int) -> dict[str, Callable[[], Any]]:
+def bound(world: World, problem: Problem, seed: int) -> dict[str, Callable[[], Any]]:
     """The pieces the bench times beside the variants (bound = max of them): `local` = split kernel +
     merge of splits (BSP's local part), `split` = the split kernel alone (so local - split is the
     merge), `allgather` = NCCL's all-gather of the rank partials alone."""
@@ -616,7 +619,7 @@ def bound(world: Any, problem: Problem, seed: int) -> dict[str, Callable[[], Any
             "allgather": lambda: all_gather(world, loc.recv, loc.send)}
 
 
-def copy_rate(world: Any, problem: Problem) -> Callable[[], Any]:
+def copy_rate(world: World, problem: Problem) -> Callable[[], Any]:
     """A device-to-device copy of `kv_bytes(problem)` bytes, the memory rate to compare the local
     kernel's kv_bytes / time with (the copy reads and writes: its HBM traffic is twice that)."""
     n = kv_bytes(problem)

@@ -25,7 +25,7 @@ it is pushed.
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -40,10 +40,13 @@ from autofuse.core.runner import Runner
 from autofuse.core.sizes import cdiv
 from autofuse.comm.workspace import workspace
 
+if TYPE_CHECKING:
+    from autofuse.comm.world import World
+
 NAME = "gemm_ar"
 
 
-def problem_of(world: Any, a: torch.Tensor, b: torch.Tensor, scale_a: Any = None, scale_b: Any = None) -> Problem:
+def problem_of(world: World, a: torch.Tensor, b: torch.Tensor, scale_a: Any = None, scale_b: Any = None) -> Problem:
     """The gemm_ar Problem of this call: a = A_r (M x K/W), b = B_r (K/W x N); any M; FP8: the
     rank's scales too (gemm.fp8_dims)."""
     rp.check_operands(world, a, b, NAME)
@@ -52,7 +55,7 @@ def problem_of(world: Any, a: torch.Tensor, b: torch.Tensor, scale_a: Any = None
     return Problem.make(NAME, a.dtype, world.size, M=int(m), N=int(b.shape[1]), K=int(k_r) * world.size, **extra)
 
 
-def reference(world: Any, problem: Problem, seed: int) -> torch.Tensor:
+def reference(world: World, problem: Problem, seed: int) -> torch.Tensor:
     return rp.full_product(world, problem, seed, slice(0, problem["M"]))
 
 
@@ -69,7 +72,7 @@ def sweep(kind: str, world: int) -> list[Problem]:
 
 # -- bsp -----------------------------------------------------------------------------------------------
 class BspRunner(Runner):
-    def __init__(self, world: Any, problem: Problem):
+    def __init__(self, world: World, problem: Problem):
         super().__init__(world, problem, *rp.io_specs(problem, problem["M"]))
 
     def launch(self, a: torch.Tensor, b: torch.Tensor, *scales: torch.Tensor, out: torch.Tensor) -> None:
@@ -80,7 +83,7 @@ class BspRunner(Runner):
 class Bsp(Variant):
     name, family = "bsp", "bsp"
 
-    def runner(self, world: Any, problem: Problem, config: Config) -> Runner:
+    def runner(self, world: World, problem: Problem, config: Config) -> Runner:
         return BspRunner(world, problem)
 
 
@@ -88,7 +91,7 @@ class Bsp(Variant):
 class SymmAllReduceRunner(Runner):
     """torch.matmul into a symmetric buffer, then torch.ops.symm_mem's one-shot or two-shot all-reduce."""
 
-    def __init__(self, world: Any, problem: Problem, group: str, algo: str):
+    def __init__(self, world: World, problem: Problem, group: str, algo: str):
         import torch.distributed._symmetric_memory as symm
 
         super().__init__(world, problem, *rp.io_specs(problem, problem["M"]))
@@ -110,7 +113,7 @@ class TorchSymmOneShot(Variant):
 
     name, family, algo, torch_op = "torch_symm_one_shot", "peer", "one_shot", "one_shot_all_reduce_out"
 
-    def unavailable(self, world: Any) -> str | None:
+    def unavailable(self, world: World) -> str | None:
         return torch_symm_unavailable(world, self.torch_op)
 
     def check(self, problem: Problem, config: Config) -> str | None:
@@ -118,7 +121,7 @@ class TorchSymmOneShot(Variant):
             return f"FP8 is not built for {self.name} (its matmul is torch.matmul)"
         return super().check(problem, config)
 
-    def runner(self, world: Any, problem: Problem, config: Config) -> Runner:
+    def runner(self, world: World, problem: Problem, config: Config) -> Runner:
         return SymmAllReduceRunner(world, problem, rp.symm_mem_group(world), self.algo)
 
 
@@ -132,7 +135,7 @@ class TorchSymmTwoShot(TorchSymmOneShot):
 class AllReduceRunner(rp.FusedRunner):
     """kernels/gemm_ar.py's gemm_ar_kernel at one config (one-shot, or two-shot with `two_shot`)."""
 
-    def __init__(self, world: Any, problem: Problem, config: Config, two_shot: bool):
+    def __init__(self, world: World, problem: Problem, config: Config, two_shot: bool):
         from autofuse.kernels import gemm_ar as k
 
         w, m, n, k_r = problem.world, problem["M"], problem["N"], problem["K"] // problem.world
@@ -161,14 +164,14 @@ class OneShot(rp.FusedVariant):
     def rows(self, problem: Problem) -> int:
         return problem["M"]
 
-    def runner(self, world: Any, problem: Problem, config: Config) -> Runner:
+    def runner(self, world: World, problem: Problem, config: Config) -> Runner:
         return AllReduceRunner(world, problem, config, two_shot=False)
 
 
 class TwoShot(OneShot):
     name = "two_shot"
 
-    def runner(self, world: Any, problem: Problem, config: Config) -> Runner:
+    def runner(self, world: World, problem: Problem, config: Config) -> Runner:
         return AllReduceRunner(world, problem, config, two_shot=True)
 
 
@@ -177,7 +180,7 @@ class TwoShot(OneShot):
 class _ARRunner(Runner):
     """mm_heap of gemm_ar: torch.matmul into out, then the heap all-reduce in place."""
 
-    def __init__(self, world: Any, problem: Problem, ar: collectives.AllReduce):
+    def __init__(self, world: World, problem: Problem, ar: collectives.AllReduce):
         self.ar = ar
         specs, out = rp.io_specs(problem, problem["M"])
         super().__init__(world, problem, specs, out, workspaces=ar.workspaces)
@@ -194,11 +197,11 @@ class MMHeapAR(rp.RowParallelHybrid):
     op = "gemm_ar"
     kind = "all_reduce"
 
-    def runner(self, world: Any, problem: Problem, config: Config) -> Runner:
+    def runner(self, world: World, problem: Problem, config: Config) -> Runner:
         return _ARRunner(world, problem, self._collective(world, problem, config))
 
 
-def bound(world: Any, problem: Problem, seed: int) -> dict[str, Callable[[], Any]]:
+def bound(world: World, problem: Problem, seed: int) -> dict[str, Callable[[], Any]]:
     """The pieces of the BSP bound: this rank's matmul alone and the all-reduce alone."""
     a, b, *scales = rp.inputs(world, problem, seed)
     c = torch.empty(problem["M"], problem["N"], dtype=problem.out_dtype, device=world.device)

@@ -26,7 +26,7 @@ the fused kernels scale each partial tile before it is pushed. torch_symm refuse
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import torch
 import torch.distributed as dist
@@ -41,13 +41,16 @@ from autofuse.core.runner import Runner
 from autofuse.core.sizes import cdiv
 from autofuse.comm.workspace import workspace
 
+if TYPE_CHECKING:
+    from autofuse.comm.world import World
+
 NAME = "gemm_rs"
 FLAGS = ("tile", "row_block")
 COMM_SMS = (4, 8, 16, 32)  # the tuner's choices; any 1..128 is valid
 RED_ELEMS = 4096           # a reducer sums RED_M x BLOCK_N elements at a time (registers)
 
 
-def problem_of(world: Any, a: torch.Tensor, b: torch.Tensor, scale_a: Any = None, scale_b: Any = None) -> Problem:
+def problem_of(world: World, a: torch.Tensor, b: torch.Tensor, scale_a: Any = None, scale_b: Any = None) -> Problem:
     """The gemm_rs Problem of this call: a = A_r (M x K/W), b = B_r (K/W x N); M % W == 0; FP8:
     the rank's scales too (gemm.fp8_dims)."""
     rp.check_operands(world, a, b, NAME)
@@ -59,7 +62,7 @@ def problem_of(world: Any, a: torch.Tensor, b: torch.Tensor, scale_a: Any = None
     return Problem.make(NAME, a.dtype, world.size, M=int(m), N=int(b.shape[1]), K=int(k_r) * world.size, **extra)
 
 
-def reference(world: Any, problem: Problem, seed: int) -> torch.Tensor:
+def reference(world: World, problem: Problem, seed: int) -> torch.Tensor:
     m_r = problem["M"] // problem.world
     return rp.full_product(world, problem, seed, slice(world.rank * m_r, (world.rank + 1) * m_r))
 
@@ -76,7 +79,7 @@ def sweep(kind: str, world: int) -> list[Problem]:
                     scaling_m=(2048, 8192))
 
 
-def reduce_scatter(world: Any, out: torch.Tensor, partial: torch.Tensor) -> None:
+def reduce_scatter(world: World, out: torch.Tensor, partial: torch.Tensor) -> None:
     """out = this rank's rows of the sum of every rank's `partial` (NCCL; all_reduce + slice on gloo)."""
     if world.backend == "gloo":
         world.collective(dist.all_reduce, partial, what="gemm_rs.bsp")
@@ -88,7 +91,7 @@ def reduce_scatter(world: Any, out: torch.Tensor, partial: torch.Tensor) -> None
 
 # -- bsp and torch_symm -------------------------------------------------------------------------------
 class BspRunner(Runner):
-    def __init__(self, world: Any, problem: Problem):
+    def __init__(self, world: World, problem: Problem):
         specs, out = rp.io_specs(problem, problem["M"] // problem.world)
         super().__init__(world, problem, specs, out)
         self.partial = torch.empty(problem["M"], problem["N"], dtype=problem.out_dtype, device=world.device)
@@ -101,12 +104,12 @@ class BspRunner(Runner):
 class Bsp(Variant):
     name, family = "bsp", "bsp"
 
-    def runner(self, world: Any, problem: Problem, config: Config) -> Runner:
+    def runner(self, world: World, problem: Problem, config: Config) -> Runner:
         return BspRunner(world, problem)
 
 
 class TorchSymmRunner(Runner):
-    def __init__(self, world: Any, problem: Problem):
+    def __init__(self, world: World, problem: Problem):
         specs, out = rp.io_specs(problem, problem["M"] // problem.world)
         super().__init__(world, problem, specs, out)
         self.group = rp.group_name(world)
@@ -120,7 +123,7 @@ class TorchSymm(Variant):
 
     name, family = "torch_symm", "peer"
 
-    def unavailable(self, world: Any) -> str | None:
+    def unavailable(self, world: World) -> str | None:
         return torch_symm_unavailable(world, "fused_matmul_reduce_scatter")
 
     def check(self, problem: Problem, config: Config) -> str | None:
@@ -128,7 +131,7 @@ class TorchSymm(Variant):
             return "FP8 is not built for torch_symm (torch's fused_scaled_matmul_reduce_scatter is not wired)"
         return super().check(problem, config)
 
-    def runner(self, world: Any, problem: Problem, config: Config) -> Runner:
+    def runner(self, world: World, problem: Problem, config: Config) -> Runner:
         rp.symm_mem_group(world)
         return TorchSymmRunner(world, problem)
 
@@ -137,7 +140,7 @@ class TorchSymm(Variant):
 class PushRunner(rp.FusedRunner):
     """kernels/gemm_rs.py's gemm_rs_kernel at one config (push_last, or push_reducer with `reducer`)."""
 
-    def __init__(self, world: Any, problem: Problem, config: Config, reducer: bool):
+    def __init__(self, world: World, problem: Problem, config: Config, reducer: bool):
         from autofuse.kernels import gemm_rs as k
 
         w, n, k_r = problem.world, problem["N"], problem["K"] // problem.world
@@ -170,7 +173,7 @@ class PushLast(rp.FusedVariant):
     def rows(self, problem: Problem) -> int:
         return problem["M"] // problem.world
 
-    def runner(self, world: Any, problem: Problem, config: Config) -> Runner:
+    def runner(self, world: World, problem: Problem, config: Config) -> Runner:
         return PushRunner(world, problem, config, reducer=False)
 
 
@@ -188,7 +191,7 @@ class PushReducer(PushLast):
         return [{"PARTIAL": partial, "FLAG": "tile", "COMM_SMS": comm},
                 {"PARTIAL": partial, "FLAG": "row_block", "COMM_SMS": comm}]
 
-    def runner(self, world: Any, problem: Problem, config: Config) -> Runner:
+    def runner(self, world: World, problem: Problem, config: Config) -> Runner:
         return PushRunner(world, problem, config, reducer=True)
 
 
@@ -197,7 +200,7 @@ class PushReducer(PushLast):
 class _RSRunner(Runner):
     """mm_heap / mm_heap_overlap of gemm_rs on one problem (see the module docstring)."""
 
-    def __init__(self, world: Any, problem: Problem, rs: collectives.ReduceScatter, overlap: bool, priority: str):
+    def __init__(self, world: World, problem: Problem, rs: collectives.ReduceScatter, overlap: bool, priority: str):
         m, n, k, w = hybrid.dims(problem)
         self.rs, self.overlap = rs, overlap
         self.streams = hybrid.Streams(world.device, priority)
@@ -234,7 +237,7 @@ class MMHeapRS(rp.RowParallelHybrid):
     op = "gemm_rs"
     kind = "reduce_scatter"
 
-    def runner(self, world: Any, problem: Problem, config: Config) -> Runner:
+    def runner(self, world: World, problem: Problem, config: Config) -> Runner:
         return _RSRunner(world, problem, self._collective(world, problem, config), False, "high")
 
 
@@ -247,12 +250,12 @@ class MMHeapRSOverlap(rp.RowParallelHybrid):
     overlap = True
     engines = ("sm",)
 
-    def runner(self, world: Any, problem: Problem, config: Config) -> Runner:
+    def runner(self, world: World, problem: Problem, config: Config) -> Runner:
         rs = self._collective(world, problem, config)
         return _RSRunner(world, problem, rs, True, config.get("PRIORITY", "high"))
 
 
-def bound(world: Any, problem: Problem, seed: int) -> dict[str, Callable[[], Any]]:
+def bound(world: World, problem: Problem, seed: int) -> dict[str, Callable[[], Any]]:
     """The pieces of the BSP bound: this rank's matmul alone and the reduce-scatter alone."""
     a, b, *scales = rp.inputs(world, problem, seed)
     partial = torch.empty(problem["M"], problem["N"], dtype=problem.out_dtype, device=world.device)

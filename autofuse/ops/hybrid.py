@@ -41,13 +41,16 @@ drops from NCCL's ~12-20 us to ~3.5-5 us: 1.3-1.5x where the matmul is ~20-30 us
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from autofuse.comm import collectives
 from autofuse.core.op import Config, InvalidConfig, Problem, SearchSpace, Variant
 from autofuse.core.runner import Runner, TensorSpec
+
+if TYPE_CHECKING:
+    from autofuse.comm.world import World
 
 FLAGS = ("shard", "row_block")
 CHUNK_CHOICES = (2, 4, 8)
@@ -194,14 +197,14 @@ class HybridVariant(Variant):
         return collectives.check(self.kind, problem.world, rows, cols, self.comm_dtype(problem),
                                  _collective_config(config, self.kind), dim)
 
-    def refuses(self, world: Any, problem: Problem, config: Config) -> str | None:
+    def refuses(self, world: World, problem: Problem, config: Config) -> str | None:
         """The collective's own check against this World's heap (e.g. the copy engine needs
         peer-mapped heap tensors, which the symm heap does not provide)."""
         rows, cols, dim = self.shape(problem)
         return collectives.check(self.kind, world, rows, cols, self.comm_dtype(problem),
                                  _collective_config(config, self.kind), dim)
 
-    def _collective(self, world: Any, problem: Problem, config: Config) -> Any:
+    def _collective(self, world: World, problem: Problem, config: Config) -> Any:
         rows, cols, dim = self.shape(problem)
         cfg = _collective_config(config, self.kind)
         try:

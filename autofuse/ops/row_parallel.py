@@ -15,7 +15,7 @@ float8_e4m3fn and a `scaling` dim; what is reduced is the bfloat16 (or float32) 
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 import torch
 import torch.distributed as dist
@@ -27,6 +27,9 @@ from autofuse.core.runner import Runner, TensorSpec
 from autofuse.ops import hybrid
 from autofuse.comm.workspace import Workspace
 
+if TYPE_CHECKING:
+    from autofuse.comm.world import World
+
 PARTIALS = ("fp32", "out")
 SWEEP_M = (128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 GPU_N, GPU_K = 8192, 14336
@@ -34,7 +37,7 @@ ALIGN = 256  # bytes between regions of one workspace
 
 
 # -- call validation, inputs, reference --------------------------------------------------------------
-def check_operands(world: Any, a: Any, b: Any, op: str) -> None:
+def check_operands(world: World, a: Any, b: Any, op: str) -> None:
     """Raise InvalidInput unless a (M x K_r) and b (K_r x N) are dense 2-D tensors of one supported
     dtype on the World's device."""
     for name, t in (("a", a), ("b", b)):
@@ -76,7 +79,7 @@ def rank_inputs(problem: Problem, rank: int, seed: int, device: torch.device) ->
     return a, b, *scales
 
 
-def inputs(world: Any, problem: Problem, seed: int) -> tuple[torch.Tensor, ...]:
+def inputs(world: World, problem: Problem, seed: int) -> tuple[torch.Tensor, ...]:
     return rank_inputs(problem, world.rank, seed, world.device)
 
 
@@ -91,7 +94,7 @@ def dequantised(problem: Problem, rank: int, seed: int, device: torch.device, ro
     return a, b
 
 
-def full_product(world: Any, problem: Problem, seed: int, rows: slice) -> torch.Tensor:
+def full_product(world: World, problem: Problem, seed: int, rows: slice) -> torch.Tensor:
     """float64 (sum over ranks of A_q @ B_q)[rows] (FP8: each rank's product times its scales),
     rebuilt from every rank's inputs on this device."""
     acc = None
@@ -251,7 +254,7 @@ def partial_dtype(problem: Problem, config: Mapping[str, Any]) -> torch.dtype:
     return torch.float32 if config["PARTIAL"] == "fp32" else problem.out_dtype
 
 
-def split_k_buffers(world: Any, cfg: gemm.GemmConfig, tiles: int, fallback: torch.Tensor
+def split_k_buffers(world: World, cfg: gemm.GemmConfig, tiles: int, fallback: torch.Tensor
                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """(partials, counts) of the core's split-K workspace for `tiles` output tiles, or `fallback`
     twice when SPLIT_K == 1 (the kernel never touches them then)."""
@@ -276,7 +279,7 @@ class FusedRunner(Runner):
     `ctx`), `sizes` (between `ctx` and the strides) and `tail` (after the strides).
     """
 
-    def __init__(self, world: Any, problem: Problem, config: Config, out_rows: int, ws: Workspace):
+    def __init__(self, world: World, problem: Problem, config: Config, out_rows: int, ws: Workspace):
         specs, out = io_specs(problem, out_rows)
         super().__init__(world, problem, specs, out, workspaces=(ws,))
         self.cfg = gemm.GemmConfig.from_dict(config)
@@ -309,11 +312,11 @@ class FusedRunner(Runner):
 
 
 # -- the collective library's side (BSP) ------------------------------------------------------------
-def group_name(world: Any) -> str:
+def group_name(world: World) -> str:
     return (world.group if world.group is not None else dist.group.WORLD).group_name
 
 
-def symm_mem_group(world: Any) -> str:
+def symm_mem_group(world: World) -> str:
     """The World's group name with torch's symmetric memory enabled for it (the `torch_symm` peers)."""
     import torch.distributed._symmetric_memory as symm
 

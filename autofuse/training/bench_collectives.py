@@ -23,9 +23,12 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
+
+if TYPE_CHECKING:
+    from autofuse.comm.world import World
 
 KINDS = ("all_gather", "reduce_scatter", "all_reduce")
 IMPLS = {"all_gather": ("push", "inbox", "pull", "ce"), "reduce_scatter": ("sm", "ce"),
@@ -108,7 +111,7 @@ def bus_factor(kind: str, world: int) -> float:
 class Library:
     """The collective library's version of one collective on fixed buffers (NCCL or gloo)."""
 
-    def __init__(self, world: Any, kind: str, x: torch.Tensor):
+    def __init__(self, world: World, kind: str, x: torch.Tensor):
         import torch.distributed as dist
 
         self.dist, self.group, self.kind, self.x = dist, world.group, kind, x
@@ -140,7 +143,7 @@ def _bits(y: torch.Tensor | None) -> int:
     return int(y.contiguous().view(torch.int16 if y.element_size() == 2 else torch.int32).to(torch.int64).sum().item())
 
 
-def _verify(world: Any, kind: str, coll: Any, x: torch.Tensor, expected: torch.Tensor, tol: float) -> str:
+def _verify(world: World, kind: str, coll: Any, x: torch.Tensor, expected: torch.Tensor, tol: float) -> str:
     """'' if `coll` matches the library on every rank (agreed), else why not. Every rank runs the
     same host collectives whatever happened locally (mismatched collectives would hang)."""
     import torch.distributed as dist
@@ -179,7 +182,7 @@ def collective_call(kind: str, coll: Any, x: torch.Tensor) -> Callable[[], Any]:
     return lambda: coll(x, out=out)
 
 
-def time_config(world: Any, kind: str, x: torch.Tensor, expected: torch.Tensor, config: dict,
+def time_config(world: World, kind: str, x: torch.Tensor, expected: torch.Tensor, config: dict,
                 modes: Sequence[str], reps: int, tol: float, name: str = "bench") -> tuple[dict[str, float], str]:
     """Check one heap config of collective `kind` on `x` against the library's `expected` result,
     then time it in each of `modes`: ({mode: median us, rank-max}, '') or ({mode: nan}, why it was
@@ -208,7 +211,7 @@ def time_config(world: Any, kind: str, x: torch.Tensor, expected: torch.Tensor, 
     return us, ""
 
 
-def bench_rank(world: Any, kinds: Sequence[str], sizes: Sequence[int], modes: Sequence[str], reps: int,
+def bench_rank(world: World, kinds: Sequence[str], sizes: Sequence[int], modes: Sequence[str], reps: int,
                variants: Sequence[str] | None, progress: bool) -> dict[str, Any]:
     """Every rank runs this; rank 0's result is the bench's."""
     from autofuse.measure.timing import time_fn

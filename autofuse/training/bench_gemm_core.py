@@ -38,7 +38,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 
@@ -46,6 +46,9 @@ from autofuse.core import gemm
 from autofuse.core.gemm import GemmConfig
 from autofuse.measure.timing import capture, events_us
 from autofuse.core.op import default_tolerance
+
+if TYPE_CHECKING:
+    from autofuse.comm.world import World
 
 N_SET = (3584, 5120, 8192, 28672)
 K_SET = (8192, 14336)
@@ -319,7 +322,7 @@ def _run_rows(opts: dict) -> dict:
             "modes": modes, "seconds": round(time.perf_counter() - started, 1), "notes": notes}
 
 
-def _child(world: Any, opts: dict) -> dict:
+def _child(world: World, opts: dict) -> dict:
     return _run_rows(opts)
 
 

@@ -38,12 +38,15 @@ import math
 import os
 import re
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 
 from autofuse.core import registry, settings
 from autofuse.nn import llama_layer
+
+if TYPE_CHECKING:
+    from autofuse.comm.world import World
 
 TOLERANCE = 2.5e-2  # bf16 layer vs bf16 layer, norm-wise relative; see tests/test_layer.py
 OPS = ("qkv", "attention", "o_proj", "gate_up", "down")
@@ -186,7 +189,7 @@ def _from_variants(names: Sequence[str]) -> list[str]:
     return out
 
 
-def expand_configs(configs: Sequence[str], world: Any) -> list[str]:
+def expand_configs(configs: Sequence[str], world: World) -> list[str]:
     """Replace 'each' by the forced combinations covering every non-bsp variant of every op available
     on `world` (combination i takes each op's i-th variant, cycling); keeps the order, no repeats."""
     out: list[str] = []
@@ -198,7 +201,7 @@ def expand_configs(configs: Sequence[str], world: Any) -> list[str]:
     return list(dict.fromkeys(out))
 
 
-def alternative_sets(world: Any) -> list[dict[str, str]]:
+def alternative_sets(world: World) -> list[dict[str, str]]:
     """The layers users would otherwise run (autofuse.measure.compare.alternatives: torch's symmetric-memory
     ops): set i forces each op's i-th alternative available on `world` (cycling) and BSP on ops that have
     none; [] where no op has an alternative here (the CPU emulation)."""

@@ -32,9 +32,12 @@ import copy
 import datetime
 import math
 import os
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
+
+if TYPE_CHECKING:
+    from autofuse.comm.world import World
 
 MODELS = {  # one decoder layer's transformers LlamaConfig fields
     "70b": {"hidden_size": 8192, "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 128,
@@ -119,14 +122,14 @@ def _torch_tp(layer: torch.nn.Module, mesh: Any) -> torch.nn.Module:
     return parallelize_module(layer, mesh, plan)
 
 
-def _async_tp_unavailable(world: Any) -> str | None:
+def _async_tp_unavailable(world: World) -> str | None:
     """Why torch's async TP cannot run here (None where it can): it needs torch's symmetric memory."""
     from autofuse.comm.heap import torch_symm_unavailable
 
     return torch_symm_unavailable(world, "fused_all_gather_matmul")
 
 
-def _compiled_async_tp(layer: torch.nn.Module, world: Any) -> torch.nn.Module:
+def _compiled_async_tp(layer: torch.nn.Module, world: World) -> torch.nn.Module:
     """torch-tp under torch.compile with inductor's micro-pipeline TP pass (torch's async TP)."""
     import torch._inductor.config as inductor
     from torch.distributed._symmetric_memory import enable_symm_mem_for_group
@@ -147,7 +150,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 # ------------------------------------------------------------------------------------- per rank
-def _rank(world: Any, cfg: dict) -> dict:
+def _rank(world: World, cfg: dict) -> dict:
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import DTensor, Replicate, Shard
     from transformers import LlamaConfig
@@ -224,7 +227,7 @@ def _rank(world: Any, cfg: dict) -> dict:
             "config": MODELS[cfg["model"]], "device": torch.cuda.get_device_name(dev) if cuda else "cpu"}
 
 
-def _op_times(world: Any, layers: dict, config: Any, t: int, dev: torch.device, dtype: torch.dtype,
+def _op_times(world: World, layers: dict, config: Any, t: int, dev: torch.device, dtype: torch.dtype,
               gathered: Callable, cfg: dict, warmup: int) -> dict[str, dict[str, float]]:
     """Each communicating projection alone, forward + backward, in autofuse and torch-tp (in turns)."""
     from autofuse.measure.timing import time_in_turns
