@@ -16,13 +16,15 @@ def bench(
                                  "benchmark: collectives, gemm_core, layer, train_layer (a '-' reads as '_': "
                                  "train-layer is train_layer)."),
     sweep: Optional[str] = typer.Option(None, help="Problem set of an op: gpu (the papers' sweep), llama70b, "
-                                        "models, default or cpu (default: gpu with GPUs, else cpu); of layer and "
-                                        "train_layer: the model (70b, 8b, tiny)."),
-    variants: Optional[str] = typer.Option(None, help="Comma-separated variants (default: all available)."),
+                                        "models, default or cpu (default: gpu with GPUs, else cpu); of gemm_core: gpu, "
+                                        "full or cpu; of layer and train_layer: the model (70b, 8b, tiny)."),
+    variants: Optional[str] = typer.Option(None, help="Comma-separated variants (default: all available); "
+                                            "gemm_core: config families (tma, ptr, swap, splitk, ws, streamk)."),
     mode: Optional[str] = typer.Option(None, help="eager or graph (default: both where CUDA graphs exist; "
                                        "eager on CPU)."),
     shapes: Optional[list[str]] = typer.Option(None, "--shapes", help="Problems to keep, repeatable: for an op, "
-                                               "comma-separated M (flash_decode: B) values, e.g. 64,128."),
+                                               "comma-separated M (flash_decode: B) values, e.g. 64,128; "
+                                               "for gemm_core, M, MxN or MxNxK items."),
     reps: int = typer.Option(20, min=1, help="Timed batches per measurement (median taken)."),
     limit: Optional[int] = typer.Option(None, min=1, help="Only the first N problems."),
     world: Optional[int] = typer.Option(None, "--world", min=1, help="World size (default: every local GPU, "
