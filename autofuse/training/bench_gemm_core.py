@@ -419,34 +419,3 @@ def render(result: dict, console: Any) -> None:
         console.print(f"  ... and {len(failed) - 12} more failed configs (see the JSON)")
     for note in result.get("notes", []):
         console.print(note)
-
-
-def main(argv: Sequence[str] | None = None) -> None:
-    """`python -m autofuse.training.bench_gemm_core`: the same run and table without the CLI
-    (`autofuse bench gemm_core` is the usual way); --out writes the JSON result."""
-    import argparse
-    import json
-    from pathlib import Path
-
-    from rich.console import Console
-
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--sweep", choices=("gpu", "full", "cpu"))
-    p.add_argument("--shapes", action="append", help="M, MxN or MxNxK items, comma-separated")
-    p.add_argument("--variants", action="append", help=f"config families from {', '.join(FAMILIES)}")
-    p.add_argument("--modes", action="append", choices=("graph", "eager"))
-    p.add_argument("--dtype", choices=tuple(DTYPES), default="bf16")
-    p.add_argument("--reps", type=int, default=20)
-    p.add_argument("--limit", type=int)
-    p.add_argument("--out", type=Path)
-    args = p.parse_args(argv)
-    result = run(vars(args))
-    render(result, Console(markup=False, highlight=False))
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=1, default=str))
-        print(f"wrote {args.out}")
-
-
-if __name__ == "__main__":
-    main()
