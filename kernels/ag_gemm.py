@@ -40,6 +40,10 @@ Constexpr switches (with the GEMM core's BLOCK_*, GROUP_M, NUM_STAGES, SPLIT_K, 
               layout), for exactly the flags of the rows and K steps it reads; B's first K steps
               are prefetched into L2 before the wait (B never depends on a peer).
   GATHER_K    the k form (else the rows form).
+  B_T, SCALE  FP8 (rows form only): A and the workspace data are float8_e4m3fn (producers move
+              the bytes as they move bf16 elements), B is stored N x K (b = w.t(), read K-major as
+              the GEMM core's B_T), and each summed output tile is multiplied by the tensorwise
+              scales (gemm_core.scale_tile, SCALE) before it is stored in C's bfloat16.
 
 Order: the consumers start at my own rows (they wait for nothing), then the rows of rank+1,
 rank+2, ... which is the order the data arrives in: push producers serve rank-1, rank-2, ... in
@@ -233,14 +237,33 @@ def _source(ptr, rows, cols, ld, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, U
 
 
 @triton.jit
+def _prefetch_b(b, off_n, k_first, k_end, N, K, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, B_T: tl.constexpr):
+    """gemm_core.prefetch_b for B (K x N) over K steps [k_first, k_end); with B_T, B is stored N x K, so
+    the prefetch runs over that storage: the tile's BLOCK_N rows, their first PREFETCH K steps."""
+    if B_T:
+        gemm_core.prefetch_b(b, k_first * BLOCK_K, off_n // BLOCK_N, off_n // BLOCK_N + 1, min(k_end * BLOCK_K, K), N,
+                             K, 1, BLOCK_N, PREFETCH * BLOCK_K, 1)
+    else:
+        gemm_core.prefetch_b(b, off_n, k_first, k_end, N, K, N, 1, BLOCK_K, BLOCK_N, PREFETCH)
+
+
+@triton.jit
 def _mma(acc, ok, src, b_src, off_m, off_n, k_first, k_end, rows, N, K,
          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
-         SWAP_AB: tl.constexpr, USE_TMA: tl.constexpr):
+         SWAP_AB: tl.constexpr, USE_TMA: tl.constexpr, B_T: tl.constexpr):
     """acc += A[off_m:+BLOCK_M, steps] @ B[steps, off_n:+BLOCK_N] over K steps [k_first, k_end) for
-    A (rows x K, row stride K) read through `src`; no step when not ok. Each caller's K loop is its
-    own pipeline: sequential loops share shared memory, loops in the two arms of an `if` do not."""
+    A (rows x K, row stride K) read through `src`, B (K x N) through `b_src`, row-major or with B_T
+    stored N x K; no step when not ok. Each caller's K loop is its own pipeline: sequential loops
+    share shared memory, loops in the two arms of an `if` do not."""
+    if B_T:
+        stride_bk = 1
+        stride_bn = K
+    else:
+        stride_bk = N
+        stride_bn = 1
     return gemm_core.gemm_tile(acc, src, b_src, off_m, off_n, k_first, tl.where(ok, k_end, k_first), rows, N, K,
-                               K, 1, N, 1, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, SWAP_AB, USE_TMA, False)
+                               K, 1, stride_bk, stride_bn, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, SWAP_AB, USE_TMA,
+                               False, B_T)
 
 
 @triton.jit
@@ -255,13 +278,15 @@ def _peer_source(data_p, g_src, s, ctx, R, C, BLOCK_M: tl.constexpr, BLOCK_K: tl
 
 
 @triton.jit
-def _finish(acc, ok, partials, counts, tile, split, c, c_dst, s, rb, m0, off_n, R, M, N,
+def _finish(acc, ok, partials, counts, tile, split, c, c_dst, s, rb, m0, off_n, R, M, N, scale_a, scale_b,
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, USE_TMA: tl.constexpr,
-            SHARD_ROWS: tl.constexpr):
-    """NaN for a failed item, split-K reduction, then the store (by the last split)."""
+            SHARD_ROWS: tl.constexpr, SCALE: tl.constexpr):
+    """NaN for a failed item, split-K reduction, the FP8 scales (SCALE TENSORWISE), then the store
+    (by the last split)."""
     acc = tl.where(ok, acc, float("nan"))
     acc, last = gemm_core.split_k_reduce(acc, partials, counts, tile, split, SPLIT_K, BLOCK_M, BLOCK_N)
     if last:
+        acc = gemm_core.scale_tile(acc, scale_a, scale_b, m0, off_n, M, N, BLOCK_M, BLOCK_N, SCALE)
         if SHARD_ROWS:  # rows past the shard's last row belong to the next shard: masked pointer store
             gemm_core.store_tile(c + tl.cast(s, tl.int64) * R * N, acc, rb * BLOCK_M, off_n, R, N, N, 1,
                                  BLOCK_M, BLOCK_N, False)
@@ -270,11 +295,12 @@ def _finish(acc, ok, partials, counts, tile, split, c, c_dst, s, rb, m0, off_n, 
 
 
 @triton.jit
-def _rows_work(i, LOCAL: tl.constexpr, start, count, a_src, g_src, b, b_src, c, c_dst, data_p, flags_p,
-               partials, counts, epoch, healthy, ctx, R, C, N, MT, RB, KB,
+def _rows_work(i, LOCAL: tl.constexpr, start, count, a_src, g_src, b, b_src, c, c_dst, scale_a, scale_b, data_p,
+               flags_p, partials, counts, epoch, healthy, ctx, R, C, N, MT, RB, KB,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                NUM_STAGES: tl.constexpr, SPLIT_K: tl.constexpr, SWAP_AB: tl.constexpr, USE_TMA: tl.constexpr,
-               FLAG: tl.constexpr, GATHERED: tl.constexpr, PULL: tl.constexpr):
+               FLAG: tl.constexpr, GATHERED: tl.constexpr, PULL: tl.constexpr, B_T: tl.constexpr,
+               SCALE: tl.constexpr):
     """Rows form: work item i of the `count` row tiles from row tile `start` (mod MT), all reading my
     own shard (LOCAL: straight from `a`, no wait) or none of them (after the waits for the rows
     they read). GATHERED: rows [m0, m0 + BLOCK_M) of the gathered A; else row block rb of shard s."""
@@ -302,9 +328,9 @@ def _rows_work(i, LOCAL: tl.constexpr, start, count, a_src, g_src, b, b_src, c, 
     ok = healthy
     if LOCAL:
         acc = _mma(acc, ok, a_src, b_src, off_local, off_n, k_first, k_end, R, N, C,
-                   BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, SWAP_AB, USE_TMA)
+                   BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, SWAP_AB, USE_TMA, B_T)
     else:
-        gemm_core.prefetch_b(b, off_n, k_first, k_end, N, C, N, 1, BLOCK_K, BLOCK_N, PREFETCH)
+        _prefetch_b(b, off_n, k_first, k_end, N, C, BLOCK_K, BLOCK_N, B_T)
         if GATHERED:  # every shard that rows [m0, m0 + BLOCK_M) touch, mine included
             for src in range(m0 // R, min(tl.cdiv(m0 + BLOCK_M, R), W)):
                 first_row = max(m0 - src * R, 0)
@@ -319,9 +345,9 @@ def _rows_work(i, LOCAL: tl.constexpr, start, count, a_src, g_src, b, b_src, c, 
             r_rows = R
         acc = _mma(acc, ok, _peer_source(data_p, g_src, s, ctx, R, C, BLOCK_M, BLOCK_K, USE_TMA, PULL), b_src,
                    off_remote, off_n, k_first, k_end, r_rows, N, C, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, SWAP_AB,
-                   USE_TMA)
+                   USE_TMA, B_T)
     _finish(acc, ok, partials, counts, mt * tl.cdiv(N, BLOCK_N) + pid_n, split, c, c_dst, s, rb, m0, off_n, R,
-            W * R, N, BLOCK_M, BLOCK_N, SPLIT_K, USE_TMA, not GATHERED)
+            W * R, N, scale_a, scale_b, BLOCK_M, BLOCK_N, SPLIT_K, USE_TMA, not GATHERED, SCALE)
 
 
 @triton.jit
@@ -353,11 +379,11 @@ def _k_work(i, a_src, g_src, b, b_src, c_dst, data_p, flags_p, partials, counts,
                        ctx, FLAG)
         _tma_visible(USE_TMA)
         acc = _mma(acc, ok, g_src, b_src, m0, off_n, k_first, k_end, R, N, K,
-                   BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, SWAP_AB, USE_TMA)
+                   BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, SWAP_AB, USE_TMA, False)
     else:
         b_mine = b + tl.cast(rank, tl.int64) * C * N
         acc = _mma(acc, ok, a_src, _source(b_mine, C, N, N, BLOCK_K, BLOCK_N, USE_TMA), m0, off_n, 0, KB, R, N, C,
-                   BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, SWAP_AB, USE_TMA)
+                   BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, SWAP_AB, USE_TMA, False)
         for j in range(1, W):
             s = (rank + j) % W
             b_s = b + tl.cast(s, tl.int64) * C * N
@@ -371,9 +397,9 @@ def _k_work(i, a_src, g_src, b, b_src, c_dst, data_p, flags_p, partials, counts,
                 r_rows = W * R
             acc = _mma(acc, ok, _peer_source(data_p, g_src, s, ctx, R, C, BLOCK_M, BLOCK_K, USE_TMA, PULL),
                        _source(b_s, C, N, N, BLOCK_K, BLOCK_N, USE_TMA), off_remote, off_n, 0, KB, r_rows, N, C,
-                       BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, SWAP_AB, USE_TMA)
-    _finish(acc, ok, partials, counts, tile, split, c_dst, c_dst, 0, 0, m0, off_n, R, R, N,
-            BLOCK_M, BLOCK_N, SPLIT_K, USE_TMA, False)
+                       BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, SWAP_AB, USE_TMA, False)
+    _finish(acc, ok, partials, counts, tile, split, c_dst, c_dst, 0, 0, m0, off_n, R, R, N, c_dst, c_dst,
+            BLOCK_M, BLOCK_N, SPLIT_K, USE_TMA, False, gemm_core.NO_SCALE)
 
 
 @triton.jit
@@ -392,11 +418,11 @@ def _retire(tickets, takers):
 
 
 @triton.jit
-def consume(a, b, c, data_p, flags_p, partials, counts, epoch, healthy, worker, workers, ctx, R, C, N,
-            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+def consume(a, b, c, scale_a, scale_b, data_p, flags_p, partials, counts, epoch, healthy, worker, workers, ctx, R, C,
+            N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
             NUM_STAGES: tl.constexpr, SPLIT_K: tl.constexpr, SWAP_AB: tl.constexpr, USE_TMA: tl.constexpr,
             FLAG: tl.constexpr, GATHER_K: tl.constexpr, GATHERED: tl.constexpr, PULL: tl.constexpr,
-            PERSISTENT: tl.constexpr):
+            PERSISTENT: tl.constexpr, B_T: tl.constexpr, SCALE: tl.constexpr):
     """Consumer `worker` of `workers` (see the module doc for the order of the work).
 
     Static (not PERSISTENT): items worker, worker + workers, ...; dynamic (PERSISTENT): tickets
@@ -432,7 +458,9 @@ def consume(a, b, c, data_p, flags_p, partials, counts, epoch, healthy, worker, 
     if not PULL:
         g_src = _source(data_p, g_rows, g_cols, g_cols, BLOCK_M, BLOCK_K, USE_TMA)
     b_src = a_src
-    if not (GATHER_K and not GATHERED):
+    if B_T:  # B stored N x K (the rows form: K = C)
+        b_src = _source(b, N, K, K, BLOCK_N, BLOCK_K, USE_TMA)
+    elif not (GATHER_K and not GATHERED):
         b_src = _source(b, K, N, N, BLOCK_K, BLOCK_N, USE_TMA)
     c_dst = c
     if USE_TMA and (GATHER_K or GATHERED):
@@ -467,39 +495,42 @@ def consume(a, b, c, data_p, flags_p, partials, counts, epoch, healthy, worker, 
             i = _ticket(tickets)
             while i < n_local:
                 nxt = _ticket(tickets)  # taken before the work: its latency hides behind it
-                _rows_work(i, True, lo, L, a_src, g_src, b, b_src, c, c_dst, data_p, flags_p, partials, counts,
-                           epoch, healthy, ctx, R, C, N, MT, RB, KB, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
-                           NUM_STAGES, SPLIT_K, SWAP_AB, USE_TMA, FLAG, GATHERED, PULL)
+                _rows_work(i, True, lo, L, a_src, g_src, b, b_src, c, c_dst, scale_a, scale_b, data_p, flags_p,
+                           partials, counts, epoch, healthy, ctx, R, C, N, MT, RB, KB, BLOCK_M, BLOCK_N, BLOCK_K,
+                           GROUP_M, NUM_STAGES, SPLIT_K, SWAP_AB, USE_TMA, FLAG, GATHERED, PULL, B_T, SCALE)
                 i = nxt
             while i < n_all:
                 nxt = _ticket(tickets)
-                _rows_work(i - n_local, False, lo + L, MT - L, a_src, g_src, b, b_src, c, c_dst, data_p, flags_p,
-                           partials, counts, epoch, healthy, ctx, R, C, N, MT, RB, KB, BLOCK_M, BLOCK_N, BLOCK_K,
-                           GROUP_M, NUM_STAGES, SPLIT_K, SWAP_AB, USE_TMA, FLAG, GATHERED, PULL)
+                _rows_work(i - n_local, False, lo + L, MT - L, a_src, g_src, b, b_src, c, c_dst, scale_a, scale_b,
+                           data_p, flags_p, partials, counts, epoch, healthy, ctx, R, C, N, MT, RB, KB, BLOCK_M,
+                           BLOCK_N, BLOCK_K, GROUP_M, NUM_STAGES, SPLIT_K, SWAP_AB, USE_TMA, FLAG, GATHERED, PULL,
+                           B_T, SCALE)
                 i = nxt
             _retire(tickets, workers)
         else:
             for i in tl.range(worker, n_local, workers):
-                _rows_work(i, True, lo, L, a_src, g_src, b, b_src, c, c_dst, data_p, flags_p, partials, counts,
-                           epoch, healthy, ctx, R, C, N, MT, RB, KB, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
-                           NUM_STAGES, SPLIT_K, SWAP_AB, USE_TMA, FLAG, GATHERED, PULL)
+                _rows_work(i, True, lo, L, a_src, g_src, b, b_src, c, c_dst, scale_a, scale_b, data_p, flags_p,
+                           partials, counts, epoch, healthy, ctx, R, C, N, MT, RB, KB, BLOCK_M, BLOCK_N, BLOCK_K,
+                           GROUP_M, NUM_STAGES, SPLIT_K, SWAP_AB, USE_TMA, FLAG, GATHERED, PULL, B_T, SCALE)
             first_remote = worker + tl.cdiv(max(n_local - worker, 0), workers) * workers
             for i in tl.range(first_remote, n_all, workers):
-                _rows_work(i - n_local, False, lo + L, MT - L, a_src, g_src, b, b_src, c, c_dst, data_p, flags_p,
-                           partials, counts, epoch, healthy, ctx, R, C, N, MT, RB, KB, BLOCK_M, BLOCK_N, BLOCK_K,
-                           GROUP_M, NUM_STAGES, SPLIT_K, SWAP_AB, USE_TMA, FLAG, GATHERED, PULL)
+                _rows_work(i - n_local, False, lo + L, MT - L, a_src, g_src, b, b_src, c, c_dst, scale_a, scale_b,
+                           data_p, flags_p, partials, counts, epoch, healthy, ctx, R, C, N, MT, RB, KB, BLOCK_M,
+                           BLOCK_N, BLOCK_K, GROUP_M, NUM_STAGES, SPLIT_K, SWAP_AB, USE_TMA, FLAG, GATHERED, PULL,
+                           B_T, SCALE)
 
 
 # -- the kernel ---------------------------------------------------------------------------------
 @triton.jit
-def ag_gemm_kernel(a, b, c, data, flags, partials, counts, ctx, R, C, N, data_half, flags_half, comm_sms,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+def ag_gemm_kernel(a, b, c, scale_a, scale_b, data, flags, partials, counts, ctx, R, C, N, data_half, flags_half,
+                   comm_sms, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                    NUM_STAGES: tl.constexpr, SPLIT_K: tl.constexpr, SWAP_AB: tl.constexpr, USE_TMA: tl.constexpr,
                    FLAG: tl.constexpr, GATHER_K: tl.constexpr, GATHERED: tl.constexpr, PULL: tl.constexpr,
-                   PERSISTENT: tl.constexpr):
+                   PERSISTENT: tl.constexpr, B_T: tl.constexpr, SCALE: tl.constexpr):
     """C = all_gather(A) @ B on this rank: producers 0..comm_sms-1, consumers after them.
 
-    a: my shard, R x C; b: K x N; c: M x N (all row-major). data/flags: the workspace's data (in
+    a: my shard, R x C; b: K x N (B_T: stored N x K); c: M x N (all row-major). scale_a/scale_b:
+    FP8's float32 tensorwise scales (SCALE; any pointer otherwise). data/flags: the workspace's data (in
     A's dtype) and int32 flags, each two parity halves of data_half / flags_half elements; a
     half holds W arrival counts (FLAG = SHARD; always left at 0), then the unit flags, so calls
     with other configs never see a count they did not leave at 0. partials: float32 SPLIT_K
@@ -515,6 +546,7 @@ def ag_gemm_kernel(a, b, c, data, flags, partials, counts, ctx, R, C, N, data_ha
     Under the interpreter producers never consume: programs run one after another there, and a
     producer taking work could wait for a later producer's flag.
     """
+    tl.static_assert(not (B_T and GATHER_K), "FP8 (B_T) runs the rows form only")
     JOIN: tl.constexpr = PERSISTENT and not gemm_core.INTERPRETED
     epoch, healthy = shmem.epoch_begin(ctx)
     parity = shmem.parity(epoch)
@@ -531,7 +563,7 @@ def ag_gemm_kernel(a, b, c, data, flags, partials, counts, ctx, R, C, N, data_ha
             takers = tl.num_programs(0)
         else:
             takers = tl.num_programs(0) - comm_sms
-        consume(a, b, c, data_p, flags_p, partials, counts, epoch, healthy, pid - comm_sms, takers, ctx, R, C, N,
-                BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, NUM_STAGES, SPLIT_K, SWAP_AB, USE_TMA,
-                FLAG, GATHER_K, GATHERED, PULL, PERSISTENT)
+        consume(a, b, c, scale_a, scale_b, data_p, flags_p, partials, counts, epoch, healthy, pid - comm_sms, takers,
+                ctx, R, C, N, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, NUM_STAGES, SPLIT_K, SWAP_AB, USE_TMA,
+                FLAG, GATHER_K, GATHERED, PULL, PERSISTENT, B_T, SCALE)
     shmem.epoch_end(ctx, tl.num_programs(0))

@@ -321,10 +321,12 @@ def test_defaults_space_and_features():
 
 # ------------------------------------------------------------------------------------------------
 # sm_90 compiles of the kernel's switches, Triton 3.9 (this venv) and 3.6 (the GPU machines')
-_SIG = {"a": "*bf16", "b": "*bf16", "c": "*bf16", "data": "*bf16", "flags": "*i32", "partials": "*fp32",
-        "counts": "*i32", "ctx": CTX, **{n: "i32" for n in ("R", "C", "N", "data_half", "flags_half", "comm_sms")},
+_SIG = {"a": "*bf16", "b": "*bf16", "c": "*bf16", "scale_a": "*fp32", "scale_b": "*fp32", "data": "*bf16",
+        "flags": "*i32", "partials": "*fp32", "counts": "*i32", "ctx": CTX,
+        **{n: "i32" for n in ("R", "C", "N", "data_half", "flags_half", "comm_sms")},
         **{n: "constexpr" for n in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "NUM_STAGES", "SPLIT_K", "SWAP_AB",
-                                    "USE_TMA", "FLAG", "GATHER_K", "GATHERED", "PULL", "PERSISTENT")}}
+                                    "USE_TMA", "FLAG", "GATHER_K", "GATHERED", "PULL", "PERSISTENT", "B_T",
+                                    "SCALE")}}
 _DIV = ("a", "b", "c", "data", "R", "C", "N", "data_half")
 COMPILES = {  # name: (GEMM config, FLAG, GATHER_K, GATHERED, PULL, dtype)
     "push gathered rows": (gemm.GemmConfig(128, 256, 64, 8, 8, 3), "row_block", False, True, False, "bf16"),
@@ -338,15 +340,24 @@ COMPILES = {  # name: (GEMM config, FLAG, GATHER_K, GATHERED, PULL, dtype)
                    "bf16"),
     "pointer": (gemm.GemmConfig(128, 256, 64, 8, 8, 3, TMA=False), "shard", False, True, False, "bf16"),
     "fp32": (gemm.GemmConfig(64, 64, 32, 8, 4, 3), "tile", False, True, False, "fp32"),
+    # FP8 (float8_e4m3fn A and data, B stored N x K, tensorwise scales, bf16 out): rows form only
+    "fp8 push gathered rows": (gemm.GemmConfig(128, 256, 128, 8, 8, 3), "shard", False, True, False, "fp8e4nv"),
+    "fp8 pull shard rows": (gemm.GemmConfig(128, 128, 128, 8, 8, 4), "tile", False, False, True, "fp8e4nv"),
+    "fp8 pull swap split": (gemm.GemmConfig(64, 128, 256, 8, 4, 4, SPLIT_K=4, SWAP_AB=True), "shard", False, False, True,
+                            "fp8e4nv"),  # the first default at M=128, N=3584, K=8192
+    "fp8 push_ws swap split pointer": (gemm.GemmConfig(16, 128, 128, 8, 4, 4, SPLIT_K=2, SWAP_AB=True, TMA=False),
+                                        "row_block", False, True, False, "fp8e4nv"),
 }
+DTYPE_NAMES = {"bf16": "bfloat16", "fp32": "float32", "fp8e4nv": "float8_e4m3fn"}
 
 def _request(name: str) -> dict:
     g, flag, gather_k, gathered, pull, dt = COMPILES[name]
-    sig = {**_SIG, **{n: f"*{dt}" for n in ("a", "b", "c", "data")}}
+    fp8 = dt == "fp8e4nv"
+    sig = {**_SIG, **{n: f"*{dt}" for n in ("a", "b", "data")}, "c": "*bf16" if fp8 else f"*{dt}"}
     consts = dict(BLOCK_M=g.BLOCK_M, BLOCK_N=g.BLOCK_N, BLOCK_K=g.BLOCK_K, GROUP_M=g.GROUP_M, NUM_STAGES=g.num_stages,
                   SPLIT_K=g.SPLIT_K, SWAP_AB=g.SWAP_AB, USE_TMA=g.TMA, FLAG=ag_gemm.FLAGS[flag], GATHER_K=gather_k,
-                  GATHERED=gathered, PULL=pull)
-    consts["PERSISTENT"] = name.startswith("push_ws")
+                  GATHERED=gathered, PULL=pull, B_T=fp8, SCALE=gemm.SCALINGS["tensorwise" if fp8 else "none"])
+    consts["PERSISTENT"] = "push_ws" in name
     return compile_request("autofuse.kernels.ag_gemm", "ag_gemm_kernel", sig, consts, g.num_warps, g.num_stages,
                            _DIV, name=name)
 
@@ -363,8 +374,7 @@ def test_sm90_compiles_every_switch(compiled, version):
         k = compiled[version][name]
         ptx = k["ptx"]
         assert_uniform(k, name)  # every fault decision is the program's (no barrier in a per-thread branch)
-        dtype = "float32" if dt == "fp32" else "bfloat16"
-        assert k["shared"] <= g.smem_bytes(dtype) <= gemm.SMEM_LIMIT, (name, k["shared"])  # one pipeline
+        assert k["shared"] <= g.smem_bytes(DTYPE_NAMES[dt]) <= gemm.SMEM_LIMIT, (name, k["shared"])  # one pipeline
         assert "ld.volatile.global" in ptx and "%globaltimer" in ptx, name  # bounded polls with loads
         assert "ld.global.sys.acquire" in ptx, name  # the acquire after a poll
         assert "atom.global.sys.release.exch.b32" in ptx, name  # flags raised with a system-scope release
@@ -384,7 +394,9 @@ def test_sm90_compiles_every_switch(compiled, version):
             assert "cp.async.bulk.tensor" not in ptx, name
         if g.SPLIT_K > 1:
             assert "atom.global.gpu.acq_rel.add" in ptx and "ld.global.cg" in ptx, name
-        if name.startswith("push_ws"):  # work items by ticket; the last program to retire resets the counters
+        if dt == "fp8e4nv":  # e4m3 wgmma on the FP8 tiles (B read K-major from its N x K storage)
+            assert re.search(r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k32\.f32\.e4m3\.e4m3", ptx), name
+        if "push_ws" in name:  # work items by ticket; the last program to retire resets the counters
             assert "atom.global.gpu.relaxed.add" in ptx and "atom.global.gpu.acq_rel.add" in ptx, name
         if g.SWAP_AB:
             assert f"wgmma.mma_async.sync.aligned.m64n{g.BLOCK_M}k" in ptx, name  # BLOCK_M on the MMA's N side

@@ -2,12 +2,13 @@
 
 CPU (Triton's interpreter, 2 and 4 ranks): gemm_ar and gemm_rs, bsp (torch._scaled_mm + the
 collective on the bfloat16 result), the hybrids (the same beside a heap collective) and every
-fused variant; ag_gemm's bsp (the FP8 A gathered, row-wise scales with their rows) and heap
-hybrids (tensorwise); against the float64 product of each rank's FP8 values times its scales, summed
-over ranks (rp.full_product); bitwise equal across ranks where they sum in rank order. The public
+fused variant; ag_gemm's bsp (the FP8 A gathered, row-wise scales with their rows), heap
+hybrids and fused kernels (pull, push, push_ws: tensorwise); against the float64 product of each
+rank's FP8 values times its scales, summed over ranks (rp.full_product); bitwise equal across
+ranks where they sum in rank order. The public
 call `autofuse.gemm_ar(a, b, group=..., scale_a=..., scale_b=...)` through dispatch. Clear errors:
 e5m2, missing or misshapen scales, b not stored N x K, scales on bf16, and what does not run FP8
-yet (ag_gemm's fused kernels, k form and row-wise hybrids; torch_symm).
+yet (ag_gemm's k form, its row-wise hybrids and fused kernels; torch_symm).
 
 GPU (`pytest -m gpu tests/test_fp8_ops.py`, world 2 on one GPU, two ranks per GPU where the
 machine has one GPU): the same variants at model sizes, eager and under CUDA-graph replay.
@@ -48,12 +49,29 @@ CPU_CASES = {
         *default_cases(gemm_rs.OP, "mm_heap_overlap", {**ODD, "scaling": "rowwise"}, FP8, pick=slice(0, 3, 2)),
     ],
 }
-AG = {"M": 24, "N": 32, "K": 64, "gather": "rows"}
+AG = {"M": 24, "N": 32, "K": 64, "gather": "rows"}  # 12 rows a rank: gathered tiles span both shards
+AG_ODD = {"M": 24, "N": 48, "K": 96, "gather": "rows", "scaling": "tensorwise"}  # N and K tails of 32- and 64-blocks
+AG_T = {**AG, "scaling": "tensorwise"}
+
+
+def ag_fused(flag: str, layout: str = "shard", comm: int = 2, **changes) -> dict:
+    """An ag_gemm fused config for the interpreter: FP8's 32-deep K steps, the op's FLAG/COMM_SMS/LAYOUT."""
+    return tiny(**{**FP8_TINY, **changes}, FLAG=flag, COMM_SMS=comm, LAYOUT=layout)
+
+
 CPU_CASES["ag_gemm"] = [
-    ("bsp", {**AG, "scaling": "tensorwise"}, FP8, {}),
+    ("bsp", AG_T, FP8, {}),
     ("bsp", {**AG, "scaling": "rowwise"}, FP8, {}),
-    *default_cases(ag_gemm.OP, "heap_mm", {**AG, "scaling": "tensorwise"}, FP8, pick=1),
-    *default_cases(ag_gemm.OP, "heap_mm_overlap", {**AG, "scaling": "tensorwise"}, FP8, pick=slice(0, 3, 2)),
+    *default_cases(ag_gemm.OP, "heap_mm", AG_T, FP8, pick=1),
+    *default_cases(ag_gemm.OP, "heap_mm_overlap", AG_T, FP8, pick=slice(0, 3, 2)),
+    # the fused kernel (tensorwise): every variant, layout and FLAG, TMA and pointer paths, split-K, swap-AB
+    ("pull", AG_T, FP8, ag_fused("tile", TMA=False)),
+    ("pull", AG_ODD, FP8, ag_fused("shard", comm=1, BLOCK_N=32, BLOCK_K=64, SPLIT_K=2)),
+    ("push", AG_T, FP8, ag_fused("row_block", "gathered", SPLIT_K=2)),
+    ("push", AG_ODD, FP8, ag_fused("tile", comm=3, BLOCK_N=32, SWAP_AB=True)),
+    ("push_ws", AG_T, FP8, ag_fused("shard", "gathered", SWAP_AB=True, TMA=False)),
+    ("push_ws", AG_ODD, FP8, ag_fused("row_block", comm=1)),
+    *default_cases(ag_gemm.OP, "push", AG_T, FP8, pick=1),
 ]
 OPS = {"ag_gemm": ag_gemm.OP, "gemm_ar": gemm_ar.OP, "gemm_rs": gemm_rs.OP}
 SAME_BITS = ("one_shot", "two_shot", "mm_heap")  # gemm_ar's fused and heap all-reduce sum in rank order
@@ -71,22 +89,30 @@ def two_ranks() -> list[dict]:
 @pytest.mark.parametrize("op", list(CPU_CASES))
 def test_two_ranks_fp8_variants_match_float64(two_ranks, op):
     harness.assert_ok([rank[op] for rank in two_ranks], same_bits=SAME_BITS if op == "gemm_ar" else ())
+    assert all(row[1] is not None for rank in two_ranks for row in rank[op])  # no case skipped
 
 
 def _four(world) -> list:
     dims = {"M": 8, "N": 32, "K": 128, "scaling": "rowwise"}
+    ag = {"M": 16, "N": 32, "K": 64, "gather": "rows", "scaling": "tensorwise"}  # 4 rows a rank
+    ag_cases = [(v, ag, FP8, ag_fused(flag, layout)) for v, flag, layout in
+                (("pull", "row_block", "shard"), ("push", "tile", "gathered"), ("push_ws", "shard", "shard"))]
     return harness.run_cases(world, gemm_rs.OP, [("push_last", dims, FP8, tiny(**FP8_TINY, PARTIAL="out")),
                                                  ("bsp", dims, FP8, {})], calls=1) + \
-        harness.run_cases(world, gemm_ar.OP, [("two_shot", dims, FP8, tiny(**FP8_TINY, PARTIAL="out"))], calls=1)
+        harness.run_cases(world, gemm_ar.OP, [("two_shot", dims, FP8, tiny(**FP8_TINY, PARTIAL="out"))], calls=1) + \
+        harness.run_cases(world, ag_gemm.OP, ag_cases, calls=1)
 
 
 def test_four_ranks_fp8():
-    harness.assert_ok(spawn(_four, 4, device_kind="cpu", timeout_s=900), same_bits=SAME_BITS)
+    results = spawn(_four, 4, device_kind="cpu", timeout_s=900)
+    harness.assert_ok(results, same_bits=SAME_BITS)
+    assert all(row[1] is not None for rank in results for row in rank)  # no case skipped
 
 
 def _public_call(world) -> dict:
     """autofuse.gemm_ar / gemm_rs with FP8 inputs and keyword scales (forced fused variants too),
-    repeated (the cached hot path), a bf16 call of the same shapes beside them, and missing scales."""
+    repeated (the cached hot path), a bf16 call of the same shapes beside them, and missing scales;
+    autofuse.ag_gemm with tensorwise scales, dispatched and forced onto its fused push and pull."""
     import autofuse
     from autofuse import dispatch
 
@@ -112,6 +138,13 @@ def _public_call(world) -> dict:
             out[(op.name, "missing")] = (False, 1.0)
         except InvalidInput as exc:
             out[(op.name, "missing")] = ("need scale_a and scale_b" in str(exc), 0.0)
+    problem = Problem.make("ag_gemm", FP8, world.size, M=6 * world.size, N=32, K=64, gather="rows",
+                           scaling="tensorwise")
+    a, b, sa, sb = ag_gemm.OP.inputs(world, problem, 3)
+    ref = ag_gemm.OP.reference(world, problem, 3)
+    for variant, config in ((None, None), ("push", ag_fused("tile", "gathered")), ("pull", ag_fused("shard"))):
+        c = autofuse.ag_gemm(a, b, group=world, scale_a=sa, scale_b=sb, variant=variant, config=config)
+        out[("ag_gemm", variant)] = (c.dtype == torch.bfloat16, float((c.double() - ref).norm() / ref.norm()))
     return out
 
 
@@ -174,9 +207,12 @@ def test_ag_gemm_fp8_problems_and_what_does_not_run_fp8_says_so():
         v = ag_gemm.OP.variant(name)
         assert not v.defaults(rows) and "tensorwise scales only" in v.check(rows, {"ENGINE": "sm"})
         assert v.defaults(tensor)
-    for name in ("pull", "push", "push_ws", "torch_symm"):
+    for name in ("pull", "push", "push_ws"):  # the fused kernel: tensorwise scales only
         v = ag_gemm.OP.variant(name)
-        assert not (v.defaults(tensor) if v.family == "fused" else []) and "FP8" in v.check(tensor, {})
+        assert not v.defaults(rows) and f"FP8 {name} runs tensorwise scales only" in v.check(rows, ag_fused("tile"))
+        assert v.defaults(tensor) and all(v.check(tensor, c) is None and c["BLOCK_K"] >= 32 for c in v.defaults(tensor))
+        assert "too small for FP8" in v.check(tensor, ag_fused("tile", BLOCK_K=16))
+    assert "FP8" in ag_gemm.OP.variant("torch_symm").check(tensor, {})
     p = Problem.make("gemm_rs", FP8, 2, M=16, N=32, K=64, scaling="rowwise")
     assert "FP8" in gemm_rs.OP.variant("torch_symm").check(p, {})
 
@@ -207,6 +243,11 @@ def test_fp8_sweeps_defaults_and_features():
     ag = ag_gemm.OP.sweep("fp8", 2)
     assert len(ag) == 2 * len(ag_gemm.OP.sweep("default", 2)) and all(p.dtype == FP8 for p in ag)
     assert all(ag_gemm.OP.variant("bsp").defaults(p) == [{}] for p in ag + ag_gemm.OP.sweep("fp8-cpu", 2))
+    for p in ag + ag_gemm.OP.sweep("fp8-cpu", 2):  # the fused variants: defaults for tensorwise scales, none row-wise
+        for name in ("pull", "push", "push_ws"):
+            configs = ag_gemm.OP.variant(name).defaults(p)
+            assert bool(configs) == (p["scaling"] == "tensorwise"), (name, p)
+            assert all(ag_gemm.OP.variant(name).check(p, c) is None and c["BLOCK_K"] >= 32 for c in configs)
     assert f["log2_comm_bytes"] == problem_features(bf16, gemm_rs.OP)["log2_comm_bytes"]  # bf16 partials move
 
 
@@ -223,6 +264,10 @@ GPU_CASES = {
     "gemm_rs": [(v, {**d, "scaling": s}, FP8, c) for d in GPU_DIMS[1:] for s in rp.SCALINGS
                 for v in ("bsp", "mm_heap", "mm_heap_overlap", "push_last", "push_reducer")
                 for c in (gemm_rs.OP.variant(v).defaults(Problem.make("gemm_rs", FP8, 2, **d, scaling=s))[:1])],
+    "ag_gemm fused": [(v, {"M": m, "N": 3584, "K": 8192, "gather": "rows", "scaling": "tensorwise"}, FP8, c)
+                      for m in (128, 2048) for v in ("pull", "push", "push_ws")
+                      for c in ag_gemm.OP.variant(v).defaults(Problem.make("ag_gemm", FP8, 2, M=m, N=3584, K=8192,
+                                                                            gather="rows", scaling="tensorwise"))[:1]],
 }
 
 
@@ -231,6 +276,7 @@ GPU_CASES = {
 def test_gpu_fp8_variants_eager_and_graph_replay(op):
     """Two ranks (on one GPU with AUTOFUSE_RANKS_PER_GPU=2: gloo, the IPC heap), every FP8-capable
     variant at its first default, eager calls and CUDA-graph replays with new inputs (BSP's replays
-    are skipped where ranks share a GPU: gloo cannot be captured)."""
-    results = spawn(harness.run_cases, 2, OPS[op], GPU_CASES[op], 2, device_kind="cuda", timeout_s=900)
+    are skipped where ranks share a GPU: gloo cannot be captured). "ag_gemm fused": its fused
+    kernels (tensorwise scales), a spawn of their own."""
+    results = spawn(harness.run_cases, 2, OPS[op.split()[0]], GPU_CASES[op], 2, device_kind="cuda", timeout_s=900)
     harness.assert_ok(results, same_bits=SAME_BITS if op == "gemm_ar" else ())

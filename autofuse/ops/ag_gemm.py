@@ -37,8 +37,11 @@ Tensorwise: one 0-dim float32 scale_a that every rank passes alike (one activati
 fused_all_gather_scaled_matmul assumes) and the rank's scale_b; row-wise: scale_a (M/W x 1) of this
 rank's rows, gathered with them, and scale_b (1 x N). bsp gathers the FP8 A (and row-wise scales)
 with the collective library, then torch._scaled_mm; heap_mm / heap_mm_overlap gather it on the
-heap (tensorwise only). torch_symm, the fused kernels and the hybrids' row-wise case do not run
-FP8 yet (InvalidConfig says so).
+heap, then torch._scaled_mm; the fused kernels (pull, push, push_ws, every layout and FLAG) move
+the FP8 A over the heap as they move bf16 tiles, read B K-major from its N x K storage and scale
+each summed output tile in the epilogue. The hybrids and the fused kernels take tensorwise scales
+only (the row-wise scales' heap gather is not built); torch_symm does not run FP8 (InvalidConfig
+says so for each).
 """
 from __future__ import annotations
 
@@ -289,8 +292,9 @@ def flag_units(problem: Problem, config: Config) -> int:
 
 def check(problem: Problem, config: Config, variant: str = "push") -> str | None:
     """The reason `config` cannot run `problem` with the fused `variant`, or None."""
-    if problem.dtype == FP8:
-        return f"FP8 is not built for the fused {variant} kernel yet (bsp and the heap hybrids run it)"
+    if problem.dtype == FP8 and problem.get("scaling") != "tensorwise":
+        return (f"FP8 {variant} runs tensorwise scales only (the row-wise scales' gather is not built in the fused "
+                "kernel; bsp runs them)")
     if not isinstance(config, dict):
         return f"a config is a dict, got {type(config).__name__}"
     missing = [k for k in ("FLAG", "COMM_SMS") if k not in config]
@@ -504,14 +508,18 @@ class FusedRunner(Runner):
             gemm.ensure_allocator()
         self.args = (r, c, n, self.data_half, ws.half_flags, comm)
         self.meta = dict(cfg.fused_kwargs(), FLAG=FLAGS[config["FLAG"]], GATHER_K=problem["gather"] == "k",
-                         GATHERED=layout == "gathered", PULL=pull, PERSISTENT=persistent)
+                         GATHERED=layout == "gathered", PULL=pull, PERSISTENT=persistent,
+                         B_T=problem.dtype == FP8, SCALE=gemm.SCALINGS[problem.get("scaling", "none")])
 
-    def launch(self, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
+    def launch(self, a: torch.Tensor, b: torch.Tensor, *scales: torch.Tensor, out: torch.Tensor) -> None:
+        if self.meta["B_T"] and b.stride(0) != 1:
+            raise InvalidInput(f"{NAME}: FP8 needs b stored N x K (b = w.t(), as torch._scaled_mm takes it)")
         if self.tma:
             if (a.data_ptr() | b.data_ptr() | out.data_ptr()) & 15:
                 raise InvalidInput(f"{NAME}: A, B and out must start at 16-byte aligned addresses (TMA)")
             gemm.ensure_allocator()  # per thread: autograd's backward launches from its own
-        self.kernel[self.grid](a, b, out, self.data, self.ws.flags, self.partials, self.counts, self.ws.ctx,
+        sa, sb = scales or (out, out)  # FP8's tensorwise scales; unused by the kernel otherwise
+        self.kernel[self.grid](a, b, out, sa, sb, self.data, self.ws.flags, self.partials, self.counts, self.ws.ctx,
                                *self.args, **self.meta)
 
 
