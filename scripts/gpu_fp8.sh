@@ -22,7 +22,7 @@ for dtype in bf16 fp8; do  # each sweep in two halves (K = 8192, 14336): a half 
     stages+=("sh:bash+scripts/gpu_fp8.sh+--half+$dtype+$k")
   done
 done
-stages+=("pytest:test_fp8_ops:150")  # two ranks on this one GPU (gpu_session.sh --ranks-per-gpu)
+stages+=("pytest:test_fp8_ops:300")  # two ranks on this one GPU (gpu_session.sh --ranks-per-gpu)
 SH_LIMIT=${SH_LIMIT:-120} bash scripts/gpu_session.sh --name fp8 --ranks-per-gpu 2 --world 2 "${stages[@]}"
 status=$?
 cp "$W"/bench-gemm_core-*.json "$OUT"/ 2>/dev/null
