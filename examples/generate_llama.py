@@ -14,12 +14,15 @@ from __future__ import annotations
 import argparse
 import copy
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 import autofuse
 from llama_ranks import add_arguments, load_model, run, say
+
+if TYPE_CHECKING:
+    from autofuse.comm.world import World
 
 
 def generate(model: Any, ids: torch.Tensor, tokens: int) -> torch.Tensor:
@@ -28,7 +31,7 @@ def generate(model: Any, ids: torch.Tensor, tokens: int) -> torch.Tensor:
                               pad_token_id=model.config.eos_token_id or 0)
 
 
-def main(world: Any, args: argparse.Namespace) -> None:
+def main(world: World, args: argparse.Namespace) -> None:
     model = load_model(args.model, args.seed, world.device)
     tokenizer = None
     if args.prompt is not None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -18,6 +18,9 @@ import torch.distributed as dist
 import autofuse
 from autofuse.nn.llama_layer import (CONFIGS, AutofuseOps, KVCache, TorchOps, TPLlamaLayer, check_tp, forced_sets,
                                      random_weights, rel_diff, time_us)
+
+if TYPE_CHECKING:
+    from autofuse.comm.world import World
 
 
 TOLERANCE = 2.5e-2  # bf16 layer vs bf16 layer, norm-wise relative (the argument: tests/test_layer.py)
@@ -45,7 +48,7 @@ def traced(layer: "TPLlamaLayer", run: Any) -> tuple[set[str], Any]:
             delattr(ops, op)
 
 
-def run_layer(world: Any, args: argparse.Namespace) -> int:
+def run_layer(world: World, args: argparse.Namespace) -> int:
     """On every rank: check the autofuse layer against the baseline layer, prefill and decode, for
     autofuse's own choice and, with --variants each (or auto, when autofuse chooses bsp everywhere, as
     it does without a policy for this machine), every variant forced in turn; on GPUs also time them.

@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import argparse
 import os
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
+
+if TYPE_CHECKING:
+    from autofuse.comm.world import World
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -52,7 +55,7 @@ def load_model(path: str | None, seed: int, device: torch.device) -> Any:
     return model.to(device).eval()
 
 
-def run(main: Callable[[Any, argparse.Namespace], Any], args: argparse.Namespace) -> None:
+def run(main: Callable[[World, argparse.Namespace], Any], args: argparse.Namespace) -> None:
     """main(world, args) on every rank: torchrun's, or `args.world` ranks started here."""
     import autofuse.comm.world as aw
 
@@ -67,7 +70,7 @@ def run(main: Callable[[Any, argparse.Namespace], Any], args: argparse.Namespace
         aw.spawn(main, args.world, args, timeout_s=3600)
 
 
-def say(world: Any, text: str) -> None:
+def say(world: World, text: str) -> None:
     """Print on the first rank only."""
     if world.rank == 0:
         print(text, flush=True)

@@ -15,15 +15,18 @@ from __future__ import annotations
 
 import argparse
 import copy
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 import autofuse
 from llama_ranks import add_arguments, load_model, run, say
 
+if TYPE_CHECKING:
+    from autofuse.comm.world import World
 
-def main(world: Any, args: argparse.Namespace) -> None:
+
+def main(world: World, args: argparse.Namespace) -> None:
     model = load_model(args.model, args.seed, world.device).train()
     reference = None if args.no_reference else copy.deepcopy(model)
     parallel = autofuse.parallelize(model, world.group, sequence_parallel=args.sequence_parallel)

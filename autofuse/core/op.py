@@ -223,16 +223,16 @@ class Op:
     args: tuple[str, ...]
     variants: dict[str, Variant] | Sequence[Variant]
     problem_of: Callable[..., Problem]
-    inputs: Callable[[Any, Problem, int], tuple[torch.Tensor, ...]]
-    reference: Callable[[Any, Problem, int], torch.Tensor]
+    inputs: Callable[[World, Problem, int], tuple[torch.Tensor, ...]]
+    reference: Callable[[World, Problem, int], torch.Tensor]
     tolerance: Callable[[Problem], float]
     features: Callable[[Problem], dict[str, float]]
     sweep: Callable[[str, int], list[Problem]]
     description: str = ""
     per_rank: tuple[str, ...] = ()
-    bound: Callable[[Any, Problem, int], dict[str, Callable[[], Any]]] | None = None
+    bound: Callable[[World, Problem, int], dict[str, Callable[[], Any]]] | None = None
     bytes_read: Callable[[Problem], int] | None = None
-    copy_rate: Callable[[Any, Problem], Callable[[], Any]] | None = None
+    copy_rate: Callable[[World, Problem], Callable[[], Any]] | None = None
     optional: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
