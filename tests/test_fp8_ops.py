@@ -2,13 +2,13 @@
 
 CPU (Triton's interpreter, 2 and 4 ranks): gemm_ar and gemm_rs, bsp (torch._scaled_mm + the
 collective on the bfloat16 result), the hybrids (the same beside a heap collective) and every
-fused variant; ag_gemm's bsp (the FP8 A gathered, row-wise scales with their rows), heap
-hybrids and fused kernels (pull, push, push_ws: tensorwise); against the float64 product of each
-rank's FP8 values times its scales, summed over ranks (rp.full_product); bitwise equal across
-ranks where they sum in rank order. The public
+fused variant; ag_gemm's bsp (the FP8 A gathered, row-wise scales with their rows), heap hybrids
+(row-wise scales over a heap gather of their own) and fused kernels (pull, push, push_ws:
+tensorwise); against the float64 product of each rank's FP8 values times its scales, summed over
+ranks (rp.full_product); bitwise equal across ranks where they sum in rank order. The public
 call `autofuse.gemm_ar(a, b, group=..., scale_a=..., scale_b=...)` through dispatch. Clear errors:
 e5m2, missing or misshapen scales, b not stored N x K, scales on bf16, and what does not run FP8
-yet (ag_gemm's k form, its row-wise hybrids and fused kernels; torch_symm).
+yet (ag_gemm's k form, its row-wise fused kernels; torch_symm).
 
 GPU (`pytest -m gpu tests/test_fp8_ops.py`, world 2 on one GPU, two ranks per GPU where the
 machine has one GPU): the same variants at model sizes, eager and under CUDA-graph replay.
@@ -52,6 +52,7 @@ CPU_CASES = {
 AG = {"M": 24, "N": 32, "K": 64, "gather": "rows"}  # 12 rows a rank: gathered tiles span both shards
 AG_ODD = {"M": 24, "N": 48, "K": 96, "gather": "rows", "scaling": "tensorwise"}  # N and K tails of 32- and 64-blocks
 AG_T = {**AG, "scaling": "tensorwise"}
+AG_R = {**AG, "scaling": "rowwise"}
 
 
 def ag_fused(flag: str, layout: str = "shard", comm: int = 2, **changes) -> dict:
@@ -61,9 +62,12 @@ def ag_fused(flag: str, layout: str = "shard", comm: int = 2, **changes) -> dict
 
 CPU_CASES["ag_gemm"] = [
     ("bsp", AG_T, FP8, {}),
-    ("bsp", {**AG, "scaling": "rowwise"}, FP8, {}),
+    ("bsp", AG_R, FP8, {}),
     *default_cases(ag_gemm.OP, "heap_mm", AG_T, FP8, pick=1),
     *default_cases(ag_gemm.OP, "heap_mm_overlap", AG_T, FP8, pick=slice(0, 3, 2)),
+    # the hybrids with row-wise scales: the scales' own heap gather (overlap: FLAG shard and row_block chunks)
+    *default_cases(ag_gemm.OP, "heap_mm", AG_R, FP8, pick=1),
+    *default_cases(ag_gemm.OP, "heap_mm_overlap", AG_R, FP8, pick=slice(0, 3, 2)),
     # the fused kernel (tensorwise): every variant, layout and FLAG, TMA and pointer paths, split-K, swap-AB
     ("pull", AG_T, FP8, ag_fused("tile", TMA=False)),
     ("pull", AG_ODD, FP8, ag_fused("shard", comm=1, BLOCK_N=32, BLOCK_K=64, SPLIT_K=2)),
@@ -97,6 +101,9 @@ def _four(world) -> list:
     ag = {"M": 16, "N": 32, "K": 64, "gather": "rows", "scaling": "tensorwise"}  # 4 rows a rank
     ag_cases = [(v, ag, FP8, ag_fused(flag, layout)) for v, flag, layout in
                 (("pull", "row_block", "shard"), ("push", "tile", "gathered"), ("push_ws", "shard", "shard"))]
+    ag_rows = {**ag, "scaling": "rowwise"}  # the hybrids' heap gather of the row-wise scales
+    ag_cases += [c for v, pick in (("heap_mm", 1), ("heap_mm_overlap", slice(2, 3)))
+                 for c in default_cases(ag_gemm.OP, v, ag_rows, FP8, pick=pick, world=4)]
     return harness.run_cases(world, gemm_rs.OP, [("push_last", dims, FP8, tiny(**FP8_TINY, PARTIAL="out")),
                                                  ("bsp", dims, FP8, {})], calls=1) + \
         harness.run_cases(world, gemm_ar.OP, [("two_shot", dims, FP8, tiny(**FP8_TINY, PARTIAL="out"))], calls=1) + \
@@ -112,7 +119,8 @@ def test_four_ranks_fp8():
 def _public_call(world) -> dict:
     """autofuse.gemm_ar / gemm_rs with FP8 inputs and keyword scales (forced fused variants too),
     repeated (the cached hot path), a bf16 call of the same shapes beside them, and missing scales;
-    autofuse.ag_gemm with tensorwise scales, dispatched and forced onto its fused push and pull."""
+    autofuse.ag_gemm with tensorwise scales, dispatched and forced onto its fused push and pull, and
+    with row-wise scales, dispatched and forced onto its two heap hybrids."""
     import autofuse
     from autofuse import dispatch
 
@@ -145,6 +153,13 @@ def _public_call(world) -> dict:
     for variant, config in ((None, None), ("push", ag_fused("tile", "gathered")), ("pull", ag_fused("shard"))):
         c = autofuse.ag_gemm(a, b, group=world, scale_a=sa, scale_b=sb, variant=variant, config=config)
         out[("ag_gemm", variant)] = (c.dtype == torch.bfloat16, float((c.double() - ref).norm() / ref.norm()))
+    problem = Problem.make("ag_gemm", FP8, world.size, M=6 * world.size, N=32, K=64, gather="rows", scaling="rowwise")
+    a, b, sa, sb = ag_gemm.OP.inputs(world, problem, 3)
+    ref = ag_gemm.OP.reference(world, problem, 3)
+    for variant in (None, "heap_mm", "heap_mm_overlap"):  # row-wise: dispatched, and each hybrid at its default
+        c = autofuse.ag_gemm(a, b, group=world, scale_a=sa, scale_b=sb, variant=variant)
+        out[("ag_gemm", "rowwise", variant)] = (c.dtype == torch.bfloat16,
+                                                float((c.double() - ref).norm() / ref.norm()))
     return out
 
 
@@ -203,10 +218,10 @@ def test_ag_gemm_fp8_problems_and_what_does_not_run_fp8_says_so():
         ag_gemm.OP.problem_of(w, a, b)
     rows = Problem.make("ag_gemm", FP8, 2, M=16, N=32, K=64, gather="rows", scaling="rowwise")
     tensor = Problem.make("ag_gemm", FP8, 2, M=16, N=32, K=64, gather="rows", scaling="tensorwise")
-    for name in ("heap_mm", "heap_mm_overlap"):
+    for name in ("heap_mm", "heap_mm_overlap"):  # the hybrids: both kinds of scales
         v = ag_gemm.OP.variant(name)
-        assert not v.defaults(rows) and "tensorwise scales only" in v.check(rows, {"ENGINE": "sm"})
-        assert v.defaults(tensor)
+        for p in (rows, tensor):
+            assert v.defaults(p) and all(v.check(p, c) is None for c in v.defaults(p))
     for name in ("pull", "push", "push_ws"):  # the fused kernel: tensorwise scales only
         v = ag_gemm.OP.variant(name)
         assert not v.defaults(rows) and f"FP8 {name} runs tensorwise scales only" in v.check(rows, ag_fused("tile"))

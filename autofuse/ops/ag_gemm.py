@@ -37,11 +37,13 @@ Tensorwise: one 0-dim float32 scale_a that every rank passes alike (one activati
 fused_all_gather_scaled_matmul assumes) and the rank's scale_b; row-wise: scale_a (M/W x 1) of this
 rank's rows, gathered with them, and scale_b (1 x N). bsp gathers the FP8 A (and row-wise scales)
 with the collective library, then torch._scaled_mm; heap_mm / heap_mm_overlap gather it on the
-heap, then torch._scaled_mm; the fused kernels (pull, push, push_ws, every layout and FLAG) move
-the FP8 A over the heap as they move bf16 tiles, read B K-major from its N x K storage and scale
-each summed output tile in the epilogue. The hybrids and the fused kernels take tensorwise scales
-only (the row-wise scales' heap gather is not built); torch_symm does not run FP8 (InvalidConfig
-says so for each).
+heap (row-wise scales: in a heap all-gather of their own, workspace "ag_gemm.hybrid.scales",
+launched before A's on the same stream, so every chunk's scales are there when its wait returns),
+then torch._scaled_mm (per chunk: its rows of the scales); the fused kernels (pull, push, push_ws,
+every layout and FLAG) move the FP8 A over the heap as they move bf16 tiles, read B K-major from
+its N x K storage and scale each summed output tile in the epilogue. The fused kernels take
+tensorwise scales only (the row-wise scales' gather is not built in them); torch_symm does not run
+FP8 (InvalidConfig says so for each).
 """
 from __future__ import annotations
 
@@ -599,6 +601,10 @@ class _AGRunner(Runner):
         m, n, k, w = hybrid.dims(problem)
         dt = problem.torch_dtype
         self.ag, self.overlap, self.rows_form = ag, overlap, problem["gather"] == "rows"
+        rowwise = problem.get("scaling") == "rowwise"
+        # FP8 row-wise: the scales' own heap all-gather (M/W x 1 float32; its own workspaces, its defaults)
+        self.scales = (collectives.all_gather(world, ag.rows, 1, torch.float32, name=f"{NAME}.hybrid.scales")
+                       if rowwise else None)
         self.streams = hybrid.Streams(world.device, priority)
         r = world.rank
         if self.rows_form:
@@ -607,30 +613,40 @@ class _AGRunner(Runner):
             self.mine = slice(r * ag.cols, (r + 1) * ag.cols)
         self.parts = [(i, *ag.rows_of(c)) for i, c in enumerate(ag.chunks)]
         specs = [TensorSpec("a", (ag.rows, ag.cols), dt), TensorSpec("b", (k, n), dt, "dense")]
-        if problem.dtype == FP8:  # tensorwise (problem_error): the scales are 0-dim
-            specs += [TensorSpec("scale_a", (), torch.float32), TensorSpec("scale_b", (), torch.float32)]
+        if problem.dtype == FP8:
+            specs += [TensorSpec("scale_a", (ag.rows, 1) if rowwise else (), torch.float32),
+                      TensorSpec("scale_b", (1, n) if rowwise else (), torch.float32)]
         super().__init__(world, problem, specs, TensorSpec("out", (m, n), problem.out_dtype),
-                         workspaces=ag.workspaces)
+                         workspaces=ag.workspaces + (self.scales.workspaces if self.scales else ()))
 
     def gathered_input(self) -> torch.Tensor:
         return self.ag.buffer  # M x K in both forms; peers write it again only in my next call
 
+    def _gather(self, a: torch.Tensor, scales: tuple, waited: bool) -> None:
+        """A's heap all-gather; FP8 row-wise: the scales' own gather first, on the same stream, so the
+        GEMM after A's gather (heap_mm) or after a chunk's wait (heap_mm_overlap: A's chunk flags are
+        raised by the launch that follows the scales' gather) finds every gathered scale in place."""
+        if self.scales is not None:
+            self.scales._launch(scales[0], self.scales.buffer, waited=False)
+        self.ag._launch(a, self.ag.buffer, waited=waited)
+
     def launch(self, a: torch.Tensor, b: torch.Tensor, *scales: torch.Tensor, out: torch.Tensor) -> None:
         ag = self.ag
+        gathered = (self.scales.buffer, scales[1]) if self.scales is not None else scales  # FP8 row-wise: M x 1
         if not self.overlap:
-            ag._launch(a, ag.buffer, waited=False)
-            gemm.vendor_mm(ag.buffer, b, scales, out)
+            self._gather(a, scales, waited=False)
+            gemm.vendor_mm(ag.buffer, b, gathered, out)
             return
         st = self.streams
         st.fork()
         with st.on_comm():
-            ag._launch(a, ag.buffer, waited=bool(ag.chunks))
+            self._gather(a, scales, waited=bool(ag.chunks))
         g = ag.buffer
         if self.rows_form:
             gemm.vendor_mm(a, b, scales, out[self.mine])
             for i, rows, _ in self.parts:
                 ag.wait(i)
-                gemm.vendor_mm(g[rows], b, scales, out[rows])
+                gemm.vendor_mm(g[rows], b, gemm.scale_rows(gathered, rows), out[rows])
         else:
             torch.matmul(a, b[self.mine], out=out)
             for i, rows, cols in self.parts:
@@ -651,8 +667,6 @@ class _AGVariant(hybrid.HybridVariant):
         why = super().problem_error(problem)
         if why:
             return why
-        if problem.dtype == FP8 and problem["scaling"] != "tensorwise":
-            return f"FP8 {self.name} runs tensorwise scales only (the row-wise scales' heap gather is not built)"
         m, _, k, w = hybrid.dims(problem)
         gather = problem.get("gather")
         if gather not in ("rows", "k"):
