@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from autofuse.core import settings
-from autofuse.dispatch.entry import PLAIN
+from autofuse.dispatch.entry import tracing
 from autofuse.library import grads, ops
 from autofuse.library.groups import group_of, name_of
 from autofuse.library.grads import InferenceOnly, refuse_grad
@@ -94,7 +94,7 @@ def route(op: str, args: tuple, group: Any, variant: str | None, config: dict | 
     grad, or a trace is running, or an input is a tensor subclass other than Parameter), else None
     (the caller runs its eager hot path)."""
     tensors = [t for t in args if isinstance(t, torch.Tensor)]
-    traced = torch.compiler.is_compiling() or any(t.__class__ not in PLAIN for t in tensors)
+    traced = tracing(args)
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
     if not traced and not grad:
         return None
