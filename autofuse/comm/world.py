@@ -39,6 +39,10 @@ import torch.multiprocessing as mp
 from autofuse.core import settings
 
 
+# torch.distributed's tensor collectives under the names the installed torch wants (2.13 renamed them)
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 class RankFailed(RuntimeError):
     """A rank of a spawned job raised, died or timed out; carries which rank and why."""
 

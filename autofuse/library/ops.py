@@ -31,6 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from autofuse.comm.world import all_gather_single
 from autofuse.library.groups import group_of, world_size
 
 NAMESPACE = "autofuse"
@@ -70,16 +71,13 @@ def _ag_gemm_shape(a: torch.Tensor, b: torch.Tensor, group_name: str) -> tuple[i
     return (a.shape[0] * w if gather_form(a, b) == "rows" else a.shape[0], b.shape[1])
 
 
-_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # the name torch 2.13 wants
-
-
 def _all_gather(a: torch.Tensor, group_name: str) -> torch.Tensor:
     """all_gather_rows(A) (rows form) or concat_cols(A) (k form, M x K) with torch.distributed."""
     group = group_of(group_name)
     w = dist.get_world_size(group)
     a = a.contiguous()
     shards = a.new_empty((w * a.shape[0], a.shape[1]))
-    _ALL_GATHER(shards, a, group=group)
+    all_gather_single(shards, a, group=group)
     return shards
 
 

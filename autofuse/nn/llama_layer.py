@@ -57,6 +57,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import autofuse
+from autofuse.comm.world import all_gather_single, reduce_scatter_single
 
 if TYPE_CHECKING:
     from autofuse.comm.world import World
@@ -121,8 +122,6 @@ class AutofuseOps:
         return autofuse.flash_decode(q, k, v, lengths, group=self.group, variant=self.variants.get("flash_decode"))
 
 
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 class TorchOps:
@@ -135,12 +134,12 @@ class TorchOps:
 
     def all_gather_rows(self, a: torch.Tensor) -> torch.Tensor:
         out = a.new_empty((a.shape[0] * self.world, *a.shape[1:]))
-        _all_gather(out, a.contiguous(), group=self.group)
+        all_gather_single(out, a.contiguous(), group=self.group)
         return out
 
     def reduce_scatter_rows(self, c: torch.Tensor) -> torch.Tensor:
         out = c.new_empty((c.shape[0] // self.world, *c.shape[1:]))
-        _reduce_scatter(out, c, group=self.group)
+        reduce_scatter_single(out, c, group=self.group)
         return out
 
     def all_reduce(self, c: torch.Tensor) -> torch.Tensor:
