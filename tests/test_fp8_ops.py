@@ -279,7 +279,7 @@ GPU_CASES = {
     "gemm_rs": [(v, {**d, "scaling": s}, FP8, c) for d in GPU_DIMS[1:] for s in rp.SCALINGS
                 for v in ("bsp", "mm_heap", "mm_heap_overlap", "push_last", "push_reducer")
                 for c in (gemm_rs.OP.variant(v).defaults(Problem.make("gemm_rs", FP8, 2, **d, scaling=s))[:1])],
-    "ag_gemm fused": [(v, {"M": m, "N": 3584, "K": 8192, "gather": "rows", "scaling": "tensorwise"}, FP8, c)
+    "ag_gemm_fused": [(v, {"M": m, "N": 3584, "K": 8192, "gather": "rows", "scaling": "tensorwise"}, FP8, c)
                       for m in (128, 2048) for v in ("pull", "push", "push_ws")
                       for c in ag_gemm.OP.variant(v).defaults(Problem.make("ag_gemm", FP8, 2, M=m, N=3584, K=8192,
                                                                             gather="rows", scaling="tensorwise"))[:1]],
@@ -291,7 +291,7 @@ GPU_CASES = {
 def test_gpu_fp8_variants_eager_and_graph_replay(op):
     """Two ranks (on one GPU with AUTOFUSE_RANKS_PER_GPU=2: gloo, the IPC heap), every FP8-capable
     variant at its first default, eager calls and CUDA-graph replays with new inputs (BSP's replays
-    are skipped where ranks share a GPU: gloo cannot be captured). "ag_gemm fused": its fused
+    are skipped where ranks share a GPU: gloo cannot be captured). "ag_gemm_fused": its fused
     kernels (tensorwise scales), a spawn of their own."""
-    results = spawn(harness.run_cases, 2, OPS[op.split()[0]], GPU_CASES[op], 2, device_kind="cuda", timeout_s=900)
+    results = spawn(harness.run_cases, 2, OPS[op.removesuffix("_fused")], GPU_CASES[op], 2, device_kind="cuda", timeout_s=900)
     harness.assert_ok(results, same_bits=SAME_BITS if op == "gemm_ar" else ())
