@@ -62,6 +62,12 @@ STREAM_K_CASES = [
     ("sk ptr fp16 3 programs", 37, 70, 200, "float16", {"STREAM_K": True, "TMA": False}, 3),
     ("sk tma fp32 7 programs", 80, 96, 160, "float32", {"STREAM_K": True, "GROUP_M": 1}, 7),
     ("sk tma bf16 swap short", 16, 32, 64, "bfloat16", {"STREAM_K": True, "SWAP_AB": True}, 4),
+    # lanes (stream_k_lanes): 2 tile rows in one group, 6 tiles on 8 programs: 2 lanes of 4 programs, shares
+    # of 5-6 steps straddling the lane's 3 tiles; 4 tile rows in whole groups of 2 on 12 programs: 2 lanes
+    # of 6; on 6 programs: one data-parallel wave of 6 tiles, then 2 tail tiles in 3 pieces each
+    ("sk lanes straddle", 32, 96, 112, "bfloat16", {"STREAM_K": True}, 8),
+    ("sk lanes whole groups", 64, 64, 112, "float16", {"STREAM_K": True}, 12),
+    ("sk lanes dp and tail", 64, 64, 256, "bfloat16", {"STREAM_K": True}, 6),
 ]
 # FP8 (name, M, N, K, scaling, config changes, B stored N x K, programs): e4m3 inputs, bf16 output,
 # against float64 of the FP8 values times their scales.

@@ -123,10 +123,14 @@ class GemmConfig:
         return (max(1, programs if self.STREAM_K else min(self.work_items(rows, n), programs)),)
 
     def stream_k_slots(self, rows: int, n: int, programs: int) -> tuple[int, int]:
-        """(partial tiles, counts) the stream-K fixup of a `programs`-program launch needs: a slot
-        per (program, tail tile) piece, at most programs + tail - 1, and a count per tail tile."""
-        tail = self.tiles(rows, n) % programs
-        return programs + tail, max(tail, 1)
+        """(partial tiles, counts) the stream-K fixup of a `programs`-program launch needs, as
+        gemm_core.stream_k_plan cuts the tail into lanes: per lane a slot per (program, tile)
+        piece, lane programs + lane tiles, and a count per tail tile."""
+        pid_m, tiles = cdiv(rows, self.BLOCK_M), self.tiles(rows, n)
+        lanes = pid_m if pid_m <= self.GROUP_M else self.GROUP_M if pid_m % self.GROUP_M == 0 else 1
+        lanes = lanes if lanes <= programs else 1
+        tail = tiles - (tiles - tiles % programs) // lanes * lanes
+        return lanes * max(programs // lanes, 1) + tail, max(tail, 1)  # lane programs: at most programs // lanes
 
     def smem_bytes(self, dtype: str | torch.dtype) -> int:
         """Shared memory of one program on sm_90, as Triton 3.6 allocates it: num_stages buffers of
