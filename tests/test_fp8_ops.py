@@ -8,10 +8,14 @@ tensorwise); against the float64 product of each rank's FP8 values times its sca
 ranks (rp.full_product); bitwise equal across ranks where they sum in rank order. The public
 call `autofuse.gemm_ar(a, b, group=..., scale_a=..., scale_b=...)` through dispatch. Clear errors:
 e5m2, missing or misshapen scales, b not stored N x K, scales on bf16, and what does not run FP8
-yet (ag_gemm's k form, its row-wise fused kernels; torch_symm).
+yet (ag_gemm's k form, its row-wise fused kernels; gemm_rs's torch_symm). The torch_symm (peer)
+variants of gemm_ar and ag_gemm: their checks, and their runners on CPU ranks with torch's CUDA-only
+symm_mem ops stood in for (tests/_symm_cpu.py).
 
 GPU (`pytest -m gpu tests/test_fp8_ops.py`, world 2 on one GPU, two ranks per GPU where the
-machine has one GPU): the same variants at model sizes, eager and under CUDA-graph replay.
+machine has one GPU): the same variants at model sizes, eager and under CUDA-graph replay, with
+gemm_ar's and ag_gemm's torch_symm (skipped with the reason where ranks share a GPU: torch's
+symmetric memory needs a GPU per rank).
 """
 from __future__ import annotations
 
@@ -227,9 +231,44 @@ def test_ag_gemm_fp8_problems_and_what_does_not_run_fp8_says_so():
         assert not v.defaults(rows) and f"FP8 {name} runs tensorwise scales only" in v.check(rows, ag_fused("tile"))
         assert v.defaults(tensor) and all(v.check(tensor, c) is None and c["BLOCK_K"] >= 32 for c in v.defaults(tensor))
         assert "too small for FP8" in v.check(tensor, ag_fused("tile", BLOCK_K=16))
-    assert "FP8" in ag_gemm.OP.variant("torch_symm").check(tensor, {})
     p = Problem.make("gemm_rs", FP8, 2, M=16, N=32, K=64, scaling="rowwise")
     assert "FP8" in gemm_rs.OP.variant("torch_symm").check(p, {})
+
+
+def test_torch_symm_checks_take_fp8_of_both_scalings():
+    """The peer variants of gemm_ar and ag_gemm accept FP8 problems of either scaling (no config);
+    ag_gemm's refuses the k form (its scaled op is wired with gather_dim 0) and every config."""
+    symm = ag_gemm.OP.variant("torch_symm")
+    for s in rp.SCALINGS:
+        p = Problem.make("ag_gemm", FP8, 2, M=16, N=32, K=64, gather="rows", scaling=s)
+        assert symm.check(p, {}) is None and symm.defaults(p) == [{}]
+        assert "takes no config" in symm.check(p, {"BLOCK_M": 64})
+        for name in ("torch_symm_one_shot", "torch_symm_two_shot"):
+            p = Problem.make("gemm_ar", FP8, 2, M=16, N=32, K=64, scaling=s)
+            assert gemm_ar.OP.variant(name).check(p, {}) is None
+            assert "takes no config" in gemm_ar.OP.variant(name).check(p, {"ALGO": "one_shot"})
+    k_form = Problem.make("ag_gemm", FP8, 2, M=16, N=32, K=64, gather="k", scaling="tensorwise")
+    assert "rows form only" in symm.check(k_form, {})
+
+
+def _symm_on_cpu(world) -> dict:
+    """The torch_symm runners on CPU ranks, torch's symm_mem ops stood in for (tests/_symm_cpu.py):
+    FP8 of both scalings, and bf16 beside them."""
+    import _symm_cpu
+
+    cases = {"gemm_ar": [(v, {**ODD, "scaling": s}, FP8, {}) for v in ("torch_symm_one_shot", "torch_symm_two_shot")
+                         for s in rp.SCALINGS] + [("torch_symm_two_shot", ODD, "bfloat16", {})],
+             "ag_gemm": [("torch_symm", AG_T, FP8, {}), ("torch_symm", AG_R, FP8, {}),
+                         ("torch_symm", AG, "bfloat16", {})]}
+    with _symm_cpu.stand_ins(gemm_ar, ag_gemm):
+        return {name: harness.run_cases(world, OPS[name], c, calls=2) for name, c in cases.items()}
+
+
+def test_torch_symm_fp8_wiring_on_cpu_stand_ins():
+    results = spawn(_symm_on_cpu, 2, device_kind="cpu", timeout_s=300)
+    for op in ("gemm_ar", "ag_gemm"):
+        harness.assert_ok([rank[op] for rank in results])
+        assert all(row[1] is not None for rank in results for row in rank[op])  # no case skipped
 
 
 def test_fp8_sweeps_defaults_and_features():
@@ -270,11 +309,12 @@ def test_fp8_sweeps_defaults_and_features():
 GPU_DIMS = [{"M": 128, "N": 8192, "K": 8192}, {"M": 1024, "N": 8192, "K": 14336}, {"M": 96, "N": 3008, "K": 4096}]  # N: FP8's multiple of 16, no tile's
 GPU_CASES = {
     "ag_gemm": [(v, {"M": m, "N": 3584, "K": 8192, "gather": "rows", "scaling": s}, FP8, c)
-                for m in (128, 2048) for s in rp.SCALINGS for v in ("bsp", "heap_mm", "heap_mm_overlap")
+                for m in (128, 2048) for s in rp.SCALINGS for v in ("bsp", "torch_symm", "heap_mm", "heap_mm_overlap")
                 for c in ag_gemm.OP.variant(v).defaults(Problem.make("ag_gemm", FP8, 2, M=m, N=3584, K=8192,
                                                                       gather="rows", scaling=s))[:1]],
     "gemm_ar": [(v, {**d, "scaling": s}, FP8, c) for d in GPU_DIMS[:1] + GPU_DIMS[2:] for s in rp.SCALINGS
-                for v in ("bsp", "mm_heap", "one_shot", "two_shot")
+                for v in ("bsp", "torch_symm_one_shot", "torch_symm_two_shot", "mm_heap", "one_shot",
+                          "two_shot")
                 for c in (gemm_ar.OP.variant(v).defaults(Problem.make("gemm_ar", FP8, 2, **d, scaling=s))[:1])],
     "gemm_rs": [(v, {**d, "scaling": s}, FP8, c) for d in GPU_DIMS[1:] for s in rp.SCALINGS
                 for v in ("bsp", "mm_heap", "mm_heap_overlap", "push_last", "push_reducer")
@@ -291,7 +331,7 @@ GPU_CASES = {
 def test_gpu_fp8_variants_eager_and_graph_replay(op):
     """Two ranks (on one GPU with AUTOFUSE_RANKS_PER_GPU=2: gloo, the IPC heap), every FP8-capable
     variant at its first default, eager calls and CUDA-graph replays with new inputs (BSP's replays
-    are skipped where ranks share a GPU: gloo cannot be captured). "ag_gemm_fused": its fused
-    kernels (tensorwise scales), a spawn of their own."""
+    are skipped where ranks share a GPU: gloo cannot be captured; torch_symm's cases are skipped
+    there, with the reason). "ag_gemm_fused": its fused kernels (tensorwise scales), a spawn of their own."""
     results = spawn(harness.run_cases, 2, OPS[op.removesuffix("_fused")], GPU_CASES[op], 2, device_kind="cuda", timeout_s=900)
     harness.assert_ok(results, same_bits=SAME_BITS if op == "gemm_ar" else ())

@@ -17,7 +17,8 @@ fp32). Any M >= W, any number of rows per rank (1 included), blocks need not div
 
 Variants (`OP.variants`):
 - `bsp` (family bsp): all-gather with torch.distributed into a preallocated buffer, torch.matmul.
-- `torch_symm` (family peer): torch's symm_mem.fused_all_gather_matmul, CUDA only.
+- `torch_symm` (family peer): torch's symm_mem.fused_all_gather_matmul (FP8: fused_all_gather_scaled_matmul),
+  CUDA, one GPU per rank.
 - `heap_mm`, `heap_mm_overlap` (family hybrid, in this module on autofuse/ops/hybrid.py): a one-launch heap all-gather
   beside torch.matmul, without or with the local shard's matmul overlapping the peers' arrival.
 - `pull`, `push`, `push_ws` (family fused): the one Triton kernel of `autofuse.kernels.ag_gemm`
@@ -42,8 +43,9 @@ launched before A's on the same stream, so every chunk's scales are there when i
 then torch._scaled_mm (per chunk: its rows of the scales); the fused kernels (pull, push, push_ws,
 every layout and FLAG) move the FP8 A over the heap as they move bf16 tiles, read B K-major from
 its N x K storage and scale each summed output tile in the epilogue. The fused kernels take
-tensorwise scales only (the row-wise scales' gather is not built in them); torch_symm does not run
-FP8 (InvalidConfig says so for each).
+tensorwise scales only (the row-wise scales' gather is not built in them: InvalidConfig says so);
+torch_symm calls torch's symm_mem.fused_all_gather_scaled_matmul (gather_dim 0; tensorwise scale_a
+used for every shard, row-wise scale_a gathered with its rows by the op; built, not yet run on a GPU).
 """
 from __future__ import annotations
 
@@ -360,7 +362,8 @@ class Bsp(Variant):
 
 
 class TorchSymm(Variant):
-    """torch.ops.symm_mem.fused_all_gather_matmul (gather_dim 0 or 1): CUDA only."""
+    """torch.ops.symm_mem.fused_all_gather_matmul (gather_dim 0 or 1); FP8: fused_all_gather_scaled_matmul
+    (rows form, tensorwise or row-wise scales). CUDA, one GPU per rank."""
 
     name, family = "torch_symm", "peer"
 
@@ -368,8 +371,9 @@ class TorchSymm(Variant):
         return torch_symm_unavailable(world, "fused_all_gather_matmul")
 
     def check(self, problem: Problem, config: Config) -> str | None:
-        if problem.dtype == FP8:
-            return "FP8 is not built for torch_symm (torch's fused_all_gather_scaled_matmul is not wired)"
+        if problem.dtype == FP8 and problem["gather"] != "rows":
+            return ("FP8 takes the rows form only (torch's fused_all_gather_scaled_matmul is wired with "
+                    "gather_dim 0: row-wise scales travel with A's rows)")
         return super().check(problem, config)
 
     def runner(self, world: World, problem: Problem, config: Config) -> Runner:
@@ -559,7 +563,10 @@ class BspRunner(Runner):
 
 
 class SymmRunner(Runner):
-    """torch.ops.symm_mem.fused_all_gather_matmul (gather_dim 0 or 1), copied into `out`."""
+    """torch.ops.symm_mem.fused_all_gather_matmul (gather_dim 0 or 1), copied into `out`. FP8:
+    fused_all_gather_scaled_matmul (gather_dim 0) with the rank's scale_a (tensorwise: one for every
+    shard, as the op takes it; row-wise M/W x 1: the op gathers it with A's rows) and scale_b,
+    bfloat16 out and fast accumulation (gemm.vendor_mm's torch._scaled_mm)."""
 
     def __init__(self, world: World, problem: Problem):
         import torch.distributed._symmetric_memory as symm
@@ -571,8 +578,14 @@ class SymmRunner(Runner):
             symm.enable_symm_mem_for_group(self.group_name)
         self.gather_dim = 0 if problem["gather"] == "rows" else 1
 
-    def launch(self, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
-        _, outs = torch.ops.symm_mem.fused_all_gather_matmul(a, [b], self.gather_dim, self.group_name, return_A=False)
+    def launch(self, a: torch.Tensor, b: torch.Tensor, *scales: torch.Tensor, out: torch.Tensor) -> None:
+        if scales:
+            _, outs = torch.ops.symm_mem.fused_all_gather_scaled_matmul(
+                a, [b], scales[0], [scales[1]], self.gather_dim, self.group_name, biases=[None],
+                result_scales=[None], out_dtypes=[out.dtype], use_fast_accum=[True])
+        else:
+            _, outs = torch.ops.symm_mem.fused_all_gather_matmul(a, [b], self.gather_dim, self.group_name,
+                                                                 return_A=False)
         out.copy_(outs[0])
 
 

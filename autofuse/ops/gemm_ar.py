@@ -4,9 +4,10 @@ Rank r holds A_r (M x K/W) and B_r (K/W x N) and gets C = sum_q A_q @ B_q (M x N
 
 Variants:
 - `bsp`: torch.matmul, then the collective library's all_reduce.
-- `torch_symm_one_shot`, `torch_symm_two_shot` (peer): torch.matmul into a torch symmetric-memory
-  buffer, then torch's own one-shot / two-shot all-reduce on it (`torch.ops.symm_mem`): what vLLM- and
-  SGLang-style custom all-reduce runs; a baseline users would otherwise run (CUDA, whole-job groups).
+- `torch_symm_one_shot`, `torch_symm_two_shot` (peer): torch.matmul (FP8: torch._scaled_mm) into a
+  torch symmetric-memory buffer of the output dtype, then torch's own one-shot / two-shot all-reduce
+  on it (`torch.ops.symm_mem`): what vLLM- and SGLang-style custom all-reduce runs; a baseline users
+  would otherwise run (CUDA, one GPU per rank, whole-job groups).
 - `mm_heap` (hybrid, in this module on autofuse/ops/hybrid.py): torch.matmul into out, then the one-launch heap all-reduce
   in place (autofuse/comm/collectives.py: one-shot or two-shot, same bits on every rank).
 - `one_shot` (fused): one persistent kernel; each GEMM tile's partial is pushed to every peer's
@@ -20,8 +21,9 @@ autofuse/ops/row_parallel.py.
 
 FP8 (`autofuse.gemm_ar(a, b, group=..., scale_a=..., scale_b=...)`, float8_e4m3fn, b = w.t(), see
 autofuse/ops/row_parallel.py): bsp is torch._scaled_mm into out (bfloat16), then the all-reduce of
-out; mm_heap the same with the heap all-reduce; the fused kernels scale each partial tile before
-it is pushed.
+out; mm_heap the same with the heap all-reduce; torch_symm_one_shot / torch_symm_two_shot the same
+into their symmetric buffer, then torch's all-reduce of it (built, not yet run on a GPU); the fused
+kernels scale each partial tile before it is pushed.
 """
 from __future__ import annotations
 
@@ -89,18 +91,20 @@ class Bsp(Variant):
 
 # -- peer: torch's symmetric-memory all-reduce ------------------------------------------------------------
 class SymmAllReduceRunner(Runner):
-    """torch.matmul into a symmetric buffer, then torch.ops.symm_mem's one-shot or two-shot all-reduce."""
+    """The rank's partial product into a symmetric buffer of the output dtype (gemm.vendor_mm: torch.matmul,
+    or torch._scaled_mm for FP8), then torch.ops.symm_mem's one-shot or two-shot all-reduce on it; the
+    buffer is made once, so calls allocate nothing and CUDA graphs capture them."""
 
     def __init__(self, world: World, problem: Problem, group: str, algo: str):
         import torch.distributed._symmetric_memory as symm
 
         super().__init__(world, problem, *rp.io_specs(problem, problem["M"]))
         self.group, self.algo = group, algo
-        self.buffer = symm.empty((problem["M"], problem["N"]), dtype=problem.torch_dtype, device=world.device)
+        self.buffer = symm.empty((problem["M"], problem["N"]), dtype=problem.out_dtype, device=world.device)
         symm.rendezvous(self.buffer, group)
 
-    def launch(self, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
-        torch.matmul(a, b, out=self.buffer)
+    def launch(self, a: torch.Tensor, b: torch.Tensor, *scales: torch.Tensor, out: torch.Tensor) -> None:
+        gemm.vendor_mm(a, b, scales, self.buffer)
         if self.algo == "one_shot":
             torch.ops.symm_mem.one_shot_all_reduce_out(self.buffer, "sum", self.group, out)
         else:
@@ -109,17 +113,12 @@ class SymmAllReduceRunner(Runner):
 
 
 class TorchSymmOneShot(Variant):
-    """torch's symmetric-memory one-shot all-reduce after torch.matmul (every rank reads every peer's partial)."""
+    """torch's symmetric-memory one-shot all-reduce after the vendor GEMM (every rank reads every peer's partial)."""
 
     name, family, algo, torch_op = "torch_symm_one_shot", "peer", "one_shot", "one_shot_all_reduce_out"
 
     def unavailable(self, world: World) -> str | None:
         return torch_symm_unavailable(world, self.torch_op)
-
-    def check(self, problem: Problem, config: Config) -> str | None:
-        if rp.is_fp8(problem):
-            return f"FP8 is not built for {self.name} (its matmul is torch.matmul)"
-        return super().check(problem, config)
 
     def runner(self, world: World, problem: Problem, config: Config) -> Runner:
         return SymmAllReduceRunner(world, problem, rp.symm_mem_group(world), self.algo)
