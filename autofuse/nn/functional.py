@@ -27,6 +27,7 @@ import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 
 import autofuse
+from autofuse.comm.world import all_gather_single
 
 
 def process_group(group: Any) -> Any:
@@ -48,9 +49,32 @@ def _collective_group(group: Any) -> Any:
 _all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor  # all_gather_tensor before the rename
 
 
+def _c10d_eagerly(x: torch.Tensor, group: Any) -> bool:
+    """Whether a collective on x runs as the plain c10d call instead of the functional one: CUDA
+    tensors on gloo (ranks sharing a GPU), outside a trace. There torch 2.11's functional all-gather
+    killed the process (SIGSEGV in gloo, one H100, 2026-11-26), while c10d's, which the ops' BSP
+    variants use, works."""
+    return x.is_cuda and not torch.compiler.is_compiling() and dist.get_backend(group) == "gloo"
+
+
 def _gather0(x: torch.Tensor, group: Any) -> torch.Tensor:
     """Every rank's x concatenated along dim 0 (a functional collective: traceable by torch.compile)."""
-    return funcol.wait_tensor(_all_gather(x.contiguous(), 0, _collective_group(group)))
+    x = x.contiguous()
+    if _c10d_eagerly(x, group):
+        out = x.new_empty((dist.get_world_size(group) * x.shape[0], *x.shape[1:]))
+        all_gather_single(out, x, group=group)
+        return out
+    return funcol.wait_tensor(_all_gather(x, 0, _collective_group(group)))
+
+
+def _sum(x: torch.Tensor, group: Any) -> torch.Tensor:
+    """x summed over the group, out of place (a functional collective: traceable by torch.compile)."""
+    x = x.contiguous()
+    if _c10d_eagerly(x, group):
+        out = x.clone()
+        dist.all_reduce(out, group=group)
+        return out
+    return funcol.wait_tensor(funcol.all_reduce(x, "sum", _collective_group(group)))
 
 
 def transposed_parameter(weight: torch.Tensor, requires_grad: bool = True) -> torch.nn.Parameter:
@@ -117,7 +141,7 @@ class _AllReduceGrad(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> tuple:
-        return funcol.wait_tensor(funcol.all_reduce(g.contiguous(), "sum", _collective_group(ctx.group))), None
+        return _sum(g, ctx.group), None
 
 
 class _ScatterRows(torch.autograd.Function):
