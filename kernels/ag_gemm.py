@@ -40,10 +40,17 @@ Constexpr switches (with the GEMM core's BLOCK_*, GROUP_M, NUM_STAGES, SPLIT_K, 
               layout), for exactly the flags of the rows and K steps it reads; B's first K steps
               are prefetched into L2 before the wait (B never depends on a peer).
   GATHER_K    the k form (else the rows form).
-  B_T, SCALE  FP8 (rows form only): A and the workspace data are float8_e4m3fn (producers move
-              the bytes as they move bf16 elements), B is stored N x K (b = w.t(), read K-major as
-              the GEMM core's B_T), and each summed output tile is multiplied by the tensorwise
-              scales (gemm_core.scale_tile, SCALE) before it is stored in C's bfloat16.
+  B_T, SCALE  FP8, both forms: A and the workspace data are float8_e4m3fn (producers move the
+              bytes as they move bf16 elements), B is stored N x K (b = w.t(), read K-major as the
+              GEMM core's B_T; the k form's shard layout reads shard s's K columns of it), and each
+              summed output tile is multiplied by the scales (gemm_core.scale_tile, SCALE) before
+              it is stored in C's bfloat16: TENSORWISE, or ROWWISE, scale_a[row] x scale_b[col].
+              Row-wise scale_a in the rows form is one per row of my shard: producers carry my
+              rows' scales with my rows (into `scales`, the workspace's W*R float32 after the
+              data, rows rank*R..), each unit's before the flag that publishes it, so a consumer's
+              waits for a tile's rows cover their scales; the tile then scales its rows from my
+              own scale_a (my rows) or from `scales` (a peer's: in that peer's heap with PULL).
+              In the k form every rank's scale_a already covers all M rows: nothing moves.
 
 Order: the consumers start at my own rows (they wait for nothing), then the rows of rank+1,
 rank+2, ... which is the order the data arrives in: push producers serve rank-1, rank-2, ... in
@@ -106,9 +113,12 @@ def _copy(a, dst, mine, also_mine, row0, col0, R, C, ld, BLOCK_R: tl.constexpr, 
 
 @triton.jit
 def _copy_flat(a, dst, mine, also_mine, first, end, BLOCK: tl.constexpr):
-    """Copy elements [first, end) of my shard (contiguous at both ends) to `dst` (and `mine`)."""
-    for start in range(first, end, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
+    """Copy elements [first, end) of my shard (contiguous at both ends) to `dst` (and `mine`). The loop
+    counts its steps: over the start offset instead, Triton 3.6 tests the loop's exit on one thread's
+    mask lane for 1-byte elements, and the barrier of the flag raised after it reads as per-thread
+    (tests/divergence.py)."""
+    for step in range(0, tl.cdiv(end - first, BLOCK)):
+        offs = first + step * BLOCK + tl.arange(0, BLOCK)
         mask = offs < end
         x = tl.load(a + offs, mask=mask)
         tl.store(dst + offs, x, mask=mask)
@@ -117,9 +127,21 @@ def _copy_flat(a, dst, mine, also_mine, first, end, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def produce(a, data_p, flags_p, counts_p, epoch, worker, producers, ctx, R, C,
+def _copy_scales(scale_a, dst, mine, also_mine, row0, R, BLOCK_M: tl.constexpr):
+    """Copy my FP8 row-wise scale_a[row0:+BLOCK_M] (R rows) to `dst` (and `mine`): the scales of the
+    rows a flag unit publishes, stored before its flag so that every wait for those rows finds them."""
+    rows = row0 + tl.arange(0, BLOCK_M)
+    mask = rows < R
+    x = tl.load(scale_a + rows, mask=mask)
+    tl.store(dst + rows, x, mask=mask)
+    if also_mine:
+        tl.store(mine + rows, x, mask=mask)
+
+
+@triton.jit
+def produce(a, scale_a, data_p, scales_p, flags_p, counts_p, epoch, worker, producers, ctx, R, C,
             BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, FLAG: tl.constexpr, GATHER_K: tl.constexpr,
-            GATHERED: tl.constexpr, PULL: tl.constexpr):
+            GATHERED: tl.constexpr, PULL: tl.constexpr, ROW_SCALES: tl.constexpr):
     """Producer `worker` of `producers`: copy my shard where consumers read it, raising its flags.
 
     Steps: push sends to rank-1, rank-2, ... in turn (the gathered layout also copies into my own
@@ -130,6 +152,10 @@ def produce(a, data_p, flags_p, counts_p, epoch, worker, producers, ctx, R, C,
     elements, after which every producer counts itself done at the destination. Rows are
     contiguous at both ends except in the gathered k layout (row stride W*C there), so whole row
     blocks and shard pieces are copied as flat ranges of 16-byte vectors.
+    ROW_SCALES (FP8 row-wise, rows form): my R scales go to rows rank*R.. of `scales_p` wherever my
+    rows go, each before a flag that covers them: a TILE or ROW_BLOCK unit carries its BLOCK_M rows'
+    scales (TILE: in each of the row block's K tiles, so a split-K item's own waits cover them), a
+    SHARD step the whole shard's (row blocks round-robin over the producers, before they count).
     """
     COPY: tl.constexpr = 16384  # elements per flat copy step (32 KB of bf16 in flight per program)
     W = ctx.world
@@ -138,6 +164,7 @@ def produce(a, data_p, flags_p, counts_p, epoch, worker, producers, ctx, R, C,
     KB = tl.cdiv(C, BLOCK_K)
     FLAT: tl.constexpr = not (GATHER_K and GATHERED)
     COPY_K: tl.constexpr = max(BLOCK_K, COPY // BLOCK_M)  # columns per step of a 2-D (gathered k) copy
+    scales_mine = scales_p + rank * R
     if FLAT:  # my slot, R x C
         ld = C
         mine = data_p + tl.cast(rank, tl.int64) * R * C
@@ -167,13 +194,18 @@ def produce(a, data_p, flags_p, counts_p, epoch, worker, producers, ctx, R, C,
             dest = (rank + 2 * W - 1 - step) % W
         also_mine = (step == 0) & (dest != rank) & need_mine & GATHERED
         dst = tl.multiple_of(shmem.translate(mine, rank, dest, ctx.heap_bases), 16)  # rows stay 16-byte aligned
+        scales_dst = shmem.translate(scales_mine, rank, dest, ctx.heap_bases)
         for chunk in range(worker, chunks, producers):
             if FLAG == TILE:
                 rb = chunk // KB
                 kb = chunk % KB
                 _copy(a, dst, mine, also_mine, rb * BLOCK_M, kb * BLOCK_K, R, C, ld, BLOCK_M, BLOCK_K)
+                if ROW_SCALES:
+                    _copy_scales(scale_a, scales_dst, scales_mine, also_mine, rb * BLOCK_M, R, BLOCK_M)
                 _raise(flags_p + (rank * RB + rb) * KB + kb, epoch, dest, also_mine, ctx, PULL)
             elif FLAG == ROW_BLOCK:
+                if ROW_SCALES:
+                    _copy_scales(scale_a, scales_dst, scales_mine, also_mine, chunk * BLOCK_M, R, BLOCK_M)
                 if FLAT:
                     _copy_flat(a, dst, mine, also_mine, chunk * BLOCK_M * C, min(chunk * BLOCK_M + BLOCK_M, R) * C,
                                COPY)
@@ -188,6 +220,9 @@ def produce(a, data_p, flags_p, counts_p, epoch, worker, producers, ctx, R, C,
                 _copy(a, dst, mine, also_mine, (chunk // pieces) * BLOCK_M, (chunk % pieces) * COPY_K, R, C, ld,
                       BLOCK_M, COPY_K)
         if FLAG == SHARD:
+            if ROW_SCALES:
+                for rb in range(worker, RB, producers):
+                    _copy_scales(scale_a, scales_dst, scales_mine, also_mine, rb * BLOCK_M, R, BLOCK_M)
             _count(counts_p + rank, flags_p + rank, epoch, dest, producers, ctx, PULL)
             if also_mine:
                 _count(counts_p + rank, flags_p + rank, epoch, rank, producers, ctx, False)
@@ -237,29 +272,31 @@ def _source(ptr, rows, cols, ld, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, U
 
 
 @triton.jit
-def _prefetch_b(b, off_n, k_first, k_end, N, K, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, B_T: tl.constexpr):
-    """gemm_core.prefetch_b for B (K x N) over K steps [k_first, k_end); with B_T, B is stored N x K, so
-    the prefetch runs over that storage: the tile's BLOCK_N rows, their first PREFETCH K steps."""
+def _prefetch_b(b, off_n, k_first, k_end, N, K, ldb, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
+                B_T: tl.constexpr):
+    """gemm_core.prefetch_b for B (K x N, row stride ldb) over K steps [k_first, k_end); with B_T, B is
+    stored N x K (row stride ldb), so the prefetch runs over that storage: the tile's BLOCK_N rows,
+    their first PREFETCH K steps."""
     if B_T:
         gemm_core.prefetch_b(b, k_first * BLOCK_K, off_n // BLOCK_N, off_n // BLOCK_N + 1, min(k_end * BLOCK_K, K), N,
-                             K, 1, BLOCK_N, PREFETCH * BLOCK_K, 1)
+                             ldb, 1, BLOCK_N, PREFETCH * BLOCK_K, 1)
     else:
-        gemm_core.prefetch_b(b, off_n, k_first, k_end, N, K, N, 1, BLOCK_K, BLOCK_N, PREFETCH)
+        gemm_core.prefetch_b(b, off_n, k_first, k_end, N, K, ldb, 1, BLOCK_K, BLOCK_N, PREFETCH)
 
 
 @triton.jit
-def _mma(acc, ok, src, b_src, off_m, off_n, k_first, k_end, rows, N, K,
+def _mma(acc, ok, src, b_src, off_m, off_n, k_first, k_end, rows, N, K, ldb,
          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
          SWAP_AB: tl.constexpr, USE_TMA: tl.constexpr, B_T: tl.constexpr):
     """acc += A[off_m:+BLOCK_M, steps] @ B[steps, off_n:+BLOCK_N] over K steps [k_first, k_end) for
     A (rows x K, row stride K) read through `src`, B (K x N) through `b_src`, row-major or with B_T
-    stored N x K; no step when not ok. Each caller's K loop is its own pipeline: sequential loops
-    share shared memory, loops in the two arms of an `if` do not."""
+    stored N x K, with row stride ldb; no step when not ok. Each caller's K loop is its own pipeline:
+    sequential loops share shared memory, loops in the two arms of an `if` do not."""
     if B_T:
         stride_bk = 1
-        stride_bn = K
+        stride_bn = ldb
     else:
-        stride_bk = N
+        stride_bk = ldb
         stride_bn = 1
     return gemm_core.gemm_tile(acc, src, b_src, off_m, off_n, k_first, tl.where(ok, k_end, k_first), rows, N, K,
                                K, 1, stride_bk, stride_bn, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, SWAP_AB, USE_TMA,
@@ -278,15 +315,24 @@ def _peer_source(data_p, g_src, s, ctx, R, C, BLOCK_M: tl.constexpr, BLOCK_K: tl
 
 
 @triton.jit
-def _finish(acc, ok, partials, counts, tile, split, c, c_dst, s, rb, m0, off_n, R, M, N, scale_a, scale_b,
-            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, USE_TMA: tl.constexpr,
+def _peer_scales(scales_p, s, ctx, R, PULL: tl.constexpr):
+    """Where shard s's R row-wise scales live for a consumer: in peer s's heap (pull), else in mine."""
+    if PULL:
+        return shmem.translate(scales_p + s * R, ctx.rank, s, ctx.heap_bases)
+    else:
+        return scales_p + s * R
+
+
+@triton.jit
+def _finish(acc, ok, partials, counts, tile, split, c, c_dst, s, rb, m0, off_n, R, M, N, scale_a, sa_off, sa_rows,
+            scale_b, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, USE_TMA: tl.constexpr,
             SHARD_ROWS: tl.constexpr, SCALE: tl.constexpr):
-    """NaN for a failed item, split-K reduction, the FP8 scales (SCALE TENSORWISE), then the store
-    (by the last split)."""
+    """NaN for a failed item, split-K reduction, the FP8 scales (SCALE; ROWWISE: the tile's rows are
+    rows sa_off.. of the sa_rows scales at scale_a), then the store (by the last split)."""
     acc = tl.where(ok, acc, float("nan"))
     acc, last = gemm_core.split_k_reduce(acc, partials, counts, tile, split, SPLIT_K, BLOCK_M, BLOCK_N)
     if last:
-        acc = gemm_core.scale_tile(acc, scale_a, scale_b, m0, off_n, M, N, BLOCK_M, BLOCK_N, SCALE)
+        acc = gemm_core.scale_tile(acc, scale_a, scale_b, sa_off, off_n, sa_rows, N, BLOCK_M, BLOCK_N, SCALE)
         if SHARD_ROWS:  # rows past the shard's last row belong to the next shard: masked pointer store
             gemm_core.store_tile(c + tl.cast(s, tl.int64) * R * N, acc, rb * BLOCK_M, off_n, R, N, N, 1,
                                  BLOCK_M, BLOCK_N, False)
@@ -296,14 +342,16 @@ def _finish(acc, ok, partials, counts, tile, split, c, c_dst, s, rb, m0, off_n, 
 
 @triton.jit
 def _rows_work(i, LOCAL: tl.constexpr, start, count, a_src, g_src, b, b_src, c, c_dst, scale_a, scale_b, data_p,
-               flags_p, partials, counts, epoch, healthy, ctx, R, C, N, MT, RB, KB,
+               scales_p, flags_p, partials, counts, epoch, healthy, ctx, R, C, N, MT, RB, KB,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                NUM_STAGES: tl.constexpr, SPLIT_K: tl.constexpr, SWAP_AB: tl.constexpr, USE_TMA: tl.constexpr,
                FLAG: tl.constexpr, GATHERED: tl.constexpr, PULL: tl.constexpr, B_T: tl.constexpr,
                SCALE: tl.constexpr):
     """Rows form: work item i of the `count` row tiles from row tile `start` (mod MT), all reading my
     own shard (LOCAL: straight from `a`, no wait) or none of them (after the waits for the rows
-    they read). GATHERED: rows [m0, m0 + BLOCK_M) of the gathered A; else row block rb of shard s."""
+    they read). GATHERED: rows [m0, m0 + BLOCK_M) of the gathered A; else row block rb of shard s.
+    FP8 row-wise scales: my rows' from the caller's scale_a, a peer's from the gathered copy at
+    `scales_p` (`_peer_scales`), which the waits for those rows cover."""
     W = ctx.world
     rank = ctx.rank
     pid_m, pid_n, _, split, k_first, k_end = gemm_core.schedule(i, count * BLOCK_M, N, C, BLOCK_M, BLOCK_N,
@@ -324,13 +372,16 @@ def _rows_work(i, LOCAL: tl.constexpr, start, count, a_src, g_src, b, b_src, c, 
         off_remote = off_local
         if not PULL:
             off_remote += s * R
+    ldb = N
+    if B_T:  # B stored N x K, K = C
+        ldb = C
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     ok = healthy
     if LOCAL:
-        acc = _mma(acc, ok, a_src, b_src, off_local, off_n, k_first, k_end, R, N, C,
+        acc = _mma(acc, ok, a_src, b_src, off_local, off_n, k_first, k_end, R, N, C, ldb,
                    BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, SWAP_AB, USE_TMA, B_T)
     else:
-        _prefetch_b(b, off_n, k_first, k_end, N, C, BLOCK_K, BLOCK_N, B_T)
+        _prefetch_b(b, off_n, k_first, k_end, N, C, ldb, BLOCK_K, BLOCK_N, B_T)
         if GATHERED:  # every shard that rows [m0, m0 + BLOCK_M) touch, mine included
             for src in range(m0 // R, min(tl.cdiv(m0 + BLOCK_M, R), W)):
                 first_row = max(m0 - src * R, 0)
@@ -344,24 +395,51 @@ def _rows_work(i, LOCAL: tl.constexpr, start, count, a_src, g_src, b, b_src, c, 
         if PULL:  # a peer's own slot, R x C
             r_rows = R
         acc = _mma(acc, ok, _peer_source(data_p, g_src, s, ctx, R, C, BLOCK_M, BLOCK_K, USE_TMA, PULL), b_src,
-                   off_remote, off_n, k_first, k_end, r_rows, N, C, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, SWAP_AB,
-                   USE_TMA, B_T)
+                   off_remote, off_n, k_first, k_end, r_rows, N, C, ldb, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES,
+                   SWAP_AB, USE_TMA, B_T)
+    sa = scale_a
+    sa_off = off_local
+    sa_rows = R
+    if SCALE == gemm_core.ROWWISE and not LOCAL:
+        if GATHERED:  # rows m0.. of the gathered M scales
+            sa = scales_p
+            sa_off = m0
+            sa_rows = W * R
+        else:
+            sa = _peer_scales(scales_p, s, ctx, R, PULL)
     _finish(acc, ok, partials, counts, mt * tl.cdiv(N, BLOCK_N) + pid_n, split, c, c_dst, s, rb, m0, off_n, R,
-            W * R, N, scale_a, scale_b, BLOCK_M, BLOCK_N, SPLIT_K, USE_TMA, not GATHERED, SCALE)
+            W * R, N, sa, sa_off, sa_rows, scale_b, BLOCK_M, BLOCK_N, SPLIT_K, USE_TMA, not GATHERED, SCALE)
 
 
 @triton.jit
-def _k_work(i, a_src, g_src, b, b_src, c_dst, data_p, flags_p, partials, counts, epoch, healthy, ctx, R, C, N,
-            MT, RB, KB,
+def _b_shard(b, s, C, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_TMA: tl.constexpr,
+             B_T: tl.constexpr):
+    """k form, shard layout: (pointer, source) of B's rows s*C .. s*C+C-1 (K x N row-major), or with
+    B_T of the same K columns of its N x K storage (row stride K)."""
+    if B_T:
+        ptr = b + tl.cast(s, tl.int64) * C
+        return ptr, _source(ptr, N, C, K, BLOCK_N, BLOCK_K, USE_TMA)
+    else:
+        ptr = b + tl.cast(s, tl.int64) * C * N
+        return ptr, _source(ptr, C, N, N, BLOCK_K, BLOCK_N, USE_TMA)
+
+
+@triton.jit
+def _k_work(i, a_src, g_src, b, b_src, c_dst, scale_a, scale_b, data_p, flags_p, partials, counts, epoch, healthy,
+            ctx, R, C, N, MT, RB, KB,
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
             NUM_STAGES: tl.constexpr, SPLIT_K: tl.constexpr, SWAP_AB: tl.constexpr, USE_TMA: tl.constexpr,
-            FLAG: tl.constexpr, GATHERED: tl.constexpr, PULL: tl.constexpr):
+            FLAG: tl.constexpr, GATHERED: tl.constexpr, PULL: tl.constexpr, B_T: tl.constexpr,
+            SCALE: tl.constexpr):
     """k form: work item i. GATHERED: one K loop over the gathered R x W*C after the waits for the
     shards its K steps cover; else one K loop per shard, mine (from `a`) first, each peer's after
-    its wait."""
+    its wait. FP8: the caller's scales cover the whole A (row-wise: all R = M rows), nothing to gather."""
     W = ctx.world
     rank = ctx.rank
     K = W * C
+    ldb = N
+    if B_T:  # B stored N x K
+        ldb = K
     pid_m, pid_n, tile, split, k_first, k_end = gemm_core.schedule(i, MT * BLOCK_M, N, K, BLOCK_M, BLOCK_N, BLOCK_K,
                                                                    GROUP_M, SPLIT_K)
     m0 = pid_m * BLOCK_M
@@ -371,23 +449,23 @@ def _k_work(i, a_src, g_src, b, b_src, c_dst, data_p, flags_p, partials, counts,
     if GATHERED:
         lo = k_first * BLOCK_K
         hi = min(k_end * BLOCK_K, K)
-        gemm_core.prefetch_b(b, off_n, k_first, k_end, N, K, N, 1, BLOCK_K, BLOCK_N, PREFETCH)
+        _prefetch_b(b, off_n, k_first, k_end, N, K, ldb, BLOCK_K, BLOCK_N, B_T)
         for src in range(lo // C, tl.cdiv(hi, C)):
             first_col = max(lo - src * C, 0)
             last_col = min(hi - src * C, C) - 1
             ok = _wait(flags_p, src, pid_m, pid_m, first_col // BLOCK_K, last_col // BLOCK_K, RB, KB, epoch, ok,
                        ctx, FLAG)
         _tma_visible(USE_TMA)
-        acc = _mma(acc, ok, g_src, b_src, m0, off_n, k_first, k_end, R, N, K,
-                   BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, SWAP_AB, USE_TMA, False)
+        acc = _mma(acc, ok, g_src, b_src, m0, off_n, k_first, k_end, R, N, K, ldb,
+                   BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, SWAP_AB, USE_TMA, B_T)
     else:
-        b_mine = b + tl.cast(rank, tl.int64) * C * N
-        acc = _mma(acc, ok, a_src, _source(b_mine, C, N, N, BLOCK_K, BLOCK_N, USE_TMA), m0, off_n, 0, KB, R, N, C,
-                   BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, SWAP_AB, USE_TMA, False)
+        _, b_mine = _b_shard(b, rank, C, N, K, BLOCK_N, BLOCK_K, USE_TMA, B_T)
+        acc = _mma(acc, ok, a_src, b_mine, m0, off_n, 0, KB, R, N, C, ldb,
+                   BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, SWAP_AB, USE_TMA, B_T)
         for j in range(1, W):
             s = (rank + j) % W
-            b_s = b + tl.cast(s, tl.int64) * C * N
-            gemm_core.prefetch_b(b_s, off_n, 0, KB, N, C, N, 1, BLOCK_K, BLOCK_N, PREFETCH)
+            b_s, b_s_src = _b_shard(b, s, C, N, K, BLOCK_N, BLOCK_K, USE_TMA, B_T)
+            _prefetch_b(b_s, off_n, 0, KB, N, C, ldb, BLOCK_K, BLOCK_N, B_T)
             ok = _wait(flags_p, s, pid_m, pid_m, 0, KB - 1, RB, KB, epoch, ok, ctx, FLAG)
             _tma_visible(USE_TMA)
             off_remote = m0
@@ -396,10 +474,10 @@ def _k_work(i, a_src, g_src, b, b_src, c_dst, data_p, flags_p, partials, counts,
                 off_remote += s * R
                 r_rows = W * R
             acc = _mma(acc, ok, _peer_source(data_p, g_src, s, ctx, R, C, BLOCK_M, BLOCK_K, USE_TMA, PULL),
-                       _source(b_s, C, N, N, BLOCK_K, BLOCK_N, USE_TMA), off_remote, off_n, 0, KB, r_rows, N, C,
-                       BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, SWAP_AB, USE_TMA, False)
-    _finish(acc, ok, partials, counts, tile, split, c_dst, c_dst, 0, 0, m0, off_n, R, R, N, c_dst, c_dst,
-            BLOCK_M, BLOCK_N, SPLIT_K, USE_TMA, False, gemm_core.NO_SCALE)
+                       b_s_src, off_remote, off_n, 0, KB, r_rows, N, C, ldb,
+                       BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, SWAP_AB, USE_TMA, B_T)
+    _finish(acc, ok, partials, counts, tile, split, c_dst, c_dst, 0, 0, m0, off_n, R, R, N, scale_a, m0, R, scale_b,
+            BLOCK_M, BLOCK_N, SPLIT_K, USE_TMA, False, SCALE)
 
 
 @triton.jit
@@ -418,8 +496,8 @@ def _retire(tickets, takers):
 
 
 @triton.jit
-def consume(a, b, c, scale_a, scale_b, data_p, flags_p, partials, counts, epoch, healthy, worker, workers, ctx, R, C,
-            N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+def consume(a, b, c, scale_a, scale_b, data_p, scales_p, flags_p, partials, counts, epoch, healthy, worker, workers,
+            ctx, R, C, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
             NUM_STAGES: tl.constexpr, SPLIT_K: tl.constexpr, SWAP_AB: tl.constexpr, USE_TMA: tl.constexpr,
             FLAG: tl.constexpr, GATHER_K: tl.constexpr, GATHERED: tl.constexpr, PULL: tl.constexpr,
             PERSISTENT: tl.constexpr, B_T: tl.constexpr, SCALE: tl.constexpr):
@@ -457,11 +535,12 @@ def consume(a, b, c, scale_a, scale_b, data_p, flags_p, partials, counts, epoch,
     g_src = a_src
     if not PULL:
         g_src = _source(data_p, g_rows, g_cols, g_cols, BLOCK_M, BLOCK_K, USE_TMA)
-    b_src = a_src
-    if B_T:  # B stored N x K (the rows form: K = C)
-        b_src = _source(b, N, K, K, BLOCK_N, BLOCK_K, USE_TMA)
-    elif not (GATHER_K and not GATHERED):
-        b_src = _source(b, K, N, N, BLOCK_K, BLOCK_N, USE_TMA)
+    b_src = a_src  # the k form's shard layout reads B per shard (_b_shard)
+    if not (GATHER_K and not GATHERED):
+        if B_T:  # B stored N x K
+            b_src = _source(b, N, K, K, BLOCK_N, BLOCK_K, USE_TMA)
+        else:
+            b_src = _source(b, K, N, N, BLOCK_K, BLOCK_N, USE_TMA)
     c_dst = c
     if USE_TMA and (GATHER_K or GATHERED):
         c_dst = tl.make_tensor_descriptor(c, shape=[M, N], strides=[N, 1], block_shape=[BLOCK_M, BLOCK_N])
@@ -471,16 +550,16 @@ def consume(a, b, c, scale_a, scale_b, data_p, flags_p, partials, counts, epoch,
             i = _ticket(tickets)
             while i < n_all:
                 nxt = _ticket(tickets)  # taken before the work: its latency hides behind it
-                _k_work(i, a_src, g_src, b, b_src, c_dst, data_p, flags_p, partials, counts, epoch, healthy, ctx,
-                        R, C, N, MT, RB, KB, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, NUM_STAGES, SPLIT_K, SWAP_AB,
-                        USE_TMA, FLAG, GATHERED, PULL)
+                _k_work(i, a_src, g_src, b, b_src, c_dst, scale_a, scale_b, data_p, flags_p, partials, counts, epoch,
+                        healthy, ctx, R, C, N, MT, RB, KB, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, NUM_STAGES, SPLIT_K,
+                        SWAP_AB, USE_TMA, FLAG, GATHERED, PULL, B_T, SCALE)
                 i = nxt
             _retire(tickets, workers)
         else:
             for i in tl.range(worker, n_all, workers):
-                _k_work(i, a_src, g_src, b, b_src, c_dst, data_p, flags_p, partials, counts, epoch, healthy, ctx,
-                        R, C, N, MT, RB, KB, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, NUM_STAGES, SPLIT_K, SWAP_AB,
-                        USE_TMA, FLAG, GATHERED, PULL)
+                _k_work(i, a_src, g_src, b, b_src, c_dst, scale_a, scale_b, data_p, flags_p, partials, counts, epoch,
+                        healthy, ctx, R, C, N, MT, RB, KB, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, NUM_STAGES, SPLIT_K,
+                        SWAP_AB, USE_TMA, FLAG, GATHERED, PULL, B_T, SCALE)
     else:
         # my row tiles [lo, lo + L) first, then the others from lo + L on (mod MT): rank+1's first
         if GATHERED:  # the row tiles inside my own rows
@@ -495,42 +574,45 @@ def consume(a, b, c, scale_a, scale_b, data_p, flags_p, partials, counts, epoch,
             i = _ticket(tickets)
             while i < n_local:
                 nxt = _ticket(tickets)  # taken before the work: its latency hides behind it
-                _rows_work(i, True, lo, L, a_src, g_src, b, b_src, c, c_dst, scale_a, scale_b, data_p, flags_p,
-                           partials, counts, epoch, healthy, ctx, R, C, N, MT, RB, KB, BLOCK_M, BLOCK_N, BLOCK_K,
-                           GROUP_M, NUM_STAGES, SPLIT_K, SWAP_AB, USE_TMA, FLAG, GATHERED, PULL, B_T, SCALE)
+                _rows_work(i, True, lo, L, a_src, g_src, b, b_src, c, c_dst, scale_a, scale_b, data_p, scales_p,
+                           flags_p, partials, counts, epoch, healthy, ctx, R, C, N, MT, RB, KB, BLOCK_M, BLOCK_N,
+                           BLOCK_K, GROUP_M, NUM_STAGES, SPLIT_K, SWAP_AB, USE_TMA, FLAG, GATHERED, PULL, B_T, SCALE)
                 i = nxt
             while i < n_all:
                 nxt = _ticket(tickets)
                 _rows_work(i - n_local, False, lo + L, MT - L, a_src, g_src, b, b_src, c, c_dst, scale_a, scale_b,
-                           data_p, flags_p, partials, counts, epoch, healthy, ctx, R, C, N, MT, RB, KB, BLOCK_M,
-                           BLOCK_N, BLOCK_K, GROUP_M, NUM_STAGES, SPLIT_K, SWAP_AB, USE_TMA, FLAG, GATHERED, PULL,
-                           B_T, SCALE)
+                           data_p, scales_p, flags_p, partials, counts, epoch, healthy, ctx, R, C, N, MT, RB, KB,
+                           BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, NUM_STAGES, SPLIT_K, SWAP_AB, USE_TMA, FLAG, GATHERED,
+                           PULL, B_T, SCALE)
                 i = nxt
             _retire(tickets, workers)
         else:
             for i in tl.range(worker, n_local, workers):
-                _rows_work(i, True, lo, L, a_src, g_src, b, b_src, c, c_dst, scale_a, scale_b, data_p, flags_p,
-                           partials, counts, epoch, healthy, ctx, R, C, N, MT, RB, KB, BLOCK_M, BLOCK_N, BLOCK_K,
-                           GROUP_M, NUM_STAGES, SPLIT_K, SWAP_AB, USE_TMA, FLAG, GATHERED, PULL, B_T, SCALE)
+                _rows_work(i, True, lo, L, a_src, g_src, b, b_src, c, c_dst, scale_a, scale_b, data_p, scales_p,
+                           flags_p, partials, counts, epoch, healthy, ctx, R, C, N, MT, RB, KB, BLOCK_M, BLOCK_N,
+                           BLOCK_K, GROUP_M, NUM_STAGES, SPLIT_K, SWAP_AB, USE_TMA, FLAG, GATHERED, PULL, B_T, SCALE)
             first_remote = worker + tl.cdiv(max(n_local - worker, 0), workers) * workers
             for i in tl.range(first_remote, n_all, workers):
                 _rows_work(i - n_local, False, lo + L, MT - L, a_src, g_src, b, b_src, c, c_dst, scale_a, scale_b,
-                           data_p, flags_p, partials, counts, epoch, healthy, ctx, R, C, N, MT, RB, KB, BLOCK_M,
-                           BLOCK_N, BLOCK_K, GROUP_M, NUM_STAGES, SPLIT_K, SWAP_AB, USE_TMA, FLAG, GATHERED, PULL,
-                           B_T, SCALE)
+                           data_p, scales_p, flags_p, partials, counts, epoch, healthy, ctx, R, C, N, MT, RB, KB,
+                           BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, NUM_STAGES, SPLIT_K, SWAP_AB, USE_TMA, FLAG, GATHERED,
+                           PULL, B_T, SCALE)
 
 
 # -- the kernel ---------------------------------------------------------------------------------
 @triton.jit
-def ag_gemm_kernel(a, b, c, scale_a, scale_b, data, flags, partials, counts, ctx, R, C, N, data_half, flags_half,
-                   comm_sms, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                   NUM_STAGES: tl.constexpr, SPLIT_K: tl.constexpr, SWAP_AB: tl.constexpr, USE_TMA: tl.constexpr,
-                   FLAG: tl.constexpr, GATHER_K: tl.constexpr, GATHERED: tl.constexpr, PULL: tl.constexpr,
-                   PERSISTENT: tl.constexpr, B_T: tl.constexpr, SCALE: tl.constexpr):
+def ag_gemm_kernel(a, b, c, scale_a, scale_b, data, scales, flags, partials, counts, ctx, R, C, N, data_half,
+                   flags_half, comm_sms, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   GROUP_M: tl.constexpr, NUM_STAGES: tl.constexpr, SPLIT_K: tl.constexpr, SWAP_AB: tl.constexpr,
+                   USE_TMA: tl.constexpr, FLAG: tl.constexpr, GATHER_K: tl.constexpr, GATHERED: tl.constexpr,
+                   PULL: tl.constexpr, PERSISTENT: tl.constexpr, B_T: tl.constexpr, SCALE: tl.constexpr):
     """C = all_gather(A) @ B on this rank: producers 0..comm_sms-1, consumers after them.
 
     a: my shard, R x C; b: K x N (B_T: stored N x K); c: M x N (all row-major). scale_a/scale_b:
-    FP8's float32 tensorwise scales (SCALE; any pointer otherwise). data/flags: the workspace's data (in
+    FP8's float32 scales (SCALE; any pointer otherwise): tensorwise, or row-wise scale_a (R x 1:
+    my rows' in the rows form, the whole A's in the k form) and scale_b (1 x N). scales: FP8
+    row-wise in the rows form: the workspace's float32 gathered scale_a, W*R per parity half, the
+    halves as far apart as data's (any pointer otherwise). data/flags: the workspace's data (in
     A's dtype) and int32 flags, each two parity halves of data_half / flags_half elements; a
     half holds W arrival counts (FLAG = SHARD; always left at 0), then the unit flags, so calls
     with other configs never see a count they did not leave at 0. partials: float32 SPLIT_K
@@ -546,24 +628,25 @@ def ag_gemm_kernel(a, b, c, scale_a, scale_b, data, flags, partials, counts, ctx
     Under the interpreter producers never consume: programs run one after another there, and a
     producer taking work could wait for a later producer's flag.
     """
-    tl.static_assert(not (B_T and GATHER_K), "FP8 (B_T) runs the rows form only")
     JOIN: tl.constexpr = PERSISTENT and not gemm_core.INTERPRETED
+    ROW_SCALES: tl.constexpr = SCALE == gemm_core.ROWWISE and not GATHER_K
     epoch, healthy = shmem.epoch_begin(ctx)
     parity = shmem.parity(epoch)
     data_p = data + tl.cast(parity, tl.int64) * data_half
+    scales_p = scales + tl.cast(parity, tl.int64) * (data_half * (data.dtype.element_ty.primitive_bitwidth // 8) // 4)
     counts_p = flags + parity * flags_half
     flags_p = counts_p + ctx.world
     pid = tl.program_id(0)
     if pid < comm_sms:
         if healthy:
-            produce(a, data_p, flags_p, counts_p, epoch, pid, comm_sms, ctx, R, C,
-                    BLOCK_M, BLOCK_K, FLAG, GATHER_K, GATHERED, PULL)
+            produce(a, scale_a, data_p, scales_p, flags_p, counts_p, epoch, pid, comm_sms, ctx, R, C,
+                    BLOCK_M, BLOCK_K, FLAG, GATHER_K, GATHERED, PULL, ROW_SCALES)
     if (pid >= comm_sms) | JOIN:
         if JOIN:
             takers = tl.num_programs(0)
         else:
             takers = tl.num_programs(0) - comm_sms
-        consume(a, b, c, scale_a, scale_b, data_p, flags_p, partials, counts, epoch, healthy, pid - comm_sms, takers,
-                ctx, R, C, N, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, NUM_STAGES, SPLIT_K, SWAP_AB, USE_TMA,
+        consume(a, b, c, scale_a, scale_b, data_p, scales_p, flags_p, partials, counts, epoch, healthy, pid - comm_sms,
+                takers, ctx, R, C, N, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, NUM_STAGES, SPLIT_K, SWAP_AB, USE_TMA,
                 FLAG, GATHER_K, GATHERED, PULL, PERSISTENT, B_T, SCALE)
     shmem.epoch_end(ctx, tl.num_programs(0))

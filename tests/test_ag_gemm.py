@@ -322,12 +322,12 @@ def test_defaults_space_and_features():
 # ------------------------------------------------------------------------------------------------
 # sm_90 compiles of the kernel's switches, Triton 3.9 (this venv) and 3.6 (the GPU machines')
 _SIG = {"a": "*bf16", "b": "*bf16", "c": "*bf16", "scale_a": "*fp32", "scale_b": "*fp32", "data": "*bf16",
-        "flags": "*i32", "partials": "*fp32", "counts": "*i32", "ctx": CTX,
+        "scales": "*fp32", "flags": "*i32", "partials": "*fp32", "counts": "*i32", "ctx": CTX,
         **{n: "i32" for n in ("R", "C", "N", "data_half", "flags_half", "comm_sms")},
         **{n: "constexpr" for n in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "NUM_STAGES", "SPLIT_K", "SWAP_AB",
                                     "USE_TMA", "FLAG", "GATHER_K", "GATHERED", "PULL", "PERSISTENT", "B_T",
                                     "SCALE")}}
-_DIV = ("a", "b", "c", "data", "R", "C", "N", "data_half")
+_DIV = ("a", "b", "c", "data", "scales", "R", "C", "N", "data_half")
 COMPILES = {  # name: (GEMM config, FLAG, GATHER_K, GATHERED, PULL, dtype)
     "push gathered rows": (gemm.GemmConfig(128, 256, 64, 8, 8, 3), "row_block", False, True, False, "bf16"),
     "push_ws gathered rows": (gemm.GemmConfig(128, 256, 64, 8, 8, 3), "shard", False, True, False, "bf16"),
@@ -340,13 +340,25 @@ COMPILES = {  # name: (GEMM config, FLAG, GATHER_K, GATHERED, PULL, dtype)
                    "bf16"),
     "pointer": (gemm.GemmConfig(128, 256, 64, 8, 8, 3, TMA=False), "shard", False, True, False, "bf16"),
     "fp32": (gemm.GemmConfig(64, 64, 32, 8, 4, 3), "tile", False, True, False, "fp32"),
-    # FP8 (float8_e4m3fn A and data, B stored N x K, tensorwise scales, bf16 out): rows form only
+    # FP8 (float8_e4m3fn A and data, B stored N x K, bf16 out): tensorwise scales, or row-wise where the name says
     "fp8 push gathered rows": (gemm.GemmConfig(128, 256, 128, 8, 8, 3), "shard", False, True, False, "fp8e4nv"),
     "fp8 pull shard rows": (gemm.GemmConfig(128, 128, 128, 8, 8, 4), "tile", False, False, True, "fp8e4nv"),
     "fp8 pull swap split": (gemm.GemmConfig(64, 128, 256, 8, 4, 4, SPLIT_K=4, SWAP_AB=True), "shard", False, False, True,
                             "fp8e4nv"),  # the first default at M=128, N=3584, K=8192
     "fp8 push_ws swap split pointer": (gemm.GemmConfig(16, 128, 128, 8, 4, 4, SPLIT_K=2, SWAP_AB=True, TMA=False),
                                         "row_block", False, True, False, "fp8e4nv"),
+    # row-wise scales: the rows form's scales move with the rows (pull: read from the peer's heap)
+    "fp8 rowwise push gathered rows": (gemm.GemmConfig(128, 256, 128, 8, 8, 3), "shard", False, True, False,
+                                       "fp8e4nv"),
+    "fp8 rowwise pull shard rows": (gemm.GemmConfig(128, 128, 128, 8, 8, 4), "tile", False, False, True, "fp8e4nv"),
+    "fp8 rowwise push_ws shard rows swap split": (gemm.GemmConfig(64, 128, 256, 8, 8, 4, SPLIT_K=2, SWAP_AB=True),
+                                                  "row_block", False, False, False, "fp8e4nv"),
+    # the k form: B's shard columns of its N x K storage (shard layout), one K loop over it (gathered)
+    "fp8 rowwise push_ws shard k": (gemm.GemmConfig(128, 128, 128, 8, 8, 4), "tile", True, False, False, "fp8e4nv"),
+    "fp8 push gathered k split": (gemm.GemmConfig(64, 128, 256, 8, 4, 4, SPLIT_K=2), "shard", True, True, False,
+                                  "fp8e4nv"),
+    "fp8 pull shard k pointer": (gemm.GemmConfig(128, 128, 128, 8, 8, 3, TMA=False), "row_block", True, False, True,
+                                 "fp8e4nv"),
 }
 DTYPE_NAMES = {"bf16": "bfloat16", "fp32": "float32", "fp8e4nv": "float8_e4m3fn"}
 
@@ -356,7 +368,8 @@ def _request(name: str) -> dict:
     sig = {**_SIG, **{n: f"*{dt}" for n in ("a", "b", "data")}, "c": "*bf16" if fp8 else f"*{dt}"}
     consts = dict(BLOCK_M=g.BLOCK_M, BLOCK_N=g.BLOCK_N, BLOCK_K=g.BLOCK_K, GROUP_M=g.GROUP_M, NUM_STAGES=g.num_stages,
                   SPLIT_K=g.SPLIT_K, SWAP_AB=g.SWAP_AB, USE_TMA=g.TMA, FLAG=ag_gemm.FLAGS[flag], GATHER_K=gather_k,
-                  GATHERED=gathered, PULL=pull, B_T=fp8, SCALE=gemm.SCALINGS["tensorwise" if fp8 else "none"])
+                  GATHERED=gathered, PULL=pull, B_T=fp8,
+                  SCALE=gemm.SCALINGS[("rowwise" if "rowwise" in name else "tensorwise") if fp8 else "none"])
     consts["PERSISTENT"] = "push_ws" in name
     return compile_request("autofuse.kernels.ag_gemm", "ag_gemm_kernel", sig, consts, g.num_warps, g.num_stages,
                            _DIV, name=name)

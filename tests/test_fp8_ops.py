@@ -3,19 +3,21 @@
 CPU (Triton's interpreter, 2 and 4 ranks): gemm_ar and gemm_rs, bsp (torch._scaled_mm + the
 collective on the bfloat16 result), the hybrids (the same beside a heap collective) and every
 fused variant; ag_gemm's bsp (the FP8 A gathered, row-wise scales with their rows), heap hybrids
-(row-wise scales over a heap gather of their own) and fused kernels (pull, push, push_ws:
-tensorwise); against the float64 product of each rank's FP8 values times its scales, summed over
+(row-wise scales over a heap gather of their own) and fused kernels (pull, push, push_ws, every
+layout and FLAG, both scalings: row-wise scales carried with their rows), in both forms (the k
+form: scale_a the same on every rank; heap_mm_overlap refuses it), a fault in the row-wise fused
+kernel; against the float64 product of each rank's FP8 values times its scales, summed over
 ranks (rp.full_product); bitwise equal across ranks where they sum in rank order. The public
 call `autofuse.gemm_ar(a, b, group=..., scale_a=..., scale_b=...)` through dispatch. Clear errors:
 e5m2, missing or misshapen scales, b not stored N x K, scales on bf16, and what does not run FP8
-yet (ag_gemm's k form, its row-wise fused kernels; gemm_rs's torch_symm). The torch_symm (peer)
+(heap_mm_overlap's k form; gemm_rs's torch_symm, ag_gemm's in the k form). The torch_symm (peer)
 variants of gemm_ar and ag_gemm: their checks, and their runners on CPU ranks with torch's CUDA-only
 symm_mem ops stood in for (tests/_symm_cpu.py).
 
 GPU (`pytest -m gpu tests/test_fp8_ops.py`, world 2 on one GPU, two ranks per GPU where the
-machine has one GPU): the same variants at model sizes, eager and under CUDA-graph replay, with
-gemm_ar's and ag_gemm's torch_symm (skipped with the reason where ranks share a GPU: torch's
-symmetric memory needs a GPU per rank).
+machine has one GPU): the same variants at model sizes (ag_gemm: both forms), eager and under
+CUDA-graph replay, with gemm_ar's and ag_gemm's torch_symm (skipped with the reason where ranks
+share a GPU: torch's symmetric memory needs a GPU per rank).
 """
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ import pytest
 import torch
 
 import harness
-from _row_parallel import default_cases, tiny
+from _row_parallel import cases_and_faults, default_cases, tiny
 from autofuse.comm.world import spawn
 from autofuse.core.op import FP8, InvalidInput, Problem
 from autofuse.ops import ag_gemm, gemm_ar, gemm_rs
@@ -57,6 +59,10 @@ AG = {"M": 24, "N": 32, "K": 64, "gather": "rows"}  # 12 rows a rank: gathered t
 AG_ODD = {"M": 24, "N": 48, "K": 96, "gather": "rows", "scaling": "tensorwise"}  # N and K tails of 32- and 64-blocks
 AG_T = {**AG, "scaling": "tensorwise"}
 AG_R = {**AG, "scaling": "rowwise"}
+AG_R_ODD = {**AG_ODD, "scaling": "rowwise"}
+AG_R16 = {**AG_R, "M": 32}  # 16 rows a rank: no 16-row tile spans two shards
+AG_KT = {"M": 20, "N": 32, "K": 64, "gather": "k", "scaling": "tensorwise"}  # the k form: K/W = 32
+AG_KR = {**AG_KT, "scaling": "rowwise"}  # scale_a: M x 1 on every rank alike
 
 
 def ag_fused(flag: str, layout: str = "shard", comm: int = 2, **changes) -> dict:
@@ -80,6 +86,23 @@ CPU_CASES["ag_gemm"] = [
     ("push_ws", AG_T, FP8, ag_fused("shard", "gathered", SWAP_AB=True, TMA=False)),
     ("push_ws", AG_ODD, FP8, ag_fused("row_block", comm=1)),
     *default_cases(ag_gemm.OP, "push", AG_T, FP8, pick=1),
+    # the fused kernel with row-wise scales, carried with their rows: every variant, layout and FLAG
+    ("pull", AG_R, FP8, ag_fused("tile", TMA=False)),
+    ("pull", AG_R_ODD, FP8, ag_fused("row_block", comm=1, BLOCK_N=32, BLOCK_K=64, SPLIT_K=2)),
+    ("push", AG_R, FP8, ag_fused("row_block", "gathered", SPLIT_K=2)),
+    ("push", AG_R_ODD, FP8, ag_fused("shard", comm=3, BLOCK_N=32, SWAP_AB=True)),
+    ("push", AG_R16, FP8, ag_fused("tile", "gathered")),
+    ("push_ws", AG_R, FP8, ag_fused("shard", "gathered", SWAP_AB=True, TMA=False)),
+    ("push_ws", AG_R_ODD, FP8, ag_fused("tile", comm=1)),
+    *default_cases(ag_gemm.OP, "push_ws", AG_R, FP8, pick=1),
+    # the k form: bsp, heap_mm and the fused kernels, both scalings (no scales move)
+    ("bsp", AG_KT, FP8, {}),
+    ("bsp", AG_KR, FP8, {}),
+    *default_cases(ag_gemm.OP, "heap_mm", AG_KR, FP8, pick=1),
+    ("pull", AG_KR, FP8, ag_fused("row_block")),
+    ("push", AG_KT, FP8, ag_fused("tile", "gathered", SPLIT_K=2)),
+    ("push_ws", AG_KR, FP8, ag_fused("shard", SWAP_AB=True, TMA=False)),
+    ("push_ws", AG_KR, FP8, ag_fused("row_block", "gathered")),
 ]
 OPS = {"ag_gemm": ag_gemm.OP, "gemm_ar": gemm_ar.OP, "gemm_rs": gemm_rs.OP}
 SAME_BITS = ("one_shot", "two_shot", "mm_heap")  # gemm_ar's fused and heap all-reduce sum in rank order
@@ -105,13 +128,28 @@ def _four(world) -> list:
     ag = {"M": 16, "N": 32, "K": 64, "gather": "rows", "scaling": "tensorwise"}  # 4 rows a rank
     ag_cases = [(v, ag, FP8, ag_fused(flag, layout)) for v, flag, layout in
                 (("pull", "row_block", "shard"), ("push", "tile", "gathered"), ("push_ws", "shard", "shard"))]
-    ag_rows = {**ag, "scaling": "rowwise"}  # the hybrids' heap gather of the row-wise scales
+    ag_rows = {**ag, "scaling": "rowwise"}  # the hybrids' heap gather of the row-wise scales; the fused kernel's
+    ag_cases += [(v, ag_rows, FP8, ag_fused(flag, layout)) for v, flag, layout in
+                 (("pull", "shard", "shard"), ("push", "row_block", "gathered"), ("push_ws", "tile", "shard"))]
+    ag_k = {"M": 8, "N": 32, "K": 128, "gather": "k", "scaling": "rowwise"}  # 32 columns a rank
+    ag_cases += [("bsp", ag_k, FP8, {}), ("push", ag_k, FP8, ag_fused("shard", "gathered")),
+                 ("pull", {**ag_k, "scaling": "tensorwise"}, FP8, ag_fused("tile"))]
     ag_cases += [c for v, pick in (("heap_mm", 1), ("heap_mm_overlap", slice(2, 3)))
                  for c in default_cases(ag_gemm.OP, v, ag_rows, FP8, pick=pick, world=4)]
     return harness.run_cases(world, gemm_rs.OP, [("push_last", dims, FP8, tiny(**FP8_TINY, PARTIAL="out")),
                                                  ("bsp", dims, FP8, {})], calls=1) + \
         harness.run_cases(world, gemm_ar.OP, [("two_shot", dims, FP8, tiny(**FP8_TINY, PARTIAL="out"))], calls=1) + \
         harness.run_cases(world, ag_gemm.OP, ag_cases, calls=1)
+
+
+def test_fused_row_wise_faults_raise_on_every_rank():
+    """A fault in the fused kernel with row-wise scales (a skipped call; a late peer): every rank
+    raises within the wait budget and leaves NaN, never a result scaled by missing scales."""
+    plan = [("push", AG_R, FP8, ag_fused("tile", "gathered"), "skipped_call"),
+            ("pull", AG_R, FP8, ag_fused("row_block"), "late_peer")]
+    _, faults = cases_and_faults(2, ag_gemm.OP, [], 1, plan, device_kind="cpu", timeout_s=600)
+    for seen in faults:
+        harness.check_fault_run(seen)
 
 
 def test_four_ranks_fp8():
@@ -123,8 +161,9 @@ def test_four_ranks_fp8():
 def _public_call(world) -> dict:
     """autofuse.gemm_ar / gemm_rs with FP8 inputs and keyword scales (forced fused variants too),
     repeated (the cached hot path), a bf16 call of the same shapes beside them, and missing scales;
-    autofuse.ag_gemm with tensorwise scales, dispatched and forced onto its fused push and pull, and
-    with row-wise scales, dispatched and forced onto its two heap hybrids."""
+    autofuse.ag_gemm with tensorwise scales, dispatched and forced onto its fused push and pull, with
+    row-wise scales, dispatched and forced onto its two heap hybrids and fused push and pull, and in
+    the k form (row-wise), dispatched and forced onto push_ws."""
     import autofuse
     from autofuse import dispatch
 
@@ -160,10 +199,17 @@ def _public_call(world) -> dict:
     problem = Problem.make("ag_gemm", FP8, world.size, M=6 * world.size, N=32, K=64, gather="rows", scaling="rowwise")
     a, b, sa, sb = ag_gemm.OP.inputs(world, problem, 3)
     ref = ag_gemm.OP.reference(world, problem, 3)
-    for variant in (None, "heap_mm", "heap_mm_overlap"):  # row-wise: dispatched, and each hybrid at its default
-        c = autofuse.ag_gemm(a, b, group=world, scale_a=sa, scale_b=sb, variant=variant)
+    for variant, config in ((None, None), ("heap_mm", None), ("heap_mm_overlap", None),
+                            ("push", ag_fused("shard", "gathered")), ("pull", ag_fused("row_block"))):
+        c = autofuse.ag_gemm(a, b, group=world, scale_a=sa, scale_b=sb, variant=variant, config=config)
         out[("ag_gemm", "rowwise", variant)] = (c.dtype == torch.bfloat16,
                                                 float((c.double() - ref).norm() / ref.norm()))
+    problem = Problem.make("ag_gemm", FP8, world.size, M=6, N=32, K=64, gather="k", scaling="rowwise")
+    a, b, sa, sb = ag_gemm.OP.inputs(world, problem, 3)  # the k form: B has K rows, A_r K/W columns
+    ref = ag_gemm.OP.reference(world, problem, 3)
+    for variant, config in ((None, None), ("push_ws", ag_fused("tile"))):
+        c = autofuse.ag_gemm(a, b, group=world, scale_a=sa, scale_b=sb, variant=variant, config=config)
+        out[("ag_gemm", "k", variant)] = (c.dtype == torch.bfloat16, float((c.double() - ref).norm() / ref.norm()))
     return out
 
 
@@ -214,23 +260,31 @@ def test_ag_gemm_fp8_problems_and_what_does_not_run_fp8_says_so():
     p = ag_gemm.OP.problem_of(w, a, b, one, one)
     assert p == Problem.make("ag_gemm", FP8, 2, M=16, N=32, K=16, gather="rows", scaling="tensorwise")
     assert ag_gemm.OP.problem_of(w, a, b, torch.ones(8, 1), torch.ones(1, 32))["scaling"] == "rowwise"
-    with pytest.raises(InvalidInput, match="rows form"):  # B with W x K rows: the k form
-        ag_gemm.OP.problem_of(w, a, torch.randn(32, 32).to(torch.float8_e4m3fn).t(), one, one)
+    b_k = torch.randn(32, 32).to(torch.float8_e4m3fn).t()  # B with W x K rows: the k form
+    assert ag_gemm.OP.problem_of(w, a, b_k, one, one) == Problem.make("ag_gemm", FP8, 2, M=8, N=32, K=32, gather="k",
+                                                                      scaling="tensorwise")
+    assert ag_gemm.OP.problem_of(w, a, b_k, torch.ones(8, 1), torch.ones(1, 32))["scaling"] == "rowwise"  # M x 1
+    with pytest.raises(InvalidInput, match="neither tensorwise"):  # the k form's scale_a: one per row of A_r
+        ag_gemm.OP.problem_of(w, a, b_k, torch.ones(16, 1), torch.ones(1, 32))
     with pytest.raises(InvalidInput, match="stored N x K"):
         ag_gemm.OP.problem_of(w, a, b.contiguous(), one, one)
     with pytest.raises(InvalidInput, match="need scale_a and scale_b"):
         ag_gemm.OP.problem_of(w, a, b)
     rows = Problem.make("ag_gemm", FP8, 2, M=16, N=32, K=64, gather="rows", scaling="rowwise")
     tensor = Problem.make("ag_gemm", FP8, 2, M=16, N=32, K=64, gather="rows", scaling="tensorwise")
+    k_rows = Problem.make("ag_gemm", FP8, 2, M=16, N=32, K=64, gather="k", scaling="rowwise")
+    k_tensor = Problem.make("ag_gemm", FP8, 2, M=16, N=32, K=64, gather="k", scaling="tensorwise")
     for name in ("heap_mm", "heap_mm_overlap"):  # the hybrids: both kinds of scales
         v = ag_gemm.OP.variant(name)
-        for p in (rows, tensor):
+        for p in (rows, tensor) + ((k_rows, k_tensor) if name == "heap_mm" else ()):
             assert v.defaults(p) and all(v.check(p, c) is None for c in v.defaults(p))
-    for name in ("pull", "push", "push_ws"):  # the fused kernel: tensorwise scales only
+    v = ag_gemm.OP.variant("heap_mm_overlap")  # its k form sums partial products: not with torch._scaled_mm
+    assert not v.defaults(k_rows) and "cannot accumulate" in v.check(k_rows, {})
+    for name in ("pull", "push", "push_ws"):  # the fused kernel: both kinds of scales, both forms
         v = ag_gemm.OP.variant(name)
-        assert not v.defaults(rows) and f"FP8 {name} runs tensorwise scales only" in v.check(rows, ag_fused("tile"))
-        assert v.defaults(tensor) and all(v.check(tensor, c) is None and c["BLOCK_K"] >= 32 for c in v.defaults(tensor))
-        assert "too small for FP8" in v.check(tensor, ag_fused("tile", BLOCK_K=16))
+        for p in (rows, tensor, k_rows, k_tensor):
+            assert v.defaults(p) and all(v.check(p, c) is None and c["BLOCK_K"] >= 32 for c in v.defaults(p))
+            assert "too small for FP8" in v.check(p, ag_fused("tile", BLOCK_K=16))
     p = Problem.make("gemm_rs", FP8, 2, M=16, N=32, K=64, scaling="rowwise")
     assert "FP8" in gemm_rs.OP.variant("torch_symm").check(p, {})
 
@@ -297,21 +351,32 @@ def test_fp8_sweeps_defaults_and_features():
     ag = ag_gemm.OP.sweep("fp8", 2)
     assert len(ag) == 2 * len(ag_gemm.OP.sweep("default", 2)) and all(p.dtype == FP8 for p in ag)
     assert all(ag_gemm.OP.variant("bsp").defaults(p) == [{}] for p in ag + ag_gemm.OP.sweep("fp8-cpu", 2))
-    for p in ag + ag_gemm.OP.sweep("fp8-cpu", 2):  # the fused variants: defaults for tensorwise scales, none row-wise
+    for p in ag + ag_gemm.OP.sweep("fp8-cpu", 2):  # the fused variants: defaults for both kinds of scales
         for name in ("pull", "push", "push_ws"):
             configs = ag_gemm.OP.variant(name).defaults(p)
-            assert bool(configs) == (p["scaling"] == "tensorwise"), (name, p)
-            assert all(ag_gemm.OP.variant(name).check(p, c) is None and c["BLOCK_K"] >= 32 for c in configs)
+            assert configs and all(ag_gemm.OP.variant(name).check(p, c) is None and c["BLOCK_K"] >= 32
+                                   for c in configs), (name, p)
     assert f["log2_comm_bytes"] == problem_features(bf16, gemm_rs.OP)["log2_comm_bytes"]  # bf16 partials move
 
 
 # -- GPU: world 2 on one GPU (several ranks per GPU) or two -------------------------------------------
 GPU_DIMS = [{"M": 128, "N": 8192, "K": 8192}, {"M": 1024, "N": 8192, "K": 14336}, {"M": 96, "N": 3008, "K": 4096}]  # N: FP8's multiple of 16, no tile's
+
+
+def _ag_gpu(variants: tuple[str, ...], gather: str, ms: tuple[int, ...]) -> list[harness.Case]:
+    """ag_gemm at N=3584, K=8192, both scalings: each variant at its first default (none: no case)."""
+    cases = []
+    for m in ms:
+        for s in rp.SCALINGS:
+            dims = {"M": m, "N": 3584, "K": 8192, "gather": gather, "scaling": s}
+            problem = Problem.make("ag_gemm", FP8, 2, **dims)
+            cases += [(v, dims, FP8, c) for v in variants for c in ag_gemm.OP.variant(v).defaults(problem)[:1]]
+    return cases
+
+
 GPU_CASES = {
-    "ag_gemm": [(v, {"M": m, "N": 3584, "K": 8192, "gather": "rows", "scaling": s}, FP8, c)
-                for m in (128, 2048) for s in rp.SCALINGS for v in ("bsp", "torch_symm", "heap_mm", "heap_mm_overlap")
-                for c in ag_gemm.OP.variant(v).defaults(Problem.make("ag_gemm", FP8, 2, M=m, N=3584, K=8192,
-                                                                      gather="rows", scaling=s))[:1]],
+    "ag_gemm": _ag_gpu(("bsp", "torch_symm", "heap_mm", "heap_mm_overlap"), "rows", (128, 2048))
+    + _ag_gpu(("bsp", "heap_mm"), "k", (2048,)),
     "gemm_ar": [(v, {**d, "scaling": s}, FP8, c) for d in GPU_DIMS[:1] + GPU_DIMS[2:] for s in rp.SCALINGS
                 for v in ("bsp", "torch_symm_one_shot", "torch_symm_two_shot", "mm_heap", "one_shot",
                           "two_shot")
@@ -319,10 +384,8 @@ GPU_CASES = {
     "gemm_rs": [(v, {**d, "scaling": s}, FP8, c) for d in GPU_DIMS[1:] for s in rp.SCALINGS
                 for v in ("bsp", "mm_heap", "mm_heap_overlap", "push_last", "push_reducer")
                 for c in (gemm_rs.OP.variant(v).defaults(Problem.make("gemm_rs", FP8, 2, **d, scaling=s))[:1])],
-    "ag_gemm_fused": [(v, {"M": m, "N": 3584, "K": 8192, "gather": "rows", "scaling": "tensorwise"}, FP8, c)
-                      for m in (128, 2048) for v in ("pull", "push", "push_ws")
-                      for c in ag_gemm.OP.variant(v).defaults(Problem.make("ag_gemm", FP8, 2, M=m, N=3584, K=8192,
-                                                                            gather="rows", scaling="tensorwise"))[:1]],
+    "ag_gemm_fused": _ag_gpu(("pull", "push", "push_ws"), "rows", (128, 2048)),
+    "ag_gemm_fused_k": _ag_gpu(("pull", "push", "push_ws"), "k", (2048,)),
 }
 
 
@@ -332,6 +395,8 @@ def test_gpu_fp8_variants_eager_and_graph_replay(op):
     """Two ranks (on one GPU with AUTOFUSE_RANKS_PER_GPU=2: gloo, the IPC heap), every FP8-capable
     variant at its first default, eager calls and CUDA-graph replays with new inputs (BSP's replays
     are skipped where ranks share a GPU: gloo cannot be captured; torch_symm's cases are skipped
-    there, with the reason). "ag_gemm_fused": its fused kernels (tensorwise scales), a spawn of their own."""
-    results = spawn(harness.run_cases, 2, OPS[op.removesuffix("_fused")], GPU_CASES[op], 2, device_kind="cuda", timeout_s=900)
+    there, with the reason). "ag_gemm_fused" (rows form) and "ag_gemm_fused_k" (k form): its fused
+    kernels (both scalings), a spawn each."""
+    results = spawn(harness.run_cases, 2, OPS[op.partition("_fused")[0]], GPU_CASES[op], 2, device_kind="cuda",
+                    timeout_s=900)
     harness.assert_ok(results, same_bits=SAME_BITS if op == "gemm_ar" else ())

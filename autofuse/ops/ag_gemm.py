@@ -32,20 +32,31 @@ Variants (`OP.variants`):
 All fused variants of a World share one workspace, `ag_gemm` (one epoch for all of them: calls of
 any fused variant or config may interleave, as long as every rank makes the same calls).
 
-FP8 (`autofuse.ag_gemm(a, b, group=..., scale_a=..., scale_b=...)`, rows form only): A_r
+FP8 (`autofuse.ag_gemm(a, b, group=..., scale_a=..., scale_b=...)`, both forms): A_r
 float8_e4m3fn row-major, B_r stored N x K (b = w.t(), as torch._scaled_mm takes it), bfloat16 out.
-Tensorwise: one 0-dim float32 scale_a that every rank passes alike (one activation scale, as torch's
-fused_all_gather_scaled_matmul assumes) and the rank's scale_b; row-wise: scale_a (M/W x 1) of this
-rank's rows, gathered with them, and scale_b (1 x N). bsp gathers the FP8 A (and row-wise scales)
-with the collective library, then torch._scaled_mm; heap_mm / heap_mm_overlap gather it on the
-heap (row-wise scales: in a heap all-gather of their own, workspace "ag_gemm.hybrid.scales",
-launched before A's on the same stream, so every chunk's scales are there when its wait returns),
-then torch._scaled_mm (per chunk: its rows of the scales); the fused kernels (pull, push, push_ws,
-every layout and FLAG) move the FP8 A over the heap as they move bf16 tiles, read B K-major from
-its N x K storage and scale each summed output tile in the epilogue. The fused kernels take
-tensorwise scales only (the row-wise scales' gather is not built in them: InvalidConfig says so);
-torch_symm calls torch's symm_mem.fused_all_gather_scaled_matmul (gather_dim 0; tensorwise scale_a
-used for every shard, row-wise scale_a gathered with its rows by the op; built, not yet run on a GPU).
+Scales, float32: tensorwise, one 0-dim scale_a that every rank passes alike (one activation scale,
+as torch's fused_all_gather_scaled_matmul assumes) and the rank's 0-dim scale_b; row-wise, scale_a
+(one per row of A_r: M/W x 1 in the rows form, gathered with the rows; M x 1 in the k form) and the
+rank's scale_b (1 x N). In the k form each rank quantises only its K slice, and the slices' products
+sum only under one scale per row of the whole A: the contract is that every rank passes the same
+scale_a (tensorwise or row-wise). It is not checked: comparing the ranks' scales costs a collective
+and a host sync on every call; a rank that breaks it gets its own scale_a applied to the whole sum.
+- bsp gathers the FP8 A (rows form: and the row-wise scales) with the collective library, then
+  torch._scaled_mm.
+- heap_mm / heap_mm_overlap gather it on the heap (rows form, row-wise scales: in a heap all-gather
+  of their own, workspace "ag_gemm.hybrid.scales", launched before A's on the same stream, so every
+  chunk's scales are there when its wait returns), then torch._scaled_mm (per chunk: its rows of
+  the scales). heap_mm_overlap refuses FP8 in the k form: it sums one partial product per peer
+  into out, which torch._scaled_mm cannot accumulate.
+- The fused kernels (pull, push, push_ws, every layout and FLAG, both forms) move the FP8 A over
+  the heap as they move bf16 tiles, read B K-major from its N x K storage and scale each summed
+  output tile in the epilogue. Row-wise scales in the rows form travel with their rows: the
+  producers store my rows' scales into the workspace (after A's data) before each flag that
+  publishes those rows, so the waits a tile makes for its rows cover their scales (no launch or
+  wait of their own); kernels/ag_gemm.py says how.
+- torch_symm calls torch's symm_mem.fused_all_gather_scaled_matmul (rows form, gather_dim 0;
+  tensorwise scale_a used for every shard, row-wise scale_a gathered with its rows by the op; built,
+  not yet run on a GPU); it refuses the k form (InvalidConfig says why).
 """
 from __future__ import annotations
 
@@ -97,8 +108,6 @@ def validate(problem: Problem) -> None:
         raise InvalidInput(f"ag_gemm rows: M={m} is not divisible by the world size {w}")
     if gather == "k" and k % w:
         raise InvalidInput(f"ag_gemm k: K={k} is not divisible by the world size {w}")
-    if problem.dtype == FP8 and gather != "rows":
-        raise InvalidInput("ag_gemm: FP8 takes the rows form only")
     size = problem.torch_dtype.itemsize
     _, c = _shard_shape(problem)
     for what, v in (("N", n), ("K per rank" if gather == "k" else "K", c)):
@@ -137,10 +146,8 @@ def problem_of(world: World, a: torch.Tensor, b: torch.Tensor, scale_a: Any = No
         gather = "rows" if kb == ca else "k" if kb == ca * w else None
     if gather == "rows" and kb == ca:
         problem = Problem.make(NAME, dtype, w, M=ra * w, N=n, K=kb, gather="rows", **extra)
-    elif extra and gather == "k":
-        raise InvalidInput(f"ag_gemm: FP8 takes the rows form (A_r rows gathered), not gather='k' (B has {kb} rows)")
     elif gather == "k" and kb == ca * w:
-        problem = Problem.make(NAME, dtype, w, M=ra, N=n, K=kb, gather="k")
+        problem = Problem.make(NAME, dtype, w, M=ra, N=n, K=kb, gather="k", **extra)
     else:
         raise InvalidInput(
             f"ag_gemm: shapes A {tuple(a.shape)}, B {tuple(b.shape)} do not fit world size {w}: B must have "
@@ -161,11 +168,12 @@ def _rank_inputs(problem: Problem, seed: int, rank: int, device: torch.device) -
         b = torch.randn((problem["K"], problem["N"]), generator=g, device=device, dtype=torch.float32)
         return a, b.to(problem.torch_dtype)
     b = torch.randn((problem["N"], problem["K"]), generator=g, device=device, dtype=torch.float32)
-    if problem["scaling"] == "tensorwise":  # one activation scale on every rank (seeded by the call only)
-        scale_a = torch.rand((), generator=_generator(device, seed, -1), device=device) + 0.5
+    shared = _generator(device, seed, -1)  # scales every rank passes alike (seeded by the call only)
+    if problem["scaling"] == "tensorwise":  # one activation scale on every rank
+        scale_a = torch.rand((), generator=shared, device=device) + 0.5
         scale_b = torch.rand((), generator=g, device=device) + 0.5
-    else:
-        scale_a = torch.rand((r, 1), generator=g, device=device) + 0.5
+    else:  # rows form: this rank's rows' scales; k form: the whole A's rows', alike on every rank
+        scale_a = torch.rand((r, 1), generator=shared if problem["gather"] == "k" else g, device=device) + 0.5
         scale_b = torch.rand((1, problem["N"]), generator=g, device=device) + 0.5
     return a, b.to(problem.torch_dtype).t(), scale_a, scale_b
 
@@ -296,9 +304,6 @@ def flag_units(problem: Problem, config: Config) -> int:
 
 def check(problem: Problem, config: Config, variant: str = "push") -> str | None:
     """The reason `config` cannot run `problem` with the fused `variant`, or None."""
-    if problem.dtype == FP8 and problem.get("scaling") != "tensorwise":
-        return (f"FP8 {variant} runs tensorwise scales only (the row-wise scales' gather is not built in the fused "
-                "kernel; bsp runs them)")
     if not isinstance(config, dict):
         return f"a config is a dict, got {type(config).__name__}"
     missing = [k for k in ("FLAG", "COMM_SMS") if k not in config]
@@ -475,8 +480,9 @@ def _specs(problem: Problem) -> tuple[list[TensorSpec], TensorSpec]:
 class FusedRunner(Runner):
     """One launch of kernels/ag_gemm.py's kernel per call; epochs, flags and data stay on the device.
 
-    The workspace `ag_gemm` holds 2 x W x R x C elements of data (the slots, or the gathered A)
-    and 2 x (W counts + unit flags) flags. The runner owns the float32 split-K partial tiles, the
+    The workspace `ag_gemm` holds 2 x W x R x C elements of data (the slots, or the gathered A;
+    FP8 row-wise in the rows form: then, 16-byte aligned, the W x R gathered float32 scale_a) and
+    2 x (W counts + unit flags) flags. The runner owns the float32 split-K partial tiles, the
     per-tile arrival counts and push_ws's ticket counters (local memory: no peer reads them; the
     kernel leaves every count at 0, so calls and CUDA-graph replays need no clearing).
     """
@@ -489,10 +495,15 @@ class FusedRunner(Runner):
         w, n, dt = problem.world, problem["N"], problem.torch_dtype
         layout = config.get("LAYOUT", "shard")
         cfg = gemm.GemmConfig.from_dict(config)
-        ws = workspace(world, NAME, data_bytes=w * r * c * dt.itemsize, flags=flag_units(problem, config) + w)
+        a_bytes = w * r * c * dt.itemsize
+        scales_at = cdiv(a_bytes, 16) * 16  # FP8 row-wise, rows form: the gathered scale_a (W*R float32) after A
+        row_scales = problem.get("scaling") == "rowwise" and problem["gather"] == "rows"
+        ws = workspace(world, NAME, data_bytes=scales_at + w * r * 4 if row_scales else a_bytes,
+                       flags=flag_units(problem, config) + w)
         super().__init__(world, problem, inputs, out, workspaces=(ws,))
         self.ws, self.kernel, self.tma = ws, kernels.ag_gemm_kernel, cfg.TMA
         self.data, self.data_half = ws.data_view(dt)
+        self.scales = ws.data_view(torch.float32, scales_at)[0] if row_scales else self.data  # any pointer otherwise
         if layout == "gathered" and problem["gather"] == "rows":
             row_tiles = cdiv(problem["M"], cfg.BLOCK_M)
         else:  # row blocks of a shard (rows form: of every shard)
@@ -524,13 +535,14 @@ class FusedRunner(Runner):
             if (a.data_ptr() | b.data_ptr() | out.data_ptr()) & 15:
                 raise InvalidInput(f"{NAME}: A, B and out must start at 16-byte aligned addresses (TMA)")
             gemm.ensure_allocator()  # per thread: autograd's backward launches from its own
-        sa, sb = scales or (out, out)  # FP8's tensorwise scales; unused by the kernel otherwise
-        self.kernel[self.grid](a, b, out, sa, sb, self.data, self.ws.flags, self.partials, self.counts, self.ws.ctx,
-                               *self.args, **self.meta)
+        sa, sb = scales or (out, out)  # FP8's scales; unused by the kernel otherwise
+        self.kernel[self.grid](a, b, out, sa, sb, self.data, self.scales, self.ws.flags, self.partials, self.counts,
+                               self.ws.ctx, *self.args, **self.meta)
 
 
 class BspRunner(Runner):
-    """dist.all_gather_into_tensor into a preallocated buffer (k form: reordered to M x K), torch.matmul."""
+    """dist.all_gather_into_tensor into a preallocated buffer (k form: reordered to M x K), torch.matmul
+    (FP8: torch._scaled_mm)."""
 
     def __init__(self, world: World, problem: Problem):
         inputs, out = _specs(problem)
@@ -540,7 +552,7 @@ class BspRunner(Runner):
         dt, dev = problem.torch_dtype, world.device
         self.gathered = torch.empty((w * r, c), dtype=dt, device=dev)  # shard s at rows s*r..
         self.full = self.gathered if problem["gather"] == "rows" else torch.empty((m, k), dtype=dt, device=dev)
-        rowwise = problem.get("scaling") == "rowwise"
+        rowwise = problem.get("scaling") == "rowwise" and problem["gather"] == "rows"  # k form: scales are whole
         self.scales = torch.empty((w * r, 1), dtype=torch.float32, device=dev) if rowwise else None
 
     def gathered_input(self) -> torch.Tensor:
@@ -553,13 +565,12 @@ class BspRunner(Runner):
             if self.scales is not None:
                 self.world.collective(dist.all_gather_into_tensor, self.scales, scales[0], what="ag_gemm.bsp")
                 scales = (self.scales, scales[1])
-            gemm.vendor_mm(self.gathered, b, scales, out)
-            return
-        self.world.collective(dist.all_gather_into_tensor, self.gathered, a, what="ag_gemm.bsp")
+        else:
+            self.world.collective(dist.all_gather_into_tensor, self.gathered, a, what="ag_gemm.bsp")
         if self.problem["gather"] == "k":
             w, m, c = self.problem.world, self.problem["M"], a.shape[1]
             self.full.view(m, w, c).copy_(self.gathered.view(w, m, c).transpose(0, 1))
-        torch.matmul(self.full, b, out=out)
+        gemm.vendor_mm(self.full, b, scales, out)
 
 
 class SymmRunner(Runner):
@@ -615,9 +626,10 @@ class _AGRunner(Runner):
         dt = problem.torch_dtype
         self.ag, self.overlap, self.rows_form = ag, overlap, problem["gather"] == "rows"
         rowwise = problem.get("scaling") == "rowwise"
-        # FP8 row-wise: the scales' own heap all-gather (M/W x 1 float32; its own workspaces, its defaults)
+        # FP8 row-wise, rows form: the scales' own heap all-gather (M/W x 1 float32; its own workspaces, its
+        # defaults); the k form's scale_a already covers every row
         self.scales = (collectives.all_gather(world, ag.rows, 1, torch.float32, name=f"{NAME}.hybrid.scales")
-                       if rowwise else None)
+                       if rowwise and self.rows_form else None)
         self.streams = hybrid.Streams(world.device, priority)
         r = world.rank
         if self.rows_form:
@@ -688,6 +700,9 @@ class _AGVariant(hybrid.HybridVariant):
             return f"rows form: M={m} is not divisible by the world size {w}"
         if gather == "k" and k % w:
             return f"k form: K={k} is not divisible by the world size {w}"
+        if gather == "k" and self.overlap and problem.dtype == FP8:
+            return ("FP8 k form: the overlap sums a partial product per peer into out, and torch._scaled_mm cannot "
+                    "accumulate (heap_mm, bsp and the fused kernels run it)")
         return None
 
     def runner(self, world: World, problem: Problem, config: Config) -> Runner:
