@@ -9,9 +9,10 @@ maps op name -> Op.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Protocol, Sequence
 
 import torch
 
@@ -175,9 +176,12 @@ class Variant:
     def build(self, world: World, problem: Problem, config: Config) -> "Runner":
         """Check, then build this variant's runner for `problem` on `world` (collective).
 
-        Built outside inference mode whatever the caller's mode: a runner's buffers outlive the call
-        that built it, and buffers made under `torch.inference_mode()` (an inference server's warm-up)
-        could not be written by later calls made outside it."""
+        Built outside inference mode and outside any CUDA graph's memory pool whatever the caller's
+        state: a runner's buffers outlive the call that built it, and buffers made under
+        `torch.inference_mode()` (an inference server's warm-up) could not be written by later calls
+        made outside it, while buffers made during torch.compile's CUDA-graph warm-up
+        (mode="reduce-overhead") would sit in the graph's private pool, untracked, which torch refuses
+        ("tensor(s) in the cudagraph pool not tracked as outputs")."""
         if problem.world != world.size:
             raise InvalidInput(f"{problem.op}: problem is for {problem.world} ranks, this World has {world.size}")
         why = self.unavailable(world)
@@ -186,11 +190,37 @@ class Variant:
         reason = self.check(problem, config)
         if reason:
             raise InvalidConfig(f"{problem.op}.{self.name}: {reason}")
-        with torch.inference_mode(False):
+        with torch.inference_mode(False), outside_graph_pool(world.device):
             return self.runner(world, problem, dict(config))
 
     def __repr__(self) -> str:
         return f"<{self.family} variant {self.name}>"
+
+
+_BUILD_STREAMS: dict[int, Any] = {}
+
+
+@contextlib.contextmanager
+def outside_graph_pool(device: torch.device) -> Iterator[None]:
+    """Run the body's CUDA work and allocations on a side stream of `device`, ordered after and
+    before the current stream: a CUDA graph's private pool (torch.compile's cudagraph trees route
+    the current stream's allocations to it during warm-up) does not take the side stream's, so
+    what the body allocates lives in the caching allocator's ordinary pool. A no-op off CUDA and
+    while the current stream is being captured (dispatch builds nothing then)."""
+    if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+        yield
+        return
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    side = _BUILD_STREAMS.get(index)
+    if side is None:
+        side = _BUILD_STREAMS[index] = torch.cuda.Stream(index)
+    current = torch.cuda.current_stream(index)
+    side.wait_stream(current)
+    try:
+        with torch.cuda.stream(side):
+            yield
+    finally:
+        current.wait_stream(side)
 
 
 @dataclass
