@@ -633,7 +633,8 @@ def ag_gemm_kernel(a, b, c, scale_a, scale_b, data, scales, flags, partials, cou
     epoch, healthy = shmem.epoch_begin(ctx)
     parity = shmem.parity(epoch)
     data_p = data + tl.cast(parity, tl.int64) * data_half
-    scales_p = scales + tl.cast(parity, tl.int64) * (data_half * (data.dtype.element_ty.primitive_bitwidth // 8) // 4)
+    DATA_BYTES: tl.constexpr = data.dtype.element_ty.primitive_bitwidth // 8
+    scales_p = scales + tl.cast(parity, tl.int64) * data_half * DATA_BYTES // 4  # parity halves as data's
     counts_p = flags + parity * flags_half
     flags_p = counts_p + ctx.world
     pid = tl.program_id(0)
