@@ -5,14 +5,13 @@ collective on the bfloat16 result), the hybrids (the same beside a heap collecti
 fused variant; ag_gemm's bsp (the FP8 A gathered, row-wise scales with their rows), heap hybrids
 (row-wise scales over a heap gather of their own) and fused kernels (pull, push, push_ws, every
 layout and FLAG, both scalings: row-wise scales carried with their rows), in both forms (the k
-form: scale_a the same on every rank; heap_mm_overlap refuses it), a fault in the row-wise fused
-kernel; against the float64 product of each rank's FP8 values times its scales, summed over
-ranks (rp.full_product); bitwise equal across ranks where they sum in rank order. The public
-call `autofuse.gemm_ar(a, b, group=..., scale_a=..., scale_b=...)` through dispatch. Clear errors:
-e5m2, missing or misshapen scales, b not stored N x K, scales on bf16, and what does not run FP8
-(heap_mm_overlap's k form; gemm_rs's torch_symm, ag_gemm's in the k form). The torch_symm (peer)
-variants of gemm_ar and ag_gemm: their checks, and their runners on CPU ranks with torch's CUDA-only
-symm_mem ops stood in for (tests/_symm_cpu.py).
+form: scale_a the same on every rank), a fault in the row-wise fused kernel; against the float64
+product of each rank's FP8 values times its scales, summed over ranks (rp.full_product); bitwise
+equal across ranks where they sum in rank order. The public call `autofuse.gemm_ar(a, b,
+group=..., scale_a=..., scale_b=...)` through dispatch. Clear errors: e5m2, missing or misshapen
+scales, b not stored N x K, scales on bf16, and what does not run FP8 (gemm_rs's torch_symm,
+ag_gemm's in the k form). The torch_symm (peer) variants of gemm_ar and ag_gemm: their checks, and
+their runners on CPU ranks with torch's CUDA-only symm_mem ops stood in for (tests/_symm_cpu.py).
 
 GPU (`pytest -m gpu tests/test_fp8_ops.py`, world 2 on one GPU, two ranks per GPU where the
 machine has one GPU): the same variants at model sizes (ag_gemm: both forms), eager and under
@@ -95,10 +94,12 @@ CPU_CASES["ag_gemm"] = [
     ("push_ws", AG_R, FP8, ag_fused("shard", "gathered", SWAP_AB=True, TMA=False)),
     ("push_ws", AG_R_ODD, FP8, ag_fused("tile", comm=1)),
     *default_cases(ag_gemm.OP, "push_ws", AG_R, FP8, pick=1),
-    # the k form: bsp, heap_mm and the fused kernels, both scalings (no scales move)
+    # the k form: bsp, the hybrids and the fused kernels, both scalings (no scales move)
     ("bsp", AG_KT, FP8, {}),
     ("bsp", AG_KR, FP8, {}),
     *default_cases(ag_gemm.OP, "heap_mm", AG_KR, FP8, pick=1),
+    *default_cases(ag_gemm.OP, "heap_mm_overlap", AG_KR, FP8, pick=slice(0, 3, 2)),  # FLAG shard, row_block
+    *default_cases(ag_gemm.OP, "heap_mm_overlap", AG_KT, FP8, pick=1),
     ("pull", AG_KR, FP8, ag_fused("row_block")),
     ("push", AG_KT, FP8, ag_fused("tile", "gathered", SPLIT_K=2)),
     ("push_ws", AG_KR, FP8, ag_fused("shard", SWAP_AB=True, TMA=False)),
@@ -133,7 +134,8 @@ def _four(world) -> list:
                  (("pull", "shard", "shard"), ("push", "row_block", "gathered"), ("push_ws", "tile", "shard"))]
     ag_k = {"M": 8, "N": 32, "K": 128, "gather": "k", "scaling": "rowwise"}  # 32 columns a rank
     ag_cases += [("bsp", ag_k, FP8, {}), ("push", ag_k, FP8, ag_fused("shard", "gathered")),
-                 ("pull", {**ag_k, "scaling": "tensorwise"}, FP8, ag_fused("tile"))]
+                 ("pull", {**ag_k, "scaling": "tensorwise"}, FP8, ag_fused("tile")),
+                 *default_cases(ag_gemm.OP, "heap_mm_overlap", ag_k, FP8, pick=slice(2, 3), world=4)]
     ag_cases += [c for v, pick in (("heap_mm", 1), ("heap_mm_overlap", slice(2, 3)))
                  for c in default_cases(ag_gemm.OP, v, ag_rows, FP8, pick=pick, world=4)]
     return harness.run_cases(world, gemm_rs.OP, [("push_last", dims, FP8, tiny(**FP8_TINY, PARTIAL="out")),
@@ -274,12 +276,10 @@ def test_ag_gemm_fp8_problems_and_what_does_not_run_fp8_says_so():
     tensor = Problem.make("ag_gemm", FP8, 2, M=16, N=32, K=64, gather="rows", scaling="tensorwise")
     k_rows = Problem.make("ag_gemm", FP8, 2, M=16, N=32, K=64, gather="k", scaling="rowwise")
     k_tensor = Problem.make("ag_gemm", FP8, 2, M=16, N=32, K=64, gather="k", scaling="tensorwise")
-    for name in ("heap_mm", "heap_mm_overlap"):  # the hybrids: both kinds of scales
+    for name in ("heap_mm", "heap_mm_overlap"):  # the hybrids: both kinds of scales, both forms
         v = ag_gemm.OP.variant(name)
-        for p in (rows, tensor) + ((k_rows, k_tensor) if name == "heap_mm" else ()):
+        for p in (rows, tensor, k_rows, k_tensor):
             assert v.defaults(p) and all(v.check(p, c) is None for c in v.defaults(p))
-    v = ag_gemm.OP.variant("heap_mm_overlap")  # its k form sums partial products: not with torch._scaled_mm
-    assert not v.defaults(k_rows) and "cannot accumulate" in v.check(k_rows, {})
     for name in ("pull", "push", "push_ws"):  # the fused kernel: both kinds of scales, both forms
         v = ag_gemm.OP.variant(name)
         for p in (rows, tensor, k_rows, k_tensor):
@@ -376,7 +376,7 @@ def _ag_gpu(variants: tuple[str, ...], gather: str, ms: tuple[int, ...]) -> list
 
 GPU_CASES = {
     "ag_gemm": _ag_gpu(("bsp", "torch_symm", "heap_mm", "heap_mm_overlap"), "rows", (128, 2048))
-    + _ag_gpu(("bsp", "heap_mm"), "k", (2048,)),
+    + _ag_gpu(("bsp", "heap_mm", "heap_mm_overlap"), "k", (2048,)),
     "gemm_ar": [(v, {**d, "scaling": s}, FP8, c) for d in GPU_DIMS[:1] + GPU_DIMS[2:] for s in rp.SCALINGS
                 for v in ("bsp", "torch_symm_one_shot", "torch_symm_two_shot", "mm_heap", "one_shot",
                           "two_shot")

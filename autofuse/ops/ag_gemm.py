@@ -46,8 +46,9 @@ and a host sync on every call; a rank that breaks it gets its own scale_a applie
 - heap_mm / heap_mm_overlap gather it on the heap (rows form, row-wise scales: in a heap all-gather
   of their own, workspace "ag_gemm.hybrid.scales", launched before A's on the same stream, so every
   chunk's scales are there when its wait returns), then torch._scaled_mm (per chunk: its rows of
-  the scales). heap_mm_overlap refuses FP8 in the k form: it sums one partial product per peer
-  into out, which torch._scaled_mm cannot accumulate.
+  the scales). heap_mm_overlap's k form adds one partial product per peer into out; torch._scaled_mm
+  cannot accumulate, so in FP8 each chunk's product lands in a bfloat16 buffer of the runner's
+  (M x N) first, then adds (out rounded once per peer, as in bf16).
 - The fused kernels (pull, push, push_ws, every layout and FLAG, both forms) move the FP8 A over
   the heap as they move bf16 tiles, read B K-major from its N x K storage and scale each summed
   output tile in the epilogue. Row-wise scales in the rows form travel with their rows: the
@@ -637,6 +638,9 @@ class _AGRunner(Runner):
         else:
             self.mine = slice(r * ag.cols, (r + 1) * ag.cols)
         self.parts = [(i, *ag.rows_of(c)) for i, c in enumerate(ag.chunks)]
+        # FP8 k form, overlapped: torch._scaled_mm cannot accumulate, so a chunk's product lands here, then adds
+        self.part = (torch.empty((m, n), dtype=problem.out_dtype, device=world.device)
+                     if overlap and not self.rows_form and problem.dtype == FP8 else None)
         specs = [TensorSpec("a", (ag.rows, ag.cols), dt), TensorSpec("b", (k, n), dt, "dense")]
         if problem.dtype == FP8:
             specs += [TensorSpec("scale_a", (ag.rows, 1) if rowwise else (), torch.float32),
@@ -673,10 +677,14 @@ class _AGRunner(Runner):
                 ag.wait(i)
                 gemm.vendor_mm(g[rows], b, gemm.scale_rows(gathered, rows), out[rows])
         else:
-            torch.matmul(a, b[self.mine], out=out)
+            gemm.vendor_mm(a, b[self.mine], scales, out)
             for i, rows, cols in self.parts:
                 ag.wait(i)
-                out[rows].addmm_(g[rows, cols], b[cols])
+                if self.part is None:
+                    out[rows].addmm_(g[rows, cols], b[cols])
+                else:
+                    gemm.vendor_mm(g[rows, cols], b[cols], gemm.scale_rows(scales, rows), self.part[rows])
+                    out[rows] += self.part[rows]
         st.join()
 
 
@@ -700,9 +708,6 @@ class _AGVariant(hybrid.HybridVariant):
             return f"rows form: M={m} is not divisible by the world size {w}"
         if gather == "k" and k % w:
             return f"k form: K={k} is not divisible by the world size {w}"
-        if gather == "k" and self.overlap and problem.dtype == FP8:
-            return ("FP8 k form: the overlap sums a partial product per peer into out, and torch._scaled_mm cannot "
-                    "accumulate (heap_mm, bsp and the fused kernels run it)")
         return None
 
     def runner(self, world: World, problem: Problem, config: Config) -> Runner:

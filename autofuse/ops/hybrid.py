@@ -18,8 +18,11 @@ ag_gemm (dims M, N, K, gather; rank r holds A_r and B_r, returns M x N):
                      "shard": one chunk per peer; "row_block": CHUNKS row blocks per peer) a device
                      wait on the compute stream and that chunk's matmul (rows: its out rows;
                      k: out rows += chunk @ B[its K block], so out is rounded once per peer).
-    FP8 (rows form): torch._scaled_mm instead of torch.matmul; row-wise scale_a moves in a heap
-                     all-gather of its own ("ag_gemm.hybrid.scales"), launched just before A's.
+    FP8              torch._scaled_mm instead of torch.matmul. Rows form: row-wise scale_a moves
+                     in a heap all-gather of its own ("ag_gemm.hybrid.scales"), launched just
+                     before A's. k form (scale_a alike on every rank, nothing to gather):
+                     heap_mm_overlap's chunk products land in a bfloat16 buffer, then add to out
+                     (torch._scaled_mm cannot accumulate).
 gemm_rs (dims M, N, K; rank r holds A_r (M x K/W), B_r (K/W x N), returns rows r of the sum):
     mm_heap          torch.matmul into a fixed local partial, then the heap reduce-scatter.
     mm_heap_overlap  the matmul in row chunks, owners' rows first (FLAG shard: one chunk per
