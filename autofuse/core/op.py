@@ -9,10 +9,10 @@ maps op name -> Op.
 """
 from __future__ import annotations
 
-import contextlib
 import json
+import threading
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol, Sequence, TypeVar
 
 import torch
 
@@ -190,37 +190,42 @@ class Variant:
         reason = self.check(problem, config)
         if reason:
             raise InvalidConfig(f"{problem.op}.{self.name}: {reason}")
-        with torch.inference_mode(False), outside_graph_pool(world.device):
-            return self.runner(world, problem, dict(config))
+        with torch.inference_mode(False):
+            return outside_graph_pool(world.device, lambda: self.runner(world, problem, dict(config)))
 
     def __repr__(self) -> str:
         return f"<{self.family} variant {self.name}>"
 
 
-_BUILD_STREAMS: dict[int, Any] = {}
+T = TypeVar("T")
 
 
-@contextlib.contextmanager
-def outside_graph_pool(device: torch.device) -> Iterator[None]:
-    """Run the body's CUDA work and allocations on a side stream of `device`, ordered after and
-    before the current stream: a CUDA graph's private pool (torch.compile's cudagraph trees route
-    the current stream's allocations to it during warm-up) does not take the side stream's, so
-    what the body allocates lives in the caching allocator's ordinary pool. A no-op off CUDA and
-    while the current stream is being captured (dispatch builds nothing then)."""
+def outside_graph_pool(device: torch.device, fn: Callable[[], T]) -> T:
+    """fn() with its CUDA allocations in the caching allocator's ordinary pool, never in a CUDA
+    graph's private pool: torch.compile's cudagraph trees route every allocation of the *thread*
+    that warms a graph up to that pool (torch._C._cuda_beginAllocateCurrentThreadToPool), so on
+    CUDA fn runs in a short-lived thread of its own, on the caller's device and stream (its kernels
+    and collectives stay ordered as if called inline) and outside inference mode; the caller waits
+    for it and gets its result or its exception. Called inline off CUDA and while the stream is
+    captured (dispatch builds nothing then)."""
     if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
-        yield
-        return
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    side = _BUILD_STREAMS.get(index)
-    if side is None:
-        side = _BUILD_STREAMS[index] = torch.cuda.Stream(index)
-    current = torch.cuda.current_stream(index)
-    side.wait_stream(current)
-    try:
-        with torch.cuda.stream(side):
-            yield
-    finally:
-        current.wait_stream(side)
+        return fn()
+    stream = torch.cuda.current_stream(device)
+    outcome: dict[str, Any] = {}
+
+    def work() -> None:
+        try:
+            with torch.cuda.device(stream.device), torch.cuda.stream(stream), torch.inference_mode(False):
+                outcome["value"] = fn()
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=work, name="autofuse-build")
+    thread.start()
+    thread.join()
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"]
 
 
 @dataclass
