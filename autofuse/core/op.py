@@ -10,6 +10,7 @@ maps op name -> Op.
 from __future__ import annotations
 
 import json
+import sys
 import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol, Sequence, TypeVar
@@ -207,8 +208,10 @@ def outside_graph_pool(device: torch.device, fn: Callable[[], T]) -> T:
     CUDA fn runs in a short-lived thread of its own, on the caller's device and stream (its kernels
     and collectives stay ordered as if called inline) and outside inference mode; the caller waits
     for it and gets its result or its exception. Called inline off CUDA and while the stream is
-    captured (dispatch builds nothing then)."""
-    if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+    captured (dispatch builds nothing then), and in processes that never loaded torch.compile's
+    CUDA-graph trees (no pool to escape)."""
+    if (device.type != "cuda" or "torch._inductor.cudagraph_trees" not in sys.modules
+            or torch.cuda.is_current_stream_capturing()):
         return fn()
     stream = torch.cuda.current_stream(device)
     outcome: dict[str, Any] = {}
