@@ -189,3 +189,18 @@ def test_parse_size():
             heap_mod.parse_size(tiny)
     with pytest.raises(ValueError):
         heap_mod.parse_size("lots")
+
+
+def test_in_own_thread_returns_or_raises_in_the_caller():
+    """Variant.build's escape from a CUDA graph's pool (core.op.outside_graph_pool) runs the build in
+    a thread of its own: its result comes back, its exception is raised in the caller, and it ran off
+    the caller's thread; off CUDA the build runs inline."""
+    import threading
+
+    from autofuse.core.op import in_own_thread, outside_graph_pool
+
+    caller = threading.get_ident()
+    assert in_own_thread(lambda: threading.get_ident()) != caller
+    with pytest.raises(KeyError, match="lost"):
+        in_own_thread(lambda: {}["lost"])
+    assert outside_graph_pool(torch.device("cpu"), lambda: threading.get_ident()) == caller

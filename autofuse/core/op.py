@@ -214,12 +214,21 @@ def outside_graph_pool(device: torch.device, fn: Callable[[], T]) -> T:
             or torch.cuda.is_current_stream_capturing()):
         return fn()
     stream = torch.cuda.current_stream(device)
+
+    def on_callers_stream() -> T:
+        with torch.cuda.device(stream.device), torch.cuda.stream(stream), torch.inference_mode(False):
+            return fn()
+
+    return in_own_thread(on_callers_stream)
+
+
+def in_own_thread(fn: Callable[[], T]) -> T:
+    """fn() run in a new thread while the caller waits: its result, or its exception raised here."""
     outcome: dict[str, Any] = {}
 
     def work() -> None:
         try:
-            with torch.cuda.device(stream.device), torch.cuda.stream(stream), torch.inference_mode(False):
-                outcome["value"] = fn()
+            outcome["value"] = fn()
         except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
             outcome["error"] = exc
 
