@@ -8,13 +8,17 @@ every call's arguments against the schema, as on a GPU) and lets the variants ru
 - `fused_all_gather_scaled_matmul`: torch's fallback restated with the gathers moving bytes (gloo
   has no float8), A's scale read by torch's own scale-mode rule as the CUDA kernel reads it (a scale
   it would take for another mode than meant gives a wrong result or an error here too);
+- `fused_matmul_reduce_scatter`, `fused_scaled_matmul_reduce_scatter`: torch's own CUDA kernels
+  (the Python that runs on a GPU: A split into row chunks, a row-wise A_scale checked against A's
+  rows and split with them, the chunks' products exchanged, summed and shaped), with only the
+  symmetric-memory exchange they call, `_pipelined_produce_and_all2all`, stood in for by byte gathers;
 - `symm.empty` makes a plain tensor and `symm.rendezvous` does nothing.
 What this cannot check: the CUDA kernels themselves, their pipelining and CUDA-graph capture.
 """
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from typing import Callable, Iterator
 from unittest import mock
 
 import torch
@@ -45,6 +49,22 @@ def _gather_rows(t: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     return out
 
 
+def _produce_and_all2all(chunk_producer: Callable[[int, torch.Tensor], None], output: torch.Tensor,
+                         group_name: str, out_chunk_dim: int = 0) -> None:
+    """torch's `_pipelined_produce_and_all2all` without symmetric memory: this rank produces every
+    destination rank's chunk, the ranks gather them all (as bytes), and output's chunk q is what rank q
+    produced for this rank (the all-to-all its docstring states)."""
+    group = c10d._resolve_process_group(group_name)
+    w, me = group.size(), group.rank()
+    out_chunks = output.chunk(w, dim=out_chunk_dim)
+    mine = torch.empty((w, *out_chunks[0].shape), dtype=output.dtype, device=output.device)
+    for dst in range(w):
+        chunk_producer(dst, mine[dst])
+    every = _gather_rows(mine, group)  # rank q's chunk for rank d at q * w + d
+    for q, chunk in enumerate(out_chunks):
+        chunk.copy_(every[q * w + me])
+
+
 def _scaled(a_shard: torch.Tensor, bs: list, a_scale: torch.Tensor, b_scales: list, gather_dim: int,
             group_name: str, biases: list, result_scales: list, out_dtypes: list, use_fast_accum: list
             ) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -70,15 +90,19 @@ def _register() -> None:
     lib.impl("two_shot_all_reduce_", _two_shot, "CPU")
     lib.impl("fused_all_gather_matmul", symm._fused_all_gather_matmul_fallback, "CPU")
     lib.impl("fused_all_gather_scaled_matmul", _scaled, "CPU")
+    lib.impl("fused_matmul_reduce_scatter", symm._fused_matmul_reduce_scatter, "CPU")
+    lib.impl("fused_scaled_matmul_reduce_scatter", symm._fused_scaled_matmul_reduce_scatter, "CPU")
     _registered.append(lib)
 
 
 @contextlib.contextmanager
 def stand_ins(*modules: object) -> Iterator[None]:
-    """CPU kernels for the symm_mem ops (kept for the process), plain tensors for symm.empty, and
-    `torch_symm_unavailable` answering None in each of `modules` (the op modules) while inside."""
+    """CPU kernels for the symm_mem ops (kept for the process; the reduce-scatters' exchange is stood in
+    for only while inside), plain tensors for symm.empty, and `torch_symm_unavailable` answering None
+    in each of `modules` (the op modules) while inside."""
     _register()
     with contextlib.ExitStack() as stack:
+        stack.enter_context(mock.patch.object(symm, "_pipelined_produce_and_all2all", _produce_and_all2all))
         stack.enter_context(mock.patch.object(symm, "empty", lambda shape, dtype, device: torch.empty(
             shape, dtype=dtype, device=device)))
         stack.enter_context(mock.patch.object(symm, "rendezvous", lambda t, group: None))

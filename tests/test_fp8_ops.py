@@ -9,13 +9,13 @@ form: scale_a the same on every rank), a fault in the row-wise fused kernel; aga
 product of each rank's FP8 values times its scales, summed over ranks (rp.full_product); bitwise
 equal across ranks where they sum in rank order. The public call `autofuse.gemm_ar(a, b,
 group=..., scale_a=..., scale_b=...)` through dispatch. Clear errors: e5m2, missing or misshapen
-scales, b not stored N x K, scales on bf16, and what does not run FP8 (gemm_rs's torch_symm,
-ag_gemm's in the k form). The torch_symm (peer) variants of gemm_ar and ag_gemm: their checks, and
-their runners on CPU ranks with torch's CUDA-only symm_mem ops stood in for (tests/_symm_cpu.py).
+scales, b not stored N x K, scales on bf16, and what does not run FP8 (ag_gemm's torch_symm in the
+k form). The torch_symm (peer) variants of gemm_ar, gemm_rs and ag_gemm: their checks, and their
+runners on CPU ranks (2 and 4) with torch's CUDA-only symm_mem ops stood in for (tests/_symm_cpu.py).
 
 GPU (`pytest -m gpu tests/test_fp8_ops.py`, world 2 on one GPU, two ranks per GPU where the
 machine has one GPU): the same variants at model sizes (ag_gemm: both forms), eager and under
-CUDA-graph replay, with gemm_ar's and ag_gemm's torch_symm (skipped with the reason where ranks
+CUDA-graph replay, with the torch_symm variants of all three (skipped with the reason where ranks
 share a GPU: torch's symmetric memory needs a GPU per rank).
 """
 from __future__ import annotations
@@ -285,13 +285,11 @@ def test_ag_gemm_fp8_problems_and_what_does_not_run_fp8_says_so():
         for p in (rows, tensor, k_rows, k_tensor):
             assert v.defaults(p) and all(v.check(p, c) is None and c["BLOCK_K"] >= 32 for c in v.defaults(p))
             assert "too small for FP8" in v.check(p, ag_fused("tile", BLOCK_K=16))
-    p = Problem.make("gemm_rs", FP8, 2, M=16, N=32, K=64, scaling="rowwise")
-    assert "FP8" in gemm_rs.OP.variant("torch_symm").check(p, {})
 
 
 def test_torch_symm_checks_take_fp8_of_both_scalings():
-    """The peer variants of gemm_ar and ag_gemm accept FP8 problems of either scaling (no config);
-    ag_gemm's refuses the k form (its scaled op is wired with gather_dim 0) and every config."""
+    """The peer variants of gemm_ar, gemm_rs and ag_gemm accept FP8 problems of either scaling (no
+    config); ag_gemm's refuses the k form (its scaled op is wired with gather_dim 0) and every config."""
     symm = ag_gemm.OP.variant("torch_symm")
     for s in rp.SCALINGS:
         p = Problem.make("ag_gemm", FP8, 2, M=16, N=32, K=64, gather="rows", scaling=s)
@@ -301,26 +299,34 @@ def test_torch_symm_checks_take_fp8_of_both_scalings():
             p = Problem.make("gemm_ar", FP8, 2, M=16, N=32, K=64, scaling=s)
             assert gemm_ar.OP.variant(name).check(p, {}) is None
             assert "takes no config" in gemm_ar.OP.variant(name).check(p, {"ALGO": "one_shot"})
+        rs = gemm_rs.OP.variant("torch_symm")
+        p = Problem.make("gemm_rs", FP8, 2, M=16, N=32, K=64, scaling=s)
+        assert rs.check(p, {}) is None and rs.defaults(p) == [{}]
+        assert "takes no config" in rs.check(p, {"BLOCK_M": 64})
     k_form = Problem.make("ag_gemm", FP8, 2, M=16, N=32, K=64, gather="k", scaling="tensorwise")
     assert "rows form only" in symm.check(k_form, {})
 
 
 def _symm_on_cpu(world) -> dict:
     """The torch_symm runners on CPU ranks, torch's symm_mem ops stood in for (tests/_symm_cpu.py):
-    FP8 of both scalings, and bf16 beside them."""
+    FP8 of both scalings, and bf16 beside them. gemm_rs's rows a rank (10 at 2 ranks, 5 at 4) leave
+    the row-wise scales' chunks off 16-byte alignment, so torch's op copies them."""
     import _symm_cpu
 
     cases = {"gemm_ar": [(v, {**ODD, "scaling": s}, FP8, {}) for v in ("torch_symm_one_shot", "torch_symm_two_shot")
                          for s in rp.SCALINGS] + [("torch_symm_two_shot", ODD, "bfloat16", {})],
+             "gemm_rs": [("torch_symm", {**ODD, "scaling": s}, FP8, {}) for s in rp.SCALINGS]
+             + [("torch_symm", ODD, "bfloat16", {})],
              "ag_gemm": [("torch_symm", AG_T, FP8, {}), ("torch_symm", AG_R, FP8, {}),
                          ("torch_symm", AG, "bfloat16", {})]}
-    with _symm_cpu.stand_ins(gemm_ar, ag_gemm):
+    with _symm_cpu.stand_ins(gemm_ar, gemm_rs, ag_gemm):
         return {name: harness.run_cases(world, OPS[name], c, calls=2) for name, c in cases.items()}
 
 
-def test_torch_symm_fp8_wiring_on_cpu_stand_ins():
-    results = spawn(_symm_on_cpu, 2, device_kind="cpu", timeout_s=300)
-    for op in ("gemm_ar", "ag_gemm"):
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_torch_symm_fp8_wiring_on_cpu_stand_ins(ranks):
+    results = spawn(_symm_on_cpu, ranks, device_kind="cpu", timeout_s=300)
+    for op in ("gemm_ar", "gemm_rs", "ag_gemm"):
         harness.assert_ok([rank[op] for rank in results])
         assert all(row[1] is not None for rank in results for row in rank[op])  # no case skipped
 
@@ -382,7 +388,7 @@ GPU_CASES = {
                           "two_shot")
                 for c in (gemm_ar.OP.variant(v).defaults(Problem.make("gemm_ar", FP8, 2, **d, scaling=s))[:1])],
     "gemm_rs": [(v, {**d, "scaling": s}, FP8, c) for d in GPU_DIMS[1:] for s in rp.SCALINGS
-                for v in ("bsp", "mm_heap", "mm_heap_overlap", "push_last", "push_reducer")
+                for v in ("bsp", "torch_symm", "mm_heap", "mm_heap_overlap", "push_last", "push_reducer")
                 for c in (gemm_rs.OP.variant(v).defaults(Problem.make("gemm_rs", FP8, 2, **d, scaling=s))[:1])],
     "ag_gemm_fused": _ag_gpu(("pull", "push", "push_ws"), "rows", (128, 2048)),
     "ag_gemm_fused_k": _ag_gpu(("pull", "push", "push_ws"), "k", (2048,)),

@@ -7,7 +7,8 @@ K % W == 0 are input requirements (InvalidInput otherwise).
 Variants:
 - `bsp`: torch.matmul, then the collective library's reduce-scatter. gloo (CPU) has no
   reduce_scatter_tensor, so on CPU it is all_reduce of the whole partial, then this rank's rows.
-- `torch_symm` (peer): torch's `torch.ops.symm_mem.fused_matmul_reduce_scatter` (CUDA only).
+- `torch_symm` (peer): torch's `torch.ops.symm_mem.fused_matmul_reduce_scatter` (FP8:
+  fused_scaled_matmul_reduce_scatter), CUDA, one GPU per rank.
 - `mm_heap`, `mm_heap_overlap` (hybrid, in this module on autofuse/ops/hybrid.py): torch.matmul, then the one-launch heap
   reduce-scatter (autofuse/comm/collectives.py); overlapped: the matmul in row chunks, each pushed to its
   owner as soon as it is written.
@@ -21,8 +22,12 @@ plus PARTIAL ("fp32" | "out": the inbox dtype) and, for push_reducer, FLAG and C
 FP8 (`autofuse.gemm_rs(a, b, group=..., scale_a=..., scale_b=...)`, float8_e4m3fn, b = w.t(), see
 autofuse/ops/row_parallel.py): bsp is torch._scaled_mm into a bfloat16 partial, then the
 reduce-scatter of that partial (the hybrids: the heap reduce-scatter, overlapped per row chunk);
-the fused kernels scale each partial tile before it is pushed. torch_symm refuses FP8 problems
-(InvalidConfig: torch's fused_scaled_matmul_reduce_scatter is not wired).
+the fused kernels scale each partial tile before it is pushed. torch_symm calls torch's
+symm_mem.fused_scaled_matmul_reduce_scatter (scatter dim 0, bfloat16 out, fast accumulation) with
+the rank's scales: tensorwise, or row-wise scale_a M x 1 (every rank holds all M rows of its
+partial; torch's op splits the scales with A's rows, one row chunk per destination rank, and
+copies a chunk that is not 16-byte aligned, as cuBLAS's row-wise kernel needs). Built and checked
+on CPU ranks against stand-ins of torch's op (tests/_symm_cpu.py), not yet run on a GPU.
 """
 from __future__ import annotations
 
@@ -109,27 +114,35 @@ class Bsp(Variant):
 
 
 class TorchSymmRunner(Runner):
+    """torch.ops.symm_mem.fused_matmul_reduce_scatter (scatter dim 0), copied into `out`. FP8:
+    fused_scaled_matmul_reduce_scatter with the rank's scale_a (tensorwise: one for every row chunk;
+    row-wise M x 1: the op splits it with A's rows) and scale_b, bfloat16 out and fast accumulation
+    (gemm.vendor_mm's torch._scaled_mm)."""
+
     def __init__(self, world: World, problem: Problem):
         specs, out = rp.io_specs(problem, problem["M"] // problem.world)
         super().__init__(world, problem, specs, out)
         self.group = rp.group_name(world)
+        self.full_shape = [problem["M"], problem["N"]]  # the unscattered product: the op's output_shape
 
-    def launch(self, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
-        out.copy_(torch.ops.symm_mem.fused_matmul_reduce_scatter(a, b, "sum", 0, self.group))
+    def launch(self, a: torch.Tensor, b: torch.Tensor, *scales: torch.Tensor, out: torch.Tensor) -> None:
+        if scales:
+            res = torch.ops.symm_mem.fused_scaled_matmul_reduce_scatter(
+                a, b, scales[0], scales[1], "sum", 0, 0, self.group, self.full_shape, out_dtype=out.dtype,
+                use_fast_accum=True)
+        else:
+            res = torch.ops.symm_mem.fused_matmul_reduce_scatter(a, b, "sum", 0, self.group)
+        out.copy_(res)
 
 
 class TorchSymm(Variant):
-    """torch's own fused matmul + reduce-scatter on symmetric memory (CUDA, torch with symm_mem)."""
+    """torch's own fused matmul + reduce-scatter on symmetric memory (FP8: its scaled form, tensorwise
+    or row-wise scales). CUDA, one GPU per rank, torch with symm_mem."""
 
     name, family = "torch_symm", "peer"
 
     def unavailable(self, world: World) -> str | None:
         return torch_symm_unavailable(world, "fused_matmul_reduce_scatter")
-
-    def check(self, problem: Problem, config: Config) -> str | None:
-        if rp.is_fp8(problem):
-            return "FP8 is not built for torch_symm (torch's fused_scaled_matmul_reduce_scatter is not wired)"
-        return super().check(problem, config)
 
     def runner(self, world: World, problem: Problem, config: Config) -> Runner:
         rp.symm_mem_group(world)
