@@ -191,8 +191,11 @@ class Variant:
         reason = self.check(problem, config)
         if reason:
             raise InvalidConfig(f"{problem.op}.{self.name}: {reason}")
-        with torch.inference_mode(False):
-            return outside_graph_pool(world.device, lambda: self.runner(world, problem, dict(config)))
+        def make() -> "Runner":
+            with torch.inference_mode(False):  # thread-local: set where the runner is made
+                return self.runner(world, problem, dict(config))
+
+        return outside_graph_pool(world.device, make)
 
     def __repr__(self) -> str:
         return f"<{self.family} variant {self.name}>"
@@ -206,8 +209,8 @@ def outside_graph_pool(device: torch.device, fn: Callable[[], T]) -> T:
     graph's private pool: torch.compile's cudagraph trees route every allocation of the *thread*
     that warms a graph up to that pool (torch._C._cuda_beginAllocateCurrentThreadToPool), so on
     CUDA fn runs in a short-lived thread of its own, on the caller's device and stream (its kernels
-    and collectives stay ordered as if called inline) and outside inference mode; the caller waits
-    for it and gets its result or its exception. Called inline off CUDA and while the stream is
+    and collectives stay ordered as if called inline); the caller waits for it and gets its result
+    or its exception. Called inline off CUDA and while the stream is
     captured (dispatch builds nothing then), and in processes that never loaded torch.compile's
     CUDA-graph trees (no pool to escape)."""
     if (device.type != "cuda" or "torch._inductor.cudagraph_trees" not in sys.modules
@@ -216,7 +219,7 @@ def outside_graph_pool(device: torch.device, fn: Callable[[], T]) -> T:
     stream = torch.cuda.current_stream(device)
 
     def on_callers_stream() -> T:
-        with torch.cuda.device(stream.device), torch.cuda.stream(stream), torch.inference_mode(False):
+        with torch.cuda.device(stream.device), torch.cuda.stream(stream):
             return fn()
 
     return in_own_thread(on_callers_stream)

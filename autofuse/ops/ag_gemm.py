@@ -56,8 +56,8 @@ and a host sync on every call; a rank that breaks it gets its own scale_a applie
   publishes those rows, so the waits a tile makes for its rows cover their scales (no launch or
   wait of their own); kernels/ag_gemm.py says how.
 - torch_symm calls torch's symm_mem.fused_all_gather_scaled_matmul (rows form, gather_dim 0;
-  tensorwise scale_a used for every shard, row-wise scale_a gathered with its rows by the op; built,
-  not yet run on a GPU); it refuses the k form (InvalidConfig says why).
+  tensorwise scale_a used for every shard, row-wise scale_a gathered with its rows by the op; passed
+  on two H100, 2026-11-26); it refuses the k form (InvalidConfig says why).
 """
 from __future__ import annotations
 
@@ -69,6 +69,7 @@ import torch.distributed as dist
 
 from autofuse.core import gemm, shapes
 from autofuse.ops import hybrid
+from autofuse.ops import row_parallel as rp
 from autofuse.comm import collectives
 from autofuse.comm.heap import torch_symm_unavailable
 from autofuse.core.op import (FP8, SCALINGS, Config, InvalidConfig, InvalidInput, Op, Problem, SearchSpace,
@@ -581,13 +582,9 @@ class SymmRunner(Runner):
     bfloat16 out and fast accumulation (gemm.vendor_mm's torch._scaled_mm)."""
 
     def __init__(self, world: World, problem: Problem):
-        import torch.distributed._symmetric_memory as symm
-
         inputs, out = _specs(problem)
         super().__init__(world, problem, inputs, out)
-        self.group_name = (world.group if world.group is not None else dist.group.WORLD).group_name
-        if hasattr(symm, "enable_symm_mem_for_group"):
-            symm.enable_symm_mem_for_group(self.group_name)
+        self.group_name = rp.symm_mem_group(world)
         self.gather_dim = 0 if problem["gather"] == "rows" else 1
 
     def launch(self, a: torch.Tensor, b: torch.Tensor, *scales: torch.Tensor, out: torch.Tensor) -> None:
