@@ -137,6 +137,22 @@ def torch_symm_unavailable(world: World, op: str) -> str | None:
     return f"this torch ({torch.__version__}) has no torch.ops.symm_mem.{op}"
 
 
+
+def torch_symm_group(world: World) -> str:
+    """The World's group name with torch's symmetric memory enabled for it (what the torch_symm
+    variants pass torch's ops); enabling is needed before torch 2.13 and warns after it."""
+    import warnings
+
+    import torch.distributed._symmetric_memory as symm
+
+    group = (world.group if world.group is not None else dist.group.WORLD).group_name
+    enabled = getattr(symm, "is_symm_mem_enabled_for_group", lambda name: True)
+    if hasattr(symm, "enable_symm_mem_for_group") and not enabled(group):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            symm.enable_symm_mem_for_group(group)
+    return group
+
 # -- rendezvous --------------------------------------------------------------------------------------
 
 _seq: dict[tuple, int] = {}

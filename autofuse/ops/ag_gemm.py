@@ -69,9 +69,8 @@ import torch.distributed as dist
 
 from autofuse.core import gemm, shapes
 from autofuse.ops import hybrid
-from autofuse.ops import row_parallel as rp
 from autofuse.comm import collectives
-from autofuse.comm.heap import torch_symm_unavailable
+from autofuse.comm.heap import torch_symm_group, torch_symm_unavailable
 from autofuse.core.op import (FP8, SCALINGS, Config, InvalidConfig, InvalidInput, Op, Problem, SearchSpace,
                               Variant, default_tolerance, dtype_name)
 from autofuse.core.runner import Runner, TensorSpec
@@ -584,7 +583,7 @@ class SymmRunner(Runner):
     def __init__(self, world: World, problem: Problem):
         inputs, out = _specs(problem)
         super().__init__(world, problem, inputs, out)
-        self.group_name = rp.symm_mem_group(world)
+        self.group_name = torch_symm_group(world)
         self.gather_dim = 0 if problem["gather"] == "rows" else 1
 
     def launch(self, a: torch.Tensor, b: torch.Tensor, *scales: torch.Tensor, out: torch.Tensor) -> None:

@@ -35,7 +35,7 @@ import torch.distributed as dist
 from autofuse.core import gemm
 from autofuse.ops import hybrid
 from autofuse.comm import collectives
-from autofuse.comm.heap import torch_symm_unavailable
+from autofuse.comm.heap import torch_symm_group, torch_symm_unavailable
 from autofuse.core.op import Config, Op, Problem, Variant
 from autofuse.ops import row_parallel as rp
 from autofuse.core.runner import Runner
@@ -121,7 +121,7 @@ class TorchSymmOneShot(Variant):
         return torch_symm_unavailable(world, self.torch_op)
 
     def runner(self, world: World, problem: Problem, config: Config) -> Runner:
-        return SymmAllReduceRunner(world, problem, rp.symm_mem_group(world), self.algo)
+        return SymmAllReduceRunner(world, problem, torch_symm_group(world), self.algo)
 
 
 class TorchSymmTwoShot(TorchSymmOneShot):

@@ -39,7 +39,7 @@ import torch.distributed as dist
 from autofuse.core import gemm
 from autofuse.ops import hybrid
 from autofuse.comm import collectives
-from autofuse.comm.heap import torch_symm_unavailable
+from autofuse.comm.heap import torch_symm_group, torch_symm_unavailable
 from autofuse.core.op import Config, InvalidInput, Op, Problem, Variant
 from autofuse.ops import row_parallel as rp
 from autofuse.core.runner import Runner
@@ -145,7 +145,7 @@ class TorchSymm(Variant):
         return torch_symm_unavailable(world, "fused_matmul_reduce_scatter")
 
     def runner(self, world: World, problem: Problem, config: Config) -> Runner:
-        rp.symm_mem_group(world)
+        torch_symm_group(world)
         return TorchSymmRunner(world, problem)
 
 

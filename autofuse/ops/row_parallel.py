@@ -316,21 +316,6 @@ def group_name(world: World) -> str:
     return (world.group if world.group is not None else dist.group.WORLD).group_name
 
 
-def symm_mem_group(world: World) -> str:
-    """The World's group name with torch's symmetric memory enabled for it (the `torch_symm` peers)."""
-    import torch.distributed._symmetric_memory as symm
-
-    group = group_name(world)
-    enabled = getattr(symm, "is_symm_mem_enabled_for_group", lambda name: True)
-    if hasattr(symm, "enable_symm_mem_for_group") and not enabled(group):  # needed before torch 2.13
-        import warnings
-
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", FutureWarning)
-            symm.enable_symm_mem_for_group(group)
-    return group
-
-
 def io_specs(problem: Problem, out_rows: int) -> tuple[list[TensorSpec], TensorSpec]:
     """(input specs, out spec) of a row-parallel op's runner: a, b dense (FP8: then scale_a and
     scale_b, float32); out contiguous in the problem's output dtype."""
