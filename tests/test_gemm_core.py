@@ -663,6 +663,39 @@ def test_bench_shapes_and_candidates():
             assert any(c["SWAP_AB"] for c in configs) and any(c["SPLIT_K"] > 1 for c in configs) == (n < 28672)
 
 
+def test_bench_wide_search_widens_the_defaults():
+    """--search wide: the defaults first, then a grid that passes check for the shape and dtype (swap-AB
+    both ways at <= 64 rows, warp-specialised and stream-K twins where they apply); none on tiny shapes."""
+    from autofuse.training import bench_gemm_core as bench
+
+    for dtype in ("bfloat16", "float8_e4m3fn"):
+        for m, n, k in ((16, 3584, 8192), (256, 5120, 8192), (1024, 5120, 14336), (16384, 28672, 8192)):
+            base, wide = bench.candidates(m, n, k, dtype), bench.candidates(m, n, k, dtype, "wide")
+            assert wide[:len(base)] == base and len(wide) > 2 * len(base)
+            assert len({bench.config_text(c) for c in wide}) == len(wide)
+            assert all(gemm.check(c, m, n, k, dtype, stream_k=True) is None for c in wide)
+            assert {c["num_stages"] for c in wide} >= {3, 4}
+            assert any(c["STREAM_K"] for c in wide) == any(
+                gemm.stream_k_helps(GemmConfig.from_dict(c).tiles(m, n), gemm.cdiv(k, c["BLOCK_K"])) for c in wide)
+            assert any(c["WARP_SPEC"] for c in wide) == (dtype == "bfloat16")
+            if m <= 64:
+                assert {c["SWAP_AB"] for c in wide} == {True, False}
+    assert bench.candidates(16, 64, 64, search="wide") == bench.candidates(16, 64, 64)
+    with pytest.raises(ValueError, match="defaults or wide"):
+        bench.candidates(16, 64, 64, search="all")
+
+
+def test_bench_precompile_runs_each_config_once_in_workers():
+    """The wide search's compile pass (processes launching each distinct config once) on CPU: it
+    reports no failure for valid configs and names the ones that fail."""
+    from autofuse.training import bench_gemm_core as bench
+
+    lines = []
+    assert bench.precompile([(16, 64, 64), (40, 72, 48)], "bf16", "defaults", torch.device("cpu"), 2,
+                            lines.append) == []
+    assert lines[0].startswith("compiling 5 distinct configs in 2 processes")
+
+
 def test_bench_runs_on_cpu_under_the_interpreter():
     from autofuse.training import bench_gemm_core as bench
 

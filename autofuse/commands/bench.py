@@ -41,6 +41,9 @@ def bench(
                                  "(device us, share, GPU busy vs measured latency); rows gain a 'profile' key."),
     dtype: Optional[str] = typer.Option(None, "--dtype", help="gemm_core only: bf16 (default) or fp8 "
                                         "(float8_e4m3fn against torch._scaled_mm)."),
+    search: Optional[str] = typer.Option(None, "--search", help="gemm_core only: defaults (the configs the ops "
+                                         "try first; the default) or wide (a grid of some 40-80 configs a shape, "
+                                         "compiled in parallel first: what the core reaches when tuned)."),
 ) -> None:
     """Benchmark an op (each variant at its known-good configs vs BSP and the bound) or an extra target.
 
@@ -67,6 +70,10 @@ def bench(
         fail(f"--profile profiles an op's variants; {target} is not an op")
     if dtype is not None and target != "gemm_core":
         fail(f"--dtype selects gemm_core's input dtype; {target} takes its dtype from its problems")
+    if search is not None and target != "gemm_core":
+        fail(f"--search widens gemm_core's configs; {target} takes its configs from the variants' defaults")
+    if search is not None and search not in ("defaults", "wide"):
+        fail(f"--search must be defaults or wide, not {search!r}")
     if dtype is not None and dtype not in ("bf16", "fp8"):
         fail(f"--dtype must be bf16 or fp8, not {dtype!r}")
     if mode is not None and mode not in ("eager", "graph"):
@@ -74,7 +81,8 @@ def bench(
     options = BenchOptions(target=target, sweep=sweep, reps=reps, limit=limit, world=world, out=out_path,
                            variants=[v.strip() for v in variants.split(",") if v.strip()] if variants else None,
                            modes=[mode] if mode else None, shapes=list(shapes) if shapes else None, force=force,
-                           progress=not (quiet or json_out), profile=profile, dtype=dtype).resolved()
+                           progress=not (quiet or json_out), profile=profile, dtype=dtype,
+                           search=search).resolved()
     if options.device_kind == "cpu" and mode == "graph":
         fail("--mode graph needs CUDA graphs (a GPU); on CPU only eager mode exists")
     if options.device_kind == "cuda":

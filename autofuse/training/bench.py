@@ -77,6 +77,7 @@ class BenchOptions:
     ("" = detect). force: replace an existing output file. progress: print a line per measurement.
     profile: op targets only: after measuring, profile each variant's best config per kernel.
     dtype: the input dtype of targets that take one (gemm_core: bf16 or fp8; None: bf16).
+    search: gemm_core's config set, defaults or wide (None: defaults).
     """
 
     target: str
@@ -93,6 +94,7 @@ class BenchOptions:
     progress: bool = True
     profile: bool = False
     dtype: str | None = None
+    search: str | None = None
 
     def resolved(self) -> "BenchOptions":
         """A copy with device_kind and world filled in for this machine."""

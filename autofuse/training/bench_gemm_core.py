@@ -32,6 +32,10 @@ matches any item (e.g. `--shapes 16,64x3584,1024x28672x8192`).
 --variants: the config families to time, from FAMILIES (default all): a config is timed when every
 family it belongs to is listed, e.g. `--variants tma,ptr,swap,splitk,ws` leaves out stream-K
 (the core as it was before stream-K). cuBLAS is always timed.
+--search: `defaults` (the candidates above: what the ops try first) or `wide`: those plus the WIDE_TILES
+grid (tile x warps x stages, swap-AB for skinny M, the auto split, warp-specialised and stream-K twins;
+some 40-80 configs a shape, each compiled once per run): what the core can reach on a shape when tuned,
+the evidence behind gemm.defaults. Wide runs take minutes per dtype on a GPU; pass --shapes.
 """
 from __future__ import annotations
 
@@ -63,6 +67,15 @@ CPU_REPS = 2
 DEFAULT_SWEEP = {"cuda": "gpu", "cpu": "cpu"}  # the shapes, when --sweep is not given
 WORLD = 1  # one device: the core against the vendor GEMM
 FAMILIES = ("tma", "ptr", "swap", "splitk", "ws", "streamk")
+SEARCHES = ("defaults", "wide")
+COMPILE_WORKERS = 12      # --search wide: processes that compile the configs before the timing pass
+# --search wide: (BLOCK_M, BLOCK_N, BLOCK_K in 16-bit, num_warps) from 16 rows up (FP8 doubles BLOCK_K, at
+# most 256), and (BLOCK_N, BLOCK_K, num_warps) of the skinny tiles (BLOCK_M = the rows' power of two, <= 64)
+WIDE_TILES = ((64, 64, 128, 4), (64, 128, 64, 4), (64, 128, 128, 4), (64, 256, 64, 4), (64, 256, 64, 8),
+              (128, 64, 64, 4), (128, 128, 64, 4), (128, 128, 64, 8), (128, 128, 128, 8), (128, 256, 64, 8),
+              (128, 256, 64, 4), (256, 128, 64, 8))
+WIDE_SKINNY = ((64, 256, 4), (128, 128, 4), (128, 256, 4), (256, 128, 4))
+WIDE_STAGES = (3, 4, 5)
 SHAPE_TARGETS = {"bf16": 1.10, "fp8": 1.15}  # issue 29: no shape's core/vendor time above this
 GEOMEAN_TARGETS = {"bf16": {"M<=256": 1.05, "M>=512": 1.03}, "fp8": {"M<=256": 1.05, "M>=512": 1.05}}
 VENDOR = {"bf16": "torch.matmul (cuBLAS)", "fp8": "torch._scaled_mm (cuBLASLt, fast accumulation)"}
@@ -105,10 +118,13 @@ def select(shapes: list[tuple[int, int, int]], keep: list[tuple[int, ...]] | Non
     return [s for s in shapes if any(s[:len(prefix)] == prefix for prefix in keep)]
 
 
-def candidates(m: int, n: int, k: int, dtype: str = "bfloat16") -> list[dict]:
+def candidates(m: int, n: int, k: int, dtype: str = "bfloat16", search: str = "defaults") -> list[dict]:
     """The configs timed for one shape: gemm.defaults (what the ops enqueue first) with their
     stream-K twins, the pointer twin of the first default (TMA's gain), and per regime a
-    warp-specialised and a wider tile (with its stream-K twin where the last wave leaves SMs idle)."""
+    warp-specialised and a wider tile (with its stream-K twin where the last wave leaves SMs idle);
+    with search="wide" the `wide` grid follows."""
+    if search not in SEARCHES:
+        raise ValueError(f"gemm_core --search is {' or '.join(SEARCHES)}, not {search!r}")
     configs = gemm.defaults(m, n, k, dtype, stream_k=True)
     first = GemmConfig.from_dict(configs[0])
     extra = [first.replace(TMA=False, WARP_SPEC=False)]
@@ -127,7 +143,42 @@ def candidates(m: int, n: int, k: int, dtype: str = "bfloat16") -> list[dict]:
                 continue
             if gemm.check(d, m, n, k, dtype, stream_k=True) is None and d not in configs:
                 configs.append(d)
+    if search == "wide":
+        configs += [d for d in wide(m, n, k, dtype) if d not in configs]
     return configs
+
+
+def wide(m: int, n: int, k: int, dtype: str = "bfloat16") -> list[dict]:
+    """The --search wide grid of a shape: each WIDE_TILES tile (WIDE_SKINNY with and without swap-AB
+    at <= 64 rows) at each of WIDE_STAGES, TMA where the strides allow, split-K as gemm.auto_split
+    picks it; then each one's warp-specialised twin and its stream-K twin where the last wave leaves
+    SMs idle. Every config passes gemm.check (shared memory, registers, blocks the problem needs);
+    none on tiny (interpreter) shapes."""
+    if gemm.tiny(m, n, k):
+        return []
+    fp8 = dtype == gemm.FP8
+    tma = gemm.check(GemmConfig(16, 16, 32), m, n, k, dtype) is None  # only TMA's stride rule can refuse it
+    small = min(64, max(16, gemm.next_pow2(m)))
+    bases: list[GemmConfig] = []
+    if m <= 64:
+        bases += [GemmConfig(small, bn, bk, 8, w, SWAP_AB=swap) for bn, bk, w in WIDE_SKINNY for swap in (True, False)]
+    bases += [GemmConfig(bm, bn, bk, 8, w) for bm, bn, bk, w in WIDE_TILES if bm <= max(64, gemm.next_pow2(m))]
+    out: list[dict] = []
+    for base in bases:
+        bk = min(2 * base.BLOCK_K, 256) if fp8 else base.BLOCK_K
+        for stages in WIDE_STAGES:
+            c = base.replace(BLOCK_K=min(bk, max(16, gemm.next_pow2(k))), num_stages=stages, TMA=tma)
+            c = c.replace(SPLIT_K=gemm.auto_split(c.tiles(m, n), gemm.cdiv(k, c.BLOCK_K)))
+            twins = [c, c.replace(SPLIT_K=1, WARP_SPEC=True), c.replace(SPLIT_K=1, STREAM_K=True)]
+            for t in twins:
+                d = t.to_dict()
+                if t.STREAM_K and not gemm.stream_k_helps(t.tiles(m, n), gemm.cdiv(k, t.BLOCK_K)):
+                    continue
+                if t.WARP_SPEC and t.num_warps != 4:
+                    continue
+                if d not in out and gemm.check(d, m, n, k, dtype, stream_k=True) is None:
+                    out.append(d)
+    return out
 
 
 def families(config: dict) -> set[str]:
@@ -230,7 +281,8 @@ def _vendor(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, scales: tuple | N
 
 
 def _measure_shape(m: int, n: int, k: int, b: torch.Tensor, modes: Sequence[str], reps: int, device: torch.device,
-                   say: Callable[[str], None], allowed: set[str] | None = None, dtype: str = "bf16") -> list[dict]:
+                   say: Callable[[str], None], allowed: set[str] | None = None, dtype: str = "bf16",
+                   search: str = "defaults") -> list[dict]:
     """Rows (one per mode) of one shape: every candidate checked, then timed; the vendor GEMM timed
     (FP8: the best config and the vendor again with row-wise scales)."""
     fp8 = dtype == "fp8"
@@ -245,7 +297,7 @@ def _measure_shape(m: int, n: int, k: int, b: torch.Tensor, modes: Sequence[str]
     cublas = {mode: timer(_vendor(a, b, c, scales), mode) for mode in modes}
     say(f"M={m} N={n} K={k} {VENDOR[dtype]}: " + ", ".join(f"{md} {t:.1f} us" for md, t in cublas.items()))
     results: list[dict] = []
-    for config in candidates(m, n, k, DTYPES[dtype]):
+    for config in candidates(m, n, k, DTYPES[dtype], search):
         if allowed is not None and not families(config) <= allowed:
             continue
         entry: dict[str, Any] = {"config": config, "text": config_text(config), "us": {}, "error": None}
@@ -305,6 +357,8 @@ def _run_rows(opts: dict) -> dict:
     if opts["limit"]:
         shapes = shapes[:opts["limit"]]
     started = time.perf_counter()
+    if cuda and opts["search"] == "wide":
+        precompile(shapes, dtype, opts["search"], device, COMPILE_WORKERS, say)
     rows: list[dict] = []
     b_key, b = None, None
     for i, (m, n, k) in enumerate(shapes):
@@ -313,13 +367,62 @@ def _run_rows(opts: dict) -> dict:
             b = weights(n, k, dtype, device)
             b_key = (n, k)
         say(f"[{i + 1}/{len(shapes)}] M={m} N={n} K={k}")
-        rows.extend(_measure_shape(m, n, k, b, modes, reps, device, say, opts["variants"], dtype))
+        rows.extend(_measure_shape(m, n, k, b, modes, reps, device, say, opts["variants"], dtype, opts["search"]))
     notes = [] if cuda else [CPU_NOTE]
     return {"rows": rows, "summary": summary(rows) if cuda else {}, "sweep": opts["sweep"], "world": 1,
             "dtype": dtype, "vendor": VENDOR[dtype],
             "device_kind": "cuda" if cuda else "cpu",
             "device": torch.cuda.get_device_name(device) if cuda else "cpu (Triton interpreter)",
-            "modes": modes, "seconds": round(time.perf_counter() - started, 1), "notes": notes}
+            "modes": modes, "search": opts["search"], "seconds": round(time.perf_counter() - started, 1),
+            "notes": notes}
+
+
+def _compile_some(job: tuple[str, str, list[tuple[dict, tuple[int, int, int]]]]) -> list[str]:
+    """One precompile worker: launch each (config, shape) once on zero operands (Triton compiles the
+    kernel into its on-disk cache); returns the failures as lines (the timing pass reports them again)."""
+    dtype, where, items = job
+    device = torch.device(where)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    fp8 = dtype == "fp8"
+    failed = []
+    for config, (m, n, k) in items:
+        try:
+            a = torch.zeros(m, k, device=device, dtype=torch.bfloat16).to(torch.float8_e4m3fn if fp8 else torch.bfloat16)
+            b = (torch.zeros(n, k, device=device, dtype=torch.float8_e4m3fn).t() if fp8
+                 else torch.zeros(k, n, device=device, dtype=torch.bfloat16))
+            c = torch.empty(m, n, device=device, dtype=torch.bfloat16)
+            scales = {"scale_a": torch.ones(1, device=device), "scale_b": torch.ones(1, device=device)} if fp8 else {}
+            gemm.prepare(a, b, config, c, **scales)()
+        except Exception as exc:  # noqa: BLE001 - reported, and the timing pass tries it again
+            failed.append(f"{config_text(config)} at {m}x{n}x{k}: {type(exc).__name__}")
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return failed
+
+
+def precompile(shapes: Sequence[tuple[int, int, int]], dtype: str, search: str, device: torch.device, workers: int,
+               say: Callable[[str], None]) -> list[str]:
+    """Compile every distinct config of `shapes` in `workers` processes on GPU `index` before timing
+    (a wide search holds 100-250 distinct kernels, ~2-3 s of compile each: minutes in one process).
+    Each config runs once at the smallest shape that holds it; the timing pass then loads the
+    kernels from Triton's on-disk cache. Kernels do run concurrently here: nothing is timed."""
+    import concurrent.futures
+    import multiprocessing
+
+    first: dict[str, tuple[dict, tuple[int, int, int]]] = {}
+    for m, n, k in sorted(shapes, key=lambda s: s[0] * s[1] * s[2]):
+        for config in candidates(m, n, k, DTYPES[dtype], search):
+            first.setdefault(config_text(config), (config, (m, n, k)))
+    items = list(first.values())
+    jobs = [(dtype, str(device), items[i::workers]) for i in range(workers) if items[i::workers]]
+    say(f"compiling {len(items)} distinct configs in {len(jobs)} processes")
+    started = time.perf_counter()
+    with concurrent.futures.ProcessPoolExecutor(len(jobs), mp_context=multiprocessing.get_context("spawn")) as pool:
+        failed = [line for lines in pool.map(_compile_some, jobs) for line in lines]
+    say(f"compiled in {time.perf_counter() - started:.0f} s" + (f"; {len(failed)} failed: " + "; ".join(failed[:5])
+                                                                 if failed else ""))
+    return failed
 
 
 def _child(world: World, opts: dict) -> dict:
@@ -345,7 +448,10 @@ def run(options: Any) -> dict:
         "modes": list(_opt(options, "modes", ["graph", "eager"])),
         "limit": _opt(options, "limit", None),
         "progress": bool(_opt(options, "progress", True)),
+        "search": _opt(options, "search", "defaults"),
     }
+    if opts["search"] not in SEARCHES:
+        raise ValueError(f"gemm_core --search is {' or '.join(SEARCHES)}, not {opts['search']!r}")
     sweep_shapes(opts["sweep"])  # unknown sweep names fail here, before any work
     if kind == "cuda":
         return _run_rows(opts)
