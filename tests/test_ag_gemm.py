@@ -340,9 +340,13 @@ COMPILES = {  # name: (GEMM config, FLAG, GATHER_K, GATHERED, PULL, dtype)
                    "bf16"),
     "pointer": (gemm.GemmConfig(128, 256, 64, 8, 8, 3, TMA=False), "shard", False, True, False, "bf16"),
     "fp32": (gemm.GemmConfig(64, 64, 32, 8, 4, 3), "tile", False, True, False, "fp32"),
+    # gemm.defaults' deep tile (5 stages; on 8 warps in fused kernels, on 4 in the core alone)
+    "push deep": (gemm.GemmConfig(128, 128, 64, 8, 8, 5), "shard", False, True, False, "bf16"),
+    "push 4-warp deep": (gemm.GemmConfig(128, 128, 64, 8, 4, 5), "shard", False, True, False, "bf16"),
     # FP8 (float8_e4m3fn A and data, B stored N x K, bf16 out): tensorwise scales, or row-wise where the name says
     "fp8 push gathered rows": (gemm.GemmConfig(128, 256, 128, 8, 8, 3), "shard", False, True, False, "fp8e4nv"),
     "fp8 pull shard rows": (gemm.GemmConfig(128, 128, 128, 8, 8, 4), "tile", False, False, True, "fp8e4nv"),
+    "fp8 pull deep": (gemm.GemmConfig(128, 128, 128, 8, 8, 5), "tile", False, False, True, "fp8e4nv"),
     "fp8 pull swap split": (gemm.GemmConfig(64, 128, 256, 8, 4, 4, SPLIT_K=4, SWAP_AB=True), "shard", False, False, True,
                             "fp8e4nv"),  # the first default at M=128, N=3584, K=8192
     "fp8 push_ws swap split pointer": (gemm.GemmConfig(16, 128, 128, 8, 4, 4, SPLIT_K=2, SWAP_AB=True, TMA=False),

@@ -21,7 +21,7 @@ from _row_parallel import (TINY, assert_rejected, cases_and_faults, check_compil
 from autofuse.core.op import InvalidConfig, InvalidInput, Problem
 from autofuse.ops import gemm_ar
 from autofuse.comm.world import spawn
-from conftest import CTX, VERSIONS, compile_table
+from conftest import CTX, T36, VERSIONS, compile_table, ptxas_spills
 
 OP = gemm_ar.OP
 FUSED = ("one_shot", "two_shot")
@@ -201,12 +201,29 @@ COMPILES = {  # name: (constexpr changes, inbox dtype, num_warps)
     "fp8_one_shot_rowwise": ({"B_T": True, "SCALE": 2, "BLOCK_K": 256, "NUM_STAGES": 3}, "bf16", 4),
     "fp8_two_shot_tensor_swap": ({"B_T": True, "SCALE": 1, "TWO_SHOT": True, "BLOCK_M": 16, "SWAP_AB": True,
                                   "SPLIT_K": 2, "BLOCK_K": 256, "NUM_STAGES": 3}, "fp32", 4),
+    "one_shot_deep": ({"BLOCK_M": 128, "BLOCK_K": 64, "NUM_STAGES": 5}, "bf16", 8),  # gemm.defaults' deep tile, fused: 8 warps
 }
 
 
 @pytest.fixture(scope="module")
 def compiled() -> dict:
     return compile_table(MOD, "gemm_ar_kernel", BASE, SIG, COMPILES, DIVISIBLE)
+
+
+# Spills Triton 3.6's ptxas reported for rows of COMPILES on 2026-11-26 (spill-store bytes): float32
+# partials of a 4-rank one-shot sum beside a 64x128 accumulator on 4 warps. Known, not yet measured
+# for speed; the test keeps them from growing and every other row at zero.
+KNOWN_SPILLS = {"one_shot_fp32_w4": 104}
+
+
+@pytest.mark.skipif(not T36.exists(), reason=f"no Triton 3.6 at {T36}")
+def test_sm90_no_register_spills(compiled, tmp_path):
+    """Triton 3.6's ptxas (the GPU machines') assembles every row without spilling, but KNOWN_SPILLS's
+    rows within their recorded bytes; the deep 5-stage tile of gemm.defaults included."""
+    for name, k in compiled["3.6"].items():
+        report = ptxas_spills(T36, k["ptx"], tmp_path)
+        stores = int(re.search(r"(\d+) bytes spill stores", report).group(1))
+        assert stores <= KNOWN_SPILLS.get(name, 0), (name, report)
 
 
 @pytest.mark.parametrize("version", VERSIONS)

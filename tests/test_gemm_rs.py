@@ -12,6 +12,7 @@ budget and never return a wrong result.
 """
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from functools import partial
@@ -28,7 +29,7 @@ from autofuse.core import gemm
 from autofuse.core.op import InvalidInput, Problem
 from autofuse.ops import gemm_rs
 from autofuse.comm.world import spawn
-from conftest import CTX, VERSIONS, compile_table
+from conftest import CTX, T36, VERSIONS, compile_table, ptxas_spills
 
 OP = gemm_rs.OP
 _defaults = partial(default_cases, OP)  # (variant, dims, dtype, pick: the first `pick` defaults or a slice, world)
@@ -255,12 +256,29 @@ COMPILES = {  # name: (constexpr changes, inbox dtype, num_warps)
     # FP8 (B stored N x K, scales on each partial before it is pushed): e4m3 wgmma
     "fp8_push_last_rowwise": ({"B_T": True, "SCALE": 2, "BLOCK_K": 128}, "bf16", 8),
     "fp8_push_reducer_tensor": ({"B_T": True, "SCALE": 1, "PUSH_ALL": True, "BLOCK_K": 128}, "fp32", 8),
+    "push_last_deep": ({"BLOCK_N": 128, "NUM_STAGES": 5}, "bf16", 8),  # gemm.defaults' deep tile, fused: 8 warps
 }
 
 
 @pytest.fixture(scope="module")
 def compiled() -> dict:
     return compile_table(MOD, "gemm_rs_kernel", BASE, SIG, COMPILES, DIVISIBLE)
+
+
+# Spills Triton 3.6's ptxas reported for rows of COMPILES on 2026-11-26 (spill-store bytes): the 128x256
+# tile on 8 warps holds 128 accumulator registers a thread beside the push state. Known, not yet
+# measured for speed; the test keeps them from growing and every other row at zero.
+KNOWN_SPILLS = {"push_last_tma": 88, "fp8_push_last_rowwise": 280}
+
+
+@pytest.mark.skipif(not T36.exists(), reason=f"no Triton 3.6 at {T36}")
+def test_sm90_no_register_spills(compiled, tmp_path):
+    """Triton 3.6's ptxas (the GPU machines') assembles every row without spilling, but KNOWN_SPILLS's
+    rows within their recorded bytes; the deep 5-stage tile of gemm.defaults included."""
+    for name, k in compiled["3.6"].items():
+        report = ptxas_spills(T36, k["ptx"], tmp_path)
+        stores = int(re.search(r"(\d+) bytes spill stores", report).group(1))
+        assert stores <= KNOWN_SPILLS.get(name, 0), (name, report)
 
 
 @pytest.mark.parametrize("version", VERSIONS)

@@ -43,6 +43,7 @@ CPU_PROGRAMS = 4          # persistent programs under the interpreter: several t
 TINY_MACS = 1 << 22       # problems below this many multiply-adds get the interpreter's tiny configs
 ELEMENT_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, FP8: 1}
 FP8_MIN_BLOCK_K = 32      # an FP8 wgmma consumes K in steps of 32
+FUSED_ACC_REGS = 64       # defaults(warp_spec=False): at most this many accumulator registers a thread
 SCALINGS = {"none": 0, "tensorwise": 1, "rowwise": 2}  # kernels/gemm_core.py NO_SCALE, TENSORWISE, ROWWISE
 REQUIRED = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages")
 OPTIONAL: dict[str, Any] = {"SPLIT_K": 1, "SWAP_AB": False, "TMA": True, "WARP_SPEC": False, "STREAM_K": False}
@@ -381,7 +382,13 @@ def defaults(rows: int, n: int, k: int, dtype: str | torch.dtype, sms: int = H20
     3 stages, 8 warps from 1024 rows up, and at 64x128..256 with BLOCK_K 64-128 below; a plain
     Triton GEMM was best at BLOCK 16 x 64..128 x 128-256 for <= 64 rows, where the core adds
     swap-AB (BLOCK_N on the wgmma's M side) and split-K (auto_split fills the SMs when few tiles
-    exist). Tiny (interpreter) problems get 16x32 tiles. float32 halves BLOCK_K or the stages
+    exist). With warp_spec=False (the fused kernels, whose flags, peers' addresses and epilogue
+    state live in registers beside the accumulator) a tile whose accumulator needs more than
+    FUSED_ACC_REGS registers a thread on 4 warps runs on 8: on 4 warps the 128x128 tile spilled in
+    gemm_rs's and gemm_ar's kernels (80-520 bytes, Triton 3.6's ptxas). From the wide search (`autofuse bench gemm_core --search wide`, one H100, 2026-11-26,
+    docs/results/gemm_core.md): deep pipelines win where they fit: the same tile at 3 stages ran
+    1.2-1.6x the time of 5 (64x128x64, 128x128x64, 128x64x64; FP8 alike at BLOCK_K 128), and
+    128x128x64 on 4 warps at 5 stages was the most frequent best tile from 128 to 1024 rows. Tiny (interpreter) problems get 16x32 tiles. float32 halves BLOCK_K or the stages
     until the tiles fit (`check`); FP8 doubles BLOCK_K (the same bytes per stage as bf16, as
     Triton's FP8 tutorial tiles: 128x256x128), at least 32. TMA is off where row strides are not
     16-byte aligned.
@@ -393,16 +400,16 @@ def defaults(rows: int, n: int, k: int, dtype: str | torch.dtype, sms: int = H20
         cands = [_cfg(16, 32, 32, 4, 2, 4, tma=tma), _cfg(16, 16, 16, 4, 2, 1, split=2, tma=tma),
                  _cfg(16, 32, 16, 4, 2, 4, swap=True, tma=tma), _cfg(32, 32, 32, 4, 2, 4, tma=False)]
     elif rows <= 64:
-        cands = [_cfg(small, 128, 128, 4, 4, swap=True, tma=tma), _cfg(small, 64, 256, 4, 3, swap=True, tma=tma),
+        cands = [_cfg(small, 128, 128, 4, 4, swap=True, tma=tma), _cfg(small, 64, 256, 4, 5, swap=True, tma=tma),
                  _cfg(64, 128, 128, 4, 4, tma=tma), _cfg(16, 64, 256, 4, 3, tma=tma)]
     elif rows <= 256:
-        cands = [_cfg(64, 128, 128, 4, 4, tma=tma), _cfg(64, 256, 64, 4, 3, tma=tma),
-                 _cfg(128, 128, 64, 8, 4, tma=tma), _cfg(64, 128, 64, 4, 4, tma=tma, ws=tma)]
+        cands = [_cfg(64, 128, 128, 4, 4, tma=tma), _cfg(128, 128, 64, 4, 5, tma=tma),
+                 _cfg(64, 256, 64, 4, 4, tma=tma), _cfg(64, 128, 64, 4, 4, tma=tma, ws=tma)]
     elif rows <= 512:
-        cands = [_cfg(128, 128, 64, 8, 4, tma=tma), _cfg(64, 256, 64, 4, 3, tma=tma),
-                 _cfg(128, 256, 64, 8, 3, tma=tma), _cfg(128, 128, 64, 4, 3, tma=tma, ws=tma)]
+        cands = [_cfg(128, 128, 64, 4, 5, tma=tma), _cfg(128, 256, 64, 8, 3, tma=tma),
+                 _cfg(64, 256, 64, 4, 4, tma=tma), _cfg(128, 128, 64, 4, 4, tma=tma, ws=tma)]
     else:
-        cands = [_cfg(128, 256, 64, 8, 3, tma=tma), _cfg(128, 128, 64, 8, 4, tma=tma),
+        cands = [_cfg(128, 256, 64, 8, 3, tma=tma), _cfg(128, 128, 64, 4, 5, tma=tma),
                  _cfg(128, 256, 64, 4, 3, tma=tma, ws=tma), _cfg(256, 128, 64, 8, 3, tma=tma)]
     out: list[Config] = []
     caps = [max(16, next_pow2(size)) for size in (rows, n, k)]
@@ -417,6 +424,8 @@ def defaults(rows: int, n: int, k: int, dtype: str | torch.dtype, sms: int = H20
             c = c.replace(num_stages=c.num_stages - 1)
         if c.WARP_SPEC and (not warp_spec or check(c, rows, n, k, dt) is not None):
             c = c.replace(WARP_SPEC=False)
+        if not warp_spec and c.num_warps == 4 and c.acc_regs() > FUSED_ACC_REGS:
+            c = c.replace(num_warps=8)
         if not tiny(rows, n, k) and not c.WARP_SPEC and c.SPLIT_K == 1:
             c = c.replace(SPLIT_K=auto_split(c.tiles(rows, n), cdiv(k, c.BLOCK_K), sms))
         while c.SPLIT_K > 1 and check(c, rows, n, k, dt) is not None:

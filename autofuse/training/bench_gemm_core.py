@@ -357,7 +357,7 @@ def _run_rows(opts: dict) -> dict:
     if opts["limit"]:
         shapes = shapes[:opts["limit"]]
     started = time.perf_counter()
-    if cuda and opts["search"] == "wide":
+    if cuda:  # every distinct config compiled in parallel first: the timing pass loads them from the cache
         precompile(shapes, dtype, opts["search"], device, COMPILE_WORKERS, say)
     rows: list[dict] = []
     b_key, b = None, None

@@ -1,6 +1,6 @@
-"""Summarise `autofuse bench gemm_core --search wide` JSONs: per shape the vendor's time, the best of the
+"""Summarise `autofuse bench gemm_core` JSONs (--search defaults or wide): per shape the vendor's time, the best of the
 defaults (what the ops try first), the best of the wide grid and its config; then the geomeans and the
-configs that win most often. Usage: python3 scripts/wide_table.py wide-bf16.json [wide-fp8.json ...]"""
+configs that win most often. Usage: python3 scripts/core_table.py core-wide-bf16.json [core-wide-fp8.json ...]"""
 from __future__ import annotations
 
 import collections
@@ -35,8 +35,10 @@ def main(paths: list[str]) -> None:
             for label, keep in (("M<=256", lambda r: r["M"] <= 256), ("M>=512", lambda r: r["M"] >= 512)):
                 sel = [x for x, r in zip(xs, rows) if keep(r) and math.isfinite(x)]
                 if sel:
+                    within = sum(x <= bench.SHAPE_TARGETS[result.get("dtype", "bf16")] for x in sel)
                     print(f"  {name:8} {label}: geomean {math.exp(sum(map(math.log, sel)) / len(sel)):.3f} "
-                          f"over {len(sel)} shapes, worst {max(sel):.2f}")
+                          f"over {len(sel)} shapes, worst {max(sel):.2f}, {within} within "
+                          f"{bench.SHAPE_TARGETS[result.get('dtype', 'bf16')]}x")
         print("  most frequent best configs: " + "; ".join(f"{t} x{n}" for t, n in wins.most_common(8)))
 
 
