@@ -118,6 +118,14 @@ def verdict(r: dict) -> str:
     return "PASS" if r["seconds"] <= BUDGET_S + SLACK_S else f"FAIL (raised after {r['seconds']:.1f} s)"
 
 
+def fitted(config: dict, m: int, world: int) -> dict:
+    """`config` with BLOCK_M no larger than a rank's share of the M rows needs (push_last's GEMM runs
+    ceil(M / world) rows a destination: M=128 at 4 ranks is 32 rows, which a 64-row block refuses)."""
+    from autofuse.core import gemm
+
+    return {**config, "BLOCK_M": min(config["BLOCK_M"], max(16, gemm.next_pow2(-(-m // world))))}
+
+
 def main() -> int:
     from autofuse.comm.world import RankFailed, device_plan, spawn
     from autofuse.core import settings
@@ -137,6 +145,7 @@ def main() -> int:
             ("push_reducer", big, "bfloat16", {**tile, "PARTIAL": "out", "FLAG": "row_block", "COMM_SMS": 8}),
             ("push_last", {"M": 264, "N": 8192, "K": 14336}, "bfloat16", {**tile, "PARTIAL": "out"}),
             ("push_last", big, "bfloat16", {**tile, "PARTIAL": "out"})]
+    plan = [(v, dims, dt, fitted(config, dims["M"], args.world)) for v, dims, dt, config in plan]
     try:
         per_rank = spawn(job, args.world, plan, device_kind="cuda", timeout_s=100 + 60 * len(plan))
     except RankFailed as exc:

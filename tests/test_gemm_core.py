@@ -450,6 +450,8 @@ COMPILES = {
     "ws": (_cfg(128, 128, 64, 4, 3, WARP_SPEC=True), "bf16", False),
     "fp32": (_cfg(64, 64, 32, 4, 3), "fp32", False),
     "streamk": (_cfg(128, 256, 64, 8, 3, STREAM_K=True), "bf16", False),
+    "deep_w4": (_cfg(128, 128, 64, 4, 5), "bf16", False),  # gemm.defaults' deep 4-warp tile
+    "deep_w4_sk": (_cfg(128, 128, 64, 4, 5, STREAM_K=True), "bf16", False),
     "wait_tma": (_cfg(128, 256, 64, 8, 3), "bf16", True),
     "wait_ptr": (_cfg(128, 128, 64, 8, 4, TMA=False), "bf16", True),
 }
@@ -459,6 +461,9 @@ FP8_COMPILES = {
     "fp8_tma_tensor_sk": (_cfg(128, 256, 128, 8, 3, STREAM_K=True), "tensorwise"),
     "fp8_swap_split": (_cfg(16, 128, 256, 4, 3, SWAP_AB=True, SPLIT_K=4), "rowwise"),
     "fp8_ptr": (_cfg(128, 128, 128, 8, 4, TMA=False), "tensorwise"),
+    "fp8_deep_w4_tensor": (_cfg(128, 128, 128, 4, 5), "tensorwise"),  # gemm.defaults' deep 4-warp tile
+    "fp8_deep_w4_row": (_cfg(128, 128, 128, 4, 5), "rowwise"),
+    "fp8_deep_w4_row_sk": (_cfg(128, 128, 128, 4, 5, STREAM_K=True), "rowwise"),
 }
 
 @pytest.fixture(scope="module")

@@ -22,8 +22,9 @@ Modes: `graph` (the calls captured in a CUDA graph and replayed: launch cost rem
 measurement stays under ~0.3 s.
 
 Sweeps: `gpu` (the default with a GPU): M in GPU_M x N in {3584, 5120, 8192, 28672} x K in {8192,
-14336}, 64 shapes, about 2-3 minutes on one H200 with compiles (each distinct config compiles
-once, ~40 of them); `full`: every power of two M from 16 to 16384 (88 shapes, ~4 minutes); `cpu`
+14336}, 64 shapes, about a minute on one H100 (45-60 s a dtype, 2026-11-26): each distinct config
+(~50; ~250 with --search wide) is first compiled once in COMPILE_WORKERS processes (`precompile`),
+then the timing pass loads it from Triton's cache; `full`: every power of two M from 16 to 16384 (88 shapes, ~4 minutes); `cpu`
 (the default without a GPU): three tiny shapes under Triton's interpreter, in a child process, in
 seconds: interpreter timings that only show the core runs and agrees with torch, nothing about speed.
 
@@ -34,8 +35,8 @@ family it belongs to is listed, e.g. `--variants tma,ptr,swap,splitk,ws` leaves 
 (the core as it was before stream-K). cuBLAS is always timed.
 --search: `defaults` (the candidates above: what the ops try first) or `wide`: those plus the WIDE_TILES
 grid (tile x warps x stages, swap-AB for skinny M, the auto split, warp-specialised and stream-K twins;
-some 40-80 configs a shape, each compiled once per run): what the core can reach on a shape when tuned,
-the evidence behind gemm.defaults. Wide runs take minutes per dtype on a GPU; pass --shapes.
+some 30-70 configs a shape): what the core can reach on a shape when tuned, the evidence behind
+gemm.defaults (docs/results/gemm_core.md). About a minute a dtype for 30 shapes on one H100.
 """
 from __future__ import annotations
 
@@ -403,8 +404,8 @@ def _compile_some(job: tuple[str, str, list[tuple[dict, tuple[int, int, int]]]])
 
 def precompile(shapes: Sequence[tuple[int, int, int]], dtype: str, search: str, device: torch.device, workers: int,
                say: Callable[[str], None]) -> list[str]:
-    """Compile every distinct config of `shapes` in `workers` processes on GPU `index` before timing
-    (a wide search holds 100-250 distinct kernels, ~2-3 s of compile each: minutes in one process).
+    """Compile every distinct config of `shapes` in `workers` processes on `device` before timing
+    (a sweep holds 50-250 distinct kernels, ~2-3 s of compile each: minutes in one process).
     Each config runs once at the smallest shape that holds it; the timing pass then loads the
     kernels from Triton's on-disk cache. Kernels do run concurrently here: nothing is timed."""
     import concurrent.futures
