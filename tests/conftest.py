@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 import os
 import subprocess
 import sys
@@ -176,3 +177,13 @@ def ptxas_spills(python: str | os.PathLike, ptx: str, workdir: Path) -> str:
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     return proc.stderr
+
+
+
+def assert_spills_within(kernels: dict[str, dict], known: dict[str, int], workdir: Path) -> None:
+    """Triton 3.6's ptxas (T36) assembles each of `kernels` ({name: {'ptx', ...}}, as the compile
+    helpers return them) with no more spill-store bytes than `known` records for it (0 if absent)."""
+    for name, k in kernels.items():
+        report = ptxas_spills(T36, k["ptx"], workdir)
+        stores = int(re.search(r"(\d+) bytes spill stores", report).group(1))
+        assert stores <= known.get(name, 0), (name, report)

@@ -21,7 +21,7 @@ from _row_parallel import (TINY, assert_rejected, cases_and_faults, check_compil
 from autofuse.core.op import InvalidConfig, InvalidInput, Problem
 from autofuse.ops import gemm_ar
 from autofuse.comm.world import spawn
-from conftest import CTX, T36, VERSIONS, compile_table, ptxas_spills
+from conftest import CTX, T36, VERSIONS, assert_spills_within, compile_table
 
 OP = gemm_ar.OP
 FUSED = ("one_shot", "two_shot")
@@ -220,10 +220,7 @@ KNOWN_SPILLS = {"one_shot_fp32_w4": 104}
 def test_sm90_no_register_spills(compiled, tmp_path):
     """Triton 3.6's ptxas (the GPU machines') assembles every row without spilling, but KNOWN_SPILLS's
     rows within their recorded bytes; the deep 5-stage tile of gemm.defaults included."""
-    for name, k in compiled["3.6"].items():
-        report = ptxas_spills(T36, k["ptx"], tmp_path)
-        stores = int(re.search(r"(\d+) bytes spill stores", report).group(1))
-        assert stores <= KNOWN_SPILLS.get(name, 0), (name, report)
+    assert_spills_within(compiled["3.6"], KNOWN_SPILLS, tmp_path)
 
 
 @pytest.mark.parametrize("version", VERSIONS)

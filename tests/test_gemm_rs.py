@@ -12,7 +12,6 @@ budget and never return a wrong result.
 """
 from __future__ import annotations
 
-import re
 import subprocess
 import sys
 from functools import partial
@@ -29,7 +28,7 @@ from autofuse.core import gemm
 from autofuse.core.op import InvalidInput, Problem
 from autofuse.ops import gemm_rs
 from autofuse.comm.world import spawn
-from conftest import CTX, T36, VERSIONS, compile_table, ptxas_spills
+from conftest import CTX, T36, VERSIONS, assert_spills_within, compile_table
 
 OP = gemm_rs.OP
 _defaults = partial(default_cases, OP)  # (variant, dims, dtype, pick: the first `pick` defaults or a slice, world)
@@ -275,10 +274,7 @@ KNOWN_SPILLS = {"push_last_tma": 88, "fp8_push_last_rowwise": 280}
 def test_sm90_no_register_spills(compiled, tmp_path):
     """Triton 3.6's ptxas (the GPU machines') assembles every row without spilling, but KNOWN_SPILLS's
     rows within their recorded bytes; the deep 5-stage tile of gemm.defaults included."""
-    for name, k in compiled["3.6"].items():
-        report = ptxas_spills(T36, k["ptx"], tmp_path)
-        stores = int(re.search(r"(\d+) bytes spill stores", report).group(1))
-        assert stores <= KNOWN_SPILLS.get(name, 0), (name, report)
+    assert_spills_within(compiled["3.6"], KNOWN_SPILLS, tmp_path)
 
 
 @pytest.mark.parametrize("version", VERSIONS)
