@@ -49,6 +49,8 @@ CASES = [
     ("tma fp16 swap", 37, 72, 40, "float16", {"SWAP_AB": True}),
     ("tma fp32 split2", 37, 72, 40, "float32", {"SPLIT_K": 2}),
     ("tma bf16 split4", 45, 40, 96, "bfloat16", {"SPLIT_K": 4, "GROUP_M": 1}),
+    ("tma bf16 odd split3", 45, 40, 112, "bfloat16", {"SPLIT_K": 3}),  # 7 K steps: 2, 2, 3 (wave_split)
+    ("ptr fp32 split5", 21, 40, 96, "float32", {"TMA": False, "SPLIT_K": 5}),
     ("tma bf16 split2 swap", 9, 104, 64, "bfloat16", {"SPLIT_K": 2, "SWAP_AB": True}),
     ("tma bf16 warp_spec", 64, 64, 48, "bfloat16", {"WARP_SPEC": True, "BLOCK_M": 64}),
     ("tma fp32 1 row", 1, 36, 20, "float32", {"BLOCK_K": 32}),

@@ -34,7 +34,8 @@ matches any item (e.g. `--shapes 16,64x3584,1024x28672x8192`).
 family it belongs to is listed, e.g. `--variants tma,ptr,swap,splitk,ws` leaves out stream-K
 (the core as it was before stream-K). cuBLAS is always timed.
 --search: `defaults` (the candidates above: what the ops try first) or `wide`: those plus the WIDE_TILES
-grid (tile x warps x stages, swap-AB for skinny M, the auto split, warp-specialised and stream-K twins;
+grid (tile x warps x stages, swap-AB for skinny M, the auto split, warp-specialised, stream-K and
+wave-split twins;
 some 30-70 configs a shape): what the core can reach on a shape when tuned, the evidence behind
 gemm.defaults (docs/results/gemm_core.md). About a minute a dtype for 30 shapes on one H100.
 """
@@ -77,6 +78,7 @@ WIDE_TILES = ((64, 64, 128, 4), (64, 128, 64, 4), (64, 128, 128, 4), (64, 256, 6
               (128, 256, 64, 4), (256, 128, 64, 8))
 WIDE_SKINNY = ((64, 256, 4), (128, 128, 4), (128, 256, 4), (256, 128, 4))
 WIDE_STAGES = (3, 4, 5)
+WAVE_SPLITS = (2, 3, 4)   # --search wide: split-K twins of tiles that end in a partial wave
 SHAPE_TARGETS = {"bf16": 1.10, "fp8": 1.15}  # issue 29: no shape's core/vendor time above this
 GEOMEAN_TARGETS = {"bf16": {"M<=256": 1.05, "M>=512": 1.03}, "fp8": {"M<=256": 1.05, "M>=512": 1.05}}
 VENDOR = {"bf16": "torch.matmul (cuBLAS)", "fp8": "torch._scaled_mm (cuBLASLt, fast accumulation)"}
@@ -152,8 +154,10 @@ def candidates(m: int, n: int, k: int, dtype: str = "bfloat16", search: str = "d
 def wide(m: int, n: int, k: int, dtype: str = "bfloat16") -> list[dict]:
     """The --search wide grid of a shape: each WIDE_TILES tile (WIDE_SKINNY with and without swap-AB
     at <= 64 rows) at each of WIDE_STAGES, TMA where the strides allow, split-K as gemm.auto_split
-    picks it; then each one's warp-specialised twin and its stream-K twin where the last wave leaves
-    SMs idle. Every config passes gemm.check (shared memory, registers, blocks the problem needs);
+    picks it; then each one's warp-specialised twin, its stream-K twin where the last wave leaves
+    SMs idle, and where its tiles end in a partial wave, its split-K twins at WAVE_SPLITS (K steps
+    divide evenly at any split: 80 tiles of 128x256 on 132 SMs make 240 items at a split of 3,
+    91% of two waves, against 61% of one). Every config passes gemm.check (shared memory, registers, blocks the problem needs);
     none on tiny (interpreter) shapes."""
     if gemm.tiny(m, n, k):
         return []
@@ -171,6 +175,9 @@ def wide(m: int, n: int, k: int, dtype: str = "bfloat16") -> list[dict]:
             c = base.replace(BLOCK_K=min(bk, max(16, gemm.next_pow2(k))), num_stages=stages, TMA=tma)
             c = c.replace(SPLIT_K=gemm.auto_split(c.tiles(m, n), gemm.cdiv(k, c.BLOCK_K)))
             twins = [c, c.replace(SPLIT_K=1, WARP_SPEC=True), c.replace(SPLIT_K=1, STREAM_K=True)]
+            if c.SPLIT_K == 1 and gemm.last_wave_fill(c.tiles(m, n)) <= 0.8:  # a partial last wave
+                twins += [c.replace(SPLIT_K=split) for split in WAVE_SPLITS
+                          if gemm.cdiv(k, c.BLOCK_K) // split >= 4]
             for t in twins:
                 d = t.to_dict()
                 if t.STREAM_K and not gemm.stream_k_helps(t.tiles(m, n), gemm.cdiv(k, t.BLOCK_K)):
