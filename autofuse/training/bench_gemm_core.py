@@ -153,7 +153,7 @@ def candidates(m: int, n: int, k: int, dtype: str = "bfloat16", search: str = "d
 
 def wide(m: int, n: int, k: int, dtype: str = "bfloat16") -> list[dict]:
     """The --search wide grid of a shape: each WIDE_TILES tile (WIDE_SKINNY with and without swap-AB
-    at <= 64 rows) at each of WIDE_STAGES, TMA where the strides allow, split-K as gemm.auto_split
+    at <= 64 rows) at each of WIDE_STAGES, with TMA (where the strides allow) and pointer loads, split-K as gemm.auto_split
     picks it; then each one's warp-specialised twin, its stream-K twin where the last wave leaves
     SMs idle, and where its tiles end in a partial wave, its split-K twins at WAVE_SPLITS (K steps
     divide evenly at any split: 80 tiles of 128x256 on 132 SMs make 240 items at a split of 3,
@@ -169,10 +169,11 @@ def wide(m: int, n: int, k: int, dtype: str = "bfloat16") -> list[dict]:
         bases += [GemmConfig(small, bn, bk, 8, w, SWAP_AB=swap) for bn, bk, w in WIDE_SKINNY for swap in (True, False)]
     bases += [GemmConfig(bm, bn, bk, 8, w) for bm, bn, bk, w in WIDE_TILES if bm <= max(64, gemm.next_pow2(m))]
     out: list[dict] = []
+    paths = (True, False) if tma else (False,)  # TMA loads, and cp.async pointer loads (no C tile in shared memory)
     for base in bases:
         bk = min(2 * base.BLOCK_K, 256) if fp8 else base.BLOCK_K
-        for stages in WIDE_STAGES:
-            c = base.replace(BLOCK_K=min(bk, max(16, gemm.next_pow2(k))), num_stages=stages, TMA=tma)
+        for stages, path in ((s, p) for p in paths for s in WIDE_STAGES):
+            c = base.replace(BLOCK_K=min(bk, max(16, gemm.next_pow2(k))), num_stages=stages, TMA=path)
             c = c.replace(SPLIT_K=gemm.auto_split(c.tiles(m, n), gemm.cdiv(k, c.BLOCK_K)))
             twins = [c, c.replace(SPLIT_K=1, WARP_SPEC=True), c.replace(SPLIT_K=1, STREAM_K=True)]
             if c.SPLIT_K == 1 and gemm.last_wave_fill(c.tiles(m, n)) <= 0.8:  # a partial last wave
