@@ -388,7 +388,10 @@ def defaults(rows: int, n: int, k: int, dtype: str | torch.dtype, sms: int = H20
     gemm_rs's and gemm_ar's kernels (80-520 bytes, Triton 3.6's ptxas). From the wide search (`autofuse bench gemm_core --search wide`, one H100, 2026-11-26,
     docs/results/gemm_core.md): deep pipelines win where they fit: the same tile at 3 stages ran
     1.2-1.6x the time of 5 (64x128x64, 128x128x64, 128x64x64; FP8 alike at BLOCK_K 128), and
-    128x128x64 on 4 warps at 5 stages was the most frequent best tile from 128 to 1024 rows. Tiny (interpreter) problems get 16x32 tiles. float32 halves BLOCK_K or the stages
+    128x128x64 on 4 warps at 5 stages was the most frequent best tile from 128 to 1024 rows. FP8 at
+    <= 256 rows is memory-bound (B streamed once): there the pointer path (cp.async, no C tile in
+    shared memory) beat TMA, 64x64x256 at 5 stages and 64x128x256 at 4 (runs s7, s8: at 64-128 rows
+    and N 3584/5120 the best of these was 1.04x `_scaled_mm`'s time where TMA tiles were 1.19x). Tiny (interpreter) problems get 16x32 tiles. float32 halves BLOCK_K or the stages
     until the tiles fit (`check`); FP8 doubles BLOCK_K (the same bytes per stage as bf16, as
     Triton's FP8 tutorial tiles: 128x256x128), at least 32. TMA is off where row strides are not
     16-byte aligned.
@@ -411,6 +414,10 @@ def defaults(rows: int, n: int, k: int, dtype: str | torch.dtype, sms: int = H20
     else:
         cands = [_cfg(128, 256, 64, 8, 3, tma=tma), _cfg(128, 128, 64, 4, 5, tma=tma),
                  _cfg(128, 256, 64, 4, 3, tma=tma, ws=tma), _cfg(256, 128, 64, 8, 3, tma=tma)]
+    if dt == FP8 and rows <= 64 and not tiny(rows, n, k):  # memory-bound FP8: cp.async pointer loads first
+        cands = [_cfg(small, 64, 128, 4, 5, swap=True, tma=False)] + cands
+    elif dt == FP8 and rows <= 256 and not tiny(rows, n, k):
+        cands = [_cfg(64, 128, 128, 4, 4, tma=False), _cfg(64, 64, 128, 4, 5, tma=False)] + cands
     out: list[Config] = []
     caps = [max(16, next_pow2(size)) for size in (rows, n, k)]
     for c in cands:
