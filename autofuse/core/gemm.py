@@ -391,7 +391,10 @@ def defaults(rows: int, n: int, k: int, dtype: str | torch.dtype, sms: int = H20
     128x128x64 on 4 warps at 5 stages was the most frequent best tile from 128 to 1024 rows. FP8 at
     <= 256 rows is memory-bound (B streamed once): there the pointer path (cp.async, no C tile in
     shared memory) beat TMA, 64x64x256 at 5 stages and 64x128x256 at 4 (runs s7, s8: at 64-128 rows
-    and N 3584/5120 the best of these was 1.04x `_scaled_mm`'s time where TMA tiles were 1.19x). Tiny (interpreter) problems get 16x32 tiles. float32 halves BLOCK_K or the stages
+    and N 3584/5120 the best of these was 1.04x `_scaled_mm`'s time where TMA tiles were 1.19x).
+    Only for warp_spec=True (the core's own kernel, where those runs checked every config against
+    `_scaled_mm` on the GPU): the fused kernels' FP8 pointer path is checked on CPU only, so their
+    defaults keep the TMA tiles first until a GPU run checks it. Tiny (interpreter) problems get 16x32 tiles. float32 halves BLOCK_K or the stages
     until the tiles fit (`check`); FP8 doubles BLOCK_K (the same bytes per stage as bf16, as
     Triton's FP8 tutorial tiles: 128x256x128), at least 32. TMA is off where row strides are not
     16-byte aligned.
@@ -414,9 +417,10 @@ def defaults(rows: int, n: int, k: int, dtype: str | torch.dtype, sms: int = H20
     else:
         cands = [_cfg(128, 256, 64, 8, 3, tma=tma), _cfg(128, 128, 64, 4, 5, tma=tma),
                  _cfg(128, 256, 64, 4, 3, tma=tma, ws=tma), _cfg(256, 128, 64, 8, 3, tma=tma)]
-    if dt == FP8 and rows <= 64 and not tiny(rows, n, k):  # memory-bound FP8: cp.async pointer loads first
+    skinny_fp8 = dt == FP8 and rows <= 256 and warp_spec and not tiny(rows, n, k)
+    if skinny_fp8 and rows <= 64:  # memory-bound FP8: cp.async pointer loads first (the core's own kernel)
         cands = [_cfg(small, 64, 128, 4, 5, swap=True, tma=False)] + cands
-    elif dt == FP8 and rows <= 256 and not tiny(rows, n, k):
+    elif skinny_fp8:
         cands = [_cfg(64, 128, 128, 4, 4, tma=False), _cfg(64, 64, 128, 4, 5, tma=False)] + cands
     out: list[Config] = []
     caps = [max(16, next_pow2(size)) for size in (rows, n, k)]
