@@ -201,7 +201,8 @@ COMPILES = {  # name: (constexpr changes, inbox dtype, num_warps)
     "fp8_one_shot_rowwise": ({"B_T": True, "SCALE": 2, "BLOCK_K": 256, "NUM_STAGES": 3}, "bf16", 4),
     "fp8_two_shot_tensor_swap": ({"B_T": True, "SCALE": 1, "TWO_SHOT": True, "BLOCK_M": 16, "SWAP_AB": True,
                                   "SPLIT_K": 2, "BLOCK_K": 256, "NUM_STAGES": 3}, "fp32", 4),
-    "one_shot_deep": ({"BLOCK_M": 128, "BLOCK_K": 64, "NUM_STAGES": 5}, "bf16", 8),  # gemm.defaults' deep tile, fused: 8 warps
+    # gemm.defaults' deep tile, on 8 warps in fused kernels
+    "one_shot_deep": ({"BLOCK_M": 128, "BLOCK_K": 64, "NUM_STAGES": 5}, "bf16", 8),
 }
 
 

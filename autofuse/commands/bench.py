@@ -42,7 +42,7 @@ def bench(
     dtype: Optional[str] = typer.Option(None, "--dtype", help="gemm_core only: bf16 (default) or fp8 "
                                         "(float8_e4m3fn against torch._scaled_mm)."),
     search: Optional[str] = typer.Option(None, "--search", help="gemm_core only: defaults (the configs the ops "
-                                         "try first; the default) or wide (a grid of some 40-80 configs a shape, "
+                                         "try first; the default) or wide (a grid of 40-280 configs a shape, "
                                          "compiled in parallel first: what the core reaches when tuned)."),
 ) -> None:
     """Benchmark an op (each variant at its known-good configs vs BSP and the bound) or an extra target.

@@ -385,7 +385,9 @@ def defaults(rows: int, n: int, k: int, dtype: str | torch.dtype, sms: int = H20
     exist). With warp_spec=False (the fused kernels, whose flags, peers' addresses and epilogue
     state live in registers beside the accumulator) a tile whose accumulator needs more than
     FUSED_ACC_REGS registers a thread on 4 warps runs on 8: on 4 warps the 128x128 tile spilled in
-    gemm_rs's and gemm_ar's kernels (80-520 bytes, Triton 3.6's ptxas). From the wide search (`autofuse bench gemm_core --search wide`, one H100, 2026-11-26,
+    gemm_rs's and gemm_ar's kernels (80-520 bytes, Triton 3.6's ptxas).
+
+    From the wide search (`autofuse bench gemm_core --search wide`, one H100, 2026-11-26,
     docs/results/gemm_core.md): deep pipelines win where they fit: the same tile at 3 stages ran
     1.2-1.6x the time of 5 (64x128x64, 128x128x64, 128x64x64; FP8 alike at BLOCK_K 128), and
     128x128x64 on 4 warps at 5 stages was the most frequent best tile from 128 to 1024 rows. FP8 at
@@ -394,7 +396,9 @@ def defaults(rows: int, n: int, k: int, dtype: str | torch.dtype, sms: int = H20
     and N 3584/5120 the best of these was 1.04x `_scaled_mm`'s time where TMA tiles were 1.19x).
     Only for warp_spec=True (the core's own kernel, where those runs checked every config against
     `_scaled_mm` on the GPU): the fused kernels' FP8 pointer path is checked on CPU only, so their
-    defaults keep the TMA tiles first until a GPU run checks it. Tiny (interpreter) problems get 16x32 tiles. float32 halves BLOCK_K or the stages
+    defaults keep the TMA tiles first until a GPU run checks it.
+
+    Tiny (interpreter) problems get 16x32 tiles. float32 halves BLOCK_K or the stages
     until the tiles fit (`check`); FP8 doubles BLOCK_K (the same bytes per stage as bf16, as
     Triton's FP8 tutorial tiles: 128x256x128), at least 32. TMA is off where row strides are not
     16-byte aligned.

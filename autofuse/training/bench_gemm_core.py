@@ -23,8 +23,9 @@ measurement stays under ~0.3 s.
 
 Sweeps: `gpu` (the default with a GPU): M in GPU_M x N in {3584, 5120, 8192, 28672} x K in {8192,
 14336}, 64 shapes, about a minute on one H100 (45-60 s a dtype, 2026-11-26): each distinct config
-(~50; ~250 with --search wide) is first compiled once in COMPILE_WORKERS processes (`precompile`),
-then the timing pass loads it from Triton's cache; `full`: every power of two M from 16 to 16384 (88 shapes, ~4 minutes); `cpu`
+(~70; ~500 with --search wide) is first compiled once in COMPILE_WORKERS processes (`precompile`),
+then the timing pass loads it from Triton's cache; `full`: every power of two M from 16 to 16384
+(88 shapes); `cpu`
 (the default without a GPU): three tiny shapes under Triton's interpreter, in a child process, in
 seconds: interpreter timings that only show the core runs and agrees with torch, nothing about speed.
 
@@ -33,11 +34,11 @@ matches any item (e.g. `--shapes 16,64x3584,1024x28672x8192`).
 --variants: the config families to time, from FAMILIES (default all): a config is timed when every
 family it belongs to is listed, e.g. `--variants tma,ptr,swap,splitk,ws` leaves out stream-K
 (the core as it was before stream-K). cuBLAS is always timed.
---search: `defaults` (the candidates above: what the ops try first) or `wide`: those plus the WIDE_TILES
-grid (tile x warps x stages, swap-AB for skinny M, the auto split, warp-specialised, stream-K and
-wave-split twins;
-some 30-70 configs a shape): what the core can reach on a shape when tuned, the evidence behind
-gemm.defaults (docs/results/gemm_core.md). About a minute a dtype for 30 shapes on one H100.
+--search: `defaults` (the candidates above: what the ops try first) or `wide`: those plus the `wide`
+grid (tile x warps x stages x load path, swap-AB for skinny M, the auto split, warp-specialised,
+stream-K and partial-wave split-K twins; 40-280 configs a shape): what the core can reach on a shape
+when tuned, the evidence behind gemm.defaults (docs/results/gemm_core.md). About a minute a dtype
+for 8-30 shapes on one H100; pass --shapes.
 """
 from __future__ import annotations
 
@@ -70,7 +71,7 @@ DEFAULT_SWEEP = {"cuda": "gpu", "cpu": "cpu"}  # the shapes, when --sweep is not
 WORLD = 1  # one device: the core against the vendor GEMM
 FAMILIES = ("tma", "ptr", "swap", "splitk", "ws", "streamk")
 SEARCHES = ("defaults", "wide")
-COMPILE_WORKERS = 12      # --search wide: processes that compile the configs before the timing pass
+COMPILE_WORKERS = 12      # on a GPU: processes that compile a sweep's configs before the timing pass
 # --search wide: (BLOCK_M, BLOCK_N, BLOCK_K in 16-bit, num_warps) from 16 rows up (FP8 doubles BLOCK_K, at
 # most 256), and (BLOCK_N, BLOCK_K, num_warps) of the skinny tiles (BLOCK_M = the rows' power of two, <= 64)
 WIDE_TILES = ((64, 64, 128, 4), (64, 128, 64, 4), (64, 128, 128, 4), (64, 256, 64, 4), (64, 256, 64, 8),
@@ -153,12 +154,13 @@ def candidates(m: int, n: int, k: int, dtype: str = "bfloat16", search: str = "d
 
 def wide(m: int, n: int, k: int, dtype: str = "bfloat16") -> list[dict]:
     """The --search wide grid of a shape: each WIDE_TILES tile (WIDE_SKINNY with and without swap-AB
-    at <= 64 rows) at each of WIDE_STAGES, with TMA (where the strides allow) and pointer loads, split-K as gemm.auto_split
-    picks it; then each one's warp-specialised twin, its stream-K twin where the last wave leaves
-    SMs idle, and where its tiles end in a partial wave, its split-K twins at WAVE_SPLITS (K steps
-    divide evenly at any split: 80 tiles of 128x256 on 132 SMs make 240 items at a split of 3,
-    91% of two waves, against 61% of one). Every config passes gemm.check (shared memory, registers, blocks the problem needs);
-    none on tiny (interpreter) shapes."""
+    at <= 64 rows) at each of WIDE_STAGES, with TMA loads (where the strides allow) and pointer
+    loads, split-K as gemm.auto_split picks it; then each one's warp-specialised twin, its stream-K
+    twin where the last wave leaves SMs idle, and where its tiles end in a partial wave its split-K
+    twins at WAVE_SPLITS (K steps divide evenly at any split: 80 tiles of 128x256 on 132 SMs make
+    240 items at a split of 3, 91% of two waves against 61% of one; measured, they lose: gemm_core.md).
+    Every config passes gemm.check (shared memory, registers, blocks the problem needs); none on
+    tiny (interpreter) shapes."""
     if gemm.tiny(m, n, k):
         return []
     fp8 = dtype == gemm.FP8
@@ -397,7 +399,8 @@ def _compile_some(job: tuple[str, str, list[tuple[dict, tuple[int, int, int]]]])
     failed = []
     for config, (m, n, k) in items:
         try:
-            a = torch.zeros(m, k, device=device, dtype=torch.bfloat16).to(torch.float8_e4m3fn if fp8 else torch.bfloat16)
+            a = torch.zeros(m, k, device=device, dtype=torch.bfloat16)
+            a = a.to(torch.float8_e4m3fn) if fp8 else a
             b = (torch.zeros(n, k, device=device, dtype=torch.float8_e4m3fn).t() if fp8
                  else torch.zeros(k, n, device=device, dtype=torch.bfloat16))
             c = torch.empty(m, n, device=device, dtype=torch.bfloat16)
