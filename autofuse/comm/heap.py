@@ -137,7 +137,6 @@ def torch_symm_unavailable(world: World, op: str) -> str | None:
     return f"this torch ({torch.__version__}) has no torch.ops.symm_mem.{op}"
 
 
-
 def torch_symm_group(world: World) -> str:
     """The World's group name with torch's symmetric memory enabled for it (what the torch_symm
     variants pass torch's ops); enabling is needed before torch 2.13 and warns after it."""
@@ -152,6 +151,7 @@ def torch_symm_group(world: World) -> str:
             warnings.simplefilter("ignore", FutureWarning)
             symm.enable_symm_mem_for_group(group)
     return group
+
 
 # -- rendezvous --------------------------------------------------------------------------------------
 

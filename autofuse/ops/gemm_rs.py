@@ -26,8 +26,8 @@ the fused kernels scale each partial tile before it is pushed. torch_symm calls 
 symm_mem.fused_scaled_matmul_reduce_scatter (scatter dim 0, bfloat16 out, fast accumulation) with
 the rank's scales: tensorwise, or row-wise scale_a M x 1 (every rank holds all M rows of its
 partial; torch's op splits the scales with A's rows, one row chunk per destination rank, and
-copies a chunk that is not 16-byte aligned, as cuBLAS's row-wise kernel needs). Built and checked
-on CPU ranks against stand-ins of torch's op (tests/_symm_cpu.py), not yet run on a GPU.
+copies a chunk that is not 16-byte aligned, as cuBLAS's row-wise kernel needs). Checked on CPU
+ranks against stand-ins of torch's op (tests/_symm_cpu.py) and passed on two H100, 2026-11-26.
 """
 from __future__ import annotations
 
@@ -119,10 +119,10 @@ class TorchSymmRunner(Runner):
     row-wise M x 1: the op splits it with A's rows) and scale_b, bfloat16 out and fast accumulation
     (gemm.vendor_mm's torch._scaled_mm)."""
 
-    def __init__(self, world: World, problem: Problem):
+    def __init__(self, world: World, problem: Problem, group: str):
         specs, out = rp.io_specs(problem, problem["M"] // problem.world)
         super().__init__(world, problem, specs, out)
-        self.group = rp.group_name(world)
+        self.group = group
         self.full_shape = [problem["M"], problem["N"]]  # the unscattered product: the op's output_shape
 
     def launch(self, a: torch.Tensor, b: torch.Tensor, *scales: torch.Tensor, out: torch.Tensor) -> None:
@@ -145,8 +145,7 @@ class TorchSymm(Variant):
         return torch_symm_unavailable(world, "fused_matmul_reduce_scatter")
 
     def runner(self, world: World, problem: Problem, config: Config) -> Runner:
-        torch_symm_group(world)
-        return TorchSymmRunner(world, problem)
+        return TorchSymmRunner(world, problem, torch_symm_group(world))
 
 
 # -- fused: push_last, push_reducer ---------------------------------------------------------------------

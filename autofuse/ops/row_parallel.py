@@ -18,7 +18,6 @@ import math
 from typing import TYPE_CHECKING, Any, Mapping
 
 import torch
-import torch.distributed as dist
 
 from autofuse.core import gemm, shapes
 from autofuse.core.op import (FP8, SCALINGS, Config, InvalidInput, Problem, SearchSpace, Variant, config_key,
@@ -312,10 +311,6 @@ class FusedRunner(Runner):
 
 
 # -- the collective library's side (BSP) ------------------------------------------------------------
-def group_name(world: World) -> str:
-    return (world.group if world.group is not None else dist.group.WORLD).group_name
-
-
 def io_specs(problem: Problem, out_rows: int) -> tuple[list[TensorSpec], TensorSpec]:
     """(input specs, out spec) of a row-parallel op's runner: a, b dense (FP8: then scale_a and
     scale_b, float32); out contiguous in the problem's output dtype."""

@@ -389,8 +389,9 @@ def _run_rows(opts: dict) -> dict:
 
 
 def _compile_some(job: tuple[str, str, list[tuple[dict, tuple[int, int, int]]]]) -> list[str]:
-    """One precompile worker: launch each (config, shape) once on zero operands (Triton compiles the
-    kernel into its on-disk cache); returns the failures as lines (the timing pass reports them again)."""
+    """One precompile worker: launch each (config, shape) once, on the timing pass's B layout (Triton
+    compiles the kernel into its on-disk cache); returns the failures as lines (the timing pass
+    reports them again)."""
     dtype, where, items = job
     device = torch.device(where)
     if device.type == "cuda":
@@ -401,11 +402,9 @@ def _compile_some(job: tuple[str, str, list[tuple[dict, tuple[int, int, int]]]])
         try:
             a = torch.zeros(m, k, device=device, dtype=torch.bfloat16)
             a = a.to(torch.float8_e4m3fn) if fp8 else a
-            b = (torch.zeros(n, k, device=device, dtype=torch.float8_e4m3fn).t() if fp8
-                 else torch.zeros(k, n, device=device, dtype=torch.bfloat16))
             c = torch.empty(m, n, device=device, dtype=torch.bfloat16)
-            scales = {"scale_a": torch.ones(1, device=device), "scale_b": torch.ones(1, device=device)} if fp8 else {}
-            gemm.prepare(a, b, config, c, **scales)()
+            scales = dict(zip(("scale_a", "scale_b"), fp8_scales(m, n, "tensorwise", device))) if fp8 else {}
+            gemm.prepare(a, weights(n, k, dtype, device), config, c, **scales)()
         except Exception as exc:  # noqa: BLE001 - reported, and the timing pass tries it again
             failed.append(f"{config_text(config)} at {m}x{n}x{k}: {type(exc).__name__}")
     if device.type == "cuda":
