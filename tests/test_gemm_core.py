@@ -681,9 +681,16 @@ def test_bench_wide_search_widens_the_defaults():
             assert wide[:len(base)] == base and len(wide) > 2 * len(base)
             assert len({bench.config_text(c) for c in wide}) == len(wide)
             assert all(gemm.check(c, m, n, k, dtype, stream_k=True) is None for c in wide)
-            assert {c["num_stages"] for c in wide} >= {3, 4}
-            assert any(c["STREAM_K"] for c in wide) == any(
-                gemm.stream_k_helps(GemmConfig.from_dict(c).tiles(m, n), gemm.cdiv(k, c["BLOCK_K"])) for c in wide)
+            assert {c["num_stages"] for c in wide} >= {3, 4, 5}
+            for c in wide:
+                tiles = GemmConfig.from_dict(c).tiles(m, n)
+                if c["STREAM_K"] and c not in base:  # a stream-K twin: a partial last wave, or under one wave
+                    assert tiles < gemm.H200_SMS or gemm.stream_k_helps(tiles, gemm.cdiv(k, c["BLOCK_K"])), c
+            one_wave = [c for c in wide if GemmConfig.from_dict(c).tiles(m, n) < gemm.H200_SMS
+                        and not c["STREAM_K"] and not c["WARP_SPEC"] and c["SPLIT_K"] == 1 and not c["SWAP_AB"]]
+            for c in one_wave:  # under one wave: its stream-K twin is timed too
+                assert {**c, "STREAM_K": True} in wide or gemm.check({**c, "STREAM_K": True}, m, n, k, dtype,
+                                                                     stream_k=True) is not None, c
             assert any(c["WARP_SPEC"] for c in wide) == (dtype == "bfloat16")
             if m <= 64:
                 assert {c["SWAP_AB"] for c in wide} == {True, False}

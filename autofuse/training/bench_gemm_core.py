@@ -78,7 +78,7 @@ WIDE_TILES = ((64, 64, 128, 4), (64, 128, 64, 4), (64, 128, 128, 4), (64, 256, 6
               (128, 64, 64, 4), (128, 128, 64, 4), (128, 128, 64, 8), (128, 128, 128, 8), (128, 256, 64, 8),
               (128, 256, 64, 4), (256, 128, 64, 8))
 WIDE_SKINNY = ((64, 256, 4), (128, 128, 4), (128, 256, 4), (256, 128, 4))
-WIDE_STAGES = (3, 4, 5)
+WIDE_STAGES = (3, 4, 5, 6)
 WAVE_SPLITS = (2, 3, 4)   # --search wide: split-K twins of tiles that end in a partial wave
 SHAPE_TARGETS = {"bf16": 1.10, "fp8": 1.15}  # issue 29: no shape's core/vendor time above this
 GEOMEAN_TARGETS = {"bf16": {"M<=256": 1.05, "M>=512": 1.03}, "fp8": {"M<=256": 1.05, "M>=512": 1.05}}
@@ -159,6 +159,8 @@ def wide(m: int, n: int, k: int, dtype: str = "bfloat16") -> list[dict]:
     twin where the last wave leaves SMs idle, and where its tiles end in a partial wave its split-K
     twins at WAVE_SPLITS (K steps divide evenly at any split: 80 tiles of 128x256 on 132 SMs make
     240 items at a split of 3, 91% of two waves against 61% of one; measured, they lose: gemm_core.md).
+    A tile count under one wave (skinny, memory-bound shapes: 112 tiles of 64x128 at 256 x 3584 keep
+    20 of 132 SMs idle) gets its stream-K and split-K twins however full that wave is.
     Every config passes gemm.check (shared memory, registers, blocks the problem needs); none on
     tiny (interpreter) shapes."""
     if gemm.tiny(m, n, k):
@@ -178,12 +180,13 @@ def wide(m: int, n: int, k: int, dtype: str = "bfloat16") -> list[dict]:
             c = base.replace(BLOCK_K=min(bk, max(16, gemm.next_pow2(k))), num_stages=stages, TMA=path)
             c = c.replace(SPLIT_K=gemm.auto_split(c.tiles(m, n), gemm.cdiv(k, c.BLOCK_K)))
             twins = [c, c.replace(SPLIT_K=1, WARP_SPEC=True), c.replace(SPLIT_K=1, STREAM_K=True)]
-            if c.SPLIT_K == 1 and gemm.last_wave_fill(c.tiles(m, n)) <= 0.8:  # a partial last wave
+            one_wave = c.tiles(m, n) < gemm.H200_SMS  # fewer tiles than SMs: memory-bound shapes want every SM
+            if c.SPLIT_K == 1 and (gemm.last_wave_fill(c.tiles(m, n)) <= 0.8 or one_wave):  # a partial last wave
                 twins += [c.replace(SPLIT_K=split) for split in WAVE_SPLITS
                           if gemm.cdiv(k, c.BLOCK_K) // split >= 4]
             for t in twins:
                 d = t.to_dict()
-                if t.STREAM_K and not gemm.stream_k_helps(t.tiles(m, n), gemm.cdiv(k, t.BLOCK_K)):
+                if t.STREAM_K and not (one_wave or gemm.stream_k_helps(t.tiles(m, n), gemm.cdiv(k, t.BLOCK_K))):
                     continue
                 if t.WARP_SPEC and t.num_warps != 4:
                     continue
