@@ -82,7 +82,7 @@ def main() -> int:
     ap.add_argument("--device", default="cuda", help="cuda, or cpu (Triton's interpreter: a smoke test of the script)")
     args = ap.parse_args()
     shapes = parse(args.shapes) if args.shapes else SHAPES
-    dev = torch.device(args.device)
+    dev = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device(args.device)
     precompile(shapes, dev)
     torch.manual_seed(0)
     rows = []

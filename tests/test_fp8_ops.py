@@ -380,21 +380,24 @@ def _ag_gpu(variants: tuple[str, ...], gather: str, ms: tuple[int, ...]) -> list
     return cases
 
 
-# The fused kernels' FP8 pointer path (cp.async loads: what gemm.defaults puts first for the core's own
-# kernel at <= 256 rows): each fused variant's first default with TMA off, and the skinny 64x64x256
-# 5-stage pointer tile, at one skinny problem per op, both scalings (not yet run on a GPU: 2026-11-26).
+# The fused kernels' FP8 pointer path (cp.async loads: what gemm.defaults puts first at <= 256 rows, swap-AB
+# at <= 64): each fused variant's first default with TMA off, every default that loads by pointer, and the
+# skinny 64x64x256 5-stage pointer tile, at skinny problems of each op, both scalings (two H100, 2026-11-27:
+# passed, before the fused defaults took pointer tiles; the <= 64-row problems were added then).
 SKINNY_PTR = {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 256, "num_stages": 5, "num_warps": 4, "TMA": False}
 
 
-def _ptr_gpu(op, variants: tuple[str, ...], dims: dict) -> list[harness.Case]:
+def _ptr_gpu(op, variants: tuple[str, ...], *dims: dict) -> list[harness.Case]:
     cases = []
-    for s in rp.SCALINGS:
-        d = {**dims, "scaling": s}
+    for d in ({**x, "scaling": s} for x in dims for s in rp.SCALINGS):
         problem = Problem.make(op.name, FP8, 2, **d)
         for v in variants:
-            first = op.variant(v).defaults(problem)[0]
-            for c in (dict(first, TMA=False), {**first, **SKINNY_PTR, "SPLIT_K": 1}):
-                if op.variant(v).check(problem, c) is None:
+            defaults = op.variant(v).defaults(problem)
+            first = defaults[0]
+            configs = [dict(first, TMA=False), {**first, **SKINNY_PTR, "SPLIT_K": 1}]
+            configs += [c for c in defaults if not c.get("TMA", True)]
+            for c in configs:
+                if op.variant(v).check(problem, c) is None and (v, d, FP8, c) not in cases:
                     cases.append((v, d, FP8, c))
     return cases
 
@@ -413,8 +416,10 @@ GPU_CASES = {
     "ag_gemm_fused_k": _ag_gpu(("pull", "push", "push_ws"), "k", (2048,)),
     "ag_gemm_fused_ptr": _ptr_gpu(ag_gemm.OP, ("pull", "push", "push_ws"),
                                   {"M": 128, "N": 3584, "K": 8192, "gather": "rows"}),
-    "gemm_ar_fused_ptr": _ptr_gpu(gemm_ar.OP, ("one_shot", "two_shot"), {"M": 128, "N": 3584, "K": 8192}),
-    "gemm_rs_fused_ptr": _ptr_gpu(gemm_rs.OP, ("push_last", "push_reducer"), {"M": 256, "N": 3584, "K": 8192}),
+    "gemm_ar_fused_ptr": _ptr_gpu(gemm_ar.OP, ("one_shot", "two_shot"), {"M": 128, "N": 3584, "K": 8192},
+                                  {"M": 48, "N": 3584, "K": 8192}),
+    "gemm_rs_fused_ptr": _ptr_gpu(gemm_rs.OP, ("push_last", "push_reducer"), {"M": 256, "N": 3584, "K": 8192},
+                                  {"M": 64, "N": 3584, "K": 8192}),
 }
 
 

@@ -393,6 +393,22 @@ def test_fp8_config_rules_and_defaults():
     assert all(32 <= c["BLOCK_K"] <= 64 for c in gemm.defaults(37, 64, 96, "float8_e4m3fn"))  # tiny, still FP8-sized
 
 
+@pytest.mark.parametrize("warp_spec", [True, False])
+def test_fp8_skinny_defaults_lead_with_pointer_tiles(warp_spec):
+    """FP8 at <= 256 rows is memory-bound: the pointer path (cp.async) first, swap-AB at <= 64 rows. The
+    core's own kernel (warp_spec=True) takes two pointer tiles; the fused kernels one, then TMA tiles
+    (their op-level speed with it is not measured). bf16, and FP8 from 257 rows, lead with TMA."""
+    for rows in (16, 64, 128, 256):
+        configs = gemm.defaults(rows, 3584, 8192, "float8_e4m3fn", warp_spec=warp_spec)
+        paths = [c["TMA"] for c in configs]
+        assert paths[0] is False and configs[0]["BLOCK_K"] == 256 and (configs[0]["SWAP_AB"] == (rows <= 64))
+        assert any(paths), "the TMA tiles still follow"
+        lead = 2 if warp_spec and rows > 64 else 1
+        assert paths[:lead] == [False] * lead and paths[lead] is True, paths
+    for rows, dtype in ((512, "float8_e4m3fn"), (128, "bfloat16"), (16, "bfloat16")):
+        assert gemm.defaults(rows, 3584, 8192, dtype, warp_spec=warp_spec)[0]["TMA"] is True
+
+
 def test_matmul_rejects_unaligned_tma_operands():
     a = torch.randn(32, 48)[:, :40]  # row stride 48 floats is aligned; a view with offset is not
     b = torch.randn(40, 32)

@@ -394,9 +394,9 @@ def defaults(rows: int, n: int, k: int, dtype: str | torch.dtype, sms: int = H20
     <= 256 rows is memory-bound (B streamed once): there the pointer path (cp.async, no C tile in
     shared memory) beat TMA, 64x64x256 at 5 stages and 64x128x256 at 4 (runs s7, s8: at 64-128 rows
     and N 3584/5120 the best of these was 1.04x `_scaled_mm`'s time where TMA tiles were 1.19x).
-    Only for warp_spec=True (the core's own kernel, where those runs checked every config against
-    `_scaled_mm` on the GPU): the fused kernels' FP8 pointer path is checked on CPU only, so their
-    defaults keep the TMA tiles first until a GPU run checks it.
+    The fused kernels (warp_spec=False) put one pointer tile first and keep the TMA tiles next:
+    their FP8 pointer path is checked on GPUs (two H100, 2026-11-27: every fused variant of the
+    three ops, eager and graph replay), its op-level speed is not yet measured.
 
     Tiny (interpreter) problems get 16x32 tiles. float32 halves BLOCK_K or the stages
     until the tiles fit (`check`); FP8 doubles BLOCK_K (the same bytes per stage as bf16, as
@@ -421,11 +421,12 @@ def defaults(rows: int, n: int, k: int, dtype: str | torch.dtype, sms: int = H20
     else:
         cands = [_cfg(128, 256, 64, 8, 3, tma=tma), _cfg(128, 128, 64, 4, 5, tma=tma),
                  _cfg(128, 256, 64, 4, 3, tma=tma, ws=tma), _cfg(256, 128, 64, 8, 3, tma=tma)]
-    skinny_fp8 = dt == FP8 and rows <= 256 and warp_spec and not tiny(rows, n, k)
-    if skinny_fp8 and rows <= 64:  # memory-bound FP8: cp.async pointer loads first (the core's own kernel)
+    skinny_fp8 = dt == FP8 and rows <= 256 and not tiny(rows, n, k)
+    if skinny_fp8 and rows <= 64:  # memory-bound FP8: cp.async pointer loads first
         cands = [_cfg(small, 64, 128, 4, 5, swap=True, tma=False)] + cands
-    elif skinny_fp8:
-        cands = [_cfg(64, 128, 128, 4, 4, tma=False), _cfg(64, 64, 128, 4, 5, tma=False)] + cands
+    elif skinny_fp8:  # the fused kernels: one pointer tile, then the TMA tiles (op-level speed not yet timed)
+        ptr = [_cfg(64, 128, 128, 4, 4, tma=False), _cfg(64, 64, 128, 4, 5, tma=False)]
+        cands = (ptr if warp_spec else ptr[:1]) + cands
     out: list[Config] = []
     caps = [max(16, next_pow2(size)) for size in (rows, n, k)]
     for c in cands:
