@@ -228,6 +228,13 @@ BIG = {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "GROUP_M": 8, "num_warps":
     ({**BIG, "BLOCK_N": 128, "num_warps": 4, "WARP_SPEC": True, "SPLIT_K": 2}, (4096, 3584, 8192), "bfloat16",
      "WARP_SPEC needs SPLIT_K=1"),
     ({**BIG, "BLOCK_M": 16, "num_warps": 4, "WARP_SPEC": True}, (16, 3584, 8192), "bfloat16", "MMA M side >= 64"),
+    # measured wrong (5-6 stages, two consumer warpgroups) or not compiling (64 x 256), H100, Triton 3.6
+    ({**BIG, "BLOCK_N": 128, "num_warps": 4, "num_stages": 5, "WARP_SPEC": True}, (4096, 3584, 8192), "bfloat16",
+     "WARP_SPEC needs num_stages <= 4 with an MMA M side of 128"),
+    ({**BIG, "BLOCK_N": 64, "num_warps": 4, "num_stages": 6, "WARP_SPEC": True}, (4096, 3584, 8192), "float16",
+     "WARP_SPEC needs num_stages <= 4"),
+    ({**BIG, "BLOCK_M": 64, "num_warps": 4, "WARP_SPEC": True}, (4096, 3584, 8192), "bfloat16",
+     "WARP_SPEC does not compile with a 64x256 tile"),
     ({**BIG, "STREAM_K": True}, (4096, 3584, 8192), "bfloat16", "STREAM_K is run only by the core's standalone"),
     ({**BIG, "STREAM_K": 1}, (4096, 3584, 8192), "bfloat16", "STREAM_K=1 must be true or false"),
     ({**BIG, "FLAG": "tile"}, (4096, 3584, 8192), "bfloat16", "unknown ['FLAG']"),
@@ -244,6 +251,9 @@ def test_check_rejects_with_a_reason(config, dims, dtype, reason):
     (BIG, (4096, 3584, 8192), "bfloat16"),
     ({**BIG, "FLAG": "tile", "COMM_SMS": 8}, (4096, 3584, 8192), "bfloat16"),  # op keys named by the op
     ({**BIG, "BLOCK_N": 128, "num_warps": 4, "WARP_SPEC": True}, (4096, 3584, 8192), "bfloat16"),
+    ({**BIG, "BLOCK_N": 128, "num_warps": 4, "num_stages": 4, "WARP_SPEC": True}, (4096, 3584, 8192), "bfloat16"),
+    ({**BIG, "BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 4, "num_stages": 6, "WARP_SPEC": True}, (4096, 3584, 8192),
+     "bfloat16"),  # one consumer row block: right at 2-6 stages
     ({**BIG, "BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4, "SWAP_AB": True,
       "SPLIT_K": 4}, (16, 3584, 8192), "bfloat16"),
     ({**BIG, "BLOCK_M": 32, "BLOCK_N": 128, "num_warps": 4, "SWAP_AB": True, "WARP_SPEC": True}, (32, 3584, 8192),
@@ -401,12 +411,28 @@ def test_fp8_skinny_defaults_lead_with_pointer_tiles(warp_spec):
     for rows in (16, 64, 128, 256):
         configs = gemm.defaults(rows, 3584, 8192, "float8_e4m3fn", warp_spec=warp_spec)
         paths = [c["TMA"] for c in configs]
-        assert paths[0] is False and configs[0]["BLOCK_K"] == 256 and (configs[0]["SWAP_AB"] == (rows <= 64))
+        deep = warp_spec and rows > 128  # the core's own kernel: 128x128x128 and 128x256x128 pointer tiles lead
+        assert paths[0] is False and configs[0]["BLOCK_K"] == (128 if deep else 256)
+        assert configs[0]["SWAP_AB"] == (rows <= 64)
         assert any(paths), "the TMA tiles still follow"
-        lead = 2 if warp_spec and rows > 64 else 1
+        lead = (4 if deep else 2) if warp_spec and rows > 64 else 1
         assert paths[:lead] == [False] * lead and paths[lead] is True, paths
-    for rows, dtype in ((512, "float8_e4m3fn"), (128, "bfloat16"), (16, "bfloat16")):
+    for rows, dtype in ((2048, "float8_e4m3fn"), (128, "bfloat16"), (16, "bfloat16")):
         assert gemm.defaults(rows, 3584, 8192, dtype, warp_spec=warp_spec)[0]["TMA"] is True
+    first = gemm.defaults(512, 3584, 8192, "float8_e4m3fn", warp_spec=warp_spec)[0]
+    assert (first["TMA"], first["num_stages"]) == ((False, 6) if warp_spec else (True, 5))
+
+
+def test_core_defaults_take_six_stages_where_run_g2_found_them():
+    """bf16 at 65-256 rows: the core's own kernel runs 128x128x64 at 6 stages and a 64x64x128 pointer tile at 6;
+    the fused kernels keep 5 stages (6 was not checked inside them)."""
+    core = gemm.defaults(256, 5120, 8192, "bfloat16")
+    fused = gemm.defaults(256, 5120, 8192, "bfloat16", warp_spec=False)
+    tile = lambda c: (c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_K"])  # noqa: E731
+    assert {c["num_stages"] for c in core if tile(c) == (128, 128, 64)} == {6}
+    assert any(tile(c) == (64, 64, 128) and not c["TMA"] and c["num_stages"] == 6 for c in core)
+    assert {c["num_stages"] for c in fused if tile(c) == (128, 128, 64)} == {5}
+    assert all(gemm.check(c, 256, 5120, 8192, "bfloat16") is None for c in core + fused)
 
 
 def test_matmul_rejects_unaligned_tma_operands():
@@ -681,7 +707,8 @@ def test_bench_shapes_and_candidates():
         configs = bench.candidates(m, n, k)
         assert 4 <= len(configs) <= 14  # each default and extra, and a stream-K twin where it can help
         assert all(gemm.check(c, m, n, k, "bfloat16", stream_k=True) is None for c in configs)
-        assert any(not c["TMA"] for c in configs) and any(c["WARP_SPEC"] for c in configs)
+        assert any(not c["TMA"] for c in configs)
+        assert any(c["WARP_SPEC"] for c in configs) == (not 64 < m <= 256)  # 65-256 rows: 6-stage tiles instead
         if m <= 64:
             assert any(c["SWAP_AB"] for c in configs) and any(c["SPLIT_K"] > 1 for c in configs) == (n < 28672)
 

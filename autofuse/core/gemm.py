@@ -32,6 +32,7 @@ from autofuse.core.sizes import cdiv, next_pow2
 SMEM_LIMIT = 232448       # bytes of shared memory one program may use on sm_90 (227 KiB)
 SMEM_SLACK = 1024         # mbarriers and alignment, beyond the tile buffers (measured: 24-600 B)
 MAX_ACC_REGS = 128        # float32 accumulator registers per thread before a tile spills
+WS_MAX_STAGES_128 = 4     # WARP_SPEC with an MMA M side of 128+: 5-6 stages computed wrong (H100, Triton 3.6)
 BLOCKS = (16, 32, 64, 128, 256)
 WARPS = (4, 8)
 MAX_STAGES = 8
@@ -193,6 +194,10 @@ def check(config: Mapping[str, Any] | GemmConfig, rows: int, n: int, k: int, dty
       consumer warpgroups, 12 warps; with 8 it silently does nothing), 16-bit inputs (float32
       fails to compile), SPLIT_K 1 (silently not specialised) and an MMA M side (BLOCK_M, or
       BLOCK_N with SWAP_AB) of at least 64 (smaller tiles use mma.sync: nothing to specialise).
+      Measured on an H100 (Triton 3.6, scripts/diag_warp_spec.py, 2026-11-27): an MMA M side of
+      128 (two consumer warpgroups) at 5 or 6 stages computes wrong, non-finite and not
+      repeatable outputs (2-4 stages, and 64-row tiles at 2-6, are right), and 64 x 256 tiles
+      fail to compile; both are refused.
     - STREAM_K (the last wave's tiles shared out in K steps, kernels/gemm_core.py stream_k_plan):
       only in the core's standalone kernel (`prepare`: stream_k=True; the fused kernels schedule
       their own tiles), with SPLIT_K 1 (one way of splitting K at a time) and without WARP_SPEC
@@ -264,7 +269,12 @@ def check(config: Mapping[str, Any] | GemmConfig, rows: int, n: int, k: int, dty
                "needs bfloat16 or float16 inputs (float32 does not compile)" if e != 2 else
                "needs SPLIT_K=1 (Triton does not specialise the split-K kernel)" if cfg.SPLIT_K > 1 else
                f"needs an MMA M side >= 64 ({'BLOCK_N' if cfg.SWAP_AB else 'BLOCK_M'}={mma_m} runs mma.sync)"
-               if mma_m < 64 else None)
+               if mma_m < 64 else
+               f"needs num_stages <= {WS_MAX_STAGES_128} with an MMA M side of {mma_m} (two consumer warpgroups: "
+               f"at {cfg.num_stages} stages the outputs were wrong, non-finite and not repeatable on an H100 with "
+               f"Triton 3.6, scripts/diag_warp_spec.py)" if mma_m >= 128 and cfg.num_stages > WS_MAX_STAGES_128 else
+               f"does not compile with a {cfg.BLOCK_M}x{cfg.BLOCK_N} tile (Triton 3.6: PassManager::run failed)"
+               if mma_m == 64 and (cfg.BLOCK_M if cfg.SWAP_AB else cfg.BLOCK_N) >= 256 else None)
         if why:
             return f"WARP_SPEC {why}"
     if cfg.STREAM_K:
@@ -398,6 +408,14 @@ def defaults(rows: int, n: int, k: int, dtype: str | torch.dtype, sms: int = H20
     their FP8 pointer path is checked on GPUs (two H100, 2026-11-27: every fused variant of the
     three ops, eager and graph replay), its op-level speed is not yet measured.
 
+    From the wide search with 6 stages (two H100, 2026-11-27, run g2), for the core's own kernel
+    only (the fused kernels' tiles at 6 stages and FP8 pointer tiles from 257 rows are reached by
+    tuning, not defaults: not checked inside them on a GPU): FP8 at 129-1024 rows leads with
+    pointer-path 128x128x128 on 8 warps at 6 stages and 128x256x128 at 4 (256-512 rows, N
+    3584/5120: 1.09-1.28x `_scaled_mm` where the TMA defaults ran 1.20-1.42x); bf16 at 65-256
+    rows takes 128x128x64 at 6 stages (1.18-1.20x cuBLAS at 256 x 5120, 5 stages 1.24) and the
+    pointer-path 64x64x128 at 6 (128 x 3584: 1.06 and 0.88x, the defaults 1.20 and 0.93).
+
     Tiny (interpreter) problems get 16x32 tiles. float32 halves BLOCK_K or the stages
     until the tiles fit (`check`); FP8 doubles BLOCK_K (the same bytes per stage as bf16, as
     Triton's FP8 tutorial tiles: 128x256x128), at least 32. TMA is off where row strides are not
@@ -427,6 +445,11 @@ def defaults(rows: int, n: int, k: int, dtype: str | torch.dtype, sms: int = H20
     elif skinny_fp8:  # the fused kernels: one pointer tile, then the TMA tiles (op-level speed not yet timed)
         ptr = [_cfg(64, 128, 128, 4, 4, tma=False), _cfg(64, 64, 128, 4, 5, tma=False)]
         cands = (ptr if warp_spec else ptr[:1]) + cands
+    if warp_spec and not tiny(rows, n, k) and dt == FP8 and 128 < rows <= 1024:  # the core's kernel (run g2)
+        cands = [_cfg(128, 128, 64, 8, 6, tma=False), _cfg(128, 256, 64, 8, 4, tma=False)] + cands
+    elif warp_spec and not tiny(rows, n, k) and dt != FP8 and 64 < rows <= 256:
+        cands = [c.replace(num_stages=6) if (c.BLOCK_M, c.BLOCK_N, c.BLOCK_K) == (128, 128, 64) else c for c in cands]
+        cands = cands[:2] + [_cfg(64, 64, 128, 4, 6, tma=False)] + cands[2:3]  # the warp-specialised tile out
     out: list[Config] = []
     caps = [max(16, next_pow2(size)) for size in (rows, n, k)]
     for c in cands:
