@@ -105,8 +105,11 @@ sm_90 AOT compiles with Triton 3.6 and 3.9: with TMA, 16-bit inputs, num_warps=4
 >= 64 the kernel becomes 12 warps (one producer, two consumer warpgroups, setmaxnreg); with 8 warps
 or split-K it is silently not applied; the pointer path, float32, and any kernel whose tile loop
 also holds a spin-wait loop or inline PTX (gemm_wait_kernel, prefetch_b) fail to compile
-("NVGPUWarpSpecialization" pass). autofuse.core.gemm.check rejects the first set with the reason;
-fused consumers that wait per tile must run WARP_SPEC=False.
+("NVGPUWarpSpecialization" pass). Run on an H100 (Triton 3.6, scripts/diag_warp_spec.py,
+2026-11-27): with two consumer warpgroups (MMA M side 128) at 5 or 6 stages the outputs were wrong
+(non-finite, not repeatable); 2-4 stages and 64-row tiles at 2-6 were right; 64 x 256 tiles do not
+compile. autofuse.core.gemm.check rejects all of these with the reason; fused consumers that wait
+per tile must run WARP_SPEC=False.
 """
 import os
 

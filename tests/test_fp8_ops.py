@@ -380,10 +380,10 @@ def _ag_gpu(variants: tuple[str, ...], gather: str, ms: tuple[int, ...]) -> list
     return cases
 
 
-# The fused kernels' FP8 pointer path (cp.async loads: what gemm.defaults puts first at <= 256 rows, swap-AB
-# at <= 64): each fused variant's first default with TMA off, every default that loads by pointer, and the
-# skinny 64x64x256 5-stage pointer tile, at skinny problems of each op, both scalings (two H100, 2026-11-27:
-# passed, before the fused defaults took pointer tiles; the <= 64-row problems were added then).
+# The fused kernels' FP8 pointer path (cp.async loads: what gemm.defaults puts first for them at 65-256 rows):
+# each fused variant's first default with TMA off, every default that loads by pointer, and the skinny
+# 64x64x256 5-stage pointer tile (swap-AB at <= 64 rows), at skinny problems of each op, both scalings
+# (two H100, 2026-11-27: passed in run g1, and in g2 with the pointer defaults and the <= 64-row problems).
 SKINNY_PTR = {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 256, "num_stages": 5, "num_warps": 4, "TMA": False}
 
 

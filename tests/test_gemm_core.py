@@ -406,9 +406,11 @@ def test_fp8_config_rules_and_defaults():
 @pytest.mark.parametrize("warp_spec", [True, False])
 def test_fp8_skinny_defaults_lead_with_pointer_tiles(warp_spec):
     """FP8 at <= 256 rows is memory-bound: the pointer path (cp.async) first, swap-AB at <= 64 rows. The
-    core's own kernel (warp_spec=True) takes two pointer tiles; the fused kernels one, then TMA tiles
-    (their op-level speed with it is not measured). bf16, and FP8 from 257 rows, lead with TMA."""
-    for rows in (16, 64, 128, 256):
+    core's own kernel (warp_spec=True) takes two pointer tiles (four from 129 rows); the fused kernels
+    one at 65-256 rows, then TMA tiles, and TMA first at <= 64 rows (run g4). bf16 leads with TMA."""
+    fused_skinny = gemm.defaults(64, 3584, 8192, "float8_e4m3fn", warp_spec=False)
+    assert not warp_spec or fused_skinny[0]["TMA"] is True  # fused kernels at <= 64 rows: TMA first (run g4)
+    for rows in (16, 64, 128, 256) if warp_spec else (128, 256):
         configs = gemm.defaults(rows, 3584, 8192, "float8_e4m3fn", warp_spec=warp_spec)
         paths = [c["TMA"] for c in configs]
         deep = warp_spec and rows > 128  # the core's own kernel: 128x128x128 and 128x256x128 pointer tiles lead

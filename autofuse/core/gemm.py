@@ -404,9 +404,13 @@ def defaults(rows: int, n: int, k: int, dtype: str | torch.dtype, sms: int = H20
     <= 256 rows is memory-bound (B streamed once): there the pointer path (cp.async, no C tile in
     shared memory) beat TMA, 64x64x256 at 5 stages and 64x128x256 at 4 (runs s7, s8: at 64-128 rows
     and N 3584/5120 the best of these was 1.04x `_scaled_mm`'s time where TMA tiles were 1.19x).
-    The fused kernels (warp_spec=False) put one pointer tile first and keep the TMA tiles next:
-    their FP8 pointer path is checked on GPUs (two H100, 2026-11-27: every fused variant of the
-    three ops, eager and graph replay), its op-level speed is not yet measured.
+    The fused kernels (warp_spec=False) put one pointer tile first at 65-256 rows and keep the TMA
+    tiles next: their FP8 pointer path passed on two H100 (2026-11-27, runs g1/g2: every fused
+    variant of the three ops, eager and graph replay), and at op level (run g4, two H100, graph
+    mode) the pointer tile beat its TMA twin in 16 of 20 gemm_ar and ag_gemm push/push_ws cases at
+    128 rows (by 3-13%; lost three by up to 15%) and 2 of 4 at 256; at <= 64 rows they keep TMA first
+    (ag_gemm pull's shard GEMM ran the 64x64x256 swap-AB pointer tile at 140 us where the TMA
+    64x128x256 tile ran 75).
 
     From the wide search with 6 stages (two H100, 2026-11-27, run g2), for the core's own kernel
     only (the fused kernels' tiles at 6 stages and FP8 pointer tiles from 257 rows are reached by
@@ -440,9 +444,9 @@ def defaults(rows: int, n: int, k: int, dtype: str | torch.dtype, sms: int = H20
         cands = [_cfg(128, 256, 64, 8, 3, tma=tma), _cfg(128, 128, 64, 4, 5, tma=tma),
                  _cfg(128, 256, 64, 4, 3, tma=tma, ws=tma), _cfg(256, 128, 64, 8, 3, tma=tma)]
     skinny_fp8 = dt == FP8 and rows <= 256 and not tiny(rows, n, k)
-    if skinny_fp8 and rows <= 64:  # memory-bound FP8: cp.async pointer loads first
+    if skinny_fp8 and rows <= 64 and warp_spec:  # memory-bound FP8: cp.async pointer loads first
         cands = [_cfg(small, 64, 128, 4, 5, swap=True, tma=False)] + cands
-    elif skinny_fp8:  # the fused kernels: one pointer tile, then the TMA tiles (op-level speed not yet timed)
+    elif skinny_fp8 and rows > 64:  # the fused kernels: one pointer tile, then the TMA tiles (run g4)
         ptr = [_cfg(64, 128, 128, 4, 4, tma=False), _cfg(64, 64, 128, 4, 5, tma=False)]
         cands = (ptr if warp_spec else ptr[:1]) + cands
     if warp_spec and not tiny(rows, n, k) and dt == FP8 and 128 < rows <= 1024:  # the core's kernel (run g2)
