@@ -498,6 +498,8 @@ COMPILES = {
     "streamk": (_cfg(128, 256, 64, 8, 3, STREAM_K=True), "bf16", False),
     "deep_w4": (_cfg(128, 128, 64, 4, 5), "bf16", False),  # gemm.defaults' deep 4-warp tile
     "deep_w4_sk": (_cfg(128, 128, 64, 4, 5, STREAM_K=True), "bf16", False),
+    "deep6_w4": (_cfg(128, 128, 64, 4, 6), "bf16", False),  # the core's 6-stage defaults (run g2)
+    "ptr6_skinny": (_cfg(64, 64, 128, 4, 6, TMA=False), "bf16", False),
     "wait_tma": (_cfg(128, 256, 64, 8, 3), "bf16", True),
     "wait_ptr": (_cfg(128, 128, 64, 8, 4, TMA=False), "bf16", True),
 }
@@ -510,6 +512,8 @@ FP8_COMPILES = {
     "fp8_deep_w4_tensor": (_cfg(128, 128, 128, 4, 5), "tensorwise"),  # gemm.defaults' deep 4-warp tile
     "fp8_deep_w4_row": (_cfg(128, 128, 128, 4, 5), "rowwise"),
     "fp8_deep_w4_row_sk": (_cfg(128, 128, 128, 4, 5, STREAM_K=True), "rowwise"),
+    "fp8_ptr6_w8": (_cfg(128, 128, 128, 8, 6, TMA=False), "tensorwise"),  # the core's pointer defaults (run g2)
+    "fp8_ptr4_wide_row": (_cfg(128, 256, 128, 8, 4, TMA=False), "rowwise"),
 }
 
 @pytest.fixture(scope="module")
@@ -539,7 +543,7 @@ def test_sm90_tma_and_pointer_paths_are_pipelined_wgmma(compiled, version):
         assert "cp.async.commit_group" in ptx and "cp.async.wait_group" in ptx, f"{name}: K loop not pipelined"
     for name in ("tma", "ptr", "split", "swap", "ws", "wait_tma", "wait_ptr", "fp32"):
         assert "wgmma.mma_async" in k[name]["ptx"], f"{name}: no wgmma"
-    for name in ("tma", "ptr", "split", "swap", "wait_tma", "wait_ptr"):  # num_stages buffers of A and B tiles
+    for name in ("tma", "ptr", "split", "swap", "wait_tma", "wait_ptr", "deep6_w4", "ptr6_skinny"):  # A and B stages
         cfg = COMPILES[name][0]
         assert _pipeline_bytes(cfg) <= k[name]["shared"] <= gemm.SMEM_LIMIT, (name, k[name]["shared"])
         assert k[name]["shared"] <= cfg.smem_bytes("bfloat16"), (name, "smem model too low")
