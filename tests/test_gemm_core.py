@@ -421,8 +421,10 @@ def test_fp8_skinny_defaults_lead_with_pointer_tiles(warp_spec):
         assert paths[:lead] == [False] * lead and paths[lead] is True, paths
     for rows, dtype in ((2048, "float8_e4m3fn"), (128, "bfloat16"), (16, "bfloat16")):
         assert gemm.defaults(rows, 3584, 8192, dtype, warp_spec=warp_spec)[0]["TMA"] is True
-    first = gemm.defaults(512, 3584, 8192, "float8_e4m3fn", warp_spec=warp_spec)[0]
+    first, second = gemm.defaults(512, 3584, 8192, "float8_e4m3fn", warp_spec=warp_spec)[:2]
     assert (first["TMA"], first["num_stages"]) == ((False, 6) if warp_spec else (True, 5))
+    assert (second["TMA"], second["num_stages"], second["BLOCK_N"]) == ((False, 4, 256) if warp_spec else (False, 6, 128))
+    assert all(c["TMA"] for c in gemm.defaults(2048, 3584, 8192, "float8_e4m3fn", warp_spec=warp_spec)[:2])
 
 
 def test_core_defaults_take_six_stages_where_run_g2_found_them():

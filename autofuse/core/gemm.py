@@ -413,12 +413,16 @@ def defaults(rows: int, n: int, k: int, dtype: str | torch.dtype, sms: int = H20
     64x128x256 tile ran 75).
 
     From the wide search with 6 stages (two H100, 2026-11-27, run g2), for the core's own kernel
-    only (the fused kernels' tiles at 6 stages and FP8 pointer tiles from 257 rows are reached by
-    tuning, not defaults: not checked inside them on a GPU): FP8 at 129-1024 rows leads with
+    (the fused kernels: below): FP8 at 129-1024 rows leads with
     pointer-path 128x128x128 on 8 warps at 6 stages and 128x256x128 at 4 (256-512 rows, N
     3584/5120: 1.09-1.28x `_scaled_mm` where the TMA defaults ran 1.20-1.42x); bf16 at 65-256
     rows takes 128x128x64 at 6 stages (1.18-1.20x cuBLAS at 256 x 5120, 5 stages 1.24) and the
     pointer-path 64x64x128 at 6 (128 x 3584: 1.06 and 0.88x, the defaults 1.20 and 0.93).
+    Inside the fused kernels (run g5, scripts/fused_tile_probe.py, two H100, graph mode, each
+    output checked against the reference): FP8 128x128x128 w8 s6 on the pointer path ran ag_gemm
+    push at 1024 gathered rows in 0.82x the first default's time but gemm_rs push_last at 2048 rows
+    in 1.21x; so FP8 at 257-1024 rows takes it second, after the TMA tile. bf16 at 6 stages lost in
+    gemm_rs (1.31-1.34x) and tied in ag_gemm (0.96-1.02x): the fused bf16 tiles keep 5 stages.
 
     Tiny (interpreter) problems get 16x32 tiles. float32 halves BLOCK_K or the stages
     until the tiles fit (`check`); FP8 doubles BLOCK_K (the same bytes per stage as bf16, as
@@ -451,6 +455,8 @@ def defaults(rows: int, n: int, k: int, dtype: str | torch.dtype, sms: int = H20
         cands = (ptr if warp_spec else ptr[:1]) + cands
     if warp_spec and not tiny(rows, n, k) and dt == FP8 and 128 < rows <= 1024:  # the core's kernel (run g2)
         cands = [_cfg(128, 128, 64, 8, 6, tma=False), _cfg(128, 256, 64, 8, 4, tma=False)] + cands
+    elif not tiny(rows, n, k) and dt == FP8 and 256 < rows <= 1024:  # the fused kernels: second (run g5)
+        cands = cands[:1] + [_cfg(128, 128, 64, 8, 6, tma=False)] + cands[1:]
     elif warp_spec and not tiny(rows, n, k) and dt != FP8 and 64 < rows <= 256:
         cands = [c.replace(num_stages=6) if (c.BLOCK_M, c.BLOCK_N, c.BLOCK_K) == (128, 128, 64) else c for c in cands]
         cands = cands[:2] + [_cfg(64, 64, 128, 4, 6, tma=False)] + cands[2:3]  # the warp-specialised tile out
