@@ -453,11 +453,12 @@ def defaults(rows: int, n: int, k: int, dtype: str | torch.dtype, sms: int = H20
     elif skinny_fp8 and rows > 64:  # the fused kernels: one pointer tile, then the TMA tiles (run g4)
         ptr = [_cfg(64, 128, 128, 4, 4, tma=False), _cfg(64, 64, 128, 4, 5, tma=False)]
         cands = (ptr if warp_spec else ptr[:1]) + cands
-    if warp_spec and not tiny(rows, n, k) and dt == FP8 and 128 < rows <= 1024:  # the core's kernel (run g2)
+    deep = not tiny(rows, n, k)  # 6-stage and pointer-path tiles from round 6's runs
+    if deep and dt == FP8 and warp_spec and 128 < rows <= 1024:  # the core's kernel (run g2)
         cands = [_cfg(128, 128, 64, 8, 6, tma=False), _cfg(128, 256, 64, 8, 4, tma=False)] + cands
-    elif not tiny(rows, n, k) and dt == FP8 and 256 < rows <= 1024:  # the fused kernels: second (run g5)
+    elif deep and dt == FP8 and not warp_spec and 256 < rows <= 1024:  # the fused kernels: second (run g5)
         cands = cands[:1] + [_cfg(128, 128, 64, 8, 6, tma=False)] + cands[1:]
-    elif warp_spec and not tiny(rows, n, k) and dt != FP8 and 64 < rows <= 256:
+    elif deep and dt != FP8 and warp_spec and 64 < rows <= 256:  # the core's kernel (run g2)
         cands = [c.replace(num_stages=6) if (c.BLOCK_M, c.BLOCK_N, c.BLOCK_K) == (128, 128, 64) else c for c in cands]
         cands = cands[:2] + [_cfg(64, 64, 128, 4, 6, tma=False)] + cands[2:3]  # the warp-specialised tile out
     out: list[Config] = []
