@@ -383,7 +383,8 @@ def _ag_gpu(variants: tuple[str, ...], gather: str, ms: tuple[int, ...]) -> list
 # The fused kernels' FP8 pointer path (cp.async loads: what gemm.defaults puts first for them at 65-256 rows):
 # each fused variant's first default with TMA off, every default that loads by pointer, and the skinny
 # 64x64x256 5-stage pointer tile (swap-AB at <= 64 rows), at skinny problems of each op, both scalings
-# (two H100, 2026-11-27: passed in run g1, and in g2 with the pointer defaults and the <= 64-row problems).
+# (two H100, 2026-11-27: passed in run g1, and in g2 with the pointer defaults and the <= 64-row problems; the
+# 1024-row problem (512 rows a rank), whose second default is the 6-stage pointer tile, was added after run g5 checked that tile).
 SKINNY_PTR = {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 256, "num_stages": 5, "num_warps": 4, "TMA": False}
 
 
@@ -419,7 +420,7 @@ GPU_CASES = {
     "gemm_ar_fused_ptr": _ptr_gpu(gemm_ar.OP, ("one_shot", "two_shot"), {"M": 128, "N": 3584, "K": 8192},
                                   {"M": 48, "N": 3584, "K": 8192}),
     "gemm_rs_fused_ptr": _ptr_gpu(gemm_rs.OP, ("push_last", "push_reducer"), {"M": 256, "N": 3584, "K": 8192},
-                                  {"M": 64, "N": 3584, "K": 8192}),
+                                  {"M": 64, "N": 3584, "K": 8192}, {"M": 1024, "N": 3584, "K": 8192}),
 }
 
 
