@@ -384,7 +384,7 @@ def _ag_gpu(variants: tuple[str, ...], gather: str, ms: tuple[int, ...]) -> list
 # each fused variant's first default with TMA off, every default that loads by pointer, and the skinny
 # 64x64x256 5-stage pointer tile (swap-AB at <= 64 rows), at skinny problems of each op, both scalings
 # (two H100, 2026-11-27: passed in run g1, and in g2 with the pointer defaults and the <= 64-row problems; the
-# 1024-row problem (512 rows a rank), whose second default is the 6-stage pointer tile, was added after run g5 checked that tile).
+# 1024-row problem (512 rows a rank), whose second default is the 6-stage pointer tile, passed in run g6).
 SKINNY_PTR = {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 256, "num_stages": 5, "num_warps": 4, "TMA": False}
 
 
