@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GEMM core's sweep (`autofuse bench gemm_core --search SEARCH`, graph mode), bf16 against cuBLAS and
 # FP8 against torch._scaled_mm: with two GPUs each dtype on its own GPU at once, with one GPU one after the
-# other. SEARCH: defaults (the configs the ops try first; the default) or wide (a grid of 40-80 configs a
+# other. SEARCH: defaults (the configs the ops try first; the default) or wide (a grid of 40-280 configs a
 # shape). REPS: timed batches (default 10). Shapes: BF16_SHAPES / FP8_SHAPES (--shapes items; default: the
 # gpu sweep, 64 shapes). Each run compiles its distinct configs in parallel processes first (Triton's
 # cache), then times alone. JSONs and logs in $OUT (core-SEARCH-DTYPE.json); a table per dtype last.

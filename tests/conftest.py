@@ -2,8 +2,8 @@
 from __future__ import annotations
 
 import json
-import re
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -179,11 +179,13 @@ def ptxas_spills(python: str | os.PathLike, ptx: str, workdir: Path) -> str:
     return proc.stderr
 
 
-
 def assert_spills_within(kernels: dict[str, dict], known: dict[str, int], workdir: Path) -> None:
     """Triton 3.6's ptxas (T36) assembles each of `kernels` ({name: {'ptx', ...}}, as the compile
-    helpers return them) with no more spill-store bytes than `known` records for it (0 if absent)."""
+    helpers return them) with no more spill-store bytes than `known` records for it, and a kernel
+    `known` does not name with no spill stores and no stack frame at all."""
     for name, k in kernels.items():
         report = ptxas_spills(T36, k["ptx"], workdir)
         stores = int(re.search(r"(\d+) bytes spill stores", report).group(1))
         assert stores <= known.get(name, 0), (name, report)
+        if name not in known:
+            assert "0 bytes stack frame" in report, (name, report)
