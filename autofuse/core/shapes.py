@@ -71,3 +71,60 @@ def gemms(kind: str, world: int, models: tuple[str, ...] | None = None) -> list[
             if g.kind == kind:
                 seen.setdefault((g.N, g.K), g)
     return list(seen.values())
+
+
+# -- training ----------------------------------------------------------------------------------------
+
+TRAIN_TOKENS = (2048, 4096, 8192)  # tokens of one sequence-parallel training step (global rows)
+TRAIN_MODELS = ("llama3-70b", "llama3-8b")  # the default sweep's models
+
+
+@dataclass(frozen=True)
+class TrainGemm:
+    """One communicating GEMM a sequence-parallel training step of a layer calls: `op` (ag_gemm or
+    gemm_rs), `role` (the projection and which product: forward, dA or dB) and the op's dims."""
+
+    op: str
+    role: str
+    dims: tuple[tuple[str, object], ...]
+
+
+def train_gemms(model: Model, world: int, tokens: int, save_gathered: bool = True) -> list[TrainGemm]:
+    """Every ag_gemm / gemm_rs call of one layer's forward + backward with sequence parallelism over
+    `world` ranks and `tokens` global rows (autofuse/library/grads.py says which product each is):
+
+    - column-parallel (qkv, gate_up; B_r is hidden x N/W): forward ag_gemm(M=T, N/W, K=hidden); dA =
+      gemm_rs(M=T, N=hidden, K=N); dB from the gathered input the forward kept (a local GEMM), or with
+      `save_gathered` off an ag_gemm in the k form (M=hidden, N/W, K=T).
+    - row-parallel (o_proj, down; B_r is K/W x hidden): forward gemm_rs(M=T, N=hidden, K); dA and dB from
+      one ag_gemm of dC (M=T, N=K/W, K=hidden) that keeps the gathered dC for dB (a local GEMM).
+    Shapes that do not split over `world` are left out, as in `layer_gemms`."""
+    def dims(**d: object) -> tuple[tuple[str, object], ...]:
+        return tuple(sorted(d.items()))
+
+    out: list[TrainGemm] = []
+    for g in layer_gemms(model, world):
+        if g.kind == "column":  # g.N is per rank, g.K = hidden
+            out.append(TrainGemm("ag_gemm", f"{g.name} forward", dims(M=tokens, N=g.N, K=g.K, gather="rows")))
+            out.append(TrainGemm("gemm_rs", f"{g.name} dA", dims(M=tokens, N=g.K, K=g.N * world)))
+            if not save_gathered:
+                out.append(TrainGemm("ag_gemm", f"{g.name} dB", dims(M=g.K, N=g.N, K=tokens, gather="k")))
+        else:  # g.N = hidden, g.K global
+            out.append(TrainGemm("gemm_rs", f"{g.name} forward", dims(M=tokens, N=g.N, K=g.K)))
+            out.append(TrainGemm("ag_gemm", f"{g.name} dA and dB", dims(M=tokens, N=g.K // world, K=g.N,
+                                                                         gather="rows")))
+    return out
+
+
+def train_sweep(op: str, world: int, models: tuple[str, ...] = TRAIN_MODELS,
+                tokens: tuple[int, ...] = TRAIN_TOKENS) -> list[dict]:
+    """The `train` sweep of `op`: the dims of every `train_gemms` call of `op` (the gathered input kept
+    and gathered again, so both ag_gemm forms), each once, for `models` at `tokens`."""
+    seen: list[dict] = []
+    for name in models:
+        for t in tokens:
+            for save in (True, False):
+                for g in train_gemms(MODELS[name], world, t, save_gathered=save):
+                    if g.op == op and dict(g.dims) not in seen:
+                        seen.append(dict(g.dims))
+    return seen

@@ -227,7 +227,7 @@ DEFAULT_GPU_M = (128, 1024, 4096)
 DEFAULT_MODELS = {("llama3-70b", "gate_up"): (8, 512, 2048), ("llama3-70b", "qkv"): (32, 2048),
                   ("llama3-8b", "gate_up"): (128, 8192)}
 SCALING = ((8192 + 2 * 1024, (32, 2048)), (2 * 28672, (2048,)))  # Llama-3-70B QKV, gate+up: global N, M
-SWEEPS = ("cpu", "gpu", "llama70b", "models", "default", "scaling", "fp8", "fp8-cpu")
+SWEEPS = ("cpu", "gpu", "llama70b", "models", "default", "scaling", "train", "fp8", "fp8-cpu")
 
 
 def _valid(problem: Problem) -> bool:
@@ -251,7 +251,9 @@ def sweep(kind: str, world: int) -> list[Problem]:
     (Llama-3 8B/70B/405B, Qwen2.5-72B, Mixtral), at prefill and decode M. default: what `autofuse
     tune` runs on GPUs, 10 problems: three of gpu and seven of models (Llama-3 70B and 8B).
     scaling: three Llama-3-70B problems of one global size at every world size (N = global / world),
-    for strong-scaling tables (`autofuse tune --world 1,2 --sweep scaling`).
+    for strong-scaling tables (`autofuse tune --world 1,2 --sweep scaling`). train: every ag_gemm a
+    sequence-parallel training step of Llama-3 70B and 8B calls, forward and backward, at 2K-8K tokens
+    (autofuse.core.shapes.train_gemms: both forms, the gathered input kept or gathered again).
     """
     if kind == "gpu":
         probs = [_rows(world, m, 3584, 8192) for m in GPU_M]
@@ -266,6 +268,8 @@ def sweep(kind: str, world: int) -> list[Problem]:
             probs += [_rows(world, m, g.N, g.K) for m in DEFAULT_MODELS.get((g.model, g.name), ())]
     elif kind == "scaling":
         probs = [_rows(world, m, n // world, 8192) for n, ms in SCALING for m in ms]
+    elif kind == "train":
+        probs = [Problem.make(NAME, "bfloat16", world, **d) for d in shapes.train_sweep(NAME, world)]
     elif kind == "cpu":
         probs = [Problem.make(NAME, "bfloat16", world, M=m, N=n, K=k, gather=g)
                  for g in GATHERS for (m, n, k) in CPU_SHAPES]

@@ -142,6 +142,9 @@ def sweep(op: str, kind: str, world: int, model_m: tuple[int, ...],
       the "gpu" sweep to take, and model names (autofuse.core.shapes) to the M of their o_proj and down;
     - "scaling": Llama-3-70B's o_proj and down (K global) at `scaling_m`, the same problems at every
       world size, for strong-scaling tables (`autofuse tune --world 1,2 --sweep scaling`);
+    - "train": every call of `op` in a sequence-parallel training step of Llama-3 70B and 8B, forward and
+      backward, at 2K-8K tokens (autofuse.core.shapes.train_gemms; none for gemm_ar, which sequence
+      parallelism does not use);
     - "fp8": the "default" problems in FP8 (float8_e4m3fn), tensorwise and row-wise scales;
     - "fp8-cpu": tiny FP8 problems for the interpreter, both scalings.
     Problems whose M is not a multiple of the world size are left out (gemm_rs splits the rows).
@@ -152,6 +155,8 @@ def sweep(op: str, kind: str, world: int, model_m: tuple[int, ...],
     if kind == "fp8-cpu":
         return [Problem.make(op, FP8, world, M=m * world, N=n, K=32 * world, scaling=s)
                 for (m, n), s in zip(((8, 32), (12, 48)), SCALINGS)]
+    if kind == "train":
+        return [Problem.make(op, "bfloat16", world, **d) for d in shapes.train_sweep(op, world)]
     if kind == "fp8":
         return [Problem.make(op, FP8, world, scaling=s, **{d: p[d] for d in ("M", "N", "K")})
                 for p in sweep(op, "default", world, model_m, default, scaling_m) for s in SCALINGS]
@@ -169,8 +174,8 @@ def sweep(op: str, kind: str, world: int, model_m: tuple[int, ...],
             if model != "gpu":
                 dims += [(m, g.N, g.K) for g in shapes.gemms("row", world, (model,)) for m in ms]
     else:
-        raise ValueError(f"unknown sweep kind {kind!r}: use cpu, gpu, llama70b, models, default, scaling, fp8 "
-                         "or fp8-cpu")
+        raise ValueError(f"unknown sweep kind {kind!r}: use cpu, gpu, llama70b, models, default, scaling, train, "
+                         "fp8 or fp8-cpu")
     seen: dict[str, Problem] = {}
     for m, n, k in dims:
         if op == "gemm_ar" or m % world == 0:
