@@ -408,21 +408,39 @@ def test_example_generate_starts_its_ranks_and_agrees() -> None:
     assert "the same tokens" in out.stdout, out.stdout
 
 
-def test_bench_train_layer_checks_and_times_on_cpu() -> None:
-    """`autofuse bench train_layer` on 2 CPU ranks: autofuse's layer and torch's DTensor layer agree with
-    the unsharded one (forward and input gradient) and are timed; no speedup from the interpreter."""
+@pytest.mark.parametrize("world", [2, 4])
+def test_bench_train_layer_checks_and_times_on_cpu(world) -> None:
+    """`autofuse bench train_layer` on 2 and 4 CPU ranks: autofuse's layer, eager and compiled
+    (torch.compile, inductor), and torch's DTensor layer agree with the unsharded one (output, input
+    gradient and, for autofuse, every weight gradient) and are timed; no speedup from the interpreter."""
     from autofuse.training import bench_train_layer
     from autofuse.training.bench import BenchOptions
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        result = bench_train_layer.run(BenchOptions(target="train_layer", shapes=["16"], reps=1,
+        result = bench_train_layer.run(BenchOptions(target="train_layer", shapes=["16"], reps=1, world=world,
                                                     progress=False).resolved())
     (row,) = result["rows"]
-    assert result["contenders"] == ["autofuse", "torch-tp"] and row["ok"], row
+    assert result["contenders"] == ["autofuse", "autofuse-compiled", "torch-tp"] and row["ok"], row
+    assert set(row["weight_grad_diff"]) == {"autofuse", "autofuse-compiled"}, row
+    assert max(row["weight_grad_diff"].values()) <= result["tolerance"], row
     assert all(us > 0 for us in row["us"].values()) and set(row["ops_us"]) == {"autofuse", "torch-tp"}
-    assert result["interpreted"] and row["speedup"] == {}
+    assert result["interpreted"] and row["speedup"] == {} and row["mfu"] == {}
+    assert row["model"] == "tiny" and row["flops"] > 0
     assert any("torch-async-tp skipped" in n for n in result["notes"])
+
+
+def test_train_layer_flops_count_the_matmuls() -> None:
+    """The layer's model FLOPs: 3x (2 x T x weights + causal attention), e.g. Llama-3-8B at 2K tokens."""
+    from types import SimpleNamespace
+
+    from autofuse.training.bench_train_layer import layer_flops, peak_tflops
+
+    c = SimpleNamespace(hidden_size=4096, head_dim=128, num_attention_heads=32, num_key_value_heads=8,
+                        intermediate_size=14336)
+    weights = 4096 * 6144 + 4096 * 4096 + 3 * 4096 * 14336
+    assert layer_flops(c, 2048) == 3 * (2 * 2048 * weights + 2 * 2048 * 2048 * 32 * 128)
+    assert peak_tflops("NVIDIA H100 80GB HBM3") == 989.4 and peak_tflops("Tesla T4") is None
 
 
 # ------------------------------------------------------------------------------------------------ GPU

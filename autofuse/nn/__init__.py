@@ -5,18 +5,19 @@
 - `autofuse.nn.functional`: the same as functions, and the row scatter/gather of sequence parallelism.
 - `parallelize(model, group, plan=None, sequence_parallel=False)` (autofuse/nn/parallelize.py): swaps a
   model's linears for the modules above, by a plan or, for Hugging Face Llama-family models, by itself.
-- `full_state_dict(model)` (autofuse/nn/checkpoint.py): the unsharded state_dict of a parallelized model.
+- `full_state_dict(model)` (autofuse/nn/checkpoint.py): the unsharded state_dict of a parallelized model;
+  `full_grads(model)` its parameters' gradients likewise.
 - `ColwiseParallel`, `RowwiseParallel` (autofuse/nn/styles.py): the same as torch ParallelStyles, for
   `torch.distributed.tensor.parallel.parallelize_module` (imported on first use: they load DTensor).
 """
 from typing import Any
 
 from autofuse.nn import functional
-from autofuse.nn.checkpoint import full_state_dict
+from autofuse.nn.checkpoint import full_grads, full_state_dict
 from autofuse.nn.linear import ColumnParallelLinear, RowParallelLinear
 from autofuse.nn.parallelize import parallelize
 
-__all__ = ["ColumnParallelLinear", "RowParallelLinear", "ColwiseParallel", "RowwiseParallel", "full_state_dict",
+__all__ = ["ColumnParallelLinear", "RowParallelLinear", "ColwiseParallel", "RowwiseParallel", "full_state_dict", "full_grads",
            "functional", "parallelize"]
 
 

@@ -3,7 +3,8 @@
 A parallelized model's own state_dict holds this rank's shards (and, under Llama sequence
 parallelism, fused `qkv_proj` / `gate_up_proj` layers). `full_state_dict` gathers every
 tensor-parallel layer and splits fused ones back into the layers they were made from, so the result
-has the unsharded model's keys and shapes, e.g. for `save_pretrained(dir, state_dict=...)`.
+has the unsharded model's keys and shapes, e.g. for `save_pretrained(dir, state_dict=...)`;
+`full_grads` does the same for the parameters' gradients.
 """
 from __future__ import annotations
 
@@ -17,9 +18,22 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """The unsharded model's state_dict, on every rank (collective: every rank of each layer's group
     calls it, in the same order). Tensor-parallel weights and split biases are gathered, fused layers
     split into their parts' keys; every other entry is the model's own tensor."""
+    return _unsharded(model, model.state_dict())
+
+
+def full_grads(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The unsharded model's parameter gradients under its state_dict keys, as `full_state_dict` gives
+    the weights (collective likewise); parameters without a gradient are left out. For checking a
+    parallel model's backward against the unsharded model's."""
+    return _unsharded(model, {n: p.grad for n, p in model.named_parameters() if p.grad is not None})
+
+
+def _unsharded(model: nn.Module, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`tensors` (keyed like the model's state_dict, shaped like its entries) gathered and split back
+    into the unsharded model's keys."""
     layers = {path: m for path, m in model.named_modules() if isinstance(m, _ParallelLinear)}
     out: dict[str, torch.Tensor] = {}
-    for key, t in model.state_dict().items():
+    for key, t in tensors.items():
         path, _, name = key.rpartition(".")
         layer = layers.get(path)
         if layer is None:

@@ -2,13 +2,16 @@
 parallel, on autofuse against torch's own tensor parallelism.
 
 The layer is transformers' LlamaDecoderLayer with random weights (`--sweep` names the sizes: 70b,
-8b, or tiny, the CPU default), bf16 on GPUs, float32 on CPU; one sequence of T tokens (batch 1, so
+8b, both as `70b,8b`, or tiny, the CPU default), bf16 on GPUs, float32 on CPU; one sequence of T tokens (batch 1, so
 autofuse's row blocks and torch's sequence shards hold the same tokens). Every contender takes this
 rank's T/W tokens and returns them; a step is the forward, then the backward from a fixed output
 gradient (the input's gradient and every weight's). Contenders, all from one set of weights:
 - `autofuse`: `autofuse.nn.llama.parallelize_layer(layer, group, sequence_parallel=True)`: q/k/v one
   ag_gemm, o_proj gemm_rs, gate/up one ag_gemm, down gemm_rs, their backward GEMMs gemm_rs /
-  ag_gemm, every call dispatched by autofuse (AUTOFUSE_VARIANT forces variants as anywhere).
+  ag_gemm, every call dispatched by autofuse (AUTOFUSE_VARIANT forces variants as anywhere), eager.
+- `autofuse-compiled`: the same layer under `torch.compile(fullgraph=True)` (inductor), what the docs
+  recommend for training: the ops are custom ops, so the graph holds one node per call and inductor
+  fuses the elementwise work around them.
 - `torch-tp`: torch's DTensor tensor parallelism on the same layer, as torchtitan lays it out
   (SequenceParallel norms, PrepareModuleInput all-gathers, ColwiseParallel q/k/v/gate/up,
   RowwiseParallel o/down reduce-scattering to Shard(1)): NCCL + cuBLAS, one after the other.
@@ -16,6 +19,11 @@ gradient (the input's gradient and every weight's). Contenders, all from one set
   the job): torch-tp
   under torch.compile with inductor's micro-pipeline pass (torch's async TP), which fuses the
   all-gathers and reduce-scatters with the matmuls.
+Every autofuse call dispatches with the default policy of the machine (graph mode on GPUs: its timings
+are GPU time alone, which is what a training step at 2K-8K tokens is bound by, eager or compiled; an
+eager policy would rank variants by host launch cost, which a GPU-bound step hides); AUTOFUSE_MODE
+still overrides it. MFU per contender: the layer's model FLOPs (forward + backward = 3x the forward's
+matmuls, attention causal) over the step's time and the GPUs' dense bf16 peak (`PEAK_TFLOPS`).
 First, each contender's output and input gradient against the unsharded layer (rank-max relative
 difference, norm-wise, vs TOLERANCE). Then the contenders are timed in turns
 (`autofuse.measure.time_in_turns`, eager: training runs eagerly or compiled, not graph-replayed),
@@ -31,7 +39,6 @@ from __future__ import annotations
 import copy
 import datetime
 import math
-import os
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
@@ -48,7 +55,9 @@ MODELS = {  # one decoder layer's transformers LlamaConfig fields
              "intermediate_size": 128},
 }
 TOKENS = {"cuda": (2048, 4096, 8192), "cpu": (16, 32)}
-CONTENDERS = ("autofuse", "torch-tp", "torch-async-tp")
+CONTENDERS = ("autofuse", "autofuse-compiled", "torch-tp", "torch-async-tp")
+COMPILED = {"autofuse-compiled", "torch-async-tp"}  # contenders under torch.compile
+PEAK_TFLOPS = {"H100": 989.4, "H200": 989.4}  # dense bf16 per GPU (SXM datasheets), by a word of the device name
 BASELINE = "torch-tp"
 OPS = ("qkv", "o_proj", "gate_up", "down")
 TOLERANCE = {"bf16": 2.5e-2, "fp32": 1e-4}  # vs the unsharded layer, norm-wise (tests/test_layer.py argues bf16's)
@@ -72,10 +81,13 @@ def run(options: Any) -> dict:
 
     kind = options.device_kind or default_device_kind()
     world = options.world or (gpu_count() if kind == "cuda" else 2)
-    model = options.sweep or ("70b" if kind == "cuda" else "tiny")
-    if model not in MODELS:
-        raise ValueError(f"unknown model {model!r}: use one of {', '.join(MODELS)}")
-    check_sizes(MODELS[model], world)
+    models = [m.strip() for m in (options.sweep or ("70b" if kind == "cuda" else "tiny")).split(",") if m.strip()]
+    unknown_models = [m for m in models if m not in MODELS]
+    if unknown_models or not models:
+        raise ValueError(f"unknown model {','.join(unknown_models) or '(none)'}: use one or more of "
+                         f"{', '.join(MODELS)}, comma-separated")
+    for model in models:
+        check_sizes(MODELS[model], world)
     contenders = list(options.variants or CONTENDERS)
     unknown = sorted(set(contenders) - set(CONTENDERS))
     if unknown:
@@ -85,17 +97,19 @@ def run(options: Any) -> dict:
     if kind == "cpu" and reps > CPU_REPS:
         notes.append(f"reps capped at {CPU_REPS} on CPU (asked for {reps})")
         reps = CPU_REPS
-    cfg = {"model": model, "tokens": _tokens(options, kind, world)[:options.limit or None], "reps": reps,
+    cfg = {"models": models, "tokens": _tokens(options, kind, world)[:options.limit or None], "reps": reps,
            "contenders": contenders, "progress": bool(options.progress), "seed": 0, "interpreted": interpreted(kind)}
     started = datetime.datetime.now(datetime.timezone.utc)
     result = dict(spawn(_rank, world, cfg, device_kind=kind, timeout_s=3600)[0])
     notes += result.pop("notes", [])
-    result.update(sweep=model, world=world, device_kind=kind, model=model, reps=reps, notes=notes,
+    result.update(sweep=",".join(models), world=world, device_kind=kind, model=",".join(models), reps=reps,
+                  notes=notes,
                   interpreted=interpreted(kind),
                   wall_s=(datetime.datetime.now(datetime.timezone.utc) - started).total_seconds(),
-                  method=("forward + backward per step, eager; median of reps timed batches, rank-max, the "
-                          "contenders in turns (autofuse.measure.time_in_turns); each projection alone the same "
-                          "way; rest = layer - ops"))
+                  method=("forward + backward per step, eager or compiled (never graph-replayed); median of "
+                          "reps timed batches, rank-max, the contenders in turns (autofuse.measure.time_in_turns); "
+                          "each projection alone the same way; rest = layer - ops; MFU = layer model FLOPs / "
+                          "(step time x GPUs x dense bf16 peak)"))
     return result  # the command's writer turns non-finite floats into null
 
 
@@ -150,8 +164,48 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 # ------------------------------------------------------------------------------------- per rank
+def layer_flops(config: Any, tokens: int) -> float:
+    """Model FLOPs of one decoder layer's forward + backward on `tokens` tokens (3x the forward's):
+    the projections' matmuls (2 x tokens x in x out each) and causal attention's two matmuls (QK^T and
+    PV, half of the T x T scores); norms, rotary and SwiGLU's elementwise work are not counted."""
+    h, d, hq, hkv, f = (config.hidden_size, config.head_dim, config.num_attention_heads,
+                        config.num_key_value_heads, config.intermediate_size)
+    matmuls = 2 * tokens * (h * (hq + 2 * hkv) * d + hq * d * h + 3 * h * f)
+    attention = 2 * 2 * tokens * tokens * hq * d / 2
+    return 3.0 * (matmuls + attention)
+
+
+def peak_tflops(device_name: str) -> float | None:
+    """Dense bf16 TFLOP/s of one GPU named `device_name`, where known (PEAK_TFLOPS), else None."""
+    return next((v for k, v in PEAK_TFLOPS.items() if k in device_name), None)
+
+
 def _rank(world: World, cfg: dict) -> dict:
     from torch.distributed.device_mesh import DeviceMesh
+
+    cuda = world.device.type == "cuda"
+    if not cuda:
+        torch.set_num_threads(1)
+    mesh = DeviceMesh.from_group(world.group if world.group is not None else torch.distributed.group.WORLD,
+                                 world.device.type)
+    rows, notes, contenders = [], [], []
+    for model in cfg["models"]:
+        got = _model_rows(world, cfg, model, mesh)
+        rows += got["rows"]
+        notes += [n for n in got["notes"] if n not in notes]
+        contenders += [c for c in got["contenders"] if c not in contenders]
+    device = torch.cuda.get_device_name(world.device) if cuda else "cpu"
+    peak = peak_tflops(device) if cuda else None
+    for row in rows:
+        row["mfu"] = ({} if peak is None or cfg["interpreted"] else
+                      {n: row["flops"] / (us * 1e-6) / (world.size * peak * 1e12) for n, us in row["us"].items()})
+    return {"rows": rows, "tolerance": TOLERANCE["bf16" if cuda else "fp32"], "contenders": contenders,
+            "notes": notes, "config": {m: MODELS[m] for m in cfg["models"]}, "device": device,
+            "peak_tflops": peak}
+
+
+def _model_rows(world: World, cfg: dict, model: str, mesh: Any) -> dict:
+    """Check and time every contender on `model`'s layer at every token count."""
     from torch.distributed.tensor import DTensor, Replicate, Shard
     from transformers import LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
@@ -160,24 +214,22 @@ def _rank(world: World, cfg: dict) -> dict:
     from autofuse.nn.llama import parallelize_layer
 
     cuda = world.device.type == "cuda"
-    os.environ.setdefault("AUTOFUSE_MODE", "eager")  # the policy fitted on eager timings: training runs eagerly
-    if not cuda:
-        torch.set_num_threads(1)
     dev, dtype = world.device, (torch.bfloat16 if cuda else torch.float32)
     tol = TOLERANCE["bf16" if cuda else "fp32"]
     w, r = world.size, world.rank
-    config = LlamaConfig(**MODELS[cfg["model"]], num_hidden_layers=1, vocab_size=128, rms_norm_eps=1e-5,
+    config = LlamaConfig(**MODELS[model], num_hidden_layers=1, vocab_size=128, rms_norm_eps=1e-5,
                          attn_implementation="sdpa")
     torch.manual_seed(cfg["seed"])
     whole = LlamaDecoderLayer(config, 0).to(dev, dtype)
     rotary = LlamaRotaryEmbedding(config).to(dev)
-    mesh = DeviceMesh.from_group(world.group if world.group is not None else torch.distributed.group.WORLD,
-                                 dev.type)
     layers: dict[str, torch.nn.Module] = {}
     notes: list[str] = []
     for name in cfg["contenders"]:
         if name == "autofuse":
             layers[name] = parallelize_layer(copy.deepcopy(whole), world.group, sequence_parallel=True)
+        elif name == "autofuse-compiled":
+            layers[name] = torch.compile(parallelize_layer(copy.deepcopy(whole), world.group, sequence_parallel=True),
+                                         fullgraph=True)
         elif name == "torch-tp":
             layers[name] = _torch_tp(copy.deepcopy(whole), mesh)
         elif (why := _async_tp_unavailable(world)) is None:
@@ -202,29 +254,44 @@ def _rank(world: World, cfg: dict) -> dict:
         xw = x.clone().requires_grad_()
         want = _first(whole(xw, position_embeddings=pe, position_ids=pos))
         want.backward(dy)
+        want_grads = {n: p.grad for n, p in whole.named_parameters()}
         x_r, dy_r = x[:, mine].contiguous().requires_grad_(), dy[:, mine].contiguous()
 
         def step(layer: torch.nn.Module) -> Callable[[], None]:
             return lambda: _first(layer(x_r, position_embeddings=pe, position_ids=pos)).backward(dy_r)
 
-        diffs = {}
+        diffs, weight_diffs = {}, {}
         for name, layer in layers.items():
             x_r.grad = None
+            layer.zero_grad(set_to_none=True)
             got = _first(layer(x_r, position_embeddings=pe, position_ids=pos))
             got.backward(dy_r)
             diffs[name] = world.rank_max(max(_rel(got, want[:, mine]), _rel(x_r.grad, xw.grad[:, mine])))
+            if name.startswith("autofuse"):
+                weight_diffs[name] = world.rank_max(_weight_grad_diff(layer, want_grads))
+        whole.zero_grad(set_to_none=True)
         times, _ = time_in_turns(world, [step(layer) for layer in layers.values()], "eager", reps=cfg["reps"],
                                  warmup=warmup, rounds=cfg["reps"])
         us = {name: tm.median_us for name, tm in zip(layers, times)}
         ops = _op_times(world, layers, config, t, dev, dtype, gathered, cfg, warmup)
         speedup = {} if cfg["interpreted"] or BASELINE not in us else {n: us[BASELINE] / v for n, v in us.items()}
-        row = {"tokens": t, "us": us, "diff": diffs, "ok": all(d <= tol for d in diffs.values()), "ops_us": ops,
-               "speedup": speedup}
+        ok = all(d <= tol for d in diffs.values()) and all(d <= tol for d in weight_diffs.values())
+        row = {"model": model, "tokens": t, "us": us, "diff": diffs, "weight_grad_diff": weight_diffs, "ok": ok,
+               "ops_us": ops, "speedup": speedup, "flops": layer_flops(config, t)}
         rows.append(row)
         if say:
-            print(f"T={t}: " + ", ".join(f"{n} {v:.0f} us (diff {diffs[n]:.1e})" for n, v in us.items()), flush=True)
-    return {"rows": rows, "tolerance": tol, "contenders": list(layers), "notes": notes,
-            "config": MODELS[cfg["model"]], "device": torch.cuda.get_device_name(dev) if cuda else "cpu"}
+            print(f"{model} T={t}: " + ", ".join(f"{n} {v:.0f} us (diff {diffs[n]:.1e})" for n, v in us.items()),
+                  flush=True)
+    return {"rows": rows, "notes": notes, "contenders": list(layers)}
+
+
+def _weight_grad_diff(layer: torch.nn.Module, want: dict[str, torch.Tensor]) -> float:
+    """The worst norm-wise difference between an autofuse layer's (plain or compiled) weight gradients,
+    gathered whole (`autofuse.nn.full_grads`, collective), and the unsharded layer's."""
+    from autofuse.nn import full_grads
+
+    got = full_grads(getattr(layer, "_orig_mod", layer))
+    return max((_rel(g, want[k]) for k, g in got.items() if want.get(k) is not None), default=math.inf)
 
 
 def _op_times(world: World, layers: dict, config: Any, t: int, dev: torch.device, dtype: torch.dtype,
@@ -290,23 +357,28 @@ def _f(x: Any, digits: int = 0) -> str:
 
 
 def render(result: dict, console: Any) -> None:
-    """The layer table (us per forward+backward, x vs torch-tp, check), the per-op table, the notes."""
+    """The layer table (us per forward+backward, x vs torch-tp, MFU, check), the per-op table, the notes."""
     from rich import box
     from rich.table import Table
     from rich.text import Text
 
     rows, names = result["rows"], result.get("contenders", [])
     ratios = not result.get("interpreted")  # the CPU emulation's timings are never shown as speedups or shares
+    mfu = ratios and any(row.get("mfu") for row in rows)
     console.print(Text(f"Llama {result.get('model', '?')} decoder layer, forward + backward, TP={result.get('world')} "
                        f"with sequence parallelism, on {result.get('device', '?')}; us per step, median, rank-max; "
                        + (f"x = {BASELINE} / contender; " if ratios else "")
+                       + (f"MFU = model FLOPs / (time x GPUs x {result.get('peak_tflops')} TFLOP/s); " if mfu else "")
                        + f"diff vs the unsharded layer (tolerance {result.get('tolerance')})"))
     t = Table(title=Text("layer"), box=box.SIMPLE_HEAD)
+    t.add_column("model")
     t.add_column("T", justify="right")
     for n in names:
         t.add_column(f"{n} us", justify="right")
         if n != BASELINE and ratios:
             t.add_column("x", justify="right")
+        if mfu:
+            t.add_column("MFU", justify="right")
     t.add_column("diff", justify="right")
     for row in rows:
         cells = []
@@ -314,14 +386,18 @@ def render(result: dict, console: Any) -> None:
             cells.append(_f(row["us"].get(n)))
             if n != BASELINE and ratios:
                 cells.append(_f(row["speedup"].get(n), 3))
-        worst = max(row["diff"].values()) if row["diff"] else float("nan")
+            if mfu:
+                value = row.get("mfu", {}).get(n)
+                cells.append("-" if value is None else f"{100 * value:.1f}%")
+        worst = max([*row["diff"].values(), *row.get("weight_grad_diff", {}).values()] or [float("nan")])
         cells.append(Text(f"{worst:.1e}" + ("" if row["ok"] else " WRONG"), style="" if row["ok"] else "red"))
-        t.add_row(str(row["tokens"]), *cells)
+        t.add_row(str(row.get("model", "")), str(row["tokens"]), *cells)
     console.print(t)
     with_ops = [row for row in rows if row.get("ops_us")]
     if with_ops:
         o = Table(title=Text("each projection alone, forward + backward: us" + (" (share of its layer)" if ratios else "")),
                   box=box.SIMPLE_HEAD)
+        o.add_column("model")
         o.add_column("T", justify="right")
         o.add_column("who")
         for op in (*OPS, "rest"):
@@ -330,7 +406,8 @@ def render(result: dict, console: Any) -> None:
             for n, ops in row["ops_us"].items():
                 layer = row["us"].get(n) or float("nan")
                 vals = [ops[op] for op in OPS] + [layer - sum(ops[op] for op in OPS)]
-                o.add_row(str(row["tokens"]), n, *(f"{_f(v)} ({_f(100 * v / layer)}%)" if ratios else _f(v) for v in vals))
+                o.add_row(str(row.get("model", "")), str(row["tokens"]), n,
+                          *(f"{_f(v)} ({_f(100 * v / layer)}%)" if ratios else _f(v) for v in vals))
         console.print(o)
     for line in result.get("notes", []):
         console.print(Text(line, style="yellow"))
