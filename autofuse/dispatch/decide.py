@@ -57,6 +57,9 @@ def decide(op: Op, world: World, args: tuple, variant: str | None, config: Confi
         return Choice(op.name, problem, "bsp", config or {}, f"fallback: {policy.stale_ops[problem.op]}, and "
                       "confirmation on first use is off (AUTOFUSE_ONLINE=0, the CPU emulation or ranks sharing a GPU): bsp", "fallback",
                       policy.path, source)
+    elif getattr(policy, "other_host", False):
+        choice.reason += ("; but confirmation on first use is off (AUTOFUSE_ONLINE=0, the CPU emulation or ranks "
+                          "sharing a GPU): used unconfirmed")
     return choice
 
 

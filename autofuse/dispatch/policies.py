@@ -3,8 +3,10 @@
 Search order (first match wins): AUTOFUSE_MODELS_DIR's folders, this user's fitted policies
 (`autofuse fit`'s default output, $XDG_DATA_HOME/autofuse/models), models/ beside the package, the
 package's own models/, then <prefix>/share/autofuse/models (the installed shipped ones). Among the
-valid files fitted on this machine's hardware, preferred in order: the timing mode
-(AUTOFUSE_MODE), the same software, earlier folders. None: BSP for every op with one warning.
+valid files fitted on this machine's hardware kind (GPU model, count and links of the visible GPUs:
+`environment.hardware_match`), preferred in order: the timing mode (AUTOFUSE_MODE), this machine
+over another host of the kind (whose decisions are all confirmed on first use), the same software,
+earlier folders. None: BSP for every op with one warning.
 """
 from __future__ import annotations
 
@@ -26,13 +28,13 @@ def models_dirs() -> list[Path]:
 
 
 def find_policy(fingerprint: dict, mode: str | None = None) -> Path | None:
-    """The first valid policy fitted on this hardware, or None. Preferred, in order: the timing
-    `mode`, the same software (a policy from other software is used with every decision confirmed),
-    earlier folders."""
+    """The first valid policy fitted on this hardware kind, or None. Preferred, in order: the timing
+    `mode`, this machine (a policy from another host of the kind is used with every decision
+    confirmed), the same software (likewise), earlier folders."""
     from autofuse.dispatch.policy import read_file, validate
-    from autofuse.measure.environment import hardware_id, software_id
+    from autofuse.measure.environment import hardware_id, hardware_match, software_id
 
-    found: list[tuple[bool, bool, int, str, Path]] = []
+    found: list[tuple[bool, bool, bool, int, str, Path]] = []
     for index, d in enumerate(models_dirs()):
         for path in sorted(d.glob("*.json")):
             data, _ = read_file(path)
@@ -40,8 +42,8 @@ def find_policy(fingerprint: dict, mode: str | None = None) -> Path | None:
                 continue
             theirs = data["fingerprint"]
             if hardware_id(theirs) == fingerprint["hardware_id"]:
-                found.append((data.get("mode") != mode, software_id(theirs) != fingerprint["software_id"], index,
-                              str(path), path))
+                found.append((data.get("mode") != mode, hardware_match(theirs, fingerprint) != "machine",
+                              software_id(theirs) != fingerprint["software_id"], index, str(path), path))
     return min(found)[-1] if found else None
 
 
@@ -54,7 +56,7 @@ def no_policy_reason(fp: dict) -> str:
     forced = settings.variant_text()
     runs = (f"ops that AUTOFUSE_VARIANT={forced} does not force run bsp" if forced else
             "every op runs bsp unless variant= or AUTOFUSE_VARIANT forces another")
-    return f"no policy fitted on this machine's hardware (fingerprint {fp['id']}) in {'; '.join(searched)}: {runs}"
+    return f"no policy fitted on this machine's hardware kind (fingerprint {fp['id']}) in {'; '.join(searched)}: {runs}"
 
 
 def policy_for(world: World) -> Any:

@@ -20,6 +20,11 @@ feature and child indices in range, trees acyclic with every node reached once a
 and depth, finite numbers everywhere, positive scales, well-formed leaves) and refuses a file with
 one `PolicyWarning` naming it and the first problem found; so does a policy fitted on other
 hardware or versions. A refused policy runs BSP for every op.
+
+Its fingerprint is matched layer by layer (`environment.hardware_match`): fitted on this machine,
+it is trusted as fitted; on another host of the same hardware kind (GPU model, count and links of
+the visible GPUs; or a file that records no machine id), it serves with every decision confirmed
+on first use, and `match` / the decision's reason say so; other hardware refuses it.
 """
 from __future__ import annotations
 
@@ -127,6 +132,7 @@ class Policy:
         self.ops: dict[str, dict] = dict(self.data.get("ops", {})) if not refused else {}
         self.stale_ops: dict[str, str] = {}  # op -> why its entries are only predictions (its code changed)
         self.software: dict[str, tuple] = {}  # software fields that differ from this machine's
+        self.match = "machine"  # the fingerprint layer it matched by: 'machine' or 'kind' (other host)
         self._index: dict[str, dict] = {}
         self._features: dict[str, list[float]] = {}  # problem key -> feature vector
 
@@ -140,11 +146,12 @@ class Policy:
     def from_dict(cls, data: Mapping[str, Any], fingerprint: Mapping[str, Any] | None = None,
                   path: str = "<memory>") -> "Policy":
         """Validate the whole structure, then the fingerprint layer by layer (environment.py):
-        other hardware refuses the policy (one warning naming `path`, then BSP for every op); other
-        software is accepted with one warning and `software` set, so dispatch confirms every decision
-        on first use; an op whose code changed since the fit keeps its entries as predictions only
-        (`stale_ops`): dispatch confirms each of its decisions on first use, or runs BSP where
-        confirmation is off."""
+        other hardware refuses the policy (one warning naming `path`, then BSP for every op); another
+        host of the same hardware kind (`match` 'kind') is accepted, every decision confirmed on first
+        use; other software is accepted with one warning and `software` set, so dispatch confirms
+        every decision on first use; an op whose code changed since the fit keeps its entries as
+        predictions only (`stale_ops`): dispatch confirms each of its decisions on first use, or runs
+        BSP where confirmation is off."""
         problem = validate(data)
         fp: Mapping[str, Any] = {}
         if problem is None:
@@ -158,6 +165,7 @@ class Policy:
             warnings.warn(reason, PolicyWarning, stacklevel=user_stacklevel())
             return cls.bsp(reason)
         policy = cls(data, path)
+        policy.match = environment.hardware_match(data["fingerprint"], fp) or "machine"
         ops_here, ops_then = dict(fp.get("ops") or {}), dict(data["fingerprint"].get("ops") or {})
         for name in list(policy.ops):
             if ops_then.get(name) != ops_here.get(name):
@@ -207,20 +215,33 @@ class Policy:
         return str(self.data.get("mode", ""))
 
     # decisions -------------------------------------------------------------------------------
+    @property
+    def other_host(self) -> bool:
+        """Whether the policy was fitted on another host of this hardware kind (or records no machine id)."""
+        return self.match == "kind"
+
+    def match_text(self) -> str:
+        """The fingerprint layer the policy matched by, for `explain`, e.g. 'hardware kind (other host)'."""
+        return environment.MATCHES.get(self.match, self.match)
+
     def needs_confirmation(self, problem: Problem, decision: Choice) -> bool:
         """Whether `decision` rests on a prediction that dispatch must confirm by measuring on first
-        use: a model's pick or an unsure call, a measurement taken with other software, or any entry
-        of an op whose code changed since the fit (stale)."""
+        use: a model's pick or an unsure call, a measurement taken with other software or on another
+        host, or any entry of an op whose code changed since the fit (stale)."""
         return (decision.basis in ("policy", "unsure") or problem.op in self.stale_ops
-                or (decision.basis == "measured" and bool(self.software)))
+                or (decision.basis == "measured" and (bool(self.software) or self.other_host)))
 
     def decide(self, problem: Problem, op: Op, available: Iterable[str] | None = None) -> Choice:
         """The full decision: variant, config, reason, basis, predicted gain, where the config came from.
 
         `available` limits the variants (those that can run on the caller's World). For a stale op
-        the reason starts with 'stale:' (the entries are predictions until confirmed).
+        the reason starts with 'stale:' (the entries are predictions until confirmed); for a policy
+        fitted on another host it then names that layer ('policy matched by hardware kind (other
+        host): confirmed on first use').
         """
         d = self._decide(problem, op, available)
+        if self.other_host and d.basis != "fallback":
+            d.reason = f"policy matched by {self.match_text()}: confirmed on first use; {d.reason}"
         stale = self.stale_ops.get(problem.op)
         if stale and d.basis != "fallback":
             d.reason = f"stale: {stale}, so this is confirmed on first use; {d.reason}"

@@ -1,7 +1,12 @@
-"""Environment fingerprint: what a measurement or a policy is valid for, in three layers (DESIGN.md, Tuning and store).
+"""Environment fingerprint: what a measurement or a policy is valid for, in layers (DESIGN.md, Tuning and store).
 
-- **hardware** (`HARDWARE_FIELDS`: device kind, GPU name, GPU count, link topology): must match, or a
-  measurement or policy does not apply at all.
+- **hardware** (`HARDWARE_FIELDS`: device kind, GPU name, GPU count, link topology of the GPUs this
+  process sees): the hardware *kind*. It must match, or a measurement or policy does not apply at all
+  (other GPU models or counts never share).
+- **machine** (`MACHINE_FIELDS`: `machine_id`, a hash of the visible GPUs' UUIDs, or of the host name
+  where there are none): which host of that kind. A policy fitted on this machine is trusted as
+  today; one fitted on another host of the same kind (or recording no machine id: files written
+  before this layer) serves here with every decision confirmed on first use (`hardware_match`).
 - **software** (`SOFTWARE_FIELDS`: driver, CUDA, torch, Triton, NCCL versions): a difference is
   reported, never strands rows; dispatch confirms its decisions on first use when it differs.
 - **ops** (`{op name: digest}`): `op_digest(op)` hashes the op's host module and every module it
@@ -12,8 +17,13 @@
   op's rows, studies and policy entries only. Generic infrastructure (op, heap, world, status) is
   not hashed: it does not decide what one op computes or launches.
 
-`fingerprint()` returns one flat dict: the hardware and software fields, `python` (informative),
-`ops`, `hardware_id`, `software_id` and `id` (= `fingerprint_id`: hardware + software, for display).
+The topology is that of the visible GPUs only (`visible_gpus`: CUDA_VISIBLE_DEVICES's indices or
+GPU-/MIG- UUIDs, in its order), rows and columns of `nvidia-smi topo -m` kept for those GPUs:
+two GPUs of a 4-GPU NVLink host read like a 2-GPU host of the same GPUs and links.
+
+`fingerprint()` returns one flat dict: the hardware, machine and software fields, `python`
+(informative), `ops`, `hardware_id`, `software_id` and `id` (= `fingerprint_id`: hardware +
+software, for display; the machine id is in neither, so ids and file names do not depend on the host).
 """
 from __future__ import annotations
 
@@ -23,16 +33,22 @@ import hashlib
 import importlib.util
 import json
 import platform
+import re
+import os
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
 HARDWARE_FIELDS = ("device_kind", "gpu_name", "gpu_count", "topology")
+MACHINE_FIELDS = ("machine_id",)
 SOFTWARE_FIELDS = ("driver", "cuda", "torch", "triton", "nccl")
 KEY_FIELDS = HARDWARE_FIELDS + SOFTWARE_FIELDS  # what `fingerprint_id` covers
-LAYERS = ("hardware", "software", "ops")
+LAYERS = ("hardware", "machine", "software", "ops")
+ANSI = re.compile(r"\x1b\[[0-9;]*m")  # terminal attributes nvidia-smi writes even into a pipe
+MATCHES = {"machine": "this machine", "kind": "hardware kind (other host)"}  # hardware_match's layers
 # Modules that count towards an op's digest when the op module imports them (directly or not).
 DIGEST_PACKAGES = ("autofuse.kernels", "autofuse.ops")
 DIGEST_MODULES = ("autofuse.core.gemm", "autofuse.core.runner", "autofuse.comm.workspace", "autofuse.comm.collectives")
@@ -234,19 +250,112 @@ def topology_matrix() -> str:
     return _nvidia_smi("topo", "-m")
 
 
-def _topology_summary(text: str, count: int) -> str:
-    """The GPU x GPU link cells of `nvidia-smi topo -m` as 'NV18,NV18;...' (stable across runs)."""
-    rows = []
-    for line in text.splitlines():
-        cells = line.split()
-        if cells and cells[0].startswith("GPU") and cells[0][3:].isdigit():
-            rows.append(",".join(cells[1:1 + count]))
-    return ";".join(rows)
+def gpu_uuids() -> str:
+    """`nvidia-smi --query-gpu=index,uuid` as CSV lines ('0, GPU-...'), or '' where unavailable."""
+    return _nvidia_smi("--query-gpu=index,uuid", "--format=csv,noheader")
+
+
+def _uuid_table(index_uuid: str) -> dict[int, str]:
+    """{nvidia-smi index: UUID} from `gpu_uuids()`'s lines."""
+    out: dict[int, str] = {}
+    for line in index_uuid.splitlines():
+        index, _, uuid = (c.strip() for c in line.partition(","))
+        if index.isdigit() and uuid:
+            out[int(index)] = uuid
+    return out
+
+
+def _mig_parents(listing: str) -> dict[str, int]:
+    """{MIG UUID: its GPU's index} from `nvidia-smi -L` ('GPU 0: ... (UUID: GPU-...)' lines, each
+    followed by its '  MIG ... (UUID: MIG-...)' lines)."""
+    out: dict[str, int] = {}
+    gpu = None
+    for line in listing.splitlines():
+        head, _, uuid = line.rpartition("(UUID: ")
+        uuid = uuid.rstrip(")").strip()
+        words = head.split()
+        if len(words) >= 2 and words[0] == "GPU" and words[1].rstrip(":").isdigit():
+            gpu = int(words[1].rstrip(":"))
+        elif words and words[0] == "MIG" and gpu is not None and uuid:
+            out[uuid] = gpu
+    return out
+
+
+def visible_gpus(visible: str | None, index_uuid: str, count: int, mig_listing: str = "") -> list[int]:
+    """The nvidia-smi indices of the `count` GPUs this process sees, in CUDA's order.
+
+    `visible` is CUDA_VISIBLE_DEVICES (None: unset, every GPU in index order): indices, GPU-UUIDs (a
+    unique prefix suffices, as CUDA accepts) or MIG-UUIDs (their GPU's index; `mig_listing` is
+    `nvidia-smi -L`, needed only for those), read up to the first entry CUDA would not take.
+    `index_uuid` is `gpu_uuids()`'s text. Entries that cannot be mapped end the list there (as CUDA
+    stops at them); the first `count` are kept. CUDA's integer indices are taken as nvidia-smi's
+    (they agree for one GPU model under CUDA's default order).
+    """
+    if visible is None:
+        return list(range(count))
+    uuids = _uuid_table(index_uuid)
+    out: list[int] = []
+    for entry in (e.strip() for e in visible.split(",")):
+        if entry.isdigit():
+            out.append(int(entry))
+        elif entry.startswith("GPU-"):
+            hits = [i for i, u in uuids.items() if u.startswith(entry)]
+            if len(hits) != 1:
+                break
+            out.append(hits[0])
+        elif entry.startswith("MIG-"):
+            parent = entry[4:].split("/")[0] if entry.startswith("MIG-GPU-") else None  # legacy MIG-GPU-<uuid>/gi/ci
+            hits = ([i for i, u in uuids.items() if u == parent] if parent else
+                    [i for u, i in _mig_parents(mig_listing).items() if u.startswith(entry)])
+            if len(set(hits)) != 1:
+                break
+            out.append(hits[0])
+        else:
+            break
+    return out[:count]
+
+
+def topology_summary(text: str, gpus: list[int]) -> str:
+    """The link cells of `nvidia-smi topo -m` between the GPUs `gpus` (nvidia-smi indices, in that
+    order: rows and columns) as 'X,NV18;NV18,X' (stable across runs; '?' where a GPU is missing)."""
+    lines = [ANSI.sub("", line).split() for line in text.splitlines()]  # its header is underlined
+    header = next((cells for cells in lines if cells[:1] == ["GPU0"] and cells[1:2] != ["X"]), None)
+    column = {c: j + 1 for j, c in enumerate(header or [])}  # row cells: name, then header order
+    rows = {cells[0]: cells for cells in lines if cells and cells[0].startswith("GPU") and cells[0][3:].isdigit()
+            and cells is not header}
+    out = []
+    for a in gpus:
+        row = rows.get(f"GPU{a}")
+        cells = []
+        for b in gpus:
+            j = column.get(f"GPU{b}", b + 1) if header else b + 1
+            cells.append(row[j] if row is not None and j < len(row) else "?")
+        out.append(",".join(cells))
+    return ";".join(out)
+
+
+def machine_key(uuids: Iterable[str], host: str) -> str:
+    """Short stable hash naming one machine: its visible GPUs' UUIDs (sorted), else its host name."""
+    uuids = sorted(u for u in uuids if u)
+    key = json.dumps({"gpus": uuids} if uuids else {"host": host}, sort_keys=True)
+    return hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
+def _cuda_fields(count: int) -> dict:
+    """The topology and machine id of the visible GPUs (nvidia-smi's view; '' / the host name without it)."""
+    index_uuid = gpu_uuids()
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    mig = _nvidia_smi("-L") if visible and "MIG-" in visible else ""
+    gpus = visible_gpus(visible, index_uuid, count, mig)
+    text = topology_matrix()
+    uuids = _uuid_table(index_uuid)
+    return {"topology": topology_summary(text, gpus) if text else "",
+            "machine_id": machine_key([uuids.get(g, "") for g in gpus], socket.gethostname())}
 
 
 @functools.lru_cache(maxsize=None)
 def fingerprint(device_kind: str | None = None) -> dict:
-    """This process's environment: hardware and software fields, `ops` digests and the ids.
+    """This process's environment: hardware, machine and software fields, `ops` digests and the ids.
 
     Cached per process: call `fingerprint.cache_clear()` after editing op code in a running process.
     """
@@ -262,14 +371,14 @@ def fingerprint(device_kind: str | None = None) -> dict:
         fp.update(
             gpu_name=torch.cuda.get_device_name(0),
             gpu_count=count,
-            topology=_topology_summary(topology_matrix(), count),
+            **_cuda_fields(count),
             driver=(_nvidia_smi("--query-gpu=driver_version", "--format=csv,noheader").splitlines() or [""])[0],
             cuda=torch.version.cuda or torch.version.hip or "",
             nccl=".".join(map(str, torch.cuda.nccl.version())) if hasattr(torch.cuda, "nccl") else "",
         )
     else:
         fp.update(gpu_name=f"cpu-emulation ({platform.machine()})", gpu_count=0, topology="shm",
-                  driver="", cuda="", nccl="")
+                  machine_id=machine_key((), socket.gethostname()), driver="", cuda="", nccl="")
     fp["ops"] = op_digests()
     fp["hardware_id"] = hardware_id(fp)
     fp["software_id"] = software_id(fp)
@@ -298,10 +407,10 @@ def fingerprint_id(fp: Mapping[str, Any]) -> str:
 
 
 def layer(fp: Mapping[str, Any], name: str) -> dict:
-    """One layer of a fingerprint as a dict: 'hardware', 'software' or 'ops'."""
+    """One layer of a fingerprint as a dict: 'hardware', 'machine', 'software' or 'ops'."""
     if name == "ops":
         return dict(fp.get("ops") or {})
-    fields = {"hardware": HARDWARE_FIELDS, "software": SOFTWARE_FIELDS}.get(name)
+    fields = {"hardware": HARDWARE_FIELDS, "machine": MACHINE_FIELDS, "software": SOFTWARE_FIELDS}.get(name)
     if fields is None:
         raise ValueError(f"layer must be one of {LAYERS}, not {name!r}")
     return {k: fp.get(k) for k in fields}
@@ -309,12 +418,24 @@ def layer(fp: Mapping[str, Any], name: str) -> dict:
 
 def differences(a: Mapping[str, Any], b: Mapping[str, Any], layer: str | None = None) -> dict[str, tuple]:
     """{field: (a's value, b's value)} where two fingerprints disagree, in one layer ('hardware',
-    'software', or 'ops': {op: (digest, digest)} over the ops either records) or, with `layer`
+    'machine', 'software', or 'ops': {op: (digest, digest)} over the ops either records) or, with `layer`
     None, over hardware and software together."""
     if layer == "ops":
         ao, bo = dict(a.get("ops") or {}), dict(b.get("ops") or {})
         return {k: (ao.get(k), bo.get(k)) for k in sorted(set(ao) | set(bo)) if ao.get(k) != bo.get(k)}
-    fields = {None: KEY_FIELDS, "hardware": HARDWARE_FIELDS, "software": SOFTWARE_FIELDS}.get(layer)
+    fields = {None: KEY_FIELDS, "hardware": HARDWARE_FIELDS, "machine": MACHINE_FIELDS,
+              "software": SOFTWARE_FIELDS}.get(layer)
     if fields is None:
         raise ValueError(f"layer must be one of {LAYERS} or None, not {layer!r}")
     return {k: (a.get(k), b.get(k)) for k in fields if a.get(k) != b.get(k)}
+
+
+def hardware_match(theirs: Mapping[str, Any], here: Mapping[str, Any]) -> str | None:
+    """Which layer a fingerprint recorded with a policy or measurement (`theirs`) matches `here` by:
+    'machine' (same hardware kind and the same machine id: this machine), 'kind' (same hardware kind,
+    another host, or no machine id recorded: files from before this layer), None (other hardware:
+    another GPU model, count or link topology, never shared). `MATCHES` names them for messages."""
+    if differences(theirs, here, "hardware"):
+        return None
+    mine = here.get("machine_id")
+    return "machine" if mine and theirs.get("machine_id") == mine else "kind"
