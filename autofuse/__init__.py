@@ -2,6 +2,7 @@
 
 `autofuse.<op>(...)` for every op in `autofuse.core.registry` (ag_gemm, gemm_rs, gemm_ar, flash_decode),
 `explain`, `call`, `rebuild` and `set_policy` are the runtime entry points (`autofuse.dispatch`);
+`warmup` and `warmup_problems` make first calls ahead of serving (`autofuse.dispatch.warmup`);
 `autofuse.parallelize` and `autofuse.nn` make models tensor-parallel on them. They are made on first
 use, so `import autofuse` stays cheap: no torch import, no process group, no GPU work, no file or
 database I/O.
@@ -18,7 +19,8 @@ from autofuse.core import registry
 __version__ = "0.1.0"
 
 _DISPATCH = ("call", "explain", "rebuild", "set_policy")
-__all__ = ["__version__", *registry.MODULES, *_DISPATCH, "Policy", "nn", "parallelize"]
+_WARMUP = ("warmup", "warmup_problems")
+__all__ = ["__version__", *registry.MODULES, *_DISPATCH, *_WARMUP, "Policy", "nn", "parallelize"]
 
 
 def _no_gpu() -> bool:
@@ -36,6 +38,8 @@ def __getattr__(name: str):
         value = importlib.import_module("autofuse.dispatch").entry_point(name)
     elif name in _DISPATCH:
         value = getattr(importlib.import_module("autofuse.dispatch"), name)
+    elif name in _WARMUP:
+        value = getattr(importlib.import_module("autofuse.dispatch.warmup"), name)
     elif name == "Policy":
         value = importlib.import_module("autofuse.dispatch.policy").Policy
     elif name == "nn":
