@@ -2,7 +2,7 @@
 
 `autofuse.<op>(...)` for every op in `autofuse.core.registry` (ag_gemm, gemm_rs, gemm_ar, flash_decode),
 `explain`, `call`, `rebuild` and `set_policy` are the runtime entry points (`autofuse.dispatch`);
-`warmup` and `warmup_problems` make first calls ahead of serving (`autofuse.dispatch.warmup`);
+`warmup` and `warmup_problems` make first calls ahead of serving (`autofuse.nn.warmup`, `autofuse.dispatch.warmup`);
 `autofuse.parallelize` and `autofuse.nn` make models tensor-parallel on them. They are made on first
 use, so `import autofuse` stays cheap: no torch import, no process group, no GPU work, no file or
 database I/O.
@@ -39,7 +39,8 @@ def __getattr__(name: str):
     elif name in _DISPATCH:
         value = getattr(importlib.import_module("autofuse.dispatch"), name)
     elif name in _WARMUP:
-        value = getattr(importlib.import_module("autofuse.dispatch.warmup"), name)
+        module = "autofuse.nn.warmup" if name == "warmup" else "autofuse.dispatch.warmup"  # models: a floor up
+        value = getattr(importlib.import_module(module), name)
     elif name == "Policy":
         value = importlib.import_module("autofuse.dispatch.policy").Policy
     elif name == "nn":

@@ -66,7 +66,8 @@ def fake_cuda(monkeypatch):
 
     def use(topo: str, uuids: str, count: int, visible: str | None, listing: str = "") -> dict:
         answers = {("topo", "-m"): smi(topo), ("--query-gpu=index,uuid", "--format=csv,noheader"): smi(uuids),
-                   ("-L",): listing, ("--query-gpu=driver_version", "--format=csv,noheader"): shipped.get("driver", "1")}
+                   ("-L",): listing,
+                   ("--query-gpu=driver_version", "--format=csv,noheader"): shipped.get("driver", "1")}
         monkeypatch.setattr(environment, "_nvidia_smi", lambda *args: answers.get(args, ""))
         monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
         monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")

@@ -16,7 +16,9 @@ needs no hand-written entry point; the generated code builds the cache key inlin
 Miss path (a problem this process has not seen, per op/group/shapes): the op's `problem_of`
 validates the inputs; the decision comes from, in order, the `variant=` argument,
 `AUTOFUSE_VARIANT=op:variant,...` (`*:variant` for every op), the policy. The policy is
-`AUTOFUSE_POLICY` (a JSON path), else the best match for this machine's hardware in the folders
+`AUTOFUSE_POLICY` (a JSON path), else the best match for this machine's hardware kind (GPU model,
+count and links of the visible GPUs; this machine's own policies first, another host's served with
+every decision confirmed, `explain` naming the layer it matched by) in the folders
 `autofuse/dispatch/policies.py` searches, in order: AUTOFUSE_MODELS_DIR, the user folder
 `autofuse fit` writes to ($XDG_DATA_HOME/autofuse/models), models/ beside the package, the package's
 own models/, <prefix>/share/autofuse/models (preferring `AUTOFUSE_MODE`, default graph on GPUs);
@@ -52,7 +54,8 @@ inputs in lockstep, with the tuner's timer, and runs the fastest correct one (`e
 times and the cost, build and timing apart); the measurements go (source `online`) to this
 machine's online store (AUTOFUSE_ONLINE_DB, default <user cache>/autofuse/online-<hardware id>.db),
 which later processes read first (basis `confirmed`) and `autofuse fit` reads too. On by default
-on GPUs, off on the CPU emulation; AUTOFUSE_ONLINE=0/1 switches it.
+on GPUs, off on the CPU emulation; AUTOFUSE_ONLINE=0/1 switches it. `warmup` (autofuse/dispatch/warmup.py)
+makes these first calls ahead of serving.
 
 Faults: a runner refuses to run on a workspace that saw a fault (it reads a host-visible mirror of
 the fault record, no device sync) until `autofuse.rebuild(group)` is called on every rank. The full

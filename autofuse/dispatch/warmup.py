@@ -5,10 +5,8 @@ rank, confirms a predicted decision by timing the candidates (GPUs: up to second
 Triton compiling each candidate), builds the runner (heap workspaces) and checks the first result.
 `warmup_problems(problems, group)` makes those first calls for a list of problems, on every rank in
 lockstep (each rank calls it alike, in the same order), on random inputs of the problems' shapes;
-`warmup(model, group, tokens=[...])` derives the problems from a parallelized model: each distinct
-autofuse.nn layer that calls an op (RowParallelLinear; ColumnParallelLinear with sequence
-parallelism), at each token count, through the layer's own forward so the calls are exactly the
-ones serving makes.
+`autofuse.warmup(model, group, tokens=[...])` (autofuse/nn/warmup.py: models live a floor above
+dispatch) derives them from a parallelized model's layers and reports through `first_calls`.
 
 What later processes keep (so that their first request of a warmed shape neither confirms nor
 compiles): confirmations go to the online store (`online.online_db`, AUTOFUSE_ONLINE_DB), which a
@@ -92,8 +90,9 @@ class WarmupReport:
         return "\n".join(lines)
 
 
-def _first_calls(world: Any, calls: Iterable[tuple[str, Any]], report: WarmupReport) -> WarmupReport:
-    """Run each `(label, call)` (a thunk making one dispatched call) and record what the cache gained."""
+def first_calls(world: Any, calls: Iterable[tuple[str, Any]], report: WarmupReport) -> WarmupReport:
+    """Run each `(label, thunk)` (a thunk making dispatched calls on `world`'s ranks) and record, per
+    problem the cache gained, its decision and cost; then wait for every rank."""
     t_all = time.perf_counter()
     for label, thunk in calls:
         before, confirmations = set(STATE.cache), STATE.stats.confirmations
@@ -113,7 +112,8 @@ def _first_calls(world: Any, calls: Iterable[tuple[str, Any]], report: WarmupRep
     return report
 
 
-def _report(world: Any) -> WarmupReport:
+def new_report(world: Any) -> WarmupReport:
+    """An empty report saying whether dispatch confirms here and where confirmations go."""
     from autofuse.dispatch.online import online_db
     from autofuse.measure import environment
 
@@ -155,66 +155,7 @@ def warmup_problems(problems: Iterable[Problem | str], group: Any = None, *, ops
                 raise ValueError(f"warmup: {p.key} is not a complete {p.op} problem (its inputs make {got.key})")
             yield p.key, lambda op=op, args=args: call(op, *args, group=group)
 
-    return _first_calls(world, calls(), _report(world))
-
-
-def _layers(model: torch.nn.Module, group: Any) -> list[tuple[str, torch.nn.Module]]:
-    """One layer per distinct call an autofuse.nn layer of `model` makes (shapes, dtype, device, group)."""
-    from autofuse.nn import functional as tpf
-    from autofuse.nn.linear import ColumnParallelLinear, RowParallelLinear
-
-    wanted = tpf.process_group(group)
-    seen: dict[tuple, tuple[str, torch.nn.Module]] = {}
-    for name, m in model.named_modules():
-        calls_op = isinstance(m, RowParallelLinear) or (isinstance(m, ColumnParallelLinear) and m.sequence_parallel)
-        if not calls_op:
-            continue
-        if group is not None and m.group is not wanted:
-            raise ValueError(f"warmup: layer {name} is parallelized over another process group than the one given")
-        w = m.weight
-        sig = (type(m).__name__, m.sequence_parallel, tuple(w.shape), w.dtype, w.device, w.t().is_contiguous())
-        seen.setdefault(sig, (name, m))
-    if not seen:
-        raise ValueError("warmup: the model has no autofuse.nn layer that calls an op (RowParallelLinear, or "
-                         "ColumnParallelLinear with sequence_parallel=True): parallelize it first (autofuse.parallelize)")
-    return list(seen.values())
-
-
-def warmup(model: torch.nn.Module, group: Any = None, tokens: Sequence[int] = (1, 2, 4, 8, 16, 32, 64, 128, 256),
-           *, seed: int = 0) -> WarmupReport:
-    """Make the first call of every op call `model`'s parallel layers make at each token count, on
-    every rank of `group` (collective: every rank calls it alike; `group` is the one the model was
-    parallelized over; None: the layers' own).
-
-    `tokens`: the token rows one forward pass feeds the layers (batch x sequence: a server's batch
-    sizes of decode steps, as vLLM's capture sizes, or prefill lengths). With sequence parallelism a
-    count is rounded up to a multiple of the group size, as the layers pad it. Inference calls only
-    (no autograd: backward calls are other problems). Returns this rank's report.
-    """
-    from autofuse.nn import functional as tpf
-
-    layers = _layers(model, group)
-    world = world_of(layers[0][1].group if group is None else tpf.process_group(group))
-    counts = [int(t) for t in tokens]
-    if not counts or any(t < 1 for t in counts):
-        raise ValueError(f"warmup: tokens must be positive counts, got {list(tokens)}")
-    gen = torch.Generator().manual_seed(seed)
-
-    def calls() -> Iterable[tuple[str, Any]]:
-        for t in counts:
-            for name, m in layers:
-                rows = -(-t // world.size) * world.size if m.sequence_parallel else t
-                if m.sequence_parallel and m.split_dim == 0:
-                    rows //= world.size  # a column-parallel layer's input: this rank's block of the rows
-                x = torch.randn(rows, m.weight.shape[1], generator=gen).to(m.weight.device, m.weight.dtype)
-
-                def thunk(m: torch.nn.Module = m, x: torch.Tensor = x) -> None:
-                    with torch.no_grad():
-                        m(x)
-
-                yield f"{name} x {t} tokens", thunk
-
-    return _first_calls(world, calls(), _report(world))
+    return first_calls(world, calls(), new_report(world))
 
 
 def token_dim(op: str) -> str:
