@@ -415,7 +415,7 @@ def test_readme_commands_use_existing_options(runner):
     for cmd in commands:
         words = cmd.split()
         name = words[0]
-        if name not in ("doctor", "tune", "fit", "export", "show", "bench", "merge"):
+        if name not in ("doctor", "tune", "fit", "export", "show", "bench", "merge", "warmup"):
             continue
         help_text = runner.invoke(app, [name, "--help"]).output
         for opt in (w.split("=")[0] for w in words[1:] if w.startswith("--")):
@@ -425,7 +425,7 @@ def test_readme_commands_use_existing_options(runner):
 def test_readme_names_the_commands_that_take_world_json_out(runner):
     """The README's "`--opt` (`cmd`, ...)" lists name exactly the commands whose help has the option."""
     text = " ".join((ROOT / "README.md").read_text().split())
-    commands = ("doctor", "tune", "fit", "export", "show", "bench", "merge")
+    commands = ("doctor", "tune", "fit", "export", "show", "bench", "merge", "warmup")
     helps = {c: runner.invoke(app, [c, "--help"]).output for c in commands}
     for opt in ("--world", "--json", "--out"):
         said = re.search(rf"`{opt}[^`]*` \(((?:`[a-z]+`(?:, )?)+)\)", text)
