@@ -232,14 +232,15 @@ def print_split_table(console: Console, title: str, key_cols: Sequence[str], val
 
 def problem_table(rows: list[dict], interpreted: bool = False) -> list[dict]:
     """Per problem: latency and config per variant, and the numbers of `autofuse.measure.compare` (best, x BSP,
-    x alt, bound, ceiling; no ratio where `interpreted`). Rows of variant `bound` (or its pieces
-    `bound.*`, whose max is the bound) are shown, never chosen."""
-    from autofuse.measure.compare import compare
+    x alt, bound, ceiling; no ratio where `interpreted`, nor for an `unconfirmed` outlier:
+    `compare.withhold`). Rows of variant `bound` (or its pieces `bound.*`, whose max is the bound)
+    are shown, never chosen."""
+    from autofuse.measure.compare import compare, withhold
 
     by: dict[str, dict] = {}
     for r in rows:
         e = by.setdefault(r["problem"], {"op": r["op"], "problem": r["problem"], "us": {}, "configs": {},
-                                         "bound_pieces": {}, "stale": False})
+                                         "confirmed": {}, "bound_pieces": {}, "stale": False})
         v, t = r["variant"], r["median_us"]
         e["stale"] |= bool(r.get("stale"))
         if v == "bound":
@@ -248,6 +249,7 @@ def problem_table(rows: list[dict], interpreted: bool = False) -> list[dict]:
             e["bound_pieces"][v] = t
         elif v not in e["us"] or t < e["us"][v]:
             e["us"][v], e["configs"][v] = t, r["config"]
+            e["confirmed"][v] = bool((r.get("extra") or {}).get("confirmed"))
     out_rows = []
     for key in sorted(by, key=problem_sort_key):
         e = by[key]
@@ -255,7 +257,7 @@ def problem_table(rows: list[dict], interpreted: bool = False) -> list[dict]:
             e["bound_us"] = max(e["bound_pieces"].values())
         e.update(compare(e["op"], e["us"], e.get("bound_us"), interpreted).as_dict())
         out_rows.append(e)
-    return out_rows
+    return withhold(out_rows)
 
 
 def fmt(x: Any, digits: int = 1) -> str:
@@ -274,7 +276,7 @@ def print_problems(console: Console, table: list[dict], mode: str, where: str = 
     """Per op: latency per variant (BSP first), best, x BSP, x alt (where an alternative was measured),
     bound and ceiling (where timed); interpreter timings get latencies and best only; a `stale` column
     where some problem's rows were measured with older code of the op."""
-    from autofuse.measure.compare import INTERPRETED_NOTE
+    from autofuse.measure.compare import INTERPRETED_NOTE, UNCONFIRMED_NOTE
 
     interpreted = False
     for name in sorted({e["op"] for e in table}):
@@ -295,12 +297,17 @@ def print_problems(console: Console, table: list[dict], mode: str, where: str = 
         stale = any(e.get("stale") for e in entries)
         if stale:
             cols.append(("stale", lambda e: "stale" if e.get("stale") else ""))
+        unconfirmed = any(e.get("unconfirmed") for e in entries)
+        if unconfirmed:
+            cols.append(("check", lambda e: "unconfirmed" if e.get("unconfirmed") else ""))
         body = [[*cells[e["problem"]], *[fmt(e["us"].get(v)) for v in variants], *[f(e) for _, f in cols]]
                 for e in entries]
         print_split_table(console, f"{name} {fixed}: {mode} mode, us per call (rank-max median){where}",
                           key_cols, [*variants, *[c for c, _ in cols]], body)
         if stale:
             console.print(STALE_NOTE)
+        if unconfirmed:
+            console.print(UNCONFIRMED_NOTE)
     if interpreted:
         console.print(INTERPRETED_NOTE, style="yellow")
     elif table:

@@ -333,7 +333,7 @@ def _records(table: list[dict], mode: str, fp_id: str) -> list[dict]:
                                "speedup_vs_alternative": e["speedup_vs_alternative"],
                                "bound_us": e.get("bound_us"), "ceiling": e["ceiling"],
                                "timing": "cpu-interpreter" if e["interpreted"] else "gpu",
-                               "stale": bool(e.get("stale"))}
+                               "stale": bool(e.get("stale")), "unconfirmed": bool(e.get("unconfirmed"))}
         rec.update({f"{v}_us": e["us"].get(v) for v in variants})
         records.append(rec)
     return records

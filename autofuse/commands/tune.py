@@ -34,8 +34,8 @@ def next_steps(db: Path, kind: str) -> str:
     text = (f"Next: `autofuse show{where}` lists these rows again, `autofuse fit{where}{mode}` fits a dispatch "
             "policy on them and writes it where dispatch finds it.")
     if kind == "cpu":
-        text += (" On a machine with GPUs, `autofuse tune` tunes on every local GPU (graph and eager modes, 8 "
-                 "trials per problem of the default sweep, about 10 min for all ops on two GPUs).")
+        text += (" On a machine with GPUs, `autofuse tune` tunes on every local GPU (graph and eager modes, the "
+                 "default sweep of every op, budgeted: 4 min of tuning by default, --time-limit to change it).")
     return text
 
 
@@ -54,21 +54,45 @@ def _split(values: Optional[list[str]], sep: str = ",") -> list[str]:
     return [v.strip() for item in values or [] for v in item.split(sep) if v.strip()]
 
 
-def render(summary: list[dict]) -> None:
+def run_line(stats: dict) -> str:
+    """The run's throughput: trials, trials per second, and the share of wall time the ranks spent timing
+    (the GPUs at work) and compiling and checking kernels; what compiling ahead did."""
+    wall = max(float(stats.get("wall_s", 0.0)), 1e-9)
+    trials = int(stats.get("trials", 0))
+    text = (f"{trials} trials ({int(stats.get('screened_out', 0))} rejected on a short screen), "
+            f"{int(stats.get('baselines', 0))} baselines, {int(stats.get('confirmed', 0))} outliers re-measured in "
+            f"turns in {wall:.0f} s: {trials / wall:.2f} trials/s; timing {100 * stats.get('timing_s', 0.0) / wall:.0f}% "
+            f"of the wall time, compiling and checking {100 * stats.get('build_check_s', 0.0) / wall:.0f}%")
+    if "compiled" in stats:
+        text += (f"; compiled ahead: {int(stats['compiled'])} configs ({int(stats.get('compile_failed', 0))} failed, "
+                 f"{int(stats.get('compile_skipped', 0))} reached first)")
+    return text
+
+
+def coverage_line(stats: dict) -> str:
+    """Problems covered per op (baselines and every tunable variant's first default measured)."""
+    per = stats.get("coverage") or {}
+    return "covered: " + ", ".join(f"{op} {done}/{total} problems" for op, (done, total) in per.items())
+
+
+def render(result: dict) -> None:
     """The table of `autofuse show` for what this run tuned: per op, each problem's best latency per
-    variant, the best, x BSP and x alt (latencies only for the CPU emulation)."""
+    variant, the best, x BSP and x alt (latencies only for the CPU emulation); then the run's
+    coverage and throughput."""
     from autofuse.commands._common import print_problems, problem_table
     from autofuse.measure.compare import interpreted
 
+    summary, stats = result.get("rows", []), result.get("stats", {})
     if not summary:
         say("nothing was tuned")
-        return
-    rows = [{"problem": r["problem"], "op": r["op"], "variant": v, "median_us": t, "config": r["configs"].get(v, {})}
-            for r in summary for v, t in r["variants_us"].items()]
-    print_problems(console, problem_table(rows, interpreted(summary[0]["device_kind"])), summary[0]["mode"])
-    trials = sum(r["trials_this_run"] for r in summary)
-    compile_s = sum(r["compile_s"] for r in summary)
-    say(f"{trials} trials measured in this run ({compile_s:.0f} s of it compiling and checking kernels)")
+    else:
+        rows = [{"problem": r["problem"], "op": r["op"], "variant": v, "median_us": t,
+                 "config": r["configs"].get(v, {}), "extra": {"confirmed": r.get("confirmed", {}).get(v, False)}}
+                for r in summary for v, t in r["variants_us"].items()]
+        print_problems(console, problem_table(rows, interpreted(summary[0]["device_kind"])), summary[0]["mode"])
+    if stats:
+        say(coverage_line(stats))
+        say(run_line(stats))
 
 
 def _torchrun() -> bool:
@@ -102,7 +126,8 @@ def tune(
     mode: Optional[str] = typer.Option(None, help="Timing mode the search minimises: graph (default on GPUs) "
                                        "or eager (the only one on CPU). Every available mode is recorded."),
     trials: Optional[int] = typer.Option(None, help="Measured trials per problem, across runs and workers "
-                                         "(default: 8 on GPUs; on CPU one per tunable variant)."),
+                                         "(default: up to 32 on GPUs within the time limit; on CPU one per "
+                                         "tunable variant). Given without --time-limit: exactly that many, no limit."),
     storage: Optional[str] = typer.Option(None, help="Optuna storage URL (default: sqlite file <db stem>.optuna.db "
                                           "beside --db). Several hosts on one study: postgresql://user@host/db."),
     db: Path = typer.Option(DEFAULT_DB, help="Measurement database (SQLite; created if missing)."),
@@ -114,18 +139,27 @@ def tune(
                                         "(0: every problem; default: 2 on CPU, every problem on GPUs)."),
     reps: Optional[int] = typer.Option(None, help="Timed batches per measurement (default: 10 GPU, 5 CPU)."),
     budget: Optional[float] = typer.Option(None, help="Seconds one trial may take before it is failed as too slow."),
-    time_limit: Optional[float] = typer.Option(None, help="Minutes: no new trial starts after this."),
+    time_limit: Optional[float] = typer.Option(None, help="Minutes: no new trial starts after this (default on "
+                                               "GPUs: 4, the scheduler deciding how deep to go; none on CPU or "
+                                               "with --trials; 0: none). Every op is covered first, and the first "
+                                               "problem of each op always completes."),
+    compile_workers: Optional[int] = typer.Option(None, "--compile-workers", help="Processes compiling the "
+                                                  "run's known-good configs ahead of their measurement (default "
+                                                  "on GPUs: the idle cores, up to 8; 0: off; CPU: off)."),
     seed: int = typer.Option(0, help="Seed of inputs and sampler."),
     quiet: bool = typer.Option(False, help="No progress output, only the summary table."),
 ) -> None:
-    """Tune every hybrid and fused variant's config per problem with Optuna; resumable. SIGINT / SIGTERM finish the
-    current trial and exit 130 / 143 (a second one abandons the trial)."""
+    """Tune every hybrid and fused variant's config per problem with Optuna; resumable. Every op is covered first
+    (baselines and each variant's first default, problem by problem), then the other defaults, then a search where
+    it matters most; on GPUs the run is budgeted (--time-limit). SIGINT / SIGTERM finish the current trial and exit
+    130 / 143 (a second one abandons the trial)."""
     ops = _split(op)
     if not quiet and os.environ.get("RANK", "0") == "0":  # under torchrun, rank 0 speaks for the job
         say(f"autofuse tune: {', '.join(ops) if ops else 'every op'} into {db}; finding GPUs and reading the sweeps")
     try:
         _run(ops, world, settings_args=dict(sweep=sweep or "", shapes=list(shapes or []), mode=mode, trials=trials,
                                             storage=storage, reps=reps, budget_s=budget, seed=seed, limit=limit,
+                                            compile_workers=compile_workers,
                                             time_limit_s=time_limit * 60 if time_limit is not None else None,
                                             verbose=not quiet), db=db, quiet=quiet)
     except KeyboardInterrupt:  # before the ranks started, or a torchrun rank's second signal
@@ -149,7 +183,8 @@ def _run(ops: list[str], world: Optional[list[str]], settings_args: dict, db: Pa
     except ValueError:
         fail(f"--world takes integers, not {', '.join(world or [])}", 2)
     settings = Settings(db=str(db.absolute()), ops=ops, worlds=worlds, **settings_args)
-    job_timeout = (settings.time_limit_s + 7200) if settings.time_limit_s else 7 * 86400.0
+    limit_s = settings.time_limit_for(kind)
+    job_timeout = (limit_s + 7200) if limit_s else 7 * 86400.0
     if _torchrun():
         _tune_torchrun(settings, job_timeout)
         return
@@ -205,14 +240,14 @@ def _tune_torchrun(settings: Any, job_timeout: float) -> None:
 
     w = init_from_env(timeout_s=job_timeout)
     try:
-        summary = tune_rank(w, settings)
+        result = tune_rank(w, settings)
     except ValueError as exc:
         fail(str(exc), 2)
     finally:
         w.close()
         dist.destroy_process_group()
     if w.rank == 0:
-        render(summary)
+        render(result)
     code = STOP.exit_code()
     if code is not None:
         raise typer.Exit(code)

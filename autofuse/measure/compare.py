@@ -18,6 +18,13 @@
 - Timings of the CPU emulation (Triton's interpreter, gloo) say nothing about GPUs: where a
   comparison is `interpreted`, every ratio above is None and tables print latencies only, never
   a speedup (`INTERPRETED_NOTE` says why).
+- **Outliers**: a problem's x BSP is compared with its `neighbours` (the same op, dtype, world
+  size and categorical dims, the nearest sizes); one more than `NOISE` times off each of theirs
+  (`deviates`) rests on a sample that may be an outlier (a BSP timed during a hiccup, a lucky
+  winner). The tuner re-measures such a problem's BSP and best in turns and stores the result
+  marked `confirmed` (superseding the first rows); `withhold` keeps every table (tune, show,
+  export) from printing a ratio of a deviating problem whose BSP and best rows are not both
+  confirmed: it is shown `unconfirmed`, with latencies only.
 """
 from __future__ import annotations
 
@@ -27,6 +34,12 @@ from typing import Any, Iterable, Mapping
 
 ALTERNATIVE_FAMILIES = ("peer",)
 OWN_FAMILIES = ("hybrid", "fused")
+NOISE = 1.5  # a ratio this many times off each of its neighbours' is more than timing noise
+NEIGHBOURS = 2  # how many of the nearest problems a ratio is compared with
+MAX_OCTAVES = 4.0  # problems further apart than this (sum of |log2| size differences) are no neighbours
+UNCONFIRMED_NOTE = ("unconfirmed: the problem's x BSP deviates from its neighbouring problems' by more than noise "
+                    "and its BSP and best were not re-measured in turns, so no speedup is shown for it (rerun "
+                    "`autofuse tune` with the same options to confirm it)")
 INTERPRETED_NOTE = ("CPU emulation: latencies are Triton-interpreter and gloo timings on CPU ranks, not GPU "
                     "timings; no speedup is shown (they show that every variant runs, not which is faster on a GPU)")
 
@@ -134,3 +147,72 @@ def geomean(xs: Iterable[float | None]) -> float | None:
     """Geometric mean of the finite positive values; None if there are none."""
     vals = [x for x in xs if x is not None and math.isfinite(x) and x > 0]
     return math.exp(sum(math.log(x) for x in vals) / len(vals)) if vals else None
+
+
+def _shape(key: str) -> tuple[tuple, dict[str, float]]:
+    """(what must match for two problems to be neighbours, their numeric sizes) of a problem key."""
+    from autofuse.core.keys import parse_key
+
+    p = parse_key(key)
+    numeric = {k: float(v) for k, v in p.dims.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    fixed = tuple(sorted((k, str(v)) for k, v in p.dims.items() if k not in numeric))
+    return (p.op, p.dtype, p.world, tuple(sorted(numeric)), fixed), numeric
+
+
+def neighbours(key: str, keys: Iterable[str], k: int = NEIGHBOURS) -> list[str]:
+    """The `k` problems of `keys` nearest to `key` (same op, dtype, world size and categorical dims;
+    distance: the sum over sizes of |log2| of their ratio, at most MAX_OCTAVES), nearest first."""
+    group, sizes = _shape(key)
+    near = []
+    for other in keys:
+        if other == key:
+            continue
+        g, s = _shape(other)
+        if g != group:
+            continue
+        d = sum(abs(math.log2(max(sizes[n], 1e-9) / max(s[n], 1e-9))) for n in sizes)
+        if d <= MAX_OCTAVES:
+            near.append((d, other))
+    return [o for _, o in sorted(near)[:k]]
+
+
+def deviates(x: float | None, around: Iterable[float | None]) -> bool:
+    """Whether ratio `x` is more than NOISE times off every one of its neighbours' ratios `around` (False
+    where either is missing): a neighbour that is itself an outlier does not make its neighbours ones."""
+    vals = [v for v in around if v is not None and math.isfinite(v) and v > 0]
+    if x is None or not math.isfinite(x) or x <= 0 or not vals:
+        return False
+    return all(x > v * NOISE or x < v / NOISE for v in vals)
+
+
+def bsp_ratio(us: Mapping[str, float]) -> float | None:
+    """BSP's latency / the fastest of `us` (every variant's best): x BSP without the interpreter rule."""
+    finite = [t for t in us.values() if t is not None and math.isfinite(t) and t > 0]
+    return ratio(us.get("bsp"), min(finite)) if finite else None
+
+
+def outliers(us_by_problem: Mapping[str, Mapping[str, float]]) -> list[str]:
+    """The problems whose x BSP `deviates` from their neighbours' ({problem: {variant: us}})."""
+    x = {k: bsp_ratio(us) for k, us in us_by_problem.items()}
+    have = [k for k, v in x.items() if v is not None]
+    return [k for k in have if deviates(x[k], [x[n] for n in neighbours(k, have)])]
+
+
+WITHHELD = ("speedup_vs_bsp", "speedup_vs_alternative", "own_vs_bsp", "ceiling_captured")
+
+
+def withhold(table: list[dict]) -> list[dict]:
+    """Mark `unconfirmed` (and clear every ratio of) the entries of a problem table (one dict per
+    problem: `problem`, `us` {variant: latency}, `best`, `confirmed` {variant: bool}, the fields of
+    `Comparison`) whose x BSP deviates from their neighbours' unless their BSP and best rows are
+    both confirmed; returns the table."""
+    us = {e["problem"]: e["us"] for e in table if not e.get("interpreted")}
+    for key in outliers(us):
+        e = next(e for e in table if e["problem"] == key)
+        confirmed = e.get("confirmed") or {}
+        if confirmed.get("bsp") and confirmed.get(e.get("best")):
+            continue
+        e["unconfirmed"] = True
+        for name in WITHHELD:
+            e[name] = None
+    return table

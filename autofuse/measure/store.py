@@ -577,9 +577,11 @@ class Store:
         """Per (problem, variant), the fastest OK row in `mode` of configs that never failed there.
 
         Keys: problem, op, variant, config (dict), config_id, median_us, p10_us, p90_us, mode,
-        fingerprint, hardware_id, software_id, op_digest, source. A config with any failed row for
-        the same problem, hardware and op code (wrong result, flag timeout, crash, in any mode) is
-        never a candidate. Environment selection as in `measurements`.
+        fingerprint, hardware_id, software_id, op_digest, source, extra (dict). A config with any
+        failed row for the same problem, hardware and op code (wrong result, flag timeout, crash, in
+        any mode) is never a candidate. A row re-measured in turns later (a newer row of the same
+        config and mode with `extra.confirmed`, written by the tuner's outlier check) is superseded
+        by it, whichever is faster. Environment selection as in `measurements`.
         """
         where, params = self._where(op, mode, hardware_id, op_digest, fingerprint_id, prefix="m.")
         sql = f"""
@@ -590,9 +592,13 @@ class Store:
                 AND NOT EXISTS (SELECT 1 FROM measurements b WHERE b.problem = m.problem
                                 AND b.config_id = m.config_id AND b.hardware_id = m.hardware_id
                                 AND b.op_digest = m.op_digest AND b.ok = 0)
+                AND NOT EXISTS (SELECT 1 FROM measurements c WHERE c.problem = m.problem
+                                AND c.config_id = m.config_id AND c.hardware_id = m.hardware_id
+                                AND c.op_digest = m.op_digest AND c.mode = m.mode AND c.ok = 1 AND c.id > m.id
+                                AND json_valid(c.extra) AND json_extract(c.extra, '$.confirmed') = 1)
             )
             SELECT problem, op, variant, config, config_id, median_us, p10_us, p90_us, mode, fingerprint,
-                   hardware_id, software_id, op_digest, source
+                   hardware_id, software_id, op_digest, source, extra
             FROM good WHERE rk = 1 ORDER BY problem, median_us"""
         return [self._decode(r) for r in self._query(sql, params)]
 

@@ -405,3 +405,103 @@ def measure(world, op: Op, problem: Problem, variant: str, config: Config, modes
                                    t.p90_us, t.min_us, t.reps,
                                    {"inner": t.inner, "sets": len(fns), "build_check_s": first_call_s}))
     return results
+
+
+# -- staged measurement and re-measurement in turns (the tuner's; `measure` above is unchanged) -------------
+
+@dataclass
+class Screen:
+    """A first, short timing in one mode (`reps` batches): a config slower than `keep_below_us` there is
+    rejected on it (successive halving); one at or below it is timed again with full reps in every mode."""
+
+    mode: str
+    reps: int
+    keep_below_us: float
+
+
+def _time_mode(world, op: Op, problem: Problem, variant: str, config: Config, runner: Callable,
+               fns: Sequence[Callable[[], Any]], outs: Sequence[torch.Tensor], mode: str, reps: int, warmup: int,
+               budget_s: float, err: float, seed: int, extra: dict[str, Any]) -> Measurement:
+    """One mode's timing of a built, checked runner, as `measure` times it (the output of the timed calls
+    checked again); `extra` gains `timing_s`, the seconds this rank spent timing."""
+    why = ""
+    t0 = time.perf_counter()
+    try:
+        outs[0].fill_(math.nan)
+        t = time_fn(world, fns, mode, warmup=warmup, reps=reps, budget_s=budget_s)
+        check_faults(world, runner)
+        replayed = rel_error(outs[0], op.reference(world, problem, seed + 1))
+        if not replayed <= op.tolerance(problem):
+            why = (f"wrong result after {mode} timing: rel error {replayed:.3g} > tolerance "
+                   f"{op.tolerance(problem):.3g}")
+    except (status.FlagTimeout, status.WorkspaceAborted, TooSlow) as exc:
+        why = str(exc)
+    except Exception as exc:
+        why = f"{mode} timing failed: {type(exc).__name__}: {exc}"
+    if world.rank_max(1.0 if why else 0.0) > 0:
+        rebuild_workspaces(world)
+        return Measurement(problem, variant, dict(config), mode, False, why or "failed on another rank", err)
+    return Measurement(problem, variant, dict(config), mode, True, "", err, t.median_us, t.p10_us, t.p90_us,
+                       t.min_us, t.reps, {**extra, "inner": t.inner, "sets": len(fns),
+                                          "timing_s": round(time.perf_counter() - t0, 4)})
+
+
+def measure_staged(world, op: Op, problem: Problem, variant: str, config: Config, modes: Sequence[str] | None = None,
+                   seed: int = 0, reps: int = 20, warmup: int = 3, budget_s: float = 60.0,
+                   screen: Screen | None = None) -> list[Measurement]:
+    """`measure` with an optional screen (successive halving): build and check once; with `screen`,
+    time its mode with its few reps first and return that one row (extra `screen`: True) where the
+    config is slower than `screen.keep_below_us` or fails; otherwise (and without a screen) time every
+    mode with `reps`, as `measure` does. The verdict compares rank-max medians with a threshold every
+    rank was given, so every rank takes the same branch. Collective; never raises for a bad config."""
+    refuse_timing(world)
+    modes = tuple(modes or supported_modes(world.device.type))
+    t0 = time.perf_counter()
+    runner, why, err = build_checked(world, op, problem, variant, config, seed)
+    if runner is None:
+        return [Measurement(problem, variant, dict(config), m, False, why, err) for m in modes]
+    extra: dict[str, Any] = {"build_check_s": world.rank_max(time.perf_counter() - t0)}
+    fns, outs = timing_steps(world, op, problem, runner, seed + 1)
+    left = lambda: budget_s - (time.perf_counter() - t0)  # noqa: E731
+    if screen is not None:
+        first = _time_mode(world, op, problem, variant, config, runner, fns, outs, screen.mode, screen.reps,
+                           min(warmup, 1), left(), err, seed, {**extra, "screen": True})
+        if not first.ok or first.median_us > screen.keep_below_us:
+            return [first]
+        extra["screened_us"] = first.median_us
+    return [_time_mode(world, op, problem, variant, config, runner, fns, outs, m, reps, warmup, left(), err, seed,
+                       extra) for m in modes]
+
+
+def measure_in_turns(world, op: Op, problem: Problem, candidates: Sequence[tuple[str, Config]],
+                     modes: Sequence[str] | None = None, seed: int = 0, reps: int = 20, warmup: int = 3,
+                     rounds: int = 3) -> list[list[Measurement]]:
+    """Re-measure `candidates` ((variant, config) pairs, e.g. a problem's BSP and its best) in turns
+    (`time_in_turns`, in each mode), so a drift during the run is shared by all of them: per candidate,
+    one Measurement per mode with extra `confirmed`: True (the store then prefers it to the config's
+    earlier rows). A candidate that no longer builds or checks gets failed rows; where the timing
+    itself fails, nothing is returned ([]). Collective."""
+    refuse_timing(world)
+    modes = tuple(modes or supported_modes(world.device.type))
+    built = [build_checked(world, op, problem, v, c, seed) for v, c in candidates]
+    if any(r is None for r, _, _ in built):
+        return [[Measurement(problem, v, dict(c), m, False, why, err) for m in modes] if r is None else []
+                for (v, c), (r, why, err) in zip(candidates, built)]
+    steps = [timing_steps(world, op, problem, r, seed + 1)[0] for r, _, _ in built]
+    out: list[list[Measurement]] = [[] for _ in candidates]
+    for mode in modes:
+        why = ""
+        try:
+            timings, plan = time_in_turns(world, steps, mode, reps=reps, warmup=warmup, rounds=rounds)
+            for r, _, _ in built:
+                check_faults(world, r)
+        except Exception as exc:  # noqa: BLE001 - agreed below; nothing is stored
+            why = f"{type(exc).__name__}: {exc}"
+        if world.rank_max(1.0 if why else 0.0) > 0:
+            rebuild_workspaces(world)
+            return []
+        for i, ((v, c), (_, _, err), t) in enumerate(zip(candidates, built, timings)):
+            out[i].append(Measurement(problem, v, dict(c), mode, True, "", err, t.median_us, t.p10_us, t.p90_us,
+                                      t.min_us, t.reps, {"confirmed": True, "turns": plan, "inner": t.inner,
+                                                         "sets": len(steps[i])}))
+    return out

@@ -7,7 +7,9 @@
   variants may share names with different ranges.
 - **Queue**: known-good configs (every variant's `defaults(problem)`, round-robin over variants),
   and the configs of trials whose worker died, are enqueued one at a time, just before the ask that
-  takes them, so no WAITING trial is left behind when the budget ends. A config is retried once
+  takes them, so no WAITING trial is left behind when the budget ends. `stage()` tells the run's
+  scheduler (`training.schedule`) whether the study is still in its coverage (first defaults),
+  its other defaults, or its sampled search. A config is retried once
   after its worker died (a config that kills its process twice is not tried again).
 - **Recorded parameters equal the measured config**: an enqueued config is given to the space as
   `fixed`; each draw returns the config's value, recorded in Optuna only where that value lies in
@@ -200,9 +202,20 @@ class StudyDriver:
         for i in range(max((len(c) for c in lists.values()), default=0)):
             for v, configs in lists.items():
                 if i < len(configs) and (v, config_key(configs[i])) not in seen:
-                    out.append((v, dict(configs[i]), {"default": True}))
+                    out.append((v, dict(configs[i]), {"default": True, "default_index": i}))
                     seen[(v, config_key(configs[i]))] = []
         return out
+
+    def stage(self) -> str:
+        """What this study measures next: 'coverage' (a retry, or some variant's first default not yet
+        seen), 'defaults' (later known-good configs), 'search' (sampled configs), or 'done' (its
+        budget of measured trials is spent)."""
+        if self.measured() >= self.trials:
+            return "done"
+        queue = self.pending()
+        if any(attrs.get("default_index", 0) == 0 for _, _, attrs in queue):
+            return "coverage"
+        return "defaults" if queue else "search"
 
     def _enqueue(self, variant: str, config: Config, attrs: dict) -> None:
         params = {"variant": variant, **{f"{variant}.{k}": val for k, val in config.items()}}

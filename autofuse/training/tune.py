@@ -1,31 +1,43 @@
-"""Tuning on every rank: an Optuna search per problem over the tunable variants' configs (DESIGN.md, Tuning).
+"""Tuning on every rank: the whole run planned first, then measured in the order `training.schedule` picks
+(DESIGN.md, Tuning and store).
 
 - **Plan**: the ops (every registered one by default), their problems (the device's sweep, or
   `--shapes`) and world sizes; `describe_plan` says what will run, on what, and roughly how long.
-- **Ranks**: rank 0 owns the studies (`training.study.StudyDriver`) and the store; it broadcasts each
-  trial's (variant, config) and every rank builds, checks and times it with `measure.measure`
-  (identical verdicts and rank-max timings on every rank). Every timing mode the World has is
-  recorded per trial (eager and graph on CUDA); the study optimises one of them (`mode`).
+- **Order** (`training.schedule.Scheduler`, rank 0): coverage rounds interleaving the ops (each
+  problem's baselines and every tunable variant's first default), then the other defaults, then a
+  sampled search where the gap between a problem's best and runner-up is smallest; trials after
+  coverage are screened with few reps and re-timed with full reps in every mode only if within a few
+  % of the problem's best. A run cut short at any moment has covered the ops evenly.
+- **Ranks**: rank 0 owns the studies (`training.study.StudyDriver`, one per problem), the store and the
+  scheduler; it broadcasts each step, every rank builds, checks and times it
+  (`measure.timing.measure_staged`: identical verdicts and rank-max timings on every rank). World sizes
+  below the job's run on the sub-worlds of its first ranks (made once, in order, on every rank).
 - **Variants**: the tunable ones (families `hybrid` and `fused`: they have a search space) are
   searched; the others (`bsp`, `peer` such as torch_symm) are baselines, measured once per problem
   at their default configs (source 'baseline'). At world size 1 an op has nothing to communicate:
   only its baselines are measured (the base of strong scaling), so one GPU tunes nothing. A config
   the World's heap refuses (`Variant.refuses`) is pruned before launch, never measured.
-- **Budget**: `trials` counts measured trials per study (pruned and already-known configs are free),
-  across runs and workers; on CPU it defaults to one per tunable variant, so every variant's first
-  known-good config is measured on every problem. A run also stops after many asks in a row found
-  nothing new (small spaces), at its time limit, or on a signal (`training.lifecycle`).
-- **Compile time**: Triton compiles a config's kernels on its first call, inside `measure`'s
-  build + check, which every rank does at the same time; the timed reps run after it, so compile
-  time never enters a latency. It is recorded per row (`extra.build_check_s`) and reported per
-  problem. Kernels are not compiled ahead on a thread: a variant's build allocates on the
-  symmetric heap, which must happen in the same order on every rank, and Triton's own cache makes
-  a resumed or repeated study skip the compiles it already did.
+- **Budget**: on GPUs a run is budgeted by default (`DEFAULTS['cuda']['time_limit_s']`, `--time-limit`;
+  0: none), with at most `trials` measured trials per study; `--trials` without `--time-limit` runs
+  exactly that many per study (pruned and already-known configs are free), across runs and workers. On
+  CPU it defaults to one per tunable variant, so every variant's first known-good config is measured
+  on every problem. Coverage round 0 is always completed, whatever the time limit, so every op gets an
+  entry `autofuse fit` can use; a signal stops after the current step (`training.lifecycle`).
+- **Outliers**: a problem whose x BSP deviates from its neighbours' gets its BSP and best re-measured
+  in turns (`measure.timing.measure_in_turns`), stored marked `confirmed` (the store prefers them).
+- **Throughput**: on GPUs the known-good configs of the coverage and defaults passes are compiled ahead
+  in child processes (`training.compile_ahead`) into Triton's on-disk cache, so a rank's first call of
+  a config loads its kernels instead of compiling them while the GPUs wait (builds themselves stay on
+  the ranks: they allocate on the symmetric heap, in the same order on every rank). References are
+  computed once per problem and seed on each rank. The summary reports trials per second and the
+  share of wall time the ranks spent timing (`extra.timing_s` per row) and compiling and checking
+  (`extra.build_check_s`).
 - **Setup errors** (database or Optuna storage not writable) are found by rank 0 before anything is
   measured and raised on every rank alike (`SetupError`), so no rank waits alone in a collective.
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import math
 import time
@@ -41,24 +53,28 @@ import torch.distributed as dist
 from autofuse.measure import environment
 from autofuse.core import registry
 from autofuse.core import modes
-from autofuse.measure.timing import NO_SHARED_TIMING, measure
+from autofuse.measure.timing import NO_SHARED_TIMING, Screen, measure_in_turns, measure_staged
 from autofuse.core.op import Op, Problem
 from autofuse.measure.store import Store, StoreError, config_id, describe_stale
 from autofuse.training.lifecycle import STOP, ParentLink
 from autofuse.training.progress import Progress, first_line
+from autofuse.training.schedule import Scheduler, Slot, Step, spread
 from autofuse.training.storage import check_writable, default_storage, open_storage
-from autofuse.training.study import Job, StudyDriver, study_name
+from autofuse.training.study import StudyDriver, study_name
 
 if TYPE_CHECKING:
     from autofuse.comm.world import World
 
 DEFAULTS = {  # per device type: trials per study (None: one per tunable variant), timed reps, warm-up calls,
-    # s per trial, problems per op and world size (None: the whole sweep)
-    "cpu": {"trials": None, "reps": 5, "warmup": 0, "budget_s": 120.0, "limit": 2},  # the interpreter: slow
-    "cuda": {"trials": 8, "reps": 10, "warmup": 3, "budget_s": 20.0, "limit": None},  # default sweep: ~10 per op
+    # s per trial, problems per op and world size (None: the whole sweep), the run's time limit (None: none),
+    # reps of a screening timing, compile-ahead worker processes (None: as many as idle cores allow, up to 8)
+    "cpu": {"trials": None, "reps": 5, "warmup": 0, "budget_s": 120.0, "limit": 2, "time_limit_s": None,
+            "screen_reps": 2, "compile_workers": 0},  # the interpreter: slow, and it compiles nothing
+    "cuda": {"trials": 32, "reps": 10, "warmup": 3, "budget_s": 20.0, "limit": None, "time_limit_s": 240.0,
+             "screen_reps": 3, "compile_workers": None},  # default sweep: ~10 per op, 4 min of tuning
 }
 # Rough seconds per measured trial and per baseline, and to start the ranks: for `describe_plan` only.
-ESTIMATE_S = {"cpu": (2.0, 1.0, 15.0), "cuda": (1.5, 0.5, 30.0)}
+ESTIMATE_S = {"cpu": (2.0, 1.0, 15.0), "cuda": (1.0, 0.5, 30.0)}
 DEPRECATIONS = (  # torch deprecations the ops trigger on every rank: said once by the lead's ops, not 7x here
     r".*`torch\.distributed\.all_gather_into_tensor` is deprecated",
     r".*`enable_symm_mem_for_group` is deprecated",
@@ -85,9 +101,19 @@ class Settings:
     warmup: int | None = None
     budget_s: float | None = None
     seed: int = 0
-    time_limit_s: float | None = None
+    time_limit_s: float | None = None  # None: the device's default (none where --trials is given); 0: none
     verbose: bool = True
     limit: int | None = None
+    compile_workers: int | None = None
+    screen_reps: int | None = None
+    compile_fn: str | None = None  # 'module:function' compiling one config ahead (tests); None: the default
+
+    def time_limit_for(self, device_type: str) -> float | None:
+        """Seconds after which no new step starts (None: no limit): --time-limit (0: none), else none where
+        --trials was given, else the device's default (GPUs: budgeted)."""
+        if self.time_limit_s is not None:
+            return self.time_limit_s or None
+        return None if self.trials is not None else DEFAULTS[device_type]["time_limit_s"]
 
     def value(self, name: str, device_type: str) -> Any:
         given = getattr(self, name)
@@ -125,8 +151,11 @@ class Settings:
             raise ValueError(f"--reps must be at least 1, not {self.reps}")
         if self.budget_s is not None and not self.budget_s > 0:
             raise ValueError(f"--budget must be a positive number of seconds, not {self.budget_s}")
-        if self.time_limit_s is not None and not self.time_limit_s > 0:
-            raise ValueError(f"--time-limit must be a positive number of minutes, not {self.time_limit_s / 60:g}")
+        if self.time_limit_s is not None and not self.time_limit_s >= 0:
+            raise ValueError(f"--time-limit must be 0 (no limit) or a positive number of minutes, "
+                             f"not {self.time_limit_s / 60:g}")
+        if self.compile_workers is not None and self.compile_workers < 0:
+            raise ValueError(f"--compile-workers must be 0 (off) or more, not {self.compile_workers}")
 
 
 def resolve_op(name: str) -> Op:
@@ -248,18 +277,23 @@ def describe_plan(plan: Plan, settings: Settings, ranks: int) -> str:
     per_trial, per_baseline, start = ESTIMATE_S[plan.device_type]
     only_base = sorted({w for w, _, ps, vs in plan.items if ps and not vs})
     seconds = start + trials * per_trial + plan.problems * 1.5 * per_baseline
+    limit_s = settings.time_limit_for(plan.device_type)
+    if limit_s is not None:
+        seconds = min(seconds, start + limit_s + 30)
     rough = "under a minute" if seconds < 60 else f"about {math.ceil(seconds / 60)} min"
     where = (f"{ranks} CPU ranks (Triton interpreter, gloo, shared-memory heap)" if plan.device_type == "cpu"
              else f"{ranks} GPU{'s' if ranks > 1 else ''}")
-    trials_text = (f"{settings.trials} trials per problem" if settings.trials is not None
-                   else "one trial per tunable variant per problem" if plan.device_type == "cpu"
-                   else f"{DEFAULTS['cuda']['trials']} trials per problem")
+    per = settings.value("trials", plan.device_type)
+    trials_text = ("one trial per tunable variant per problem" if per is None
+                   else f"up to {per} trials per problem" if limit_s is not None else f"{per} trials per problem")
+    budget = (f"; time limit {limit_s / 60:g} min (--time-limit; 0: none): every op covered first, then the "
+              "search goes where the gap between a problem's best variants is smallest" if limit_s is not None else "")
     limit = settings.value("limit", plan.device_type)
     sweep = f"sweep {plan.sweep}" + (f" (its first {limit} problems per op; --limit 0: all)" if limit else "")
     base = (f"; world {', '.join(map(str, only_base))}: baselines only (nothing to communicate)" if only_base else "")
     return (f"tuning {plan.problems} problems ({', '.join(f'{k} {v}' for k, v in per_op.items())}) at world "
             f"{', '.join(map(str, plan.worlds))} on {where}, {sweep}: baselines, then {trials_text} ({trials} in all"
-            f"{base}), {plan.mode} mode, {rough} if nothing is stored yet; database {settings.db}")
+            f"{base}){budget}, {plan.mode} mode, {rough} if nothing is stored yet; database {settings.db}")
 
 
 # -- collectives -------------------------------------------------------------------------------------
@@ -270,11 +304,61 @@ def _bcast(world: World, obj: Any) -> Any:
     return box[0]
 
 
+# -- what every rank measures --------------------------------------------------------------------------
+
+@dataclass
+class Task:
+    """One step as broadcast to every rank: baseline / trial (`variant` at `config`, screened when
+    `screen` is set) or confirm (`candidates` in turns), on the first `world` ranks."""
+
+    kind: str
+    world: int
+    op: str
+    problem: Problem
+    variant: str = ""
+    config: dict = field(default_factory=dict)
+    screen: Screen | None = None
+    candidates: list = field(default_factory=list)
+
+
+class CachedReference:
+    """An op's float64 reference, remembered for the last few (problem, seed) on this rank: every config
+    of a problem is checked against the same one, which need not be computed again per trial."""
+
+    def __init__(self, fn: Any, size: int = 4):
+        self.fn, self.size = fn, size
+        self.memo: dict[tuple, Any] = {}
+
+    def __call__(self, world: Any, problem: Problem, seed: int) -> Any:
+        key = (problem.key, seed, world.rank, world.size)
+        if key not in self.memo:
+            if len(self.memo) >= self.size:
+                self.memo.pop(next(iter(self.memo)))
+            self.memo[key] = self.fn(world, problem, seed)
+        return self.memo[key]
+
+
+def measuring_op(op: Op) -> Op:
+    """`op` with its reference cached (`CachedReference`): what the tuner builds, checks and times."""
+    return dataclasses.replace(op, reference=CachedReference(op.reference))
+
+
+def _run_task(world: World, op: Op, task: Task, settings: Settings) -> list:
+    dev = world.device.type
+    kw = dict(modes=modes.supported(dev), seed=settings.seed, reps=settings.value("reps", dev),
+              warmup=settings.value("warmup", dev))
+    if task.kind == "confirm":
+        per = measure_in_turns(world, op, task.problem, task.candidates, **kw)
+        return [m for ms in per for m in ms]
+    return measure_staged(world, op, task.problem, task.variant, task.config, budget_s=settings.value("budget_s", dev),
+                          screen=task.screen, **kw)
+
+
 # -- the loop, on every rank ------------------------------------------------------------------------
 
 @dataclass
 class RunState:
-    """What one rank's run carries from problem to problem (the store, storage and progress on rank 0)."""
+    """What one rank's run carries from step to step (the store, storage, progress and scheduler on rank 0)."""
 
     fingerprint: dict
     digests: dict[str, str]
@@ -284,91 +368,150 @@ class RunState:
     store: Store | None = None
     storage: optuna.storages.RDBStorage | None = None
     progress: Progress | None = None
+    scheduler: Scheduler | None = None
+    stats: dict[str, float] = field(default_factory=lambda: {"trials": 0, "screened_out": 0, "baselines": 0,
+                                                             "confirmed": 0, "timing_s": 0.0, "build_check_s": 0.0})
+    per_slot: dict[str, dict[str, float]] = field(default_factory=dict)
 
 
-def _measure_baselines(world: World, op: Op, problem: Problem, mode: str, settings: Settings, state: RunState) -> None:
-    dev = world.device.type
-    jobs = None
-    if world.rank == 0:
-        assert state.store is not None
-        hw, digest = state.fingerprint["hardware_id"], state.digests[op.name]
-        jobs = [(v, cfg) for v in baseline_variants(op, world) for cfg in op.variants[v].defaults(problem)
-                if state.store.lookup(problem.key, config_id(op.name, v, cfg), mode, hardware_id=hw,
-                                      op_digest=digest) is None]
-    for variant, cfg in _bcast(world, jobs):
-        results = measure(world, op, problem, variant, cfg, modes=modes.supported(dev), seed=settings.seed,
-                          reps=settings.value("reps", dev), warmup=settings.value("warmup", dev),
-                          budget_s=settings.value("budget_s", dev))
-        if world.rank == 0:
-            assert state.store is not None and state.progress is not None
-            state.store.add(results, state.fingerprint, source="baseline", op_digest=state.digests[op.name])
-            state.progress.baseline(problem, variant, next(m for m in results if m.mode == mode))
+def _slots(plan: Plan, world: World) -> list[Slot]:
+    """The plan's problems as the scheduler's slots: each op's problems numbered in `spread` order."""
+    slots = []
+    for w, op, problems, tunable in plan.items:
+        stand_in = SimpleNamespace(device=world.device, size=w, rank=0)
+        base = baseline_variants(op, stand_in)
+        rounds = {i: r for r, i in enumerate(spread(len(problems)))}
+        slots += [Slot(w, op, p, list(tunable), base, rounds[i]) for i, p in enumerate(problems)]
+    return slots
 
 
-def _summary_row(state: RunState, op: Op, problem: Problem, mode: str, driver: StudyDriver | None,
-                 seconds: float, device_kind: str) -> dict:
-    """The problem's line of the run's summary: each variant's best latency and config so far, and the
-    numbers of autofuse.measure.compare (no ratio for interpreter timings)."""
-    from autofuse.measure.compare import compare, interpreted
+def _scheduler(world: World, plan: Plan, settings: Settings, state: RunState, subs: dict[int, World | None]) -> Scheduler:
+    """Rank 0's scheduler over the plan, its board seeded with what the store holds already."""
+    assert state.store is not None and state.storage is not None
+    store, storage, fp, dev = state.store, state.storage, state.fingerprint, world.device.type
+    hw = fp["hardware_id"]
 
-    assert state.store is not None
-    rows = sorted((r for r in state.store.best(op.name, mode, hardware_id=state.fingerprint["hardware_id"],
-                                                op_digest=state.digests[op.name]) if r["problem"] == problem.key),
-                  key=lambda r: r["median_us"])
-    us = {r["variant"]: r["median_us"] for r in rows}
-    return {"problem": problem.key, "op": op.name, "mode": mode, "device_kind": device_kind, "variants_us": us,
-            "configs": {r["variant"]: r["config"] for r in rows},
-            **compare(op, us, is_interpreted=interpreted(device_kind)).as_dict(),
-            "trials_this_run": driver.measured_here if driver else 0,
-            "compile_s": round(driver.compile_s, 2) if driver else 0.0, "seconds": round(seconds, 1),
-            "study": driver.name if driver else study_name(problem, mode, state.fingerprint["hardware_id"],
-                                                            state.digests[op.name])}
+    def make_driver(slot: Slot) -> StudyDriver:
+        return StudyDriver(storage, store, fp, slot.op, slot.problem, plan.mode, slot.tunable,
+                           settings.trials_for(dev, slot.tunable), state.digests[slot.op.name], settings.seed,
+                           world=subs.get(slot.world))
+
+    def known(slot: Slot, variant: str, config: dict) -> bool:
+        return store.lookup(slot.key, config_id(slot.op.name, variant, config), plan.mode, hardware_id=hw,
+                            op_digest=state.digests[slot.op.name]) is not None
+
+    sched = Scheduler(_slots(plan, world), plan.mode, make_driver, known, state.deadline)
+    for name in {s.op.name for s in sched.slots}:
+        sched.load(store.best(name, plan.mode, hardware_id=hw, op_digest=state.digests[name]))
+    return sched
 
 
 def _should_stop(world: World, state: RunState) -> bool:
-    """A signal on any rank, or rank 0's time limit: agreed by every rank (a collective)."""
-    late = world.rank == 0 and state.deadline is not None and time.monotonic() > state.deadline
-    if world.rank_max(1.0 if STOP.requested or late else 0.0) > 0:
+    """A signal on any rank: agreed by every rank (a collective). The time limit is the scheduler's."""
+    if world.rank_max(1.0 if STOP.requested else 0.0) > 0:
         state.stopped = True
     return state.stopped
 
 
-def _tune_problem(world: World, op: Op, problem: Problem, mode: str, settings: Settings, state: RunState) -> dict | None:
-    dev = world.device.type
-    t0 = time.monotonic()
-    if _should_stop(world, state):
-        return None
-    _measure_baselines(world, op, problem, mode, settings, state)
-    variants = tunable_variants(op, world)
-    driver = None
-    if world.rank == 0 and variants:
-        assert state.store is not None and state.storage is not None and state.progress is not None
-        driver = StudyDriver(state.storage, state.store, state.fingerprint, op, problem, mode, variants,
-                             settings.trials_for(dev, variants), state.digests[op.name], settings.seed, world=world)
-        state.progress.expect(-min(driver.initially_measured, driver.trials))
-    while not _should_stop(world, state):
-        job: Job | None = driver.next(state.deadline) if driver is not None else None
-        job = _bcast(world, job)
-        if job is None:
-            break
-        try:
-            results = measure(world, op, problem, job.variant, job.config, modes=modes.supported(dev), seed=settings.seed,
-                              reps=settings.value("reps", dev), warmup=settings.value("warmup", dev),
-                              budget_s=settings.value("budget_s", dev))
-        except KeyboardInterrupt:
-            if driver is not None:
-                driver.abandon()
-            raise
-        if driver is not None:
-            assert state.progress is not None
-            state.progress.trial(problem, job, driver.finish(job, results), driver.best())
-    if world.rank != 0:
-        return None
-    if driver is not None:
-        assert state.progress is not None
-        state.progress.expect(-max(0, driver.trials - min(driver.initially_measured, driver.trials)
-                                   - driver.measured_here))
-    return _summary_row(state, op, problem, mode, driver, time.monotonic() - t0, dev)
+def _record(state: RunState, step: Step, results: list, mode: str) -> None:
+    """Rank 0: store a step's results (a trial through its study), report it, hand it to the scheduler."""
+    assert state.store is not None and state.progress is not None and state.scheduler is not None
+    slot, digest = step.slot, state.digests[step.slot.op.name]
+    mine = next((m for m in results if m.mode == mode), None)
+    stats = state.stats
+    per = state.per_slot.setdefault(slot.key, {"trials": 0, "build_check_s": 0.0})
+    bc = max((m.extra.get("build_check_s", 0.0) for m in results), default=0.0)
+    stats["build_check_s"] += bc
+    per["build_check_s"] += bc
+    stats["timing_s"] += sum(m.extra.get("timing_s", 0.0) for m in results)
+    if step.kind == "baseline":
+        state.store.add(results, state.fingerprint, source="baseline", op_digest=digest)
+        stats["baselines"] += 1
+        if mine is not None:
+            state.progress.baseline(slot.problem, step.variant, mine)
+    elif step.kind == "trial":
+        slot.driver.finish(step.job, results)
+        stats["trials"] += 1
+        per["trials"] += 1
+        screened_out = mine is not None and mine.ok and mine.extra.get("screen")
+        stats["screened_out"] += bool(screened_out)
+        state.progress.trial(slot.problem, step.job, mine, slot.driver.best(), screened_out=bool(screened_out))
+    else:
+        for variant in dict.fromkeys(m.variant for m in results):
+            rows = [m for m in results if m.variant == variant]
+            source = "baseline" if variant in slot.baselines else "tune"
+            state.store.add(rows, state.fingerprint, source=source, op_digest=digest)
+        stats["confirmed"] += 1
+        state.progress.confirmed(slot.problem, step.candidates, [m for m in results if m.mode == mode],
+                                 dict(state.scheduler.board.us.get(slot.key) or {}))
+    state.scheduler.record(step, results)
+
+
+def _loop(world: World, plan: Plan, settings: Settings, state: RunState, subs: dict[int, World | None],
+          ops: dict[str, Op], ahead: Any) -> None:
+    """Every rank: take rank 0's next step, measure it on its world's ranks, let rank 0 record it."""
+    step: Step | None = None
+    try:
+        while not _should_stop(world, state):
+            task = None
+            if world.rank == 0:
+                assert state.scheduler is not None
+                covered = len(state.scheduler.covered)
+                step = state.scheduler.next()
+                if len(state.scheduler.covered) != covered and state.progress is not None:
+                    state.progress.coverage(state.scheduler.coverage(), state.scheduler.time_left())
+                if step is not None:
+                    task = _task_of(step, plan.mode, settings.value("screen_reps", world.device.type))
+                    if ahead is not None:
+                        ahead.reached(step.slot.op.name, step.slot.key, step.variant, step.config)
+            task = _bcast(world, task)
+            if task is None:
+                if world.rank == 0 and state.scheduler is not None and state.scheduler.out_of_time():
+                    state.stopped = True
+                break
+            sub = subs[task.world]
+            results = _run_task(sub, ops[task.op], task, settings) if sub is not None else []
+            if world.rank == 0:
+                assert step is not None
+                _record(state, step, results, plan.mode)
+                step = None
+    except KeyboardInterrupt:
+        if step is not None and step.kind == "trial" and step.slot.driver is not None:
+            step.slot.driver.abandon()
+        raise
+
+
+def _task_of(step: Step, mode: str, screen_reps: int) -> Task:
+    screen = Screen(mode, int(screen_reps), step.screen_below) if step.screen_below is not None else None
+    return Task(step.kind, step.slot.world, step.slot.op.name, step.slot.problem, step.variant, dict(step.config),
+                screen, list(step.candidates))
+
+
+def _summary_rows(state: RunState, mode: str, device_kind: str) -> list[dict]:
+    """Per problem measured (now or before) of the plan: each variant's best latency and config, and the
+    numbers of autofuse.measure.compare (no ratio for interpreter timings)."""
+    from autofuse.measure.compare import compare, interpreted
+
+    assert state.store is not None and state.scheduler is not None
+    hw = state.fingerprint["hardware_id"]
+    out = []
+    by_op: dict[str, list[dict]] = {}
+    for slot in state.scheduler.slots:
+        name = slot.op.name
+        if name not in by_op:
+            by_op[name] = state.store.best(name, mode, hardware_id=hw, op_digest=state.digests[name])
+        rows = sorted((r for r in by_op[name] if r["problem"] == slot.key), key=lambda r: r["median_us"])
+        if not rows:
+            continue
+        us = {r["variant"]: r["median_us"] for r in rows}
+        per = state.per_slot.get(slot.key, {})
+        out.append({"problem": slot.key, "op": name, "mode": mode, "device_kind": device_kind, "variants_us": us,
+                    "configs": {r["variant"]: r["config"] for r in rows},
+                    "confirmed": {r["variant"]: bool((r.get("extra") or {}).get("confirmed")) for r in rows},
+                    **compare(slot.op, us, is_interpreted=interpreted(device_kind)).as_dict(),
+                    "trials_this_run": int(per.get("trials", 0)), "compile_s": round(per.get("build_check_s", 0.0), 2),
+                    "study": study_name(slot.problem, mode, hw, state.digests[name])})
+    return out
 
 
 def quiet_warnings() -> None:
@@ -380,8 +523,9 @@ def quiet_warnings() -> None:
         warnings.filterwarnings("ignore", message=message)
 
 
-def tune_rank(world: World, settings: Settings, link: ParentLink | None = None) -> list[dict]:
-    """Run on every rank of `world` (spawned or torchrun); rank 0 returns the summary rows.
+def tune_rank(world: World, settings: Settings, link: ParentLink | None = None) -> dict:
+    """Run on every rank of `world` (spawned or torchrun); rank 0 returns {"rows": the summary rows,
+    "stats": the run's counts and seconds}, the other ranks {}.
 
     `link` is given by `autofuse tune` when it spawned the ranks: signals then go to the parent,
     which relays its stop level (training.lifecycle). Without it (torchrun), this process handles
@@ -418,22 +562,42 @@ def _open_rank0(settings: Settings, fp: dict) -> tuple[Store | None, Any, str | 
         return None, None, f"cannot write the Optuna storage {settings.storage_url()}: {first_line(str(exc), 300)}"
 
 
-def _tune(world: World, settings: Settings, supervised: bool) -> list[dict]:
+def _compile_ahead(world: World, settings: Settings, sched: Scheduler) -> Any:
+    """Rank 0: the compile-ahead workers, given every known-good config the run will measure in order
+    (None where off: the CPU emulation, --compile-workers 0, or nothing to compile)."""
+    from autofuse.training.compile_ahead import CompileAhead, default_workers
+
+    dev = world.device.type
+    workers = settings.value("compile_workers", dev)
+    if workers is None:
+        workers = default_workers(world.size)
+    if not workers:
+        return None
+    refs = {resolve_op(name).name: name for name in settings.ops}  # 'module:attr' ops, for the workers
+    ahead = CompileAhead(int(workers), device_kind=dev, compile_fn=settings.compile_fn, op_refs=refs)
+    ahead.submit([(s.op, s.problem, v, c) for s, v, c in sched.upcoming()])
+    return ahead
+
+
+def _tune(world: World, settings: Settings, supervised: bool) -> dict:
     dev = world.device.type
     settings.validate(dev, world.size)
     plan = make_plan(settings, dev, world.size)
     fp = environment.fingerprint(dev)
     ops = {op.name: op for _, op, _, _ in plan.items}
+    limit_s = settings.time_limit_for(dev)
+    t0 = time.monotonic()
     state = RunState(fingerprint=fp, digests={name: environment.op_digest(op) for name, op in ops.items()},
-                     deadline=time.monotonic() + settings.time_limit_s if settings.time_limit_s else None,
-                     supervised=supervised)
+                     deadline=t0 + limit_s if limit_s else None, supervised=supervised)
     error = None
     if world.rank == 0:
         state.store, state.storage, error = _open_rank0(settings, fp)
     error = _bcast(world, error)
     if error:
         raise SetupError(error)
-    summary: list[dict] = []
+    subs = {w: world.sub(w) for w in plan.worlds}  # every rank, in the same order: groups are made collectively
+    measuring = {name: measuring_op(op) for name, op in ops.items()}
+    ahead = None
     if world.rank == 0:
         assert state.store is not None
         state.progress = progress = Progress(plan.trials(settings), settings.verbose)
@@ -442,24 +606,32 @@ def _tune(world: World, settings: Settings, supervised: bool) -> list[dict]:
         note = describe_stale(state.store.stale())
         if note:
             progress.log(note, style="yellow")
+        state.scheduler = _scheduler(world, plan, settings, state, subs)
+        try:
+            ahead = _compile_ahead(world, settings, state.scheduler)
+        except Exception as exc:  # noqa: BLE001 - compiling ahead only saves time: without it, builds compile
+            progress.log(f"compiling ahead is off: {first_line(str(exc))}", style="yellow")
+    rows: list[dict] = []
     try:
-        for w, op, problems, _ in plan.items:
-            sub = world.sub(w)
-            if sub is not None and not state.stopped:
-                for problem in problems:
-                    row = _tune_problem(sub, op, problem, plan.mode, settings, state)
-                    if row is not None:
-                        summary.append(row)
-                    if state.stopped:
-                        break
-            state.stopped = world.rank_max(1.0 if state.stopped else 0.0) > 0
+        _loop(world, plan, settings, state, subs, measuring, ahead)
+        state.stopped = world.rank_max(1.0 if state.stopped else 0.0) > 0
     finally:
         if world.rank == 0:
+            if ahead is not None:
+                state.stats.update(ahead.close())
             if state.progress is not None:
                 state.progress.close()
             if state.store is not None:
+                if state.scheduler is not None:
+                    rows = _summary_rows(state, plan.mode, dev)
                 state.store.close()
-    if world.rank == 0 and state.stopped and state.progress is not None:
-        state.progress.log("stopped early: what was measured is stored; rerun the same command to resume",
-                           style="yellow")
-    return summary
+    if world.rank != 0:
+        return {}
+    state.stats["wall_s"] = time.monotonic() - t0
+    if state.scheduler is not None:
+        state.stats["coverage"] = state.scheduler.coverage()
+    if state.stopped and state.progress is not None:
+        why = ("time limit reached" if state.scheduler is not None and state.scheduler.out_of_time()
+               else "stopped early")
+        state.progress.log(f"{why}: what was measured is stored; rerun the same command to resume", style="yellow")
+    return {"rows": rows, "stats": state.stats}

@@ -1,0 +1,320 @@
+"""The order of a tuning run: which measurement comes next (rank 0's side; DESIGN.md, Tuning and store).
+
+The whole run is planned first (every world size, op and problem: a `Slot` each), then measured in
+three passes, so that a run cut short at any moment (`--time-limit`, Ctrl-C, a kill) has spent its
+time where it matters most and leaves every op something to fit:
+
+1. **coverage**, in rounds: round r takes, for each (world size, op) in turn, its r-th problem (an
+   op's problems in `spread` order: the ends of its size range first, then the middles) and measures
+   its baselines (bsp, peer) and the first known-good default of each tunable variant, with full reps
+   in every mode. After round r every op has r + 1 problems covered; round 0 is always completed
+   (a time limit is checked after it, a signal is not), so even a tiny `--time-limit` gives every op
+   a problem with BSP and every variant measured.
+2. **defaults**: every study's other known-good configs, one per problem in turn.
+3. **search**: the next sampled trial goes to the problem of highest `priority`: the closer its best
+   and runner-up variants (the decision the search can still change) and the fewer trials it has had
+   this run, the higher.
+
+Trials after the coverage pass are screened (`measure.timing.Screen`, successive halving): timed
+with few reps in the study's mode and rejected there when slower than the problem's best by more
+than `SCREEN_MARGIN`; only the others are timed with full reps, in every mode.
+
+**Outliers**: after a baseline or a new best, and for every problem once the coverage pass is
+done, a problem whose x BSP deviates from its neighbours' (`measure.compare.deviates`) gets a
+`confirm` step: its BSP and its best are re-measured in turns and stored marked `confirmed`, which
+the store prefers to their first rows. Each (problem, best config) is confirmed at most once a run.
+
+Nothing here measures: `Scheduler.next()` returns a `Step`, the rank loop (`training.tune`)
+measures it on every rank and hands the results to `Scheduler.record()`.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Mapping, Sequence
+
+from autofuse.core.op import Config, Op, Problem, config_key
+from autofuse.measure.compare import bsp_ratio, deviates, neighbours
+from autofuse.measure.timing import Measurement
+
+SCREEN_MARGIN = 0.05  # a screened trial slower than the problem's best by more than this is rejected
+GAP_FLOOR = 0.02  # log-gap added to every priority's denominator, so a tie cannot take every trial
+
+
+def spread(n: int) -> list[int]:
+    """Indices 0..n-1 in an order that covers the range early: both ends, then repeated midpoints
+    (0, n-1, (n-1)/2, (n-1)/4, 3(n-1)/4, ...), each index once."""
+    if n <= 0:
+        return []
+    order: list[int] = []
+    seen: set[int] = set()
+    parts = 1
+    while len(order) < n:
+        for j in range(parts + 1):
+            i = round(j * (n - 1) / parts)
+            if i not in seen:
+                seen.add(i)
+                order.append(i)
+        parts *= 2
+    return order
+
+
+@dataclass
+class Slot:
+    """One problem of the run: where it runs, its op, its variants, its study (on rank 0, made lazily)."""
+
+    world: int
+    op: Op
+    problem: Problem
+    tunable: list[str]
+    baselines: list[str]
+    round: int
+    driver: Any = None
+    searched: int = 0
+    done: bool = False
+
+    @property
+    def key(self) -> str:
+        return self.problem.key
+
+
+@dataclass
+class Step:
+    """One thing to measure: `kind` baseline (`variant` at `config`), trial (`job` from the study,
+    screened where `screen_below` is set) or confirm (`candidates` re-measured in turns)."""
+
+    kind: str
+    slot: Slot
+    variant: str = ""
+    config: Config = field(default_factory=dict)
+    job: Any = None
+    screen_below: float | None = None
+    candidates: list[tuple[str, Config]] = field(default_factory=list)
+    phase: str = ""
+
+
+class Board:
+    """The run's view of each problem's best latency per variant (the study's mode), with its config and
+    whether it was confirmed in turns: what priorities and outlier checks read."""
+
+    def __init__(self) -> None:
+        self.us: dict[str, dict[str, float]] = {}
+        self.configs: dict[str, dict[str, Config]] = {}
+        self.confirmed: dict[str, dict[str, bool]] = {}
+
+    def offer(self, key: str, variant: str, us: float, config: Config, confirmed: bool = False,
+              replace: bool = False) -> bool:
+        """Record a latency; `replace` (a confirmation of the variant's best config) overwrites it.
+        Returns whether the problem's best latency changed."""
+        if not (us is not None and math.isfinite(us) and us > 0):
+            return False
+        per = self.us.setdefault(key, {})
+        before = min(per.values()) if per else math.inf
+        same = config_key(self.configs.get(key, {}).get(variant, {})) == config_key(config)
+        if variant not in per or us < per[variant] or (replace and same):
+            per[variant] = us
+            self.configs.setdefault(key, {})[variant] = dict(config)
+            self.confirmed.setdefault(key, {})[variant] = confirmed
+        return min(per.values()) != before
+
+    def best(self, key: str) -> tuple[float, str | None]:
+        per = self.us.get(key) or {}
+        if not per:
+            return math.nan, None
+        v = min(per, key=per.get)
+        return per[v], v
+
+
+class Scheduler:
+    """Rank 0's plan and order of a run (see the module docstring).
+
+    `make_driver(slot)` opens the slot's study (a `training.study.StudyDriver`); `known(slot, variant,
+    config)` says whether the store already holds that baseline; `deadline` is a `time.monotonic()`
+    time after which nothing new starts (None: no limit) except the rest of coverage round 0.
+    """
+
+    def __init__(self, slots: Sequence[Slot], mode: str, make_driver: Callable[[Slot], Any],
+                 known: Callable[[Slot, str, Config], bool], deadline: float | None = None,
+                 clock: Callable[[], float] = time.monotonic):
+        self.slots = list(slots)
+        self.mode = mode
+        self.make_driver, self.known = make_driver, known
+        self.deadline, self.clock = deadline, clock
+        self.board = Board()
+        self.urgent: list[Step] = []
+        self.checked: dict[str, str] = {}  # problem -> the best config already confirmed (or found fine)
+        self.covered: set[str] = set()
+        self.phase = "coverage"
+        self._steps = self._plan()
+
+    # -- what the rank loop asks ---------------------------------------------------------------------
+
+    @property
+    def forced(self) -> bool:
+        """True while coverage round 0 runs: the time limit waits for it (signals do not)."""
+        return self.phase == "coverage" and self._round == 0
+
+    def out_of_time(self) -> bool:
+        return self.deadline is not None and self.clock() > self.deadline and not self.forced
+
+    def time_left(self) -> float | None:
+        return None if self.deadline is None else max(0.0, self.deadline - self.clock())
+
+    def next(self) -> Step | None:
+        """The next step, or None when the run is done (every pass finished, or out of time)."""
+        if self.urgent:
+            return self.urgent.pop(0)
+        if self.out_of_time():
+            return None
+        return next(self._steps, None)
+
+    def record(self, step: Step, results: Sequence[Measurement]) -> None:
+        """Take a step's results (rank 0, after they were stored): update the board, queue a confirmation
+        where a baseline or a new best makes the problem's x BSP deviate from its neighbours'."""
+        changed = False
+        for m in results:
+            if m.mode == self.mode and m.ok:
+                confirmed = step.kind == "confirm"
+                changed |= self.board.offer(step.slot.key, m.variant, m.median_us, m.config, confirmed,
+                                            replace=confirmed)
+        if step.kind == "trial" and step.phase == "search":
+            step.slot.searched += 1
+        if step.kind != "confirm" and (changed or step.kind == "baseline"):
+            self._check(step.slot)
+
+    def coverage(self) -> dict[str, tuple[int, int]]:
+        """Per op: (problems covered, problems planned)."""
+        out: dict[str, tuple[int, int]] = {}
+        for s in self.slots:
+            done, total = out.get(s.op.name, (0, 0))
+            out[s.op.name] = (done + (s.key in self.covered), total + 1)
+        return out
+
+    def load(self, rows: Sequence[Mapping[str, Any]]) -> None:
+        """Seed the board with stored best rows (`Store.best` of the study's mode): a resumed run."""
+        keys = {s.key for s in self.slots}
+        for r in rows:
+            if r["problem"] in keys:
+                self.board.offer(r["problem"], r["variant"], r["median_us"], r["config"],
+                                 bool((r.get("extra") or {}).get("confirmed")))
+
+    def audit(self) -> None:
+        """Queue a confirmation for every planned problem whose x BSP deviates from its neighbours'."""
+        for s in self.slots:
+            self._check(s)
+
+    def upcoming(self) -> list[tuple[Slot, str, Config]]:
+        """Every known-good config the coverage and defaults passes will measure, in their order (what
+        the compile-ahead workers are given): per round, per slot, each variant's defaults."""
+        first: list[tuple[Slot, str, Config]] = []
+        rest: list[tuple[Slot, str, Config]] = []
+        for s in sorted(self.slots, key=lambda s: s.round):
+            for v in s.tunable:
+                for i, c in enumerate(s.op.variants[v].defaults(s.problem)):
+                    if s.op.variants[v].check(s.problem, c) is None:
+                        (first if i == 0 else rest).append((s, v, dict(c)))
+        return first + rest
+
+    # -- the passes ----------------------------------------------------------------------------------
+
+    _round = 0
+
+    def _driver(self, slot: Slot) -> Any:
+        if slot.driver is None and slot.tunable:
+            slot.driver = self.make_driver(slot)
+        return slot.driver
+
+    def _trial(self, slot: Slot, phase: str, screen: bool) -> Step | None:
+        driver = self._driver(slot)
+        if driver is None or slot.done:
+            return None
+        job = driver.next(None if self.forced else self.deadline)
+        if job is None:
+            slot.done = True
+            return None
+        best, _ = self.board.best(slot.key)
+        below = best * (1 + SCREEN_MARGIN) if screen and math.isfinite(best) else None
+        return Step("trial", slot, job.variant, job.config, job=job, screen_below=below, phase=phase)
+
+    def _cover(self, slot: Slot) -> Iterator[Step]:
+        for v in slot.baselines:
+            for c in slot.op.variants[v].defaults(slot.problem):
+                if not self.known(slot, v, c):
+                    yield Step("baseline", slot, v, dict(c), phase="coverage")
+        driver = self._driver(slot)
+        while driver is not None and not slot.done and driver.stage() == "coverage":
+            step = self._trial(slot, "coverage", screen=False)
+            if step is None:
+                break
+            yield step
+        self.covered.add(slot.key)
+
+    def _plan(self) -> Iterator[Step]:
+        rounds = max((s.round for s in self.slots), default=-1) + 1
+        for r in range(rounds):
+            self._round = r
+            if self.out_of_time():  # round 0 is done: the time limit applies from here on
+                return
+            for s in self.slots:
+                if s.round == r:
+                    yield from self._cover(s)
+        self._round = rounds
+        self.phase = "defaults"
+        if self.out_of_time():
+            return
+        self.audit()
+        waiting = [s for s in sorted(self.slots, key=lambda s: s.round) if s.tunable]
+        while waiting:
+            for s in list(waiting):
+                step = None
+                if not s.done and self._driver(s).stage() in ("coverage", "defaults"):
+                    step = self._trial(s, "defaults", screen=True)
+                if step is None:
+                    waiting.remove(s)
+                else:
+                    yield step
+        self.phase = "search"
+        self.audit()
+        while True:
+            open_slots = [s for s in self.slots if s.tunable and not s.done]
+            if not open_slots:
+                return
+            slot = max(open_slots, key=lambda s: (self.priority(s), -s.round))
+            step = self._trial(slot, "search", screen=True)
+            if step is not None:
+                yield step
+
+    def priority(self, slot: Slot) -> float:
+        """How much the next sampled trial of `slot` may change what is decided: 1 / ((log gap between its
+        best and runner-up variant + GAP_FLOOR) x (1 + trials it had in this run's search))."""
+        per = sorted((self.board.us.get(slot.key) or {}).values())
+        gap = math.log(per[1] / per[0]) if len(per) >= 2 else 1.0
+        return 1.0 / ((gap + GAP_FLOOR) * (1 + slot.searched))
+
+    # -- outliers ------------------------------------------------------------------------------------
+
+    def _check(self, slot: Slot) -> None:
+        """Queue a confirmation of `slot`'s BSP and best non-BSP variant where its x BSP deviates from its
+        neighbours' (once per problem and best config a run, and not where both are confirmed already)."""
+        key = slot.key
+        us = self.board.us.get(key) or {}
+        others = {v: t for v, t in us.items() if v != "bsp"}
+        if "bsp" not in us or not others:
+            return
+        rival = min(others, key=others.get)
+        rival_config = self.board.configs[key][rival]
+        tag = f"{rival}:{config_key(rival_config)}"
+        if self.checked.get(key) == tag:
+            return
+        same = [s.key for s in self.slots if s.op.name == slot.op.name and s.key != key]
+        have = [k for k in same if bsp_ratio(self.board.us.get(k) or {}) is not None]
+        around = [bsp_ratio(self.board.us[k]) for k in neighbours(key, have)]
+        if not deviates(bsp_ratio(us), around):
+            return
+        self.checked[key] = tag
+        confirmed = self.board.confirmed.get(key, {})
+        if confirmed.get("bsp") and confirmed.get(rival):
+            return
+        self.urgent.append(Step("confirm", slot, candidates=[("bsp", dict(self.board.configs[key]["bsp"])),
+                                                             (rival, dict(rival_config))], phase="confirm"))
