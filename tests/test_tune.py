@@ -41,6 +41,22 @@ def _delay() -> None:
         time.sleep(ms / 1000)
 
 
+_SLOW_CALLS = [0]
+
+
+def _slow_start(problem: Problem) -> None:
+    """AUTOFUSE_FAKE_SLOW='N:calls:ms': bsp on the problem of size N sleeps ms in this process's first
+    `calls` calls of it (one timing run caught in a hiccup: an outlier the tuner must not keep)."""
+    spec = os.environ.get("AUTOFUSE_FAKE_SLOW")
+    if not spec:
+        return
+    n, calls, ms = (float(v) for v in spec.split(":"))
+    if problem["N"] == int(n):
+        _SLOW_CALLS[0] += 1
+        if _SLOW_CALLS[0] <= calls:
+            time.sleep(ms / 1000)
+
+
 def _inputs(world, problem: Problem, seed: int) -> tuple[torch.Tensor]:
     g = torch.Generator().manual_seed(seed * 1000 + world.rank)
     return (torch.randn(problem["N"], generator=g).to(world.device),)
@@ -57,6 +73,7 @@ def _build_bsp(world, problem: Problem, config: dict):
         out.copy_(x)
         dist.all_reduce(out, group=world.group)
         _delay()
+        _slow_start(problem)
         return out
     return run
 
@@ -508,6 +525,111 @@ def test_two_workers_share_one_study_on_postgres(tmp_path):
     _run([sys.executable, "-m", "autofuse", "merge", str(merged), *map(str, dbs)], timeout=120)
     _run([sys.executable, "-m", "autofuse", "merge", str(merged), *map(str, dbs)], timeout=120)  # idempotent
     assert sorted(r["trial"] for r in _tune_rows(merged)) == sorted(t.number for t in measured)
+
+
+# -- coverage under any budget, outliers, compiling ahead -----------------------------------------------------
+
+def test_a_tune_cut_short_covers_every_op_and_fit_has_an_entry_for_each(tmp_path):
+    """`--time-limit` far too short for the CPU emulation's sweep: coverage round 0 still measures one
+    problem of every op (its baselines and every tunable variant's first default), nothing after it
+    starts, and `autofuse fit` gives every op an entry with a tuned variant (issue 43: a cut run left
+    later ops with nothing, so dispatch ran BSP on them)."""
+    from autofuse.core import registry
+
+    db = tmp_path / "cut.db"
+    proc = _run(_tune_cmd(db, "--time-limit", "0.01"), timeout=900)
+    assert "time limit reached" in proc.stdout, proc.stdout[-3000:]
+    ops = registry.names()
+    assert "covered: " + ", ".join(f"{op} 1/2 problems" for op in ops) in proc.stdout
+    assert "trials/s; timing" in proc.stdout
+    with Store.open(db, readonly=True) as store:
+        for op in ops:
+            best = store.best(op, "eager")
+            assert len({r["problem"] for r in best}) == 1, (op, best)
+            variants = {r["variant"] for r in best}
+            assert "bsp" in variants and variants - {"bsp"}, (op, variants)
+    policy = tmp_path / "policy.json"
+    fit = _run([sys.executable, "-m", "autofuse", "fit", "--db", str(db), "--mode", "eager", "--out", str(policy),
+                "--json"], timeout=300)
+    report = json.loads(fit.stdout)
+    assert set(report["ops"]) == set(ops)
+    assert all(len(report["ops"][op]["variants"]) > 1 for op in ops), report["ops"]
+    assert set(json.loads(policy.read_text())["ops"]) == set(ops)
+
+
+def test_an_outlier_baseline_is_re_measured_in_turns_before_it_counts(tmp_path):
+    """BSP of the middle problem is timed while the host hiccups (30 ms a call, its first calls only), so
+    its x BSP is far off its neighbours': its BSP and best are re-measured in turns, stored confirmed, and
+    that confirmed BSP is what the store reads; the neighbours are left alone."""
+    db = tmp_path / "o.db"
+    proc = _run(_tune_cmd(db, "--op", "test_tune:FAKE_OP", "--world", "2", "--trials", "1", "--shapes", "N=64",
+                          "--shapes", "N=96", "--shapes", "N=128"), timeout=300, AUTOFUSE_FAKE_SLOW="96:12:30")
+    assert "re-measured in turns fake_sum|N=96|float32|w2" in proc.stdout, proc.stdout[-3000:]
+    with Store.open(db, readonly=True) as store:
+        rows = store.measurements(op="fake_sum", mode="eager")
+        slow = [r for r in rows if r["problem"].startswith("fake_sum|N=96|") and r["variant"] == "bsp"]
+        first = min(slow, key=lambda r: r["id"])
+        assert first["median_us"] > 25_000 and not first["extra"].get("confirmed")
+        confirmed = {r["variant"]: r for r in rows if r["extra"].get("confirmed")
+                     and r["problem"].startswith("fake_sum|N=96|")}
+        assert set(confirmed) == {"bsp", "chunked"} and confirmed["bsp"]["median_us"] < 25_000
+        (bsp,) = [r for r in store.best("fake_sum", "eager") if r["problem"].startswith("fake_sum|N=96|")
+                  and r["variant"] == "bsp"]
+        assert bsp["median_us"] == confirmed["bsp"]["median_us"] and bsp["extra"]["confirmed"]
+        assert not [r for r in rows if r["extra"].get("confirmed") and r["problem"].startswith("fake_sum|N=64|")]
+
+
+def record_compile(op_ref: str, problem_key: str, variant: str, config: dict, device_kind: str) -> None:
+    """A compile function for the compile-ahead workers: logs what it was fed; fails for bias=1 configs."""
+    with open(os.environ["AUTOFUSE_TEST_COMPILE_LOG"], "a") as f:
+        f.write(json.dumps([op_ref, problem_key, variant, config]) + "\n")
+    if config.get("bias"):
+        raise RuntimeError("this config cannot be compiled ahead")
+
+
+def test_compile_ahead_workers_take_the_configs_in_order_skip_what_was_reached_and_count_failures(
+        tmp_path, monkeypatch):
+    from autofuse.training.compile_ahead import CompileAhead, default_workers
+    from autofuse.training.schedule import Scheduler, Slot
+
+    log = tmp_path / "fed.jsonl"
+    monkeypatch.setenv("AUTOFUSE_TEST_COMPILE_LOG", str(log))
+    slots = [Slot(2, FAKE_OP, Problem.make("fake_sum", "float32", 2, N=n), ["chunked"], ["bsp"], r)
+             for r, n in enumerate((64, 96, 40))]
+    upcoming = Scheduler(slots, "eager", lambda s: None, lambda *a: True).upcoming()
+    # first defaults of every problem (in coverage order) before any second default; N=40 takes neither
+    assert [(s.problem["N"], c["chunk"]) for s, _, c in upcoming] == [(64, 16), (96, 16), (64, 32), (96, 32)]
+    ahead = CompileAhead(1, device_kind="cpu", compile_fn="test_tune:record_compile",
+                         op_refs={"fake_sum": "test_tune:FAKE_OP"}, start=False)
+    assert ahead.submit([(s.op, s.problem, v, c) for s, v, c in upcoming]) == 4
+    assert ahead.submit([(s.op, s.problem, v, c) for s, v, c in upcoming[:2]]) == 0  # each config once
+    ahead.reached("fake_sum", slots[0].key, "chunked", {"chunk": 16, "bias": 0})  # the ranks are on it
+    ahead.start()
+    assert ahead.wait(120)
+    counts = ahead.close()
+    fed = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [(k, c["chunk"]) for _, k, _, c in fed] == [(slots[1].key, 16), (slots[0].key, 32), (slots[1].key, 32)]
+    assert {ref for ref, _, _, _ in fed} == {"test_tune:FAKE_OP"}
+    assert (counts["compiled"], counts["compile_failed"], counts["compile_skipped"]) == (1, 2, 1)
+    assert "cannot be compiled ahead" in counts["compile_errors"][0]
+    assert default_workers(2, cores=2) == 0 and default_workers(2, cores=64) == 8 and default_workers(8, 12) == 3
+
+
+def test_a_tune_whose_compile_ahead_fails_measures_everything_as_without_it(tmp_path, monkeypatch):
+    """Compile-ahead workers that fail (here: every bias=1 config, and a worker killed mid-run would be
+    the same) never fail a tune: every config is measured and stored as without them."""
+    from autofuse.comm.world import spawn
+    from autofuse.training.tune import Settings, tune_rank
+
+    monkeypatch.setenv("AUTOFUSE_TEST_COMPILE_LOG", str(tmp_path / "fed.jsonl"))
+    db = tmp_path / "c.db"
+    settings = Settings(db=str(db), ops=["test_tune:FAKE_OP"], worlds=[2], trials=2, shapes=["N=64", "N=96"],
+                        compile_workers=1, compile_fn="test_tune:record_compile", verbose=False)
+    result = spawn(tune_rank, 2, settings, device_kind="cpu", timeout_s=300)[0]
+    stats = result["stats"]
+    assert stats["compile_submitted"] == 4 and stats["trials"] == 4 and stats["baselines"] == 2
+    assert stats["coverage"] == {"fake_sum": (2, 2)}
+    assert len(_tune_rows(db)) == 4
 
 
 # -- the study driver without ranks ------------------------------------------------------------------------

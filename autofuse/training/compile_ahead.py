@@ -87,19 +87,39 @@ class CompileAhead:
     """Rank 0's compile-ahead workers (see the module docstring)."""
 
     def __init__(self, workers: int, device_kind: str = "cuda", compile_fn: str | None = None,
-                 op_refs: dict[str, str] | None = None):
+                 op_refs: dict[str, str] | None = None, start: bool = True):
         ctx = multiprocessing.get_context("spawn")
         self.jobs, self.results = ctx.Queue(), ctx.Queue()
         self.reached_seq = ctx.RawValue("q", -1)
         self.op_refs = dict(op_refs or {})
         self.seq: dict[tuple, int] = {}
-        self.counts = {"compiled": 0, "compile_failed": 0, "compile_skipped": 0, "compile_ahead_s": 0.0}
+        self.counts = {"compile_submitted": 0, "compiled": 0, "compile_failed": 0, "compile_skipped": 0,
+                       "compile_ahead_s": 0.0}
         self.errors: list[str] = []
         self.procs = [ctx.Process(target=_worker, args=(self.jobs, self.results, self.reached_seq,
                                                         compile_fn or DEFAULT_FN, device_kind, i, os.getpid()),
                                   daemon=True, name=f"autofuse-compile-{i}") for i in range(workers)]
+        if start:
+            self.start()
+
+    def start(self) -> None:
+        """Start the worker processes (each imports torch first: seconds)."""
         for p in self.procs:
-            p.start()
+            if p.pid is None:
+                p.start()
+
+    def wait(self, timeout_s: float) -> bool:
+        """Wait (at most `timeout_s`) until every submitted config has a result; whether all have."""
+        end = time.monotonic() + timeout_s
+        while self._settled() < len(self.seq) and time.monotonic() < end:
+            try:
+                self._count(*self.results.get(timeout=0.1))
+            except queue_mod.Empty:
+                pass
+        return self._settled() >= len(self.seq)
+
+    def _settled(self) -> int:
+        return self.counts["compiled"] + self.counts["compile_failed"] + self.counts["compile_skipped"]
 
     def _key(self, op: str, problem: str, variant: str, config: Config) -> tuple:
         return (op, problem, variant, config_key(config))
@@ -114,6 +134,7 @@ class CompileAhead:
             self.seq[key] = len(self.seq)
             self.jobs.put((self.seq[key], self.op_refs.get(op.name, op.name), problem.key, variant, dict(config)))
             new += 1
+        self.counts["compile_submitted"] += new
         return new
 
     def reached(self, op: str, problem: str, variant: str, config: Config) -> None:
@@ -126,18 +147,20 @@ class CompileAhead:
     def _drain(self) -> None:
         while True:
             try:
-                seq, ok, seconds, error = self.results.get_nowait()
+                self._count(*self.results.get_nowait())
             except (queue_mod.Empty, OSError, EOFError, ValueError):
                 return
-            self.counts["compile_ahead_s"] += seconds
-            if ok is None:
-                self.counts["compile_skipped"] += 1
-            elif ok:
-                self.counts["compiled"] += 1
-            else:
-                self.counts["compile_failed"] += 1
-                if len(self.errors) < 5:
-                    self.errors.append(error)
+
+    def _count(self, seq: int, ok: bool | None, seconds: float, error: str) -> None:
+        self.counts["compile_ahead_s"] += seconds
+        if ok is None:
+            self.counts["compile_skipped"] += 1
+        elif ok:
+            self.counts["compiled"] += 1
+        else:
+            self.counts["compile_failed"] += seq >= 0  # seq -1: a worker that could not start
+            if len(self.errors) < 5:
+                self.errors.append(error)
 
     def close(self) -> dict[str, Any]:
         """Stop the workers (a compile in flight is dropped: the run no longer needs it); the counts."""
