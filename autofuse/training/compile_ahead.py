@@ -299,9 +299,9 @@ def stand_in_world(size: int, rank: int, device_kind: str = "cuda") -> Any:
 
 def compile_config(op_ref: str, problem_key: str, variant: str, config: Config, device_kind: str = "cuda") -> None:
     """Compile one config's Triton kernels into Triton's cache, as every rank of its problem would (CUDA)."""
-    from autofuse.training.tune import resolve_op
+    from autofuse.core import registry
 
-    op = resolve_op(op_ref)
+    op = _resolve(op_ref) if ":" in op_ref else registry.get(op_ref)  # as `training.tune.resolve_op`, sans Optuna
     problem = Problem.from_key(problem_key)
     v = op.variant(variant)
     for rank in range(problem.world):
