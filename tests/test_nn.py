@@ -54,6 +54,36 @@ def tiny_llama(world: int, kv_heads: int | None = None):
 
 
 # ------------------------------------------------------------------------------------- the modules
+def _aliases(world) -> list[str]:
+    """The from_linear / from_linears layers whose parameters share storage with the layers they were
+    made from, or whose in-place change (an optimizer step) changes those: each form, at the test's
+    sizes and at sizes whose shard is one row or column (its transpose is contiguous too)."""
+    from autofuse.nn import ColumnParallelLinear, RowParallelLinear
+
+    w = world.size
+    layers = {"column": [(32, 64), (32, w)], "row": [(64, 32), (2 * w, w)]}
+    bad = []
+    for kind, cls in (("column", ColumnParallelLinear), ("row", RowParallelLinear)):
+        for sp in (False, True):
+            for fused in (False, True):
+                for sizes in layers[kind]:
+                    if fused and kind == "row":
+                        continue
+                    torch.manual_seed(2)
+                    src = [nn.Linear(*sizes) for _ in range(2 if fused else 1)]
+                    before = [p.detach().clone() for lin in src for p in lin.parameters()]
+                    m = (cls.from_linears(src, world.group, sp) if fused else cls.from_linear(src[0], world.group, sp))
+                    theirs = {p.untyped_storage().data_ptr() for lin in src for p in lin.parameters()}
+                    with torch.no_grad():
+                        for p in m.parameters():
+                            p.add_(1.0)
+                    after = [p.detach() for lin in src for p in lin.parameters()]
+                    if ({p.untyped_storage().data_ptr() for p in m.parameters()} & theirs
+                            or any(not torch.equal(a, b) for a, b in zip(before, after))):
+                        bad.append(f"{cls.__name__}.from_linear{'s' if fused else ''} {sizes} sp={sp}")
+    return bad
+
+
 def _modules(world) -> dict:
     """ColumnParallelLinear / RowParallelLinear against the whole layers in float64."""
     from autofuse.nn import ColumnParallelLinear, RowParallelLinear
@@ -109,6 +139,7 @@ def _modules(world) -> dict:
     twin = copy.deepcopy(ColumnParallelLinear.from_linear(lin1, group, sequence_parallel=True))
     with torch.no_grad():
         out["deepcopy"] = twin.group is group, rel(twin(x[rows]), h64[..., cols])
+    out["aliases"] = _aliases(world)
     errors = {}
     for name, make in {"column 63": lambda: ColumnParallelLinear(32, 63, group=world.group),
                        "row 33": lambda: RowParallelLinear(33, 32, group=world.group),
@@ -292,6 +323,13 @@ def test_modules_match_the_whole_layer(job) -> None:
         assert m["column input grad"] <= TOL
         assert m["fused"][0] <= TOL and m["fused"][1] == 0.0
         assert m["deepcopy"][0] and m["deepcopy"][1] <= TOL
+
+
+def test_from_linear_copies(job) -> None:
+    """from_linear's layer never shares storage with the user's layer: changing one leaves the other."""
+    _, ranks = job
+    for r, res in enumerate(ranks):
+        assert res["modules"]["aliases"] == [], (r, res["modules"]["aliases"])
 
 
 def test_modules_shard_state_and_repr(job) -> None:

@@ -79,8 +79,10 @@ def _sum(x: torch.Tensor, group: Any) -> torch.Tensor:
 
 def transposed_parameter(weight: torch.Tensor, requires_grad: bool = True) -> torch.nn.Parameter:
     """A Parameter with `weight`'s values and (out, in) shape, stored (in, out) row-major, so that
-    `param.t()` is the contiguous K x N operand the ops take."""
-    return torch.nn.Parameter(weight.detach().t().contiguous().t(), requires_grad=requires_grad)
+    `param.t()` is the contiguous K x N operand the ops take; always a copy, never a view of `weight`
+    (a shard of one row or column is already contiguous transposed)."""
+    return torch.nn.Parameter(weight.detach().t().clone(memory_format=torch.contiguous_format).t(),
+                              requires_grad=requires_grad)
 
 
 def _operand(weight: torch.Tensor) -> torch.Tensor:

@@ -136,7 +136,8 @@ class _ParallelLinear(nn.Module):
                      names: tuple[str, ...] = ()) -> "_ParallelLinear":
         """One layer from several that read the same input, their outputs side by side (q, k and v;
         gate and up): this rank holds its block of each, so one call gathers the input once.
-        `names`: the layers' module names, under which `full_state_dict` gives them back."""
+        `names`: the layers' module names, under which `full_state_dict` gives them back. The
+        shards are copied: the layers are left as they were, and never share storage with the new one."""
         for lin in linears:
             if not isinstance(lin, nn.Linear):
                 raise TypeError(f"{cls.__name__}.from_linear takes nn.Linear layers, got {type(lin).__name__}")
@@ -153,7 +154,9 @@ class _ParallelLinear(nn.Module):
             bias = torch.cat([lin.bias.detach() for lin in linears]) if len(linears) > 1 else first.bias.detach()
         shard, bias = m.shard_of(whole, bias)
         grad = first.weight.requires_grad
-        m.weight = tpf.transposed_parameter(shard, grad) if m.transposed else nn.Parameter(shard.contiguous(), grad)
+        # copies (a shard is a view of the user's layer): a change of either never reaches the other
+        m.weight = (tpf.transposed_parameter(shard, grad) if m.transposed
+                    else nn.Parameter(shard.clone(memory_format=torch.contiguous_format), grad))
         if bias is not None:
             m.bias = nn.Parameter(bias.clone(), requires_grad=first.bias.requires_grad)
         if names:
