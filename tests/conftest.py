@@ -1,11 +1,14 @@
-"""Shared test helpers: ahead-of-time compilation for Hopper without a GPU."""
+"""Shared test helpers: the session's isolation from the user's folders and settings; ahead-of-time
+compilation for Hopper without a GPU."""
 from __future__ import annotations
 
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -13,6 +16,34 @@ import pytest
 from divergence import divergent_barriers
 
 ROOT = Path(__file__).resolve().parents[1]
+
+# -- isolation: tests never read the user's folders nor take the user's AUTOFUSE_* settings -------------
+# The settings a test run is meant to take from its caller (README: the test section, scripts/gpu_session.sh).
+TEST_SETTINGS = ("AUTOFUSE_TEST_WORLD", "AUTOFUSE_TEST_PG_URL", "AUTOFUSE_TEST_PROGRESS", "AUTOFUSE_T36_PYTHON",
+                 "AUTOFUSE_RANKS_PER_GPU", "AUTOFUSE_HEAP_SIZE")
+# Where the session's user folders live (XDG_DATA_HOME: policies `autofuse fit` wrote; XDG_CACHE_HOME:
+# the online store): a fresh folder per session, removed at its end.
+SESSION_HOME = Path(tempfile.mkdtemp(prefix="autofuse-tests-"))
+
+
+def isolate(environ: dict) -> None:
+    """Point `environ`'s user data and cache folders into SESSION_HOME and drop every AUTOFUSE_* setting
+    but TEST_SETTINGS, so a policy the user fitted, their online store or an exported AUTOFUSE_VARIANT
+    cannot change what a test sees (set in os.environ at import: every process the session spawns
+    inherits it)."""
+    for name in [k for k in environ if k.startswith("AUTOFUSE_") and k not in TEST_SETTINGS]:
+        del environ[name]
+    for name, sub in (("XDG_DATA_HOME", "data"), ("XDG_CACHE_HOME", "cache")):
+        (SESSION_HOME / sub).mkdir(exist_ok=True)
+        environ[name] = str(SESSION_HOME / sub)
+
+
+isolate(os.environ)
+
+
+def pytest_unconfigure(config) -> None:
+    shutil.rmtree(SESSION_HOME, ignore_errors=True)
+
 # The GPU machines' Triton (3.6) in a side venv where developers have one; CI has only the current one.
 T36 = Path(os.environ.get("AUTOFUSE_T36_PYTHON", "/tmp/t36/bin/python"))
 
