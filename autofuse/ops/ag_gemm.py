@@ -65,12 +65,12 @@ import math
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
 
 from autofuse.core import gemm, shapes
 from autofuse.ops import hybrid
 from autofuse.comm import collectives
 from autofuse.comm.heap import torch_symm_group, torch_symm_unavailable
+from autofuse.comm.world import all_gather_single
 from autofuse.core.op import (FP8, SCALINGS, Config, InvalidConfig, InvalidInput, Op, Problem, SearchSpace,
                               Variant, default_tolerance, dtype_name)
 from autofuse.core.runner import Runner, TensorSpec
@@ -546,8 +546,8 @@ class FusedRunner(Runner):
 
 
 class BspRunner(Runner):
-    """dist.all_gather_into_tensor into a preallocated buffer (k form: reordered to M x K), torch.matmul
-    (FP8: torch._scaled_mm)."""
+    """The collective library's all-gather (all_gather_single) into a preallocated buffer (k form:
+    reordered to M x K), torch.matmul (FP8: torch._scaled_mm)."""
 
     def __init__(self, world: World, problem: Problem):
         inputs, out = _specs(problem)
@@ -565,13 +565,13 @@ class BspRunner(Runner):
 
     def launch(self, a: torch.Tensor, b: torch.Tensor, *scales: torch.Tensor, out: torch.Tensor) -> None:
         if scales:  # FP8: the collective moves bytes (uint8 views); row-wise scales travel with their rows
-            self.world.collective(dist.all_gather_into_tensor, self.gathered.view(torch.uint8), a.view(torch.uint8),
+            self.world.collective(all_gather_single, self.gathered.view(torch.uint8), a.view(torch.uint8),
                                   what="ag_gemm.bsp")
             if self.scales is not None:
-                self.world.collective(dist.all_gather_into_tensor, self.scales, scales[0], what="ag_gemm.bsp")
+                self.world.collective(all_gather_single, self.scales, scales[0], what="ag_gemm.bsp")
                 scales = (self.scales, scales[1])
         else:
-            self.world.collective(dist.all_gather_into_tensor, self.gathered, a, what="ag_gemm.bsp")
+            self.world.collective(all_gather_single, self.gathered, a, what="ag_gemm.bsp")
         if self.problem["gather"] == "k":
             w, m, c = self.problem.world, self.problem["M"], a.shape[1]
             self.full.view(m, w, c).copy_(self.gathered.view(w, m, c).transpose(0, 1))
@@ -613,7 +613,7 @@ def bound(world: World, problem: Problem, seed: int) -> dict[str, Any]:
     if scales and scales[0].dim():  # row-wise: the gathered rows' scales
         scales = (torch.rand((problem["M"], 1), device=a.device) + 0.5, scales[1])
     group = world.group
-    return {"allgather": lambda: dist.all_gather_into_tensor(gathered, a.view(torch.uint8), group=group),
+    return {"allgather": lambda: all_gather_single(gathered, a.view(torch.uint8), group=group),
             "matmul": lambda: gemm.vendor_mm(full, b, tuple(scales), out)}
 
 

@@ -66,6 +66,7 @@ from autofuse.core.runner import Runner, TensorSpec
 from autofuse.core.shapes import DECODE_M, MODELS
 from autofuse.core.sizes import cdiv, next_pow2
 from autofuse.comm.workspace import workspace
+from autofuse.comm.world import all_gather_single
 
 if TYPE_CHECKING:
     from autofuse.comm.world import World
@@ -519,9 +520,9 @@ class _Base(Runner):
 
 
 def all_gather(world: World, recv: torch.Tensor, send: torch.Tensor) -> None:
-    """The collective library's all-gather of flat slots: NCCL's into-tensor form, gloo's list form."""
+    """The collective library's all-gather of flat slots: NCCL's single-tensor form, gloo's list form."""
     if world.device.type == "cuda":
-        world.collective(dist.all_gather_into_tensor, recv, send, what="flash_decode.bsp")
+        world.collective(all_gather_single, recv, send, what="flash_decode.bsp")
     else:
         world.collective(dist.all_gather, list(recv.view(world.size, -1).unbind(0)), send, what="flash_decode.bsp")
 

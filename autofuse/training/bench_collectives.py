@@ -2,7 +2,7 @@
 
 For each collective (all_gather, reduce_scatter, all_reduce), each message size per rank (default 4 KB
 to 64 MB, x4 steps) and each timing mode (graph: CUDA-graph replay; eager), it times the library's
-collective (NCCL on GPUs: all_gather_into_tensor, reduce_scatter_tensor, all_reduce; gloo on CPU) and
+collective (NCCL on GPUs: all_gather_single, reduce_scatter_single, all_reduce; gloo on CPU) and
 every heap implementation (all_gather: push, inbox, pull, ce; reduce_scatter: sm, ce; all_reduce:
 one_shot, two_shot, ce) at a few configs (COMM_SMS chosen by size), keeping each implementation's
 best. Every config is first checked against the library's result (the gather bit for bit, the sums
@@ -22,7 +22,6 @@ and says so: those timings are the interpreter's, not a GPU's.
 from __future__ import annotations
 
 import math
-import warnings
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
@@ -114,7 +113,10 @@ class Library:
     def __init__(self, world: World, kind: str, x: torch.Tensor):
         import torch.distributed as dist
 
-        self.dist, self.group, self.kind, self.x = dist, world.group, kind, x
+        from autofuse.comm.world import all_gather_single, reduce_scatter_single
+
+        self.fn = {"all_gather": all_gather_single, "reduce_scatter": reduce_scatter_single}.get(kind, dist.all_reduce)
+        self.group, self.kind, self.x = world.group, kind, x
         w = world.size
         if kind == "all_gather":
             self.out = torch.empty((w * x.shape[0], x.shape[1]), dtype=x.dtype, device=x.device)
@@ -124,16 +126,11 @@ class Library:
             self.out = torch.empty_like(x)
 
     def __call__(self) -> torch.Tensor:
-        d = self.dist
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", FutureWarning)
-            if self.kind == "all_gather":
-                d.all_gather_into_tensor(self.out, self.x, group=self.group)
-            elif self.kind == "reduce_scatter":
-                d.reduce_scatter_tensor(self.out, self.x, group=self.group)
-            else:
-                self.out.copy_(self.x)
-                d.all_reduce(self.out, group=self.group)
+        if self.kind == "all_reduce":
+            self.out.copy_(self.x)
+            self.fn(self.out, group=self.group)
+        else:
+            self.fn(self.out, self.x, group=self.group)
         return self.out
 
 

@@ -76,7 +76,6 @@ DEFAULTS = {  # per device type: trials per study (None: one per tunable variant
 # Rough seconds per measured trial and per baseline, and to start the ranks: for `describe_plan` only.
 ESTIMATE_S = {"cpu": (2.0, 1.0, 15.0), "cuda": (1.0, 0.5, 30.0)}
 DEPRECATIONS = (  # torch deprecations the ops trigger on every rank: said once by the lead's ops, not 7x here
-    r".*`torch\.distributed\.all_gather_into_tensor` is deprecated",
     r".*`enable_symm_mem_for_group` is deprecated",
 )
 
