@@ -487,6 +487,26 @@ def test_show_and_export_mark_rows_of_older_op_code_stale(runner, tmp_path):
     assert res.exit_code == 0 and "left out 1 problems of ag_gemm measured only with older code" in res.stderr
 
 
+def test_fit_on_stale_rows_only_says_they_are_stale(runner, tmp_path):
+    """A database whose every row was measured with older code of its op: fit says so and how to re-tune,
+    not that there are no successful measurements."""
+    from autofuse.core.op import Problem
+    from autofuse.measure.store import Store
+    from autofuse.measure.timing import Measurement
+
+    db = tmp_path / "old.db"
+    ms = [Measurement(Problem.make("ag_gemm", "bfloat16", 2, M=m, N=7168, K=8192, gather="rows"), v, {}, "eager", True,
+                      median_us=t, p10_us=t, p90_us=t, min_us=t, reps=3)
+          for m in (64, 1024) for v, t in (("bsp", 20.0), ("push", 15.0))]
+    with Store.open(db) as store:
+        store.add(ms, GPU_FP, source="tune", op_digest="older-code")
+    res = runner.invoke(app, ["fit", "--db", str(db), "--out", "p.json"])
+    err = " ".join(res.stderr.split())
+    assert res.exit_code == 1 and not (tmp_path / "p.json").exists(), res.output
+    assert "no successful" not in err, err
+    assert "only measurements of older code of ag_gemm" in err and "re-tune with `autofuse tune`" in err, err
+
+
 def test_gemm_core_bench_table_at_80_columns_and_no_ratio_on_cpu():
     """The GEMM-core bench table in a log (80 columns, long config texts): nothing cut; the core/torch ratio
     and the target verdict appear for GPU timings only."""

@@ -91,9 +91,10 @@ def load(db: Path, mode: str | None, fingerprint: str | None, op: str | None = N
         store.close()
 
 
-def _with_stale(store: Any, rows: list[dict], op: str | None, mode: str, fp_id: str, keep: bool) -> list[dict]:
+def _with_stale(store: Any, rows: list[dict], op: str | None, mode: str, fp_id: str,
+                keep: bool) -> tuple[list[dict], dict[str, int]]:
     """`rows` (today's code) plus, per problem they lack, the rows of the newest older code of its op
-    (marked stale) if `keep`; else a note of what was left out."""
+    (marked stale) if `keep`; else `rows` and a note of what was left out. Also {op: problems left out}."""
     from autofuse.measure import environment
 
     now = environment.op_digests()
@@ -112,8 +113,8 @@ def _with_stale(store: Any, rows: list[dict], op: str | None, mode: str, fp_id: 
     if left and not keep:
         note(f"{mode} mode: left out {', '.join(f'{n} problems of {o}' for o, n in sorted(left.items()))} measured "
              "only with older code of the op (re-tune them)")
-        return rows
-    return rows + added
+        return rows, left
+    return rows + added, {}
 
 
 def _load(store: Any, db: Path, mode: str | None, fingerprint: str | None, op: str | None, stale: bool) -> list:
@@ -134,6 +135,7 @@ def _load(store: Any, db: Path, mode: str | None, fingerprint: str | None, op: s
              f"that {db} holds")
     here = environment.fingerprint()
     found = []
+    older: dict[str, int] = {}  # op: problems left out because only older code of the op measured them
     for m in modes:
         fp_id = fingerprint
         if fp_id is None:
@@ -146,8 +148,12 @@ def _load(store: Any, db: Path, mode: str | None, fingerprint: str | None, op: s
             fp_id = here["id"] if here["id"] in counts else max(sorted(counts), key=counts.get)
             if fp_id != here["id"]:
                 note(f"{m} mode: reading environment {fp_id} ({counts[fp_id]} rows), not this machine's ({here['id']})")
-        rows = _with_stale(store, store.best(op, m, fingerprint_id=fp_id), op, m, fp_id, stale)
+        rows, left = _with_stale(store, store.best(op, m, fingerprint_id=fp_id), op, m, fp_id, stale)
+        for name, n in left.items():
+            older[name] = max(older.get(name, 0), n)
         if not rows:
+            if left:
+                continue  # _with_stale said what was left out and why
             note(f"{db} has no successful {m}-mode measurements in environment {fp_id}" + (f" of {op}" if op else ""))
             continue
         if fp_id == here["id"]:
@@ -156,6 +162,9 @@ def _load(store: Any, db: Path, mode: str | None, fingerprint: str | None, op: s
             fp = dict(store.environment(fp_id) or {"id": fp_id})
             fp.pop("created_at", None)
         found.append((m, rows, fp))
+    if not found and older:
+        fail(f"{db} holds only measurements of older code of {', '.join(sorted(older))} (the op changed since): "
+             f"fit uses today's code only; re-tune with `autofuse tune{' --op ' + op if op else ''}`")
     if not found:
         fail(f"{db} has no successful measurements to use" + (f" of {op}" if op else ""))
     return found
