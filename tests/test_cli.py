@@ -6,6 +6,7 @@ from __future__ import annotations
 import datetime
 import hashlib
 import json
+import math
 import os
 import re
 import shutil
@@ -197,6 +198,32 @@ def test_plot_draws_strong_scaling(runner, db, tmp_path):
     assert res.exit_code == 0 and (tmp_path / "p.png").stat().st_size > 0, res.output
     res = runner.invoke(app, ["show", "--db", str(db), "--plot", "p.png"])
     assert res.exit_code == 1 and "exists" in res.output
+
+
+def _drawn_axes(monkeypatch) -> list:
+    """The axes of every figure `show --plot` saves (matplotlib's Figure.savefig, recorded)."""
+    from matplotlib.figure import Figure
+
+    axes, save = [], Figure.savefig
+    monkeypatch.setattr(Figure, "savefig", lambda fig, *a, **k: (axes.extend(fig.axes), save(fig, *a, **k))[1])
+    return axes
+
+
+@pytest.mark.parametrize("kind", ["cpu", "gpu"])
+def test_plot_leaves_no_panel_blank(runner, tmp_path, monkeypatch, kind):
+    """Every panel of `show --plot` is drawn and holds data: on CPU (interpreter timings, no speedups) a
+    series' latencies and a strong scaling's take the row's whole width, no empty speedup panel beside."""
+    pytest.importorskip("matplotlib")
+    db = make_db(tmp_path / f"{kind}.db", fp=FP if kind == "cpu" else GPU_FP)
+    axes = _drawn_axes(monkeypatch)
+    res = runner.invoke(app, ["show", "--db", str(db), "--plot", "p.png"])
+    assert res.exit_code == 0 and axes, res.output
+    for ax in axes:
+        data = [line for line in ax.get_lines() if line.get_label() not in ("ideal", "bound")
+                and any(math.isfinite(y) for y in line.get_ydata())]
+        assert ax.axison and data, (kind, ax.get_title())
+    speedups = [ax for ax in axes if "speedup" in ax.get_ylabel()]
+    assert (speedups == []) == (kind == "cpu"), [ax.get_ylabel() for ax in axes]
 
 
 def test_plot_series_in_numeric_order():
@@ -485,6 +512,28 @@ def test_show_and_export_mark_rows_of_older_op_code_stale(runner, tmp_path):
     assert not any(r["stale"] for r in records if r["M"] != 512)
     res = runner.invoke(app, ["fit", "--db", str(db), "--out", "p.json"])
     assert res.exit_code == 0 and "left out 1 problems of ag_gemm measured only with older code" in res.stderr
+
+
+def test_show_names_the_other_environments_of_a_merged_database(runner, tmp_path):
+    """A database with rows of two machines in one mode: show reads one and says which others it holds and
+    how to read them (--fingerprint)."""
+    from autofuse.measure.store import Store
+
+    other_fp = dict(GPU_FP, gpu_name="Other GPU", gpu_count=2)
+    db = make_db(tmp_path / "merged.db")
+    make_db(tmp_path / "other.db", fp=other_fp)
+    with Store.open(db) as store, Store.open(tmp_path / "other.db", readonly=True) as other:
+        store.merge_from(other)
+    res = runner.invoke(app, ["show", "--db", str(db), "--json"])
+    assert res.exit_code == 0, res.output
+    shown = json.loads(res.stdout)["eager"]["fingerprint"]
+    err = " ".join(res.stderr.split())
+    assert "also holds environment" in err and "--fingerprint" in err, err
+    hidden = err.split("also holds environment")[1].split()[0].strip(",:(")
+    assert hidden != shown
+    res = runner.invoke(app, ["show", "--db", str(db), "--json", "--fingerprint", hidden])
+    assert res.exit_code == 0 and json.loads(res.stdout)["eager"]["fingerprint"] == hidden, res.output
+    assert "also holds" not in res.stderr
 
 
 def test_fit_on_stale_rows_only_says_they_are_stale(runner, tmp_path):

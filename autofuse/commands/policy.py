@@ -139,15 +139,20 @@ def _load(store: Any, db: Path, mode: str | None, fingerprint: str | None, op: s
     for m in modes:
         fp_id = fingerprint
         if fp_id is None:
-            counts: dict[str, int] = {}
-            for r in store.best(op, m, fingerprint_id=ALL, op_digest=ALL):
-                counts[r["fingerprint"]] = counts.get(r["fingerprint"], 0) + 1
+            pairs: dict[str, set] = {}  # per environment: its (problem, variant) pairs measured OK, any code
+            for r in store.measurements(op, m, fingerprint_id=ALL, op_digest=ALL, ok=True):
+                pairs.setdefault(r["fingerprint"], set()).add((r["problem"], r["variant"]))
+            counts = {fp: len(p) for fp, p in pairs.items()}
             if not counts:
                 note(f"{db} has no successful {m}-mode measurements" + (f" of {op}" if op else ""))
                 continue
             fp_id = here["id"] if here["id"] in counts else max(sorted(counts), key=counts.get)
             if fp_id != here["id"]:
                 note(f"{m} mode: reading environment {fp_id} ({counts[fp_id]} rows), not this machine's ({here['id']})")
+            others = [f"{e} ({counts[e]} rows)" for e in sorted(counts, key=lambda e: (-counts[e], e)) if e != fp_id]
+            if others:
+                note(f"{m} mode: {db} also holds environment{'s' if len(others) > 1 else ''} {', '.join(others)}, "
+                     "not read: pass --fingerprint ID to read one")
         rows, left = _with_stale(store, store.best(op, m, fingerprint_id=fp_id), op, m, fp_id, stale)
         for name, n in left.items():
             older[name] = max(older.get(name, 0), n)
@@ -515,39 +520,50 @@ def draw(sections: list[tuple[str, list[dict], list[dict]]], path: Path, x: str 
         fail("nothing to plot: no problem has the x dimension")
     shown = panels[:12]
     rows = len(shown) + len(scaling[:4])
-    fig, axes = plt.subplots(rows, 2, figsize=(12, 3.6 * rows), squeeze=False, layout="constrained")
-    for (ax_t, ax_s), (mode, label, xd, pts) in zip(axes, shown):
+    fig = plt.figure(figsize=(12, 3.6 * rows), layout="constrained")
+    grid = fig.add_gridspec(rows, 2)
+
+    def row_axes(row: int, speedups: bool) -> tuple[Any, Any]:
+        """A row's latency axes and its speedup axes beside; without speedups (interpreter timings) the
+        latency takes the whole row."""
+        if not speedups:
+            return fig.add_subplot(grid[row, :]), None
+        return fig.add_subplot(grid[row, 0]), fig.add_subplot(grid[row, 1])
+
+    for row, (mode, label, xd, pts) in enumerate(shown):
         xs = [p[0] for p in pts]
         variants = ["bsp"] + sorted({v for _, e in pts for v in e["us"]} - {"bsp"})
         interp = any(e["interpreted"] for _, e in pts)
+        ax_t, ax_s = row_axes(row, not interp)
         for v in variants:
             ys = [e["us"].get(v, math.nan) for _, e in pts]
-            sp = [(e["bsp_us"] or math.nan) / e["us"].get(v, math.nan) for _, e in pts]
             style = {"color": "black", "linewidth": 2} if v == "bsp" else {}
             ax_t.plot(xs, ys, marker="o", markersize=7 if single else 4, label=v, **style)
-            if not interp:
+            if ax_s is not None:
+                sp = [(e["bsp_us"] or math.nan) / e["us"].get(v, math.nan) for _, e in pts]
                 ax_s.plot(xs, sp, marker="o", markersize=7 if single else 4, label=v, **style)
         bounds = [e.get("bound_us") or math.nan for _, e in pts]
         if any(b == b for b in bounds):
             ax_t.plot(xs, bounds, linestyle="--", color="gray", label="bound")
         for ax in (ax_t, ax_s):
+            if ax is None:
+                continue
             ax.set_xscale("log", base=2)
             ax.set_xlabel("problem size (product of its numeric dims)" if xd == "size" else xd)
             ax.grid(True, alpha=0.3)
+        (ax_s or ax_t).legend(fontsize=7)
         ax_t.set_yscale("log")
         ax_t.set_ylabel(f"us per call ({mode})")
-        ax_s.set_ylabel("speedup vs bsp")
-        ax_t.set_title(textwrap.fill(label, 60), fontsize=9)
-        if interp:
-            ax_t.legend(fontsize=7)
-            ax_s.set_title("CPU emulation: interpreter timings, no speedup", fontsize=9)
-            ax_s.set_axis_off()
-            continue
-        ax_s.set_title("speedup vs bsp", fontsize=9)
-        ax_s.legend(fontsize=7)
-    for (ax_t, ax_s), (mode, name, entries) in zip(axes[len(shown):], scaling[:4]):
-        _, cells, _ = split_problems([s["sizes"] + "|" for s in entries])
-        key_cols = split_problems([s["sizes"] + "|" for s in entries])[0]
+        note_cpu = " (CPU emulation: interpreter timings, no speedup)" if interp else ""
+        ax_t.set_title(textwrap.fill(label + note_cpu, 120 if interp else 60), fontsize=9)
+        if ax_s is not None:
+            ax_s.set_ylabel("speedup vs bsp")
+            ax_s.set_title("speedup vs bsp", fontsize=9)
+    for row, (mode, name, entries) in enumerate(scaling[:4], start=len(shown)):
+        key_cols, cells, _ = split_problems([s["sizes"] + "|" for s in entries])
+        speedups = any(s["per_world"][str(w)]["speedup_vs_smallest"] is not None for s in entries for w in s["worlds"])
+        ax_t, ax_s = row_axes(row, speedups)
+        worlds = sorted({w for s in entries for w in s["worlds"]})
         for s in entries[:8]:
             ws = s["worlds"]
             label = " ".join(f"{k}={v}" for k, v in zip(key_cols, cells[s["sizes"] + "|"]))
@@ -555,21 +571,26 @@ def draw(sections: list[tuple[str, list[dict], list[dict]]], path: Path, x: str 
             for w in ws:
                 ax_t.annotate(s["per_world"][str(w)]["variant"], (w, s["per_world"][str(w)]["us"]), fontsize=6,
                               xytext=(3, 3), textcoords="offset points", color=line.get_color())
-            ax_s.plot(ws, [s["per_world"][str(w)]["speedup_vs_smallest"] or math.nan for w in ws], marker="o",
-                      label=label)
-        worlds = sorted({w for s in entries for w in s["worlds"]})
-        ax_s.plot(worlds, [w / worlds[0] for w in worlds], linestyle="--", color="gray", label="ideal")
+            if ax_s is not None:
+                ax_s.plot(ws, [s["per_world"][str(w)]["speedup_vs_smallest"] or math.nan for w in ws], marker="o",
+                          label=label)
+        if ax_s is not None:
+            ax_s.plot(worlds, [w / worlds[0] for w in worlds], linestyle="--", color="gray", label="ideal")
         for ax in (ax_t, ax_s):
+            if ax is None:
+                continue
             ax.set_xscale("log", base=2)
             ax.set_xticks(worlds, [str(w) for w in worlds])
             ax.set_xlabel("world size (GPUs)")
             ax.grid(True, alpha=0.3)
+        (ax_s or ax_t).legend(fontsize=7)
         ax_t.set_yscale("log")
         ax_t.set_ylabel(f"best us per call ({mode})")
-        ax_s.set_ylabel(f"speedup over w{worlds[0]}")
-        ax_t.set_title(f"{name}: strong scaling, best variant per world size ({mode} mode)", fontsize=9)
-        ax_s.set_title(f"{name}: speedup over the smallest world size", fontsize=9)
-        ax_s.legend(fontsize=7)
+        note_cpu = "; CPU emulation: interpreter timings, no speedup" if not speedups else ""
+        ax_t.set_title(f"{name}: strong scaling, best variant per world size ({mode} mode{note_cpu})", fontsize=9)
+        if ax_s is not None:
+            ax_s.set_ylabel(f"speedup over w{worlds[0]}")
+            ax_s.set_title(f"{name}: speedup over the smallest world size", fontsize=9)
     heading = []
     if len(panels) > len(shown):
         heading.append(f"first {len(shown)} of {len(panels)} series (filter with --op or --mode)")
