@@ -115,6 +115,24 @@ def test_policy_finds_the_crossover(fitted, rows):
     assert pol.decide(_toy(4096), TOY, available=["bsp"]).variant == BSP
 
 
+def test_explain_says_each_thing_once_and_credits_no_empty_config(fitted):
+    """str(decision) (what `autofuse.explain` prints): the why line names its basis once ('[unsure] ...', not
+    '[unsure] unsure: ...'), and bsp's empty config is credited to no tuned problem (of another dtype or any)."""
+    problems = _grid() + [Problem.make("toy_mm", "bfloat16", 2, M=m, N=16, K=16) for m in (2, 1024, 4096)]
+    seen = set()
+    for pol in (fitted.policy, Policy.bsp("no policy here")):
+        for p in problems:
+            d = pol.decide(p, TOY)
+            seen.add(d.basis)
+            text = str(d)
+            why = next(line for line in text.splitlines() if line.lstrip().startswith("why:"))
+            assert f"[{d.basis}] {d.basis}:" not in why, text
+            config = next(line for line in text.splitlines() if line.lstrip().startswith("config:"))
+            if not d.config:
+                assert "tuned" not in config and "tuned" not in d.config_source and "no parameters" in config, text
+    assert {"unsure", "fallback", "policy"} <= seen or {"fallback", "measured"} <= seen, seen
+
+
 def test_json_round_trip_gives_identical_decisions(fitted, tmp_path):
     path = fitted.policy.save(tmp_path / "p.json")
     loaded = Policy.load(path, FP)

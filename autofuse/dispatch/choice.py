@@ -11,6 +11,7 @@ from typing import Any
 from autofuse.core.op import Config, Problem, config_key
 
 BASES = ("override", "env", "measured", "confirmed", "policy", "unsure", "fallback")
+NO_PARAMETERS = "no parameters"  # the config source of a variant that takes none (bsp of the GEMM ops)
 
 
 @dataclass
@@ -37,10 +38,14 @@ class Choice:
     gain: float | None = None
 
     def __str__(self) -> str:
+        config = (f"none ({self.variant} takes no parameters)" if not self.config else config_key(self.config)
+                  + (f"  ({self.config_source})" if self.config_source else ""))
+        label = f"{self.basis}: "  # most reasons open with their basis: said once, in brackets
+        reason = self.reason[len(label):] if self.reason.startswith(label) else self.reason
         lines = [f"{self.op}: {self.problem.key}",
                  f"  variant: {self.variant}",
-                 f"  config:  {config_key(self.config)}" + (f"  ({self.config_source})" if self.config_source else ""),
-                 f"  why:     [{self.basis}] {self.reason}"]
+                 f"  config:  {config}",
+                 f"  why:     [{self.basis}] {reason}"]
         if self.policy_path:
             lines.append(f"  policy:  {self.policy_path}")
         if self.cached:

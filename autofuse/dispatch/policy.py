@@ -41,7 +41,7 @@ from typing import Any, Iterable, Iterator, Mapping, Sequence
 from autofuse.measure import environment
 from autofuse.core.features import problem_features, vector
 from autofuse.core.op import Config, Op, Problem
-from autofuse.dispatch.choice import Choice
+from autofuse.dispatch.choice import NO_PARAMETERS, Choice
 from autofuse.dispatch.state import user_stacklevel
 
 FORMAT = "autofuse-policy"
@@ -295,12 +295,12 @@ class Policy:
                                            sum(((a - b) / s) ** 2 for a, b, s in zip(x, e[1], scale)), e[0]))
             for key, _, config in ranked:
                 if _valid(op, problem, variant, config):
-                    yield dict(config), ("tuned on this problem" if key == problem.key
-                                         else f"tuned on nearest problem {key}")
+                    yield dict(config), (NO_PARAMETERS if not config else "tuned on this problem"
+                                         if key == problem.key else f"tuned on nearest problem {key}")
         if variant in op.variants:
             for config in op.variant(variant).defaults(problem):
                 if _valid(op, problem, variant, config):
-                    yield dict(config), "variant default"
+                    yield dict(config), NO_PARAMETERS if not config else "variant default"
 
     def candidates(self, problem: Problem, op: Op, available: Iterable[str] | None = None,
                    k: int = 3) -> list[tuple[str, Config]]:
@@ -360,7 +360,8 @@ class Policy:
         if not self.refused and problem.op in self.ops:
             config, source = self.config_for(problem, BSP, op)
         if config is None:
-            config, source = _bsp_config(problem, op), "variant default"
+            config = _bsp_config(problem, op)
+            source = NO_PARAMETERS if not config else "variant default"
         return self._choice(problem, BSP, config, reason, basis, gain, source)
 
     def _choice(self, problem: Problem, variant: str, config: Config, reason: str, basis: str,
