@@ -729,25 +729,35 @@ def _no_policy_job(world, models_dir: str) -> list[tuple[str, str]]:
 
     import autofuse
 
+    from autofuse import dispatch
+
     os.environ["AUTOFUSE_MODELS_DIR"] = models_dir
-    a, b = torch.randn(8, 16, dtype=torch.bfloat16), torch.randn(16, 8, dtype=torch.bfloat16)
-    with warnings.catch_warnings(record=True) as got:
-        warnings.simplefilter("always")
-        autofuse.gemm_ar(a, b, group=world.group)
-    return [(os.path.basename(w.filename), str(w.message)) for w in got if "policy" in str(w.message)]
+    a, b = torch.randn(8, 16), torch.randn(16, 8)
+    out = {}
+    compiled = torch.compile(lambda x, w: autofuse.gemm_ar(x, w, group=world.group), fullgraph=True,
+                             backend="aot_eager")
+    # grad and compiled: the library path, through torch's custom-op, autograd and torch.fx frames
+    for case in ("plain", "grad", "compiled"):
+        dispatch.reset()  # the warning comes once per process
+        with warnings.catch_warnings(record=True) as got:
+            warnings.simplefilter("always")
+            if case == "compiled":
+                compiled(a.detach(), b)
+            else:
+                autofuse.gemm_ar(a.requires_grad_(case == "grad"), b, group=world.group)
+        out[case] = [(os.path.basename(w.filename), str(w.message)) for w in got if "no policy" in str(w.message)]
+    return out
 
 
-def test_no_policy_warning_names_every_place_searched_and_the_callers_line(tmp_path):
-    """Without a policy: one warning at the caller's line (not autofuse's generated entry point, `<string>`),
-    naming AUTOFUSE_POLICY, AUTOFUSE_MODELS_DIR and the user folder `autofuse fit` writes to, and saying
-    that forced variants still run."""
-    os.environ["XDG_DATA_HOME"] = str(tmp_path / "data")
-    try:
-        (got,) = spawn(_no_policy_job, 1, str(tmp_path / "extra"))
-    finally:
-        os.environ.pop("XDG_DATA_HOME", None)
-    (where, text), = got
-    assert where == "test_dispatch.py", where
+def test_no_policy_warning_names_every_place_searched_and_the_callers_line(tmp_path, monkeypatch):
+    """Without a policy: one warning at the caller's line (not autofuse's generated entry point, `<string>`,
+    nor torch's custom-op and autograd files a call that requires grad goes through), naming
+    AUTOFUSE_POLICY, AUTOFUSE_MODELS_DIR and the user folder `autofuse fit` writes to, and saying that
+    forced variants still run."""
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "data"))
+    (got,) = spawn(_no_policy_job, 1, str(tmp_path / "extra"))
+    assert [where for case in got.values() for where, _ in case] == ["test_dispatch.py"] * 3, got
+    (where, text), = got["plain"]
     assert "AUTOFUSE_POLICY (unset)" in text and f"AUTOFUSE_MODELS_DIR ({tmp_path / 'extra'})" in text
     assert f"{tmp_path / 'data' / 'autofuse' / 'models'} (where autofuse fit writes)" in text
     assert "unless variant= or AUTOFUSE_VARIANT forces another" in text

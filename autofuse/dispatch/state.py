@@ -62,12 +62,23 @@ class State:
 STATE = State()
 
 
+# Packages whose frames lie between the user's call and dispatch: autofuse's own (its generated entry
+# points bear autofuse's name) and torch's custom-op, autograd and torch.compile machinery on the
+# library path, whose generated code (torch.fx graphs, AOTAutograd wrappers) runs without a __name__.
+NOT_THE_USER = ("autofuse", "torch")
+
+
+def _not_the_user(frame: Any) -> bool:
+    name = frame.f_globals.get("__name__")
+    return name is None or str(name).split(".")[0] in NOT_THE_USER
+
+
 def user_stacklevel() -> int:
     """The `stacklevel` that makes warnings.warn, called by the caller of this function, name the first
-    frame outside autofuse (the user's call of `autofuse.<op>`, not autofuse's own code nor the generated
-    entry point)."""
+    frame outside autofuse and torch (the user's call of `autofuse.<op>`, not autofuse's own code, the
+    generated entry point, nor the torch frames of a call that requires grad or runs compiled)."""
     level, frame = 2, sys._getframe(2)  # stacklevel k names the frame k - 1 above the caller of warnings.warn
-    while frame is not None and str(frame.f_globals.get("__name__", "")).split(".")[0] == "autofuse":
+    while frame is not None and _not_the_user(frame):
         level, frame = level + 1, frame.f_back
     return level
 
