@@ -44,8 +44,19 @@ isolate(os.environ)
 def pytest_unconfigure(config) -> None:
     shutil.rmtree(SESSION_HOME, ignore_errors=True)
 
-# The GPU machines' Triton (3.6) in a side venv where developers have one; CI has only the current one.
-T36 = Path(os.environ.get("AUTOFUSE_T36_PYTHON", "/tmp/t36/bin/python"))
+def t36_python(environ: dict) -> tuple[Path, str]:
+    """The python of a side venv with the GPU machines' Triton (3.6), where a developer has one
+    (AUTOFUSE_T36_PYTHON, else /tmp/t36/bin/python), and the reason its checks are skipped without it:
+    the setting to give, not a developer's path (CI has only the current Triton)."""
+    given = environ.get("AUTOFUSE_T36_PYTHON", "").strip()
+    if given:
+        return Path(given), f"AUTOFUSE_T36_PYTHON={given} does not exist"
+    return Path("/tmp/t36/bin/python"), ("optional: set AUTOFUSE_T36_PYTHON to a python with Triton 3.6 (the GPU "
+                                         "machines') to check these kernels with it too")
+
+
+T36, NO_T36 = t36_python(os.environ)
+needs_t36 = pytest.mark.skipif(not T36.exists(), reason=NO_T36)
 
 _COMPILE = r"""
 import importlib, json, sys
@@ -132,8 +143,7 @@ def compile_sm90_many(requests: list[dict], python: str | os.PathLike | None = N
 
 
 # Parametrize a compile check over this venv's Triton and, where a developer has it, the GPU machines' 3.6.
-VERSIONS = ["current",
-            pytest.param("3.6", marks=pytest.mark.skipif(not T36.exists(), reason=f"no Triton 3.6 at {T36}"))]
+VERSIONS = ["current", pytest.param("3.6", marks=needs_t36)]
 
 
 def compile_sm90_versions(requests: list[dict]) -> dict[str, dict[str, dict]]:

@@ -6,7 +6,7 @@ once more interleaved, so runners of other configs share the workspace and its e
 shapes, bf16/fp16/fp32, TMA and pointer paths, split-K, swap-AB; fault scenarios (a late peer, a
 skipped call, a dead peer at two sizes: time to fail independent of size) for every fused
 variant; invalid configs and inputs; sweeps, defaults and the search space. sm_90 compiles of the
-kernel's switches with Triton 3.9 and, where /tmp/t36 exists, 3.6 (the GPU machines'). GPU (marker
+kernel's switches with Triton 3.9 and, where AUTOFUSE_T36_PYTHON has it, 3.6 (the GPU machines'). GPU (marker
 `gpu`, 2 GPUs): the same variants at GPU sizes outside the tuning sweeps, CUDA-graph replay included,
 and the fault scenarios on real devices.
 """
@@ -26,7 +26,7 @@ from autofuse.ops.ag_gemm import OP
 from autofuse.comm.workspace import workspaces
 from autofuse.comm.world import World, spawn
 import conftest
-from conftest import CTX, T36, VERSIONS, assert_uniform, compile_request, compile_sm90_versions
+from conftest import CTX, VERSIONS, assert_uniform, compile_request, compile_sm90_versions, needs_t36
 
 FUSED = ("pull", "push", "push_ws")
 LAYOUTS = {"pull": ("shard",), "push": ("shard", "gathered"), "push_ws": ("shard", "gathered")}
@@ -419,7 +419,7 @@ def test_sm90_compiles_every_switch(compiled, version):
             assert f"wgmma.mma_async.sync.aligned.m64n{g.BLOCK_M}k" in ptx, name  # BLOCK_M on the MMA's N side
 
 
-@pytest.mark.skipif(not T36.exists(), reason=f"no Triton 3.6 at {T36}")
+@needs_t36
 def test_sm90_no_register_spills(compiled, tmp_path):
     """Triton 3.6's ptxas (the GPU machines') assembles every switch without spilling: a 128x256
     float32 accumulator over 8 warps is 128 registers a thread, little room left for the rest."""

@@ -288,7 +288,7 @@ def test_explain(results):
     for r in results:
         e = r["explain_cached"]
         assert e["cached"] and e["variant"] == "fused" and e["basis"] == "measured" and e["config"] == {"BLOCK": 16}
-        assert "variant: fused" in e["text"] and "measured:" in e["text"]
+        assert "variant: fused" in e["text"] and "why:     [measured] fused ran" in e["text"], e["text"]
         n = r["explain_new"]
         assert n["variant"] == "bsp" and not n["cached"] and n["gathers"] == 0 and n["builds"] == 1, n
         assert r["small"]["variant"] == "bsp" and r["small"]["agreements"] == 2 and r["small"]["rel"] < 1e-5

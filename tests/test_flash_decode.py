@@ -7,7 +7,7 @@ on that rank, K/V sliced from a longer cache; seeds 1 and 100 (run_cases' interl
 with no tokens and a sequence with no tokens anywhere, K/V a (B, S, Hkv, D) cache viewed as (B, Hkv,
 S, D). Outputs are NaN-poisoned before every call and must match on every rank bit for bit. Fault
 tests: harness.fault_run for the variants on the heap workspace. sm_90 compiles: Triton 3.9 (this
-venv) and 3.6 (/tmp/t36, the GPU machines'). bf16 errors here are ~3x the GPU's: the interpreter
+venv) and 3.6 (AUTOFUSE_T36_PYTHON, the GPU machines'). bf16 errors here are ~3x the GPU's: the interpreter
 truncates fp32 -> bf16 instead of rounding.
 """
 from __future__ import annotations

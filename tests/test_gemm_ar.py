@@ -21,7 +21,7 @@ from _row_parallel import (TINY, assert_rejected, cases_and_faults, check_compil
 from autofuse.core.op import InvalidConfig, InvalidInput, Problem
 from autofuse.ops import gemm_ar
 from autofuse.comm.world import spawn
-from conftest import CTX, T36, VERSIONS, assert_spills_within, compile_table
+from conftest import CTX, VERSIONS, assert_spills_within, compile_table, needs_t36
 
 OP = gemm_ar.OP
 FUSED = ("one_shot", "two_shot")
@@ -217,7 +217,7 @@ def compiled() -> dict:
 KNOWN_SPILLS = {"one_shot_fp32_w4": 104}
 
 
-@pytest.mark.skipif(not T36.exists(), reason=f"no Triton 3.6 at {T36}")
+@needs_t36
 def test_sm90_no_register_spills(compiled, tmp_path):
     """Triton 3.6's ptxas (the GPU machines') assembles every row without spilling, but KNOWN_SPILLS's
     rows within their recorded bytes; the deep 5-stage tile of gemm.defaults included."""

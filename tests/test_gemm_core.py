@@ -12,7 +12,7 @@ bitwise equal (the fixup sums in a fixed order). The waiting consumer template
 runs with its flags raised and with one flag left down (bounded wait, recorded timeout).
 
 Compiled (sm_90, ahead of time, no GPU): the same kernels with Triton 3.9 (this venv) and, where
-/tmp/t36/bin/python exists (the GPU machines' Triton 3.6), with that one too. The PTX must show
+AUTOFUSE_T36_PYTHON names a python with the GPU machines' Triton 3.6, with that one too. The PTX must show
 what each path is for: TMA loads and stores, wgmma, pipelined stages, split-K atomics, swap-AB's
 wgmma with BLOCK_M on the N side, warp specialisation's extra warpgroups.
 """
@@ -449,7 +449,7 @@ def test_matmul_rejects_unaligned_tma_operands():
 
 
 # ------------------------------------------------------------------------------------------------
-# sm_90 compiles with Triton 3.9 (this venv) and 3.6 (/tmp/t36, the GPU machines' version)
+# sm_90 compiles with Triton 3.9 (this venv) and 3.6 (AUTOFUSE_T36_PYTHON, the GPU machines' version)
 MOD = "autofuse.kernels.gemm_core"
 _HEAD = {"a": "*bf16", "b": "*bf16", "c": "*bf16", "partials": "*fp32", "counts": "*i32"}
 _SIZES = {"M": "i32", "N": "i32", "K": "i32", "stride_am": "i32", "stride_ak": "constexpr", "stride_bk": "i32",

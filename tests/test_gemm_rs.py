@@ -28,7 +28,7 @@ from autofuse.core import gemm
 from autofuse.core.op import InvalidInput, Problem
 from autofuse.ops import gemm_rs
 from autofuse.comm.world import spawn
-from conftest import CTX, T36, VERSIONS, assert_spills_within, compile_table
+from conftest import CTX, VERSIONS, assert_spills_within, compile_table, needs_t36
 
 OP = gemm_rs.OP
 _defaults = partial(default_cases, OP)  # (variant, dims, dtype, pick: the first `pick` defaults or a slice, world)
@@ -270,7 +270,7 @@ def compiled() -> dict:
 KNOWN_SPILLS = {"push_last_tma": 88, "fp8_push_last_rowwise": 280}
 
 
-@pytest.mark.skipif(not T36.exists(), reason=f"no Triton 3.6 at {T36}")
+@needs_t36
 def test_sm90_no_register_spills(compiled, tmp_path):
     """Triton 3.6's ptxas (the GPU machines') assembles every row without spilling, but KNOWN_SPILLS's
     rows within their recorded bytes; the deep 5-stage tile of gemm.defaults included."""

@@ -5,6 +5,7 @@ AUTOFUSE_VARIANT must not change what a test sees (README order: tune, fit, then
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -55,3 +56,29 @@ def test_user_policy_folders_and_settings_do_not_reach_the_tests(tmp_path):
     out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test], cwd=ROOT / "tests",
                          env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
+
+
+def test_t36_skips_name_the_setting_not_a_developers_path():
+    """The compile checks with the GPU machines' Triton 3.6 are skipped, without a side venv, naming the
+    setting that enables them (not a developer's /tmp path), and every test takes that one reason."""
+    from conftest import t36_python
+
+    path, reason = t36_python({})
+    assert "AUTOFUSE_T36_PYTHON" in reason and str(path) not in reason and "/tmp" not in reason, reason
+    assert t36_python({"AUTOFUSE_T36_PYTHON": "/nowhere/python"}) == \
+        (Path("/nowhere/python"), "AUTOFUSE_T36_PYTHON=/nowhere/python does not exist")
+    own = [p.name for p in (ROOT / "tests").glob("test_*.py")
+           if p.name != Path(__file__).name and "T36.exists()" in p.read_text()]
+    assert own == [], f"skip with conftest.needs_t36: {own}"
+
+
+def test_readme_lists_the_settings_a_test_run_takes():
+    """The README's environment table names every setting the tests take from their caller (conftest keeps
+    only those), and says how long the suite runs."""
+    from conftest import TEST_SETTINGS
+
+    readme = (ROOT / "README.md").read_text()
+    table = [line for line in readme.splitlines() if line.startswith("| `AUTOFUSE_")]
+    missing = [name for name in TEST_SETTINGS if not any(line.startswith(f"| `{name}`") for line in table)]
+    assert not missing, missing
+    assert re.search(r"The whole suite \(`pytest -q`\) takes about \d+-\d+ minutes", readme), "no time for the tests"
