@@ -21,9 +21,8 @@ import torch.distributed as dist
 from autofuse.comm.world import spawn
 
 ROOT = Path(__file__).resolve().parents[1]
-# Deprecated calls left in modules this fix may not edit (each op module feeds its code digest).
-KNOWN = {("autofuse/ops/gemm_rs.py", "reduce_scatter_tensor"): "gemm_rs's NCCL reduce-scatter (issue 38 item 4 "
-         "covers ag_gemm and flash_decode)"}
+# Deprecated calls knowingly left in place (module, name): why. None today.
+KNOWN: dict[tuple[str, str], str] = {}
 
 
 def _gathers(world) -> dict:

@@ -6,7 +6,7 @@ K % W == 0 are input requirements (InvalidInput otherwise).
 
 Variants:
 - `bsp`: torch.matmul, then the collective library's reduce-scatter. gloo (CPU) has no
-  reduce_scatter_tensor, so on CPU it is all_reduce of the whole partial, then this rank's rows.
+  reduce_scatter_single, so on CPU it is all_reduce of the whole partial, then this rank's rows.
 - `torch_symm` (peer): torch's `torch.ops.symm_mem.fused_matmul_reduce_scatter` (FP8:
   fused_scaled_matmul_reduce_scatter), CUDA, one GPU per rank.
 - `mm_heap`, `mm_heap_overlap` (hybrid, in this module on autofuse/ops/hybrid.py): torch.matmul, then the one-launch heap
@@ -40,6 +40,7 @@ from autofuse.core import gemm
 from autofuse.ops import hybrid
 from autofuse.comm import collectives
 from autofuse.comm.heap import torch_symm_group, torch_symm_unavailable
+from autofuse.comm.world import reduce_scatter_single
 from autofuse.core.op import Config, InvalidInput, Op, Problem, Variant
 from autofuse.ops import row_parallel as rp
 from autofuse.core.runner import Runner
@@ -91,7 +92,7 @@ def reduce_scatter(world: World, out: torch.Tensor, partial: torch.Tensor) -> No
         m_r = out.shape[0]
         out.copy_(partial[world.rank * m_r:(world.rank + 1) * m_r])
     else:
-        world.collective(dist.reduce_scatter_tensor, out, partial, what="gemm_rs.bsp")
+        world.collective(reduce_scatter_single, out, partial, what="gemm_rs.bsp")
 
 
 # -- bsp and torch_symm -------------------------------------------------------------------------------
