@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# A round's ship run for one world size on a GPU machine: `autofuse tune` at its defaults (the budgeted
+# default sweep of every op), `autofuse fit` (graph and eager), `autofuse export`, the held-out dispatch
+# evaluation (scripts/eval_dispatch_gpu.py, graph mode) and `autofuse bench layer` (Llama-3-70B, graph mode,
+# the fitted policy). Each step logs under /tmp/ship-wWORLD and the folder is packed into
+# $OUT/ship-wWORLD.tgz after every step, so a run cut short still returns what it did.
+#   bash scripts/gpu_ship.sh WORLD GPUS [STEPS]
+#     WORLD  ranks (one per GPU)          GPUS  CUDA_VISIBLE_DEVICES, e.g. 0,1
+#     STEPS  comma-separated among tune, fit, export, eval, layer, train (default tune,fit,export,eval,layer);
+#            train: `autofuse bench train_layer --sweep 70b,8b` with the fitted policy
+# Two runs may share a 4-GPU machine on disjoint GPUs (say so beside their timings). Installs the carried
+# wheels (.whl/) and the project offline first, as scripts/gpu_session.sh does.
+set -uo pipefail
+WORLD=$1; GPUS=$2; STEPS=${3:-tune,fit,export,eval,layer}
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+export TRITON_DEFAULT_FP_FUSION=1 COLUMNS=${COLUMNS:-140} PYTHONWARNINGS=ignore::FutureWarning
+export CUDA_VISIBLE_DEVICES=$GPUS
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+bash scripts/gpu_session.sh --name "install-w$WORLD" sh:true > /dev/null 2>&1 || { echo "offline install failed"; exit 1; }
+export PYTHONPATH=/tmp/site
+W=/tmp/ship-w$WORLD; mkdir -p "$W"; DB=$W/w$WORLD.db
+export XDG_DATA_HOME=$W/data XDG_CACHE_HOME=$W/cache AUTOFUSE_ONLINE_DB=$W/online.db
+{ date -u +"%Y-%m-%dT%H:%M:%SZ"; git log -1 --format='commit %H' 2>/dev/null
+  nvidia-smi --query-gpu=index,name,driver_version,memory.total --format=csv
+  python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'nccl', torch.cuda.nccl.version(), 'gpus', torch.cuda.device_count())"
+  echo "CUDA_VISIBLE_DEVICES=$GPUS"; } > "$W/machine.txt" 2>&1
+summary=$W/summary.txt
+step() {  # step NAME LIMIT COMMAND...
+  local name=$1 limit=$2; shift 2
+  local t0; t0=$(date +%s)
+  echo "=== [w$WORLD] $name ($(date -u +%H:%M:%S))"
+  timeout -k 10 "$limit" "$@" > "$W/$name.log" 2>&1
+  local rc=$?
+  echo "$([ $rc -eq 0 ] && echo PASS || echo "FAIL(rc=$rc)") w$WORLD $name in $(( $(date +%s) - t0 )) s" | tee -a "$summary"
+  tail -n "${TAIL:-12}" "$W/$name.log"
+  tar czf "$OUT/ship-w$WORLD.tgz" -C "$W" --exclude=cache --exclude=data .
+  return $rc
+}
+for s in ${STEPS//,/ }; do
+  case $s in
+    tune) step tune 560 python3 -m autofuse tune --world "$WORLD" --db "$DB" ;;
+    fit) for m in graph eager; do
+           step "fit-$m" 240 python3 -m autofuse fit --db "$DB" --mode "$m" --out "$W/policy-$m.json" \
+             --report "$W/fit-$m.json" --force
+         done ;;
+    export) for m in graph eager; do
+              step "export-$m" 120 bash -c "python3 -m autofuse export --db $DB --mode $m --format csv --out $W/tuning-$m.csv --force && python3 -m autofuse export --db $DB --mode $m --format json --out $W/tuning-$m.json --force && python3 -m autofuse show --db $DB --mode $m > $W/show-$m.txt"
+            done ;;
+    eval) step eval 420 python3 scripts/eval_dispatch_gpu.py --policy "$W/policy-graph.json" --mode graph \
+            --world "$WORLD" --out "$W/eval-graph.json" ;;
+    layer) step layer 420 env AUTOFUSE_POLICY="$W/policy-graph.json" python3 -m autofuse bench layer --world "$WORLD" \
+             --mode graph --out "$W/bench-layer.json" --force ;;
+    train) step train 560 env AUTOFUSE_POLICY="$W/policy-graph.json" python3 -m autofuse bench train_layer \
+             --world "$WORLD" --sweep 70b,8b --reps 5 --out "$W/bench-train_layer.json" --force ;;
+    *) echo "unknown step $s" ;;
+  esac
+done
+echo "=== [w$WORLD] summary ($(head -1 "$W/machine.txt"))"
+cat "$summary"
