@@ -3,7 +3,9 @@
 Kernels record a fault in their workspace's status words (kernels/shmem.py: `give_up`): the rank
 whose wait ran out writes TIMEOUT in its own record and ABORTED in every peer's, with its rank, the
 flag and the epochs. `raise_fault` turns such a record into `FlagTimeout` on every rank; until the
-workspace is rebuilt every call on it raises `WorkspaceAborted`.
+workspace is rebuilt every call on it raises `WorkspaceAborted`. The host writes a third kind, STOPPED,
+into its peers' records when they wait inside a call this rank does not take part in (comm/rounds.py):
+the record holds the round in which this rank said why, and `fault` raises `PeerRefused` with it.
 """
 from __future__ import annotations
 
@@ -25,6 +27,22 @@ class FlagTimeout(RuntimeError):
             "now aborted and refuses calls until rebuilt: call autofuse.rebuild(group) on every rank, or "
             "restart the job")
         self.op, self.rank, self.origin, self.flag, self.expected, self.seen = op, rank, origin, flag, expected, seen
+
+
+STOPPED = 3  # a status code's kind (after kernels/shmem.py's TIMEOUT and ABORTED), written by the host only
+
+
+class PeerRefused(FlagTimeout):
+    """A peer did not take part in this call (it raised first, or went on to another call) and stopped
+    this rank's waits at once, rather than letting them run out; names that rank and what it did."""
+
+    def __init__(self, op: str, rank: int, origin: int, said: str):
+        RuntimeError.__init__(
+            self, f"{op}: rank {rank} stopped because rank {origin} did not take part in this call: it {said}. "
+            f"Every rank's {op} workspace is now aborted and refuses calls until rebuilt: fix the call on rank "
+            f"{origin}, then call autofuse.rebuild(group) on every rank, or restart the job")
+        self.op, self.rank, self.origin, self.flag, self.expected, self.seen = op, rank, origin, "", -1, -1
+        self.said = said
 
 
 class WorkspaceAborted(RuntimeError):
@@ -69,4 +87,23 @@ def fault(heap, op: str, words: list[int]) -> FlagTimeout | None:
     if not 0 <= origin < heap.world.size:
         return FlagTimeout(op, heap.world.rank, origin, "<unknown: corrupt status record>", -1, -1)
     flag_word, expected, seen = words[shmem.RECORD.value + 3 * origin:shmem.RECORD.value + 3 * origin + 3]
+    if code % 4 == STOPPED:
+        return stopped(heap.world, op, origin, expected)
     return FlagTimeout(op, heap.world.rank, origin, describe_flag(heap, flag_word), expected, seen)
+
+
+def stopped(world, op: str, origin: int, n: int) -> PeerRefused:
+    """The error of a call that rank `origin` stopped from round n (comm/rounds.py); this rank takes its
+    part in that round (it was inside a call), so the rank waiting there completes it at once."""
+    from autofuse.comm import rounds
+
+    try:
+        said = rounds.what(rounds.entry_of(world, n, origin))
+    except Exception as exc:  # noqa: BLE001 - the store is gone (the job ends): say what is known
+        said = f"did not say why ({type(exc).__name__} reading its round)"
+    exc = PeerRefused(op, world.rank, origin, said)
+    try:
+        rounds.join(world, n, {"ok": False, "launched": True, "why": f"PeerRefused: {exc}"})
+    except Exception:  # noqa: BLE001 - as above
+        pass
+    return exc

@@ -15,12 +15,14 @@ after zeroing the flags keeps a fast peer from raising a flag before this rank h
 """
 from __future__ import annotations
 
+import time
 import weakref
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from autofuse.comm import status
+from autofuse.core.settings import wait_timeout_s
 from autofuse.kernels import shmem
 from autofuse.core.sizes import next_pow2
 
@@ -94,6 +96,40 @@ class Workspace:
             self.aborted = str(exc)
             self._mirror[0] = max(int(self._mirror[0]), 1)
             raise exc
+
+    def stop_peers(self, n: int) -> None:
+        """Stop every peer's waits on this workspace with STOPPED from round n (comm/rounds.py), once its
+        epoch counter reached this rank's: calls this rank finished are left to finish on the peers."""
+        world, heap = self.world, self.world.heap
+        mine = int(self.counter[0])
+        deadline = time.monotonic() + wait_timeout_s(world.device.type)
+        code, slot = (world.rank + 1) * 4 + status.STOPPED, shmem.RECORD.value + 3 * world.rank
+        record = torch.tensor([-1, n, 0], dtype=torch.int32, device=self.status.device)
+        for r in range(world.size):
+            if r == world.rank:
+                continue
+            try:
+                counter, words = heap.peer_tensor(self.counter, r), heap.peer_tensor(self.status, r)
+            except NotImplementedError:
+                return  # a heap without host views of its peers (iris): their waits run out instead
+            while int(counter[0]) < mine and time.monotonic() < deadline:
+                time.sleep(0.001)
+            if int(words[shmem.CODE.value]) == 0:
+                words[slot:slot + 3] = record
+                words[shmem.CODE.value] = code
+        if world.device.type == "cuda":
+            torch.cuda.synchronize(world.device)
+
+    def refuse(self, why: str) -> None:
+        """Refuse calls from now on (host side), until rebuilt: a peer was stopped inside a call."""
+        if self.aborted is None:
+            self.aborted = why
+        self._mirror[0] = max(int(self._mirror[0]), 1)
+
+    def clear_stop(self) -> None:
+        """Clear this rank's status code where it holds a STOPPED that met no call (every rank was in the round)."""
+        if int(self.status[shmem.CODE.value]) % 4 == status.STOPPED:
+            self.status[shmem.CODE.value] = 0
 
     def rebuild(self) -> None:
         """Clear flags, epoch and fault record on every rank (collective), so the workspace computes again."""

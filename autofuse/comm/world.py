@@ -23,6 +23,7 @@ behaviour can be checked there; timings cannot, since the contexts time-slice th
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import multiprocessing.connection
 import os
@@ -36,6 +37,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from autofuse.comm import rounds
 from autofuse.core import settings
 
 
@@ -163,14 +165,50 @@ class World:
             raise CollectiveTimeout(self.broken)
         work = fn(*args, group=self.group, async_op=True, **kwargs)
         budget = wait_timeout_s(self.device.type)
-        try:
-            work.wait(timeout=datetime.timedelta(seconds=budget))
-        except Exception as exc:  # noqa: BLE001 - gloo's timeout error type differs across torch versions
+        stop = self._wait_bounded(work, budget)
+        if stop is None:
+            return
+        origin, said = stop
+        if origin is None:
             self.broken = (f"{what}: rank {self.rank}'s collective did not complete within {budget:g} s "
-                           f"(AUTOFUSE_WAIT_TIMEOUT; {type(exc).__name__}): a peer did not take part (it raised on "
-                           "its own arguments, called with other shapes, skipped the call or died). This process "
-                           "group cannot be used any more: restart the job")
-            raise CollectiveTimeout(self.broken) from None
+                           f"(AUTOFUSE_WAIT_TIMEOUT; {said}): a peer did not take part (it skipped the call or "
+                           "died). This process group cannot be used any more: restart the job")
+        else:
+            self.broken = (f"{what}: rank {self.rank} stopped because rank {origin} did not take part in this "
+                           f"collective: it {said}. This process group cannot be used any more: restart the job")
+        if origin is not None:
+            with contextlib.suppress(Exception):  # the rank that stopped it waits for this rank's part of its round
+                rounds.join(self, rounds.current(self), {"ok": False, "launched": True,
+                                                         "why": f"CollectiveTimeout: {self.broken}"})
+        raise CollectiveTimeout(self.broken)
+
+    def _wait_bounded(self, work: Any, budget: float) -> tuple[int | None, str] | None:
+        """Wait for a gloo collective: None once it completes; (rank, what it did) when a peer stopped it
+        from its round (comm/rounds.py) and it did not complete within rounds.GRACE_S more; (None, why)
+        when `budget` seconds pass first."""
+        deadline = time.monotonic() + budget
+        origin = None
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                work.wait(timeout=datetime.timedelta(seconds=max(0.001, min(left, rounds.POLL_S))))
+                return None
+            except Exception as exc:  # noqa: BLE001 - gloo's timeout error type differs across torch versions
+                if time.monotonic() >= deadline:
+                    if origin is not None:
+                        break
+                    return None, type(exc).__name__
+            if origin is None:
+                with contextlib.suppress(Exception):
+                    origin = rounds.stopper(self, rounds.current(self))
+                if origin is not None:  # the peer may have finished its part just before: give ours time to end
+                    deadline = min(deadline, time.monotonic() + rounds.GRACE_S)
+        n = rounds.current(self)
+        try:
+            said = rounds.what(rounds.entry_of(self, n, origin))
+        except Exception:  # noqa: BLE001 - the store is gone (the job ends)
+            said = "did not say why"
+        return origin, said
 
     def rank_max(self, value: float) -> float:
         """The largest of every rank's `value` (collective: every rank calls it): how the ranks agree

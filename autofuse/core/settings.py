@@ -131,9 +131,13 @@ def check_every_call() -> bool:
     return bool(_switch("AUTOFUSE_CHECK"))
 
 
-def save_gathered() -> bool:
+def save_gathered(strict: bool = True) -> bool:
     """AUTOFUSE_SAVE_GATHERED (default 1): whether a differentiable ag_gemm keeps all_gather(A) from the
-    forward for B's gradient (as torch's async TP does) or keeps only A and gathers it again in backward."""
+    forward for B's gradient (as torch's async TP does) or keeps only A and gathers it again in backward.
+    `strict=False` reads a bad value as the default instead of raising (while torch.compile traces, where
+    nothing can be told to the other ranks: the first call's agreement raises it, `lockstep`)."""
+    if not strict and _text("AUTOFUSE_SAVE_GATHERED") not in ("", "0", "1"):
+        return True
     value = _switch("AUTOFUSE_SAVE_GATHERED")
     return True if value is None else value
 
@@ -222,11 +226,12 @@ def user_models_dir() -> Path:
 
 def lockstep(device_type: str) -> dict[str, object]:
     """Every setting the ranks of a job must share, parsed (SettingError names the first one that cannot
-    be used): what a first call's agreement compares, so a bad or differing value raises on every rank
+    be used), those that change what the ranks exchange included (AUTOFUSE_SAVE_GATHERED: which calls a
+    training step makes): what a first call's agreement compares, so a bad or differing value raises on every rank
     before any heap, workspace or kernel is made (a bad value on one rank would otherwise make the
     others wait in the heap's rendezvous)."""
     return {"AUTOFUSE_WAIT_TIMEOUT": wait_timeout_s(device_type), "AUTOFUSE_HEAP_SIZE": heap_size(),
             "AUTOFUSE_HEAP_PROVIDER": heap_provider(), "AUTOFUSE_HEAP_TIMEOUT": heap_timeout_s(),
             "AUTOFUSE_CHECK": check_every_call(), "AUTOFUSE_MODE": mode(device_type),
             "AUTOFUSE_ONLINE": online(device_type), "AUTOFUSE_CONFIRM_K": confirm_k(),
-            "AUTOFUSE_RANKS_PER_GPU": ranks_per_gpu()}
+            "AUTOFUSE_RANKS_PER_GPU": ranks_per_gpu(), "AUTOFUSE_SAVE_GATHERED": save_gathered()}

@@ -1,24 +1,28 @@
 """Every rank agrees on a new problem before anything is built or launched (DESIGN.md, dispatch).
 
 Each rank publishes its validation outcome (its inputs, and the settings every rank must share:
-`settings.lockstep`) and a hash of (problem, variant, config, candidates) through the job's
-key-value store and waits, bounded (the flag-wait budget + 2 s), for all the others. Any rank's
-invalid input or setting raises on every rank naming that rank; differing choices or settings raise
-DispatchMismatch naming them; a rank that does not take part (it ran a cached call with other
-shapes, or died) makes the others raise DispatchMismatch when the wait runs out, and they take the
-round back (its sequence number and their keys), so a rank left alone never shifts the pairing of
-later rounds. Never NCCL: a collective would block forever if a rank never comes.
+`settings.lockstep`) and a hash of (problem, variant, config, candidates) in the group's next round
+(comm/rounds.py: the job's key-value store) and waits, bounded (the flag-wait budget + 2 s), for all
+the others. Any rank's invalid input or setting raises on every rank naming that rank; differing
+choices or settings raise DispatchMismatch naming them. A rank that raises before it reaches the
+agreement (a check of the library path, a setting read there) publishes its failure in the same
+round (`tell`), so nothing pairs the wrong calls. Peers that do not come within the round's grace
+(1 s) are stopped where they may wait, inside a call they cached (their flag waits, their gloo
+collective): they publish that and raise PeerRefused / CollectiveTimeout naming this rank and
+what it did, and this rank raises naming them, all within seconds. Only a rank that never answers
+(it died, or hangs elsewhere) leaves the others to the wait's bound; a rank left alone takes the
+round back, so it never shifts the pairing of later rounds. Never NCCL: a collective would block
+forever if a rank never comes.
 """
 from __future__ import annotations
 
-import datetime
 import hashlib
-import json
+from typing import NoReturn
 
-import torch.distributed as dist
-
+from autofuse.comm import rounds
 from autofuse.core import settings
 from autofuse.core.op import InvalidInput, config_key
+from autofuse.comm.status import CollectiveTimeout, FlagTimeout, WorkspaceAborted
 from autofuse.comm.world import World
 from autofuse.dispatch.choice import Choice
 from autofuse.dispatch.state import STATE
@@ -26,6 +30,9 @@ from autofuse.dispatch.state import STATE
 
 class DispatchMismatch(RuntimeError):
     """Ranks chose different variants/configs, saw different problems, or did not all take part."""
+
+
+COLLECTIVE = (FlagTimeout, WorkspaceAborted, CollectiveTimeout)  # every rank raises these together
 
 
 def agree_timeout_s(device_type: str) -> float:
@@ -53,57 +60,81 @@ def agree(world: World, op: str, choice: Choice | None, invalid: Exception | Non
                     f"([{choice.basis}] {choice.reason})", "settings": shared}
     try:
         every = exchange(world, op, mine)
-    except DispatchMismatch:
-        if invalid is not None:
-            raise invalid from None  # alone on a first call: this rank's own reason is the one to read
-        raise
-    bad = [(r, e["why"]) for r, e in enumerate(every) if not e["ok"]]
+    except DispatchMismatch as exc:
+        raise told(invalid if invalid is not None else exc) from None  # alone: this rank's own reason if any
+    stopped = [r for r, e in enumerate(every) if e.get("launched")]
+    note = (f"\nRank(s) {stopped} were stopped inside a call they had cached, so every rank's workspaces of this "
+            "group refuse calls until autofuse.rebuild(group) runs on every rank.") if stopped else ""
     if invalid is not None:
-        raise invalid  # this rank's own reason; the others raise naming this rank
+        raise told(invalid)  # this rank's own reason; the others raise naming this rank
+    bad = [(r, e["why"]) for r, e in enumerate(every) if not e["ok"] and not e.get("launched")]
     if bad:
         lines = "\n".join(f"  rank {r}: {why}" for r, why in bad)
-        raise InvalidInput(f"autofuse.{op}: invalid input or settings on {len(bad)} of {world.size} ranks, so no "
-                           f"rank ran it:\n{lines}")
+        raise told(InvalidInput(f"autofuse.{op}: invalid input or settings on {len(bad)} of {world.size} ranks, so "
+                                f"no rank ran it:\n{lines}{note}"))
+    if stopped:
+        raise told(DispatchMismatch(
+            f"autofuse.{op}: rank(s) {stopped} were in another call (one they had cached: other shapes or "
+            f"arguments than this rank's first call of {choice.problem.key}, or a call this rank skipped), where "
+            f"they were stopped, so nothing was launched.{note}"))
     differ = sorted({k for e in every for k in e["settings"] if e["settings"][k] != every[0]["settings"].get(k)})
     if differ:
         lines = "\n".join(f"  rank {r}: " + ", ".join(f"{k}={e['settings'][k]!r}" for k in differ)
                           for r, e in enumerate(every))
-        raise DispatchMismatch(f"autofuse.{op}: ranks run with different settings, so nothing was launched:\n{lines}\n"
-                               "Give every rank the same AUTOFUSE_* environment.")
+        raise told(DispatchMismatch(f"autofuse.{op}: ranks run with different settings, so nothing was launched:\n"
+                                    f"{lines}\nGive every rank the same AUTOFUSE_* environment."))
     if len({e["hash"] for e in every}) > 1:
         lines = "\n".join(f"  rank {r}: {e['said']}" for r, e in enumerate(every))
-        raise DispatchMismatch(
+        raise told(DispatchMismatch(
             f"autofuse.{op}: ranks disagree on what to run, so nothing was launched:\n{lines}\n"
             "Give every rank the same policy (AUTOFUSE_POLICY / models/), the same AUTOFUSE_VARIANT and "
-            "variant=/config= arguments, and the same input shapes.")
+            "variant=/config= arguments, and the same input shapes."))
+
+
+def told(exc: BaseException) -> BaseException:
+    """Mark `exc` as shared with every rank (it went through a round), so `tell` does not share it again."""
+    try:
+        exc.autofuse_told = True
+    except AttributeError:  # an exception class with __slots__: telling it again costs one more round
+        pass
+    return exc
+
+
+def tell(world: World, op: str, exc: BaseException) -> NoReturn:
+    """Raise `exc`, which this rank raised before it took part in a call of `op` (a check on the library
+    path, a setting, an argument): first publish it in the group's next round, so that peers waiting in a
+    first call raise at once naming this rank, and peers inside a call they cached are stopped there.
+    Errors every rank raises together (faults, those a round already shared) are raised as they are."""
+    if getattr(exc, "autofuse_told", False) or isinstance(exc, COLLECTIVE) or not isinstance(exc, Exception):
+        raise exc
+    agree(world, op, None, exc)
+    raise exc  # agree raised it already; for type checkers
 
 
 def exchange(world: World, op: str, mine: dict) -> list[dict]:
-    """One JSON value per rank, in rank order, through the job's key-value store (bounded wait)."""
+    """One JSON value per rank, in rank order: a round through the job's store (comm/rounds.py), bounded;
+    peers that do not come within its grace are stopped where they wait, inside a call."""
     if world.size == 1:
         return [mine]
-    store = dist.distributed_c10d._get_default_store()
-    group = (world.group if world.group is not None else dist.group.WORLD).group_name
-    seq = STATE.agreement_seq.get(group, 0)
-    STATE.agreement_seq[group] = seq + 1
-    prefix = f"autofuse/agree/{group}/{seq}"
-    keys = [f"{prefix}/{r}" for r in range(world.size)]
-    store.set(keys[world.rank], json.dumps(mine))
+    n = rounds.publish(world, mine)
     STATE.stats.agreements += 1
     timeout = agree_timeout_s(world.device.type)
-    try:
-        store.wait(keys, datetime.timedelta(seconds=timeout))
-    except Exception as exc:  # noqa: BLE001 - the store's timeout error type differs across torch versions
-        missing = [r for r, k in enumerate(keys) if not store.check([k])]
-        # this round did not happen: take it back, so this rank's next agreement pairs with the others' next
-        # one (they never entered this round: they ran a cached call, or will call again)
-        STATE.agreement_seq[group] = seq
-        store.delete_key(keys[world.rank])
+    every = rounds.wait(world, n, timeout)
+    if every is None:
+        s = rounds.store()
+        present = [r for r, k in enumerate(rounds.keys(world, n)) if s.check([k])]
+        missing = [r for r in range(world.size) if r not in present]
+        if present == [world.rank]:
+            # this round did not happen: take it back, so this rank's next agreement pairs with the others'
+            # next one (they never entered this round: they are elsewhere, or dead)
+            rounds.take_back(world, n)
         raise DispatchMismatch(
             f"autofuse.{op}: rank(s) {missing} did not take part in the first call of this problem within "
-            f"{timeout:.0f} s ({type(exc).__name__}). A rank that ran a cached call with other shapes, skipped "
-            "the call or died leaves the others here; its own kernels time out on their flags.") from None
-    every = [json.loads(store.get(k)) for k in keys]
-    if seq > 0:  # every rank has published this round, so all have read the previous one
-        store.delete_key(f"autofuse/agree/{group}/{seq - 1}/{world.rank}")
+            f"{timeout:.0f} s, nor answered when this rank stopped the calls they may wait in: they skipped the "
+            "call, hang elsewhere or died.")
+    stopped = rounds.settle(world, n, every, timeout)
+    if stopped:
+        mine["stopped"] = [r for r, e in enumerate(every) if e.get("launched")]
+    if n > 0:  # every rank has published this round, so all have read the previous one
+        rounds.store().delete_key(f"{rounds.prefix(world, n - 1)}/{world.rank}")
     return every

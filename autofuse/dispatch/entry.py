@@ -13,13 +13,14 @@ decides while tracing (`TraceMiss`) or capturing a CUDA graph (`CaptureMiss`).
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, NoReturn
 
 import torch
 
 from autofuse.core import settings
-from autofuse.core.op import Config, InvalidConfig, InvalidInput, Op, config_key
-from autofuse.dispatch.agreement import agree
+from autofuse.core.op import Config, InvalidInput, Op, config_key
+from autofuse.dispatch import agreement
+from autofuse.dispatch.agreement import agree, told
 from autofuse.dispatch.choice import Choice
 from autofuse.dispatch.decide import confirm, decide
 from autofuse.dispatch.state import STATE, Entry, op_of, world_of
@@ -49,7 +50,10 @@ def call(op: str | Op, *args: Any, group: Any = None, variant: str | None = None
     """
     name = op if op.__class__ is str else op.name
     if library_path(args):
-        result = route(name, args, group, variant, config, out)
+        try:
+            result = route(name, args, group, variant, config, out)
+        except Exception as exc:
+            tell(group, name, exc)
         if result is not None:
             return result
     key = key_of(name, group, variant, config, args)
@@ -76,12 +80,29 @@ def route(name: str, args: tuple, group: Any, variant: str | None, config: Confi
     return library.route(name, args, group, variant, config, out)
 
 
-def refuse_scaled(name: str, args: tuple) -> None:
-    """Raise for a call with FP8 scales that would need the library path (autograd or a trace): the
-    custom ops take no scales yet, and dispatch must neither detach a gradient nor run inside a trace."""
+def refuse_scaled(name: str, args: tuple, group: Any = None) -> None:
+    """Raise for a call with FP8 scales that would need the library path (a tensor, scales included,
+    requires grad, or a trace runs): the custom ops take no scales yet, and dispatch must neither detach
+    a gradient nor run inside a trace. `args`: the positional inputs, then every optional one (None if
+    not given). Every rank raises (`tell`)."""
     from autofuse import library
 
-    library.refuse_scaled(name, args)
+    try:
+        library.refuse_scaled(name, args)
+    except Exception as exc:
+        tell(group, name, exc)
+
+
+def tell(group: Any, name: str, exc: BaseException) -> NoReturn:
+    """Raise `exc`, raised on this rank before it took part in a call (agreement.tell: its peers raise
+    at once too, naming this rank), as it is while a trace runs (nothing is published from a trace)."""
+    if compiling():
+        raise exc
+    try:
+        world = world_of(group)
+    except Exception:  # noqa: BLE001 - no process group to tell: this rank's own error is the one to read
+        raise exc from None
+    agreement.tell(world, name, exc)
 
 
 # A call that takes the library path builds no dispatch key: under torch.compile nothing of the hot
@@ -94,7 +115,10 @@ def {name}({params}, group=None, *, variant=None, config=None, out=None):
     except AttributeError:  # an argument that is not a tensor: the miss path names it, with every rank
         via_library, key = False, None
     if via_library:
-        result = route({name!r}, ({params},), group, variant, config, out)
+        try:
+            result = route({name!r}, ({params},), group, variant, config, out)
+        except Exception as exc:
+            tell(group, {name!r}, exc)
         if result is not None:
             return result
     entry = cache.get(key)
@@ -112,7 +136,8 @@ def {name}({params}, group=None, *, variant=None, config=None, out=None):
 # An op with keyword-only optional tensors (Op.optional: the FP8 scales): without them, what the plain
 # template does; those given follow the positional inputs, and their shape, dtype, device and
 # contiguity join the key (as key_of). Such calls (FP8) run through dispatch eagerly: the library
-# path (autograd, torch.compile) does not carry the scales, so one that needs it raises (refuse_scaled).
+# path (autograd, torch.compile) does not carry the scales, so one that needs it (any input, the scales
+# included, requires grad, or a trace runs) raises on every rank (refuse_scaled).
 # A non-tensor argument and a cached call's refused arguments are handled as in the plain template.
 _ENTRY_TEMPLATE_OPTIONAL = """
 def {name}({params}, group=None, *, {optional_params}, variant=None, config=None, out=None):
@@ -125,15 +150,19 @@ def {name}({params}, group=None, *, {optional_params}, variant=None, config=None
         else:
             via_library = False
             args = ({params},) + tuple(x for x in ({optional},) if x is not None)
-            if grad_enabled() and ({grad}) or compiling() or {subclass}:
-                refuse_scaled({name!r}, args)
+            if grad_enabled() and any(x.requires_grad for x in args) or compiling() or any(
+                    x.__class__ not in PLAIN for x in args):
+                refuse_scaled({name!r}, ({params}, {optional}), group)
             key = ({name!r}, id(group), variant, None if config is None else config_key(config)) + tuple(
                 k for x in args for k in (x.shape, x.dtype, x.device, x.is_contiguous()))
     except AttributeError:  # an argument that is not a tensor: the miss path names it, with every rank
         via_library, key = False, None
         args = ({params},) + tuple(x for x in ({optional},) if x is not None)
     if via_library:
-        result = route({name!r}, args, group, variant, config, out)
+        try:
+            result = route({name!r}, args, group, variant, config, out)
+        except Exception as exc:
+            tell(group, {name!r}, exc)
         if result is not None:
             return result
     entry = cache.get(key)
@@ -164,7 +193,7 @@ def entry_point(name: str) -> Callable[..., torch.Tensor]:
     subclass = " or ".join(f"{a}.__class__ not in PLAIN" for a in op.args)
     namespace = {"cache": STATE.cache, "miss": miss, "check": check, "stats": STATE.stats, "config_key": config_key,
                  "route": route, "refuse_scaled": refuse_scaled, "grad_enabled": grad_enabled, "compiling": compiling,
-                 "PLAIN": PLAIN, "InvalidInput": InvalidInput, "take_part": take_part,
+                 "PLAIN": PLAIN, "InvalidInput": InvalidInput, "take_part": take_part, "tell": tell,
                  "__name__": __name__}  # warnings skip this frame as autofuse's own (state.user_stacklevel)
     template = _ENTRY_TEMPLATE_OPTIONAL if op.optional else _ENTRY_TEMPLATE
     exec(template.format(name=name, params=params, key=key, grad=grad, subclass=subclass,  # noqa: S102
@@ -266,15 +295,15 @@ def take_part(entry: Entry, args: tuple, out: Any, refused: InvalidInput, checke
     try:
         op.problem_of(runner.world, *args)
     except InvalidInput as exc:
-        raise InvalidInput(f"{exc}; this rank ran the call on copies so that the other ranks complete (out was not "
-                           "written)") from None
+        raise told(InvalidInput(f"{exc}; this rank ran the call on copies so that the other ranks complete (out "
+                                "was not written)")) from None
     if out is None:
         return result
     if isinstance(out, torch.Tensor) and out.shape == result.shape and out.dtype == result.dtype \
             and out.device == result.device:
         return out.copy_(result)
-    raise InvalidInput(f"{refused}; this rank ran the call into a buffer of its own so that the other ranks "
-                       "complete") from None
+    raise told(InvalidInput(f"{refused}; this rank ran the call into a buffer of its own so that the other ranks "
+                            "complete")) from None
 
 
 def miss(key: tuple | None, op: str | Op, args: tuple, group: Any, variant: str | None, config: Config | None,
@@ -293,7 +322,7 @@ def miss(key: tuple | None, op: str | Op, args: tuple, group: Any, variant: str 
     world = world_of(group)
     try:
         choice, invalid = decide(op, world, args, variant, config), None
-    except (InvalidInput, InvalidConfig, ValueError) as exc:
+    except Exception as exc:  # noqa: BLE001 - any reason this rank cannot run it (an unknown variant=, ...) is shared
         choice, invalid = None, exc
     agree(world, op.name, choice, invalid)
     if choice.candidates:

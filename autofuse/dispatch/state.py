@@ -1,7 +1,7 @@
 """What dispatch keeps per process, in one place: cached decisions, Worlds, ops, policies, counters.
 
-`STATE` is the only instance. `reset()` forgets everything but the agreement sequence numbers (store
-keys are never reused within a job). The generated entry points bind `STATE.cache` and `STATE.stats`
+`STATE` is the only instance. `reset()` forgets everything (the agreement rounds' numbers live in
+autofuse/comm/rounds.py: store keys are never reused within a job). The generated entry points bind `STATE.cache` and `STATE.stats`
 when made, so those two objects are cleared in place, never replaced.
 """
 from __future__ import annotations
@@ -46,7 +46,6 @@ class State:
     policies: dict[str, Any] = field(default_factory=dict)  # device kind -> Policy
     forced_policy: Any = None  # set_policy's Policy
     warned: set[str] = field(default_factory=set)
-    agreement_seq: dict[str, int] = field(default_factory=dict)  # per group name; never reset
     confirmed: dict[str, dict[str, dict]] = field(default_factory=dict)  # kind -> problem key -> {variant: (us, config)}
     stats: Stats = field(default_factory=Stats)
 

@@ -11,7 +11,8 @@ The gathered operand of ag_gemm: B's gradient needs all_gather(A). By default (a
 does) the forward keeps it (M x K per call, until backward); AUTOFUSE_SAVE_GATHERED=0 keeps only
 this rank's A and gathers it again in backward, inside an ag_gemm of the other form (dispatched
 like any call, so a fused variant overlaps the gather with the GEMM): less memory, more traffic.
-Read at each call (at trace time under torch.compile).
+Read at each call (at trace time under torch.compile); every rank must set it alike, which the first
+call of each problem checks with every rank (settings.lockstep), as the other shared settings.
 
 Requires torch.distributed to be initialised; ops take their process group by name
 (`ProcessGroup.group_name`). Importing this module registers the ops (namespace `autofuse`): import
@@ -39,7 +40,7 @@ def ag_gemm(a: torch.Tensor, b: torch.Tensor, group: Any = None, *, variant: str
             config: dict | None = None) -> torch.Tensor:
     """all_gather(A) @ B_r (rows or K form, from the shapes) through the custom op, differentiable."""
     name, text = name_of(group), ops.config_text(config)
-    if b.requires_grad and torch.is_grad_enabled() and settings.save_gathered():
+    if b.requires_grad and torch.is_grad_enabled() and settings.save_gathered(not torch.compiler.is_compiling()):
         return torch.ops.autofuse.ag_gemm_gathered(a, b, name, variant=variant, config=text)[0]
     return torch.ops.autofuse.ag_gemm(a, b, name, variant=variant, config=text)
 
@@ -77,11 +78,18 @@ def refuse_fp8(op: str, tensors: list) -> None:
 
 
 def refuse_scaled(op: str, args: tuple) -> None:
-    """A call with FP8 scales that needs autograd or is traced: raise (the custom ops carry no scales)."""
-    tensors = [t for t in args if isinstance(t, torch.Tensor)]
-    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-        refuse_fp8(op, tensors)
-        raise NotImplementedError(f"autofuse.{op} with scales has no backward; call it under torch.no_grad()")
+    """A call with FP8 scales that needs autograd (any input, a scale included, requires grad) or is traced:
+    raise, naming the inputs (the custom ops carry no scales, and a scale's gradient would be lost).
+    `args`: the op's positional inputs, then each optional one (None where not given)."""
+    from autofuse.dispatch.state import op_of
+
+    names = (*op_of(op).args, *op_of(op).optional)
+    named = [(n, t) for n, t in zip(names, args) if isinstance(t, torch.Tensor)]
+    if torch.is_grad_enabled() and any(t.requires_grad for _, t in named):
+        refuse_fp8(op, [t for _, t in named])
+        grads = ", ".join(f"{n} {tuple(t.shape)} {t.dtype}" for n, t in named if t.requires_grad)
+        raise NotImplementedError(f"autofuse.{op} with FP8 scales has no backward, but {grads} require grad: call it "
+                                  "under torch.no_grad(), or pass tensors that do not require grad (.detach())")
     from autofuse.dispatch.entry import TraceMiss, shapes_of
 
     raise TraceMiss(f"autofuse.{op} with FP8 scales ({shapes_of(args)}) was called while a trace runs; its custom "
@@ -96,8 +104,12 @@ def route(op: str, args: tuple, group: Any, variant: str | None, config: dict | 
     tensors = [t for t in args if isinstance(t, torch.Tensor)]
     traced = tracing(args)
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
-    if not traced and not grad:
-        return None
+    if not traced and (not grad or any(t.is_meta for t in tensors)):
+        return None  # the eager path; it refuses meta tensors (no data) with every rank, as any bad input
+    from autofuse.dispatch.state import op_of
+
+    if op in FUNCTIONS and len(args) > len(op_of(op).args):  # call(op, a, b, scale_a, ...): FP8 scales
+        refuse_scaled(op, args)
     if out is not None:
         why = "inputs that require grad" if grad else "tracing (torch.compile / torch.export)"
         raise ValueError(f"autofuse.{op}: out= is not supported with {why} (as torch's out= functions); "

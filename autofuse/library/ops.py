@@ -21,7 +21,8 @@ what a training step keeps for B's gradient (autofuse/library/grads.py). It take
 buffers of the variant that ran where it holds the whole gathered A (its runner's
 `gathered_input()`: bsp and the heap hybrids heap_mm, heap_mm_overlap), else (the fused kernels,
 whose tiles never sit whole in one buffer, and torch_symm) it gathers A once more with
-torch.distributed.
+torch.distributed, bounded as bsp's collectives are (`World.collective`: on gloo within the wait
+budget, stopped at once by a peer that did not take part).
 """
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from autofuse.comm.world import all_gather_single
+from autofuse.comm.world import World, all_gather_single
 from autofuse.library.groups import group_of, world_size
 
 NAMESPACE = "autofuse"
@@ -74,10 +75,10 @@ def _ag_gemm_shape(a: torch.Tensor, b: torch.Tensor, group_name: str) -> tuple[i
 def _all_gather(a: torch.Tensor, group_name: str) -> torch.Tensor:
     """all_gather_rows(A) (rows form) or concat_cols(A) (k form, M x K) with torch.distributed."""
     group = group_of(group_name)
-    w = dist.get_world_size(group)
+    world = World.from_group(None if group is dist.group.WORLD else group)
     a = a.contiguous()
-    shards = a.new_empty((w * a.shape[0], a.shape[1]))
-    all_gather_single(shards, a, group=group)
+    shards = a.new_empty((world.size * a.shape[0], a.shape[1]))
+    world.collective(all_gather_single, shards, a, what="autofuse.ag_gemm (all_gather of A for B's gradient)")
     return shards
 
 
