@@ -650,7 +650,8 @@ def test_damaged_database_given_to_tune_or_merge_is_untouched(runner, db, tmp_pa
 
 
 @pytest.mark.parametrize("column, value", [("problem", "ag_gemm|M=x|bfloat16"), ("config", "not json"),
-                                           ("median_us", "fast")])
+                                           ("median_us", "fast"), ("median_us", -5.0), ("median_us", float("inf")),
+                                           ("problem", "gemm_ar|K=8192,M=128,N=7168|bfloat16|w2")])
 def test_rows_modified_outside_autofuse_are_one_line(runner, db, tmp_path, column, value):
     """show, export and fit name the row and stop; merge copies nothing from such an input (OUT untouched)."""
     path = tmp_path / "modified.db"

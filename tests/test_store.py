@@ -573,6 +573,10 @@ def test_only_regular_files_are_opened(tmp_path):
     ("problem", "not a problem", "is not a problem key"),
     ("config", "{broken", "config is not a JSON object"),
     ("median_us", "fast", "median_us is not a number"),
+    ("median_us", -5.0, "median_us is -5.0, not a finite number >= 0"),
+    ("p90_us", float("inf"), "p90_us is inf, not a finite number >= 0"),
+    ("problem", Problem.make("gemm_ar", "float32", 2, M=4, N=16, K=32).key, "a row of fake_sum holds a problem key of "
+                                                                          "gemm_ar"),
 ])
 def test_rows_modified_outside_autofuse_are_one_line_errors(tmp_path, column, value, needle):
     path = _good(tmp_path / "rows.db")

@@ -21,8 +21,9 @@ read-only URI mode, nothing is created or converted, and a missing, foreign, cor
 file raises `StoreError` naming the path and the cause. A writable open checks an existing file the
 same way, read-only, before it writes anything, so a damaged or foreign database is refused untouched;
 either open refuses anything but a regular file (a device, a FIFO, a link to one). A row whose values
-are not what autofuse writes (a problem key that does not parse, a config that is not a JSON object,
-text in a latency column) raises `StoreError` naming it when read. Schema-1 databases (before layered
+are not what autofuse writes (a problem key that does not parse or is another op's, a config that is
+not a JSON object, text or a negative or infinite number in a latency column) raises `StoreError`
+naming it when read. Schema-1 databases (before layered
 fingerprints) are migrated in place by a writable open and read through a migrated in-memory copy by
 a read-only one; their rows keep the current op digests when the code is the one they were measured
 with (`environment.legacy_kernel_hash`), else a `legacy-...` digest that no current op matches.
@@ -505,12 +506,18 @@ class Store:
             if key in d and d[key] is not None and (isinstance(d[key], bool) or not isinstance(d[key], (int, float))):
                 raise self._error(f"{where}: {key} is not a number ({str(d[key])[:60]!r}); "
                                   "the database was modified outside autofuse")
+            if key in d and d[key] is not None and not (math.isfinite(d[key]) and d[key] >= 0):
+                raise self._error(f"{where}: {key} is {d[key]!r}, not a finite number >= 0 as autofuse writes; "
+                                  "the database was modified outside autofuse")
         if "problem" in d:
             try:
-                Problem.from_key(d["problem"])
+                problem = Problem.from_key(d["problem"])
             except Exception:  # noqa: BLE001 - any malformed key: the message names it
                 raise self._error(f"{where}: {str(d['problem'])[:80]!r} is not a problem key; "
                                   "the database was modified outside autofuse") from None
+            if "op" in d and problem.op != d["op"]:
+                raise self._error(f"{where}: a row of {d['op']} holds a problem key of {problem.op} "
+                                  f"({str(d['problem'])[:80]!r}); the database was modified outside autofuse")
         if "ok" in d:
             d["ok"] = bool(d["ok"])
         return d
