@@ -669,3 +669,34 @@ def test_rows_modified_outside_autofuse_are_one_line(runner, db, tmp_path, colum
         assert res.exit_code == 1, (command, res.output)
         assert str(path) in res.output and "outside autofuse" in res.output, (command, res.output)
         assert "Traceback" not in res.output and not isinstance(res.exception, (ValueError, TypeError)), res.output
+
+
+def test_merge_into_itself_leaves_it_untouched(runner, db, tmp_path):
+    """OUT named as an input (by its path or through a link) is skipped; with no other input OUT is not even
+    opened, so not one byte of it changes (its meta row included)."""
+    out = tmp_path / "out.db"
+    shutil.copy(db, out)
+    link = tmp_path / "link.db"
+    link.symlink_to(out)
+    before = _digest(out)
+    for args in (["merge", str(out), str(out)], ["merge", str(out), str(link)], ["merge", "--json", str(out), str(out)]):
+        res = runner.invoke(app, args)
+        assert res.exit_code == 0 and "it is the output" in res.output, (args, res.output)
+        assert _digest(out) == before, args
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("out")) == ["out.db"]
+
+
+def test_a_dangling_db_link_is_refused(runner, db, tmp_path):
+    """tune --db and merge's OUT through a symbolic link to a missing file: one line, and the link's target is
+    never created (SQLite would create it through the link)."""
+    target = tmp_path / "elsewhere" / "target.db"
+    target.parent.mkdir()
+    link = tmp_path / "link.db"
+    link.symlink_to(target)
+    for args in (["merge", str(link), str(db)], ["tune", "--db", str(link), "--op", "gemm_ar", "--trials", "1"]):
+        res = runner.invoke(app, args)
+        assert res.exit_code == 1, (args, res.output)
+        assert "symbolic link" in res.output and "does not exist" in res.output, (args, res.output)
+        assert "Traceback" not in res.output, res.output
+        assert not target.exists() and link.is_symlink(), args
+    assert list(target.parent.iterdir()) == []

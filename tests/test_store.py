@@ -58,12 +58,12 @@ def test_schema_wal_foreign_keys_and_idempotent_trials(store, tmp_path):
     kept = store.conn.execute("SELECT study FROM measurements WHERE config LIKE '%32%'").fetchall()
     assert len(kept) == 1 and kept[0][0].startswith("s#"), kept
     assert store.add([ok(P, "bsp", {}, 20.0)], fp, source="baseline") == 1
-    assert store.add([ok(P, "bsp", {}, 21.0)], fp, source="baseline") == 1  # no study: never collides
+    assert store.add([ok(P, "bsp", {}, 21.0)], fp, source="baseline") == 0  # measured already: the first row stands
     for source in ("nonsense", "bench"):  # nothing writes bench rows: not a source any more
         with pytest.raises(ValueError):
             store.add([ok(P, "bsp", {}, 20.0)], fp, source=source)
     got = store.measurements(op="fake_sum", mode="eager")
-    assert len(got) == 5 and all(r["fingerprint"] == fp["id"] for r in got)
+    assert len(got) == 4 and all(r["fingerprint"] == fp["id"] for r in got)
     r0 = got[0]
     assert r0["config"] == {"BLOCK": 16} and r0["ok"] is True and r0["extra"] == {"build_check_s": 0.5}
     assert r0["config_id"] == config_id("fake_sum", "push", {"BLOCK": 16})
@@ -593,3 +593,33 @@ def test_rows_modified_outside_autofuse_are_one_line_errors(tmp_path, column, va
             assert names in message, message
     finally:
         store.close()
+
+
+def test_two_tunes_on_one_database_store_one_baseline_row(tmp_path):
+    """Two writers (two tunes) that each found a baseline unmeasured, then measured it: the second row is not
+    added; other modes, configs and problems still are."""
+    path = tmp_path / "shared.db"
+    fp = environment.fingerprint()
+    first, second = Store(path), Store(path)
+    try:
+        assert first.lookup(P.key, config_id(P.op, "bsp", {}), "eager", hardware_id=ALL) is None
+        assert second.lookup(P.key, config_id(P.op, "bsp", {}), "eager", hardware_id=ALL) is None
+        assert first.add([ok(P, "bsp", {}, 20.0)], fp, source="baseline") == 1
+        assert second.add([ok(P, "bsp", {}, 21.0), ok(P, "bsp", {}, 22.0, mode="graph"), ok(Q, "bsp", {}, 23.0)], fp,
+                          source="baseline") == 2
+        rows = second.measurements(op="fake_sum", hardware_id=ALL)
+        assert sorted((r["problem"], r["mode"], r["median_us"]) for r in rows) == sorted(
+            [(P.key, "eager", 20.0), (P.key, "graph", 22.0), (Q.key, "eager", 23.0)])
+    finally:
+        first.close()
+        second.close()
+
+
+def test_a_dangling_link_is_never_written_through(tmp_path):
+    target = tmp_path / "missing" / "target.db"
+    link = tmp_path / "link.db"
+    link.symlink_to(target)
+    for readonly in (False, True):
+        with pytest.raises(StoreError, match="symbolic link .* does not exist"):
+            Store.open(link, readonly=readonly)
+    assert not target.parent.exists() and link.is_symlink()

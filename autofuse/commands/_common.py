@@ -81,11 +81,13 @@ class OutputExists(FileExistsError):
 
 
 def not_a_file(path: Path) -> str | None:
-    """Why `path` cannot be an output file (a folder, a device, a FIFO, a socket, or a link to one), None if
-    it is a regular file or does not exist. `--force` replaces regular files only."""
+    """Why `path` cannot be an output file (a folder, a device, a FIFO, a socket, a link to one or a link to
+    nothing), None if it is a regular file or does not exist. `--force` replaces regular files only."""
     try:
         mode = os.stat(path).st_mode
     except FileNotFoundError:
+        if os.path.islink(path):  # writing would create the missing target somewhere else
+            return f"{path} is a symbolic link to {os.readlink(path)}, which does not exist; name the file itself"
         return None
     except OSError as exc:
         return f"{path}: {exc.strerror or exc}"

@@ -2,11 +2,14 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any, Callable, List, NoReturn
 
 import typer
 from rich.console import Console
+
+from autofuse.commands._common import not_a_file
 
 console = Console()
 errors = Console(stderr=True)
@@ -23,17 +26,21 @@ def merge(
     added, so two real measurements of one config are both kept (fit and dispatch use the faster; a failure in
     either keeps the config out). Independent runs number their trials alike: a trial whose study and number
     OUT already holds for another measurement is kept under the study name '<study>#<tag>'. Every input is
-    opened and checked before OUT is touched: a missing or foreign input changes nothing and creates no file."""
+    opened and checked before OUT is touched: a missing or foreign input changes nothing and creates no file;
+    an input that is OUT itself is skipped (with no other input, OUT is not even opened)."""
     from autofuse.measure.store import Store, StoreError
 
     def fail(text: str) -> NoReturn:
         errors.print(f"autofuse merge: {text}", style="red", markup=False, highlight=False, soft_wrap=True)
         raise typer.Exit(1)
 
+    why = not_a_file(out)
+    if why:
+        fail(why)
     sources: list[tuple[Path, Any]] = []
     try:
         for path in inputs:
-            if path.exists() and out.exists() and path.resolve() == out.resolve():
+            if path.exists() and out.exists() and os.path.samefile(path, out):
                 sources.append((path, None))
                 continue
             try:
@@ -65,6 +72,8 @@ def _merge_into(out: Path, sources: list[tuple[Path, Any]], fail: Callable[[str]
     again (with SQLite's side files) if the merge fails."""
     from autofuse.measure.store import Store, StoreError
 
+    if all(source is None for _, source in sources):  # nothing to read but OUT itself: OUT is not opened
+        return [{"input": str(path), "skipped": "it is the output"} for path, _ in sources]
     created = not out.exists()
     ok = False
     try:

@@ -281,6 +281,9 @@ class Store:
         try:
             mode = os.stat(self.path).st_mode
         except FileNotFoundError:
+            if os.path.islink(self.path):  # SQLite would create the missing target through the link
+                raise self._error(f"is a symbolic link to {os.readlink(self.path)}, which does not exist: name the "
+                                  "database file itself") from None
             return False
         except OSError as exc:
             raise self._error(f"cannot be read: {exc.strerror or exc}") from None
@@ -420,8 +423,10 @@ class Store:
         entry, else `environment.op_digest` of a registered op, else ''). A trial written again
         (the same study, trial and config: a resumed run) adds nothing. A trial whose (study, trial)
         is taken by another config (a new Optuna storage numbers trials from 0 again) is kept under
-        the study name `<study>#<tag>`, as `merge_from` does, never dropped. All rows are written in
-        one transaction.
+        the study name `<study>#<tag>`, as `merge_from` does, never dropped. A baseline row whose config
+        is already measured as a baseline on this problem, hardware, op code and mode is not added (two
+        tunes sharing one database each measured it: the first row stands). All rows are written in
+        one transaction, which holds the database's write lock from before that check.
         """
         self._writable()
         if source not in SOURCES:
@@ -472,6 +477,12 @@ class Store:
                 for r in rows:
                     r["study"] = name
         with self.conn:
+            self.conn.execute("BEGIN IMMEDIATE")  # one writer from here: the baseline check below stays true
+            if source == "baseline":
+                rows = [r for r in rows if not self._query(
+                    "SELECT 1 FROM measurements WHERE source = 'baseline' AND problem = ? AND config_id = ? "
+                    "AND hardware_id = ? AND op_digest = ? AND mode = ? LIMIT 1",
+                    [r["problem"], r["config_id"], r["hardware_id"], r["op_digest"], r["mode"]])]
             if isinstance(fingerprint, Mapping):
                 _insert(self.conn, "environments", [env])
             _insert(self.conn, "problems", problems.values())
