@@ -366,9 +366,12 @@ def test_merge_keeps_every_real_measurement_once(tmp_path):
         s.add([ok(P, "push", {"BLOCK": 16}, 10.0)], fp, study="shared", trial=0)
         s.add([ok(P, "push", {"BLOCK": 32}, 11.0)], fp, study="shared", trial=1)
     shutil.copy(a, b)  # host 1 started from a copy of host 0's database...
-    with Store(b) as s:  # ...then measured more: a trial of the shared study and its own baseline
-        s.add([ok(P, "push", {"BLOCK": 8}, 9.0)], fp, study="shared", trial=2)
+    own = tmp_path / "own.db"  # host 1's own measurement of the baseline (a store keeps one per config: its run's)
+    with Store(own) as s:
         s.add([ok(P, "bsp", {}, 19.0)], fp, source="baseline")
+    with Store(b) as s, Store.open(own, readonly=True) as theirs:  # ...then measured more: a trial, its baseline
+        s.add([ok(P, "push", {"BLOCK": 8}, 9.0)], fp, study="shared", trial=2)
+        s.merge_from(theirs)
     out = tmp_path / "all.db"
     before = {p: p.read_bytes() for p in (a, b)}
     result = CliRunner().invoke(app, ["merge", str(out), str(a), str(b)])
