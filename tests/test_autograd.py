@@ -175,6 +175,24 @@ def test_fp8_inputs_that_require_grad_raise():
         autofuse.gemm_rs(a, b.t(), scale_a=one, scale_b=one)  # the scaled form never detaches either
 
 
+@pytest.mark.parametrize("op", ["ag_gemm", "gemm_rs", "gemm_ar"])
+def test_fp8_scales_that_require_grad_raise(op):
+    """A scale that requires grad (the FP8 inputs do not) is refused at the call, naming it: fused variants
+    would return an output cut off from it, BSP's _scaled_mm fail in backward."""
+    import autofuse
+    from autofuse import dispatch
+
+    a = torch.randn(4, 16).to(torch.float8_e4m3fn)
+    b = torch.randn(16, 16).to(torch.float8_e4m3fn).t()
+    one, grad = torch.ones(()), torch.ones((), requires_grad=True)
+    for sa, sb, named in ((grad, one, r"scale_a \(\) torch.float32"), (one, grad, r"scale_b \(\) torch.float32")):
+        with pytest.raises(NotImplementedError, match=rf"autofuse.{op} with FP8 scales has no backward, but {named} "
+                                                      "require grad"):
+            getattr(autofuse, op)(a, b, scale_a=sa, scale_b=sb)
+        with pytest.raises(NotImplementedError, match=rf"autofuse.{op} with FP8 scales has no backward"):
+            dispatch.call(op, a, b, sa, sb)
+
+
 # -- a training loop, torch.compile, torch.export ---------------------------------------------------------
 T, H, F, STEPS, LR = 16, 32, 64, 3, 0.05
 

@@ -86,7 +86,7 @@ def refuse_scaled(op: str, args: tuple) -> None:
     names = (*op_of(op).args, *op_of(op).optional)
     named = [(n, t) for n, t in zip(names, args) if isinstance(t, torch.Tensor)]
     if torch.is_grad_enabled() and any(t.requires_grad for _, t in named):
-        refuse_fp8(op, [t for _, t in named])
+        refuse_fp8(op, [t for _, t in named if t.requires_grad])
         grads = ", ".join(f"{n} {tuple(t.shape)} {t.dtype}" for n, t in named if t.requires_grad)
         raise NotImplementedError(f"autofuse.{op} with FP8 scales has no backward, but {grads} require grad: call it "
                                   "under torch.no_grad(), or pass tensors that do not require grad (.detach())")
