@@ -248,24 +248,25 @@ def test_a_mistake_one_rank_can_see_lets_the_others_complete():
 
 
 def test_a_rank_that_does_not_take_part_makes_the_others_raise_in_bounded_time():
-    """One rank passes None, or other shapes than the others on a problem they cached: it raises (alone on a
-    first call: InvalidInput or DispatchMismatch after the agreement's bound), the others raise FlagTimeout
-    (heap and fused variants) within the wait budget; after autofuse.rebuild() on every rank, calls and
-    first calls (whose agreement rounds stay paired) work again."""
+    """One rank passes None, or other shapes than the others on a problem they cached: it raises (InvalidInput
+    or DispatchMismatch) and, from its first call's agreement, stops the others inside the call they cached
+    (heap and fused variants), which raise PeerRefused (a FlagTimeout) naming it; after autofuse.rebuild() on
+    every rank, calls and first calls (whose agreement rounds stay paired) work again."""
     cases = [("gemm_ar", "one_shot", "not_a_tensor"), ("gemm_ar", "one_shot", "new_shape"),
              ("ag_gemm", "heap_mm", "new_shape")]
     results = spawn(_mistake_job, 2, cases, device_kind="cpu", timeout_s=900)
-    _assert_mistakes(results, {"InvalidInput", "DispatchMismatch"}, {"FlagTimeout"})
+    _assert_mistakes(results, {"InvalidInput", "DispatchMismatch"}, {"PeerRefused"})
 
 
 def test_a_rank_that_does_not_take_part_at_four_ranks():
     results = spawn(_mistake_job, 4, [("gemm_ar", "one_shot", "new_shape")], device_kind="cpu", timeout_s=900)
-    _assert_mistakes(results, {"DispatchMismatch"}, {"FlagTimeout"})
+    _assert_mistakes(results, {"DispatchMismatch"}, {"PeerRefused"})
 
 
 def test_bsp_peers_of_a_rank_that_does_not_take_part_raise_in_bounded_time():
-    """bsp on the CPU emulation: the others' collective gives up after the wait budget (CollectiveTimeout)
-    instead of waiting for the process group's timeout; the group is then unusable (it says so)."""
+    """bsp on the CPU emulation: the rank with the mistake stops the others' collective from its agreement
+    (CollectiveTimeout naming it) instead of leaving them to the process group's timeout; the group is then
+    unusable (it says so)."""
     results = spawn(_mistake_job, 2, [("gemm_ar", "bsp", "not_a_tensor")], 5.0, device_kind="cpu", timeout_s=600)
     _assert_mistakes(results, {"InvalidInput"}, {"CollectiveTimeout"}, third=False)
     calls, _ = _outcomes(results)[("gemm_ar", "bsp", "not_a_tensor")][0]
@@ -275,7 +276,7 @@ def test_bsp_peers_of_a_rank_that_does_not_take_part_raise_in_bounded_time():
 @harness.gpu(2)
 def test_gpu_one_ranks_mistake_never_hangs_the_other():
     """The CPU tests' heap and fused cases on GPUs (several ranks may share one GPU): a mistake the rank sees
-    lets the other complete; a rank absent from a cached call makes the other raise FlagTimeout, and after
+    lets the other complete; a rank absent from a cached call stops the other there (PeerRefused), and after
     rebuild both work, first calls too."""
     seen = [("gemm_ar", "one_shot", "bad_out"), ("gemm_ar", "one_shot", "strided_out"),
             ("ag_gemm", "push", "misaligned"), ("ag_gemm", "heap_mm", "bad_out")]
@@ -283,7 +284,7 @@ def test_gpu_one_ranks_mistake_never_hangs_the_other():
                      {"InvalidInput", "returned"}, {"returned"})
     absent = [("gemm_ar", "one_shot", "not_a_tensor"), ("ag_gemm", "heap_mm", "new_shape")]
     _assert_mistakes(spawn(_mistake_job, harness.gpu_world(), absent, device_kind="cuda", timeout_s=900),
-                     {"InvalidInput", "DispatchMismatch"}, {"FlagTimeout"})
+                     {"InvalidInput", "DispatchMismatch"}, {"PeerRefused"})
 
 
 SETTINGS_SCENARIOS = [
