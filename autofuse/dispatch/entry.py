@@ -53,7 +53,7 @@ def call(op: str | Op, *args: Any, group: Any = None, variant: str | None = None
         try:
             result = route(name, args, group, variant, config, out)
         except Exception as exc:
-            tell(group, name, exc)
+            tell(group, name, exc, args)
         if result is not None:
             return result
     key = key_of(name, group, variant, config, args)
@@ -90,13 +90,14 @@ def refuse_scaled(name: str, args: tuple, group: Any = None) -> None:
     try:
         library.refuse_scaled(name, args)
     except Exception as exc:
-        tell(group, name, exc)
+        tell(group, name, exc, args)
 
 
-def tell(group: Any, name: str, exc: BaseException) -> NoReturn:
+def tell(group: Any, name: str, exc: BaseException, args: tuple = ()) -> NoReturn:
     """Raise `exc`, raised on this rank before it took part in a call (agreement.tell: its peers raise
-    at once too, naming this rank), as it is while a trace runs (nothing is published from a trace)."""
-    if compiling():
+    at once too, naming this rank), as it is where the call is traced (`args` hold fake tensors, or
+    Dynamo compiles): a trace runs no call, so nothing is published from one."""
+    if tracing(args):
         raise exc
     try:
         world = world_of(group)
@@ -118,7 +119,7 @@ def {name}({params}, group=None, *, variant=None, config=None, out=None):
         try:
             result = route({name!r}, ({params},), group, variant, config, out)
         except Exception as exc:
-            tell(group, {name!r}, exc)
+            tell(group, {name!r}, exc, ({params},))
         if result is not None:
             return result
     entry = cache.get(key)
@@ -162,7 +163,7 @@ def {name}({params}, group=None, *, {optional_params}, variant=None, config=None
         try:
             result = route({name!r}, args, group, variant, config, out)
         except Exception as exc:
-            tell(group, {name!r}, exc)
+            tell(group, {name!r}, exc, args)
         if result is not None:
             return result
     entry = cache.get(key)
