@@ -26,10 +26,13 @@ else BSP for every op not forced, with a one-time warning. Then every rank agree
 variant, config) through the job's store and waits, bounded (the wait budget + 2 s), for all the
 others. If any rank's input was invalid, every rank raises InvalidInput naming that rank and the
 reason; if the choices or the settings every rank must share differ, every rank raises
-DispatchMismatch naming them; if a rank does not take part (it ran a cached call with other shapes,
-or died), the others raise DispatchMismatch when the wait runs out, while that rank's kernels time
-out on their flags, and take the round back so their next agreement pairs with the others'. All of
-it happens before any kernel is built or launched. Then the runner is built and cached.
+DispatchMismatch naming them; a rank that raised before it reached the agreement (the library
+path's checks and settings) publishes that in the same round (agreement.tell). Peers that do not come
+within a second are stopped where they wait inside a call they cached (autofuse/comm/rounds.py: their
+workspaces' status, their gloo collectives) and raise PeerRefused / CollectiveTimeout naming this rank;
+only a rank that never answers (it died) leaves the others to the wait's bound, and a rank left alone
+takes the round back so its next agreement pairs with the others'. All of it happens before any
+kernel is built or launched. Then the runner is built and cached.
 
 One rank's mistake on a cached call (entry.take_part): a runner checks its arguments before it
 launches anything; where the key admitted them but the runner refuses them (a misaligned or

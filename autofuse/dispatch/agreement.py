@@ -132,9 +132,7 @@ def exchange(world: World, op: str, mine: dict) -> list[dict]:
             f"autofuse.{op}: rank(s) {missing} did not take part in the first call of this problem within "
             f"{timeout:.0f} s, nor answered when this rank stopped the calls they may wait in: they skipped the "
             "call, hang elsewhere or died.")
-    stopped = rounds.settle(world, n, every, timeout)
-    if stopped:
-        mine["stopped"] = [r for r, e in enumerate(every) if e.get("launched")]
+    rounds.settle(world, n, every, timeout)
     if n > 0:  # every rank has published this round, so all have read the previous one
         rounds.store().delete_key(f"{rounds.prefix(world, n - 1)}/{world.rank}")
     return every
