@@ -79,11 +79,16 @@ def _save_gathered_differs(world, mine: bool) -> None:
         del os.environ["AUTOFUSE_SAVE_GATHERED"]
 
 
+OUT: list = []  # the out= of the call a scenario made last
+
+
 def _cached(world, mine: bool, name: str, variant: str, mistake: str) -> None:
+    """Every rank caches a call, then calls it again, into out= prefilled with finite values, the last rank with
+    its mistake."""
     import autofuse
 
     dims = GEMM_AR if name == "gemm_ar" else AG_GEMM
-    _, _, args = _inputs(world, name, dims)
+    op, problem, args = _inputs(world, name, dims)
     fn = getattr(autofuse, name)
     fn(*args, variant=variant)  # every rank caches it
     world.sync()
@@ -92,7 +97,8 @@ def _cached(world, mine: bool, name: str, variant: str, mistake: str) -> None:
         args[1] = None
     elif mine and mistake == "new_shape":
         args[0] = torch.cat([args[0], args[0]])
-    fn(*args, variant=variant)
+    OUT[:] = [None if mine else torch.full(tuple(op.reference(world, problem, 0).shape), 3.0)]
+    fn(*args, variant=variant, out=OUT[0])
 
 
 SCENARIOS = {
@@ -117,7 +123,8 @@ SCENARIOS = {
 
 def _job(world, names: list[str]) -> list[tuple]:
     """Per scenario: (name, what this rank raised, its message, seconds the call took, the next first call's
-    relative error or None). The default settings (no AUTOFUSE_WAIT_TIMEOUT)."""
+    relative error or None, whether its out= holds NaN only, None without out=). The default settings (no
+    AUTOFUSE_WAIT_TIMEOUT)."""
     import autofuse
 
     os.environ.pop("AUTOFUSE_WAIT_TIMEOUT", None)
@@ -125,6 +132,7 @@ def _job(world, names: list[str]) -> list[tuple]:
     for i, name in enumerate(names):
         fn, rebuild, _, _ = SCENARIOS[name]
         world.sync()
+        OUT[:] = [None]
         start = time.monotonic()
         try:
             fn(world, world.rank == world.size - 1)
@@ -132,6 +140,7 @@ def _job(world, names: list[str]) -> list[tuple]:
         except Exception as exc:  # noqa: BLE001 - what each rank raised is the result
             what, text = type(exc).__name__, str(exc)
         seconds = time.monotonic() - start
+        nan = None if OUT[0] is None else bool(torch.isnan(OUT[0]).all())
         after = None
         if rebuild is not None:
             world.sync()
@@ -139,20 +148,21 @@ def _job(world, names: list[str]) -> list[tuple]:
                 autofuse.rebuild()
             op, problem, args = _inputs(world, "gemm_ar", {**GEMM_AR, "N": 16 * (i + 2)}, seed=i)
             after = rel_error(autofuse.gemm_ar(*args, variant="one_shot"), op.reference(world, problem, i))
-        rows.append((name, what, text, seconds, after))
+        rows.append((name, what, text, seconds, after, nan))
     return rows
 
 
 def _check(results, names: list[str]) -> None:
     last = len(results) - 1
     for rank, rows in enumerate(results):
-        for name, what, text, seconds, after in rows:
+        for name, what, text, seconds, after, nan in rows:
             _, _, mine, others = SCENARIOS[name]
             assert what == (mine if rank == last else others), (name, rank, what, text)
             if rank != last:
                 assert f"rank {last}" in text, (name, rank, text)
             assert seconds < FAST_S, f"{name}: rank {rank} raised after {seconds:.1f} s ({what})"
             assert after is None or after < 1e-4, (name, rank, after)
+            assert nan is None or nan, f"{name}: rank {rank} raised {what} and left values in out="
     texts = {name: results[0][i][2] for i, name in enumerate(names)}
     for name, cause in (("variant_arg", "nope"), ("variant_env", "nope"), ("meta_grad", "meta"),
                         ("save_gathered_bad", "AUTOFUSE_SAVE_GATHERED"), ("save_gathered_differs",

@@ -3,7 +3,7 @@
 Every variant's runner derives from `Runner`, which does what all of them need on every call,
 cheaply (this is the hot path): check the inputs against what it was built for (shape, dtype,
 device, layout), make or check `out`, refuse a workspace that saw a fault (leaving NaN in `out`),
-then `launch`. A
+then `launch` (which leaves NaN in `out` where it raises). A
 subclass only implements `launch(*inputs, out)`. Calls may be captured in a CUDA graph: runners
 keep their epochs on the device and allocate nothing per call.
 """
@@ -88,7 +88,11 @@ class Runner:
             if ws.faulty():
                 out.fill_(math.nan)  # a refused call leaves NaN, never the previous call's values
                 ws.refuse_if_faulty()
-        self.launch(*inputs, out=out)
+        try:
+            self.launch(*inputs, out=out)
+        except Exception:
+            out.fill_(math.nan)  # a launch that raises (a collective a peer stopped) leaves NaN too
+            raise
         return out
 
     def launch(self, *inputs: torch.Tensor, out: torch.Tensor) -> None:
