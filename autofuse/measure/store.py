@@ -425,7 +425,8 @@ class Store:
         is taken by another config (a new Optuna storage numbers trials from 0 again) is kept under
         the study name `<study>#<tag>`, as `merge_from` does, never dropped. A baseline row whose config
         is already measured as a baseline on this problem, hardware, op code and mode is not added (two
-        tunes sharing one database each measured it: the first row stands). All rows are written in
+        tunes sharing one database each measured it: the first row stands), unless it is a re-measurement
+        confirmed in turns (`extra.confirmed`), which `best` prefers to the first row. All rows are written in
         one transaction, which holds the database's write lock from before that check.
         """
         self._writable()
@@ -478,8 +479,8 @@ class Store:
                     r["study"] = name
         with self.conn:
             self.conn.execute("BEGIN IMMEDIATE")  # one writer from here: the baseline check below stays true
-            if source == "baseline":
-                rows = [r for r in rows if not self._query(
+            if source == "baseline":  # a re-measurement confirmed in turns (extra.confirmed) is a new row
+                rows = [r for r in rows if '"confirmed": true' in r["extra"] or not self._query(
                     "SELECT 1 FROM measurements WHERE source = 'baseline' AND problem = ? AND config_id = ? "
                     "AND hardware_id = ? AND op_digest = ? AND mode = ? LIMIT 1",
                     [r["problem"], r["config_id"], r["hardware_id"], r["op_digest"], r["mode"]])]
