@@ -1,10 +1,10 @@
-"""Run the tensor-parallel Llama-3 decoder layer of `autofuse.nn.llama_layer` on autofuse and on
+"""Run the tensor-parallel Llama-3 decoder layer of `autofuse.bench.llama_layer` on autofuse and on
 NCCL + cuBLAS: every local GPU, or 2 CPU ranks without GPUs. It checks autofuse's layer against the
 baseline layer (exit status 1 if they differ beyond the tolerance) and times both on GPUs:
 
     python examples/llama_layer.py                         # starts its own ranks
     torchrun --nproc-per-node 2 examples/llama_layer.py    # or joins torchrun's
-    autofuse bench layer            # the full benchmark (autofuse/training/bench_layer.py)
+    autofuse bench layer            # the full benchmark (autofuse/bench/bench_layer.py)
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 import autofuse
-from autofuse.nn.llama_layer import (CONFIGS, AutofuseOps, KVCache, TorchOps, TPLlamaLayer, check_tp, forced_sets,
+from autofuse.bench.llama_layer import (CONFIGS, AutofuseOps, KVCache, TorchOps, TPLlamaLayer, check_tp, forced_sets,
                                      random_weights, rel_diff, time_us)
 
 if TYPE_CHECKING:

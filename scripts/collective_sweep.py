@@ -47,8 +47,8 @@ def configs(kind: str, cuda: bool) -> list[dict]:
 def _sweep_rank(world: Any, kind: str, sizes: list[int], reps: int) -> dict[str, Any]:
     from autofuse.comm import collectives as C
     from autofuse.measure.timing import time_fn
-    from autofuse.training import bench_collectives as B
-    from autofuse.training.kernel_profile import profile_calls
+    from autofuse.bench import bench_collectives as B
+    from autofuse.bench.kernel_profile import profile_calls
 
     cuda = world.device.type == "cuda"
     mode = "graph" if cuda else "eager"
@@ -89,7 +89,7 @@ def _kernels(profile: dict, top: int = 4) -> str:
 
 
 def render(report: dict[str, Any]) -> str:
-    from autofuse.training import bench_collectives as B
+    from autofuse.bench import bench_collectives as B
 
     lines = [f"{report['kind']}, {report['mode']} mode, {report['dtype']}, {report['world']} ranks "
              f"(us per call, median, rank-max; bus GB/s as NCCL counts it)"]
@@ -112,7 +112,7 @@ def render(report: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from autofuse.training.bench_collectives import KINDS, parse_sizes
+    from autofuse.bench.bench_collectives import KINDS, parse_sizes
     from autofuse.comm.world import default_device_kind, gpu_count, spawn
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])

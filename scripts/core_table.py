@@ -8,7 +8,7 @@ import json
 import math
 import sys
 
-from autofuse.training import bench_gemm_core as bench
+from autofuse.bench import bench_gemm_core as bench
 
 
 def main(paths: list[str]) -> None:

@@ -17,7 +17,7 @@ import torch
 
 from autofuse.core import gemm
 from autofuse.core.gemm import GemmConfig
-from autofuse.training.bench_gemm_core import time_cuda
+from autofuse.bench.bench_gemm_core import time_cuda
 
 TILES = {"128x256x64 w8 s3": GemmConfig(128, 256, 64, 8, 8, 3), "128x128x64 w8 s4": GemmConfig(128, 128, 64, 8, 8, 4)}
 

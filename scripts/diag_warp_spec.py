@@ -65,7 +65,7 @@ def precompile(shapes: list[tuple[int, int, int]], dev: torch.device, workers: i
     import concurrent.futures
     import multiprocessing
 
-    from autofuse.training.bench_gemm_core import _compile_some
+    from autofuse.bench.bench_gemm_core import _compile_some
 
     smallest = min(shapes, key=lambda s: s[0] * s[1] * s[2])
     items = [(c, smallest) for c in configs() if gemm.check(c, *smallest, "bfloat16", stream_k=True) is None]

@@ -1,7 +1,7 @@
 """Where the host time of an eager decode layer goes: autofuse's layer against the NCCL + cuBLAS one.
 
 In eager mode a decode layer is bound by the host (docs/results/layer.md), so what decides its speed
-is the CPU time each call costs, not the GPU time. For one decode shape of `autofuse.nn.llama_layer`
+is the CPU time each call costs, not the GPU time. For one decode shape of `autofuse.bench.llama_layer`
 this measures, on every rank (rank-max), with the policy of each timing mode:
 - per layer and per op call: *host* us (the calls issued while the GPU is held busy by a sleep
   kernel, so the host never waits: pure launch cost) and *eager* us (back-to-back calls between two
@@ -49,9 +49,9 @@ def _host_us(world, fn: Callable[[], Any], calls: int, samples: int = 7) -> floa
 def _rank(world, args: dict) -> dict:
     import autofuse
     from autofuse.measure.timing import time_fn
-    from autofuse.training import bench_layer
+    from autofuse.bench import bench_layer
 
-    from autofuse.nn import llama_layer as m
+    from autofuse.bench import llama_layer as m
     cfg = m.CONFIGS[args["model"]]
     if world.device.type != "cuda":
         torch.set_num_threads(1)

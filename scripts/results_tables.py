@@ -337,7 +337,7 @@ def eval_tables(doc: dict) -> list[str]:
 def render_scaling(db: Path, op: str, level: int = 3) -> str:
     """Markdown strong-scaling tables for one op of a tune database: per mode, per problem size, the
     fastest candidate and its time at each world size, and the speedup over the smallest world size."""
-    from autofuse.commands.policy import scaling_sizes
+    from autofuse.commands.results import scaling_sizes
     from autofuse.core.op import Problem
 
     h = "#" * level

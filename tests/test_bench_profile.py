@@ -8,7 +8,7 @@ import os
 import subprocess
 import sys
 
-from autofuse.training.kernel_profile import _union_us, short_name
+from autofuse.bench.kernel_profile import _union_us, short_name
 
 
 def _finite(x) -> bool:

@@ -158,7 +158,7 @@ def test_strong_scaling_table(runner, db):
 
 
 def test_scaling_sizes_are_global():
-    from autofuse.commands.policy import scaling_sizes
+    from autofuse.commands.results import scaling_sizes
 
     assert scaling_sizes("ag_gemm|K=8192,M=64,N=1792,gather=rows|bfloat16|w4") == \
         ("ag_gemm|K=8192,M=64,N=7168,gather=rows|bfloat16", 4)
@@ -170,7 +170,7 @@ def test_scaling_sizes_are_global():
 
 def test_scaling_sweeps_hold_one_global_problem_set_at_every_world_size():
     from autofuse.core import registry
-    from autofuse.commands.policy import scaling_sizes
+    from autofuse.commands.results import scaling_sizes
 
     for name in registry.names():
         sets = [[scaling_sizes(p.key)[0] for p in registry.get(name).sweep("scaling", w)] for w in (1, 2, 4, 8)]
@@ -227,7 +227,7 @@ def test_plot_leaves_no_panel_blank(runner, tmp_path, monkeypatch, kind):
 
 
 def test_plot_series_in_numeric_order():
-    from autofuse.commands.policy import _pick_x
+    from autofuse.commands.results import _pick_x
 
     table = [{"problem": f"flash_decode|B={b},D=128,Hkv=8,Hq=64,S={s}|bfloat16|w2", "us": {"bsp": 1.0}}
              for s in (1024, 16384, 262144, 4096, 65536) for b in (1, 8)]
@@ -368,10 +368,10 @@ DEFAULT_SWEEP = {"cpu": "tiny", "cuda": "tiny"}  # the fake target's default swe
 
 @pytest.fixture
 def fake_target(monkeypatch):
-    from autofuse.training import bench
+    from autofuse.bench import bench
 
     monkeypatch.setitem(bench.TARGETS, "fake", __name__)
-    monkeypatch.setitem(bench.TARGETS, "ghost", "autofuse.training.bench_ghost_missing")
+    monkeypatch.setitem(bench.TARGETS, "ghost", "autofuse.bench.bench_ghost_missing")
     return bench
 
 
@@ -399,7 +399,7 @@ def test_bench_errors_are_one_line(runner, fake_target):
     res = runner.invoke(app, ["bench", "ghost"])
     assert res.exit_code == 1 and res.output.strip() == \
         "bench target 'ghost' is not available in this installation (its module " \
-        "autofuse.training.bench_ghost_missing is missing)"
+        "autofuse.bench.bench_ghost_missing is missing)"
     res = runner.invoke(app, ["bench", "nonsense"])
     assert res.exit_code == 1 and "unknown bench target 'nonsense'" in res.output and "ag_gemm" in res.output
     res = runner.invoke(app, ["bench", "fake", "--variants", "explode"])
@@ -563,7 +563,7 @@ def test_gemm_core_bench_table_at_80_columns_and_no_ratio_on_cpu():
 
     from rich.console import Console
 
-    from autofuse.training import bench_gemm_core
+    from autofuse.bench import bench_gemm_core
 
     row = {"M": 16384, "N": 28672, "K": 14336, "mode": "graph", "cublas_us": 13229.41, "core_us": 14001.2,
            "core_vs_cublas": 1.058, "meets_target": False, "configs": [],
@@ -580,14 +580,14 @@ def test_gemm_core_bench_table_at_80_columns_and_no_ratio_on_cpu():
 
 def test_docs_agree_on_the_policy_search_order_and_name_no_branch():
     """The policy search order is written in three places (models/README.md, the dispatch package's
-    docstring, dispatch/policies.py's): each names the folders in the order the code searches them. The
+    docstring, dispatch/policy_files.py's): each names the folders in the order the code searches them. The
     pages that describe today's state (README, docs/results/README) point to no branch: only main lands."""
     import autofuse.dispatch
-    import autofuse.dispatch.policies as policies
+    import autofuse.dispatch.policy_files as policies
 
     order = ["AUTOFUSE_MODELS_DIR", "XDG_DATA_HOME", "models/", "share/autofuse/models"]
     texts = {"models/README.md": (ROOT / "models" / "README.md").read_text(),
-             "autofuse/dispatch/__init__.py": autofuse.dispatch.__doc__, "policies.py": policies.__doc__}
+             "autofuse/dispatch/__init__.py": autofuse.dispatch.__doc__, "policy_files.py": policies.__doc__}
     for name, text in texts.items():
         text = " ".join(text.split())
         at = text.find("AUTOFUSE_POLICY")

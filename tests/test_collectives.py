@@ -547,7 +547,7 @@ def test_bench_collectives_runs_on_cpu_and_renders_at_80_columns():
 
     from rich.console import Console
 
-    from autofuse.training import bench_collectives as bench
+    from autofuse.bench import bench_collectives as bench
 
     result = bench.run(SimpleNamespace(world=2, device_kind="cpu", shapes=["4K"], variants=["all_reduce", "inbox"],
                                        progress=False))

@@ -13,7 +13,7 @@ import pytest
 import harness
 from _toy_op import OP as TOY
 from autofuse.measure import environment
-from autofuse.training.fit import fit
+from autofuse.tuning.fit import fit
 from autofuse.core.op import Problem
 from autofuse.comm.world import spawn
 

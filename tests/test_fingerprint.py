@@ -15,7 +15,7 @@ from autofuse.core import registry
 from autofuse.core.op import Problem
 from autofuse.dispatch.policy import Policy
 from autofuse.measure import environment
-from autofuse.training.fit import fit
+from autofuse.tuning.fit import fit
 
 ROOT = Path(__file__).resolve().parents[1]
 SMI = Path(__file__).parent / "fixtures" / "nvidia_smi"

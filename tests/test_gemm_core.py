@@ -694,7 +694,7 @@ def test_gpu_fp8_matches_float64_and_scaled_mm(m, n, k, scaling):
 # ------------------------------------------------------------------------------------------------
 # the benchmark's plumbing (the GPU run is the lead's: autofuse bench gemm_core)
 def test_bench_shapes_and_candidates():
-    from autofuse.training import bench_gemm_core as bench
+    from autofuse.bench import bench_gemm_core as bench
 
     assert bench.parse_shapes(["16,64x3584", "1024x28672x8192"]) == [(16,), (64, 3584), (1024, 28672, 8192)]
     with pytest.raises(ValueError, match="MxNxK"):
@@ -723,7 +723,7 @@ def test_bench_shapes_and_candidates():
 def test_bench_wide_search_widens_the_defaults():
     """--search wide: the defaults first, then a grid that passes check for the shape and dtype (swap-AB
     both ways at <= 64 rows, warp-specialised and stream-K twins where they apply); none on tiny shapes."""
-    from autofuse.training import bench_gemm_core as bench
+    from autofuse.bench import bench_gemm_core as bench
 
     for dtype in ("bfloat16", "float8_e4m3fn"):
         for m, n, k in ((16, 3584, 8192), (256, 5120, 8192), (1024, 5120, 14336), (16384, 28672, 8192)):
@@ -752,7 +752,7 @@ def test_bench_wide_search_widens_the_defaults():
 def test_bench_precompile_runs_each_config_once_in_workers():
     """The wide search's compile pass (processes launching each distinct config once) on CPU: it
     reports no failure for valid configs and names the ones that fail."""
-    from autofuse.training import bench_gemm_core as bench
+    from autofuse.bench import bench_gemm_core as bench
 
     lines = []
     assert bench.precompile([(16, 64, 64), (40, 72, 48)], "bf16", "defaults", torch.device("cpu"), 2,
@@ -761,7 +761,7 @@ def test_bench_precompile_runs_each_config_once_in_workers():
 
 
 def test_bench_runs_on_cpu_under_the_interpreter():
-    from autofuse.training import bench_gemm_core as bench
+    from autofuse.bench import bench_gemm_core as bench
 
     result = bench.run({"shapes": ["16"], "reps": 1, "progress": False})
     assert result["device_kind"] == "cpu" and result["notes"] and json.dumps(result)
@@ -771,7 +771,7 @@ def test_bench_runs_on_cpu_under_the_interpreter():
 
 
 def test_bench_fp8_runs_on_cpu_against_scaled_mm():
-    from autofuse.training import bench_gemm_core as bench
+    from autofuse.bench import bench_gemm_core as bench
 
     result = bench.run({"shapes": ["16"], "reps": 1, "progress": False, "dtype": "fp8"})
     assert result["dtype"] == "fp8" and "_scaled_mm" in result["vendor"]

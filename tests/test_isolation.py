@@ -21,9 +21,9 @@ USER_SETTINGS = {"AUTOFUSE_VARIANT": "*:push", "AUTOFUSE_MODE": "graph", "AUTOFU
 def _seen(_world=None) -> dict:
     """Where this process's autofuse looks for policies and keeps its online store, and its settings."""
     from autofuse.core import settings
-    from autofuse.dispatch import policies
+    from autofuse.dispatch import policy_files
 
-    return {"models": [str(d) for d in policies.models_dirs()], "online": str(settings.online_db("x")),
+    return {"models": [str(d) for d in policy_files.models_dirs()], "online": str(settings.online_db("x")),
             "settings": sorted(k for k in os.environ if k.startswith("AUTOFUSE_"))}
 
 

@@ -1,4 +1,4 @@
-"""The tensor-parallel Llama layer (autofuse.nn.llama_layer, run by examples/llama_layer.py) on 2 CPU ranks: autofuse = baseline = float64.
+"""The tensor-parallel Llama layer (autofuse.bench.llama_layer, run by examples/llama_layer.py) on 2 CPU ranks: autofuse = baseline = float64.
 
 One spawned job builds the tiny config's layer twice over one set of bf16 weights, on autofuse's
 public API and on torch.distributed + torch.matmul (the baseline), and runs prefill (16 tokens,
@@ -53,8 +53,8 @@ CONTEXT = (35, 16, 5)  # tokens cached per sequence = the first decode step's po
 
 
 def example():
-    """The layer module (autofuse.nn.llama_layer) that examples/llama_layer.py and `bench layer` run."""
-    from autofuse.nn import llama_layer
+    """The layer module (autofuse.bench.llama_layer) that examples/llama_layer.py and `bench layer` run."""
+    from autofuse.bench import llama_layer
 
     return llama_layer
 
@@ -294,8 +294,8 @@ def test_bench_layer_cpu() -> None:
 
     from rich.console import Console
 
-    from autofuse.training.bench import BenchOptions, dumps, load_target
-    from autofuse.training.bench_layer import OPS
+    from autofuse.bench.bench import BenchOptions, dumps, load_target
+    from autofuse.bench.bench_layer import OPS
 
     module = load_target("layer")
     forced = ["ag_gemm:pull", "gemm_rs:push_last", "gemm_ar:one_shot", "flash_decode:split_heap"]
@@ -334,7 +334,7 @@ def test_bench_layer_numbers_on_gpu_timings() -> None:
 
     from rich.console import Console
 
-    from autofuse.training.bench_layer import _row, render, summarize
+    from autofuse.bench.bench_layer import _row, render, summarize
 
     item = {"phase": "decode", "batch": 8, "context": 4096}
     t = {"baseline": 100.0, "autofuse": 80.0, "alternative 0": 90.0, "alternative 1": 95.0}
@@ -357,7 +357,7 @@ def test_bench_layer_numbers_on_gpu_timings() -> None:
 
 
 def test_bench_layer_plan() -> None:
-    from autofuse.training.bench_layer import Options, plan
+    from autofuse.bench.bench_layer import Options, plan
 
     full = plan(Options(), "cuda")
     assert [x["tokens"] for x in full if x["phase"] == "prefill"] == [512, 2048, 8192]
@@ -376,8 +376,8 @@ def test_bench_layer_options() -> None:
     commas, --variants: default/each kept, a bare name forces it on every op that has it, op:variant
     items form one configuration."""
     from autofuse.core import registry
-    from autofuse.training.bench import BenchOptions
-    from autofuse.training.bench_layer import Options, autofuse_configs, plan
+    from autofuse.bench.bench import BenchOptions
+    from autofuse.bench.bench_layer import Options, autofuse_configs, plan
 
     o = Options.of(BenchOptions(target="layer", sweep="8b", shapes=["T=512,B=1", "S=4K"], reps=5,
                                 variants=["default", "push", "ag_gemm:pull", "gemm_ar:one_shot"]))

@@ -451,8 +451,8 @@ def test_bench_train_layer_checks_and_times_on_cpu(world) -> None:
     """`autofuse bench train_layer` on 2 and 4 CPU ranks: autofuse's layer, eager and compiled
     (torch.compile, inductor), and torch's DTensor layer agree with the unsharded one (output, input
     gradient and, for autofuse, every weight gradient) and are timed; no speedup from the interpreter."""
-    from autofuse.training import bench_train_layer
-    from autofuse.training.bench import BenchOptions
+    from autofuse.bench import bench_train_layer
+    from autofuse.bench.bench import BenchOptions
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -472,7 +472,7 @@ def test_train_layer_flops_count_the_matmuls() -> None:
     """The layer's model FLOPs: 3x (2 x T x weights + causal attention), e.g. Llama-3-8B at 2K tokens."""
     from types import SimpleNamespace
 
-    from autofuse.training.bench_train_layer import layer_flops, peak_tflops
+    from autofuse.bench.bench_train_layer import layer_flops, peak_tflops
 
     c = SimpleNamespace(hidden_size=4096, head_dim=128, num_attention_heads=32, num_key_value_heads=8,
                         intermediate_size=14336)

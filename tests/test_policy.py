@@ -17,7 +17,7 @@ from autofuse.measure import environment
 from autofuse.dispatch import policy
 from autofuse.core.op import Problem
 from autofuse.dispatch.policy import BSP, Policy, PolicyWarning
-from autofuse.training import fit as fitting
+from autofuse.tuning import fit as fitting
 from autofuse.comm.world import spawn
 
 FP = environment.fingerprint("cpu")
@@ -295,7 +295,7 @@ def test_cli_fit_export_show(db, tmp_path):
 
 
 def test_bound_rows_are_shown_never_chosen():
-    from autofuse.commands._common import problem_table
+    from autofuse.bench.tables import problem_table
 
     rows = _synthetic_rows(noise=0.01, gain=1.5)
     keys = sorted({r["problem"] for r in rows})
@@ -314,7 +314,7 @@ def test_constant_feature_does_not_swamp_nearest_problem_distance():
     """A feature constant over the tuned problems (std = rounding noise) gets scale 1, not ~1e-20."""
     import numpy as np
 
-    from autofuse.training.fit import feature_scale
+    from autofuse.tuning.fit import feature_scale
 
     log_n = np.log2(3584.0)
     cols = np.array([[3.0, log_n + 1e-16 * i, 13.0] for i in range(4)]) + np.array([[i, 0, 0] for i in range(4)])

@@ -1,4 +1,4 @@
-"""The tuner's order and its outlier rule without ranks: `training.schedule`, `measure.compare`'s outlier
+"""The tuner's order and its outlier rule without ranks: `tuning.schedule`, `measure.compare`'s outlier
 functions, the store preferring confirmed rows, and `show`/`export` withholding an unconfirmed outlier's
 speedups. The end-to-end runs (a cut-short tune covers every op; an outlier re-measured in turns) are in
 test_tune.py."""
@@ -14,7 +14,7 @@ from autofuse.core.op import Problem
 from autofuse.measure import compare, environment
 from autofuse.measure.store import Store
 from autofuse.measure.timing import Measurement
-from autofuse.training.schedule import SCREEN_MARGIN, Scheduler, Slot, spread
+from autofuse.tuning.schedule import SCREEN_MARGIN, Scheduler, Slot, spread
 
 
 def test_spread_covers_the_ends_first_then_the_middles():
@@ -165,7 +165,7 @@ def test_neighbours_and_deviation():
 
 
 def _table(confirmed: bool) -> list[dict]:
-    from autofuse.commands._common import problem_table
+    from autofuse.bench.tables import problem_table
 
     rows = []
     for m, bsp, best in ((2048, 200.0, 180.0), (4096, 1977.6, 366.2), (8192, 800.0, 700.0)):

@@ -25,7 +25,7 @@ from autofuse.measure import environment
 from autofuse.measure.timing import Measurement
 from autofuse.core.op import Op, Problem, Variant
 from autofuse.measure.store import ALL, Store
-from autofuse.training.storage import default_storage, storage_url
+from autofuse.tuning.storage import default_storage, storage_url
 
 import pg
 
@@ -488,7 +488,7 @@ def test_signals_to_the_parent_alone_sigterm_exits_143_and_kill_9_leaves_no_rank
 def test_two_workers_share_one_study_on_postgres(tmp_path):
     """Two tuning processes (as two hosts: separate measurement DBs) fill one PostgreSQL study together;
     `autofuse merge` then gives fit one database with every host's rows."""
-    from autofuse.training.study import study_name
+    from autofuse.tuning.study import study_name
 
     url = pg.pg_url()
     here = environment.fingerprint()
@@ -591,8 +591,8 @@ def record_compile(op_ref: str, problem_key: str, variant: str, config: dict, de
 
 def test_compile_ahead_workers_take_the_configs_in_order_skip_what_was_reached_and_count_failures(
         tmp_path, monkeypatch):
-    from autofuse.training.compile_ahead import CompileAhead, default_workers
-    from autofuse.training.schedule import Scheduler, Slot
+    from autofuse.tuning.compile_ahead import CompileAhead, default_workers
+    from autofuse.tuning.schedule import Scheduler, Slot
 
     log = tmp_path / "fed.jsonl"
     monkeypatch.setenv("AUTOFUSE_TEST_COMPILE_LOG", str(log))
@@ -622,7 +622,7 @@ def test_every_tunable_variant_builds_against_the_compile_ahead_stand_in_world()
     heap of plain tensors): every registered op's tunable variants must build there as every rank, at
     their known-good configs, or compiling ahead would silently do nothing for them. (Launching in
     Triton's compile-only mode needs a GPU: the interpreter compiles nothing.)"""
-    code = ("from autofuse.training.compile_ahead import stand_in_world\n"
+    code = ("from autofuse.tuning.compile_ahead import stand_in_world\n"
             "from autofuse.core import registry\n"
             "built, failed = 0, []\n"
             "for name in registry.names():\n"
@@ -651,11 +651,11 @@ def test_a_tune_whose_compile_ahead_fails_measures_everything_as_without_it(tmp_
     """Compile-ahead workers that fail (here: every bias=1 config, and a worker killed mid-run would be
     the same) never fail a tune: every config is measured and stored as without them."""
     from autofuse.comm.world import spawn
-    from autofuse.training.tune import Settings, tune_rank
+    from autofuse.tuning.tune import TuneOptions, tune_rank
 
     monkeypatch.setenv("AUTOFUSE_TEST_COMPILE_LOG", str(tmp_path / "fed.jsonl"))
     db = tmp_path / "c.db"
-    settings = Settings(db=str(db), ops=["test_tune:FAKE_OP"], worlds=[2], trials=2, shapes=["N=64", "N=96"],
+    settings = TuneOptions(db=str(db), ops=["test_tune:FAKE_OP"], worlds=[2], trials=2, shapes=["N=64", "N=96"],
                         compile_workers=1, compile_fn="test_tune:record_compile", verbose=False)
     result = spawn(tune_rank, 2, settings, device_kind="cpu", timeout_s=300)[0]
     stats = result["stats"]
@@ -690,8 +690,8 @@ SPACE_OP = Op(
 
 
 def _driver(tmp_path, op, trials: int, name: str = "x"):
-    from autofuse.training.storage import open_storage
-    from autofuse.training.study import StudyDriver
+    from autofuse.tuning.storage import open_storage
+    from autofuse.tuning.study import StudyDriver
 
     fp = environment.fingerprint()
     store = Store(tmp_path / f"{name}.db")
@@ -746,8 +746,8 @@ def test_enqueued_configs_record_exactly_what_is_measured_and_none_is_left_waiti
 def test_recovery_of_a_dead_workers_running_trials(tmp_path):
     """On resume, a RUNNING trial of a dead process is told its stored result if its rows were written
     (killed between the write and the tell), else failed, and its config is the first queued again."""
-    from autofuse.training.storage import open_storage
-    from autofuse.training.study import StudyDriver, study_name
+    from autofuse.tuning.storage import open_storage
+    from autofuse.tuning.study import StudyDriver, study_name
 
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait(timeout=60)
@@ -928,8 +928,8 @@ def test_configs_the_heap_refuses_are_pruned_before_launch(tmp_path):
     from types import SimpleNamespace
 
     from autofuse.core import registry
-    from autofuse.training.storage import open_storage
-    from autofuse.training.study import StudyDriver
+    from autofuse.tuning.storage import open_storage
+    from autofuse.tuning.study import StudyDriver
 
     op = registry.get("ag_gemm")
     world = SimpleNamespace(size=2, rank=0, device=torch.device("cuda"), heap=SimpleNamespace(provider="symm"))
@@ -954,9 +954,9 @@ def test_world_one_measures_baselines_only_and_cpu_scaling_keeps_global_sizes():
     """World size 1 has nothing to communicate: its plan tunes no variant (only baselines, the base of strong
     scaling). `--sweep scaling` on CPU takes the cpu sweep's problems at the same global sizes at every world."""
     from autofuse.core.op import global_sizes
-    from autofuse.training.tune import Settings, describe_plan, make_plan
+    from autofuse.tuning.tune import TuneOptions, describe_plan, make_plan
 
-    settings = Settings(db="x.db", sweep="scaling", worlds=[1, 2], limit=0)
+    settings = TuneOptions(db="x.db", sweep="scaling", worlds=[1, 2], limit=0)
     plan = make_plan(settings, "cpu", 2)
     assert all((vs == []) == (w == 1) and all(p.world == w for p in ps) for w, _, ps, vs in plan.items)
     sizes = {w: {global_sizes(p, op.per_rank) for ww, op, ps, _ in plan.items if ww == w for p in ps} for w in (1, 2)}
@@ -964,5 +964,5 @@ def test_world_one_measures_baselines_only_and_cpu_scaling_keeps_global_sizes():
     assert max(p.get("M", p.get("B", 0)) for _, _, ps, _ in plan.items for p in ps) <= 64  # CPU-sized
     assert plan.trials(settings) == sum(len(ps) * len(vs) for _, _, ps, vs in plan.items)
     assert "world 1: baselines only" in describe_plan(plan, settings, 2)
-    short = make_plan(Settings(db="x.db"), "cpu", 2)
+    short = make_plan(TuneOptions(db="x.db"), "cpu", 2)
     assert all(len(ps) <= 2 for _, _, ps, _ in short.items)  # the README's CPU tune: 2 problems per op

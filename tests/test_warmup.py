@@ -14,7 +14,7 @@ from _toy_op import OP as TOY
 from autofuse.comm.world import spawn
 from autofuse.core.op import Problem
 from autofuse.measure import environment
-from autofuse.training.fit import fit
+from autofuse.tuning.fit import fit
 
 PREDICTED = Problem.make("toy_mm", "float32", 2, M=256, N=64, K=16)  # never tuned (N 16, 32): predicted
 TUNED = Problem.make("toy_mm", "float32", 2, M=1024, N=16, K=16)  # tuned: measured

@@ -53,15 +53,25 @@ import socket
 import time
 import uuid
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import Any, Iterator, Protocol
 
 import torch
 import torch.distributed as dist
 
 from autofuse.core import settings
 
-if TYPE_CHECKING:
-    from autofuse.comm.world import World
+
+class Ranks(Protocol):
+    """What a heap reads of its World (`autofuse.comm.world.World`), named here so that the heap does not
+    import the module that creates it."""
+
+    rank: int
+    size: int
+    device: torch.device
+    group: Any
+    global_ranks: Any
+    shares_gpu: bool
+
 
 ALIGN = 256
 STATUS_WORDS = 8
@@ -116,7 +126,7 @@ SHARED_GPU_SYMM = ("ranks share a GPU here (AUTOFUSE_RANKS_PER_GPU), and torch's
                    "allocations from one device in several ranks")
 
 
-def torch_symm_unavailable(world: World, op: str) -> str | None:
+def torch_symm_unavailable(world: Ranks, op: str) -> str | None:
     """Why torch's own symmetric-memory op `torch.ops.symm_mem.<op>` cannot run on `world`, None where it
     can: it needs a CUDA World of one GPU per rank that spans the whole job (torch's rendezvous hangs
     once groups that leave ranks out used it: `Rendezvous` says why) and a torch that registers the op
@@ -137,7 +147,7 @@ def torch_symm_unavailable(world: World, op: str) -> str | None:
     return f"this torch ({torch.__version__}) has no torch.ops.symm_mem.{op}"
 
 
-def torch_symm_group(world: World) -> str:
+def torch_symm_group(world: Ranks) -> str:
     """The World's group name with torch's symmetric memory enabled for it (what the torch_symm
     variants pass torch's ops); enabling is needed before torch 2.13 and warns after it."""
     import warnings
@@ -159,15 +169,15 @@ _seq: dict[tuple, int] = {}
 _seq_job: list[Any] = [None]
 
 
-def _group_of(world: World) -> Any:
+def _group_of(world: Ranks) -> Any:
     return world.group if world.group is not None else dist.group.WORLD
 
 
-def _global_ranks(world: World) -> tuple[int, ...]:
+def _global_ranks(world: Ranks) -> tuple[int, ...]:
     return tuple(world.global_ranks) if world.global_ranks else tuple(range(world.size))
 
 
-def describe_group(world: World) -> str:
+def describe_group(world: Ranks) -> str:
     """'group "3" (global ranks [0, 1])': how errors name a World's group."""
     try:
         name = _group_of(world).group_name
@@ -220,7 +230,7 @@ class Rendezvous:
     other groups did on some ranks cannot shift them. Collective over the World's ranks.
     """
 
-    def __init__(self, world: World, provider: str, size: int, timeout_s: float | None = None):
+    def __init__(self, world: Ranks, provider: str, size: int, timeout_s: float | None = None):
         self.world = world
         self.timeout_s = settings.heap_timeout_s() if timeout_s is None else float(timeout_s)
         self.ranks = _global_ranks(world)
@@ -306,7 +316,7 @@ class SymmetricHeap:
     (default AUTOFUSE_HEAP_TIMEOUT or 300 s); it raises HeapRendezvousError instead of hanging.
     """
 
-    def __init__(self, world: World, size: int | str | None = None, provider: str | None = None,
+    def __init__(self, world: Ranks, size: int | str | None = None, provider: str | None = None,
                  timeout_s: float | None = None):
         self.world = world
         shares = world.shares_gpu
@@ -569,7 +579,7 @@ class SymmetricHeap:
         self._handle = None
 
 
-def _spans_job(world: World) -> bool:
+def _spans_job(world: Ranks) -> bool:
     spans = getattr(world, "spans_job", None)
     if spans is not None:
         return bool(spans)

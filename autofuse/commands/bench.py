@@ -1,5 +1,5 @@
 """`autofuse bench TARGET`: an op's variants at their known-good configs vs BSP and the bound, or an
-extra benchmark (collectives, gemm_core, layer, train_layer); tables, then one JSON file (autofuse/training/bench.py)."""
+extra benchmark (collectives, gemm_core, layer, train_layer); tables, then one JSON file (autofuse/bench/bench.py)."""
 from __future__ import annotations
 
 import datetime
@@ -50,7 +50,7 @@ def bench(
     On a machine without GPUs this runs the CPU emulation: the timings are the Triton interpreter's
     and gloo's, not a GPU's (they show that every variant runs, not which is faster).
     """
-    from autofuse.training.bench import (
+    from autofuse.bench.bench import (
         CPU_NOTE,
         BenchOptions,
         BenchTargetMissing,

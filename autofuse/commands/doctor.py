@@ -9,7 +9,8 @@ from typing import Optional
 import typer
 from rich.table import Table
 
-from autofuse.commands._common import OutputExists, check_new, console_for, fail, fmt, print_split_table, write_new
+from autofuse.bench.tables import fmt, print_split_table
+from autofuse.commands._common import OutputExists, check_new, console_for, fail, write_new
 
 
 def _rank_job(world, measure: bool) -> dict:

@@ -9,7 +9,7 @@ from typing import Any, NoReturn, Optional
 import typer
 from rich.console import Console
 
-from autofuse.commands._common import DEFAULT_DB
+from autofuse.core.settings import DEFAULT_DB
 
 console = Console()
 errors = Console(stderr=True)
@@ -79,7 +79,7 @@ def render(result: dict) -> None:
     """The table of `autofuse show` for what this run tuned: per op, each problem's best latency per
     variant, the best, x BSP and x alt (latencies only for the CPU emulation); then the run's
     coverage and throughput."""
-    from autofuse.commands._common import print_problems, problem_table
+    from autofuse.bench.tables import print_problems, problem_table
     from autofuse.measure.compare import interpreted
 
     summary, stats = result.get("rows", []), result.get("stats", {})
@@ -99,20 +99,20 @@ def _torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
-def _check_writable(settings: Any) -> None:
+def _check_writable(options: Any) -> None:
     """Open the database and Optuna's storage for writing before any rank starts (one line if not)."""
     from autofuse.measure.store import Store, StoreError
-    from autofuse.training.progress import first_line
-    from autofuse.training.storage import check_writable, open_storage
+    from autofuse.tuning.progress import first_line
+    from autofuse.tuning.storage import check_writable, open_storage
 
     try:
-        Store.open(settings.db, fingerprint={}).close()
+        Store.open(options.db, fingerprint={}).close()
     except StoreError as exc:
         fail(f"cannot use the database: {exc}")
     try:
-        check_writable(open_storage(settings.storage_url()))
+        check_writable(open_storage(options.storage_url()))
     except Exception as exc:  # noqa: BLE001 - SQLAlchemy / driver errors: the first line says it
-        fail(f"cannot write the Optuna storage {settings.storage_url()}: {first_line(str(exc), 300)}")
+        fail(f"cannot write the Optuna storage {options.storage_url()}: {first_line(str(exc), 300)}")
 
 
 def tune(
@@ -157,52 +157,52 @@ def tune(
     if not quiet and os.environ.get("RANK", "0") == "0":  # under torchrun, rank 0 speaks for the job
         say(f"autofuse tune: {', '.join(ops) if ops else 'every op'} into {db}; finding GPUs and reading the sweeps")
     try:
-        _run(ops, world, settings_args=dict(sweep=sweep or "", shapes=list(shapes or []), mode=mode, trials=trials,
+        _run(ops, world, options_args=dict(sweep=sweep or "", shapes=list(shapes or []), mode=mode, trials=trials,
                                             storage=storage, reps=reps, budget_s=budget, seed=seed, limit=limit,
                                             compile_workers=compile_workers,
                                             time_limit_s=time_limit * 60 if time_limit is not None else None,
                                             verbose=not quiet), db=db, quiet=quiet)
     except KeyboardInterrupt:  # before the ranks started, or a torchrun rank's second signal
-        from autofuse.training.lifecycle import STOP
+        from autofuse.tuning.lifecycle import STOP
 
         errors.print("autofuse tune: interrupted; what was measured is stored", style="yellow", markup=False)
         raise typer.Exit(STOP.exit_code() or 130) from None
 
 
-def _run(ops: list[str], world: Optional[list[str]], settings_args: dict, db: Path, quiet: bool) -> None:
+def _run(ops: list[str], world: Optional[list[str]], options_args: dict, db: Path, quiet: bool) -> None:
     """The command after its first line: validate, plan, check the database, spawn the ranks, report."""
     from autofuse.comm.world import RankFailed, default_device_kind, gpu_count
 
     kind = default_device_kind()
     if kind == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")  # read when Triton is first imported (torchrun ranks)
-    from autofuse.training.tune import SetupError, Settings, describe_plan, make_plan, tune_rank
+    from autofuse.tuning.tune import SetupError, TuneOptions, describe_plan, make_plan, tune_rank
 
     try:
         worlds = [int(w) for w in _split(world)]
     except ValueError:
         fail(f"--world takes integers, not {', '.join(world or [])}", 2)
-    settings = Settings(db=str(db.absolute()), ops=ops, worlds=worlds, **settings_args)
-    limit_s = settings.time_limit_for(kind)
+    options = TuneOptions(db=str(db.absolute()), ops=ops, worlds=worlds, **options_args)
+    limit_s = options.time_limit_for(kind)
     job_timeout = (limit_s + 7200) if limit_s else 7 * 86400.0
     if _torchrun():
-        _tune_torchrun(settings, job_timeout)
+        _tune_torchrun(options, job_timeout)
         return
     visible = gpu_count() if kind == "cuda" else 0
     n = max(worlds) if worlds else (visible if kind == "cuda" else 2)
     try:
-        settings.validate(kind, visible if kind == "cuda" else n)
-        plan = make_plan(settings, kind, n)
+        options.validate(kind, visible if kind == "cuda" else n)
+        plan = make_plan(options, kind, n)
     except (ValueError, KeyError, ImportError, AttributeError) as exc:
         fail(str(exc).strip("'\""), 2)
     if not quiet:
-        say(describe_plan(plan, settings, n))
+        say(describe_plan(plan, options, n))
         if kind == "cpu":
             say(CPU_INTRO)
         elif plan.worlds == [1]:
             say(ONE_GPU)
-    _check_writable(settings)
-    from autofuse.training.lifecycle import Supervisor
+    _check_writable(options)
+    from autofuse.tuning.lifecycle import Supervisor
     from autofuse.comm.world import spawn
 
     if not quiet:
@@ -210,7 +210,7 @@ def _run(ops: list[str], world: Optional[list[str]], settings_args: dict, db: Pa
     t0 = time.monotonic()
     with Supervisor(say=lambda text: say(text, "yellow")) as supervisor:
         try:
-            results = spawn(tune_rank, n, settings, supervisor.link(), device_kind=kind, timeout_s=job_timeout)
+            results = spawn(tune_rank, n, options, supervisor.link(), device_kind=kind, timeout_s=job_timeout)
         except (RankFailed, KeyboardInterrupt) as exc:
             code = supervisor.exit_code()
             if code is not None:
@@ -223,24 +223,24 @@ def _run(ops: list[str], world: Optional[list[str]], settings_args: dict, db: Pa
     render(results[0])
     if not quiet:
         say(next_steps(db, kind))
-    say(f"database: {settings.db} ({time.monotonic() - t0:.0f} s)")
+    say(f"database: {options.db} ({time.monotonic() - t0:.0f} s)")
     code = supervisor.exit_code()
     if code is not None:
         say("interrupted: measured trials are stored; rerun the same command to resume", "yellow")
         raise typer.Exit(code)
 
 
-def _tune_torchrun(settings: Any, job_timeout: float) -> None:
+def _tune_torchrun(options: Any, job_timeout: float) -> None:
     """Under torchrun: join the job's ranks; every rank handles its own SIGINT / SIGTERM."""
     import torch.distributed as dist
 
-    from autofuse.training.lifecycle import STOP
-    from autofuse.training.tune import tune_rank
+    from autofuse.tuning.lifecycle import STOP
+    from autofuse.tuning.tune import tune_rank
     from autofuse.comm.world import init_from_env
 
     w = init_from_env(timeout_s=job_timeout)
     try:
-        result = tune_rank(w, settings)
+        result = tune_rank(w, options)
     except ValueError as exc:
         fail(str(exc), 2)
     finally:

@@ -1,4 +1,5 @@
-"""Settings: every AUTOFUSE_* environment variable, read and validated in one place.
+"""Settings: every AUTOFUSE_* environment variable, read and validated in one place, and the default
+places autofuse reads and writes (`OUT_DIR`, `DEFAULT_DB`, `online_db`, `user_models_dir`).
 
 Each reader parses the environment when it is called (tests, benches and servers change the
 environment between calls; none of these is read on a cached call's hot path, but for the CPU
@@ -40,6 +41,10 @@ HEAP_PROVIDERS = ("torch", "symm", "iris", "shm")
 MIN_HEAP_SIZE = 1 << 16
 MAX_HEAP_SIZE = 1 << 40
 DEFAULT_CONFIRM_K = 3
+# Everything the commands write by default goes under ./autofuse-out/ (git-ignored) or the user data
+# folder (policies): the checkout's tuning_db/ and models/ hold shipped files only.
+OUT_DIR = Path("autofuse-out")
+DEFAULT_DB = OUT_DIR / "autofuse.db"
 
 
 class SettingError(ValueError):

@@ -1,7 +1,7 @@
 """Runtime dispatch: `autofuse.ag_gemm(a, b, group=...)` and friends run the variant the policy picks.
 
 Modules: `entry` (entry points, hot path, miss path), `decide` (override, confirmed, policy;
-confirming), `agreement` (every rank agrees), `policies` (which policy file), `policy` (a loaded
+confirming), `agreement` (every rank agrees), `policy_files` (which policy file), `policy` (a loaded
 policy's decisions), `confirm` (measuring candidates), `online` (this machine's confirmed
 measurements), `choice` (the decision record), `state` (what the process keeps). Every AUTOFUSE_*
 variable is read in `autofuse.core.settings`.
@@ -19,7 +19,7 @@ validates the inputs; the decision comes from, in order, the `variant=` argument
 `AUTOFUSE_POLICY` (a JSON path), else the best match for this machine's hardware kind (GPU model,
 count and links of the visible GPUs; this machine's own policies first, another host's served with
 every decision confirmed, `explain` naming the layer it matched by) in the folders
-`autofuse/dispatch/policies.py` searches, in order: AUTOFUSE_MODELS_DIR, the user folder
+`autofuse/dispatch/policy_files.py` searches, in order: AUTOFUSE_MODELS_DIR, the user folder
 `autofuse fit` writes to ($XDG_DATA_HOME/autofuse/models), models/ beside the package, the package's
 own models/, <prefix>/share/autofuse/models (preferring `AUTOFUSE_MODE`, default graph on GPUs);
 else BSP for every op not forced, with a one-time warning. Then every rank agrees: each publishes its validation outcome and a hash of (problem,
@@ -71,7 +71,7 @@ from autofuse.dispatch.agreement import DispatchMismatch, agree_timeout_s
 from autofuse.dispatch.choice import Choice
 from autofuse.dispatch.entry import CaptureMiss, TraceMiss, call, entry_point, explain, rebuild, reset, runner_of
 from autofuse.dispatch.online import online_db
-from autofuse.dispatch.policies import find_policy, models_dirs, set_policy
+from autofuse.dispatch.policy_files import find_policy, models_dirs, set_policy
 from autofuse.dispatch.state import STATE
 
 stats = STATE.stats

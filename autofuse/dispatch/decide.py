@@ -11,7 +11,7 @@ from autofuse.core.op import Config, InvalidConfig, InvalidInput, Op, config_key
 from autofuse.comm.world import World
 from autofuse.dispatch import online
 from autofuse.dispatch.choice import Choice
-from autofuse.dispatch.policies import policy_for
+from autofuse.dispatch.policy_files import policy_for
 from autofuse.dispatch.state import STATE
 
 

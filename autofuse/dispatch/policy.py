@@ -1,7 +1,7 @@
 """Dispatch policy at run time: load a fitted policy file, validate it, and decide per problem.
 
 The runtime half of the policy (DESIGN.md, Policy and dispatch); fitting lives in
-`autofuse.training.fit` (scikit-learn), which this module never imports: it reads plain JSON and
+`autofuse.tuning.fit` (scikit-learn), which this module never imports: it reads plain JSON and
 walks the exported trees in Python (no numpy, no scikit-learn).
 
 A policy file holds, per op, one of two fitted models:
@@ -121,7 +121,7 @@ class Policy:
     """A loaded policy (or the BSP-for-everything fallback): `choose(problem)`.
 
     Build one with `Policy.load(path)`, `Policy.from_dict(data)` (both validate the structure and
-    check the fingerprint) or `Policy.bsp(reason)`; `autofuse.training.fit.fit()` returns the data
+    check the fingerprint) or `Policy.bsp(reason)`; `autofuse.tuning.fit.fit()` returns the data
     of a new one. `Policy(data)` trusts `data` (fitted in this process).
     """
 

@@ -222,11 +222,9 @@ def op_digests(names: Iterable[str] | None = None) -> dict[str, str]:
 def legacy_kernel_hash() -> str:
     """The single hash over every kernel and op source file that schema-1 databases and policies
     recorded as `kernel_hash`; used only to carry their rows over when the code is unchanged."""
-    import autofuse
-    import autofuse.kernels
-
+    roots = _installed_roots()
     h = hashlib.sha256()
-    for root in (Path(autofuse.kernels.__file__).parent, Path(autofuse.__file__).parent / "ops"):
+    for root in (roots["autofuse.kernels"], roots["autofuse"] / "ops"):
         for f in sorted(root.glob("*.py")):
             h.update(f.name.encode())
             h.update(f.read_bytes())

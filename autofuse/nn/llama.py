@@ -40,7 +40,7 @@ from torch import nn
 
 from autofuse.nn import functional as tpf
 from autofuse.nn.linear import ColumnParallelLinear, RowParallelLinear
-from autofuse.nn.parallelize import apply_plan
+from autofuse.nn.plan import apply_plan
 
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP = ("gate_proj", "up_proj", "down_proj")

@@ -26,24 +26,9 @@ import typer
 from autofuse.core import modes
 from autofuse.core.keys import parse_key
 from autofuse.measure.compare import interpreted
-from autofuse.commands._common import (
-    DEFAULT_DB,
-    OUT_DIR,
-    OutputExists,
-    check_new,
-    fail,
-    fmt,
-    missing_db,
-    note,
-    order_modes,
-    out,
-    print_problems,
-    print_split_table,
-    problem_sort_key,
-    problem_table,
-    split_problems,
-    write_new,
-)
+from autofuse.bench.tables import fmt, print_problems, print_split_table, problem_sort_key, problem_table, split_problems
+from autofuse.commands._common import OutputExists, check_new, fail, missing_db, note, order_modes, out, write_new
+from autofuse.core.settings import DEFAULT_DB, OUT_DIR
 
 ModeOpt = typer.Option(None, "--mode", help="Timing mode: graph or eager (default: every mode the database holds).")
 DbOpt = typer.Option(DEFAULT_DB, "--db", help="The tuning database (opened read-only).")
@@ -276,7 +261,7 @@ def fit(
 
     targets = [(m, rows, fp, out_path or default(fp, m)) for m, rows, fp in found]
     check_new([t[3] for t in targets] + ([report] if report else []), force)
-    from autofuse.training import fit as fitting
+    from autofuse.tuning import fit as fitting
 
     reports = {}
     for m, rows, fp, path in targets:

@@ -505,7 +505,7 @@ def summary(rows: Sequence[dict]) -> dict[str, Any]:
 def render(result: dict, console: Any) -> None:
     """One table per mode (M, N, K, vendor us, core us, the best without stream-K, core/vendor, target
     met, best config), then a summary line per mode and the notes; tables split at 80 columns."""
-    from autofuse.commands._common import print_split_table
+    from autofuse.bench.tables import print_split_table
 
     rows = result.get("rows", [])
     gpu = result.get("device_kind") == "cuda"  # the CPU emulation's times are never compared as speed

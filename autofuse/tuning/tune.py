@@ -1,14 +1,14 @@
-"""Tuning on every rank: the whole run planned first, then measured in the order `training.schedule` picks
+"""Tuning on every rank: the whole run planned first, then measured in the order `tuning.schedule` picks
 (DESIGN.md, Tuning and store).
 
 - **Plan**: the ops (every registered one by default), their problems (the device's sweep, or
   `--shapes`) and world sizes; `describe_plan` says what will run, on what, and roughly how long.
-- **Order** (`training.schedule.Scheduler`, rank 0): coverage rounds interleaving the ops (each
+- **Order** (`tuning.schedule.Scheduler`, rank 0): coverage rounds interleaving the ops (each
   problem's baselines and every tunable variant's first default), then the other defaults, then a
   sampled search where the gap between a problem's best and runner-up is smallest; trials after
   coverage are screened with few reps and re-timed with full reps in every mode only if within a few
   % of the problem's best. A run cut short at any moment has covered the ops evenly.
-- **Ranks**: rank 0 owns the studies (`training.study.StudyDriver`, one per problem), the store and the
+- **Ranks**: rank 0 owns the studies (`tuning.study.StudyDriver`, one per problem), the store and the
   scheduler; it broadcasts each step, every rank builds, checks and times it
   (`measure.timing.measure_staged`: identical verdicts and rank-max timings on every rank). World sizes
   below the job's run on the sub-worlds of its first ranks (made once, in order, on every rank).
@@ -22,11 +22,11 @@
   exactly that many per study (pruned and already-known configs are free), across runs and workers. On
   CPU it defaults to one per tunable variant, so every variant's first known-good config is measured
   on every problem. Coverage round 0 is always completed, whatever the time limit, so every op gets an
-  entry `autofuse fit` can use; a signal stops after the current step (`training.lifecycle`).
+  entry `autofuse fit` can use; a signal stops after the current step (`tuning.lifecycle`).
 - **Outliers**: a problem whose x BSP deviates from its neighbours' gets its BSP and best re-measured
   in turns (`measure.timing.measure_in_turns`), stored marked `confirmed` (the store prefers them).
 - **Throughput**: on GPUs the known-good configs of the coverage and defaults passes are compiled ahead
-  in child processes (`training.compile_ahead`) into Triton's on-disk cache, so a rank's first call of
+  in child processes (`tuning.compile_ahead`) into Triton's on-disk cache, so a rank's first call of
   a config loads its kernels instead of compiling them while the GPUs wait (builds themselves stay on
   the ranks: they allocate on the symmetric heap, in the same order on every rank). References are
   computed once per problem and seed on each rank. The summary reports trials per second and the
@@ -56,11 +56,11 @@ from autofuse.core import modes
 from autofuse.measure.timing import NO_SHARED_TIMING, Screen, measure_in_turns, measure_staged
 from autofuse.core.op import Op, Problem
 from autofuse.measure.store import Store, StoreError, config_id, describe_stale
-from autofuse.training.lifecycle import STOP, ParentLink
-from autofuse.training.progress import Progress, first_line
-from autofuse.training.schedule import Scheduler, Slot, Step, spread
-from autofuse.training.storage import check_writable, default_storage, open_storage
-from autofuse.training.study import StudyDriver, study_name
+from autofuse.tuning.lifecycle import STOP, ParentLink
+from autofuse.tuning.progress import Progress, first_line
+from autofuse.tuning.schedule import Scheduler, Slot, Step, spread
+from autofuse.tuning.storage import check_writable, default_storage, open_storage
+from autofuse.tuning.study import StudyDriver, study_name
 
 if TYPE_CHECKING:
     from autofuse.comm.world import World
@@ -85,7 +85,7 @@ class SetupError(RuntimeError):
 
 
 @dataclass
-class Settings:
+class TuneOptions:
     """What `autofuse tune` was asked to do; plain data, sent to every rank."""
 
     db: str
@@ -130,7 +130,7 @@ class Settings:
         return self.storage or default_storage(self.db)
 
     def validate(self, device_type: str, ranks: int) -> None:
-        """Raise ValueError (one line, naming the option) for settings no run can take."""
+        """Raise ValueError (one line, naming the option) for options no run can take."""
         supported = modes.supported(device_type)
         if self.mode is not None and self.mode not in modes.MODES:
             raise ValueError(f"--mode must be one of {', '.join(modes.MODES)}, not {self.mode!r}")
@@ -229,27 +229,27 @@ class Plan:
     def problems(self) -> int:
         return sum(len(ps) for _, _, ps, _ in self.items)
 
-    def trials(self, settings: Settings) -> int:
-        return sum(len(ps) * settings.trials_for(self.device_type, vs) for _, _, ps, vs in self.items if vs)
+    def trials(self, options: TuneOptions) -> int:
+        return sum(len(ps) * options.trials_for(self.device_type, vs) for _, _, ps, vs in self.items if vs)
 
 
-def make_plan(settings: Settings, device_type: str, ranks: int) -> Plan:
+def make_plan(options: TuneOptions, device_type: str, ranks: int) -> Plan:
     """The run's plan on `ranks` local ranks (raises ValueError / KeyError for unknown ops, sweeps, shapes)."""
-    mode = settings.mode_for(device_type)
-    sweep = settings.sweep or ("default" if device_type == "cuda" else "cpu")
-    worlds = sorted(set(settings.worlds or [ranks]))
+    mode = options.mode_for(device_type)
+    sweep = options.sweep or ("default" if device_type == "cuda" else "cpu")
+    worlds = sorted(set(options.worlds or [ranks]))
     if worlds[-1] > ranks or worlds[0] < 1:
         raise ValueError(f"world sizes {worlds} must be within 1..{ranks}")
-    ops = [resolve_op(n) for n in (settings.ops or registry.names())]
-    limit = settings.value("limit", device_type) or None  # 0: every problem
+    ops = [resolve_op(n) for n in (options.ops or registry.names())]
+    limit = options.value("limit", device_type) or None  # 0: every problem
     items = []
     for w in worlds:
         stand_in = SimpleNamespace(device=torch.device(device_type), size=w, rank=0)
         for op in ops:
             if sweep == "scaling" and device_type == "cpu":
-                problems = cpu_scaling(op, w, worlds[-1], settings.shapes)
+                problems = cpu_scaling(op, w, worlds[-1], options.shapes)
             else:
-                problems = problems_for(op, sweep, w, settings.shapes)
+                problems = problems_for(op, sweep, w, options.shapes)
             items.append((w, op, problems[:limit], tunable_variants(op, stand_in)))
     return Plan(device_type, mode, sweep, worlds, items)
 
@@ -267,32 +267,32 @@ def cpu_scaling(op: Op, world: int, largest: int, shapes: Sequence[str] = ()) ->
     return out
 
 
-def describe_plan(plan: Plan, settings: Settings, ranks: int) -> str:
+def describe_plan(plan: Plan, options: TuneOptions, ranks: int) -> str:
     """One line: what will be tuned, on what, in which mode, into which database, and roughly how long."""
     per_op: dict[str, int] = {}
     for _, op, ps, _ in plan.items:
         per_op[op.name] = per_op.get(op.name, 0) + len(ps)
-    trials = plan.trials(settings)
+    trials = plan.trials(options)
     per_trial, per_baseline, start = ESTIMATE_S[plan.device_type]
     only_base = sorted({w for w, _, ps, vs in plan.items if ps and not vs})
     seconds = start + trials * per_trial + plan.problems * 1.5 * per_baseline
-    limit_s = settings.time_limit_for(plan.device_type)
+    limit_s = options.time_limit_for(plan.device_type)
     if limit_s is not None:
         seconds = min(seconds, start + limit_s + 30)
     rough = "under a minute" if seconds < 60 else f"about {math.ceil(seconds / 60)} min"
     where = (f"{ranks} CPU ranks (Triton interpreter, gloo, shared-memory heap)" if plan.device_type == "cpu"
              else f"{ranks} GPU{'s' if ranks > 1 else ''}")
-    per = settings.value("trials", plan.device_type)
+    per = options.value("trials", plan.device_type)
     trials_text = ("one trial per tunable variant per problem" if per is None
                    else f"up to {per} trials per problem" if limit_s is not None else f"{per} trials per problem")
     budget = (f"; time limit {limit_s / 60:g} min (--time-limit; 0: none): every op covered first, then the "
               "search goes where the gap between a problem's best variants is smallest" if limit_s is not None else "")
-    limit = settings.value("limit", plan.device_type)
+    limit = options.value("limit", plan.device_type)
     sweep = f"sweep {plan.sweep}" + (f" (its first {limit} problems per op; --limit 0: all)" if limit else "")
     base = (f"; world {', '.join(map(str, only_base))}: baselines only (nothing to communicate)" if only_base else "")
     return (f"tuning {plan.problems} problems ({', '.join(f'{k} {v}' for k, v in per_op.items())}) at world "
             f"{', '.join(map(str, plan.worlds))} on {where}, {sweep}: baselines, then {trials_text} ({trials} in all"
-            f"{base}){budget}, {plan.mode} mode, {rough} if nothing is stored yet; database {settings.db}")
+            f"{base}){budget}, {plan.mode} mode, {rough} if nothing is stored yet; database {options.db}")
 
 
 # -- collectives -------------------------------------------------------------------------------------
@@ -342,14 +342,14 @@ def measuring_op(op: Op) -> Op:
     return dataclasses.replace(op, reference=CachedReference(op.reference))
 
 
-def _run_task(world: World, op: Op, task: Task, settings: Settings) -> list:
+def _run_task(world: World, op: Op, task: Task, options: TuneOptions) -> list:
     dev = world.device.type
-    kw = dict(modes=modes.supported(dev), seed=settings.seed, reps=settings.value("reps", dev),
-              warmup=settings.value("warmup", dev))
+    kw = dict(modes=modes.supported(dev), seed=options.seed, reps=options.value("reps", dev),
+              warmup=options.value("warmup", dev))
     if task.kind == "confirm":
         per = measure_in_turns(world, op, task.problem, task.candidates, **kw)
         return [m for ms in per for m in ms]
-    return measure_staged(world, op, task.problem, task.variant, task.config, budget_s=settings.value("budget_s", dev),
+    return measure_staged(world, op, task.problem, task.variant, task.config, budget_s=options.value("budget_s", dev),
                           screen=task.screen, **kw)
 
 
@@ -384,7 +384,7 @@ def _slots(plan: Plan, world: World) -> list[Slot]:
     return slots
 
 
-def _scheduler(world: World, plan: Plan, settings: Settings, state: RunState, subs: dict[int, World | None]) -> Scheduler:
+def _scheduler(world: World, plan: Plan, options: TuneOptions, state: RunState, subs: dict[int, World | None]) -> Scheduler:
     """Rank 0's scheduler over the plan, its board seeded with what the store holds already."""
     assert state.store is not None and state.storage is not None
     store, storage, fp, dev = state.store, state.storage, state.fingerprint, world.device.type
@@ -392,7 +392,7 @@ def _scheduler(world: World, plan: Plan, settings: Settings, state: RunState, su
 
     def make_driver(slot: Slot) -> StudyDriver:
         return StudyDriver(storage, store, fp, slot.op, slot.problem, plan.mode, slot.tunable,
-                           settings.trials_for(dev, slot.tunable), state.digests[slot.op.name], settings.seed,
+                           options.trials_for(dev, slot.tunable), state.digests[slot.op.name], options.seed,
                            world=subs.get(slot.world))
 
     def known(slot: Slot, variant: str, config: dict) -> bool:
@@ -446,7 +446,7 @@ def _record(state: RunState, step: Step, results: list, mode: str) -> None:
     state.scheduler.record(step, results)
 
 
-def _loop(world: World, plan: Plan, settings: Settings, state: RunState, subs: dict[int, World | None],
+def _loop(world: World, plan: Plan, options: TuneOptions, state: RunState, subs: dict[int, World | None],
           ops: dict[str, Op], ahead: Any) -> None:
     """Every rank: take rank 0's next step, measure it on its world's ranks, let rank 0 record it."""
     step: Step | None = None
@@ -460,7 +460,7 @@ def _loop(world: World, plan: Plan, settings: Settings, state: RunState, subs: d
                 if len(state.scheduler.covered) != covered and state.progress is not None:
                     state.progress.coverage(state.scheduler.coverage(), state.scheduler.time_left())
                 if step is not None:
-                    task = _task_of(step, plan.mode, settings.value("screen_reps", world.device.type))
+                    task = _task_of(step, plan.mode, options.value("screen_reps", world.device.type))
                     if ahead is not None:
                         ahead.reached(step.slot.op.name, step.slot.key, step.variant, step.config)
             task = _bcast(world, task)
@@ -469,7 +469,7 @@ def _loop(world: World, plan: Plan, settings: Settings, state: RunState, subs: d
                     state.stopped = True
                 break
             sub = subs[task.world]
-            results = _run_task(sub, ops[task.op], task, settings) if sub is not None else []
+            results = _run_task(sub, ops[task.op], task, options) if sub is not None else []
             if world.rank == 0:
                 assert step is not None
                 _record(state, step, results, plan.mode)
@@ -522,12 +522,12 @@ def quiet_warnings() -> None:
         warnings.filterwarnings("ignore", message=message)
 
 
-def tune_rank(world: World, settings: Settings, link: ParentLink | None = None) -> dict:
+def tune_rank(world: World, options: TuneOptions, link: ParentLink | None = None) -> dict:
     """Run on every rank of `world` (spawned or torchrun); rank 0 returns {"rows": the summary rows,
     "stats": the run's counts and seconds}, the other ranks {}.
 
     `link` is given by `autofuse tune` when it spawned the ranks: signals then go to the parent,
-    which relays its stop level (training.lifecycle). Without it (torchrun), this process handles
+    which relays its stop level (tuning.lifecycle). Without it (torchrun), this process handles
     SIGINT and SIGTERM itself. CPU ranks need TRITON_INTERPRET=1 before Triton is imported (spawn
     and the CLI set it).
     """
@@ -536,7 +536,7 @@ def tune_rank(world: World, settings: Settings, link: ParentLink | None = None) 
         STOP.reset()
     STOP.install(supervised=link is not None)
     try:
-        return _tune(world, settings, supervised=link is not None)
+        return _tune(world, options, supervised=link is not None)
     except KeyboardInterrupt:
         if link is None:
             raise
@@ -545,12 +545,12 @@ def tune_rank(world: World, settings: Settings, link: ParentLink | None = None) 
         STOP.uninstall()
 
 
-def _open_rank0(settings: Settings, fp: dict) -> tuple[Store | None, Any, str | None]:
+def _open_rank0(options: TuneOptions, fp: dict) -> tuple[Store | None, Any, str | None]:
     """Rank 0 opens the store and Optuna's storage and checks both can be written."""
     store = None
     try:
-        store = Store.open(settings.db, fingerprint=fp)
-        storage = open_storage(settings.storage_url())
+        store = Store.open(options.db, fingerprint=fp)
+        storage = open_storage(options.storage_url())
         check_writable(storage)
         return store, storage, None
     except StoreError as exc:
@@ -558,39 +558,39 @@ def _open_rank0(settings: Settings, fp: dict) -> tuple[Store | None, Any, str | 
     except Exception as exc:  # noqa: BLE001 - Optuna / SQLAlchemy errors: one line, every rank raises it
         if store is not None:
             store.close()
-        return None, None, f"cannot write the Optuna storage {settings.storage_url()}: {first_line(str(exc), 300)}"
+        return None, None, f"cannot write the Optuna storage {options.storage_url()}: {first_line(str(exc), 300)}"
 
 
-def _compile_ahead(world: World, settings: Settings, sched: Scheduler) -> Any:
+def _compile_ahead(world: World, options: TuneOptions, sched: Scheduler) -> Any:
     """Rank 0: the compile-ahead workers, given every known-good config the run will measure in order
     (None where off: the CPU emulation, --compile-workers 0, or nothing to compile)."""
-    from autofuse.training.compile_ahead import CompileAhead, default_workers
+    from autofuse.tuning.compile_ahead import CompileAhead, default_workers
 
     dev = world.device.type
-    workers = settings.value("compile_workers", dev)
+    workers = options.value("compile_workers", dev)
     if workers is None:
         workers = default_workers(world.size)
     if not workers:
         return None
-    refs = {resolve_op(name).name: name for name in settings.ops}  # 'module:attr' ops, for the workers
-    ahead = CompileAhead(int(workers), device_kind=dev, compile_fn=settings.compile_fn, op_refs=refs)
+    refs = {resolve_op(name).name: name for name in options.ops}  # 'module:attr' ops, for the workers
+    ahead = CompileAhead(int(workers), device_kind=dev, compile_fn=options.compile_fn, op_refs=refs)
     ahead.submit([(s.op, s.problem, v, c) for s, v, c in sched.upcoming()])
     return ahead
 
 
-def _tune(world: World, settings: Settings, supervised: bool) -> dict:
+def _tune(world: World, options: TuneOptions, supervised: bool) -> dict:
     dev = world.device.type
-    settings.validate(dev, world.size)
-    plan = make_plan(settings, dev, world.size)
+    options.validate(dev, world.size)
+    plan = make_plan(options, dev, world.size)
     fp = environment.fingerprint(dev)
     ops = {op.name: op for _, op, _, _ in plan.items}
-    limit_s = settings.time_limit_for(dev)
+    limit_s = options.time_limit_for(dev)
     t0 = time.monotonic()
     state = RunState(fingerprint=fp, digests={name: environment.op_digest(op) for name, op in ops.items()},
                      deadline=t0 + limit_s if limit_s else None, supervised=supervised)
     error = None
     if world.rank == 0:
-        state.store, state.storage, error = _open_rank0(settings, fp)
+        state.store, state.storage, error = _open_rank0(options, fp)
     error = _bcast(world, error)
     if error:
         raise SetupError(error)
@@ -599,20 +599,20 @@ def _tune(world: World, settings: Settings, supervised: bool) -> dict:
     ahead = None
     if world.rank == 0:
         assert state.store is not None
-        state.progress = progress = Progress(plan.trials(settings), settings.verbose)
+        state.progress = progress = Progress(plan.trials(options), options.verbose)
         if not supervised:
-            progress.log(describe_plan(plan, settings, world.size))
+            progress.log(describe_plan(plan, options, world.size))
         note = describe_stale(state.store.stale())
         if note:
             progress.log(note, style="yellow")
-        state.scheduler = _scheduler(world, plan, settings, state, subs)
+        state.scheduler = _scheduler(world, plan, options, state, subs)
         try:
-            ahead = _compile_ahead(world, settings, state.scheduler)
+            ahead = _compile_ahead(world, options, state.scheduler)
         except Exception as exc:  # noqa: BLE001 - compiling ahead only saves time: without it, builds compile
             progress.log(f"compiling ahead is off: {first_line(str(exc))}", style="yellow")
     rows: list[dict] = []
     try:
-        _loop(world, plan, settings, state, subs, measuring, ahead)
+        _loop(world, plan, options, state, subs, measuring, ahead)
         state.stopped = world.rank_max(1.0 if state.stopped else 0.0) > 0
     finally:
         if world.rank == 0:

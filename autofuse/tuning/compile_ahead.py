@@ -36,7 +36,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 from autofuse.core.op import Config, Op, Problem, config_key
 
-DEFAULT_FN = "autofuse.training.compile_ahead:compile_config"
+DEFAULT_FN = "autofuse.tuning.compile_ahead:compile_config"
 MAX_WORKERS = 8
 
 
@@ -54,7 +54,7 @@ def _resolve(ref: str) -> Callable[..., Any]:
 def _worker(jobs: Any, results: Any, reached: Any, fn_ref: str, device_kind: str, index: int, parent: int) -> None:
     """A worker process: compile jobs (seq, op_ref, problem_key, variant, config) until the None sentinel,
     skipping those the ranks already reached; report (seq, ok, seconds, error) for each."""
-    from autofuse.training.lifecycle import die_with_parent
+    from autofuse.tuning.lifecycle import die_with_parent
 
     die_with_parent(parent)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the run's Ctrl-C is the ranks' business
@@ -301,7 +301,7 @@ def compile_config(op_ref: str, problem_key: str, variant: str, config: Config, 
     """Compile one config's Triton kernels into Triton's cache, as every rank of its problem would (CUDA)."""
     from autofuse.core import registry
 
-    op = _resolve(op_ref) if ":" in op_ref else registry.get(op_ref)  # as `training.tune.resolve_op`, sans Optuna
+    op = _resolve(op_ref) if ":" in op_ref else registry.get(op_ref)  # as `tuning.tune.resolve_op`, sans Optuna
     problem = Problem.from_key(problem_key)
     v = op.variant(variant)
     for rank in range(problem.world):

@@ -31,7 +31,7 @@ e.g. the all-gather alone and the matmul alone) are timed in the same run, and b
 best, x BSP, x alt, bound and ceiling are those of `autofuse.measure.compare`. On CPU the timings are the
 Triton interpreter's and gloo's, not a GPU's: they show that every variant runs, not how fast it
 would be, so no speedup is reported. With `options.profile`, each measured variant's best config
-is then profiled per mode (`autofuse.training.kernel_profile`): its rows gain a "profile" key
+is then profiled per mode (`autofuse.bench.kernel_profile`): its rows gain a "profile" key
 {variant: per-kernel breakdown} and `render` prints a kernel table per problem.
 """
 from __future__ import annotations
@@ -50,10 +50,10 @@ from autofuse.measure.compare import INTERPRETED_NOTE
 
 # The extra targets: name -> module that implements run/render (see the module docstring).
 TARGETS: dict[str, str] = {
-    "collectives": "autofuse.training.bench_collectives",
-    "gemm_core": "autofuse.training.bench_gemm_core",
-    "layer": "autofuse.training.bench_layer",
-    "train_layer": "autofuse.training.bench_train_layer",
+    "collectives": "autofuse.bench.bench_collectives",
+    "gemm_core": "autofuse.bench.bench_gemm_core",
+    "layer": "autofuse.bench.bench_layer",
+    "train_layer": "autofuse.bench.bench_train_layer",
 }
 OUT_PATTERN = "autofuse-out/bench-TARGET-SWEEP-wWORLD-DATE.json"
 CPU_NOTE = INTERPRETED_NOTE
@@ -155,7 +155,7 @@ def planned_out(module: ModuleType, options: BenchOptions, date: str | None = No
 
 def default_out(target: str, sweep: str | None, world: int | None, date: str | None = None) -> Path:
     """./autofuse-out/bench-TARGET-SWEEP-wWORLD-DATE.json (SWEEP 'default' when the target has none)."""
-    from autofuse.commands._common import OUT_DIR
+    from autofuse.core.settings import OUT_DIR
 
     date = date or datetime.datetime.now(datetime.timezone.utc).date().isoformat()
     return OUT_DIR / f"bench-{target}-{sweep or 'default'}-w{world if world is not None else 0}-{date}.json"
@@ -277,7 +277,7 @@ def bench_rank(world, op_name: str, kind: str, variants: Sequence[str] | None, m
 def _profile_best(world, op: Any, problem: Any, vname: str, per_mode: dict[str, BenchRow], say: bool) -> None:
     """Profile `vname`'s fastest correct config in each mode it was measured in (every rank, in lockstep);
     the breakdown goes into that mode's row. A variant with no correct config is not profiled."""
-    from autofuse.training.kernel_profile import profile_variant
+    from autofuse.bench.kernel_profile import profile_variant
 
     for mode, row in per_mode.items():
         if vname not in row.best:
@@ -356,9 +356,9 @@ def render(result: dict[str, Any], console: Any) -> None:
     """One table per mode (the problem parts that vary as columns, the fixed ones in the title): each variant's
     latency, the best, x BSP, x alt, the bound and the ceiling (autofuse.measure.compare), then the geomeans; the
     CPU emulation's tables hold latencies only. With profiles, a kernel table per problem after its mode's."""
-    from autofuse.commands._common import LEGEND, print_split_table, split_problems
+    from autofuse.bench.tables import LEGEND, print_split_table, split_problems
     from autofuse.measure.compare import geomean
-    from autofuse.training.kernel_profile import render_profile
+    from autofuse.bench.kernel_profile import render_profile
 
     op_name = result.get("op") or result.get("target", "?")
     for mode in result["modes"]:

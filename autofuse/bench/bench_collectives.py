@@ -11,7 +11,7 @@ is reported, never timed. Latency in us (median, rank-max), algorithm bandwidth 
 and bus bandwidth (NCCL's convention: all_gather (W-1)/W * W * bytes, reduce_scatter (W-1)/W * bytes,
 all_reduce 2 (W-1)/W * bytes, per time: on two ranks the bytes each rank sends per direction).
 
-Contract (autofuse/training/bench.py): `run(options) -> dict` with "rows" (one per kind, size, mode,
+Contract (autofuse/bench/bench.py): `run(options) -> dict` with "rows" (one per kind, size, mode,
 implementation), `render(result, console)`. Options read (getattr, defaults in brackets): world
 [every GPU, 2 on CPU], modes [graph and eager on GPUs, eager on CPU], shapes [sizes: "4K,64K,16M"
 etc.], variants [kinds or implementations to keep: "all_gather", "push", "all_reduce.two_shot"],
@@ -319,7 +319,7 @@ def _f(x: Any, digits: int = 1) -> str:
 
 def render(result: dict[str, Any], console: Any) -> None:
     """One table per collective and mode (sizes as rows, implementations as columns), then the notes."""
-    from autofuse.commands._common import print_split_table
+    from autofuse.bench.tables import print_split_table
 
     best = result.get("best") or best_rows(result["rows"])
     lib_name = "NCCL" if result.get("device_kind") == "cuda" else "gloo"

@@ -14,7 +14,7 @@ from typing import Any, Mapping, Sequence
 
 from autofuse.measure.timing import Measurement
 from autofuse.core.op import Problem, config_key
-from autofuse.training.study import Job
+from autofuse.tuning.study import Job
 
 
 def first_line(text: str | None, limit: int = 100) -> str:

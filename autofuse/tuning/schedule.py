@@ -24,7 +24,7 @@ done, a problem whose x BSP deviates from its neighbours' (`measure.compare.devi
 `confirm` step: its BSP and its best are re-measured in turns and stored marked `confirmed`, which
 the store prefers to their first rows. Each (problem, best config) is confirmed at most once a run.
 
-Nothing here measures: `Scheduler.next()` returns a `Step`, the rank loop (`training.tune`)
+Nothing here measures: `Scheduler.next()` returns a `Step`, the rank loop (`tuning.tune`)
 measures it on every rank and hands the results to `Scheduler.record()`.
 """
 from __future__ import annotations
@@ -129,7 +129,7 @@ class Board:
 class Scheduler:
     """Rank 0's plan and order of a run (see the module docstring).
 
-    `make_driver(slot)` opens the slot's study (a `training.study.StudyDriver`); `known(slot, variant,
+    `make_driver(slot)` opens the slot's study (a `tuning.study.StudyDriver`); `known(slot, variant,
     config)` says whether the store already holds that baseline; `deadline` is a `time.monotonic()`
     time after which nothing new starts (None: no limit) except the rest of coverage round 0.
     """

@@ -32,7 +32,7 @@ in autofuse and in torch-tp (torch's all-gather counted with the projections it 
 turns; `rest` = layer - ops (attention, norms, residuals, SwiGLU).
 On CPU: the tiny sizes, T in (16, 32), gloo and Triton's interpreter: those timings show that it
 runs and agrees, not which is faster. `run(options)` / `render(result, console)` follow
-autofuse/training/bench.py's contract; `--variants` picks contenders by name.
+autofuse/bench/bench.py's contract; `--variants` picks contenders by name.
 """
 from __future__ import annotations
 

@@ -8,7 +8,7 @@
 - **Queue**: known-good configs (every variant's `defaults(problem)`, round-robin over variants),
   and the configs of trials whose worker died, are enqueued one at a time, just before the ask that
   takes them, so no WAITING trial is left behind when the budget ends. `stage()` tells the run's
-  scheduler (`training.schedule`) whether the study is still in its coverage (first defaults),
+  scheduler (`tuning.schedule`) whether the study is still in its coverage (first defaults),
   its other defaults, or its sampled search. A config is retried once
   after its worker died (a config that kills its process twice is not tried again).
 - **Recorded parameters equal the measured config**: an enqueued config is given to the space as
@@ -44,7 +44,7 @@ from optuna.trial import TrialState
 from autofuse.measure.timing import Measurement
 from autofuse.core.op import Config, Op, Problem, config_key
 from autofuse.measure.store import Store, config_id
-from autofuse.training.storage import Heartbeat, alive, this_worker
+from autofuse.tuning.storage import Heartbeat, alive, this_worker
 
 if TYPE_CHECKING:
     from autofuse.comm.world import World

@@ -1,6 +1,6 @@
 """`autofuse bench layer`: a tensor-parallel Llama-3 layer on autofuse against the same layer on NCCL + cuBLAS.
 
-The layer is `autofuse.nn.llama_layer` (one module, one code path; only its four communicating steps
+The layer is `autofuse.bench.llama_layer` (one module, one code path; only its four communicating steps
 differ: autofuse's public API, or torch.distributed collectives + torch.matmul). One rank per
 local GPU (or 2 CPU ranks running Triton's interpreter); both layers share one set of random bf16
 weights; in the same run, per shape and timing mode:
@@ -24,12 +24,12 @@ Shapes (GPU): prefill of one sequence of 512, 2048, 8192 tokens; decode of batch
 with 4K, 8K, 16K, 32K tokens already in the KV cache of every sequence (split over the ranks).
 On CPU a tiny config and tiny shapes, eager only: interpreter timings, no GPU meaning.
 
-The `autofuse bench` contract (autofuse/training/bench.py): `run(options) -> dict` (JSON-able,
+The `autofuse bench` contract (autofuse/bench/bench.py): `run(options) -> dict` (JSON-able,
 "rows" one per shape, mode and autofuse configuration; writes no file) and `render(result,
 console)`. `options` is the command's BenchOptions or this module's Options (or a dict): from
 BenchOptions, `sweep` names the model (70b, 8b, tiny), `shapes` the shape filter, `variants` the
 autofuse configurations (see Options), `progress` a line per measured row. `python -m
-autofuse.training.bench_layer` runs it without the CLI and writes `--out`.
+autofuse.bench.bench_layer` runs it without the CLI and writes `--out`.
 """
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 import torch
 
 from autofuse.core import registry, settings
-from autofuse.nn import llama_layer
+from autofuse.bench import llama_layer
 
 if TYPE_CHECKING:
     from autofuse.comm.world import World
@@ -520,7 +520,7 @@ def render(result: dict, console: Any) -> None:
     where the time goes op by op; the geomeans; the notes."""
     from rich.text import Text
 
-    from autofuse.commands._common import print_split_table
+    from autofuse.bench.tables import print_split_table
 
     def say(text: str, style: str = "") -> None:
         console.print(Text(text, style=style))

@@ -44,7 +44,7 @@ Weights are random (seeded, generated locally on every rank, so no files), store
 matrices (x @ W, the transpose of Hugging Face's layout); configs: Llama-3-70B, Llama-3-8B and a
 tiny one for CPU tests. `examples/llama_layer.py` runs it (checks autofuse's layer against the
 baseline layer, times both on GPUs); `autofuse bench layer` benchmarks it
-(autofuse/training/bench_layer.py).
+(autofuse/bench/bench_layer.py).
 """
 
 from __future__ import annotations
