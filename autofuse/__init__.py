@@ -35,6 +35,7 @@ def __getattr__(name: str):
     import importlib
 
     if name in registry.MODULES:
+        registry.library()  # the custom ops (autograd, torch.compile) exist before any call is traced
         value = importlib.import_module("autofuse.dispatch").entry_point(name)
     elif name in _DISPATCH:
         value = getattr(importlib.import_module("autofuse.dispatch"), name)

@@ -4,6 +4,8 @@
 above M ~ 100: real CPU measurements (busy waits, not sleeps) with a crossover the policy must find.
 No communication inside the runners, so any collective or file access during a cached call comes
 from dispatch itself. `gpu_only` is never available on CPU. Counters record builds and calls.
+Its custom-op declaration (`CUSTOM`: output shape, a backward in terms of the op itself) is all that
+registering it (`core.registry.register`) needs for autograd and torch.compile (tests/test_adding_an_op.py).
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from typing import Any
 
 import torch
 
+from autofuse.core.custom import Backward, CustomOp
 from autofuse.core.op import InvalidInput, Op, Problem, Variant, default_tolerance
 from autofuse.core.runner import Runner, TensorSpec
 from autofuse.comm.workspace import workspace
@@ -107,6 +110,23 @@ def _sweep(kind: str, world: int) -> list[Problem]:
             for n in (16, 32)]
 
 
+def _keep(inputs: tuple, needs: tuple, extras: Any) -> dict:
+    a, b = inputs
+    return {"a": a if needs[1] else None, "b": b if needs[0] else None}
+
+
+def _grads(kept: dict, grad: torch.Tensor, needs: tuple, group_name: str) -> tuple:
+    """dA = dC @ B^T, dB = A^T @ dC, each a call of the op itself through its custom op."""
+    mm = getattr(torch.ops.autofuse, NAME)
+    grad = grad.contiguous()
+    da = mm(grad, kept["b"].t().contiguous(), group_name) if needs[0] else None
+    db = mm(kept["a"].t().contiguous(), grad, group_name) if needs[1] else None
+    return da, db
+
+
+CUSTOM = CustomOp(out_shape=lambda inputs, w: (inputs[0].shape[0], inputs[1].shape[1]),
+                  backward=Backward(_keep, _grads))
+
 OP = Op(
     name=NAME,
     args=("a", "b"),
@@ -117,4 +137,5 @@ OP = Op(
     tolerance=lambda p: default_tolerance(p.dtype, p["K"]),
     features=_features,
     sweep=_sweep,
+    custom=CUSTOM,
 )

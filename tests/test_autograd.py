@@ -334,22 +334,22 @@ def _no_agreement_while_tracing(world) -> dict:
 def _gathered_sources(world) -> dict:
     """ag_gemm_gathered's gathered A per forward variant: taken from the runner's buffer (bsp, heap_mm: no
     second all-gather) or gathered again (push); always the exact all_gather(A) (rows and k forms)."""
-    from autofuse.library import ops as lib_ops
+    from autofuse.ops import ag_gemm as ag
     from autofuse.library.groups import name_of
 
     extra = []
-    gather = lib_ops._all_gather
-    lib_ops._all_gather = lambda a, name: extra.append(1) or gather(a, name)  # count the second gathers
+    gather = ag._all_gather
+    ag._all_gather = lambda a, w: extra.append(1) or gather(a, w)  # count the second gathers
     out = {}
     for form, m in (("rows", 4 * world.size), ("k", 8)):
         s = unsharded("ag_gemm", form, world.size, world.rank, (m, 32, 16), seed=9)
-        shards = lib_ops._all_gather(s["a"], name_of(world)).chunk(world.size)
+        shards = ag._all_gather(s["a"], world).chunk(world.size)
         full_a = torch.cat(shards, dim=0 if form == "rows" else 1)
         for variant in ("bsp", "heap_mm", "push"):
             before = len(extra)
             _, gathered = torch.ops.autofuse.ag_gemm_gathered(s["a"], s["b"], name_of(world), variant=variant)
             out[f"{form} {variant}"] = (len(extra) - before, bool(torch.equal(gathered, full_a)))
-    lib_ops._all_gather = gather
+    ag._all_gather = gather
     return out
 
 

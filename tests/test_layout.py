@@ -102,6 +102,13 @@ def test_dispatch_reaches_ops_only_through_the_registry():
     assert _offenders(("autofuse.dispatch",), ("autofuse.ops", "autofuse.nn", *TOP)) == {}
 
 
+def test_dispatch_never_imports_the_custom_op_layer():
+    """autofuse.library stands above dispatch (it installs itself there; dispatch loads it by the
+    registry's name for it), and reaches ops only through the registry too."""
+    assert _offenders(("autofuse.dispatch",), ("autofuse.library",)) == {}
+    assert "autofuse.dispatch.entry" in IMPORTS["autofuse.library"]  # the arrow that stays: library -> dispatch
+
+
 def test_only_the_command_line_imports_commands():
     """autofuse/commands only parses options and calls: what a command needs lives on the floor that owns it."""
     line = ("autofuse.commands", "autofuse.cli", "autofuse.__main__")

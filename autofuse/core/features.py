@@ -2,7 +2,8 @@
 
 Generic ones come from the problem alone: log2 of every numeric dimension, the world size and the
 dtype's bytes; a text dimension (e.g. gather=rows) becomes an indicator `gather=rows` = 1. The op
-adds its own through `op.features(problem)` (bytes communicated per FLOP, tiles per rank, ...).
+adds its own through `op.features(problem)` (bytes communicated per FLOP, tiles per rank, ...), and
+a dim it declares an extra feature (`Op.extra_features`: not a size, e.g. a routing skew) is its value.
 A policy stores its feature names; a name the problem lacks reads as 0.
 """
 from __future__ import annotations
@@ -25,9 +26,15 @@ def generic(problem: Problem) -> dict[str, float]:
 
 
 def problem_features(problem: Problem, op: Op | None = None) -> dict[str, float]:
-    """Generic features plus the op's own (the op's win on a name clash)."""
+    """Generic features plus the op's own (the op's win on a name clash); extra-feature dims as their values."""
     out = generic(problem)
     if op is not None:
+        for name in op.extra_features:
+            value = problem.get(name)
+            if value is not None:
+                out.pop(f"log2_{name}", None)
+                out.pop(f"{name}={value}", None)
+                out[name] = float(value)
         out.update({k: float(v) for k, v in op.features(problem).items()})
     return out
 

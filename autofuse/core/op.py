@@ -9,106 +9,24 @@ maps op name -> Op.
 """
 from __future__ import annotations
 
-import json
 import sys
 import threading
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol, Sequence, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence, TypeVar
 
 import torch
 
-from autofuse.core.keys import parse_key
+from autofuse.core.problem import (DTYPES, FP8, OUTPUT_DTYPES, SCALINGS, Config, InvalidConfig, InvalidInput,
+                                   Problem, config_key, dtype_name)
+
 if TYPE_CHECKING:
+    from autofuse.core.custom import CustomOp
     from autofuse.core.runner import Runner
     from autofuse.comm.world import World
 
-FP8 = "float8_e4m3fn"
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, FP8: torch.float8_e4m3fn}
-OUTPUT_DTYPES = {FP8: "bfloat16"}  # FP8 GEMM problems write bfloat16 (the scaled product); others their dtype
-SCALINGS = ("tensorwise", "rowwise")  # an FP8 problem's `scaling` dim (torch._scaled_mm's two kinds)
-Config = dict[str, Any]
-
-
-class InvalidConfig(ValueError):
-    """A config that cannot run on a problem; the message says why (rejected before launch)."""
-
-
-class InvalidInput(ValueError):
-    """Arguments an op cannot take (shape, dtype, device, layout, world size): says which and why."""
-
-
-@dataclass(frozen=True)
-class Problem:
-    """op + sizes + dtype + world size: the key of measurements, policies and dispatch caches.
-
-    FP8 problems (dtype float8_e4m3fn) also carry a `scaling` dim (tensorwise or rowwise): the same
-    shapes in bf16 and in each FP8 scaling are different problems to the tuner and the policy."""
-
-    op: str
-    dims: tuple[tuple[str, Any], ...]
-    dtype: str
-    world: int
-
-    @classmethod
-    def make(cls, op: str, dtype: str | torch.dtype, world: int, **dims: Any) -> "Problem":
-        if isinstance(dtype, torch.dtype):
-            dtype = dtype_name(dtype)
-        if dtype not in DTYPES:
-            raise InvalidInput(f"dtype {dtype!r} not supported: use one of {sorted(DTYPES)}")
-        return cls(op, tuple(sorted(dims.items())), dtype, int(world))
-
-    def __getitem__(self, name: str) -> Any:
-        for k, v in self.dims:
-            if k == name:
-                return v
-        raise KeyError(f"{self.op} problem has no dimension {name!r}")
-
-    def get(self, name: str, default: Any = None) -> Any:
-        try:
-            return self[name]
-        except KeyError:
-            return default
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
-
-    @property
-    def out_dtype(self) -> torch.dtype:
-        """The output's dtype: bfloat16 for FP8 problems, else the input dtype."""
-        return DTYPES[OUTPUT_DTYPES.get(self.dtype, self.dtype)]
-
-    @property
-    def key(self) -> str:
-        """Canonical text form, e.g. 'ag_gemm|K=8192,M=1024,N=3584,gather=rows|bfloat16|w2'."""
-        dims = ",".join(f"{k}={v}" for k, v in self.dims)
-        return f"{self.op}|{dims}|{self.dtype}|w{self.world}"
-
-    @classmethod
-    def from_key(cls, key: str) -> "Problem":
-        """The Problem of a full key (`key`'s inverse); InvalidInput for a malformed one."""
-        parts = parse_key(key)
-        if parts.world is None:
-            raise InvalidInput(f"problem key {key!r} has no world part ('|w<N>')")
-        return cls.make(parts.op, parts.dtype, parts.world, **parts.dims)
-
-    def as_dict(self) -> dict[str, Any]:
-        return {"op": self.op, "dtype": self.dtype, "world": self.world, **dict(self.dims)}
-
-    def __str__(self) -> str:
-        return self.key
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    for name, dt in DTYPES.items():
-        if dt == dtype:
-            return name
-    raise InvalidInput(f"dtype {dtype} not supported: use one of {sorted(DTYPES)}")
-
-
-def config_key(config: Mapping[str, Any]) -> str:
-    """Canonical JSON of a config (sorted keys), the form stored in the database."""
-    return json.dumps(dict(config), sort_keys=True, separators=(",", ":"))
+__all__ = ["DTYPES", "FP8", "OUTPUT_DTYPES", "SCALINGS", "Config", "InvalidConfig", "InvalidInput", "Problem",
+           "config_key", "dtype_name", "Op", "Variant", "SearchSpace", "FAMILIES", "default_tolerance", "rel_error",
+           "global_sizes", "outside_graph_pool", "in_own_thread"]
 
 
 class SearchSpace(Protocol):
@@ -267,6 +185,24 @@ class Op:
     - `bytes_read(problem)` and `copy_rate(world, problem)` (memory-bound ops): the bytes a call must
       read, and a callable that copies as many bytes on the device, so the bench reports the
       achieved share of the memory bandwidth measured in the same run.
+    - `custom` (autofuse/core/custom.py) declares what the op's torch custom op needs beyond `args`:
+      the output's shape for the fake implementation, named extra outputs, the backward; the custom-op
+      layer (autofuse/library) registers `torch.ops.autofuse.<name>` from it. None: no custom op (a
+      call that needs one, an input requiring grad or a trace, raises).
+
+    Beyond one tensor in, one out (what MoE's dispatch/combine pair needs; one-output ops set none):
+    - `outputs` names the outputs; with more than one, runners return `Outputs` (a tuple, each
+      also read by its name) and `reference` returns one tensor per name, in order.
+    - `partner` names the op whose call makes the `Handle` this op takes, and `handles` names those
+      of `args` that are handles (autofuse/core/runner.py): host objects, never tensors, that the
+      cache key reads by their static `key` and the library path never treats as an input to trace
+      or differentiate.
+    - `capacities` names dims that are static upper bounds (e.g. tokens per expert): the tensors are
+      sized by them, so a problem (and a CUDA graph) sees static shapes, while the actual counts
+      travel as input tensors the kernels read; `problem_of` takes capacities from shapes, never
+      from the counts' values (that would need a device sync and change the key per call).
+    - `extra_features` names dims that are not sizes (e.g. a routing skew, bucketed): the policy
+      sees each as its value (`core.features`), not as log2 of a size.
     """
 
     name: str
@@ -284,8 +220,22 @@ class Op:
     bytes_read: Callable[[Problem], int] | None = None
     copy_rate: Callable[[World, Problem], Callable[[], Any]] | None = None
     optional: tuple[str, ...] = ()
+    custom: CustomOp | None = None
+    outputs: tuple[str, ...] = ("out",)
+    partner: str | None = None
+    handles: tuple[str, ...] = ()
+    capacities: tuple[str, ...] = ()
+    extra_features: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
+        stray = [h for h in self.handles if h not in self.args]
+        if stray or (self.handles and not self.partner) or not self.outputs:
+            raise ValueError(f"op {self.name}: handles {stray or list(self.handles)} must be among args "
+                             f"{list(self.args)} and come with a partner op; outputs must name at least one")
+        clash = set(self.capacities) & set(self.per_rank) | set(self.extra_features) & set(self.capacities)
+        if clash:
+            raise ValueError(f"op {self.name}: dims {sorted(clash)} are declared twice (capacities, per_rank, "
+                             "extra_features)")
         if not isinstance(self.variants, dict):
             self.variants = {v.name: v for v in self.variants}
 
@@ -303,8 +253,13 @@ def global_sizes(problem: Problem, per_rank: Sequence[str]) -> str:
     return f"{problem.op}|{dims}|{problem.dtype}"
 
 
-def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
-    """||out - ref|| / ||ref|| in float64; inf if `out` holds NaN/inf (e.g. poison left unwritten)."""
+def rel_error(out: Any, ref: Any) -> float:
+    """||out - ref|| / ||ref|| in float64; inf if `out` holds NaN/inf (e.g. poison left unwritten).
+    Several outputs (a tuple, e.g. `Outputs`, against one reference per output): the largest error."""
+    if isinstance(out, (tuple, list)):
+        if not isinstance(ref, (tuple, list)) or len(ref) != len(out):
+            raise ValueError(f"{len(out)} outputs against a reference of {len(ref) if isinstance(ref, (tuple, list)) else 1}")
+        return max(rel_error(o, r) for o, r in zip(out, ref))
     o = out.detach().to(torch.float64).cpu()
     r = ref.detach().to(torch.float64).cpu()
     if o.shape != r.shape:

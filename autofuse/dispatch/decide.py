@@ -8,6 +8,7 @@ import torch
 
 from autofuse.core import settings
 from autofuse.core.op import Config, InvalidConfig, InvalidInput, Op, config_key
+from autofuse.core.runner import Handle
 from autofuse.comm.world import World
 from autofuse.dispatch import online
 from autofuse.dispatch.choice import Choice
@@ -18,7 +19,11 @@ from autofuse.dispatch.state import STATE
 def decide(op: Op, world: World, args: tuple, variant: str | None, config: Config | None) -> Choice:
     """The Choice for `op(*args)` on this rank (validates the inputs; no collective, builds nothing)."""
     for name, a in zip(op.args, args):
-        if not isinstance(a, torch.Tensor):
+        if name in op.handles:
+            if not isinstance(a, Handle):
+                raise InvalidInput(f"autofuse.{op.name}: {name} must be a Handle made by autofuse.{op.partner}, "
+                                   f"got {type(a).__name__}")
+        elif not isinstance(a, torch.Tensor):
             raise InvalidInput(f"autofuse.{op.name}: {name} must be a tensor, got {type(a).__name__}")
     problem = op.problem_of(world, *args)
     available = [n for n, v in op.variants.items() if v.available(world)]

@@ -9,7 +9,12 @@ Library path: a call whose inputs require grad (grad mode on), or made while tor
 torch.export traces, or on tensor subclasses (FakeTensor, ...) goes to the op's torch custom op
 instead (autofuse/library: autograd, fake implementation, one node per call in a graph), which
 dispatches on real tensors when it runs. The hot path pays only the test for it. A miss never
-decides while tracing (`TraceMiss`) or capturing a CUDA graph (`CaptureMiss`).
+decides while tracing (`TraceMiss`) or capturing a CUDA graph (`CaptureMiss`). The custom-op layer
+stands above dispatch: it installs itself here at import (`use_library`); dispatch never imports it,
+and loads it by the registry's name for it (`core.registry.library`) where nothing did yet.
+
+Handles (`Op.handles`: arguments made by a partner op's call, `core.runner.Handle`) are inputs that
+are not tensors: the cache key takes each handle's static `key`, and the library-path test skips them.
 """
 from __future__ import annotations
 
@@ -17,8 +22,9 @@ from typing import Any, Callable, NoReturn
 
 import torch
 
-from autofuse.core import settings
+from autofuse.core import registry, settings
 from autofuse.core.op import Config, InvalidInput, Op, config_key
+from autofuse.core.runner import Handle
 from autofuse.dispatch import agreement
 from autofuse.dispatch.agreement import agree, told
 from autofuse.dispatch.choice import Choice
@@ -72,12 +78,27 @@ def library_path(args: tuple) -> bool:
             or any(t.__class__ not in PLAIN for t in tensors))
 
 
+_library: Any = None  # the custom-op layer, once it installed itself (use_library)
+
+
+def use_library(layer: Any) -> None:
+    """Install the custom-op layer the library path calls (its `route` and `refuse_scaled`):
+    autofuse.library does at import."""
+    global _library
+    _library = layer
+
+
+def library() -> Any:
+    """The installed custom-op layer, loaded by the registry's name for it where none is yet."""
+    if _library is None:
+        registry.library()  # its import installs it
+    return _library
+
+
 def route(name: str, args: tuple, group: Any, variant: str | None, config: Config | None,
           out: torch.Tensor | None) -> torch.Tensor | None:
-    """The library path's result (autofuse.library.route), or None where the call belongs on the hot path."""
-    from autofuse import library
-
-    return library.route(name, args, group, variant, config, out)
+    """The library path's result (the custom-op layer's `route`), or None where the call belongs on the hot path."""
+    return library().route(name, args, group, variant, config, out)
 
 
 def refuse_scaled(name: str, args: tuple, group: Any = None) -> None:
@@ -85,10 +106,8 @@ def refuse_scaled(name: str, args: tuple, group: Any = None) -> None:
     requires grad, or a trace runs): the custom ops take no scales yet, and dispatch must neither detach
     a gradient nor run inside a trace. `args`: the positional inputs, then every optional one (None if
     not given). Every rank raises (`tell`)."""
-    from autofuse import library
-
     try:
-        library.refuse_scaled(name, args)
+        library().refuse_scaled(name, args)
     except Exception as exc:
         tell(group, name, exc, args)
 
@@ -189,9 +208,11 @@ def entry_point(name: str) -> Callable[..., torch.Tensor]:
     """
     op = op_of(name)
     params = ", ".join(op.args)
-    key = " ".join(f"{a}.shape, {a}.dtype, {a}.device, {a}.is_contiguous()," for a in op.args)
-    grad = " or ".join(f"{a}.requires_grad" for a in op.args)
-    subclass = " or ".join(f"{a}.__class__ not in PLAIN" for a in op.args)
+    tensors = [a for a in op.args if a not in op.handles]  # a handle: its static key, never traced
+    key = " ".join(f"{a}.key," if a in op.handles else f"{a}.shape, {a}.dtype, {a}.device, {a}.is_contiguous(),"
+                   for a in op.args)
+    grad = " or ".join(f"{a}.requires_grad" for a in tensors)
+    subclass = " or ".join(f"{a}.__class__ not in PLAIN" for a in tensors)
     namespace = {"cache": STATE.cache, "miss": miss, "check": check, "stats": STATE.stats, "config_key": config_key,
                  "route": route, "refuse_scaled": refuse_scaled, "grad_enabled": grad_enabled, "compiling": compiling,
                  "PLAIN": PLAIN, "InvalidInput": InvalidInput, "take_part": take_part, "tell": tell,
@@ -257,17 +278,20 @@ def reset() -> None:
 
 
 def key_of(name: str, group: Any, variant: str | None, config: Config | None, args: tuple) -> tuple | None:
-    """The cache key: op, group, overrides, and each input's shape, dtype, device and contiguity (None
-    where an argument is not a tensor).
+    """The cache key: op, group, overrides, and each input's shape, dtype, device and contiguity (a
+    handle: its static key; None where an argument is neither).
 
     Contiguity rather than strides: ops that need contiguous inputs reject the others in
     `problem_of` (a new key is a miss, so it runs); ops that take strides read them per call.
     """
     key = [name, id(group), variant, None if config is None else config_key(config)]
     for a in args:
-        if not isinstance(a, torch.Tensor):
+        if isinstance(a, Handle):
+            key.append(a.key)
+        elif not isinstance(a, torch.Tensor):
             return None  # no cached call takes it: the miss path names it, with every rank
-        key += (a.shape, a.dtype, a.device, a.is_contiguous())
+        else:
+            key += (a.shape, a.dtype, a.device, a.is_contiguous())
     return tuple(key)
 
 

@@ -3,9 +3,14 @@
 `autofuse.ag_gemm(...)` and friends run plain eager calls that need no gradient on dispatch's hot
 path (autofuse/dispatch). A call whose inputs require grad (with grad mode on), a call made while
 torch.compile / torch.export traces, and a call on tensor subclasses (FakeTensor, ...) goes through
-`route` to the custom ops `torch.ops.autofuse.<op>` instead (autofuse/library/ops.py), whose
-autograd (autofuse/library/grads.py) runs the backward GEMMs as autofuse ops too. In a traced
+`route` to the custom ops `torch.ops.autofuse.<op>` instead, which this package generates for every
+registered op from the op's own declaration (`Op.custom`: autofuse/library/custom.py), backward
+included (each op module's formula, whose communicating GEMMs are autofuse ops too). In a traced
 graph each call is one node; the variant is chosen when the graph runs.
+
+Dispatch never imports this package: it installs itself into dispatch at import (`use_library`),
+and dispatch loads it through the registry (`core.registry.library`) where a call needs it first.
+An op registered later (`core.registry.register`) gets its custom op at once.
 
 The gathered operand of ag_gemm: B's gradient needs all_gather(A). By default (as torch's async TP
 does) the forward keeps it (M x K per call, until backward); AUTOFUSE_SAVE_GATHERED=0 keeps only
@@ -20,53 +25,32 @@ it before loading an exported program that holds them.
 """
 from __future__ import annotations
 
-from typing import Any
+import sys
+from typing import Any, Callable
 
 import torch
 
-from autofuse.core import settings
+from autofuse.core import registry
+from autofuse.core.custom import InferenceOnly, refuse_grad
+from autofuse.dispatch import entry
 from autofuse.dispatch.entry import tracing
-from autofuse.library import grads, ops
+from autofuse.dispatch.state import op_of
+from autofuse.library import custom
 from autofuse.library.groups import group_of, name_of
-from autofuse.library.grads import InferenceOnly, refuse_grad
 
-__all__ = ["ag_gemm", "gemm_rs", "gemm_ar", "flash_decode", "route", "InferenceOnly", "group_of", "name_of"]
-
-
-grads.register()
+__all__ = [*registry.MODULES, "route", "InferenceOnly", "refuse_grad", "group_of", "name_of"]
 
 
-def ag_gemm(a: torch.Tensor, b: torch.Tensor, group: Any = None, *, variant: str | None = None,
-            config: dict | None = None) -> torch.Tensor:
-    """all_gather(A) @ B_r (rows or K form, from the shapes) through the custom op, differentiable."""
-    name, text = name_of(group), ops.config_text(config)
-    if b.requires_grad and torch.is_grad_enabled() and settings.save_gathered(not torch.compiler.is_compiling()):
-        return torch.ops.autofuse.ag_gemm_gathered(a, b, name, variant=variant, config=text)[0]
-    return torch.ops.autofuse.ag_gemm(a, b, name, variant=variant, config=text)
+def _define(name: str) -> None:
+    custom.define(registry.get(name))
 
 
-def gemm_rs(a: torch.Tensor, b: torch.Tensor, group: Any = None, *, variant: str | None = None,
-            config: dict | None = None) -> torch.Tensor:
-    """reduce_scatter_rows(A_r @ B_r) through the custom op, differentiable."""
-    return torch.ops.autofuse.gemm_rs(a, b, name_of(group), variant=variant, config=ops.config_text(config))
-
-
-def gemm_ar(a: torch.Tensor, b: torch.Tensor, group: Any = None, *, variant: str | None = None,
-            config: dict | None = None) -> torch.Tensor:
-    """all_reduce(A_r @ B_r) through the custom op, differentiable (dC taken as the same on every rank)."""
-    return torch.ops.autofuse.gemm_ar(a, b, name_of(group), variant=variant, config=ops.config_text(config))
-
-
-def flash_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor, group: Any = None, *,
-                 variant: str | None = None, config: dict | None = None) -> torch.Tensor:
-    """Split-KV decode attention through the custom op; inference only (inputs requiring grad raise)."""
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        refuse_grad("flash_decode", (("q", q), ("k", k), ("v", v)))
-    return torch.ops.autofuse.flash_decode(q, k, v, lengths, name_of(group), variant=variant,
-                                           config=ops.config_text(config))
-
-
-FUNCTIONS = {"ag_gemm": ag_gemm, "gemm_rs": gemm_rs, "gemm_ar": gemm_ar, "flash_decode": flash_decode}
+def __getattr__(name: str) -> Callable[..., torch.Tensor]:
+    """`autofuse.library.<op>`: the op through its custom op, differentiable (custom.function)."""
+    fn = custom.FUNCTIONS.get(name)
+    if fn is None:
+        raise AttributeError(f"module 'autofuse.library' has no attribute {name!r}")
+    return fn
 
 
 def refuse_fp8(op: str, tensors: list) -> None:
@@ -81,8 +65,6 @@ def refuse_scaled(op: str, args: tuple) -> None:
     """A call with FP8 scales that needs autograd (any input, a scale included, requires grad) or is traced:
     raise, naming the inputs (the custom ops carry no scales, and a scale's gradient would be lost).
     `args`: the op's positional inputs, then each optional one (None where not given)."""
-    from autofuse.dispatch.state import op_of
-
     names = (*op_of(op).args, *op_of(op).optional)
     named = [(n, t) for n, t in zip(names, args) if isinstance(t, torch.Tensor)]
     if torch.is_grad_enabled() and any(t.requires_grad for _, t in named):
@@ -90,9 +72,7 @@ def refuse_scaled(op: str, args: tuple) -> None:
         grads = ", ".join(f"{n} {tuple(t.shape)} {t.dtype}" for n, t in named if t.requires_grad)
         raise NotImplementedError(f"autofuse.{op} with FP8 scales has no backward, but {grads} require grad: call it "
                                   "under torch.no_grad(), or pass tensors that do not require grad (.detach())")
-    from autofuse.dispatch.entry import TraceMiss, shapes_of
-
-    raise TraceMiss(f"autofuse.{op} with FP8 scales ({shapes_of(args)}) was called while a trace runs; its custom "
+    raise entry.TraceMiss(f"autofuse.{op} with FP8 scales ({entry.shapes_of(args)}) was called while a trace runs; its custom "
                     "op takes no scales yet, so it cannot be traced: call it outside torch.compile / torch.export")
 
 
@@ -106,9 +86,8 @@ def route(op: str, args: tuple, group: Any, variant: str | None, config: dict | 
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
     if not traced and (not grad or any(t.is_meta for t in tensors)):
         return None  # the eager path; it refuses meta tensors (no data) with every rank, as any bad input
-    from autofuse.dispatch.state import op_of
-
-    if op in FUNCTIONS and len(args) > len(op_of(op).args):  # call(op, a, b, scale_a, ...): FP8 scales
+    fn = custom.FUNCTIONS.get(op)
+    if fn is not None and len(args) > len(op_of(op).args):  # call(op, a, b, scale_a, ...): FP8 scales
         refuse_scaled(op, args)
     if out is not None:
         why = "inputs that require grad" if grad else "tracing (torch.compile / torch.export)"
@@ -116,13 +95,16 @@ def route(op: str, args: tuple, group: Any, variant: str | None, config: dict | 
                          "drop out= and use the returned tensor")
     if grad:
         refuse_fp8(op, tensors)
-    fn = FUNCTIONS.get(op)
     if fn is None and traced:
-        from autofuse.dispatch.entry import trace_miss
-
-        raise trace_miss(op, args)
+        raise entry.trace_miss(op, args)
     if fn is None:
-        with_grad = [n for n in FUNCTIONS if n != "flash_decode"]
+        with_grad = [n for n in custom.FUNCTIONS if not registry.get(n).custom.inference_only]
         raise NotImplementedError(f"autofuse.{op} has no autograd (its output would be cut off from the graph) and "
                                   f"its inputs require grad; ops with autograd: {with_grad}")
     return fn(*args, group, variant=variant, config=config)
+
+
+for _name in registry.names():
+    _define(_name)
+registry.on_register(_define)  # an op registered later (tests, plug-ins) gets its custom op at once
+entry.use_library(sys.modules[__name__])

@@ -66,7 +66,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from autofuse.core import gemm, shapes
+from autofuse.core import gemm, settings, shapes
+from autofuse.core.custom import Backward, CustomOp, Extra
 from autofuse.ops import hybrid
 from autofuse.comm import collectives
 from autofuse.comm.heap import torch_symm_group, torch_symm_unavailable
@@ -76,6 +77,7 @@ from autofuse.core.op import (FP8, SCALINGS, Config, InvalidConfig, InvalidInput
 from autofuse.core.runner import Runner, TensorSpec
 from autofuse.core.sizes import cdiv
 from autofuse.comm.workspace import workspace
+from autofuse.ops.padded import ag_gemm_any, gather_form
 
 if TYPE_CHECKING:
     from autofuse.comm.world import World
@@ -728,6 +730,77 @@ class HeapMMOverlap(_AGVariant):
     overlap = True
 
 
+# -- the custom op (autofuse/library registers it): fake shape, the gathered A, backward ----------------
+# Rank r's shards, W ranks, dC the gradient of this rank's output:
+# - rows form, C = all_gather_rows(A) @ B_r: dA_r = reduce_scatter_rows(dC @ B_r^T) = gemm_rs(dC, B_r^T);
+#   dB_r = all_gather_rows(A)^T @ dC: from the gathered A the forward kept (the `gathered` extra output,
+#   custom op `ag_gemm_gathered`), or gathered again: concat_cols(A_s^T) @ dC = ag_gemm(A_r^T, dC), k form.
+# - k form, C = concat_cols(A) @ B_r: dA_r = (sum_s B_s @ dC_s^T)[rows of block r]^T = gemm_rs(B_r, dC^T)^T;
+#   dB_r = concat_cols(A)^T @ dC: kept, or gathered again: ag_gemm(A_r^T, dC) in the rows form.
+# Whether the forward keeps the gathered A: AUTOFUSE_SAVE_GATHERED (settings.save_gathered, default on,
+# as torch's async TP does): M x K per call until backward; off: only A, gathered again in backward
+# inside an ag_gemm of the other form (a fused variant overlaps the gather with the GEMM).
+def _out_shape(inputs: tuple, w: int) -> tuple[int, int]:
+    a, b = inputs[:2]
+    return (a.shape[0] * w if gather_form(a, b) == "rows" else a.shape[0], b.shape[1])
+
+
+def _all_gather(a: torch.Tensor, world: World) -> torch.Tensor:
+    """all_gather_rows(A) with torch.distributed, bounded as bsp's collectives are (World.collective)."""
+    a = a.contiguous()
+    shards = a.new_empty((world.size * a.shape[0], a.shape[1]))
+    world.collective(all_gather_single, shards, a, what="autofuse.ag_gemm (all_gather of A for B's gradient)")
+    return shards
+
+
+def _gathered(runner: Runner, inputs: tuple) -> torch.Tensor:
+    """A fresh M x K tensor holding the A the runner's last call multiplied: from its buffer where it holds
+    it whole (bsp, heap_mm, heap_mm_overlap), else (the fused kernels, whose tiles never sit whole in one
+    buffer, and torch_symm) gathered once more (concat_cols(A) in the k form)."""
+    a, b = inputs[:2]
+    if isinstance(runner, (BspRunner, _AGRunner)):
+        return runner.gathered_input().clone()
+    shards = _all_gather(a, runner.world)
+    if gather_form(a, b) == "rows":
+        return shards
+    w, (m, c) = shards.shape[0] // a.shape[0], a.shape
+    return shards.view(w, m, c).transpose(0, 1).reshape(m, w * c)
+
+
+def _keep_gathered(inputs: tuple) -> bool:
+    """Whether a forward that records autograd keeps the gathered A (B needs grad; AUTOFUSE_SAVE_GATHERED)."""
+    return inputs[1].requires_grad and settings.save_gathered(not torch.compiler.is_compiling())
+
+
+def _keep(inputs: tuple, needs: tuple[bool, ...], extras: Any) -> dict[str, Any]:
+    a, b = inputs[:2]
+    need_a, need_b = needs[:2]
+    kept: dict[str, Any] = {"form": gather_form(a, b), "b": b if need_a else None}
+    if "gathered" in extras:
+        kept["gathered"] = extras["gathered"] if need_b else None
+    else:
+        kept["a"] = a if need_b else None
+    return kept
+
+
+def _grads(kept: dict[str, Any], grad: torch.Tensor, needs: tuple[bool, ...], group_name: str) -> tuple:
+    need_a, need_b = needs[:2]
+    grad, b = grad.contiguous(), kept["b"]
+    da = db = None
+    if need_a:  # gemm_rs(dC, B^T) in the rows form, gemm_rs(B, dC^T)^T in the k form
+        da = (torch.ops.autofuse.gemm_rs(grad, b.t(), group_name) if kept["form"] == "rows"
+              else torch.ops.autofuse.gemm_rs(b, grad.t(), group_name).t())
+    if need_b:
+        full = kept.get("gathered")
+        db = full.t() @ grad if full is not None else ag_gemm_any(kept["a"].t().contiguous(), grad, group_name)
+    return da, db
+
+
+CUSTOM = CustomOp(out_shape=_out_shape, backward=Backward(_keep, _grads),
+                  extras={"gathered": Extra(lambda inputs, w: (_out_shape(inputs, w)[0], inputs[1].shape[0]),
+                                            _gathered, _keep_gathered)})
+
+
 OP = Op(
     name=NAME,
     args=("a", "b"),
@@ -742,4 +815,5 @@ OP = Op(
     per_rank=("N",),
     description="all-gather of A (rows, or K columns) + GEMM with this rank's B",
     bound=bound,
+    custom=CUSTOM,
 )

@@ -62,6 +62,7 @@ import torch.distributed as dist
 
 from autofuse.kernels import flash_decode as kern
 from autofuse.core.op import Config, InvalidInput, Op, Problem, SearchSpace, Variant, default_tolerance
+from autofuse.core.custom import CustomOp
 from autofuse.core.runner import Runner, TensorSpec
 from autofuse.core.shapes import DECODE_M, MODELS
 from autofuse.core.sizes import cdiv, next_pow2
@@ -645,4 +646,5 @@ OP = Op(
     bound=bound,
     bytes_read=kv_bytes,
     copy_rate=copy_rate,
+    custom=CustomOp(out_shape=lambda inputs, w: tuple(inputs[0].shape)),  # no backward: inference only
 )

@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from autofuse.core import gemm
+from autofuse.core.custom import Backward, CustomOp
 from autofuse.ops import hybrid
 from autofuse.comm import collectives
 from autofuse.comm.heap import torch_symm_group, torch_symm_unavailable
@@ -209,6 +210,19 @@ def bound(world: World, problem: Problem, seed: int) -> dict[str, Callable[[], A
             "all_reduce": lambda: dist.all_reduce(c, group=world.group)}
 
 
+# -- the custom op (autofuse/library registers it) ------------------------------------------------------
+# C = sum_q A_q @ B_q on every rank: dA_q = dC @ B_q^T, dB_q = A_q^T @ dC, local GEMMs. The output is taken
+# as replicated (Megatron's convention): every rank's dC must be the same, which it is when every rank
+# computes the same loss from it.
+def _grads(kept: dict[str, Any], grad: torch.Tensor, needs: tuple[bool, ...], group_name: str) -> tuple:
+    a, b = kept["a"], kept["b"]
+    return (grad @ b.t() if needs[0] else None), (a.t() @ grad if needs[1] else None)
+
+
+CUSTOM = CustomOp(out_shape=lambda inputs, w: (inputs[0].shape[0], inputs[1].shape[1]),
+                  backward=Backward(rp.keep_operands, _grads))
+
+
 OP = Op(
     name=NAME,
     args=("a", "b"),
@@ -222,4 +236,5 @@ OP = Op(
     sweep=sweep,
     description="GEMM + all-reduce: A_r (M x K/W) @ B_r (K/W x N) summed over ranks, M x N on every rank",
     bound=bound,
+    custom=CUSTOM,
 )

@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from autofuse.core import gemm
+from autofuse.core.custom import Backward, CustomOp
 from autofuse.ops import hybrid
 from autofuse.comm import collectives
 from autofuse.comm.heap import torch_symm_group, torch_symm_unavailable
@@ -46,6 +47,7 @@ from autofuse.ops import row_parallel as rp
 from autofuse.core.runner import Runner
 from autofuse.core.sizes import cdiv
 from autofuse.comm.workspace import workspace
+from autofuse.ops.padded import ag_gemm_any
 
 if TYPE_CHECKING:
     from autofuse.comm.world import World
@@ -278,6 +280,26 @@ def bound(world: World, problem: Problem, seed: int) -> dict[str, Callable[[], A
             "reduce_scatter": lambda: reduce_scatter(world, out, partial)}
 
 
+# -- the custom op (autofuse/library registers it) ------------------------------------------------------
+# C_r = rows r of sum_q A_q @ B_q; with G = all_gather_rows(dC): dA_q = G @ B_q^T = ag_gemm(dC, B_q^T) and
+# dB_q = A_q^T @ G: one ag_gemm_gathered call when both are needed (dC is gathered once), else
+# ag_gemm(dC, B_q^T), or for dB alone ag_gemm(dC^T, A_q)^T in the k form.
+def _grads(kept: dict[str, Any], grad: torch.Tensor, needs: tuple[bool, ...], group_name: str) -> tuple:
+    a, b = kept["a"], kept["b"]
+    need_a, need_b = needs[:2]
+    grad = grad.contiguous()
+    if need_a and need_b:
+        da, full = ag_gemm_any(grad, b.t().contiguous(), group_name, gathered=True)
+        return da, a.t() @ full
+    if need_a:
+        return ag_gemm_any(grad, b.t().contiguous(), group_name), None
+    return None, ag_gemm_any(grad.t().contiguous(), a, group_name).t()
+
+
+CUSTOM = CustomOp(out_shape=lambda inputs, w: (inputs[0].shape[0] // w, inputs[1].shape[1]),
+                  backward=Backward(rp.keep_operands, _grads))
+
+
 OP = Op(
     name=NAME,
     args=("a", "b"),
@@ -291,4 +313,5 @@ OP = Op(
     sweep=sweep,
     description="GEMM + reduce-scatter of rows: A_r (M x K/W) @ B_r (K/W x N) summed over ranks, M/W x N each",
     bound=bound,
+    custom=CUSTOM,
 )

@@ -349,3 +349,9 @@ class RowParallelHybrid(hybrid.HybridVariant):
         if self.kind == "reduce_scatter" and m % w:
             return f"M={m} rows are not divisible by the world size {w}"
         return None
+
+
+def keep_operands(inputs: tuple, needs: tuple[bool, ...], extras: Any) -> dict[str, Any]:
+    """What the row-parallel ops' backward keeps (Backward.keep): A where B needs a gradient, B where A does."""
+    a, b = inputs[:2]
+    return {"a": a if needs[1] else None, "b": b if needs[0] else None}

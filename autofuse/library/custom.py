@@ -1,0 +1,160 @@
+"""Every registered op as a torch custom op (`torch.ops.autofuse.<op>`), generated from its declaration.
+
+`define(op)` reads the op's `Op.args` and `Op.custom` (autofuse/core/custom.py) and registers:
+- `autofuse::<op>(Tensor <arg>, ..., str group_name, *, str? variant=None, str? config=None) -> Tensor`
+  (`group_name`: the process group by name, as torch's symm_mem ops take it; `variant`, `config`:
+  dispatch's overrides, the config as canonical JSON; keyword arguments go after the `*`, where
+  optional inputs can be added without breaking earlier callers), e.g.
+  `ag_gemm(Tensor a, Tensor b, str group_name, *, str? variant=None, str? config=None) -> Tensor`;
+- for each extra output `<name>`: `autofuse::<op>_<name>(...) -> (Tensor, Tensor)`, the output and the
+  extra (ag_gemm's `ag_gemm_gathered`: also all_gather(A), M x K, the A every rank multiplied);
+- a fake implementation (the declared shapes, the first input's dtype and device; it reads the
+  group's size, a host-side value): all torch.compile, torch.export and FakeTensor need;
+- autograd: the op's `Backward` (its gradient in terms of other ops' custom ops), or for an
+  inference-only op a refusal (`InferenceOnly`) of inputs that require grad.
+
+Each real implementation is one dispatched call (`autofuse.dispatch.call`: the cached variant, or the
+first-call decision on a new problem), so a traced graph holds one opaque node per call and the
+variant is chosen when the graph runs, on real tensors, never while tracing. An extra output is
+taken from the runner that ran the call (`Extra.take`).
+"""
+from __future__ import annotations
+
+import json
+from typing import Any, Callable
+
+import torch
+
+from autofuse.core.custom import CustomOp, InferenceOnly, refuse_grad
+from autofuse.core.op import Op, config_key
+from autofuse.library.groups import group_of, name_of, world_size
+
+NAMESPACE = "autofuse"
+_KW = "*, str? variant=None, str? config=None"
+DEFINED: dict[str, Any] = {}  # custom-op name -> the torch custom op (`<op>`, `<op>_<extra>`)
+FUNCTIONS: dict[str, Callable[..., torch.Tensor]] = {}  # op name -> `function(op)`, what the library path calls
+
+
+def schema(op: Op, outputs: int = 1) -> str:
+    """The custom op's schema, from the op's argument names."""
+    tensors = ", ".join(f"Tensor {a}" for a in op.args)
+    returns = "Tensor" if outputs == 1 else f"({', '.join(['Tensor'] * outputs)})"
+    return f"({tensors}, str group_name, {_KW}) -> {returns}"
+
+
+def config_text(config: dict | None) -> str | None:
+    """A config as the ops take it: canonical JSON (None stays None)."""
+    return None if config is None else config_key(config)
+
+
+def _dispatch(name: str, args: tuple, group_name: str, variant: str | None, config: str | None) -> Any:
+    from autofuse import dispatch
+
+    return dispatch.call(name, *args, group=group_of(group_name), variant=variant,
+                         config=None if config is None else json.loads(config))
+
+
+def _runner(name: str, args: tuple, group_name: str, variant: str | None, config: str | None) -> Any:
+    from autofuse import dispatch
+
+    return dispatch.runner_of(name, *args, group=group_of(group_name), variant=variant,
+                              config=None if config is None else json.loads(config))
+
+
+def _register(qualname: str, op: Op, outputs: int, real: Callable, fake: Callable) -> Any:
+    """One `torch.library.custom_op` taking the op's tensors, then group_name, variant, config."""
+    n = len(op.args)
+
+    def impl(*args: Any, variant: str | None = None, config: str | None = None) -> Any:
+        return real(args[:n], args[n], variant, config)
+
+    def fake_impl(*args: Any, variant: str | None = None, config: str | None = None) -> Any:
+        return fake(args[:n], args[n])
+
+    custom = torch.library.custom_op(f"{NAMESPACE}::{qualname}", impl, mutates_args=(), schema=schema(op, outputs))
+    custom.register_fake(fake_impl)
+    return custom
+
+
+def _autograd(custom: Any, op: Op, decl: CustomOp, extra: str | None) -> None:
+    """Register the op's backward on `custom` (the plain custom op, or the one of extra output `extra`)."""
+    n = len(op.args)
+
+    def setup(ctx: Any, inputs: tuple, keyword_only_inputs: dict, output: Any) -> None:
+        tensors, group_name = inputs[:n], inputs[n]
+        if decl.backward is None:
+            refuse_grad(op.name, tuple((a, t) for a, t in zip(op.args, tensors)
+                                       if isinstance(t, torch.Tensor) and t.requires_grad))
+        extras = {}
+        if extra is not None:
+            ctx.mark_non_differentiable(output[1])
+            extras = {extra: output[1]}
+        kept = decl.backward.keep(tensors, tuple(ctx.needs_input_grad[:n]), extras)
+        names = [k for k, v in kept.items() if isinstance(v, torch.Tensor) or v is None]
+        ctx.tensor_names, ctx.values = names, {k: v for k, v in kept.items() if k not in names}
+        ctx.group_name = group_name
+        ctx.save_for_backward(*(kept[k] for k in names))
+
+    def backward(ctx: Any, grad: torch.Tensor, *extra_grads: Any) -> tuple:
+        if decl.backward is None:
+            raise InferenceOnly(f"autofuse.{op.name} has no backward")
+        kept = {**ctx.values, **dict(zip(ctx.tensor_names, ctx.saved_tensors))}
+        grads = decl.backward.grads(kept, grad, tuple(ctx.needs_input_grad[:n]), ctx.group_name)
+        return (*grads, None)
+
+    custom.register_autograd(backward, setup_context=setup)
+
+
+def define(op: Op) -> None:
+    """Register `op`'s custom op(s) from its declaration (once; an op without `custom` gets none)."""
+    decl = op.custom
+    if decl is None or op.name in DEFINED:
+        return
+    name = op.name
+
+    def real(args: tuple, group_name: str, variant: str | None, config: str | None) -> Any:
+        return _dispatch(name, args, group_name, variant, config)
+
+    def fake(args: tuple, group_name: str) -> Any:
+        return args[0].new_empty(decl.out_shape(args, world_size(group_name)))
+
+    DEFINED[name] = _register(name, op, 1, real, fake)
+    _autograd(DEFINED[name], op, decl, None)
+    for extra_name, extra in decl.extras.items():
+        def real_extra(args: tuple, group_name: str, variant: str | None, config: str | None,
+                       take: Callable = extra.take) -> Any:
+            out = _dispatch(name, args, group_name, variant, config)
+            return out, take(_runner(name, args, group_name, variant, config), args)
+
+        def fake_extra(args: tuple, group_name: str, shape: Callable = extra.shape) -> Any:
+            w = world_size(group_name)
+            return args[0].new_empty(decl.out_shape(args, w)), args[0].new_empty(shape(args, w))
+
+        qual = f"{name}_{extra_name}"
+        DEFINED[qual] = _register(qual, op, 2, real_extra, fake_extra)
+        _autograd(DEFINED[qual], op, decl, extra_name)
+    FUNCTIONS[name] = function(op)
+
+
+def function(op: Op) -> Callable[..., torch.Tensor]:
+    """`op` through its custom op, differentiable: (*tensors, group, *, variant, config) -> output. Where
+    autograd records the call and an extra output is kept for backward (`Extra.for_backward`), the
+    extra's custom op runs and its first output is returned. An inference-only op refuses inputs that
+    require grad before anything runs."""
+    decl, name = op.custom, op.name
+    custom = DEFINED[name]
+
+    def call(*args: Any, variant: str | None = None, config: dict | None = None) -> torch.Tensor:
+        *tensors, group = args
+        text = config_text(config)
+        if torch.is_grad_enabled():
+            if decl.backward is None and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors):
+                refuse_grad(name, tuple((a, t) for a, t in zip(op.args, tensors) if isinstance(t, torch.Tensor)))
+            for extra_name, extra in decl.extras.items():
+                if extra.for_backward is not None and extra.for_backward(tuple(tensors)):
+                    return DEFINED[f"{name}_{extra_name}"](*tensors, name_of(group), variant=variant, config=text)[0]
+        return custom(*tensors, name_of(group), variant=variant, config=text)
+
+    call.__name__ = call.__qualname__ = name
+    call.__doc__ = f"autofuse.{name} through its custom op `torch.ops.autofuse.{name}` (differentiable unless inference only)."
+    return call
