@@ -91,7 +91,8 @@ class TrainGemm:
 
 def train_gemms(model: Model, world: int, tokens: int, save_gathered: bool = True) -> list[TrainGemm]:
     """Every ag_gemm / gemm_rs call of one layer's forward + backward with sequence parallelism over
-    `world` ranks and `tokens` global rows (autofuse/library/grads.py says which product each is):
+    `world` ranks and `tokens` global rows (the backward formulas in autofuse/ops/ag_gemm.py and gemm_rs.py
+    say which product each is):
 
     - column-parallel (qkv, gate_up; B_r is hidden x N/W): forward ag_gemm(M=T, N/W, K=hidden); dA =
       gemm_rs(M=T, N=hidden, K=N); dB from the gathered input the forward kept (a local GEMM), or with

@@ -65,7 +65,8 @@ def refuse_scaled(op: str, args: tuple) -> None:
     """A call with FP8 scales that needs autograd (any input, a scale included, requires grad) or is traced:
     raise, naming the inputs (the custom ops carry no scales, and a scale's gradient would be lost).
     `args`: the op's positional inputs, then each optional one (None where not given)."""
-    names = (*op_of(op).args, *op_of(op).optional)
+    o = custom.OPS.get(op) or op_of(op)  # the defined op needs no registry import (a trace may run)
+    names = (*o.args, *o.optional)
     named = [(n, t) for n, t in zip(names, args) if isinstance(t, torch.Tensor)]
     if torch.is_grad_enabled() and any(t.requires_grad for _, t in named):
         refuse_fp8(op, [t for _, t in named if t.requires_grad])
@@ -87,7 +88,7 @@ def route(op: str, args: tuple, group: Any, variant: str | None, config: dict | 
     if not traced and (not grad or any(t.is_meta for t in tensors)):
         return None  # the eager path; it refuses meta tensors (no data) with every rank, as any bad input
     fn = custom.FUNCTIONS.get(op)
-    if fn is not None and len(args) > len(op_of(op).args):  # call(op, a, b, scale_a, ...): FP8 scales
+    if fn is not None and len(args) > len(custom.OPS[op].args):  # call(op, a, b, scale_a, ...): FP8 scales
         refuse_scaled(op, args)
     if out is not None:
         why = "inputs that require grad" if grad else "tracing (torch.compile / torch.export)"
@@ -98,7 +99,7 @@ def route(op: str, args: tuple, group: Any, variant: str | None, config: dict | 
     if fn is None and traced:
         raise entry.trace_miss(op, args)
     if fn is None:
-        with_grad = [n for n in custom.FUNCTIONS if not registry.get(n).custom.inference_only]
+        with_grad = [n for n, o in custom.OPS.items() if not o.custom.inference_only]
         raise NotImplementedError(f"autofuse.{op} has no autograd (its output would be cut off from the graph) and "
                                   f"its inputs require grad; ops with autograd: {with_grad}")
     return fn(*args, group, variant=variant, config=config)

@@ -33,6 +33,7 @@ NAMESPACE = "autofuse"
 _KW = "*, str? variant=None, str? config=None"
 DEFINED: dict[str, Any] = {}  # custom-op name -> the torch custom op (`<op>`, `<op>_<extra>`)
 FUNCTIONS: dict[str, Callable[..., torch.Tensor]] = {}  # op name -> `function(op)`, what the library path calls
+OPS: dict[str, Op] = {}  # op name -> the Op defined (read while Dynamo traces: no registry import there)
 
 
 def schema(op: Op, outputs: int = 1) -> str:
@@ -133,7 +134,7 @@ def define(op: Op) -> None:
         qual = f"{name}_{extra_name}"
         DEFINED[qual] = _register(qual, op, 2, real_extra, fake_extra)
         _autograd(DEFINED[qual], op, decl, extra_name)
-    FUNCTIONS[name] = function(op)
+    FUNCTIONS[name], OPS[name] = function(op), op
 
 
 def function(op: Op) -> Callable[..., torch.Tensor]:
