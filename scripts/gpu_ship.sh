@@ -16,7 +16,7 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 export TRITON_DEFAULT_FP_FUSION=1 COLUMNS=${COLUMNS:-140} PYTHONWARNINGS=ignore::FutureWarning
 export CUDA_VISIBLE_DEVICES=$GPUS
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-bash scripts/gpu_session.sh --name "install-w$WORLD" sh:true > /dev/null 2>&1 || { echo "offline install failed"; exit 1; }
+OUT=/tmp/install-out bash scripts/gpu_session.sh --name "install-w$WORLD" sh:true > /dev/null 2>&1 || { echo "offline install failed"; exit 1; }
 export PYTHONPATH=/tmp/site
 W=/tmp/ship-w$WORLD; mkdir -p "$W"; DB=$W/w$WORLD.db
 export XDG_DATA_HOME=$W/data XDG_CACHE_HOME=$W/cache AUTOFUSE_ONLINE_DB=$W/online.db
