@@ -28,9 +28,10 @@ def test_tables_from_committed_json():
 
 
 def test_tuned_tables_from_committed_db():
-    """The shipped database, read-only, against this round's gemm_ar bench JSON: every tuned gemm_ar
-    problem appears once per mode with its bsp latency; the bench's problems get a bench column."""
-    db = ROOT / "tuning_db" / "h200x2.db"
+    """Round 2's database (shipped then, kept with its results), read-only, against that round's gemm_ar
+    bench JSON: every tuned gemm_ar problem appears once per mode with its bsp latency; the bench's
+    problems get a bench column."""
+    db = ROUND2 / "h200x2-round2.db"
     bench = ROUND2 / "bench-gemm_ar-gpu.json"
     beside = sorted(db.parent.iterdir())
     cmd = [sys.executable, str(ROOT / "scripts" / "results_tables.py"), "--db", str(db), "--op", "gemm_ar",

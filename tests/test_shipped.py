@@ -54,10 +54,20 @@ def test_shipped_policy_is_valid_and_stale_ops_are_confirmed(path, capsys):
         print(f"\n{path.name}: stale ops (confirmed on first use): {', '.join(stale) or 'none'}")
 
 
-def test_shipped_database_holds_rows_of_every_op():
-    db = ROOT / "tuning_db" / "h200x2.db"
+SHIPPED_DBS = sorted((ROOT / "tuning_db").glob("*.db"))
+
+
+@pytest.mark.parametrize("db", SHIPPED_DBS, ids=[p.stem for p in SHIPPED_DBS])
+def test_shipped_database_holds_rows_of_every_op(db):
+    """Every shipped database holds rows of every op, its exported tables beside it, and a policy in
+    models/ fitted on it for each mode it holds (the same hardware and op digests)."""
     with Store.open(db, readonly=True) as store:
         rows = store.measurements(None, None, hardware_id=ALL, op_digest=ALL)
     assert {r["op"] for r in rows} >= set(environment.op_digests()), f"{db.name}: an op has no rows"
-    graph = json.loads((ROOT / "tuning_db" / "tuning-h200x2-graph.json").read_text())
-    assert graph, "the exported tuning table is empty"
+    for mode in {r["mode"] for r in rows}:
+        table = json.loads((ROOT / "tuning_db" / f"tuning-{db.stem}-{mode}.json").read_text())
+        assert table, f"the exported {mode} tuning table of {db.name} is empty"
+        hardware = {r["hardware_id"] for r in rows if r["mode"] == mode}
+        fitted = [json.loads(p.read_text()) for p in (ROOT / "models").glob(f"*-{mode}.json")]
+        assert any(d["fingerprint"]["hardware_id"] in hardware and d.get("mode") == mode for d in fitted), \
+            f"no {mode} policy in models/ fitted on {db.name}"
