@@ -102,3 +102,22 @@ def test_dispatch_caches_a_call_that_takes_a_handle():
     for r in spawn(_dispatch_pair, 2, timeout_s=300):
         assert r["right"] == [True, True, True]
         assert r["builds"] == 2 and r["hits"] == 4, r
+
+
+def test_a_registered_op_pickles_as_its_registry_entry() -> None:
+    """Spawned ranks receive ops by pickle: a registered op (whose declarations hold lambdas) arrives as
+    the very OP its module defines, also where the receiver must register it first."""
+    import pickle
+
+    from autofuse.core import registry
+    from autofuse.core.op import registered_op
+
+    for name in registry.names():
+        op = registry.get(name)
+        assert pickle.loads(pickle.dumps(op)) is op
+    registry.unregister("toy_pickled")
+    try:
+        op = registered_op("toy_pickled", "_toy_op")
+        assert registry.MODULES["toy_pickled"] == "_toy_op" and op is registry.get("toy_pickled")
+    finally:
+        registry.unregister("toy_pickled")
