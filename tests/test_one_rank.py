@@ -3,9 +3,10 @@
 The last rank makes the mistake, the others call correctly; every rank must raise within seconds (the
 CPU emulation's default wait budget is 120 s: a test here that waited for it would fail), naming the
 rank and the cause, on each path: a first call (an unknown `variant=` or AUTOFUSE_VARIANT, a meta
-input on the autograd path, AUTOFUSE_SAVE_GATHERED bad on one rank or different between ranks), and
-a call the others cached (a bad setting on the gradient path, a non-tensor, other shapes; heap and
-bsp variants). After each, a first call of a new problem on every rank must return the right result:
+input on the autograd path, AUTOFUSE_SAVE_GATHERED bad on one rank or different between ranks), a
+call the others cached (a bad setting on the gradient path, a non-tensor, other shapes; heap and
+bsp variants), and the same under torch.compile (an unknown variant, another shape at the first call
+and after it). After each, a first call of a new problem on every rank must return the right result:
 the agreement rounds stay paired, and where no rank was inside a call nothing needs a rebuild (a rank
 merely late to a first call is stopped where it is not, and nothing is left aborted).
 """
@@ -102,6 +103,29 @@ def _cached(world, mine: bool, name: str, variant: str, mistake: str) -> None:
     fn(*args, variant=variant, out=OUT[0])
 
 
+def _compiled(world, mine: bool, mistake: str) -> None:
+    """gemm_ar under torch.compile(fullgraph=True) on every rank, the last rank with `mistake`: `variant`
+    (an unknown variant= inside the compiled function), `shape` (another problem at its first call) or
+    `cached_shape` (every rank runs the compiled call once; then the last rank alone calls it on another
+    shape, which recompiles there while the others run their cached call)."""
+    import torch._dynamo
+
+    import autofuse
+
+    torch._dynamo.reset()
+    n = 48 if mistake == "cached_shape" else 40
+    _, _, (a, b) = _inputs(world, "gemm_ar", {**GEMM_AR, "N": n})
+    variant = "nope" if mine and mistake == "variant" else "one_shot"
+    fn = torch.compile(lambda x, w: autofuse.gemm_ar(x, w, group=world.group, variant=variant), fullgraph=True,
+                       backend="aot_eager")
+    if mistake == "cached_shape":
+        fn(a, b)
+        world.sync()
+    if mine and mistake in ("shape", "cached_shape"):
+        b = torch.cat([b, b], dim=1)
+    fn(a, b)
+
+
 def _slow_peer(world, mine: bool) -> None:
     """No mistake: the last rank comes to a first call 2.5 s late, so the others stop it where it might wait (it
     does not: it is not in a call); the round settles with nothing left aborted (the next calls need no rebuild)."""
@@ -128,6 +152,10 @@ SCENARIOS = {
                             "InvalidInput", "PeerRefused"),
     "cached_new_shape": (lambda w, m: _cached(w, m, "ag_gemm", "heap_mm", "new_shape"), True,
                          "DispatchMismatch", "PeerRefused"),
+    "compiled_variant": (lambda w, m: _compiled(w, m, "variant"), False, "KeyError", "InvalidInput"),
+    "compiled_shape": (lambda w, m: _compiled(w, m, "shape"), False, "DispatchMismatch", "DispatchMismatch"),
+    "compiled_cached_shape": (lambda w, m: _compiled(w, m, "cached_shape"), True, "DispatchMismatch",
+                              "PeerRefused"),
     # last: the others abandon a gloo collective, after which the process group cannot be used
     "cached_bsp_not_a_tensor": (lambda w, m: _cached(w, m, "gemm_ar", "bsp", "not_a_tensor"), None,
                                 "InvalidInput", "CollectiveTimeout"),
