@@ -365,14 +365,16 @@ def render(result: dict[str, Any], console: Any) -> None:
         rows = [r for r in result["rows"] if r["mode"] == mode]
         interp = any(r["interpreted"] for r in rows)
         key_cols, cells, fixed = split_problems([r["problem"] for r in rows])
-        cols = ["best"] + ([] if interp else ["x BSP"] + (["x alt"] if any(r["alternative"] for r in rows) else [])
+        alt = any(r["alternative"] for r in rows)
+        cols = ["best"] + ([] if interp else ["x BSP"] + (["x alt", "own", "own/alt"] if alt else [])
                            + ["bound", "ceiling"])
         body = []
         for r in rows:
             times = [f"{r['us'][v]:.1f}" if v in r["us"] else ("fail" if v in r["failures"] else "-")
                      for v in result["variants"]]
             extra = {"best": r["best"] or "-", "x BSP": _f(r["speedup_vs_bsp"]),
-                     "x alt": _f(r["speedup_vs_alternative"]), "bound": _f(r["bound_us"], 1),
+                     "x alt": _f(r["speedup_vs_alternative"]), "own": r.get("own") or "-",
+                     "own/alt": _f(r.get("own_vs_alternative")), "bound": _f(r["bound_us"], 1),
                      "ceiling": _f(r["ceiling"])}
             body.append([*cells[r["problem"]], *times, *[extra[c] for c in cols]])
         print_split_table(console, f"{op_name} {fixed}, {mode} mode: us per call (median, rank-max)",
@@ -387,8 +389,9 @@ def render(result: dict[str, Any], console: Any) -> None:
             console.print(f"{mode}: geomean over {len(rows)} problems: x BSP of the best "
                           f"{_f(geomean(r['speedup_vs_bsp'] for r in rows), 3)}, of autofuse's own best "
                           f"{_f(geomean(r['own_vs_bsp'] for r in rows), 3)}"
-                          + (f"; x alt {_f(geomean(r['speedup_vs_alternative'] for r in rows), 3)}"
-                             if any(r["alternative"] for r in rows) else ""))
+                          + (f"; x alt {_f(geomean(r['speedup_vs_alternative'] for r in rows), 3)}; own/alt "
+                             f"{_f(geomean(r.get('own_vs_alternative') for r in rows), 3)} (below 1: torch's ops beat "
+                             "autofuse's own kernels)" if alt else ""))
             for family in ("hybrid", "fused"):
                 ups = [r["us"]["bsp"] / r["best_by_family"][family]["us"] for r in rows
                        if family in r.get("best_by_family", {}) and "bsp" in r["us"]]

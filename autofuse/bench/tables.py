@@ -137,14 +137,16 @@ def fmt(x: Any, digits: int = 1) -> str:
 
 
 LEGEND = ("best: the fastest variant, BSP included; x BSP: BSP us / best us; x alt: the fastest alternative "
-          "users run instead (torch's symmetric-memory ops) us / best us; bound: the slowest piece timed alone "
-          "(perfect overlap); ceiling: BSP us / bound us")
+          "users run instead (torch's symmetric-memory ops) us / best us; own: autofuse's own fastest variant "
+          "(hybrid, fused); own/alt: the fastest alternative us / own us (below 1.00: torch's op beats every kernel "
+          "of autofuse's own); bound: the slowest piece timed alone (perfect overlap); ceiling: BSP us / bound us")
 STALE_NOTE = ("stale: measured with older code of the op; dispatch uses such entries as predictions and "
               "confirms each on first use (`stale: confirmed` in autofuse.explain)")
 
 
 def print_problems(console: Console, table: list[dict], mode: str, where: str = "") -> None:
-    """Per op: latency per variant (BSP first), best, x BSP, x alt (where an alternative was measured),
+    """Per op: latency per variant (BSP first), best, x BSP, x alt, own and own/alt (where an alternative was
+    measured),
     bound and ceiling (where timed); interpreter timings get latencies and best only; a `stale` column
     where some problem's rows were measured with older code of the op."""
     from autofuse.measure.compare import INTERPRETED_NOTE, UNCONFIRMED_NOTE
@@ -161,6 +163,8 @@ def print_problems(console: Console, table: list[dict], mode: str, where: str = 
             cols.append(("x BSP", lambda e: fmt(e["speedup_vs_bsp"], 2)))
             if any(e["alternative"] for e in entries):
                 cols.append(("x alt", lambda e: fmt(e["speedup_vs_alternative"], 2)))
+                cols.append(("own", lambda e: e.get("own") or "-"))
+                cols.append(("own/alt", lambda e: fmt(e.get("own_vs_alternative"), 2)))
         if any(e.get("bound_us") is not None for e in entries):
             cols.append(("bound", lambda e: fmt(e.get("bound_us"))))
             if not interp:

@@ -330,6 +330,8 @@ def _records(table: list[dict], mode: str, fp_id: str) -> list[dict]:
                                "bsp_us": e["bsp_us"], "speedup_vs_bsp": e["speedup_vs_bsp"],
                                "alternative": e["alternative"], "alternative_us": e["alternative_us"],
                                "speedup_vs_alternative": e["speedup_vs_alternative"],
+                               "own": e["own"], "own_us": e["own_us"],
+                               "own_vs_alternative": e["own_vs_alternative"],
                                "bound_us": e.get("bound_us"), "ceiling": e["ceiling"],
                                "timing": "cpu-interpreter" if e["interpreted"] else "gpu",
                                "stale": bool(e.get("stale")), "unconfirmed": bool(e.get("unconfirmed"))}

@@ -10,7 +10,8 @@
   best's latency (>= 1.00; absent where the op has no alternative measured).
 - **autofuse's own**: the variants of the families in `OWN_FAMILIES` (hybrid, fused);
   `own_vs_bsp` = BSP / the fastest of them, below 1.00 where they lose: what the per-family
-  geomeans of `bench` report.
+  geomeans of `bench` report; `own_vs_alternative` (`own/alt`) = the fastest alternative's latency /
+  the fastest own variant's, below 1.00 where torch's ops beat every kernel of autofuse's own.
 - **bound**: the slowest of the op's pieces (communication alone, computation alone) timed in the
   same run: the latency perfect overlap would reach. **ceiling** = BSP / bound: the most any
   overlap can give over BSP; **captured** = (x BSP - 1) / (ceiling - 1). A bound above BSP means the
@@ -113,6 +114,7 @@ class Comparison:
     own: str | None
     own_us: float | None
     own_vs_bsp: float | None
+    own_vs_alternative: float | None
     bound_us: float | None
     ceiling: float | None
     ceiling_captured: float | None
@@ -135,11 +137,12 @@ def compare(op: Any, us: Mapping[str, float], bound_us: float | None = None,
     bsp_us = finite.get("bsp")
     bound = bound_us if bound_us is not None and math.isfinite(bound_us) else None
     if is_interpreted:
-        x_bsp = x_alt = x_own = top = None
+        x_bsp = x_alt = x_own = own_alt = top = None
     else:
         x_bsp, x_alt, x_own = ratio(bsp_us, best_us), ratio(alt_us, best_us), ratio(bsp_us, mine_us)
+        own_alt = ratio(alt_us, mine_us)
         top = ceiling(bsp_us, bound)
-    return Comparison(best, best_us, bsp_us, x_bsp, alt, alt_us, x_alt, mine, mine_us, x_own, bound, top,
+    return Comparison(best, best_us, bsp_us, x_bsp, alt, alt_us, x_alt, mine, mine_us, x_own, own_alt, bound, top,
                       captured(x_bsp, top), is_interpreted)
 
 
@@ -198,7 +201,7 @@ def outliers(us_by_problem: Mapping[str, Mapping[str, float]]) -> list[str]:
     return [k for k in have if deviates(x[k], [x[n] for n in neighbours(k, have)])]
 
 
-WITHHELD = ("speedup_vs_bsp", "speedup_vs_alternative", "own_vs_bsp", "ceiling_captured")
+WITHHELD = ("speedup_vs_bsp", "speedup_vs_alternative", "own_vs_bsp", "own_vs_alternative", "ceiling_captured")
 
 
 def withhold(table: list[dict]) -> list[dict]:
