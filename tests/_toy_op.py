@@ -139,3 +139,15 @@ OP = Op(
     sweep=_sweep,
     custom=CUSTOM,
 )
+
+
+def tuned_rows() -> list[dict]:
+    """Toy measurements for fitting a policy in tests: fused wins from M=128 up (N 16 and 32 tuned)."""
+    out = []
+    for m in (16, 32, 64, 128, 256, 512, 1024):
+        for n in (16, 32):
+            key = Problem.make(NAME, "float32", 2, M=m, N=n, K=16).key
+            out.append({"problem": key, "op": NAME, "variant": "bsp", "config": {}, "median_us": 20 + 0.5 * m})
+            out.append({"problem": key, "op": NAME, "variant": "fused", "config": {"BLOCK": 16},
+                        "median_us": 60 + 0.1 * m})
+    return out

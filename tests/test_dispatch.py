@@ -11,7 +11,7 @@ import time
 import pytest
 
 import harness
-from _toy_op import OP as TOY
+from _toy_op import OP as TOY, tuned_rows
 from autofuse.measure import environment
 from autofuse.tuning.fit import fit
 from autofuse.core.op import Problem
@@ -21,24 +21,11 @@ FP = environment.fingerprint("cpu")
 HOT_CALLS = 30
 
 
-def _rows() -> list[dict]:
-    """Toy measurements where fused wins from M=128 up."""
-    out = []
-    for m in (16, 32, 64, 128, 256, 512, 1024):
-        for n in (16, 32):
-            key = Problem.make("toy_mm", "float32", 2, M=m, N=n, K=16).key
-            bsp, fused = 20 + 0.5 * m, 60 + 0.1 * m
-            out.append({"problem": key, "op": "toy_mm", "variant": "bsp", "config": {}, "median_us": bsp})
-            out.append({"problem": key, "op": "toy_mm", "variant": "fused", "config": {"BLOCK": 16},
-                        "median_us": fused})
-    return out
-
-
 @pytest.fixture(scope="module")
 def policies(tmp_path_factory) -> dict:
     """A fitted toy policy (data) and a folder; ranks write it with their own fingerprint (other helpers'
     kernel edits change the kernel hash between this process and the ranks)."""
-    return {"data": fit(_rows(), FP, "eager", ops={"toy_mm": TOY}).data,
+    return {"data": fit(tuned_rows(), FP, "eager", ops={"toy_mm": TOY}).data,
             "dir": str(tmp_path_factory.mktemp("dispatch"))}
 
 

@@ -9,7 +9,7 @@ import warnings
 from pathlib import Path
 
 import pytest
-from _toy_op import OP as TOY
+from _toy_op import OP as TOY, tuned_rows
 
 from autofuse.core import registry
 from autofuse.core.op import Problem
@@ -105,25 +105,13 @@ def test_two_gpus_of_a_4_gpu_host_match_the_shipped_2_gpu_policy(fake_cuda):
 
 # -- policies matched layer by layer -------------------------------------------------------------
 
-def _rows() -> list[dict]:
-    """Toy measurements where fused wins from M=128 up (as test_dispatch's)."""
-    out = []
-    for m in (16, 32, 64, 128, 256, 512, 1024):
-        for n in (16, 32):
-            key = Problem.make("toy_mm", "float32", 2, M=m, N=n, K=16).key
-            out.append({"problem": key, "op": "toy_mm", "variant": "bsp", "config": {}, "median_us": 20 + 0.5 * m})
-            out.append({"problem": key, "op": "toy_mm", "variant": "fused", "config": {"BLOCK": 16},
-                        "median_us": 60 + 0.1 * m})
-    return out
-
-
 HERE = dict(environment.fingerprint("cpu"), gpu_name="NVIDIA H200", device_kind="cuda", gpu_count=2,
             topology="X,NV18;NV18,X", machine_id="a" * 16)
 
 
 @pytest.fixture(scope="module")
 def data() -> dict:
-    return fit(_rows(), HERE, "graph", ops={"toy_mm": TOY}).data
+    return fit(tuned_rows(), HERE, "graph", ops={"toy_mm": TOY}).data
 
 
 def _tuned() -> Problem:

@@ -9,7 +9,7 @@ import json
 import os
 
 import pytest
-from _toy_op import OP as TOY
+from _toy_op import OP as TOY, tuned_rows
 
 from autofuse.comm.world import spawn
 from autofuse.core.op import Problem
@@ -19,18 +19,6 @@ from autofuse.tuning.fit import fit
 PREDICTED = Problem.make("toy_mm", "float32", 2, M=256, N=64, K=16)  # never tuned (N 16, 32): predicted
 TUNED = Problem.make("toy_mm", "float32", 2, M=1024, N=16, K=16)  # tuned: measured
 UNWARMED = Problem.make("toy_mm", "float32", 2, M=512, N=64, K=16)  # predicted, never warmed
-
-
-def _rows() -> list[dict]:
-    """Toy measurements where fused wins from M=128 up (as test_dispatch's)."""
-    out = []
-    for m in (16, 32, 64, 128, 256, 512, 1024):
-        for n in (16, 32):
-            key = Problem.make("toy_mm", "float32", 2, M=m, N=n, K=16).key
-            out.append({"problem": key, "op": "toy_mm", "variant": "bsp", "config": {}, "median_us": 20 + 0.5 * m})
-            out.append({"problem": key, "op": "toy_mm", "variant": "fused", "config": {"BLOCK": 16},
-                        "median_us": 60 + 0.1 * m})
-    return out
 
 
 def _setup(world, data: dict, folder: str, db: str, other_host: bool) -> None:
@@ -86,7 +74,7 @@ def _serve_job(world, data: dict, folder: str, db: str) -> dict:
 
 
 def test_warmed_shapes_are_neither_confirmed_nor_built_again_in_a_new_process(tmp_path):
-    data = fit(_rows(), environment.fingerprint("cpu"), "eager", ops={"toy_mm": TOY}).data
+    data = fit(tuned_rows(), environment.fingerprint("cpu"), "eager", ops={"toy_mm": TOY}).data
     db = str(tmp_path / "online.db")
     warmed = spawn(_warm_job, 2, data, str(tmp_path), db)
     for r in warmed:

@@ -381,33 +381,12 @@ def measure(world, op: Op, problem: Problem, variant: str, config: Config, modes
         return fail(why, err)
     first_call_s = world.rank_max(time.perf_counter() - t0)
     fns, outs = timing_steps(world, op, problem, runner, seed + 1)
-    results = []
-    for mode in modes:
-        left = budget_s - (time.perf_counter() - t0)
-        why = ""
-        try:
-            outs[0].fill_(math.nan)
-            t = time_fn(world, fns, mode, warmup=warmup, reps=reps, budget_s=left)
-            check_faults(world, runner)
-            replayed = rel_error(outs[0], op.reference(world, problem, seed + 1))
-            if not replayed <= op.tolerance(problem):  # the timed calls (graph replays too) computed it right
-                why = (f"wrong result after {mode} timing: rel error {replayed:.3g} > tolerance "
-                       f"{op.tolerance(problem):.3g}")
-        except (status.FlagTimeout, status.WorkspaceAborted, TooSlow) as exc:
-            why = str(exc)
-        except Exception as exc:
-            why = f"{mode} timing failed: {type(exc).__name__}: {exc}"
-        if world.rank_max(1.0 if why else 0.0) > 0:
-            rebuild_workspaces(world)
-            results.append(Measurement(problem, variant, dict(config), mode, False, why or "failed on another rank", err))
-            continue
-        results.append(Measurement(problem, variant, dict(config), mode, True, "", err, t.median_us, t.p10_us,
-                                   t.p90_us, t.min_us, t.reps,
-                                   {"inner": t.inner, "sets": len(fns), "build_check_s": first_call_s}))
-    return results
+    return [_time_mode(world, op, problem, variant, config, runner, fns, outs, mode, reps, warmup,
+                       budget_s - (time.perf_counter() - t0), err, seed, {"build_check_s": first_call_s})
+            for mode in modes]
 
 
-# -- staged measurement and re-measurement in turns (the tuner's; `measure` above is unchanged) -------------
+# -- staged measurement and re-measurement in turns (the tuner's; `measure` above times each mode with `_time_mode` too)
 
 @dataclass
 class Screen:
