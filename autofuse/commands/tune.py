@@ -133,8 +133,10 @@ def tune(
     db: Path = typer.Option(DEFAULT_DB, help="Measurement database (SQLite; created if missing)."),
     sweep: Optional[str] = typer.Option(None, help="Problem set: default (every op's mix of model shapes and the "
                                         "papers' sweeps), models, gpu, llama70b, scaling (the same global problems at "
-                                        "every --world: strong scaling), fp8 (ag_gemm, gemm_ar, gemm_rs: the default "
-                                        "problems in FP8, both scalings) or cpu (default: default with GPUs, else cpu)."),
+                                        "every --world: strong scaling), train (ag_gemm, gemm_rs: the forward and backward "
+                                        "GEMMs of a sequence-parallel training step of Llama-3 70B and 8B), fp8 (ag_gemm, "
+                                        "gemm_ar, gemm_rs: the default problems in FP8, both scalings) or cpu (default: "
+                                        "default with GPUs, else cpu)."),
     limit: Optional[int] = typer.Option(None, "--limit", help="Only the first N problems of each op per world size "
                                         "(0: every problem; default: 2 on CPU, every problem on GPUs)."),
     reps: Optional[int] = typer.Option(None, help="Timed batches per measurement (default: 10 GPU, 5 CPU)."),
