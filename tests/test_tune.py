@@ -966,3 +966,17 @@ def test_world_one_measures_baselines_only_and_cpu_scaling_keeps_global_sizes():
     assert "world 1: baselines only" in describe_plan(plan, settings, 2)
     short = make_plan(TuneOptions(db="x.db"), "cpu", 2)
     assert all(len(ps) <= 2 for _, _, ps, _ in short.items)  # the README's CPU tune: 2 problems per op
+
+
+def test_a_sweep_some_ops_lack_plans_the_ops_that_have_it():
+    """`autofuse tune --sweep train` (or fp8) tunes the ops that have that sweep; naming an op that lacks it
+    with --op is an error, as is a sweep no op has."""
+    from autofuse.tuning.tune import TuneOptions, make_plan
+
+    plan = make_plan(TuneOptions(db="x.db", sweep="train"), "cuda", 2)
+    assert {op.name for _, op, _, _ in plan.items} == {"ag_gemm", "gemm_rs", "gemm_ar"}
+    assert all(ps for _, op, ps, _ in plan.items if op.name != "gemm_ar")
+    with pytest.raises(ValueError, match="unknown sweep"):
+        make_plan(TuneOptions(db="x.db", sweep="train", ops=["flash_decode"]), "cuda", 2)
+    with pytest.raises(ValueError, match="no op has a sweep"):
+        make_plan(TuneOptions(db="x.db", sweep="nope"), "cuda", 2)

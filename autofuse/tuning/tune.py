@@ -234,7 +234,9 @@ class Plan:
 
 
 def make_plan(options: TuneOptions, device_type: str, ranks: int) -> Plan:
-    """The run's plan on `ranks` local ranks (raises ValueError / KeyError for unknown ops, sweeps, shapes)."""
+    """The run's plan on `ranks` local ranks (raises ValueError / KeyError for unknown ops, sweeps, shapes).
+    Without --op, the ops that have no such sweep are left out (e.g. `--sweep train` or `fp8` runs the GEMM
+    ops only); an op named with --op that lacks it is an error."""
     mode = options.mode_for(device_type)
     sweep = options.sweep or ("default" if device_type == "cuda" else "cpu")
     worlds = sorted(set(options.worlds or [ranks]))
@@ -242,15 +244,23 @@ def make_plan(options: TuneOptions, device_type: str, ranks: int) -> Plan:
         raise ValueError(f"world sizes {worlds} must be within 1..{ranks}")
     ops = [resolve_op(n) for n in (options.ops or registry.names())]
     limit = options.value("limit", device_type) or None  # 0: every problem
-    items = []
+    items, missing = [], []
     for w in worlds:
         stand_in = SimpleNamespace(device=torch.device(device_type), size=w, rank=0)
         for op in ops:
-            if sweep == "scaling" and device_type == "cpu":
-                problems = cpu_scaling(op, w, worlds[-1], options.shapes)
-            else:
-                problems = problems_for(op, sweep, w, options.shapes)
+            try:
+                if sweep == "scaling" and device_type == "cpu":
+                    problems = cpu_scaling(op, w, worlds[-1], options.shapes)
+                else:
+                    problems = problems_for(op, sweep, w, options.shapes)
+            except ValueError as exc:
+                if options.ops or "unknown sweep" not in str(exc):
+                    raise  # an op named with --op must have the sweep
+                missing.append(exc)  # every op by default: the ops without this sweep (flash_decode has no
+                continue  # train sweep) sit out
             items.append((w, op, problems[:limit], tunable_variants(op, stand_in)))
+    if not items:
+        raise ValueError(f"no op has a sweep {sweep!r} ({missing[0]})" if missing else f"nothing to tune in {sweep!r}")
     return Plan(device_type, mode, sweep, worlds, items)
 
 
