@@ -110,14 +110,13 @@ def test_a_registered_op_pickles_as_its_registry_entry() -> None:
     import pickle
 
     from autofuse.core import registry
-    from autofuse.core.op import registered_op
 
     for name in registry.names():
         op = registry.get(name)
         assert pickle.loads(pickle.dumps(op)) is op
     registry.unregister("toy_pickled")
     try:
-        op = registered_op("toy_pickled", "_toy_op")
+        op = registry.registered("toy_pickled", "_toy_op")
         assert registry.MODULES["toy_pickled"] == "_toy_op" and op is registry.get("toy_pickled")
     finally:
         registry.unregister("toy_pickled")

@@ -248,26 +248,14 @@ class Op:
     def __reduce_ex__(self, protocol: Any) -> Any:
         """A registered op pickles as its registry entry (name, module), as a function pickles as its
         name: its declarations hold functions (lambdas among them) that pickle cannot carry, and a
-        spawned rank needs the op its module defines, not a copy. Other ops pickle field by field."""
-        from autofuse.core import registry
-
-        module = registry.MODULES.get(self.name)
+        spawned rank needs the op its module defines, not a copy. Other ops pickle field by field. The
+        registry is read where it is loaded (a registered op's process has it); this module does not
+        import it: the registry names ops, ops do not know the registry."""
+        registry = sys.modules.get("autofuse.core.registry")
+        module = registry.MODULES.get(self.name) if registry is not None else None
         if module is not None and getattr(sys.modules.get(module), "OP", None) is self:
-            return registered_op, (self.name, module)
+            return registry.registered, (self.name, module)
         return super().__reduce_ex__(protocol)
-
-
-def registered_op(name: str, module: str) -> Op:
-    """The op `module` defines as `name` (an op pickled by `Op.__reduce_ex__`), registering it first
-    where this process has not (an op a test registered at run time)."""
-    from autofuse.core import registry
-
-    if name not in registry.MODULES:
-        registry.register(name, module)
-    if registry.MODULES[name] != module:
-        raise ValueError(f"op {name!r} was sent as defined by {module}, but is registered to "
-                         f"{registry.MODULES[name]} here")
-    return registry.get(name)
 
 
 def global_sizes(problem: Problem, per_rank: Sequence[str]) -> str:

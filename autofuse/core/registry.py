@@ -50,6 +50,16 @@ def register(name: str, module: str) -> None:
         listener(name)
 
 
+def registered(name: str, module: str) -> "Op":
+    """The op `module` defines as `name` (how a registered op arrives in a process that unpickles it,
+    `Op.__reduce_ex__`), registering it first where this process has not (an op registered at run time)."""
+    if name not in MODULES:
+        register(name, module)
+    if MODULES[name] != module:
+        raise ValueError(f"op {name!r} was sent as defined by {module}, but is registered to {MODULES[name]} here")
+    return get(name)
+
+
 def unregister(name: str) -> None:
     """Take op `name` out of the table (tests undo a `register`)."""
     MODULES.pop(name, None)
