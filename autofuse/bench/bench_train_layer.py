@@ -39,7 +39,7 @@ from __future__ import annotations
 import copy
 import datetime
 import math
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
