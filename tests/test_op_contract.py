@@ -120,3 +120,22 @@ def test_a_registered_op_pickles_as_its_registry_entry() -> None:
         assert registry.MODULES["toy_pickled"] == "_toy_op" and op is registry.get("toy_pickled")
     finally:
         registry.unregister("toy_pickled")
+
+
+def test_rel_error_is_the_norm_ratio_in_chunks_and_inf_on_a_non_finite_output(monkeypatch):
+    """rel_error runs on the output's device in float64 chunks (one host sync): chunked or not, it is
+    ||out - ref|| / ||ref||; a NaN or inf anywhere in the output (poison left unwritten) is inf."""
+    import autofuse.core.op as op_module
+    from autofuse.core.op import rel_error
+
+    g = torch.Generator().manual_seed(0)
+    out = torch.randn(301, 17, generator=g).to(torch.bfloat16)
+    ref = out.double() + 1e-3 * torch.randn(301, 17, generator=g, dtype=torch.float64)
+    want = float((out.double() - ref).norm() / ref.norm())
+    monkeypatch.setattr(op_module, "REL_ERROR_CHUNK", 100)  # 52 chunks, the last one short
+    assert abs(rel_error(out, ref) - want) < 1e-12 * want
+    assert abs(rel_error(out.t(), ref.t()) - want) < 1e-12 * want  # non-contiguous
+    bad = out.clone()
+    bad[300, 16] = float("nan")  # in the last chunk
+    assert rel_error(bad, ref) == float("inf")
+    assert rel_error((out, bad), (ref, ref)) == float("inf")

@@ -617,6 +617,34 @@ def test_compile_ahead_workers_take_the_configs_in_order_skip_what_was_reached_a
     assert default_workers(2, cores=2) == 0 and default_workers(2, cores=64) == 8 and default_workers(8, 12) == 3
 
 
+def stubborn_compile(op_ref: str, problem_key: str, variant: str, config: dict, device_kind: str) -> None:
+    """A compile function that ignores SIGTERM, as a worker started by a supervised rank did (it inherited
+    the rank's ignored SIGTERM), and then takes long."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    with open(os.environ["AUTOFUSE_TEST_COMPILE_LOG"], "a") as f:
+        f.write("started\n")
+    time.sleep(600)
+
+
+def test_compile_ahead_close_ends_workers_that_ignore_sigterm(tmp_path, monkeypatch):
+    """close() must not wait on a worker deaf to SIGTERM (a supervised rank's workers used to be: 10 s of
+    join each, 80 s at the end of every GPU tune): every worker is gone when close() returns."""
+    from autofuse.tuning.compile_ahead import CompileAhead
+
+    log = tmp_path / "fed.jsonl"
+    monkeypatch.setenv("AUTOFUSE_TEST_COMPILE_LOG", str(log))
+    ahead = CompileAhead(2, device_kind="cpu", compile_fn="test_tune:stubborn_compile",
+                         op_refs={"fake_sum": "test_tune:FAKE_OP"})
+    ahead.submit([(FAKE_OP, Problem.make("fake_sum", "float32", 2, N=n), "chunked", {"chunk": 16, "bias": 0})
+                  for n in (64, 96)])
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and (not log.exists() or log.read_text().count("started") < 2):
+        time.sleep(0.1)
+    assert log.read_text().count("started") == 2
+    ahead.close()
+    assert not any(p.is_alive() for p in ahead.procs)
+
+
 def test_every_tunable_variant_builds_against_the_compile_ahead_stand_in_world():
     """The default compile function builds each config against a one-process stand-in World (no peers, a
     heap of plain tensors): every registered op's tunable variants must build there as every rank, at

@@ -38,6 +38,7 @@ from autofuse.core.op import Config, Op, Problem, config_key
 
 DEFAULT_FN = "autofuse.tuning.compile_ahead:compile_config"
 MAX_WORKERS = 8
+CLOSE_GRACE_S = 1.0  # how long `close` lets the workers end on SIGTERM before it kills them
 
 
 def default_workers(ranks: int, cores: int | None = None) -> int:
@@ -58,6 +59,7 @@ def _worker(jobs: Any, results: Any, reached: Any, fn_ref: str, device_kind: str
 
     die_with_parent(parent)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the run's Ctrl-C is the ranks' business
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a supervised rank ignores SIGTERM; its workers must not
     try:
         fn = _resolve(fn_ref)
         if device_kind == "cuda":
@@ -163,12 +165,18 @@ class CompileAhead:
                 self.errors.append(error)
 
     def close(self) -> dict[str, Any]:
-        """Stop the workers (a compile in flight is dropped: the run no longer needs it); the counts."""
+        """Stop the workers (a compile in flight is dropped: the run no longer needs it); the counts.
+        A worker still alive a moment after SIGTERM is killed: waiting on it only delays the run's end."""
         for p in self.procs:
             if p.is_alive():
                 p.terminate()
+        end = time.monotonic() + CLOSE_GRACE_S
         for p in self.procs:
-            p.join(timeout=10)
+            p.join(timeout=max(0.0, end - time.monotonic()))
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
         self._drain()
         for q in (self.jobs, self.results):
             q.cancel_join_thread()
