@@ -2,7 +2,8 @@
 warmed shape makes no confirmation and builds no candidate (its decision comes from the online store,
 nothing timed), while an unwarmed shape is still confirmed; `warmup(model, ...)` makes every first call a
 parallelized model's layers make, so a forward pass at a warmed token count only hits the cache; the
-command's problems (model presets, --op/--shapes/--tokens) and its run on CPU ranks."""
+command's problems (model presets, --op/--shapes/--tokens) and its run on CPU ranks; the GPU evaluation
+script's CPU dry run (scripts/eval_warmup_gpu.py: cold, warmup, warm in separate jobs)."""
 from __future__ import annotations
 
 import json
@@ -56,6 +57,7 @@ def _serve_job(world, data: dict, folder: str, db: str) -> dict:
     torch.set_num_threads(1)
     _setup(world, data, folder, db, other_host=True)
     dispatch.reset()
+    computed = environment.fingerprint.cache_info().misses  # _setup computed this kind's fingerprint
     res: dict = {}
     for name, p in (("predicted", PREDICTED), ("tuned", TUNED), ("unwarmed", UNWARMED)):
         builds, confirmations = sum(toy.BUILDS.values()), dispatch.stats.confirmations
@@ -67,6 +69,7 @@ def _serve_job(world, data: dict, folder: str, db: str) -> dict:
                      "builds": sum(toy.BUILDS.values()) - builds,
                      "timed_now": ex.confirmation is not None,
                      "rel": float((out.double() - a.double() @ b.double()).norm() / (a.double() @ b.double()).norm())}
+    res["fingerprints_computed"] = environment.fingerprint.cache_info().misses - computed
     for k in ("AUTOFUSE_POLICY", "AUTOFUSE_ONLINE", "AUTOFUSE_ONLINE_DB"):
         del os.environ[k]
     dispatch.reset()
@@ -99,6 +102,9 @@ def test_warmed_shapes_are_neither_confirmed_nor_built_again_in_a_new_process(tm
         # the control: a shape warmup never saw is still confirmed on its first call (candidates built)
         u = r["unwarmed"]
         assert u["confirmations"] == 1 and u["timed_now"] and u["builds"] > 1, u
+        # reading the online store takes the fingerprint the process has: computing the environment
+        # again (every op's code digest; nvidia-smi on GPUs) was seconds of a warmed first request
+        assert r["fingerprints_computed"] == 0, r
 
 
 def _model_job(world, sequence_parallel: bool) -> dict:
@@ -187,3 +193,29 @@ def test_warmup_command_on_cpu_ranks(tmp_path):
                        (["--model", "nope"], "unknown model"), (["--op", "gemm_ar", "--shapes", "N16"], "NAME=VALUE")):
         res = runner.invoke(app, ["warmup", *args], env=env)
         assert res.exit_code == 1 and says in res.output, (args, res.output)
+
+
+def test_eval_warmup_script_dry_run_warm_first_calls_confirm_nothing(tmp_path):
+    """scripts/eval_warmup_gpu.py --cpu at 2 ranks on gemm_ar's first CPU problem: the cold first call
+    confirms (a stand-in policy's prediction), warmup confirms it in a job of its own, and the first call
+    of a third job neither confirms nor compiles, its decision read from the store warmup wrote (a
+    warmup that persisted nothing would leave that call confirming again)."""
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = tmp_path / "warm.json"
+    done = subprocess.run([sys.executable, os.path.join(root, "scripts", "eval_warmup_gpu.py"), "--cpu", "--ops",
+                           "gemm_ar", "--limit", "1", "--world", "2", "--out", str(out)],
+                          capture_output=True, text=True, timeout=600, cwd=root)
+    assert out.exists(), (done.stdout[-2000:], done.stderr[-2000:])
+    res = json.loads(out.read_text())
+    (key,) = res["problems"]
+    (cold,), (warm,) = res["cold"], res["warm"]
+    assert cold["problem"] == warm["problem"] == key
+    assert cold["confirmed"] and cold["confirm_timing_s"] is not None, cold  # the control: cold confirms
+    assert res["warmup"]["confirmations"] == 1 and res["warmup"]["problems"][0]["problem"] == key, res["warmup"]
+    assert not warm["confirmed"] and warm["confirm_timing_s"] is None and warm["compiles"] == 0, warm
+    assert warm["basis"] == "confirmed" and "measured on this machine earlier" in warm["reason"], warm
+    assert done.returncode == 0 and "target 0: met" in done.stdout, (done.stdout[-2000:], done.stderr[-2000:])
+    assert not os.path.exists(res["folders"]), res["folders"]  # its temporary folders are removed

@@ -43,11 +43,14 @@ def _load(world: World) -> dict[str, dict]:
     from autofuse.measure import environment
     from autofuse.measure.store import Store, StoreError
 
-    path = online_db(environment.fingerprint(world.device.type))
+    fp = environment.fingerprint(world.device.type)
+    path = online_db(fp)
     if not path.is_file():
         return {}
     try:
-        store = Store.open(path, readonly=True)
+        # rows of this device kind's environment, as `record` writes them; and the fingerprint the
+        # process already has (the store's own default would compute it again: seconds of a first call)
+        store = Store.open(path, readonly=True, fingerprint=fp)
         try:
             rows = store.best(None, settings.mode(world.device.type))
         finally:
