@@ -131,10 +131,15 @@ def compile_counter() -> Callable[[], int]:
     return lambda: count[0]
 
 
-def _preamble(world: Any, ops: list[str]) -> None:
-    """Process start-up costs no warmup can take away, paid before anything is timed: the ops imported,
-    a device matmul (cuBLAS), a barrier (the communicator), Triton's driver (its launcher utilities)."""
+def _preamble(world: Any, ops: list[str]) -> float:
+    """Process start-up costs no warmup can take away, paid before any first call is timed: the ops
+    imported, a device matmul (cuBLAS), a barrier (the communicator), Triton's driver (its launcher
+    utilities), and dispatch's policy with this machine's fingerprint (every op's code digest; on GPUs
+    nvidia-smi), which a process's first dispatched call pays once, whatever its shape. Returns the
+    seconds of the last (the process setup a serving process's first request pays, warmed or not)."""
     import torch
+
+    from autofuse.dispatch.policy_files import policy_for
 
     for name in ops:
         registry.get(name)
@@ -143,13 +148,19 @@ def _preamble(world: Any, ops: list[str]) -> None:
     if world.device.type == "cuda":
         from triton.runtime import driver
 
-        driver.active.utils  # noqa: B018 - loads (first time: builds) Triton's CUDA utilities
+        getattr(driver.active, "utils", None)  # loads (the first time: builds) Triton's CUDA utilities
         torch.cuda.synchronize(world.device)
     world.sync()
+    t0 = time.perf_counter()
+    policy_for(world)
+    setup_s = time.perf_counter() - t0
+    world.sync()
+    return setup_s
 
 
 def first_calls_job(world: Any, keys: list[str], seed: int) -> list[dict]:
-    """One rank of `cold`/`warm`: the first call of every problem in this new process, one by one."""
+    """One rank of `cold`/`warm`: the first call of every problem in this new process, one by one
+    (each row also carries the process's setup seconds, `setup_s`)."""
     import torch
 
     import autofuse
@@ -159,7 +170,7 @@ def first_calls_job(world: Any, keys: list[str], seed: int) -> list[dict]:
         torch.set_num_threads(1)  # two ranks on few cores
     compiles = compile_counter()
     dispatch.reset()
-    _preamble(world, sorted({Problem.from_key(k).op for k in keys}))
+    setup_s = _preamble(world, sorted({Problem.from_key(k).op for k in keys}))
     rows = []
     for key in keys:
         problem = Problem.from_key(key)
@@ -178,7 +189,7 @@ def first_calls_job(world: Any, keys: list[str], seed: int) -> list[dict]:
                      "confirmed": dispatch.stats.confirmations > n0, "compiles": compiles() - c0,
                      "variant": choice.variant, "basis": choice.basis, "reason": choice.reason,
                      "confirm_build_s": conf.build_seconds if conf else None,
-                     "confirm_timing_s": conf.timing_seconds if conf else None})
+                     "confirm_timing_s": conf.timing_seconds if conf else None, "setup_s": setup_s})
         world.sync()
     return rows
 
@@ -231,6 +242,7 @@ def merge_ranks(per_rank: list[list[dict]]) -> list[dict]:
     for rows in zip(*per_rank):
         row = dict(rows[0])
         row.update(seconds=max(r["seconds"] for r in rows), compiles=max(r["compiles"] for r in rows),
+                   setup_s=max(r["setup_s"] for r in rows),
                    confirmed=any(r["confirmed"] for r in rows), rank_compiles=[r["compiles"] for r in rows])
         out.append(row)
     return out
@@ -239,8 +251,13 @@ def merge_ranks(per_rank: list[list[dict]]) -> list[dict]:
 def summarize(res: dict) -> dict:
     cold, warm = res.get("cold", []), res.get("warm", [])
     med = lambda rows: statistics.median([r["seconds"] for r in rows]) if rows else math.nan  # noqa: E731
+    bases: dict[str, int] = {}
+    for r in cold:
+        bases[r["basis"]] = bases.get(r["basis"], 0) + 1
     return {"problems": len(res["problems"]), "cold_first_call_median_s": med(cold),
             "warm_first_call_median_s": med(warm), "warmup_s": res.get("warmup", {}).get("seconds", math.nan),
+            "cold_setup_s": cold[0]["setup_s"] if cold else math.nan,
+            "warm_setup_s": warm[0]["setup_s"] if warm else math.nan, "cold_bases": bases,
             "cold_confirmed": sum(r["confirmed"] for r in cold), "cold_compiles": sum(r["compiles"] for r in cold),
             "warm_confirmed": sum(r["confirmed"] for r in warm), "warm_compiled": sum(r["compiles"] > 0 for r in warm),
             "target_met": bool(warm) and not any(r["confirmed"] or r["compiles"] for r in warm)}
@@ -257,7 +274,8 @@ def show(res: dict) -> None:
                     f"{'CPU' if res['cpu'] else 'GPU'} ranks)")
     for col in ("op", "problem", "cold s", "cold confirmed?", "cold compiles", "warm s", "warm confirmed?",
                 "warm compiles", "warm basis"):
-        t.add_column(col, justify="right" if col.endswith((" s", "compiles")) else "left")
+        t.add_column(col, justify="right" if col.endswith((" s", "compiles")) else "left",
+                     overflow="fold" if col == "problem" else "ellipsis")
     for key in res["problems"]:
         c, w = cold.get(key), warm.get(key)
         t.add_row(Problem.from_key(key).op, key.split("|", 1)[1],
@@ -265,7 +283,7 @@ def show(res: dict) -> None:
                   str(c["compiles"]) if c else "-", f"{w['seconds']:.3f}" if w else "-",
                   yes(w["confirmed"]) if w else "-", (f"[red]{w['compiles']}[/red]" if w["compiles"] else "0")
                   if w else "-", w["basis"] if w else "-")
-    console = Console(width=max(140, Console().width))
+    console = Console(width=max(160, Console().width))
     console.print(t)
     s = res["summary"]
     console.print(f"median first call: cold {s['cold_first_call_median_s']:.3f} s, warm "
@@ -274,6 +292,12 @@ def show(res: dict) -> None:
                   f"{len(res.get('warm', []))} (target 0: {'met' if s['target_met'] else 'MISSED'})"
                   + ("; CPU: Triton's interpreter compiles nothing, compiles read 0" if res["cpu"] else ""),
                   soft_wrap=True)
+    console.print(f"process setup before the first calls (policy and fingerprint, once per process, warmed or not): "
+                  f"cold {s['cold_setup_s']:.2f} s, warm {s['warm_setup_s']:.2f} s; cold decisions by basis: "
+                  f"{s['cold_bases']}", soft_wrap=True)
+    if res.get("cold") and not s["cold_confirmed"]:
+        console.print("[yellow]no cold first call confirmed (a refused policy, or every problem tuned): the "
+                      "comparison shows compiles only[/yellow]", soft_wrap=True)
 
 
 def main() -> int:

@@ -8,6 +8,7 @@
 #     WORLD  ranks (one per GPU)          GPUS  CUDA_VISIBLE_DEVICES, e.g. 0,1
 #     STEPS  comma-separated among tune, fit, export, eval, layer, train (default tune,fit,export,eval,layer);
 #            train: `autofuse bench train_layer --sweep 70b,8b` with the fitted policy
+#            warmup: scripts/eval_warmup_gpu.py, first requests cold vs after `autofuse warmup` (fitted policy)
 # Two runs may share a 4-GPU machine on disjoint GPUs (say so beside their timings). Installs the carried
 # wheels (.whl/) and the project offline first, as scripts/gpu_session.sh does.
 set -uo pipefail
@@ -52,6 +53,8 @@ for s in ${STEPS//,/ }; do
              --mode graph --out "$W/bench-layer.json" --force ;;
     train) step train 560 env AUTOFUSE_POLICY="$W/policy-graph.json" python3 -m autofuse bench train_layer \
              --world "$WORLD" --sweep 70b,8b --reps 5 --out "$W/bench-train_layer.json" --force ;;
+    warmup) step warmup 300 python3 scripts/eval_warmup_gpu.py --policy "$W/policy-graph.json" --mode graph \
+              --world "$WORLD" --out "$W/eval-warmup.json" ;;
     *) echo "unknown step $s" ;;
   esac
 done
