@@ -62,9 +62,6 @@ from autofuse.comm.world import spawn  # noqa: E402
 from autofuse.core import registry  # noqa: E402
 from autofuse.core.op import Problem  # noqa: E402
 
-PERSISTENT = ("XDG_CACHE_HOME", "XDG_DATA_HOME", "AUTOFUSE_ONLINE_DB", "TRITON_CACHE_DIR")
-
-
 def problems(ops: list[str], world: int, cpu: bool, limit: int) -> list[str]:
     """The problem keys to evaluate: held-out ones on GPUs, each op's first CPU-sweep problem with --cpu."""
     keys: list[str] = []
@@ -249,6 +246,7 @@ def merge_ranks(per_rank: list[list[dict]]) -> list[dict]:
 
 
 def summarize(res: dict) -> dict:
+    """Medians of the first calls cold and warm, counts of confirmations and compiles, and the target."""
     cold, warm = res.get("cold", []), res.get("warm", [])
     med = lambda rows: statistics.median([r["seconds"] for r in rows]) if rows else math.nan  # noqa: E731
     bases: dict[str, int] = {}
