@@ -542,6 +542,7 @@ def test_a_tune_cut_short_covers_every_op_and_fit_has_an_entry_for_each(tmp_path
     proc = _run(_tune_cmd(db, "--time-limit", "0.01"), timeout=900)
     assert "time limit reached" in proc.stdout, proc.stdout[-3000:]
     ops = registry.names()
+    tunable = {op for op in ops if any(v.tunable for v in registry.get(op).variants.values())}  # moe: bsp only
     assert "covered: " + ", ".join(f"{op} 1/2 problems" for op in ops) in proc.stdout
     assert "trials/s; timing" in proc.stdout
     with Store.open(db, readonly=True) as store:
@@ -549,13 +550,13 @@ def test_a_tune_cut_short_covers_every_op_and_fit_has_an_entry_for_each(tmp_path
             best = store.best(op, "eager")
             assert len({r["problem"] for r in best}) == 1, (op, best)
             variants = {r["variant"] for r in best}
-            assert "bsp" in variants and variants - {"bsp"}, (op, variants)
+            assert "bsp" in variants and (variants - {"bsp"} or op not in tunable), (op, variants)
     policy = tmp_path / "policy.json"
     fit = _run([sys.executable, "-m", "autofuse", "fit", "--db", str(db), "--mode", "eager", "--out", str(policy),
                 "--json"], timeout=300)
     report = json.loads(fit.stdout)
     assert set(report["ops"]) == set(ops)
-    assert all(len(report["ops"][op]["variants"]) > 1 for op in ops), report["ops"]
+    assert all(len(report["ops"][op]["variants"]) > 1 for op in tunable), report["ops"]
     assert set(json.loads(policy.read_text())["ops"]) == set(ops)
 
 

@@ -9,11 +9,15 @@ str? variant=None, str? config=None) -> Tensor`. The op declares the rest:
   ag_gemm's `gathered` (all_gather(A), which a training step keeps for B's gradient).
 - `backward` (`Backward`): the gradient in terms of other ops' custom ops (`torch.ops.autofuse.*`),
   or None for an inference-only op (inputs that require grad raise `InferenceOnly`).
+- `handle` (`HandleLayout`): for an op whose last output is a handle (`Op.outputs`, e.g. moe_dispatch's),
+  how it travels through custom ops: its tensors become outputs of this op's custom op and inputs of its
+  partner's (`Tensor <arg>_<name>` each, then `str <arg>_key`), so autograd and torch.compile see them.
+  An op of several outputs returns them as `Outputs` from the library path too.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
@@ -46,6 +50,17 @@ class Extra:
 
 
 @dataclass(frozen=True)
+class HandleLayout:
+    """A handle output's tensors through custom ops: `names` in order; `fake(inputs, world_size)`: (shape,
+    dtype) per name, from the producing call's inputs (the fake implementation); `key(inputs, world_size)`:
+    the handle's key (text: the partner's custom op takes it as a str), from the same."""
+
+    names: tuple[str, ...]
+    fake: Callable[[tuple, int], Sequence[tuple[tuple, Any]]]
+    key: Callable[[tuple, int], str]
+
+
+@dataclass(frozen=True)
 class Backward:
     """The gradient of an op in terms of other ops.
 
@@ -53,6 +68,12 @@ class Backward:
       context; None where not needed) and plain values. `needs`: which inputs need a gradient;
       `extras`: the extra outputs of this call by name (empty for the plain custom op).
     - `grads(kept, grad, needs, group_name)`: one gradient (or None) per input.
+
+    Ops with handles (taken or made, `CustomOp.handle`): `inputs` are the op's arguments (a handle as a
+    `Handle`), `needs` and the gradients returned run over the custom op's inputs (a handle argument
+    spans its tensors, then its key), `extras` holds the handle this call made (by its output name), and
+    `grad` is the tuple of every custom-op output's gradient (tensor outputs, then the handle's tensors;
+    None where none flows).
     """
 
     keep: Callable[[tuple, tuple[bool, ...], Mapping[str, torch.Tensor]], dict[str, Any]]
@@ -66,6 +87,7 @@ class CustomOp:
     out_shape: Shape
     backward: Backward | None = None
     extras: Mapping[str, Extra] = field(default_factory=dict)
+    handle: HandleLayout | None = None
 
     @property
     def inference_only(self) -> bool:

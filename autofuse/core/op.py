@@ -271,11 +271,12 @@ REL_ERROR_CHUNK = 1 << 24  # elements per float64 chunk of rel_error (128 MiB ea
 
 def rel_error(out: Any, ref: Any) -> float:
     """||out - ref|| / ||ref|| in float64; inf if `out` holds NaN/inf (e.g. poison left unwritten).
-    Several outputs (a tuple, e.g. `Outputs`, against one reference per output): the largest error."""
+    Several outputs (a tuple, e.g. `Outputs`, against one reference per output): the largest error; an
+    output whose reference is None (a handle: its partner's output checks it) is not compared."""
     if isinstance(out, (tuple, list)):
         if not isinstance(ref, (tuple, list)) or len(ref) != len(out):
             raise ValueError(f"{len(out)} outputs against a reference of {len(ref) if isinstance(ref, (tuple, list)) else 1}")
-        return max(rel_error(o, r) for o, r in zip(out, ref))
+        return max(rel_error(o, r) for o, r in zip(out, ref) if r is not None)
     o, r = out.detach(), ref.detach()
     if o.shape != r.shape:
         raise ValueError(f"output shape {tuple(o.shape)} != reference shape {tuple(r.shape)}")

@@ -24,6 +24,8 @@ MODULES = {
     "gemm_rs": "autofuse.ops.gemm_rs",
     "gemm_ar": "autofuse.ops.gemm_ar",
     "flash_decode": "autofuse.ops.flash_decode",
+    "moe_dispatch": "autofuse.ops.moe_dispatch",
+    "moe_combine": "autofuse.ops.moe_combine",
 }
 LIBRARY = "autofuse.library"
 _listeners: list[Callable[[str], None]] = []

@@ -13,6 +13,13 @@
 - autograd: the op's `Backward` (its gradient in terms of other ops' custom ops), or for an
   inference-only op a refusal (`InferenceOnly`) of inputs that require grad.
 
+Ops with handles (`Op.handles`, `CustomOp.handle`: MoE's dispatch/combine pair) and ops of several
+outputs: a handle argument `h` becomes `Tensor h_<name>, ..., str h_key` (its tensors in the layout's
+order, then its key), a handle output becomes its tensors (fresh copies of the runner's buffers: an
+autograd graph may keep them past the next call), after the tensor outputs; the library path rebuilds
+the `Handle` and returns `Outputs`. Gradients flow through a handle's floating tensors (MoE's routing
+weights) like through any input.
+
 Each real implementation is one dispatched call (`autofuse.dispatch.call`: the cached variant, or the
 first-call decision on a new problem), so a traced graph holds one opaque node per call and the
 variant is chosen when the graph runs, on real tensors, never while tracing. An extra output is
@@ -25,8 +32,10 @@ from typing import Any, Callable
 
 import torch
 
-from autofuse.core.custom import CustomOp, InferenceOnly, refuse_grad
+from autofuse.core import registry
+from autofuse.core.custom import CustomOp, HandleLayout, InferenceOnly, refuse_grad
 from autofuse.core.op import Op, config_key
+from autofuse.core.runner import Handle, Outputs
 from autofuse.library.groups import group_of, name_of, world_size
 
 NAMESPACE = "autofuse"
@@ -111,6 +120,9 @@ def define(op: Op) -> None:
     decl = op.custom
     if decl is None or op.name in DEFINED:
         return
+    if op.handles or len(op.outputs) > 1:
+        Structured(op).define()
+        return
     name = op.name
 
     def real(args: tuple, group_name: str, variant: str | None, config: str | None) -> Any:
@@ -159,3 +171,131 @@ def function(op: Op) -> Callable[..., torch.Tensor]:
     call.__name__ = call.__qualname__ = name
     call.__doc__ = f"autofuse.{name} through its custom op `torch.ops.autofuse.{name}` (differentiable unless inference only)."
     return call
+
+
+class Structured:
+    """The custom op of an op with handles or several outputs (see the module doc): its flat schema,
+    real and fake implementations, autograd and the library path's function."""
+
+    def __init__(self, op: Op):
+        self.op, self.decl = op, op.custom
+        self.layouts: dict[str, HandleLayout] = {a: registry.get(op.partner).custom.handle for a in op.handles}
+        self.made = self.decl.handle  # the handle this op outputs (its last output), or None
+        self.tensor_outputs = len(op.outputs) - (1 if self.made else 0)
+        self.flat = [(typ, n) for a in op.args for typ, n in (
+            [("Tensor", f"{a}_{t}") for t in self.layouts[a].names] + [("str", f"{a}_key")]
+            if a in self.layouts else [("Tensor", a)])]
+        self.returns = self.tensor_outputs + (len(self.made.names) if self.made else 0)
+
+    def flatten(self, args: tuple) -> list:
+        out: list = []
+        for a, v in zip(self.op.args, args):
+            if a in self.layouts:
+                if not isinstance(v, Handle):
+                    raise TypeError(f"autofuse.{self.op.name}: {a} must be the Handle autofuse.{self.op.partner} "
+                                    f"returned, got {type(v).__name__}")
+                out += [v.tensors[t] for t in self.layouts[a].names] + [v.key]
+            else:
+                out.append(v)
+        return out
+
+    def unflatten(self, flat: tuple) -> tuple:
+        args, i = [], 0
+        for a in self.op.args:
+            if a in self.layouts:
+                names = self.layouts[a].names
+                args.append(Handle(flat[i + len(names)], **dict(zip(names, flat[i:i + len(names)]))))
+                i += len(names) + 1
+            else:
+                args.append(flat[i])
+                i += 1
+        return tuple(args)
+
+    def handle_of(self, args: tuple, tensors: tuple, group_name: str) -> Handle:
+        return Handle(self.made.key(args, world_size(group_name)), **dict(zip(self.made.names, tensors)))
+
+    def schema(self) -> str:
+        params = ", ".join(f"{typ} {n}" for typ, n in self.flat)
+        returns = "Tensor" if self.returns == 1 else f"({', '.join(['Tensor'] * self.returns)})"
+        return f"({params}, str group_name, {_KW}) -> {returns}"
+
+    def real(self, flat: tuple, group_name: str, variant: str | None, config: str | None) -> Any:
+        out = _dispatch(self.op.name, self.unflatten(flat), group_name, variant, config)
+        if self.returns == 1:
+            return out
+        tensors = list(out[:self.tensor_outputs])
+        if self.made:
+            handle = out[self.tensor_outputs]
+            tensors += [handle.tensors[t].clone() for t in self.made.names]
+        return tuple(tensors)
+
+    def fake(self, flat: tuple, group_name: str) -> Any:
+        args, w = self.unflatten(flat), world_size(group_name)
+        first = next(t for t in flat if isinstance(t, torch.Tensor))
+        shapes = self.decl.out_shape(args, w)
+        shapes = [shapes] if self.tensor_outputs == 1 else list(shapes)
+        outs = [first.new_empty(s) for s in shapes]
+        if self.made:
+            outs += [torch.empty(s, dtype=dt, device=first.device) for s, dt in self.made.fake(args, w)]
+        return outs[0] if self.returns == 1 else tuple(outs)
+
+    def define(self) -> None:
+        op, decl, n = self.op, self.decl, len(self.flat)
+
+        def impl(*args: Any, variant: str | None = None, config: str | None = None) -> Any:
+            return self.real(args[:n], args[n], variant, config)
+
+        def fake_impl(*args: Any, variant: str | None = None, config: str | None = None) -> Any:
+            return self.fake(args[:n], args[n])
+
+        custom = torch.library.custom_op(f"{NAMESPACE}::{op.name}", impl, mutates_args=(), schema=self.schema())
+        custom.register_fake(fake_impl)
+
+        def setup(ctx: Any, inputs: tuple, keyword_only_inputs: dict, output: Any) -> None:
+            flat, group_name = inputs[:n], inputs[n]
+            args = self.unflatten(flat)
+            if decl.backward is None:
+                refuse_grad(op.name, tuple((a, t) for (_, a), t in zip(self.flat, flat)
+                                           if isinstance(t, torch.Tensor) and t.requires_grad))
+            extras = {}
+            if self.made:
+                outs = output if isinstance(output, tuple) else (output,)
+                extras = {op.outputs[-1]: self.handle_of(args, tuple(outs[self.tensor_outputs:]), group_name)}
+            kept = decl.backward.keep(args, tuple(ctx.needs_input_grad[:n]), extras)
+            names = [k for k, v in kept.items() if isinstance(v, torch.Tensor) or v is None]
+            ctx.tensor_names, ctx.values = names, {k: v for k, v in kept.items() if k not in names}
+            ctx.group_name = group_name
+            ctx.save_for_backward(*(kept[k] for k in names))
+
+        def backward(ctx: Any, *grads: Any) -> tuple:
+            if decl.backward is None:
+                raise InferenceOnly(f"autofuse.{op.name} has no backward")
+            kept = {**ctx.values, **dict(zip(ctx.tensor_names, ctx.saved_tensors))}
+            return (*decl.backward.grads(kept, grads, tuple(ctx.needs_input_grad[:n]), ctx.group_name), None)
+
+        custom.register_autograd(backward, setup_context=setup)
+        DEFINED[op.name] = custom
+        FUNCTIONS[op.name], OPS[op.name] = self.function(custom), op
+
+    def function(self, custom: Any) -> Callable[..., Any]:
+        op, decl, name = self.op, self.decl, self.op.name
+
+        def call(*args: Any, variant: str | None = None, config: dict | None = None) -> Any:
+            *tensors, group = args
+            flat = self.flatten(tuple(tensors))
+            if torch.is_grad_enabled() and decl.backward is None and any(
+                    isinstance(t, torch.Tensor) and t.requires_grad for t in flat):
+                refuse_grad(name, tuple((a, t) for (_, a), t in zip(self.flat, flat) if isinstance(t, torch.Tensor)))
+            group_name = name_of(group)
+            res = custom(*flat, group_name, variant=variant, config=config_text(config))
+            if self.returns == 1 and not self.made:
+                return res
+            res = res if isinstance(res, tuple) else (res,)
+            values = list(res[:self.tensor_outputs])
+            if self.made:
+                values.append(self.handle_of(tuple(tensors), tuple(res[self.tensor_outputs:]), group_name))
+            return Outputs(op.outputs, values)
+
+        call.__name__ = call.__qualname__ = name
+        call.__doc__ = f"autofuse.{name} through its custom op `torch.ops.autofuse.{name}`."
+        return call

@@ -21,6 +21,7 @@ import torch
 from autofuse.core.modes import supported as supported_modes
 from autofuse.comm import status
 from autofuse.core.op import Config, InvalidConfig, Op, Problem, rel_error
+from autofuse.core.runner import Handle, Outputs
 
 L2_BYTES = 50 << 20
 
@@ -92,7 +93,7 @@ def check_correct(world, op: Op, problem: Problem, runner: Callable, seed: int) 
     try:
         inputs = op.inputs(world, problem, seed)
         first = runner(*inputs)
-        out = torch.full_like(first, math.nan)
+        out = nan_like(first)
         runner(*inputs, out=out)
         check_faults(world, runner)
         err = rel_error(out, op.reference(world, problem, seed))
@@ -313,6 +314,21 @@ def rotation_count(input_bytes: int, l2_bytes: int = L2_BYTES) -> int:
     return 1 if input_bytes >= 2 * l2_bytes else min(8, max(2, math.ceil(2 * l2_bytes / max(input_bytes, 1))))
 
 
+def nan_like(out: Any) -> Any:
+    """A fresh output like `out` (a tensor, or `Outputs`: a handle becomes a new empty Handle of its key)
+    holding NaN (integers: -1): what a check writes into to see that a call wrote every element."""
+    if isinstance(out, Outputs):
+        return Outputs(out.names, [Handle(v.key) if isinstance(v, Handle) else nan_like(v) for v in out])
+    return torch.full_like(out, math.nan if out.is_floating_point() else -1)
+
+
+def poison(out: Any) -> None:
+    """NaN into `out`'s floating tensors (a tensor or `Outputs`), -1 into integer ones."""
+    for t in (out if isinstance(out, Outputs) else (out,)):
+        if isinstance(t, torch.Tensor):
+            t.fill_(math.nan if t.is_floating_point() else -1)
+
+
 def nbytes(tensors: Sequence[Any]) -> int:
     """Bytes of the tensors among `tensors` (other arguments count nothing): what rotation sizes by."""
     return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
@@ -406,7 +422,7 @@ def _time_mode(world, op: Op, problem: Problem, variant: str, config: Config, ru
     why = ""
     t0 = time.perf_counter()
     try:
-        outs[0].fill_(math.nan)
+        poison(outs[0])
         t = time_fn(world, fns, mode, warmup=warmup, reps=reps, budget_s=budget_s)
         check_faults(world, runner)
         replayed = rel_error(outs[0], op.reference(world, problem, seed + 1))

@@ -1,0 +1,144 @@
+"""moe_combine: expert-parallel MoE's second half: the experts' second grouped GEMM, the rows back to
+their tokens' ranks, and the top-k weighted sum in token order.
+
+`y = autofuse.moe_combine(h, w2, handle, group=ep_group)`: `h` is C x F (moe_dispatch's `h`, or any
+C x F rows in its order, e.g. after an elementwise op), `w2` this rank's L experts' L x F x H, `handle`
+the one moe_dispatch returned with it. y (T x H, in x's dtype) = sum_j topk_weights[t, j] *
+(h row of slot (t, j)) @ w2[expert]; with dispatch's h that is the MoE block
+sum_j w_tj * expert_{id_tj}(x_t). Partner: moe_dispatch (the problem, hence the cache key, comes from
+the handle's key, the dispatch problem's).
+
+Variants:
+- `bsp`: the grouped GEMM (torch._grouped_mm or one matmul per expert), the rows back by
+  all_to_all_single with the handle's counts (the host reads them), the weighted sum by index_add.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from autofuse.core.custom import Backward, CustomOp
+from autofuse.core.op import Config, InvalidInput, Op, Problem, Variant
+from autofuse.core.runner import Handle, HandleSpec, Runner, TensorSpec
+from autofuse.ops import moe, moe_backward
+
+if TYPE_CHECKING:
+    from autofuse.comm.world import World
+
+NAME = moe.COMBINE
+
+
+def problem_of(world: World, h: Any, w2: Any, handle: Any) -> Problem:
+    """The combine Problem: the dispatch problem the handle was made for, with h (C x F) and w2
+    (L x F x H) checked against it."""
+    key = getattr(handle, "key", None)
+    if not isinstance(handle, Handle) or not isinstance(key, str) or not key.startswith(moe.DISPATCH + "|"):
+        raise InvalidInput(f"{NAME}: handle must be the Handle autofuse.{moe.DISPATCH} returned, got {handle!r:.80}")
+    d = Problem.from_key(key)
+    if d.world != world.size:
+        raise InvalidInput(f"{NAME}: the handle is for {d.world} ranks, this group has {world.size}")
+    problem = Problem.make(NAME, d.dtype, d.world, **dict(d.dims))
+    _, _, hid, f, local, _, c = moe.problem_dims(problem)
+    for name, t, shape in (("h", h, (c, f)), ("w2", w2, (local, f, hid))):
+        if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape or t.dtype != problem.torch_dtype:
+            raise InvalidInput(f"{NAME}: {name} must be {shape} {problem.torch_dtype} for {key}, got "
+                               f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}"
+                               f"{' ' + str(t.dtype) if isinstance(t, torch.Tensor) else ''}")
+        if not t.is_contiguous():
+            raise InvalidInput(f"{NAME}: {name} must be contiguous")
+    return problem
+
+
+def in_specs(problem: Problem) -> list:
+    _, _, hid, f, local, _, c = moe.problem_dims(problem)
+    dt = problem.torch_dtype
+    return [TensorSpec("h", (c, f), dt), TensorSpec("w2", (local, f, hid), dt),
+            HandleSpec("handle", moe.partner_key(problem))]
+
+
+class BspRunner(Runner):
+    def __init__(self, world: World, problem: Problem):
+        super().__init__(world, problem, in_specs(problem),
+                         TensorSpec("out", (problem["T"], problem["H"]), problem.torch_dtype))
+
+    def launch(self, h: torch.Tensor, w2: torch.Tensor, handle: Handle, out: torch.Tensor) -> None:
+        b = handle.tensors
+        counts = b["counts"]
+        h2 = moe.grouped_mm(h, w2, counts.sum(0).tolist())
+        back = moe.to_tokens(self.world, h2, b["sent"], counts, b["index"], f"{NAME}.bsp rows")
+        moe.weighted_sum(back, b["order"], b["weights"], out)
+
+
+class Bsp(Variant):
+    name, family = "bsp", "bsp"
+
+    def runner(self, world: World, problem: Problem, config: Config) -> Runner:
+        return BspRunner(world, problem)
+
+
+def inputs(world: World, problem: Problem, seed: int) -> tuple:
+    """(h, w2, handle): dispatch's bsp on this rank's inputs (collective: every rank makes them together),
+    its handle copied (the next call of that runner would overwrite its buffers)."""
+    from autofuse.ops import moe_dispatch
+
+    d = Problem.from_key(moe.partner_key(problem))
+    x, ids, weights, w1, w2 = (t.to(world.device) for t in moe.rank_inputs(d, world.rank, seed))
+    h, handle = moe_dispatch.BspRunner(world, d)(x, ids, weights, w1)
+    return h, w2, Handle(handle.key, **{n: t.clone() for n, t in handle.tensors.items()})
+
+
+def reference(world: World, problem: Problem, seed: int) -> torch.Tensor:
+    """The unsharded MoE block on this rank's tokens, float64."""
+    return moe.moe_reference(problem, world.rank, seed)
+
+
+def _sweep(kind: str, world: int) -> list[Problem]:
+    return moe.sweep(NAME, kind, world)
+
+
+# -- the custom op (autofuse/library registers it) -----------------------------------------------------
+def _keep(inputs: tuple, needs: tuple, extras: dict) -> dict:
+    h, w2, handle = inputs
+    return {"h": h, "w2": w2, **{n: handle.tensors[n] for n in ("counts", "sent", "order", "index", "weights")}}
+
+
+def _grads(kept: dict, grads: tuple, needs: tuple, group_name: str) -> tuple:
+    """dh, dw2 and d weights (the handle's, which dispatch hands to topk_weights): moe_backward, whose
+    all-to-all is dispatch-shaped. Flat inputs: h, w2, the handle's tensors, its key."""
+    dy = grads[0]
+    weights_at = 2 + moe.HANDLE.index("weights")
+    none = [None] * (2 + len(moe.HANDLE) + 1)
+    if dy is None or not (needs[0] or needs[1] or needs[weights_at]):
+        return tuple(none)
+    dh, dw2, dweights = moe_backward.combine_grads(dy.contiguous(), kept["h"], kept["w2"], kept["counts"],
+                                                   kept["sent"], kept["order"], kept["index"], kept["weights"],
+                                                   group_name)
+    none[0], none[1] = (dh if needs[0] else None), (dw2 if needs[1] else None)
+    none[weights_at] = dweights if needs[weights_at] else None
+    return tuple(none)
+
+
+CUSTOM = CustomOp(
+    out_shape=lambda inputs, w: (inputs[2].tensors["weights"].shape[0], inputs[1].shape[2]),
+    backward=Backward(_keep, _grads),
+)
+
+OP = Op(
+    name=NAME,
+    args=("h", "w2", "handle"),
+    variants=[Bsp()],
+    problem_of=problem_of,
+    inputs=inputs,
+    reference=reference,
+    tolerance=moe.tolerance,
+    features=moe.features,
+    sweep=_sweep,
+    description="MoE combine: the experts' second grouped GEMM, the rows back to their tokens, the top-k weighted sum",
+    per_rank=("T",),
+    custom=CUSTOM,
+    partner=moe.DISPATCH,
+    handles=("handle",),
+    capacities=("C",),
+    extra_features=("skew",),
+)
