@@ -284,7 +284,9 @@ def describe_plan(plan: Plan, options: TuneOptions, ranks: int) -> str:
         per_op[op.name] = per_op.get(op.name, 0) + len(ps)
     trials = plan.trials(options)
     per_trial, per_baseline, start = ESTIMATE_S[plan.device_type]
-    only_base = sorted({w for w, _, ps, vs in plan.items if ps and not vs})
+    tunes = {op.name for _, op, _, _ in plan.items if any(v.tunable for v in op.variants.values())}
+    only_base = sorted({w for w, op, ps, vs in plan.items if ps and not vs and op.name in tunes})
+    untunable = sorted({op.name for _, op, ps, _ in plan.items if ps and op.name not in tunes})
     seconds = start + trials * per_trial + plan.problems * 1.5 * per_baseline
     limit_s = options.time_limit_for(plan.device_type)
     if limit_s is not None:
@@ -300,6 +302,7 @@ def describe_plan(plan: Plan, options: TuneOptions, ranks: int) -> str:
     limit = options.value("limit", plan.device_type)
     sweep = f"sweep {plan.sweep}" + (f" (its first {limit} problems per op; --limit 0: all)" if limit else "")
     base = (f"; world {', '.join(map(str, only_base))}: baselines only (nothing to communicate)" if only_base else "")
+    base += (f"; {', '.join(untunable)}: baselines only (no tunable variant)" if untunable else "")
     return (f"tuning {plan.problems} problems ({', '.join(f'{k} {v}' for k, v in per_op.items())}) at world "
             f"{', '.join(map(str, plan.worlds))} on {where}, {sweep}: baselines, then {trials_text} ({trials} in all"
             f"{base}){budget}, {plan.mode} mode, {rough} if nothing is stored yet; database {options.db}")
