@@ -190,3 +190,15 @@ def test_tune_measures_the_pair_on_cpu(tmp_path):
     assert "covered: moe_dispatch 1/1 problems, moe_combine 1/1 problems" in proc.stdout, proc.stdout[-3000:]
     with Store.open(db, readonly=True) as store:
         assert {r["op"] for r in store.best(None, "eager")} == {"moe_dispatch", "moe_combine"}
+
+
+def test_a_default_gpu_tune_leaves_moe_out_and_the_moe_sweep_takes_it():
+    """On GPUs a plain `autofuse tune` plans the TP ops only: MoE's BSP has no graph-mode baseline and its
+    references run on the host (on 4x H200, 2026-11-27, two MoE baselines spent 130 s of a 3.5-minute
+    default tune and failed); `--sweep moe` tunes the MoE ops."""
+    from autofuse.tuning.tune import TuneOptions, make_plan
+
+    default = make_plan(TuneOptions(db="x.db"), "cuda", 2)
+    assert not {op.name for _, op, _, _ in default.items} & {"moe_dispatch", "moe_combine"}
+    moe = make_plan(TuneOptions(db="x.db", sweep="moe"), "cuda", 2)
+    assert {op.name for _, op, _, _ in moe.items} == {"moe_dispatch", "moe_combine"}
