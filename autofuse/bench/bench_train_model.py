@@ -12,8 +12,9 @@ Every contender starts from the same weights and trains on the same token batche
 - `autofuse`: `autofuse.parallelize(model, group, sequence_parallel=True)`, eager: each decoder layer's
   projections are autofuse's ops (q/k/v and gate/up ag_gemm, o and down gemm_rs, their backward GEMMs
   too), the first layer scatters the token rows and the last gathers them.
-- `autofuse-compiled`: the same, each decoder layer under `torch.compile(fullgraph=True)` (torchtitan
-  compiles per block likewise).
+- `autofuse-compiled`: the same, each decoder layer replaced by `torch.compile(layer, fullgraph=True)`
+  (torchtitan compiles per block likewise; the first and last layers' row scatter and gather hooks
+  run eagerly around the compiled forward).
 - `torch-tp`: torch's DTensor TP with sequence parallelism on every decoder layer, torchtitan's plan
   (`autofuse.bench.torch_tp`), the first layer's input split along the sequence and the last's
   output gathered (PrepareModuleInput / PrepareModuleOutput), eager.
@@ -124,9 +125,12 @@ def _build(config: Any, dev: torch.device, dtype: torch.dtype, seed: int) -> tor
 
 
 def _compile_layers(model: torch.nn.Module) -> None:
-    """Each decoder layer under torch.compile(fullgraph=True), its hooks included (torchtitan's per-block compile)."""
-    for layer in model.model.layers:
-        layer.compile(fullgraph=True)
+    """Each decoder layer replaced by torch.compile(layer, fullgraph=True), as torchtitan compiles its
+    blocks: the layer's own forward hooks (where the first layer splits the tokens and the last
+    gathers them) run eagerly around the compiled forward."""
+    layers = model.model.layers
+    for i, layer in enumerate(layers):
+        layers[i] = torch.compile(layer, fullgraph=True)
 
 
 def _torch_tp_model(model: torch.nn.Module, mesh: Any) -> torch.nn.Module:
