@@ -44,7 +44,6 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 from autofuse.bench import torch_tp
-from autofuse.bench.torch_tp import enable_async_tp
 
 if TYPE_CHECKING:
     from autofuse.comm.world import World
@@ -119,7 +118,7 @@ def run(options: Any) -> dict:
 # ------------------------------------------------------------------------------- the contenders
 def _compiled_async_tp(layer: torch.nn.Module, world: World) -> torch.nn.Module:
     """torch-tp under torch.compile with inductor's micro-pipeline TP pass (torch's async TP)."""
-    enable_async_tp(world)
+    torch_tp.enable_async_tp(world)
     return torch.compile(layer, fullgraph=True)
 
 

@@ -208,7 +208,7 @@ def _rank(world: World, cfg: dict) -> dict:
     config = LlamaConfig(**MODELS[cfg["model"]], num_hidden_layers=cfg["layers"], rms_norm_eps=1e-5,
                          attn_implementation="sdpa", use_cache=False, tie_word_embeddings=False)
     notes: list[str] = []
-    names = [n for n in cfg["contenders"]]
+    names = list(cfg["contenders"])
     if "torch-async-tp" in names and (why := torch_tp.async_tp_unavailable(world)) is not None:
         names.remove("torch-async-tp")
         notes.append(f"torch-async-tp skipped: {why}")
