@@ -12,14 +12,14 @@ Every contender starts from the same weights and trains on the same token batche
 - `autofuse`: `autofuse.parallelize(model, group, sequence_parallel=True)`, eager: each decoder layer's
   projections are autofuse's ops (q/k/v and gate/up ag_gemm, o and down gemm_rs, their backward GEMMs
   too), the first layer scatters the token rows and the last gathers them.
-- `autofuse-compiled`: the same, each decoder layer replaced by `torch.compile(layer, fullgraph=True)`
-  (torchtitan compiles per block likewise; the first and last layers' row scatter and gather hooks
-  run eagerly around the compiled forward).
+- `autofuse-compiled`: the same, each decoder layer compiled in place (`layer.compile(fullgraph=True)`,
+  per block as torchtitan compiles; the first and last layers' row scatter and gather hooks inside).
 - `torch-tp`: torch's DTensor TP with sequence parallelism on every decoder layer, torchtitan's plan
   (`autofuse.bench.torch_tp`), the first layer's input split along the sequence and the last's
   output gathered (PrepareModuleInput / PrepareModuleOutput), eager.
 - `torch-async-tp` (CUDA with torch's symmetric memory only; skipped elsewhere with the reason in
-  the notes): torch-tp with each decoder layer compiled after torch's async TP is turned on as
+  the notes): torch-tp with each decoder layer replaced by `torch.compile(layer, fullgraph=True)`
+  (torchtitan's form; the sequence split and gather hooks run eagerly around it) after torch's async TP is turned on as
   torchtitan does (`_micro_pipeline_tp` and `enable_symm_mem_for_group`).
 Embeddings, the final norm, lm_head and the loss stay whole on every rank in all four (autofuse's
 `parallelize` keeps them replicated, so torch's contenders lay them out the same way: what differs
@@ -124,13 +124,18 @@ def _build(config: Any, dev: torch.device, dtype: torch.dtype, seed: int) -> tor
     return model.to(dtype).train()
 
 
-def _compile_layers(model: torch.nn.Module) -> None:
-    """Each decoder layer replaced by torch.compile(layer, fullgraph=True), as torchtitan compiles its
-    blocks: the layer's own forward hooks (where the first layer splits the tokens and the last
-    gathers them) run eagerly around the compiled forward."""
+def _compile_layers(model: torch.nn.Module, in_place: bool) -> None:
+    """Each decoder layer under torch.compile(fullgraph=True), per block as torchtitan compiles. in_place:
+    `layer.compile()`, the layer's forward hooks inside the graph (autofuse's row scatter and gather:
+    with torch 2.11, `torch.compile(layer)` dropped the last layer's forward hook); else the layer
+    replaced by `torch.compile(layer)`, torchtitan's form, its hooks run eagerly around the graph
+    (torch's PrepareModuleInput/Output: traced, the first layer's failed in fake-tensor propagation)."""
     layers = model.model.layers
     for i, layer in enumerate(layers):
-        layers[i] = torch.compile(layer, fullgraph=True)
+        if in_place:
+            layer.compile(fullgraph=True)
+        else:
+            layers[i] = torch.compile(layer, fullgraph=True)
 
 
 def _torch_tp_model(model: torch.nn.Module, mesh: Any) -> torch.nn.Module:
@@ -162,7 +167,7 @@ def contender(name: str, model: torch.nn.Module, world: World, mesh: Any) -> tor
     elif name != "unsharded":
         raise ValueError(f"unknown contender {name}")
     if name in COMPILED:
-        _compile_layers(model)
+        _compile_layers(model, in_place=name.startswith("autofuse"))
     return model
 
 
