@@ -19,7 +19,7 @@ Every contender starts from the same weights and trains on the same token batche
   output gathered (PrepareModuleInput / PrepareModuleOutput), eager.
 - `torch-async-tp` (CUDA with torch's symmetric memory only; skipped elsewhere with the reason in
   the notes): torch-tp with each decoder layer replaced by `torch.compile(layer, fullgraph=True)`
-  (torchtitan's form; the sequence split and gather hooks run eagerly around it) after torch's async TP is turned on as
+  (torchtitan's form; the sequence split and gather hooked on the wrappers, eager) after torch's async TP is turned on as
   torchtitan does (`_micro_pipeline_tp` and `enable_symm_mem_for_group`).
 Embeddings, the final norm, lm_head and the loss stay whole on every rank in all four (autofuse's
 `parallelize` keeps them replicated, so torch's contenders lay them out the same way: what differs
@@ -128,8 +128,8 @@ def _compile_layers(model: torch.nn.Module, in_place: bool) -> None:
     """Each decoder layer under torch.compile(fullgraph=True), per block as torchtitan compiles. in_place:
     `layer.compile()`, the layer's forward hooks inside the graph (autofuse's row scatter and gather:
     with torch 2.11, `torch.compile(layer)` dropped the last layer's forward hook); else the layer
-    replaced by `torch.compile(layer)`, torchtitan's form, its hooks run eagerly around the graph
-    (torch's PrepareModuleInput/Output: traced, the first layer's failed in fake-tensor propagation)."""
+    replaced by `torch.compile(layer)`, torchtitan's form (torch's split and gather are hooked on the
+    wrapper afterwards, eager around the graph: traced, the first layer's failed in fake-tensor propagation)."""
     layers = model.model.layers
     for i, layer in enumerate(layers):
         if in_place:
@@ -138,20 +138,24 @@ def _compile_layers(model: torch.nn.Module, in_place: bool) -> None:
             layers[i] = torch.compile(layer, fullgraph=True)
 
 
-def _torch_tp_model(model: torch.nn.Module, mesh: Any) -> torch.nn.Module:
-    """torch-tp on every decoder layer; the first layer's whole input split along the sequence, the last
-    layer's output gathered whole, so embeddings, norm, lm_head and loss run replicated as in autofuse."""
+def _torch_tp_layers(model: torch.nn.Module, mesh: Any) -> None:
+    """torch-tp (torchtitan's plan) inside every decoder layer."""
+    for layer in model.model.layers:
+        torch_tp.parallelize_layer(layer, mesh)
+
+
+def _torch_tp_ends(model: torch.nn.Module, mesh: Any) -> None:
+    """The first layer's whole input split along the sequence, the last layer's output gathered whole, so
+    embeddings, norm, lm_head and loss run replicated as in autofuse. Hooked on the layers as they stand
+    now (a compiled layer's wrapper: eager around its graph)."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import PrepareModuleInput, PrepareModuleOutput, parallelize_module
 
     layers = model.model.layers
-    for layer in layers:
-        torch_tp.parallelize_layer(layer, mesh)
     parallelize_module(layers[0], mesh, PrepareModuleInput(input_layouts=(Replicate(),),
                                                            desired_input_layouts=(Shard(1),), use_local_output=True))
     parallelize_module(layers[-1], mesh, PrepareModuleOutput(output_layouts=Shard(1), desired_output_layouts=Replicate(),
                                                              use_local_output=True))
-    return model
 
 
 def contender(name: str, model: torch.nn.Module, world: World, mesh: Any) -> torch.nn.Module:
@@ -161,13 +165,15 @@ def contender(name: str, model: torch.nn.Module, world: World, mesh: Any) -> tor
     if name in ("autofuse", "autofuse-compiled"):
         autofuse.parallelize(model, world.group, sequence_parallel=True)
     elif name in ("torch-tp", "torch-async-tp"):
-        _torch_tp_model(model, mesh)
+        _torch_tp_layers(model, mesh)
         if name == "torch-async-tp":
             torch_tp.enable_async_tp(world)
     elif name != "unsharded":
         raise ValueError(f"unknown contender {name}")
     if name in COMPILED:
         _compile_layers(model, in_place=name.startswith("autofuse"))
+    if name.startswith("torch"):
+        _torch_tp_ends(model, mesh)
     return model
 
 
