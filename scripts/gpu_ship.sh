@@ -6,8 +6,9 @@
 # $OUT/ship-wWORLD.tgz after every step, so a run cut short still returns what it did.
 #   bash scripts/gpu_ship.sh WORLD GPUS [STEPS]
 #     WORLD  ranks (one per GPU)          GPUS  CUDA_VISIBLE_DEVICES, e.g. 0,1
-#     STEPS  comma-separated among tune, fit, export, eval, layer, train (default tune,fit,export,eval,layer);
-#            train: `autofuse bench train_layer --sweep 70b,8b` with the fitted policy
+#     STEPS  comma-separated among tune, fit, export, eval, layer, train, train_model, warmup (default
+#            tune,fit,export,eval,layer); train: `autofuse bench train_layer --sweep 70b,8b` with the fitted policy
+#            train_model: `autofuse bench train_model --sweep 8b --layers 4` (whole training steps) with it
 #            warmup: scripts/eval_warmup_gpu.py, first requests cold vs after `autofuse warmup` (fitted policy)
 # Two runs may share a 4-GPU machine on disjoint GPUs (say so beside their timings). Installs the carried
 # wheels (.whl/) and the project offline first, as scripts/gpu_session.sh does.
@@ -55,6 +56,8 @@ for s in ${STEPS//,/ }; do
              --world "$WORLD" --sweep 70b,8b --reps 5 --out "$W/bench-train_layer.json" --force ;;
     warmup) step warmup 300 python3 scripts/eval_warmup_gpu.py --policy "$W/policy-graph.json" --mode graph \
               --world "$WORLD" --out "$W/eval-warmup.json" ;;
+    train_model) step train_model 590 env AUTOFUSE_POLICY="$W/policy-graph.json" python3 -m autofuse bench \
+                   train_model --world "$WORLD" --sweep 8b --layers 4 --reps 5 --out "$W/bench-train_model.json" --force ;;
     *) echo "unknown step $s" ;;
   esac
 done

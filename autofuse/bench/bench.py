@@ -54,6 +54,7 @@ TARGETS: dict[str, str] = {
     "gemm_core": "autofuse.bench.bench_gemm_core",
     "layer": "autofuse.bench.bench_layer",
     "train_layer": "autofuse.bench.bench_train_layer",
+    "train_model": "autofuse.bench.bench_train_model",
 }
 OUT_PATTERN = "autofuse-out/bench-TARGET-SWEEP-wWORLD-DATE.json"
 CPU_NOTE = INTERPRETED_NOTE
@@ -78,6 +79,7 @@ class BenchOptions:
     profile: op targets only: after measuring, profile each variant's best config per kernel.
     dtype: the input dtype of targets that take one (gemm_core: bf16 or fp8; None: bf16).
     search: gemm_core's config set, defaults or wide (None: defaults).
+    layers: train_model only: decoder layers of the model (None: 4 on GPUs, 2 on CPU).
     """
 
     target: str
@@ -95,6 +97,7 @@ class BenchOptions:
     profile: bool = False
     dtype: str | None = None
     search: str | None = None
+    layers: int | None = None
 
     def resolved(self) -> "BenchOptions":
         """A copy with device_kind and world filled in for this machine."""

@@ -43,6 +43,8 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
+from autofuse.bench import torch_tp
+
 if TYPE_CHECKING:
     from autofuse.comm.world import World
 
@@ -114,43 +116,9 @@ def run(options: Any) -> dict:
 
 
 # ------------------------------------------------------------------------------- the contenders
-def _torch_tp(layer: torch.nn.Module, mesh: Any) -> torch.nn.Module:
-    """torch's DTensor tensor parallelism with sequence parallelism on a LlamaDecoderLayer (torchtitan's plan)."""
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
-                                                   SequenceParallel, parallelize_module)
-
-    gather = {"input_layouts": (Shard(1),), "desired_input_layouts": (Replicate(),), "use_local_output": True}
-    plan = {
-        "input_layernorm": SequenceParallel(),
-        "self_attn": PrepareModuleInput(input_kwarg_layouts={"hidden_states": Shard(1)},
-                                        desired_input_kwarg_layouts={"hidden_states": Replicate()},
-                                        use_local_output=True),
-        "self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
-        "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel(output_layouts=Shard(1)),
-        "post_attention_layernorm": SequenceParallel(),
-        "mlp": PrepareModuleInput(**gather),
-        "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
-        "mlp.down_proj": RowwiseParallel(output_layouts=Shard(1)),
-    }
-    return parallelize_module(layer, mesh, plan)
-
-
-def _async_tp_unavailable(world: World) -> str | None:
-    """Why torch's async TP cannot run here (None where it can): it needs torch's symmetric memory."""
-    from autofuse.comm.heap import torch_symm_unavailable
-
-    return torch_symm_unavailable(world, "fused_all_gather_matmul")
-
-
 def _compiled_async_tp(layer: torch.nn.Module, world: World) -> torch.nn.Module:
     """torch-tp under torch.compile with inductor's micro-pipeline TP pass (torch's async TP)."""
-    import torch._inductor.config as inductor
-    from torch.distributed._symmetric_memory import enable_symm_mem_for_group
-
-    inductor._micro_pipeline_tp = True
-    group = world.group if world.group is not None else torch.distributed.group.WORLD
-    enable_symm_mem_for_group(group.group_name)
+    torch_tp.enable_async_tp(world)
     return torch.compile(layer, fullgraph=True)
 
 
@@ -181,13 +149,10 @@ def peak_tflops(device_name: str) -> float | None:
 
 
 def _rank(world: World, cfg: dict) -> dict:
-    from torch.distributed.device_mesh import DeviceMesh
-
     cuda = world.device.type == "cuda"
     if not cuda:
         torch.set_num_threads(1)
-    mesh = DeviceMesh.from_group(world.group if world.group is not None else torch.distributed.group.WORLD,
-                                 world.device.type)
+    mesh = torch_tp.mesh(world)
     rows, notes, contenders = [], [], []
     for model in cfg["models"]:
         got = _model_rows(world, cfg, model, mesh)
@@ -231,9 +196,9 @@ def _model_rows(world: World, cfg: dict, model: str, mesh: Any) -> dict:
             layers[name] = torch.compile(parallelize_layer(copy.deepcopy(whole), world.group, sequence_parallel=True),
                                          fullgraph=True)
         elif name == "torch-tp":
-            layers[name] = _torch_tp(copy.deepcopy(whole), mesh)
-        elif (why := _async_tp_unavailable(world)) is None:
-            layers[name] = _compiled_async_tp(_torch_tp(copy.deepcopy(whole), mesh), world)
+            layers[name] = torch_tp.parallelize_layer(copy.deepcopy(whole), mesh)
+        elif (why := torch_tp.async_tp_unavailable(world)) is None:
+            layers[name] = _compiled_async_tp(torch_tp.parallelize_layer(copy.deepcopy(whole), mesh), world)
         else:
             notes.append(f"torch-async-tp skipped: {why}")
     say = world.rank == 0 and cfg["progress"]

@@ -1,5 +1,5 @@
 """`autofuse bench TARGET`: an op's variants at their known-good configs vs BSP and the bound, or an
-extra benchmark (collectives, gemm_core, layer, train_layer); tables, then one JSON file (autofuse/bench/bench.py)."""
+extra benchmark (collectives, gemm_core, layer, train_layer, train_model); tables, then one JSON file (autofuse/bench/bench.py)."""
 from __future__ import annotations
 
 import datetime
@@ -13,18 +13,19 @@ from autofuse.commands._common import OutputExists, check_new, fail, note, out, 
 
 def bench(
     target: str = typer.Argument(..., help="An op (ag_gemm, gemm_rs, gemm_ar, flash_decode, ...) or an extra "
-                                 "benchmark: collectives, gemm_core, layer, train_layer (a '-' reads as '_': "
+                                 "benchmark: collectives, gemm_core, layer, train_layer, train_model (a '-' reads as '_': "
                                  "train-layer is train_layer)."),
     sweep: Optional[str] = typer.Option(None, help="Problem set of an op: gpu (the papers' sweep), llama70b, "
                                         "models, default or cpu (default: gpu with GPUs, else cpu); of gemm_core: gpu, "
-                                        "full or cpu; of layer and train_layer: the model (70b, 8b, tiny)."),
+                                        "full or cpu; of layer and train_layer: the model (70b, 8b, tiny); of train_model: 8b or tiny."),
     variants: Optional[str] = typer.Option(None, help="Comma-separated variants (default: all available); "
                                             "gemm_core: config families (tma, ptr, swap, splitk, ws, streamk)."),
     mode: Optional[str] = typer.Option(None, help="eager or graph (default: both where CUDA graphs exist; "
                                        "eager on CPU)."),
     shapes: Optional[list[str]] = typer.Option(None, "--shapes", help="Problems to keep, repeatable: for an op, "
                                                "comma-separated M (flash_decode: B) values, e.g. 64,128; "
-                                               "for gemm_core, M, MxN or MxNxK items."),
+                                               "for gemm_core, M, MxN or MxNxK items; for train_layer and "
+                                               "train_model, token counts T, e.g. 4096."),
     reps: int = typer.Option(20, min=1, help="Timed batches per measurement (median taken)."),
     limit: Optional[int] = typer.Option(None, min=1, help="Only the first N problems."),
     world: Optional[int] = typer.Option(None, "--world", min=1, help="World size (default: every local GPU, "
@@ -44,6 +45,8 @@ def bench(
     search: Optional[str] = typer.Option(None, "--search", help="gemm_core only: defaults (the configs the ops "
                                          "try first; the default) or wide (a grid of 40-280 configs a shape, "
                                          "compiled in parallel first: what the core reaches when tuned)."),
+    layers: Optional[int] = typer.Option(None, "--layers", min=1, help="train_model only: decoder layers of the "
+                                         "model (default 4 on GPUs, 2 on CPU)."),
 ) -> None:
     """Benchmark an op (each variant at its known-good configs vs BSP and the bound) or an extra target.
 
@@ -72,6 +75,8 @@ def bench(
         fail(f"--dtype selects gemm_core's input dtype; {target} takes its dtype from its problems")
     if search is not None and target != "gemm_core":
         fail(f"--search widens gemm_core's configs; {target} takes its configs from the variants' defaults")
+    if layers is not None and target != "train_model":
+        fail(f"--layers sets train_model's model depth; {target} takes no --layers")
     if search is not None and search not in ("defaults", "wide"):
         fail(f"--search must be defaults or wide, not {search!r}")
     if dtype is not None and dtype not in ("bf16", "fp8"):
@@ -82,7 +87,7 @@ def bench(
                            variants=[v.strip() for v in variants.split(",") if v.strip()] if variants else None,
                            modes=[mode] if mode else None, shapes=list(shapes) if shapes else None, force=force,
                            progress=not (quiet or json_out), profile=profile, dtype=dtype,
-                           search=search).resolved()
+                           search=search, layers=layers).resolved()
     if options.device_kind == "cpu" and mode == "graph":
         fail("--mode graph needs CUDA graphs (a GPU); on CPU only eager mode exists")
     if options.device_kind == "cuda":

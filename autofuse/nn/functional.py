@@ -147,13 +147,18 @@ class _AllReduceGrad(torch.autograd.Function):
 
 
 class _ScatterRows(torch.autograd.Function):
-    """This rank's (rank r of w) block of dim 0 of a replicated x; backward: the blocks' gradients all-gathered."""
+    """This rank's (rank r of w) block of dim 0 of a replicated x; backward: the blocks' gradients all-gathered.
+
+    The block is a copy, not a view of x: a compiled module whose forward pre-hook scatters (the first
+    sequence-parallel layer under `torch.compile`) receives it as a graph input, and AOTAutograd
+    replays an input that views a base from the base, differentiating the slice instead of this
+    backward (every rank's gradient then held only its own rows)."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, group: Any, w: int, r: int) -> torch.Tensor:
         ctx.group = group
         n = x.shape[0] // w
-        return x[r * n:(r + 1) * n]
+        return x[r * n:(r + 1) * n].clone()
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> tuple:
