@@ -253,3 +253,31 @@ def test_from_module_copies_and_sequence_parallel_is_refused(job) -> None:
     for res in ranks:
         assert res["copies"] == {"unchanged": True, "shared storage": False}, res["copies"]
         assert "sequence_parallel=True is not supported for MoE models" in res["sp error"], res["sp error"]
+
+
+def test_bench_moe_checks_and_times_on_cpu() -> None:
+    """`autofuse bench moe` on 2 CPU ranks, skew 100 (every row on rank 0's experts): every contender agrees
+    with bsp and the float64 block, is timed (block, dispatch, combine), no speedup from the interpreter,
+    and the moved bytes are rank 1's 4 x 2 rows of H=32 float32 (rank 0 keeps its own)."""
+    from autofuse.bench import bench_moe
+    from autofuse.bench.bench import BenchOptions
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        result = bench_moe.run(BenchOptions(target="moe", world=2, tokens=["4"], skew=100, reps=1,
+                                            progress=False).resolved())
+    (row,) = result["rows"]
+    assert result["contenders"][-1] == "autofuse" and "bsp" in result["contenders"], result["contenders"]
+    assert row["ok"] and max(row["ref_diff"].values()) <= result["tolerance"], row
+    assert all(v > 0 for part in ("us", "dispatch_us", "combine_us") for v in row[part].values()), row
+    assert row["x_bsp"] == {} and row["dispatch_GBps"] == {} and result["interpreted"], row
+    assert row["moved_bytes"] == 4 * 2 * 32 * 4 and row["model"] == "tiny" and row["skew"] == 100, row
+
+
+def test_bench_moe_routing_skew() -> None:
+    from autofuse.bench.bench_moe import routing
+
+    ids, weights = routing(4000, 8, 2, 2, 75, torch.Generator().manual_seed(0))
+    share = float((ids < 4).float().mean())
+    assert abs(share - 0.75) < 0.03 and torch.allclose(weights.sum(1), torch.ones(4000))
+    assert all(len(set(r.tolist())) == 2 for r in ids[:100])  # distinct experts per token

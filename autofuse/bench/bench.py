@@ -53,6 +53,7 @@ TARGETS: dict[str, str] = {
     "collectives": "autofuse.bench.bench_collectives",
     "gemm_core": "autofuse.bench.bench_gemm_core",
     "layer": "autofuse.bench.bench_layer",
+    "moe": "autofuse.bench.bench_moe",
     "train_layer": "autofuse.bench.bench_train_layer",
 }
 OUT_PATTERN = "autofuse-out/bench-TARGET-SWEEP-wWORLD-DATE.json"
@@ -78,6 +79,8 @@ class BenchOptions:
     profile: op targets only: after measuring, profile each variant's best config per kernel.
     dtype: the input dtype of targets that take one (gemm_core: bf16 or fp8; None: bf16).
     search: gemm_core's config set, defaults or wide (None: defaults).
+    tokens: moe's token counts per rank, comma-separated items (None: its default list).
+    skew: moe's routing skew, percent of the rows on rank 0's experts (None or 0: even).
     """
 
     target: str
@@ -95,6 +98,8 @@ class BenchOptions:
     profile: bool = False
     dtype: str | None = None
     search: str | None = None
+    tokens: list[str] | None = None
+    skew: int | None = None
 
     def resolved(self) -> "BenchOptions":
         """A copy with device_kind and world filled in for this machine."""
