@@ -53,6 +53,7 @@ TARGETS: dict[str, str] = {
     "collectives": "autofuse.bench.bench_collectives",
     "gemm_core": "autofuse.bench.bench_gemm_core",
     "layer": "autofuse.bench.bench_layer",
+    "moe": "autofuse.bench.bench_moe",
     "train_layer": "autofuse.bench.bench_train_layer",
     "train_model": "autofuse.bench.bench_train_model",
 }
@@ -80,6 +81,8 @@ class BenchOptions:
     dtype: the input dtype of targets that take one (gemm_core: bf16 or fp8; None: bf16).
     search: gemm_core's config set, defaults or wide (None: defaults).
     layers: train_model only: decoder layers of the model (None: 4 on GPUs, 2 on CPU).
+    tokens: moe's token counts per rank, comma-separated items (None: its default list).
+    skew: moe's routing skew, percent of the rows on rank 0's experts (None or 0: even).
     """
 
     target: str
@@ -98,6 +101,8 @@ class BenchOptions:
     dtype: str | None = None
     search: str | None = None
     layers: int | None = None
+    tokens: list[str] | None = None
+    skew: int | None = None
 
     def resolved(self) -> "BenchOptions":
         """A copy with device_kind and world filled in for this machine."""

@@ -1,5 +1,5 @@
 """`autofuse bench TARGET`: an op's variants at their known-good configs vs BSP and the bound, or an
-extra benchmark (collectives, gemm_core, layer, train_layer, train_model); tables, then one JSON file (autofuse/bench/bench.py)."""
+extra benchmark (collectives, gemm_core, layer, moe, train_layer, train_model); tables, then one JSON file (autofuse/bench/bench.py)."""
 from __future__ import annotations
 
 import datetime
@@ -13,7 +13,7 @@ from autofuse.commands._common import OutputExists, check_new, fail, note, out, 
 
 def bench(
     target: str = typer.Argument(..., help="An op (ag_gemm, gemm_rs, gemm_ar, flash_decode, ...) or an extra "
-                                 "benchmark: collectives, gemm_core, layer, train_layer, train_model (a '-' reads as '_': "
+                                 "benchmark: collectives, gemm_core, layer, moe, train_layer, train_model (a '-' reads as '_': "
                                  "train-layer is train_layer)."),
     sweep: Optional[str] = typer.Option(None, help="Problem set of an op: gpu (the papers' sweep), llama70b, "
                                         "models, default or cpu (default: gpu with GPUs, else cpu); of gemm_core: gpu, "
@@ -42,6 +42,10 @@ def bench(
                                  "(device us, share, GPU busy vs measured latency); rows gain a 'profile' key."),
     dtype: Optional[str] = typer.Option(None, "--dtype", help="gemm_core only: bf16 (default) or fp8 "
                                         "(float8_e4m3fn against torch._scaled_mm)."),
+    tokens: Optional[list[str]] = typer.Option(None, "--tokens", help="moe only: token counts per rank, "
+                                               "comma-separated, repeatable (default 1..8192 on GPUs, 4,16 on CPU)."),
+    skew: Optional[int] = typer.Option(None, "--skew", min=0, max=100, help="moe only: percent of the routed rows "
+                                       "on rank 0's experts (default: even routing)."),
     search: Optional[str] = typer.Option(None, "--search", help="gemm_core only: defaults (the configs the ops "
                                          "try first; the default) or wide (a grid of 40-280 configs a shape, "
                                          "compiled in parallel first: what the core reaches when tuned)."),
@@ -77,6 +81,8 @@ def bench(
         fail(f"--search widens gemm_core's configs; {target} takes its configs from the variants' defaults")
     if layers is not None and target != "train_model":
         fail(f"--layers sets train_model's model depth; {target} takes no --layers")
+    if (tokens is not None or skew is not None) and target != "moe":
+        fail(f"--tokens and --skew set the moe benchmark's routing; {target} does not take them")
     if search is not None and search not in ("defaults", "wide"):
         fail(f"--search must be defaults or wide, not {search!r}")
     if dtype is not None and dtype not in ("bf16", "fp8"):
@@ -87,7 +93,8 @@ def bench(
                            variants=[v.strip() for v in variants.split(",") if v.strip()] if variants else None,
                            modes=[mode] if mode else None, shapes=list(shapes) if shapes else None, force=force,
                            progress=not (quiet or json_out), profile=profile, dtype=dtype,
-                           search=search, layers=layers).resolved()
+                           search=search, layers=layers, tokens=list(tokens) if tokens else None,
+                           skew=skew).resolved()
     if options.device_kind == "cpu" and mode == "graph":
         fail("--mode graph needs CUDA graphs (a GPU); on CPU only eager mode exists")
     if options.device_kind == "cuda":

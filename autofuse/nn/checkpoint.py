@@ -3,7 +3,8 @@
 A parallelized model's own state_dict holds this rank's shards (and, under Llama sequence
 parallelism, fused `qkv_proj` / `gate_up_proj` layers). `full_state_dict` gathers every
 tensor-parallel layer and splits fused ones back into the layers they were made from, so the result
-has the unsharded model's keys and shapes, e.g. for `save_pretrained(dir, state_dict=...)`;
+has the unsharded model's keys and shapes (expert-parallel MoE blocks' experts gathered and given back
+in the layout their transformers block had), e.g. for `save_pretrained(dir, state_dict=...)`;
 `full_grads` does the same for the parameters' gradients.
 """
 from __future__ import annotations
@@ -12,6 +13,7 @@ import torch
 from torch import nn
 
 from autofuse.nn.linear import _ParallelLinear
+from autofuse.nn.moe import ExpertParallelMoE
 
 
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -32,9 +34,14 @@ def _unsharded(model: nn.Module, tensors: dict[str, torch.Tensor]) -> dict[str, 
     """`tensors` (keyed like the model's state_dict, shaped like its entries) gathered and split back
     into the unsharded model's keys."""
     layers = {path: m for path, m in model.named_modules() if isinstance(m, _ParallelLinear)}
+    experts = {path: m for path, m in model.named_modules() if isinstance(m, ExpertParallelMoE)}
     out: dict[str, torch.Tensor] = {}
     for key, t in tensors.items():
         path, _, name = key.rpartition(".")
+        block = experts.get(path)
+        if block is not None and name in ("w1", "w2"):  # expert-parallel experts: gathered, in their source layout
+            out.update({f"{path}.{k}" if path else k: v for k, v in block.unshard(name, t).items()})
+            continue
         layer = layers.get(path)
         if layer is None:
             out[key] = t

@@ -26,6 +26,15 @@ the group (tensor hooks on the parameters). Hidden states recorded between layer
 (output_hidden_states) are the row blocks. `autofuse.nn.full_state_dict` gives transformers' keys
 back. Decode steps (one token) pay W-fold padding here: generate with sequence_parallel=False.
 
+MoE models (transformers Mixtral, Qwen2-MoE: a layer's `mlp` is a sparse MoE block, see
+autofuse/nn/moe.py): attention as above; each MoE block becomes `autofuse.nn.ExpertParallelMoE`
+over the same group (expert parallel group = tensor parallel group: rank r keeps experts block r),
+which routes every token on every rank, sends row block r of the tokens from rank r through
+moe_dispatch / moe_combine and all-gathers the rows back, so the hidden states stay whole on every
+rank between layers; Qwen2-MoE's shared expert is tensor-parallel (gemm_ar), its gate replicated;
+dense layers (Qwen2-MoE's mlp_only_layers) are split as Llama's MLP. The experts must divide by the
+group size. sequence_parallel=True is refused for MoE models (not supported yet).
+
 Generation uses transformers' dynamic KV cache, which sizes itself from the keys it is given (this
 rank's heads); a static cache sized from the config (the whole model's heads) is not supported.
 """
@@ -40,15 +49,17 @@ from torch import nn
 
 from autofuse.nn import functional as tpf
 from autofuse.nn.linear import ColumnParallelLinear, RowParallelLinear
+from autofuse.nn.moe import ExpertParallelMoE, is_moe_block
 from autofuse.nn.plan import apply_plan
 
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP = ("gate_proj", "up_proj", "down_proj")
-PLAN = {  # sequence_parallel=False, relative to a decoder layer (transformers' base_model_tp_plan)
+ATTENTION_PLAN = {  # sequence_parallel=False, relative to a decoder layer (transformers' base_model_tp_plan)
     "self_attn.q_proj": "column", "self_attn.k_proj": "column", "self_attn.v_proj": "column",
     "self_attn.o_proj": "row",
-    "mlp.gate_proj": "column", "mlp.up_proj": "column", "mlp.down_proj": "row",
 }
+MLP_PLAN = {"mlp.gate_proj": "column", "mlp.up_proj": "column", "mlp.down_proj": "row"}
+PLAN = {**ATTENTION_PLAN, **MLP_PLAN}
 
 
 class FusedPart(nn.Module):
@@ -75,6 +86,9 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     for i, layer in enumerate(layers):
         for block, names in (("self_attn", ATTENTION), ("mlp", MLP)):
             mod = getattr(layer, block, None)
+            if block == "mlp" and mod is not None and is_moe_block(mod):
+                continue  # a sparse MoE block: ExpertParallelMoE.from_module checks it
+
             for name in names:
                 if not isinstance(getattr(mod, name, None), nn.Linear):
                     raise ValueError(f"{type(model).__name__}: layers.{i}.{block}.{name} is not an nn.Linear; "
@@ -86,13 +100,14 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     return layers
 
 
-def check_sizes(config: Any, world: int, what: str = "the model") -> None:
-    """ValueError unless heads, KV heads and the MLP width of `config` (a transformers config or a dict
-    of its fields) divide by the group size."""
+def check_sizes(config: Any, world: int, what: str = "the model", dense_mlp: bool = True) -> None:
+    """ValueError unless heads, KV heads and (`dense_mlp`: some layer has a dense MLP) the MLP width of
+    `config` (a transformers config or a dict of its fields) divide by the group size."""
     get = config.get if isinstance(config, dict) else lambda k, d=None: getattr(config, k, d)
     heads = get("num_attention_heads")
-    sizes = {"num_attention_heads": heads, "num_key_value_heads": get("num_key_value_heads") or heads,
-             "intermediate_size": get("intermediate_size")}
+    sizes = {"num_attention_heads": heads, "num_key_value_heads": get("num_key_value_heads") or heads}
+    if dense_mlp:
+        sizes["intermediate_size"] = get("intermediate_size")
     bad = [f"{k}={v}" for k, v in sizes.items() if v % world]
     if bad:
         raise ValueError(f"{what}: {', '.join(bad)} not divisible by the tensor-parallel size {world}")
@@ -111,7 +126,11 @@ def parallelize(model: nn.Module, group: Any, sequence_parallel: bool) -> None:
     """Make a Llama-family model tensor-parallel in place (module doc)."""
     layers = decoder_layers(model)
     world = dist.get_world_size(group)
-    check_sizes(model.config, world, type(model).__name__)
+    moe = [is_moe_block(layer.mlp) for layer in layers]
+    if any(moe) and sequence_parallel:
+        raise ValueError(f"{type(model).__name__}: sequence_parallel=True is not supported for MoE models; "
+                         "use sequence_parallel=False (the MoE blocks split the tokens themselves)")
+    check_sizes(model.config, world, type(model).__name__, dense_mlp=not all(moe))
     for layer in layers:
         parallelize_layer(layer, group, sequence_parallel)
     if sequence_parallel:
@@ -126,7 +145,12 @@ def parallelize_layer(layer: nn.Module, group: Any, sequence_parallel: bool) -> 
     caller scatters and gathers the rows (`parallelize` hooks the first and last layer for that)."""
     world = dist.get_world_size(group)
     _local_head_counts(layer.self_attn, world)
-    if sequence_parallel:
+    if is_moe_block(layer.mlp):
+        if sequence_parallel:
+            raise ValueError("parallelize_layer: sequence parallelism is not supported for MoE layers")
+        apply_plan(layer, ATTENTION_PLAN, group)
+        layer.mlp = ExpertParallelMoE.from_module(layer.mlp, group)
+    elif sequence_parallel:
         _SequenceParallel(group, world).layer(layer)
     else:
         apply_plan(layer, PLAN, group)

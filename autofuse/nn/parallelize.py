@@ -27,7 +27,8 @@ def parallelize(model: nn.Module, group: Any = None, plan: dict[str, str] | None
     weights: seed alike or load the same checkpoint); each keeps its shards.
 
     plan=None: a Hugging Face Llama-family model (Llama, Mistral, Qwen2: q/k/v/o and gate/up/down
-    projections), parallelized as autofuse/nn/llama.py describes. Otherwise a plan (module doc; applied by
+    projections; Mixtral and Qwen2-MoE: MoE blocks made expert-parallel over the same group,
+    sequence_parallel=False only), parallelized as autofuse/nn/llama.py describes. Otherwise a plan (module doc; applied by
     autofuse/nn/plan.py).
     """
     group = process_group(group)

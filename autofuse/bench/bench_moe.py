@@ -1,0 +1,293 @@
+"""`autofuse bench moe`: the expert-parallel MoE block (moe_dispatch + the experts' grouped GEMMs +
+moe_combine) per contender, against BSP, with dispatch and combine bandwidth per GPU.
+
+Models (`--sweep`, comma-separated; SwiGLU experts): `mixtral` (Mixtral-8x7B: H 4096, F 14336, E 8,
+top-2), `qwen3` (Qwen3-30B-A3B: H 2048, F 768, E 128, top-8), `deepseek` (DeepSeek-V3-like: H 7168,
+F 2048, E 256, top-8), `tiny` (the CPU default: H 32, F 16, E 2W, top-2). Token counts per rank
+`--tokens` (default 1, 8, 64, 256, 1024, 4096, 8192 on GPUs; 4, 16 on CPU). bf16 on GPUs, float32 on
+CPU. Routing: random, k distinct experts per token; `--skew S` sends each token wholly to rank 0's
+experts with the probability that makes rank 0's expected share of the rows S percent (as the ops'
+sweeps do; 0: even).
+
+Contenders (`--variants` picks some): every variant both ops have and that runs here, forced with
+the ops' `variant=` argument (what AUTOFUSE_VARIANT does), and `autofuse` (dispatched: the policy's
+choice). Each is first checked: its output against bsp's (rank-max relative difference, norm-wise),
+and on CPU against the unsharded block in float64. Then, per timing mode (eager and graph on GPUs,
+eager on CPU): the block, dispatch alone and combine alone (with a handle its dispatch made), the
+contenders in turns (`autofuse.measure.timing.time_in_turns`), median of reps, rank-max. Variants of
+the bsp family read the counts on the host and cannot be captured in a CUDA graph: in graph mode they
+(and `autofuse` where it dispatches to one) are timed eagerly, marked `timed_eager` (what a captured
+model does around them: runs that piece eagerly). x BSP = bsp's time / the contender's, in the same
+mode row. Bandwidth per GPU: bytes of the token rows the busiest rank sends to and receives from
+other ranks (H x dtype bytes per row; rows to its own experts not counted) over the time of dispatch
+alone (combine alone for combine): an effective rate, the expert GEMM included in that time.
+On CPU the timings are the interpreter's and gloo's: no speedups or rates are shown.
+`run(options)` / `render(result, console)` follow autofuse/bench/bench.py's contract.
+"""
+from __future__ import annotations
+
+import datetime
+import math
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+
+if TYPE_CHECKING:
+    from autofuse.comm.world import World
+
+MODELS = {"mixtral": (4096, 14336, 8, 2), "qwen3": (2048, 768, 128, 8), "deepseek": (7168, 2048, 256, 8),
+          "tiny": (32, 16, 0, 2)}  # H, F, E, k (tiny: E = 2W)
+TOKENS = {"cuda": (1, 8, 64, 256, 1024, 4096, 8192), "cpu": (4, 16)}
+DEFAULT_SWEEP = {"cuda": "mixtral,qwen3,deepseek", "cpu": "tiny"}
+AUTOFUSE = "autofuse"
+BASELINE = "bsp"
+TOLERANCE = {"cuda": 2.5e-2, "cpu": 1e-5}  # vs bsp's output (bf16 / float32, the same sums in other orders)
+CPU_REPS = 3
+
+
+def _tokens(options: Any, kind: str) -> list[int]:
+    text = ",".join(getattr(options, "tokens", None) or options.shapes or [])
+    out = [int(t) for t in text.replace("T=", "").split(",") if t.strip()] or list(TOKENS[kind])
+    if any(t < 1 for t in out):
+        raise ValueError(f"token counts must be positive, got {out}")
+    return out
+
+
+def run(options: Any) -> dict:
+    """Spawn the ranks; check and time every contender at every model and token count; rank 0's result."""
+    from autofuse.comm.world import default_device_kind, gpu_count, spawn
+    from autofuse.core import registry
+    from autofuse.measure.compare import INTERPRETED_NOTE, interpreted
+
+    kind = options.device_kind or default_device_kind()
+    world = options.world or (gpu_count() if kind == "cuda" else 2)
+    models = [m.strip() for m in (options.sweep or DEFAULT_SWEEP[kind]).split(",") if m.strip()]
+    bad = [m for m in models if m not in MODELS]
+    if bad or not models:
+        raise ValueError(f"unknown model {','.join(bad) or '(none)'}: use one or more of {', '.join(MODELS)}")
+    models = [m for m in models if m == "tiny" or MODELS[m][2] % world == 0]
+    variants = [v for v in registry.get("moe_dispatch").variants if v in registry.get("moe_combine").variants]
+    names = list(options.variants or [*variants, AUTOFUSE])
+    unknown = sorted(set(names) - {*variants, AUTOFUSE})
+    if unknown:
+        raise ValueError(f"unknown contenders {unknown}: choose among {', '.join([*variants, AUTOFUSE])}")
+    skew = getattr(options, "skew", None) or 0
+    if not 0 <= skew <= 100:
+        raise ValueError(f"--skew is a percent of the rows on rank 0's experts (0..100), got {skew}")
+    reps = options.reps
+    notes = [INTERPRETED_NOTE] if interpreted(kind) else []
+    if kind == "cpu" and reps > CPU_REPS:
+        notes.append(f"reps capped at {CPU_REPS} on CPU (asked for {reps})")
+        reps = CPU_REPS
+    cfg = {"models": models, "tokens": _tokens(options, kind)[:options.limit or None], "reps": reps, "skew": skew,
+           "contenders": names, "modes": list(options.modes or (["eager", "graph"] if kind == "cuda" else ["eager"])),
+           "progress": bool(options.progress), "seed": 0, "interpreted": interpreted(kind)}
+    started = datetime.datetime.now(datetime.timezone.utc)
+    result = dict(spawn(_rank, world, cfg, device_kind=kind, timeout_s=3600)[0])
+    result.update(sweep=",".join(models), world=world, device_kind=kind, reps=reps, skew=skew, notes=notes,
+                  interpreted=interpreted(kind), tolerance=TOLERANCE[kind],
+                  wall_s=(datetime.datetime.now(datetime.timezone.utc) - started).total_seconds())
+    return result
+
+
+# -------------------------------------------------------------------------------------------- inputs
+def routing(t: int, e: int, k: int, world: int, skew: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids int64 T x k: k distinct experts per token, weights float32 rows summing to 1); with `skew`,
+    a token goes wholly to rank 0's experts with the probability giving rank 0 `skew`% of the rows."""
+    local = e // world
+    share = skew / 100 if skew else 1 / world
+    q = 0.0 if world == 1 else max(0.0, (share - 1 / world) / (1 - 1 / world))
+    ids = torch.topk(torch.rand(t, e, generator=gen), k, dim=1).indices
+    if q > 0 and k <= local:
+        skewed = torch.rand(t, generator=gen) < q
+        ids[skewed] = torch.topk(torch.rand(int(skewed.sum()), local, generator=gen), k, dim=1).indices
+    weights = torch.rand(t, k, generator=gen) + 0.1
+    return ids, weights / weights.sum(1, keepdim=True)
+
+
+def remote_rows(world: World, ids: torch.Tensor, experts: int) -> int:
+    """Rows the busiest rank sends to and receives from other ranks (both all-to-alls move as many)."""
+    import torch.distributed as dist
+
+    owner = ids.reshape(-1).cpu() // (experts // world.size)
+    per_dest = torch.bincount(owner, minlength=world.size)
+    table = [torch.zeros_like(per_dest) for _ in range(world.size)]
+    dist.all_gather(table, per_dest.to(world.device) if world.device.type == "cuda" else per_dest, group=world.group)
+    m = torch.stack([row.cpu() for row in table])  # m[src, dst]
+    off = m - torch.diag(torch.diag(m))
+    return int((off.sum(1) + off.sum(0)).max())
+
+
+# -------------------------------------------------------------------------------------------- per rank
+def _rank(world: World, cfg: dict) -> dict:
+    cuda = world.device.type == "cuda"
+    if not cuda:
+        torch.set_num_threads(1)
+    rows, notes = [], []
+    for model in cfg["models"]:
+        for t in cfg["tokens"]:
+            got = _case(world, cfg, model, t)
+            rows += got["rows"]
+            notes += [n for n in got["notes"] if n not in notes]
+            if cuda:
+                torch.cuda.empty_cache()
+    return {"rows": rows, "notes": notes, "contenders": cfg["contenders"], "modes": cfg["modes"],
+            "device": torch.cuda.get_device_name(world.device) if cuda else "cpu"}
+
+
+def _case(world: World, cfg: dict, model: str, t: int) -> dict:
+    import autofuse
+    from autofuse.core import registry
+    from autofuse.measure.timing import time_in_turns
+    from autofuse.ops import moe
+
+    cuda = world.device.type == "cuda"
+    dev, dt = world.device, (torch.bfloat16 if cuda else torch.float32)
+    h, f, e, k = MODELS[model]
+    e = e or 2 * world.size
+    local = e // world.size
+    group = world.group
+    gen = torch.Generator().manual_seed(cfg["seed"] * 7919 + world.rank * 104729 + t)
+    ids, weights = routing(t, e, k, world.size, cfg["skew"], gen)
+    x = torch.randn(t, h, generator=gen)
+    wgen = torch.Generator().manual_seed(cfg["seed"] + 11)
+    whole = model == "tiny"  # every expert on every rank: the float64 reference can be computed
+    if whole:
+        w1g, w2g = torch.randn(e, h, 2 * f, generator=wgen) / math.sqrt(h), torch.randn(e, f, h, generator=wgen) / math.sqrt(f)
+        mine = slice(world.rank * local, (world.rank + 1) * local)
+        w1, w2 = w1g[mine], w2g[mine]
+    else:  # this rank's experts only, drawn on the device (hundreds of MB to GB)
+        g = torch.Generator(device=dev).manual_seed(cfg["seed"] + 11 + world.rank)
+        w1 = torch.randn(local, h, 2 * f, generator=g, device=dev, dtype=dt) / math.sqrt(h)
+        w2 = torch.randn(local, f, h, generator=g, device=dev, dtype=dt) / math.sqrt(f)
+    x, ids, weights = x.to(dev, dt), ids.to(dev), weights.to(dev)
+    w1 = w1.to(dev, dt).reshape(local, h, 2, f).contiguous()
+    w2 = w2.to(dev, dt).contiguous()
+    names = cfg["contenders"]
+    forced = {n: (None if n == AUTOFUSE else n) for n in names}
+
+    def block(v: str | None) -> Callable[[], torch.Tensor]:
+        def go() -> torch.Tensor:
+            hh, handle = autofuse.moe_dispatch(x, ids, weights, w1, group=group, variant=v)
+            return autofuse.moe_combine(hh, w2, handle, group=group, variant=v)
+        return go
+
+    notes: list[str] = []
+    outs: dict[str, torch.Tensor] = {}
+    for n in names:
+        try:
+            outs[n] = block(forced[n])().clone()
+        except (ValueError, NotImplementedError) as exc:  # refused alike on every rank, before any launch
+            notes.append(f"{n} refused on {model} T={t}: {type(exc).__name__}: {str(exc).splitlines()[0][:120]}")
+    live = [n for n in names if n in outs]
+    chosen = autofuse.explain("moe_dispatch", x, ids, weights, w1, group=group).variant if AUTOFUSE in live else None
+    base = outs.get(BASELINE) if BASELINE in outs else block(BASELINE)()
+    diff = {n: world.rank_max(_rel(y, base)) for n, y in outs.items()}
+    ref_diff = None
+    if whole:
+        want = moe.unsharded(x.double().cpu(), ids.cpu(), weights.double().cpu(), w1g.double(), w2g.double(), "swiglu")
+        ref_diff = {n: world.rank_max(_rel(y.cpu(), want)) for n, y in outs.items()}
+    tol = TOLERANCE["cuda" if cuda else "cpu"]
+    ok = all(d <= tol for d in diff.values()) and all(d <= tol for d in (ref_diff or {}).values())
+    handles = {n: autofuse.moe_dispatch(x, ids, weights, w1, group=group, variant=forced[n]) for n in live}
+    steps = {n: {"block": block(forced[n]),
+                 "dispatch": (lambda v=forced[n]: autofuse.moe_dispatch(x, ids, weights, w1, group=group, variant=v)),
+                 "combine": (lambda n=n: autofuse.moe_combine(handles[n][0], w2, handles[n][1], group=group,
+                                                              variant=forced[n]))} for n in live}
+    eager_only = {n for n in live if registry.get("moe_dispatch").variants[(chosen if n == AUTOFUSE else n)].family == "bsp"}
+    moved = remote_rows(world, ids, e) * h * x.element_size()
+    warmup, reps = (3 if cuda else 1), cfg["reps"]
+    rows = []
+    for mode in cfg["modes"]:
+        us: dict[str, dict[str, float]] = {n: {} for n in live}
+        groups = [("graph", [n for n in live if n not in eager_only])] if mode == "graph" else []
+        groups.append(("eager", [n for n in live if mode == "eager" or n in eager_only]))
+        for timed_mode, members in groups:
+            if not members:
+                continue
+            for part in ("block", "dispatch", "combine"):
+                times, _ = time_in_turns(world, [steps[n][part] for n in members], timed_mode, reps=reps,
+                                         warmup=warmup, rounds=reps)
+                for n, tm in zip(members, times):
+                    us[n][part] = tm.median_us
+        ratios = not cfg["interpreted"]
+        bsp = us.get(BASELINE, {}).get("block")
+        row = {"model": model, "tokens": t, "H": h, "F": f, "E": e, "k": k, "mode": mode, "skew": cfg["skew"],
+               "us": {n: v["block"] for n, v in us.items()},
+               "dispatch_us": {n: v["dispatch"] for n, v in us.items()},
+               "combine_us": {n: v["combine"] for n, v in us.items()},
+               "timed_eager": sorted(n for n in live if mode == "graph" and n in eager_only),
+               "x_bsp": ({n: bsp / v["block"] for n, v in us.items()} if ratios and bsp else {}),
+               "moved_bytes": moved,
+               "dispatch_GBps": ({n: moved / v["dispatch"] / 1e3 for n, v in us.items()} if ratios else {}),
+               "combine_GBps": ({n: moved / v["combine"] / 1e3 for n, v in us.items()} if ratios else {}),
+               "diff": diff, "ref_diff": ref_diff, "ok": ok, "autofuse_variant": chosen}
+        rows.append(row)
+        if world.rank == 0 and cfg["progress"]:
+            print(f"{model} T={t} {mode}: " + ", ".join(f"{n} {v['block']:.1f} us" for n, v in us.items())
+                  + f" (diff vs bsp {max(diff.values(), default=0):.1e})", flush=True)
+    del handles, steps, outs
+    return {"rows": rows, "notes": notes}
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.detach().double(), b.detach().double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-300))
+
+
+# ------------------------------------------------------------------------------------------ render
+def _f(x: Any, digits: int = 1) -> str:
+    return "-" if not isinstance(x, (int, float)) or not math.isfinite(x) else f"{x:.{digits}f}"
+
+
+def render(result: dict, console: Any) -> None:
+    """Per mode: the block's us per contender and x BSP; dispatch / combine alone and their GB/s; geomeans."""
+    from rich import box
+    from rich.table import Table
+    from rich.text import Text
+
+    from autofuse.measure.compare import geomean
+
+    names = result.get("contenders", [])
+    ratios = not result.get("interpreted")
+    console.print(Text(f"MoE block (dispatch + experts + combine), EP={result.get('world')}, skew {result.get('skew')}%, "
+                       f"on {result.get('device', '?')}: us per call, median, rank-max"
+                       + ("; x BSP = bsp / contender; GB/s = the busiest rank's remote token-row bytes / time "
+                          "(eager* = timed eagerly: not capturable)" if ratios else "")))
+    for mode in result.get("modes", []):
+        rows = [r for r in result["rows"] if r["mode"] == mode]
+        t = Table(title=Text(f"{mode} mode: block"), box=box.SIMPLE_HEAD)
+        for c in ("model", "T"):
+            t.add_column(c, justify="right" if c == "T" else "left")
+        for n in names:
+            t.add_column(f"{n} us", justify="right")
+            if ratios and n != "bsp":
+                t.add_column("x BSP", justify="right")
+        t.add_column("check", justify="right")
+        for r in rows:
+            cells = []
+            for n in names:
+                star = "*" if n in r["timed_eager"] else ""
+                cells.append(_f(r["us"].get(n)) + star)
+                if ratios and n != "bsp":
+                    cells.append(_f(r["x_bsp"].get(n), 2))
+            worst = max([*r["diff"].values(), *(r["ref_diff"] or {}).values()] or [float("nan")])
+            cells.append(Text(f"{worst:.1e}" + ("" if r["ok"] else " WRONG"), style="" if r["ok"] else "red"))
+            t.add_row(r["model"], str(r["tokens"]), *cells)
+        console.print(t)
+        b = Table(title=Text(f"{mode} mode: dispatch / combine alone, us" + (" and GB/s per GPU" if ratios else "")),
+                  box=box.SIMPLE_HEAD)
+        for c in ("model", "T", "who", "dispatch us", "combine us") + (("dispatch GB/s", "combine GB/s") if ratios else ()):
+            b.add_column(c, justify="left" if c in ("model", "who") else "right")
+        for r in rows:
+            for n in r["dispatch_us"]:
+                extra = [_f(r["dispatch_GBps"].get(n)), _f(r["combine_GBps"].get(n))] if ratios else []
+                b.add_row(r["model"], str(r["tokens"]), n, _f(r["dispatch_us"][n]), _f(r["combine_us"][n]), *extra)
+        console.print(b)
+        if ratios:
+            for n in names:
+                if n != "bsp":
+                    console.print(f"{mode}: geomean x BSP of {n} over {len(rows)} rows = "
+                                  f"{_f(geomean(r['x_bsp'].get(n) for r in rows), 3)}")
+    for line in result.get("notes", []):
+        console.print(Text(line, style="yellow"))

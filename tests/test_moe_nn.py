@@ -1,0 +1,283 @@
+"""autofuse.nn's expert-parallel MoE on CPU ranks: `ExpertParallelMoE` and `autofuse.parallelize` on tiny
+random transformers Mixtral and Qwen2-MoE models (config objects, no download).
+
+One spawned job per world size (2 and 4) runs every check and returns what it measured. Each rank
+builds the same float32 model (same seed); the reference is the unsharded model in float64, the
+parallel one runs in float32, so outputs differ by float32 roundoff (~1e-7 relative): TOL = 1e-5 on
+logits, GRAD_TOL = 1e-4 on gradients (sums over tokens with cancellation); a wrong expert shard, a
+token sent twice or lost, or a missing gradient sum is off by O(1). Routings: the models' own
+(random), skewed (a forward hook on every router makes all tokens pick rank 0's experts: the other
+ranks receive no rows), empty experts (every token picks the first and the last expert), and one
+token (fewer tokens than ranks: every rank but rank 0 sends only a padding row, to its own experts);
+the other cases have 12 tokens, a multiple of both world sizes.
+"""
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from autofuse.comm.world import spawn
+
+pytest.importorskip("transformers")
+
+TOL = 1e-5
+GRAD_TOL = 1e-4
+WORLDS = (2, 4)
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.detach().double(), b.detach().double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-300))
+
+
+def tiny_mixtral(world: int):
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    cfg = MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=16, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=world if world > 2 else 2, head_dim=8, num_local_experts=2 * world,
+                        num_experts_per_tok=2, max_position_embeddings=32, attn_implementation="eager",
+                        experts_implementation="eager")
+    torch.manual_seed(0)
+    return MixtralForCausalLM(cfg)
+
+
+def tiny_qwen2_moe(world: int):
+    """Qwen2-MoE: q/k/v biases, a shared expert with its sigmoid gate, norm_topk_prob False, layer 1 dense."""
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    cfg = Qwen2MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=32, moe_intermediate_size=16,
+                         shared_expert_intermediate_size=32, num_experts=2 * world, num_experts_per_tok=2,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, mlp_only_layers=[1],
+                         max_position_embeddings=32, attn_implementation="eager",
+                        experts_implementation="eager")
+    torch.manual_seed(0)
+    model = Qwen2MoeForCausalLM(cfg)
+    with torch.no_grad():
+        for m in model.modules():  # transformers zeroes them; a bias given to the wrong rank must show
+            if isinstance(m, nn.Linear) and m.bias is not None:
+                m.bias.normal_(0.0, 0.5)
+    return model
+
+
+def _force(model: nn.Module, kind: str, world: int) -> None:
+    """Make every router pick `kind`'s experts (a forward hook, copied with the router by from_module)."""
+    for layer in model.model.layers:
+        gate = getattr(layer.mlp, "gate", None)
+        if gate is None:
+            continue
+        e, k = gate.num_experts, gate.top_k
+        allowed = torch.arange(e // world) if kind == "skewed" else torch.tensor([0, e - 1])
+
+        def hook(module, args, output, allowed=allowed, k=k):
+            logits, weights, _ = output
+            mask = torch.full_like(logits, -1e9)
+            mask[:, allowed] = 0
+            return logits, weights, torch.topk(logits.detach() + mask, k, dim=-1).indices
+
+        gate.register_forward_hook(hook)
+
+
+def _model_case(world, make, kind: str, shape: tuple[int, int]) -> dict:
+    """Logits, loss and every weight's gradient of the parallelized model against the float64 unsharded one."""
+    import autofuse
+
+    base = make(world.size)
+    if kind != "random":
+        _force(base, kind, world.size)
+    ids = torch.randint(0, 64, shape, generator=torch.Generator().manual_seed(3))
+    ref = copy.deepcopy(base).double()
+    labels = ids if shape[1] > 1 else None  # one token has no next-token target: the logits' mean square then
+
+    def loss(m: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+        o = m(input_ids=ids, labels=labels)
+        return o.logits, o.loss if labels is not None else o.logits.square().mean()
+
+    logits, want_loss = loss(ref)
+    want_loss.backward()
+    want = {n: p.grad for n, p in ref.named_parameters() if p.grad is not None}
+    model = autofuse.parallelize(copy.deepcopy(base), world.group)
+    received, dispatch = [], autofuse.moe_dispatch
+
+    def counting(*args, **kwargs):
+        h, handle = dispatch(*args, **kwargs)
+        received.append(int(handle.tensors["counts"].sum()))
+        return h, handle
+
+    autofuse.moe_dispatch = counting  # the rows each call brought to this rank's experts
+    try:
+        got_logits, got_loss = loss(model)
+    finally:
+        autofuse.moe_dispatch = dispatch
+    got_loss.backward()
+    grads = autofuse.nn.full_grads(model)
+    return {"logits": rel(got_logits, logits), "loss": rel(got_loss, want_loss),
+            "grad keys": sorted(grads) == sorted(want), "worst grad": max(rel(grads[k], want[k]) for k in want),
+            "worst name": max(want, key=lambda k: rel(grads[k], want[k])),
+            "state keys": sorted(autofuse.nn.full_state_dict(model)) == sorted(base.state_dict()),
+            "received": received, "blocks": sum(isinstance(m, autofuse.nn.ExpertParallelMoE) for m in model.modules())}
+
+
+def _copies(world) -> dict:
+    """from_module copies: changing the transformers block afterwards leaves the EP block as it was."""
+    from autofuse.nn import ExpertParallelMoE
+
+    block = tiny_mixtral(world.size).model.layers[0].mlp
+    ep = ExpertParallelMoE.from_module(block, world.group)
+    before = [t.clone() for t in (ep.w1, ep.w2, ep.gate.weight)]
+    ptrs = {p.data_ptr() for p in block.parameters()}
+    with torch.no_grad():
+        for p in block.parameters():
+            p.add_(1.0)
+    return {"unchanged": all(torch.equal(a, b) for a, b in zip(before, (ep.w1, ep.w2, ep.gate.weight))),
+            "shared storage": any(p.data_ptr() in ptrs for p in ep.parameters())}
+
+
+class _Expert(nn.Module):
+    """A transformers-4 style expert (gate_proj / up_proj / down_proj nn.Linear)."""
+
+    def __init__(self, h: int, f: int):
+        super().__init__()
+        self.gate_proj, self.up_proj, self.down_proj = nn.Linear(h, f, bias=False), nn.Linear(h, f, bias=False), \
+            nn.Linear(f, h, bias=False)
+        self.act_fn = nn.SiLU()
+
+
+class _Block4(nn.Module):
+    """A transformers-4 style sparse MoE block: an nn.Linear gate, a list of experts, norm_topk_prob off."""
+
+    def __init__(self, h: int, f: int, e: int, k: int):
+        super().__init__()
+        self.gate, self.experts = nn.Linear(h, e, bias=False), nn.ModuleList(_Expert(h, f) for _ in range(e))
+        self.top_k, self.norm_topk_prob = k, False
+
+
+def _standalone(world) -> dict:
+    """ExpertParallelMoE alone, from a transformers-4 style block (an nn.Linear gate, norm_topk_prob off,
+    gate_proj/up_proj/down_proj experts), against float64 autograd of the same block written with
+    ops/moe.unsharded: the input replicated, and with sequence_parallel=True (each rank its own rows;
+    the router's gradient summed over the group). Gradients compared under the block's own keys
+    (full_grads gives the experts back in their source layout)."""
+    from autofuse.nn import ExpertParallelMoE, full_grads
+    from autofuse.ops import moe
+
+    w, r = world.size, world.rank
+    h, f, e, k, t = 32, 16, 2 * w, 2, 3
+    torch.manual_seed(1)
+    block = _Block4(h, f, e, k)
+    gen = torch.Generator().manual_seed(5)
+    xs = [torch.randn(t, h, generator=gen) for _ in range(w)]  # rank i's rows (sequence parallel)
+    dys = [torch.randn(t, h, generator=gen) for _ in range(w)]
+    out = {}
+    for sp in (False, True):
+        b64 = copy.deepcopy(block).double()
+        w1 = torch.stack([torch.cat([ex.gate_proj.weight.t(), ex.up_proj.weight.t()], 1) for ex in b64.experts])
+        w2 = torch.stack([ex.down_proj.weight.t() for ex in b64.experts])
+        whole = torch.cat(xs).double().requires_grad_()
+        weights, ids = torch.topk(torch.softmax(b64.gate(whole), -1), k, -1)  # not renormalised
+        want = moe.unsharded(whole, ids, weights, w1, w2, "swiglu")
+        (want * torch.cat(dys).double()).sum().backward()
+        ep = ExpertParallelMoE.from_module(block, world.group, sequence_parallel=sp)
+        x = (xs[r] if sp else torch.cat(xs)).clone().requires_grad_()
+        y = ep(x)
+        (y * (dys[r] if sp else torch.cat(dys))).sum().backward()
+        mine = slice(r * t, (r + 1) * t) if sp else slice(None)
+        grads, want_grads = full_grads(ep), dict(b64.named_parameters())
+        out[f"sp={sp}"] = {"y": rel(y, want[mine]), "dx": rel(x.grad, whole.grad[mine]),
+                           "keys": sorted(grads) == sorted(want_grads),
+                           "worst grad": max(rel(grads[n], p.grad) for n, p in want_grads.items())}
+    return out
+
+
+def _job(world) -> dict:
+    torch.set_num_threads(1)
+    out: dict = {"copies": _copies(world), "standalone": _standalone(world)}
+    for name, make in (("mixtral", tiny_mixtral), ("qwen2_moe", tiny_qwen2_moe)):
+        for kind in ("random", "skewed", "empty"):
+            out[(name, kind)] = _model_case(world, make, kind, (2, 6))
+    out[("mixtral", "one token")] = _model_case(world, tiny_mixtral, "random", (1, 1))
+    try:
+        import autofuse
+
+        autofuse.parallelize(tiny_mixtral(world.size), world.group, sequence_parallel=True)
+        out["sp error"] = "no error"
+    except ValueError as exc:
+        out["sp error"] = str(exc)
+    return out
+
+
+@pytest.fixture(scope="module", params=WORLDS, ids=lambda w: f"world{w}")
+def job(request) -> tuple[int, list[dict]]:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return request.param, spawn(_job, request.param, device_kind="cpu", timeout_s=600)
+
+
+# ------------------------------------------------------------------------------------------ tests
+def test_parallel_moe_models_match_the_unsharded_float64_model(job) -> None:
+    """Mixtral and Qwen2-MoE: logits, loss and every weight gradient (gathered back into transformers'
+    keys and layouts) match, with the models' routing, a skewed one and one leaving experts empty."""
+    w, ranks = job
+    for r, res in enumerate(ranks):
+        for case, v in res.items():
+            if not isinstance(case, tuple):
+                continue
+            assert v["logits"] <= TOL and v["loss"] <= TOL, (w, r, case, v)
+            assert v["grad keys"] and v["state keys"] and v["worst grad"] <= GRAD_TOL, (w, r, case, v)
+            assert v["blocks"] == (2 if case[0] == "mixtral" else 1), (case, v)
+
+
+def test_skewed_and_empty_routings_leave_ranks_without_rows(job) -> None:
+    w, ranks = job
+    for model in ("mixtral", "qwen2_moe"):
+        rows = [res[(model, "skewed")]["received"] for res in ranks]
+        assert all(n > 0 for n in rows[0]) and all(n == 0 for rr in rows[1:] for n in rr), (model, rows)
+        rows = [res[(model, "empty")]["received"] for res in ranks]
+        assert all(n > 0 for n in rows[0] + rows[-1]), (model, rows)
+        assert all(n == 0 for rr in rows[1:-1] for n in rr), (model, rows)  # world 4: ranks 1, 2 get none
+    assert sum(sum(res[("mixtral", "one token")]["received"]) for res in ranks) == 2 * w * 2  # padded to W rows, top-2
+
+
+def test_standalone_block_and_sequence_parallel(job) -> None:
+    w, ranks = job
+    for r, res in enumerate(ranks):
+        for sp, v in res["standalone"].items():
+            assert v["keys"] and max(v["y"], v["dx"]) <= TOL and v["worst grad"] <= GRAD_TOL, (w, r, sp, v)
+
+
+def test_from_module_copies_and_sequence_parallel_is_refused(job) -> None:
+    _, ranks = job
+    for res in ranks:
+        assert res["copies"] == {"unchanged": True, "shared storage": False}, res["copies"]
+        assert "sequence_parallel=True is not supported for MoE models" in res["sp error"], res["sp error"]
+
+
+def test_bench_moe_checks_and_times_on_cpu() -> None:
+    """`autofuse bench moe` on 2 CPU ranks, skew 100 (every row on rank 0's experts): every contender agrees
+    with bsp and the float64 block, is timed (block, dispatch, combine), no speedup from the interpreter,
+    and the moved bytes are rank 1's 4 x 2 rows of H=32 float32 (rank 0 keeps its own)."""
+    from autofuse.bench import bench_moe
+    from autofuse.bench.bench import BenchOptions
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        result = bench_moe.run(BenchOptions(target="moe", world=2, tokens=["4"], skew=100, reps=1,
+                                            progress=False).resolved())
+    (row,) = result["rows"]
+    assert result["contenders"][-1] == "autofuse" and "bsp" in result["contenders"], result["contenders"]
+    assert row["ok"] and max(row["ref_diff"].values()) <= result["tolerance"], row
+    assert all(v > 0 for part in ("us", "dispatch_us", "combine_us") for v in row[part].values()), row
+    assert row["x_bsp"] == {} and row["dispatch_GBps"] == {} and result["interpreted"], row
+    assert row["moved_bytes"] == 4 * 2 * 32 * 4 and row["model"] == "tiny" and row["skew"] == 100, row
+
+
+def test_bench_moe_routing_skew() -> None:
+    from autofuse.bench.bench_moe import routing
+
+    ids, weights = routing(4000, 8, 2, 2, 75, torch.Generator().manual_seed(0))
+    share = float((ids < 4).float().mean())
+    assert abs(share - 0.75) < 0.03 and torch.allclose(weights.sum(1), torch.ones(4000))
+    assert all(len(set(r.tolist())) == 2 for r in ids[:100])  # distinct experts per token
