@@ -395,6 +395,28 @@ def test_merge_keeps_every_real_measurement_once(tmp_path):
     assert not list(tmp_path.glob("fresh.db*")), "a failed merge left its output behind"
 
 
+def test_merge_keeps_two_workers_trials_of_one_config_in_the_same_second(tmp_path, monkeypatch):
+    """Two workers of one shared study may both measure one config (a race between their asks) within the
+    same second at the same latency (the fake op's fixed delay): two trials, two rows, both kept. (Seen
+    as a flaky test_two_workers_share_one_study_on_postgres: the merge took the second for a copy.)"""
+    import autofuse.measure.store as store_module
+
+    monkeypatch.setattr(store_module, "_now", lambda: "2026-11-27T21:00:00+00:00")
+    fp = environment.fingerprint()
+    a, b, out = tmp_path / "w0.db", tmp_path / "w1.db", tmp_path / "all.db"
+    with Store(a) as s:
+        s.add([ok(P, "push", {"BLOCK": 16}, 10.0)], fp, study="shared", trial=0)
+    with Store(b) as s:
+        s.add([ok(P, "push", {"BLOCK": 16}, 10.0)], fp, study="shared", trial=1)
+    with Store(out) as s:
+        for src in (a, b):
+            with Store.open(src, readonly=True) as theirs:
+                s.merge_from(theirs)
+        with Store.open(a, readonly=True) as theirs:
+            assert s.merge_from(theirs)["identical"] == 1  # a copy of a row already here is still one
+        assert sorted(r["trial"] for r in s.measurements()) == [0, 1]
+
+
 def test_merge_keeps_independent_runs_whose_trial_numbers_collide(tmp_path):
     """Two runs on one machine, each with its own Optuna storage, name their studies alike and number
     their trials from 0: merging keeps every measurement (the second run's under a tagged study name),

@@ -735,6 +735,34 @@ def _finish(driver, job, us: float = 10.0) -> None:
                                     us, 3)])
 
 
+RACE_OP = Op(
+    name="fake_race", args=("x",), variants=[FakeBsp(), Tiled(), Tiled("slow")],
+    problem_of=FAKE_OP.problem_of, inputs=_inputs, reference=_reference, tolerance=lambda p: 1e-5,
+    features=lambda p: {}, sweep=lambda kind, world: [Problem.make("fake_race", "float32", world, N=64)],
+)
+
+
+@pytest.mark.filterwarnings("ignore:Heartbeat of storage")
+def test_the_search_samples_no_variant_out_of_the_race(tmp_path):
+    """Every variant's defaults are measured; then a variant whose best is over RACE_FACTOR x the problem's
+    best is never measured again: its sampled trials are pruned unmeasured (`out_of_the_race`)."""
+    from autofuse.tuning.study import RACE_FACTOR
+
+    driver, store = _driver(tmp_path, RACE_OP, trials=16)
+    try:
+        jobs = []
+        while (job := driver.next(None)) is not None:
+            jobs.append(job)
+            _finish(driver, job, us=10.0 if job.variant == "tiled" else 10.0 * RACE_FACTOR * 1.5)
+        defaults = 2 * len(Tiled().defaults(None))
+        assert sorted(j.variant for j in jobs[:defaults]) == ["slow"] * 3 + ["tiled"] * 3
+        assert len(jobs) > defaults and {j.variant for j in jobs[defaults:]} == {"tiled"}
+        out = [t for t in driver.study.get_trials(deepcopy=False) if "out_of_the_race" in t.user_attrs]
+        assert out and all(t.state == optuna.trial.TrialState.PRUNED and t.params["variant"] == "slow" for t in out)
+    finally:
+        store.close()
+
+
 @pytest.mark.filterwarnings("ignore:Heartbeat of storage")
 def test_enqueued_configs_record_exactly_what_is_measured_and_none_is_left_waiting(tmp_path):
     """A default without `split` records no split (the space draws one, Optuna must not invent it); a

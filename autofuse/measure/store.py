@@ -736,8 +736,9 @@ class Store:
         """Copy another store's rows into this one without duplicates; returns counts.
 
         Environments, problems and configs are keyed by id and copied once. A measurement already
-        here (same problem, config, environment, mode, source, verdict, latency and time: the same
-        measurement copied twice) is skipped (`identical`). Every other measurement is added: two
+        here (same problem, config, environment, mode, source, verdict, latency, time and trial number: the
+        same measurement copied twice; two workers of one study that measured one config in the same
+        second, at the same latency, are two trials) is skipped (`identical`). Every other measurement is added: two
         real measurements of one config (two hosts, two runs) are both kept, `best` takes the faster
         and `lookup` sees a failure in either. Independent runs name their studies alike (problem,
         mode, hardware, op code) and number trials from 0, so a trial whose (study, trial, mode) is
@@ -751,7 +752,7 @@ class Store:
         problems = [dict(r) for r in src.execute("SELECT * FROM problems")]
         configs = [dict(r) for r in src.execute("SELECT * FROM configs")]
         rows = [dict(r) for r in src.execute("SELECT * FROM measurements ORDER BY id")]
-        ident = ("problem", "config_id", "fingerprint", "mode", "source", "created_at", "median_us", "ok")
+        ident = ("problem", "config_id", "fingerprint", "mode", "source", "created_at", "median_us", "ok", "trial")
         have = {tuple(r[k] for k in ident) for r in self._query(f"SELECT {', '.join(ident)} FROM measurements")}
         taken = {(r["study"], r["trial"], r["mode"]) for r in self._query(
             "SELECT study, trial, mode FROM measurements WHERE study IS NOT NULL")}

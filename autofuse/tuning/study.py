@@ -25,6 +25,10 @@
   (the variant's `check`, or what this World's heap refuses: `refuses`) is told PRUNED with its
   reason (attribute `invalid`) before anything is launched, and never counts as a measured trial; a config the store
   or the study already holds is not measured again: the trial is told the known verdict.
+- **The race**: a sampled (not enqueued) trial of a variant whose best measured config of the problem
+  is over `RACE_FACTOR` (2x) the problem's best is told PRUNED (attribute `out_of_the_race`) without
+  being measured: TPE then learns to draw that variant less, and the search spends its builds on
+  variants that can still win.
 - **Resume**: a trial left RUNNING by a dead process of this host is settled on resume: told its
   result if its rows reached the store, else marked FAIL (attribute `abandoned`) and its config
   queued again; trials of dead processes on other hosts are failed by Optuna's heartbeat check.
@@ -50,6 +54,7 @@ if TYPE_CHECKING:
     from autofuse.comm.world import World
 
 MAX_ATTEMPTS = 2  # a config whose worker died this often is not queued again
+RACE_FACTOR = 2.0  # a variant whose best is over this many times the problem's best is not sampled again
 
 
 def study_name(problem: Problem, mode: str, hardware_id: str, op_digest: str) -> str:
@@ -292,6 +297,10 @@ class StudyDriver:
                 raise
         if fixed is not None:
             config = dict(fixed)
+        elif (behind := self._out_of_the_race(variant)) is not None:
+            trial.set_user_attr("out_of_the_race", behind)
+            self.study.tell(trial, state=TrialState.PRUNED)
+            return None
         trial.set_user_attr("variant", variant)
         trial.set_user_attr("config", config)
         if space.unrecorded:
@@ -312,6 +321,23 @@ class StudyDriver:
         if self._known_in_study(trial, variant, config):
             return None
         return Job(trial.number, variant, config)
+
+    def _out_of_the_race(self, variant: str) -> str | None:
+        """Why a sampled trial of `variant` is not worth measuring (None: it is): its best measured config
+        of this problem is over RACE_FACTOR x the problem's best (any variant, baselines included). Its
+        known-good defaults are measured first (enqueued, never held back), so a variant is judged on
+        them; a search that samples it again would spend builds and compiles on a variant that cannot win
+        (on 2x H200, ag_gemm's pull at 3-5x the best took 13% of a tune)."""
+        per: dict[str, float] = {}
+        for r in self.store.best(self.op.name, self.mode, hardware_id=self.fp["hardware_id"], op_digest=self.digest):
+            if r["problem"] == self.problem.key:
+                per[r["variant"]] = min(per.get(r["variant"], math.inf), r["median_us"])
+        if variant not in per or len(per) < 2:
+            return None
+        best = min(per.values())
+        if per[variant] > RACE_FACTOR * best:
+            return f"{variant}'s best {per[variant]:.1f} us is over {RACE_FACTOR:g}x the problem's best {best:.1f} us"
+        return None
 
     def _known_in_study(self, trial: optuna.Trial, variant: str, config: Config) -> bool:
         """Another trial of the study (another worker's) measured or measures the same config:
