@@ -193,9 +193,9 @@ def test_tune_measures_the_pair_on_cpu(tmp_path):
 
 
 def test_a_default_gpu_tune_leaves_moe_out_and_the_moe_sweep_takes_it():
-    """On GPUs a plain `autofuse tune` plans the TP ops only: MoE's BSP has no graph-mode baseline and its
-    references run on the host (on 4x H200, 2026-11-27, two MoE baselines spent 130 s of a 3.5-minute
-    default tune and failed); `--sweep moe` tunes the MoE ops."""
+    """On GPUs a plain `autofuse tune` plans the TP ops only (on 4x H200, 2026-11-27, two MoE baselines spent
+    130 s of a 3.5-minute default tune and failed; not re-measured since their fixes); `--sweep moe` tunes
+    the MoE ops."""
     from autofuse.tuning.tune import TuneOptions, make_plan
 
     default = make_plan(TuneOptions(db="x.db"), "cuda", 2)

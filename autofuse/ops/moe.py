@@ -287,10 +287,9 @@ def sweep(op: str, kind: str, world: int) -> list[Problem]:
     (7168, 2048, 256, top-8) at 1..8192 tokens per rank, even routing, the shapes whose experts divide
     over the ranks; `skew` (tiny, every row on rank 0's experts); `scaling` (64 tokens over the ranks,
     8 experts). Unknown kinds raise ValueError, `default` among them: on GPUs the MoE ops are tuned with
-    `autofuse tune --sweep moe`, not in the default tune, because their BSP (the counts read on the host)
-    cannot be captured in a CUDA graph, so it has no graph-mode baseline, and their float64 references
-    run on the host (2026-11-27, 4x H200: two Mixtral T=1 baselines spent 130 s of a 3.5-minute tune
-    and failed)."""
+    `autofuse tune --sweep moe`, not in the default tune (2026-11-27, 4x H200: two Mixtral T=1 baselines
+    spent 130 s of a 3.5-minute tune and failed, with the references then on the host and bsp, which
+    cannot be captured, without a graph-mode row; both fixed since, not yet re-measured on GPUs)."""
     if kind == "cpu":
         return [make_problem(op, "float32", world, t, 32, 16, 2 * world, 2, "swiglu") for t in (4, 16)]
     if kind == "skew":
