@@ -193,12 +193,111 @@ def test_tune_measures_the_pair_on_cpu(tmp_path):
 
 
 def test_a_default_gpu_tune_leaves_moe_out_and_the_moe_sweep_takes_it():
-    """On GPUs a plain `autofuse tune` plans the TP ops only: MoE's BSP has no graph-mode baseline and its
-    references run on the host (on 4x H200, 2026-11-27, two MoE baselines spent 130 s of a 3.5-minute
-    default tune and failed); `--sweep moe` tunes the MoE ops."""
+    """On GPUs a plain `autofuse tune` plans the TP ops only (on 4x H200, 2026-11-27, two MoE baselines spent
+    130 s of a 3.5-minute default tune and failed; not re-measured since their fixes); `--sweep moe` tunes
+    the MoE ops."""
     from autofuse.tuning.tune import TuneOptions, make_plan
 
     default = make_plan(TuneOptions(db="x.db"), "cuda", 2)
     assert not {op.name for _, op, _, _ in default.items} & {"moe_dispatch", "moe_combine"}
     moe = make_plan(TuneOptions(db="x.db", sweep="moe"), "cuda", 2)
     assert {op.name for _, op, _, _ in moe.items} == {"moe_dispatch", "moe_combine"}
+
+
+# -- inputs and float64 references: made on the device, vectorised, only the experts a rank needs --------
+def _oracle_rows(problem, rank: int, seed: int, second: bool) -> torch.Tensor:
+    """The straightforward float64 loop (the references' former code): every slot of every source in
+    received order, one matvec per row, every expert materialised."""
+    w, local, k = problem.world, problem["E"] // problem.world, problem["k"]
+    w1, w2 = (t.to(problem.torch_dtype).double() for t in moe.expert_weights(problem, seed))
+    rows: list[list[torch.Tensor]] = [[] for _ in range(local)]
+    for src in range(w):
+        x, ids, *_ = moe.rank_inputs(problem, src, seed)
+        x, flat = x.double(), ids.reshape(-1)
+        for s in torch.sort(flat, stable=True).indices.tolist():
+            e = int(flat[s])
+            if e // local == rank:
+                rows[e % local].append(x[s // k])
+    out = torch.zeros(problem["C"], problem["H"] if second else problem["F"], dtype=torch.float64)
+    i = 0
+    for l, group in enumerate(rows):
+        e = rank * local + l
+        for row in group:
+            v = moe._act64(row @ w1[e], problem["act"])
+            out[i] = v @ w2[e] if second else v
+            i += 1
+    return out
+
+
+def _oracle_block(problem, rank: int, seed: int) -> torch.Tensor:
+    """y_t = sum_j w_tj * expert_{id_tj}(x_t), one token and one slot at a time, in float64."""
+    w1, w2 = (t.to(problem.torch_dtype).double() for t in moe.expert_weights(problem, seed))
+    x, ids, weights, *_ = moe.rank_inputs(problem, rank, seed)
+    y = torch.zeros(problem["T"], problem["H"], dtype=torch.float64)
+    for t in range(problem["T"]):
+        for j in range(problem["k"]):
+            e = int(ids[t, j])
+            y[t] += float(weights[t, j]) * (moe._act64(x[t].double() @ w1[e], problem["act"]) @ w2[e])
+    return y
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("skew", [None, 75, 100])
+@pytest.mark.parametrize("act", ["swiglu", "none"])
+def test_references_equal_the_float64_loop(world, skew, act):
+    p = moe.make_problem(moe.DISPATCH, "float32", world, 5, 8, 6, 2 * world, 2, act, skew)
+    for rank in range(world):
+        for second in (False, True):
+            torch.testing.assert_close(moe.expert_rows_reference(p, rank, 4, second), _oracle_rows(p, rank, 4, second),
+                                       rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(moe.moe_reference(p, rank, 4), _oracle_block(p, rank, 4), rtol=1e-12, atol=1e-12)
+
+
+def test_a_bfloat16_reference_uses_the_weights_the_op_gets():
+    """The references round tokens and weights to the problem's dtype, as the op's inputs are."""
+    p = moe.make_problem(moe.DISPATCH, "bfloat16", 2, 3, 8, 6, 4, 2, "swiglu")
+    torch.testing.assert_close(moe.moe_reference(p, 1, 0), _oracle_block(p, 1, 0), rtol=1e-12, atol=1e-12)
+
+
+def test_routing_keeps_its_meaning():
+    """k distinct experts per token; weights rows summing to 1; skew 100 sends every row to rank 0's experts,
+    an even routing spreads them; deterministic in (problem, rank, seed), different across ranks."""
+    even = moe.make_problem(moe.DISPATCH, "float32", 4, 256, 8, 6, 16, 3, "swiglu")
+    ids, weights = moe.routing(even, 1, 0)
+    assert ids.shape == (256, 3) and ids.dtype == torch.int64 and weights.dtype == torch.float32
+    assert all(len(set(row)) == 3 for row in ids.tolist())
+    torch.testing.assert_close(weights.sum(1), torch.ones(256))
+    assert torch.equal(ids, moe.routing(even, 1, 0)[0]) and not torch.equal(ids, moe.routing(even, 2, 0)[0])
+    per_rank = torch.bincount(ids.reshape(-1) // 4, minlength=4) / ids.numel()
+    assert per_rank.max() < 0.4, per_rank
+    full = moe.make_problem(moe.DISPATCH, "float32", 4, 256, 8, 6, 16, 3, "swiglu", 100)
+    assert (moe.routing(full, 2, 0)[0] < 4).all()
+    half = moe.make_problem(moe.DISPATCH, "float32", 4, 2048, 8, 6, 16, 3, "swiglu", 50)
+    share = float((moe.routing(half, 3, 0)[0] < 4).float().mean())
+    assert 0.45 < share < 0.55, share
+
+
+def test_inputs_make_only_the_ranks_experts(monkeypatch):
+    """A Mixtral-like routing (E 8, top-2, T 1 per rank) over 4 ranks: a rank's inputs generate its 2 experts
+    only, its references only the experts they use; any rank rebuilds any expert alike."""
+    made: list[int] = []
+    real = moe._expert
+
+    def counting(problem, expert, seed, device):
+        made.append(expert)
+        return real(problem, expert, seed, device)
+
+    monkeypatch.setattr(moe, "_expert", counting)
+    p = moe.make_problem(moe.DISPATCH, "bfloat16", 4, 1, 16, 8, 8, 2, "swiglu")
+    x, ids, weights, w1, w2 = moe.rank_inputs(p, 1, 0)
+    assert sorted(made) == [2, 3]
+    assert w1.shape == (2, 16, 2, 8) and w2.shape == (2, 8, 16) and w1.dtype == w2.dtype == torch.bfloat16
+    made.clear()
+    moe.moe_reference(p, 1, 0)
+    assert sorted(made) == sorted(set(ids.reshape(-1).tolist()))
+    made.clear()
+    moe.expert_rows_reference(p, 1, 0, second=True)
+    assert set(made) <= {2, 3} and len(made) == len(set(made))
+    monkeypatch.setattr(moe, "_expert", real)
+    all1, all2 = moe.expert_weights(p, 0, dtype=torch.bfloat16)
+    assert torch.equal(w1.reshape(2, 16, 16), all1[2:4]) and torch.equal(w2, all2[2:4])

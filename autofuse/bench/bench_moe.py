@@ -14,10 +14,11 @@ the ops' `variant=` argument (what AUTOFUSE_VARIANT does), and `autofuse` (dispa
 choice). Each is first checked: its output against bsp's (rank-max relative difference, norm-wise),
 and on CPU against the unsharded block in float64. Then, per timing mode (eager and graph on GPUs,
 eager on CPU): the block, dispatch alone and combine alone (with a handle its dispatch made), the
-contenders in turns (`autofuse.measure.timing.time_in_turns`), median of reps, rank-max. Variants of
-the bsp family read the counts on the host and cannot be captured in a CUDA graph: in graph mode they
-(and `autofuse` where it dispatches to one) are timed eagerly, marked `timed_eager` (what a captured
-model does around them: runs that piece eagerly). x BSP = bsp's time / the contender's, in the same
+contenders in turns (`autofuse.measure.timing.time_in_turns`), median of reps, rank-max. Variants that
+cannot be captured in a CUDA graph (`Variant.capturable` False: bsp reads the counts on the host) are
+timed eagerly in graph mode, in the same turns (`autofuse.measure.timing.timed_mode`; `autofuse` too
+where it dispatches to one), marked `timed_eager` (what a captured model does around them: runs that
+piece eagerly). x BSP = bsp's time / the contender's, in the same
 mode row. Bandwidth per GPU: bytes of the token rows the busiest rank sends to and receives from
 other ranks (H x dtype bytes per row; rows to its own experts not counted) over the time of dispatch
 alone (combine alone for combine): an effective rate, the expert GEMM included in that time.
@@ -138,7 +139,7 @@ def _rank(world: World, cfg: dict) -> dict:
 def _case(world: World, cfg: dict, model: str, t: int) -> dict:
     import autofuse
     from autofuse.core import registry
-    from autofuse.measure.timing import time_in_turns
+    from autofuse.measure.timing import time_in_turns, timed_mode
     from autofuse.ops import moe
 
     cuda = world.device.type == "cuda"
@@ -194,29 +195,25 @@ def _case(world: World, cfg: dict, model: str, t: int) -> dict:
                  "dispatch": (lambda v=forced[n]: autofuse.moe_dispatch(x, ids, weights, w1, group=group, variant=v)),
                  "combine": (lambda n=n: autofuse.moe_combine(handles[n][0], w2, handles[n][1], group=group,
                                                               variant=forced[n]))} for n in live}
-    eager_only = {n for n in live if registry.get("moe_dispatch").variants[(chosen if n == AUTOFUSE else n)].family == "bsp"}
+    variant = {n: registry.get("moe_dispatch").variant(chosen if n == AUTOFUSE else n) for n in live}
     moved = remote_rows(world, ids, e) * h * x.element_size()
     warmup, reps = (3 if cuda else 1), cfg["reps"]
     rows = []
     for mode in cfg["modes"]:
         us: dict[str, dict[str, float]] = {n: {} for n in live}
-        groups = [("graph", [n for n in live if n not in eager_only])] if mode == "graph" else []
-        groups.append(("eager", [n for n in live if mode == "eager" or n in eager_only]))
-        for timed_mode, members in groups:
-            if not members:
-                continue
-            for part in ("block", "dispatch", "combine"):
-                times, _ = time_in_turns(world, [steps[n][part] for n in members], timed_mode, reps=reps,
-                                         warmup=warmup, rounds=reps)
-                for n, tm in zip(members, times):
-                    us[n][part] = tm.median_us
+        as_mode = [timed_mode(variant[n], mode) for n in live]
+        for part in ("block", "dispatch", "combine"):
+            times, _ = time_in_turns(world, [steps[n][part] for n in live], as_mode, reps=reps, warmup=warmup,
+                                     rounds=reps)
+            for n, tm in zip(live, times):
+                us[n][part] = tm.median_us
         ratios = not cfg["interpreted"]
         bsp = us.get(BASELINE, {}).get("block")
         row = {"model": model, "tokens": t, "H": h, "F": f, "E": e, "k": k, "mode": mode, "skew": cfg["skew"],
                "us": {n: v["block"] for n, v in us.items()},
                "dispatch_us": {n: v["dispatch"] for n, v in us.items()},
                "combine_us": {n: v["combine"] for n, v in us.items()},
-               "timed_eager": sorted(n for n in live if mode == "graph" and n in eager_only),
+               "timed_eager": sorted(n for n, m in zip(live, as_mode) if m != mode),
                "x_bsp": ({n: bsp / v["block"] for n, v in us.items()} if ratios and bsp else {}),
                "moved_bytes": moved,
                "dispatch_GBps": ({n: moved / v["dispatch"] / 1e3 for n, v in us.items()} if ratios else {}),

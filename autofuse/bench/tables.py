@@ -105,13 +105,15 @@ def problem_table(rows: list[dict], interpreted: bool = False) -> list[dict]:
     """Per problem: latency and config per variant, and the numbers of `autofuse.measure.compare` (best, x BSP,
     x alt, bound, ceiling; no ratio where `interpreted`, nor for an `unconfirmed` outlier:
     `compare.withhold`). Rows of variant `bound` (or its pieces `bound.*`, whose max is the bound)
-    are shown, never chosen."""
+    are shown, never chosen. `timed_eager[v]`: v's row was timed eagerly in graph mode (not capturable:
+    autofuse.measure.timing.timed_mode)."""
     from autofuse.measure.compare import compare, withhold
 
     by: dict[str, dict] = {}
     for r in rows:
         e = by.setdefault(r["problem"], {"op": r["op"], "problem": r["problem"], "us": {}, "configs": {},
-                                         "confirmed": {}, "bound_pieces": {}, "stale": False})
+                                         "confirmed": {}, "timed_eager": {}, "bound_pieces": {},
+                                         "stale": False})
         v, t = r["variant"], r["median_us"]
         e["stale"] |= bool(r.get("stale"))
         if v == "bound":
@@ -121,6 +123,7 @@ def problem_table(rows: list[dict], interpreted: bool = False) -> list[dict]:
         elif v not in e["us"] or t < e["us"][v]:
             e["us"][v], e["configs"][v] = t, r["config"]
             e["confirmed"][v] = bool((r.get("extra") or {}).get("confirmed"))
+            e["timed_eager"][v] = bool((r.get("extra") or {}).get("timed_eager"))
     out_rows = []
     for key in sorted(by, key=problem_sort_key):
         e = by[key]
@@ -148,8 +151,9 @@ def print_problems(console: Console, table: list[dict], mode: str, where: str = 
     """Per op: latency per variant (BSP first), best, x BSP, x alt, own and own/alt (where an alternative was
     measured),
     bound and ceiling (where timed); interpreter timings get latencies and best only; a `stale` column
-    where some problem's rows were measured with older code of the op."""
-    from autofuse.measure.compare import INTERPRETED_NOTE, UNCONFIRMED_NOTE
+    where some problem's rows were measured with older code of the op; a `*` on a latency timed eagerly in
+    graph mode (the variant cannot be captured), with a footnote."""
+    from autofuse.measure.compare import INTERPRETED_NOTE, TIMED_EAGER_NOTE, UNCONFIRMED_NOTE
 
     interpreted = False
     for name in sorted({e["op"] for e in table}):
@@ -175,12 +179,15 @@ def print_problems(console: Console, table: list[dict], mode: str, where: str = 
         unconfirmed = any(e.get("unconfirmed") for e in entries)
         if unconfirmed:
             cols.append(("check", lambda e: "unconfirmed" if e.get("unconfirmed") else ""))
-        body = [[*cells[e["problem"]], *[fmt(e["us"].get(v)) for v in variants], *[f(e) for _, f in cols]]
+        star = lambda e, v: "*" if e.get("timed_eager", {}).get(v) else ""  # noqa: E731
+        body = [[*cells[e["problem"]], *[fmt(e["us"].get(v)) + star(e, v) for v in variants], *[f(e) for _, f in cols]]
                 for e in entries]
         print_split_table(console, f"{name} {fixed}: {mode} mode, us per call (rank-max median){where}",
                           key_cols, [*variants, *[c for c, _ in cols]], body)
         if stale:
             console.print(STALE_NOTE)
+        if any(any(e.get("timed_eager", {}).values()) for e in entries):
+            console.print(TIMED_EAGER_NOTE)
         if unconfirmed:
             console.print(UNCONFIRMED_NOTE)
     if interpreted:

@@ -317,7 +317,8 @@ def _print_fit(name: str, rep: dict, mode: str, interp: bool = False) -> None:
 
 def _records(table: list[dict], mode: str, fp_id: str) -> list[dict]:
     """One record per problem: the best variant, its config and latency, and the numbers of
-    autofuse.measure.compare (speedups empty for interpreter timings; `timing` says which)."""
+    autofuse.measure.compare (speedups empty for interpreter timings; `timing` says which); `timed_eager`: the
+    variants (comma-separated) timed eagerly in graph mode, since they cannot be captured."""
     from autofuse.core.op import Problem
 
     variants = sorted({v for e in table for v in e["us"]})
@@ -334,7 +335,8 @@ def _records(table: list[dict], mode: str, fp_id: str) -> list[dict]:
                                "own_vs_alternative": e["own_vs_alternative"],
                                "bound_us": e.get("bound_us"), "ceiling": e["ceiling"],
                                "timing": "cpu-interpreter" if e["interpreted"] else "gpu",
-                               "stale": bool(e.get("stale")), "unconfirmed": bool(e.get("unconfirmed"))}
+                               "stale": bool(e.get("stale")), "unconfirmed": bool(e.get("unconfirmed")),
+                               "timed_eager": ",".join(sorted(v for v, x in e.get("timed_eager", {}).items() if x))}
         rec.update({f"{v}_us": e["us"].get(v) for v in variants})
         records.append(rec)
     return records

@@ -52,6 +52,11 @@ class Variant:
       divisibility, ...); the default accepts only the empty config.
     - `unavailable(world)` says why the variant cannot run on `world` at all (e.g. torch_symm on CPU,
       or where ranks share a GPU), None where it can; `available(world)` is its boolean.
+    - `capturable`: whether its calls can be captured in a CUDA graph (True for most; False where the
+      host reads device data per call, e.g. MoE's bsp reading the routing counts for its all-to-all
+      splits). Graph-mode timing (autofuse/measure/timing.py: `timed_mode`) times a non-capturable
+      variant eagerly and marks the measurement `extra["timed_eager"]`: what a user who picks it gets
+      (their graph cannot contain it, so it runs eagerly).
     - `runner(world, problem, config)` allocates what the variant needs (heap workspace, compiled
       kernels) and returns a Runner (autofuse/core/runner.py); `build` checks first and raises
       InvalidConfig / InvalidInput, so `runner` may assume a valid config.
@@ -59,6 +64,7 @@ class Variant:
 
     name: str = ""
     family: str = "fused"
+    capturable: bool = True
 
     def __init__(self, name: str | None = None, family: str | None = None):
         self.name = name or self.name

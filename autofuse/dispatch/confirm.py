@@ -11,7 +11,8 @@ dispatch's agreement), runs `confirm`:
    uses): warm-up, batches of `inner` calls lasting about 2 ms each (agreed from the slowest
    rank's probe), input sets rotated against L2 on GPUs (copies of the caller's inputs), CUDA
    events; in graph mode each candidate's batch is captured once and replayed, as inference
-   servers run. The candidates take turns (`autofuse.measure.timing.time_in_turns`) over `rounds` rounds
+   servers run (a variant that cannot be captured, `Variant.capturable` False, runs eagerly there, as
+   it would in the caller's graph: `timing.timed_mode`; listed in `Confirmation.timed_eager`). The candidates take turns (`autofuse.measure.timing.time_in_turns`) over `rounds` rounds
    (default 3), the order reversed every other round, so that a drift of clocks or temperature
    during confirmation is shared by every candidate rather than charged to whichever ran last;
    each turn starts with a barrier and one untimed step, so that no turn's first batch pays for
@@ -40,7 +41,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 import torch
 import torch.distributed as dist
 
-from autofuse.measure.timing import Timing, nbytes, rotation_count, time_in_turns
+from autofuse.measure.timing import Timing, nbytes, rotation_count, time_in_turns, timed_mode
 from autofuse.core.op import Config, Op, Problem, rel_error
 
 if TYPE_CHECKING:
@@ -74,6 +75,7 @@ class Confirmation:
     batches per candidate, spread over `rounds` rounds, each batch rotating over `sets` input sets.
     Seconds are this rank's wall time: `build_seconds` (building, first call and the check of every
     candidate), `timing_seconds` (the timing alone), `seconds` (everything, both included).
+    `timed_eager`: the variants timed eagerly in graph mode (not capturable: `timing.timed_mode`).
     """
 
     variant: str
@@ -88,11 +90,14 @@ class Confirmation:
     rounds: int = 0
     sets: int = 1
     timings: list[Timing] = field(default_factory=list)
+    timed_eager: list[str] = field(default_factory=list)
 
     def describe(self) -> str:
         """One line for `explain`: the cost split and every candidate's time, fastest first."""
         timed = ", ".join(f"{v} {t:.1f} us" for v, _, t in sorted(self.timed, key=lambda x: x[2]))
         gone = "".join(f"; dropped {v}: {why}" for v, _, why in self.dropped)
+        if self.timed_eager:
+            gone += f"; timed eagerly (not capturable): {', '.join(self.timed_eager)}"
         return (f"confirmed on first use ({self.mode}, {self.seconds * 1e3:.0f} ms: build "
                 f"{self.build_seconds * 1e3:.0f} ms, timing {self.timing_seconds * 1e3:.0f} ms for "
                 f"{self.reps} batches each in {self.rounds} rounds): {timed}{gone}")
@@ -186,7 +191,9 @@ def confirm(world: World, op: Op, problem: Problem, args: Sequence[torch.Tensor]
     scratch = [outs[0]] + [torch.empty_like(outs[0]) for _ in sets[1:]]
     del outs  # the other candidates' first outputs: every candidate writes `scratch` from here on
     steps = [[lambda r=runners[i], x=x, o=o: r(*x, out=o) for x, o in zip(sets, scratch)] for i in live]
-    timings, plan = time_in_turns(world, steps, mode, reps, warmup, rounds, budget_s)
+    modes = [timed_mode(op.variant(cands[i][0]), mode) for i in live]
+    timings, plan = time_in_turns(world, steps, modes, reps, warmup, rounds, budget_s)
+    result.timed_eager = [cands[i][0] for i, m in zip(live, modes) if m != mode]
     result.timing_seconds = time.perf_counter() - t1
     result.reps, result.rounds, result.sets = sum(plan), len(plan), len(sets)
     result.timed = [(cands[i][0], cands[i][1], t.median_us) for i, t in zip(live, timings)]

@@ -41,6 +41,8 @@ MAX_OCTAVES = 4.0  # problems further apart than this (sum of |log2| size differ
 UNCONFIRMED_NOTE = ("unconfirmed: the problem's x BSP deviates from its neighbouring problems' by more than noise "
                     "and its BSP and best were not re-measured in turns, so no speedup is shown for it (rerun "
                     "`autofuse tune` with the same options to confirm it)")
+TIMED_EAGER_NOTE = ("*: timed eagerly in graph mode: the variant cannot be captured in a CUDA graph (it reads device "
+                    "data on the host), so a captured model runs it eagerly; its time is what a user who picks it gets")
 INTERPRETED_NOTE = ("CPU emulation: latencies are Triton-interpreter and gloo timings on CPU ranks, not GPU "
                     "timings; no speedup is shown (they show that every variant runs, not which is faster on a GPU)")
 

@@ -1,7 +1,9 @@
 """Measurement: check a (problem, variant, config) against the reference, then time it.
 
 Two timing modes (DESIGN.md, Measurement): `eager` (back-to-back calls, launch cost included) and
-`graph` (the calls captured in a CUDA graph and replayed: launch tax removed). Warm-up first, then
+`graph` (the calls captured in a CUDA graph and replayed: launch tax removed; a variant that cannot be
+captured, `Variant.capturable` False, is timed eagerly there and marked `extra["timed_eager"]`:
+`timed_mode`). Warm-up first, then
 the median of many timed batches with device events (`Batches`: confirm-on-first-use times with it
 too); input sets rotate when they fit in L2; every rank uses the same counts (agreed by
 collectives, since mismatched counts deadlock) and the group keeps the rank-max. A config is timed
@@ -20,7 +22,7 @@ import torch
 
 from autofuse.core.modes import supported as supported_modes
 from autofuse.comm import status
-from autofuse.core.op import Config, InvalidConfig, Op, Problem, rel_error
+from autofuse.core.op import Config, InvalidConfig, Op, Problem, Variant, rel_error
 from autofuse.core.runner import Handle, Outputs
 
 L2_BYTES = 50 << 20
@@ -135,6 +137,18 @@ def _stats(world, mode: str, samples: Sequence[float], inner: int) -> Timing:
     q = lambda f: s[min(len(s) - 1, int(f * len(s)))]  # noqa: E731
     mx = lambda v: world.rank_max(v)  # noqa: E731
     return Timing(mode, mx(s[len(s) // 2]), mx(q(0.1)), mx(q(0.9)), mx(s[0]), len(s), inner)
+
+
+def timed_mode(variant: Variant, mode: str) -> str:
+    """The mode `variant` is timed in when `mode` is asked: `eager` for `graph` where the variant cannot be
+    captured in a CUDA graph (`Variant.capturable`), since a user's graph cannot contain it and it runs
+    eagerly there; else `mode` itself. The measurement keeps the asked mode, marked `timed_eager`."""
+    return "eager" if mode == "graph" and not variant.capturable else mode
+
+
+def eager_mark(variant: Variant, mode: str) -> dict[str, Any]:
+    """`{"timed_eager": True}` where `timed_mode` times `variant` eagerly for `mode`, else {}: a Measurement's extra."""
+    return {"timed_eager": True} if timed_mode(variant, mode) != mode else {}
 
 
 class TooSlow(RuntimeError):
@@ -280,12 +294,14 @@ def split_rounds(reps: int, rounds: int) -> list[int]:
     return [base + (1 if i < extra else 0) for i in range(rounds)]
 
 
-def time_in_turns(world, steps: Sequence[Sequence[Callable[[], Any]] | Callable[[], Any]], mode: str = "eager",
+def time_in_turns(world, steps: Sequence[Sequence[Callable[[], Any]] | Callable[[], Any]],
+                  mode: str | Sequence[str] = "eager",
                   reps: int = 20, warmup: int = 3, rounds: int = 3,
                   budget_s: float = math.inf) -> tuple[list[Timing], list[int]]:
     """Rank-max timings of several things to compare (`steps[i]`: what `time_fn` takes), taken in turns.
 
-    Each gets a `Batches` timer; their `reps` batches (fewer when the projected timed batches of all
+    `mode`: one for all, or one per step (e.g. `timed_mode` of each candidate's variant: graph for
+    some, eager for those that cannot be captured). Each gets a `Batches` timer; their `reps` batches (fewer when the projected timed batches of all
     would exceed `budget_s`, at least one each) are spread over `rounds` rounds, the order reversed
     every other round, so that a drift of clocks, temperature or host load during the run is shared
     by all of them rather than charged to whichever ran last. Each turn starts with a barrier and
@@ -293,7 +309,10 @@ def time_in_turns(world, steps: Sequence[Sequence[Callable[[], Any]] | Callable[
     the last turn. Returns the timings and the batches per round. Collective: every rank passes the
     same counts.
     """
-    batches = [Batches(world, fns, mode, warmup) for fns in steps]
+    modes = [mode] * len(steps) if isinstance(mode, str) else list(mode)
+    if len(modes) != len(steps):
+        raise ValueError(f"time_in_turns: {len(modes)} modes for {len(steps)} steps")
+    batches = [Batches(world, fns, m, warmup) for fns, m in zip(steps, modes)]
     plan = split_rounds(reps_within(budget_s, sum(b.batch_s for b in batches), reps), rounds)
     for b in batches:
         b.start()
@@ -418,12 +437,14 @@ def _time_mode(world, op: Op, problem: Problem, variant: str, config: Config, ru
                fns: Sequence[Callable[[], Any]], outs: Sequence[torch.Tensor], mode: str, reps: int, warmup: int,
                budget_s: float, err: float, seed: int, extra: dict[str, Any]) -> Measurement:
     """One mode's timing of a built, checked runner, as `measure` times it (the output of the timed calls
-    checked again); `extra` gains `timing_s`, the seconds this rank spent timing."""
+    checked again); `extra` gains `timing_s`, the seconds this rank spent timing, and `timed_eager` where
+    the variant cannot be captured and `mode` is graph (`timed_mode`: timed eagerly, stored as graph)."""
     why = ""
     t0 = time.perf_counter()
+    v = op.variant(variant)
     try:
         poison(outs[0])
-        t = time_fn(world, fns, mode, warmup=warmup, reps=reps, budget_s=budget_s)
+        t = time_fn(world, fns, timed_mode(v, mode), warmup=warmup, reps=reps, budget_s=budget_s)
         check_faults(world, runner)
         replayed = rel_error(outs[0], op.reference(world, problem, seed + 1))
         if not replayed <= op.tolerance(problem):
@@ -437,7 +458,7 @@ def _time_mode(world, op: Op, problem: Problem, variant: str, config: Config, ru
         rebuild_workspaces(world)
         return Measurement(problem, variant, dict(config), mode, False, why or "failed on another rank", err)
     return Measurement(problem, variant, dict(config), mode, True, "", err, t.median_us, t.p10_us, t.p90_us,
-                       t.min_us, t.reps, {**extra, "inner": t.inner, "sets": len(fns),
+                       t.min_us, t.reps, {**extra, "inner": t.inner, "sets": len(fns), **eager_mark(v, mode),
                                           "timing_s": round(time.perf_counter() - t0, 4)})
 
 
@@ -474,7 +495,7 @@ def measure_in_turns(world, op: Op, problem: Problem, candidates: Sequence[tuple
     """Re-measure `candidates` ((variant, config) pairs, e.g. a problem's BSP and its best) in turns
     (`time_in_turns`, in each mode), so a drift during the run is shared by all of them: per candidate,
     one Measurement per mode with extra `confirmed`: True (the store then prefers it to the config's
-    earlier rows). A candidate that no longer builds or checks gets failed rows; where the timing
+    earlier rows; `timed_eager` as `_time_mode` marks it). A candidate that no longer builds or checks gets failed rows; where the timing
     itself fails, nothing is returned ([]). Collective."""
     refuse_timing(world)
     modes = tuple(modes or supported_modes(world.device.type))
@@ -483,11 +504,13 @@ def measure_in_turns(world, op: Op, problem: Problem, candidates: Sequence[tuple
         return [[Measurement(problem, v, dict(c), m, False, why, err) for m in modes] if r is None else []
                 for (v, c), (r, why, err) in zip(candidates, built)]
     steps = [timing_steps(world, op, problem, r, seed + 1)[0] for r, _, _ in built]
+    variants = [op.variant(v) for v, _ in candidates]
     out: list[list[Measurement]] = [[] for _ in candidates]
     for mode in modes:
         why = ""
         try:
-            timings, plan = time_in_turns(world, steps, mode, reps=reps, warmup=warmup, rounds=rounds)
+            timings, plan = time_in_turns(world, steps, [timed_mode(v, mode) for v in variants], reps=reps,
+                                          warmup=warmup, rounds=rounds)
             for r, _, _ in built:
                 check_faults(world, r)
         except Exception as exc:  # noqa: BLE001 - agreed below; nothing is stored
@@ -498,5 +521,5 @@ def measure_in_turns(world, op: Op, problem: Problem, candidates: Sequence[tuple
         for i, ((v, c), (_, _, err), t) in enumerate(zip(candidates, built, timings)):
             out[i].append(Measurement(problem, v, dict(c), mode, True, "", err, t.median_us, t.p10_us, t.p90_us,
                                       t.min_us, t.reps, {"confirmed": True, "turns": plan, "inner": t.inner,
-                                                         "sets": len(steps[i])}))
+                                                         "sets": len(steps[i]), **eager_mark(variants[i], mode)}))
     return out

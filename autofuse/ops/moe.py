@@ -24,7 +24,7 @@ call's topk_weights, applied by combine) and `rows` C x H (the received token ro
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 import torch.distributed as dist
@@ -125,69 +125,110 @@ def act_backward(pre: torch.Tensor, grad: torch.Tensor, act: str) -> torch.Tenso
 
 
 # -- inputs and references ----------------------------------------------------------------------------
-def routing(problem: Problem, rank: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rank `rank`'s topk_ids (int64) and topk_weights (float32, rows summing to 1) for `problem`'s skew:
-    each token goes wholly to rank 0's experts with the probability that makes rank 0's expected share of
-    the rows `skew` percent (100: every row; 100/W: none beyond an even share), else to k distinct
-    experts drawn uniformly."""
+# Everything is drawn on the caller's device (the World's) from seeded generators, so a rank makes only
+# what it needs: its tokens and routing, its own experts' weights; expert e's weights come from their own
+# seed, so any rank rebuilds any expert alike (the float64 references rebuild the experts they need).
+CPU = torch.device("cpu")
+REF_CHUNK = 4096  # rows per float64 matmul of the references (bounded memory at 8192 tokens)
+
+
+def _generator(device: torch.device, seed: int) -> torch.Generator:
+    g = torch.Generator(device=device)
+    g.manual_seed(seed)
+    return g
+
+
+def routing(problem: Problem, rank: int, seed: int, device: torch.device = CPU) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank `rank`'s topk_ids (int64) and topk_weights (float32, rows summing to 1) for `problem`'s skew,
+    on `device`: each token goes wholly to rank 0's experts with the probability that makes rank 0's
+    expected share of the rows `skew` percent (100: every row; 100/W: none beyond an even share), else to
+    k distinct experts drawn uniformly (the top-k of uniform scores; no host sync)."""
     t, e, k, w = problem["T"], problem["E"], problem["k"], problem.world
     local = e // w
-    g = torch.Generator().manual_seed(seed * 7919 + rank * 104729 + 17)
+    g = _generator(device, seed * 7919 + rank * 104729 + 17)
     share = min(1.0, busiest_share(problem))
     q = 0.0 if w == 1 else max(0.0, (share - 1 / w) / (1 - 1 / w))
-    ids = torch.empty(t, k, dtype=torch.int64)
-    for i in range(t):
-        pool = local if torch.rand((), generator=g).item() < q and k <= local else e
-        ids[i] = torch.randperm(pool, generator=g)[:k]
-    weights = torch.rand(t, k, generator=g) + 0.1
+    ids = torch.topk(torch.rand(t, e, generator=g, device=device), k, dim=1).indices
+    skewed = torch.rand(t, generator=g, device=device) < q
+    if q > 0 and k <= local:
+        on_rank0 = torch.topk(torch.rand(t, local, generator=g, device=device), k, dim=1).indices
+        ids = torch.where(skewed.unsqueeze(1), on_rank0, ids)
+    weights = torch.rand(t, k, generator=g, device=device) + 0.1
     return ids, weights / weights.sum(1, keepdim=True)
 
 
-def expert_weights(problem: Problem, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Every expert's w1 (E x H x 2F or F) and w2 (E x F x H), float32, the same on every rank."""
-    e, h, f = problem["E"], problem["H"], problem["F"]
+def _expert(problem: Problem, expert: int, seed: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Expert `expert`'s w1 (H x 2F or F) and w2 (F x H), float32, from the expert's own seed."""
+    h, f = problem["H"], problem["F"]
     cols = 2 * f if problem["act"] == "swiglu" else f
-    g = torch.Generator().manual_seed(seed * 31 + 5)
-    return torch.randn(e, h, cols, generator=g) / math.sqrt(h), torch.randn(e, f, h, generator=g) / math.sqrt(f)
+    g = _generator(device, seed * 31 + 5 + expert * 1_000_003)
+    w1 = torch.randn(h, cols, generator=g, device=device) / math.sqrt(h)
+    return w1, torch.randn(f, h, generator=g, device=device) / math.sqrt(f)
 
 
-def tokens(problem: Problem, rank: int, seed: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed * 1009 + rank * 13 + 3)
-    return torch.randn(problem["T"], problem["H"], generator=g)
+def expert_weights(problem: Problem, seed: int, experts: Sequence[int] | None = None, device: torch.device = CPU,
+                   dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """w1 (n x H x 2F or F) and w2 (n x F x H) of `experts` (default: all E) in `dtype`, the same on
+    every rank; made one expert at a time (peak: one expert in float32 beyond the result)."""
+    h, f = problem["H"], problem["F"]
+    which = range(problem["E"]) if experts is None else list(experts)
+    cols = 2 * f if problem["act"] == "swiglu" else f
+    w1 = torch.empty(len(which), h, cols, dtype=dtype, device=device)
+    w2 = torch.empty(len(which), f, h, dtype=dtype, device=device)
+    for i, e in enumerate(which):
+        a, b = _expert(problem, e, seed, device)
+        w1[i], w2[i] = a, b
+    return w1, w2
 
 
-def rank_inputs(problem: Problem, rank: int, seed: int) -> tuple[torch.Tensor, ...]:
-    """(x, topk_ids, topk_weights, w1 shard, w2 shard) of `rank`, on the CPU, in the problem's dtype
-    (routing: int64 ids, float32 weights)."""
+def tokens(problem: Problem, rank: int, seed: int, device: torch.device = CPU) -> torch.Tensor:
+    """Rank `rank`'s x (T x H), float32, on `device`."""
+    g = _generator(device, seed * 1009 + rank * 13 + 3)
+    return torch.randn(problem["T"], problem["H"], generator=g, device=device)
+
+
+def rank_inputs(problem: Problem, rank: int, seed: int, device: torch.device = CPU) -> tuple[torch.Tensor, ...]:
+    """(x, topk_ids, topk_weights, w1 shard, w2 shard) of `rank`, on `device`, in the problem's dtype
+    (routing: int64 ids, float32 weights); only the rank's own E/W experts are made."""
     dt, local = problem.torch_dtype, local_experts(problem)
-    ids, weights = routing(problem, rank, seed)
-    w1, w2 = expert_weights(problem, seed)
-    mine = slice(rank * local, (rank + 1) * local)
-    return (tokens(problem, rank, seed).to(dt), ids, weights, w1[mine].to(dt).reshape(w1_shape(problem)).contiguous(),
-            w2[mine].to(dt).contiguous())
+    ids, weights = routing(problem, rank, seed, device)
+    w1, w2 = expert_weights(problem, seed, range(rank * local, (rank + 1) * local), device, dt)
+    return tokens(problem, rank, seed, device).to(dt), ids, weights, w1.reshape(w1_shape(problem)), w2
 
 
-def expert_rows_reference(problem: Problem, rank: int, seed: int, second: bool) -> torch.Tensor:
-    """In float64: the rows `rank` computes for its experts, in the received order (C rows, zero beyond
-    the used ones): act(x @ w1) for dispatch's `h`; with `second`, times w2 as well."""
-    w, local = problem.world, local_experts(problem)
-    rows: list[list[torch.Tensor]] = [[] for _ in range(local)]
-    w1, w2 = (t.double() for t in expert_weights(problem, seed))
-    for src in range(w):
-        x, ids, *_ = (t.double() if t.is_floating_point() else t for t in rank_inputs(problem, src, seed))
-        flat = ids.reshape(-1)
-        for s in torch.sort(flat, stable=True).indices.tolist():
-            e = int(flat[s])
-            if e // local == rank:
-                rows[e % local].append(x[s // problem["k"]])
-    out = torch.zeros(problem["C"], problem["F"] if not second else problem["H"], dtype=torch.float64)
-    i = 0
-    for l, group in enumerate(rows):
-        e = rank * local + l
-        for row in group:
-            v = _act64(row @ w1[e], problem["act"])
-            out[i] = v @ w2[e] if second else v
-            i += 1
+def _expert64(problem: Problem, expert: int, seed: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Expert `expert`'s weights as the op gets them (rounded to the problem's dtype), in float64."""
+    return tuple(w.to(problem.torch_dtype).double() for w in _expert(problem, expert, seed, device))
+
+
+def _expert_rows64(problem: Problem, rows: torch.Tensor, expert: int, seed: int, second: bool) -> torch.Tensor:
+    """act(rows @ w1[expert]) (with `second`: @ w2[expert] too) in float64, REF_CHUNK rows at a time."""
+    w1, w2 = _expert64(problem, expert, seed, rows.device)
+    out = rows.new_empty(rows.shape[0], problem["H"] if second else problem["F"])
+    for s in range(0, rows.shape[0], REF_CHUNK):
+        v = _act64(rows[s:s + REF_CHUNK] @ w1, problem["act"])
+        out[s:s + REF_CHUNK] = v @ w2 if second else v
+    return out
+
+
+def expert_rows_reference(problem: Problem, rank: int, seed: int, second: bool,
+                          device: torch.device = CPU) -> torch.Tensor:
+    """In float64 on `device`: the rows `rank` computes for its experts, in the received order (C rows,
+    zero beyond the used ones): act(x @ w1) for dispatch's `h`; with `second`, times w2 as well. Every
+    source's tokens and routing are rebuilt (small), and only this rank's experts, one at a time."""
+    w, local, k = problem.world, local_experts(problem), problem["k"]
+    flat = torch.stack([routing(problem, src, seed, device)[0].reshape(-1) for src in range(w)])  # W x T*k
+    x = torch.stack([tokens(problem, src, seed, device).to(problem.torch_dtype).double() for src in range(w)])
+    src, slot = (flat // local == rank).nonzero(as_tuple=True)  # source-major, slots ascending
+    expert = flat[src, slot] % local
+    order = torch.sort(expert, stable=True).indices  # grouped by local expert, then source, then slot
+    rows = x[src[order], slot[order] // k]
+    out = torch.zeros(problem["C"], problem["H"] if second else problem["F"], dtype=torch.float64, device=device)
+    start = 0
+    for l, n in enumerate(torch.bincount(expert, minlength=local).tolist()):
+        if n:
+            out[start:start + n] = _expert_rows64(problem, rows[start:start + n], rank * local + l, seed, second)
+        start += n
     return out
 
 
@@ -198,11 +239,23 @@ def _act64(pre: torch.Tensor, act: str) -> torch.Tensor:
     return fn.silu(pre[..., :f]) * pre[..., f:]
 
 
-def moe_reference(problem: Problem, rank: int, seed: int) -> torch.Tensor:
-    """The unsharded MoE block in float64 on `rank`'s tokens: y_t = sum_j w_tj * expert_{id_tj}(x_t)."""
-    x, ids, weights, *_ = rank_inputs(problem, rank, seed)
-    w1, w2 = (t.double() for t in expert_weights(problem, seed))
-    return unsharded(x.double(), ids, weights.double(), w1, w2, problem["act"])
+def moe_reference(problem: Problem, rank: int, seed: int, device: torch.device = CPU) -> torch.Tensor:
+    """The unsharded MoE block in float64 on `rank`'s tokens, on `device`: y_t = sum_j w_tj *
+    expert_{id_tj}(x_t), each expert's slots in one batch, only the experts the rank's tokens use."""
+    k = problem["k"]
+    x = tokens(problem, rank, seed, device).to(problem.torch_dtype).double()
+    ids, weights = routing(problem, rank, seed, device)
+    flat, slot_w = ids.reshape(-1), weights.reshape(-1).double()
+    order = torch.sort(flat, stable=True).indices
+    y = torch.zeros(problem["T"], problem["H"], dtype=torch.float64, device=device)
+    start = 0
+    for e, n in enumerate(torch.bincount(flat, minlength=problem["E"]).tolist()):
+        if n:
+            slots = order[start:start + n]
+            rows = _expert_rows64(problem, x[slots // k], e, seed, second=True)
+            y.index_add_(0, slots // k, rows * slot_w[slots].unsqueeze(1))
+        start += n
+    return y
 
 
 def unsharded(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
@@ -234,10 +287,9 @@ def sweep(op: str, kind: str, world: int) -> list[Problem]:
     (7168, 2048, 256, top-8) at 1..8192 tokens per rank, even routing, the shapes whose experts divide
     over the ranks; `skew` (tiny, every row on rank 0's experts); `scaling` (64 tokens over the ranks,
     8 experts). Unknown kinds raise ValueError, `default` among them: on GPUs the MoE ops are tuned with
-    `autofuse tune --sweep moe`, not in the default tune, because their BSP (the counts read on the host)
-    cannot be captured in a CUDA graph, so it has no graph-mode baseline, and their float64 references
-    run on the host (2026-11-27, 4x H200: two Mixtral T=1 baselines spent 130 s of a 3.5-minute tune
-    and failed)."""
+    `autofuse tune --sweep moe`, not in the default tune (2026-11-27, 4x H200: two Mixtral T=1 baselines
+    spent 130 s of a 3.5-minute tune and failed, with the references then on the host and bsp, which
+    cannot be captured, without a graph-mode row; both fixed since, not yet re-measured on GPUs)."""
     if kind == "cpu":
         return [make_problem(op, "float32", world, t, 32, 16, 2 * world, 2, "swiglu") for t in (4, 16)]
     if kind == "skew":

@@ -72,6 +72,7 @@ class BspRunner(Runner):
 
 class Bsp(Variant):
     name, family = "bsp", "bsp"
+    capturable = False  # the host reads the counts (the all-to-all's splits)
 
     def runner(self, world: World, problem: Problem, config: Config) -> Runner:
         return BspRunner(world, problem)
@@ -83,14 +84,14 @@ def inputs(world: World, problem: Problem, seed: int) -> tuple:
     from autofuse.ops import moe_dispatch
 
     d = Problem.from_key(moe.partner_key(problem))
-    x, ids, weights, w1, w2 = (t.to(world.device) for t in moe.rank_inputs(d, world.rank, seed))
+    x, ids, weights, w1, w2 = moe.rank_inputs(d, world.rank, seed, world.device)
     h, handle = moe_dispatch.BspRunner(world, d)(x, ids, weights, w1)
     return h, w2, Handle(handle.key, **{n: t.clone() for n, t in handle.tensors.items()})
 
 
 def reference(world: World, problem: Problem, seed: int) -> torch.Tensor:
     """The unsharded MoE block on this rank's tokens, float64."""
-    return moe.moe_reference(problem, world.rank, seed)
+    return moe.moe_reference(problem, world.rank, seed, world.device)
 
 
 def _sweep(kind: str, world: int) -> list[Problem]:

@@ -105,6 +105,7 @@ class BspRunner(DispatchRunner):
 
 class Bsp(Variant):
     name, family = "bsp", "bsp"
+    capturable = False  # the host reads the counts (the all-to-all's splits)
 
     def runner(self, world: World, problem: Problem, config: Config) -> Runner:
         return BspRunner(world, problem)
@@ -116,13 +117,12 @@ def problem_of(world: World, x: Any, topk_ids: Any, topk_weights: Any, w1: Any) 
 
 
 def inputs(world: World, problem: Problem, seed: int) -> tuple[torch.Tensor, ...]:
-    x, ids, weights, w1, _ = moe.rank_inputs(problem, world.rank, seed)
-    return tuple(t.to(world.device) for t in (x, ids, weights, w1))
+    return moe.rank_inputs(problem, world.rank, seed, world.device)[:4]
 
 
 def reference(world: World, problem: Problem, seed: int) -> tuple:
     """`h` in float64 (the handle has no reference: combine's output checks it)."""
-    return moe.expert_rows_reference(problem, world.rank, seed, second=False), None
+    return moe.expert_rows_reference(problem, world.rank, seed, second=False, device=world.device), None
 
 
 def _sweep(kind: str, world: int) -> list[Problem]:
