@@ -1,0 +1,191 @@
+"""MoE's `hybrid` variants (kernels/moe.py's heap all-to-all beside the grouped GEMM) on CPU ranks under
+Triton's interpreter: against float64 and against bsp (the same handle, so either combine takes either
+dispatch's), uniform / skewed / empty-expert routings, a rank receiving no rows and one sending none to
+its peers, several programs and rows wider than a copy step; gradients when dispatch picks hybrid; a
+late peer (bounded wait, every rank raises, NaN outputs, refused until rebuilt); the configs."""
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+
+import harness
+from autofuse.comm.world import spawn
+from autofuse.ops import moe
+from test_moe import _global, _grads, _shard
+
+T, F, K = 4, 16, 2
+TOL = 1e-5
+SMALL = {"COMM_SMS": 2, "BLOCK": 1024, "num_warps": 4}  # H=32: one program moves 32-row blocks
+# H=1536: BLOCK_C 1024, so two column steps (the second masked), one row per step, four programs
+WIDE = {"COMM_SMS": 4, "BLOCK": 1024, "num_warps": 4}
+ROUTINGS = ("uniform", "skewed", "empty_experts", "self")
+
+
+def _err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.detach().double() - b.double()).norm() / max(b.double().norm(), 1e-30))
+
+
+CASES = ((32, "swiglu", SMALL), (32, "none", SMALL), (1536, "swiglu", WIDE))  # H, act, config
+
+
+def _forward(world) -> dict:
+    """Every routing through both hybrids and across (hybrid dispatch -> bsp combine and back); 4 ranks run
+    the first case only (the interpreter's time grows with the ranks sharing 2 cores)."""
+    from autofuse.ops import moe_combine, moe_dispatch
+
+    out = {}
+    for hid, act, cfg in CASES if world.size == 2 else CASES[:1]:
+        p = moe.make_problem(moe.DISPATCH, "float32", world.size, T, hid, F, 2 * world.size, K, act)
+        hybrid, bsp = moe_dispatch.Hybrid().build(world, p, cfg), moe_dispatch.Bsp().build(world, p, {})
+        cp = _combine_problem(world, p)
+        chybrid, cbsp = moe_combine.Hybrid().build(world, cp, cfg), moe_combine.Bsp().build(world, cp, {})
+        for kind in ROUTINGS:
+            ranks, w1, w2 = _global(p, kind, 1)
+            x, ids, weights = ranks[world.rank]
+            w1r, w2r = _shard(p, w1, w2, world.rank)
+            ref = moe.unsharded(x.double(), ids, weights.double(), w1.double(), w2.double(), act)
+            h, handle = hybrid(x, ids.int() if kind == "self" else ids, weights, w1r)
+            h, handle = h.clone(), _copy(handle)
+            hb, handle_b = bsp(x, ids, weights, w1r)
+            hb, handle_b = hb.clone(), _copy(handle_b)
+            used = int(handle.tensors["counts"].sum())
+            same = {n: bool(torch.equal(handle.tensors[n], handle_b.tensors[n]))
+                    for n in ("counts", "sent", "order", "index", "weights")}
+            same["rows"] = bool(torch.equal(handle.tensors["rows"][:used], handle_b.tensors["rows"][:used]))
+            out[(hid, act, kind)] = {
+                "used": used, "same": same, "pad_zero": bool((h[used:] == 0).all()),
+                "h": _err(h, hb), "y": _err(chybrid(h, w2r, handle), ref),
+                "y bsp dispatch": _err(chybrid(hb, w2r, handle_b), ref),  # hybrid combine, bsp's handle
+                "y bsp combine": _err(cbsp(h, w2r, handle), ref)}         # bsp combine, hybrid's handle
+    return out
+
+
+def _combine_problem(world, p):
+    from autofuse.core.op import Problem
+
+    return Problem.make(moe.COMBINE, p.dtype, p.world, **dict(p.dims))
+
+
+def _copy(handle):
+    from autofuse.core.runner import Handle
+
+    return Handle(handle.key, **{n: t.clone() for n, t in handle.tensors.items()})
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_hybrid_matches_float64_and_bsp(world):
+    results = spawn(_forward, world, timeout_s=600)
+    for rank, r in enumerate(results):
+        for case, v in r.items():
+            assert all(v["same"].values()), (rank, case, v["same"])
+            assert v["pad_zero"], (rank, case)
+            assert max(v[n] for n in ("h", "y", "y bsp dispatch", "y bsp combine")) < TOL, (rank, case, v)
+    for case in results[0]:
+        if case[2] == "skewed":  # every row to rank 0: the other ranks receive none
+            assert results[0][case]["used"] == world * T * K and all(r[case]["used"] == 0 for r in results[1:])
+
+
+def _grads_hybrid(world) -> dict:
+    import autofuse
+    from autofuse.ops import moe_dispatch
+
+    os.environ["AUTOFUSE_VARIANT"] = "moe_dispatch:hybrid,moe_combine:hybrid"
+    errs = _grads(world, False)
+    p = moe.make_problem(moe.DISPATCH, "float32", world.size, T, 32, F, 2 * world.size, K, "swiglu")
+    x, ids, weights, w1 = moe_dispatch.inputs(world, p, 0)
+    h, handle = autofuse.moe_dispatch(x, ids, weights, w1, group=world)
+    chosen = (autofuse.explain("moe_dispatch", x, ids, weights, w1, group=world).variant,
+              autofuse.explain("moe_combine", h, moe.rank_inputs(p, world.rank, 0)[4], handle, group=world).variant)
+    return {"errs": errs, "chosen": chosen}
+
+
+def test_gradients_when_dispatch_and_combine_pick_hybrid():
+    for rank, r in enumerate(spawn(_grads_hybrid, 2, timeout_s=600)):
+        assert r["chosen"] == ("hybrid", "hybrid"), r["chosen"]
+        for kind, errs in r["errs"].items():
+            assert max(errs.values()) < TOL, (rank, kind, errs)
+
+
+def _late_peer(world) -> dict:
+    """Per op: 4 calls; the last rank sleeps past the wait budget before call 1. What each call did:
+    ('returned', error) or (exception, elements of the output that are not NaN: the kernel's own
+    epilogue's, before the host check, and after it); then autofuse.rebuild and a 5th call."""
+    import autofuse
+    from autofuse.comm.status import FlagTimeout, WorkspaceAborted
+    from autofuse.ops import moe_combine, moe_dispatch
+
+    os.environ["AUTOFUSE_WAIT_TIMEOUT"] = str(harness.FAULT_BUDGET_S)  # before the workspaces are made
+    p = moe.make_problem(moe.DISPATCH, "float32", world.size, T, 32, F, 2 * world.size, K, "swiglu")
+    cp = _combine_problem(world, p)
+    ranks, w1, w2 = _global(p, "uniform", 1)
+    x, ids, weights = ranks[world.rank]
+    w1r, w2r = _shard(p, w1, w2, world.rank)
+    ref = moe.unsharded(x.double(), ids, weights.double(), w1.double(), w2.double(), "swiglu")
+    hb, handle = moe_dispatch.Bsp().build(world, p, {})(x, ids, weights, w1r)
+    hb, handle = hb.clone(), _copy(handle)
+    seen = {}
+    for name, runner, args, check in (
+            ("dispatch", moe_dispatch.Hybrid().build(world, p, SMALL), (x, ids, weights, w1r),
+             lambda o: _err(o[0], hb)),
+            ("combine", moe_combine.Hybrid().build(world, cp, SMALL), (hb, w2r, handle), lambda o: _err(o, ref))):
+        rows = []
+        for i in range(5):
+            if i == 4:
+                autofuse.rebuild(world)
+            if i == 1 and world.rank == world.size - 1:
+                time.sleep(harness.FAULT_BUDGET_S + 1.0)
+            out, t0 = None, time.monotonic()
+            try:
+                out = runner(*args)
+                first = out[0] if name == "dispatch" else out
+                kernel_nan = int((~torch.isnan(first)).sum())
+                runner.check(out)
+                rows.append(("returned", check(out)))
+            except (FlagTimeout, WorkspaceAborted) as exc:
+                if out is None:  # refused before launching
+                    rows.append((type(exc).__name__, -1, -1, time.monotonic() - t0))
+                else:
+                    first = out[0] if name == "dispatch" else out
+                    rows.append((type(exc).__name__, kernel_nan, int((~torch.isnan(first)).sum()),
+                                 time.monotonic() - t0))
+            world.sync()
+        seen[name] = rows
+    return seen
+
+
+def test_late_peer_raises_on_every_rank_leaves_nan_and_is_refused_until_rebuilt():
+    for rank, seen in enumerate(spawn(_late_peer, 2, timeout_s=600)):
+        for name, rows in seen.items():
+            assert rows[0] == ("returned", rows[0][1]) and rows[0][1] < TOL, (rank, name, rows)
+            kind, kernel_left, left, took = rows[1]
+            assert kind == "FlagTimeout", (rank, name, rows)
+            assert kernel_left == 0 and left == 0, (rank, name, rows)  # NaN from the kernel's epilogue already
+            assert took <= harness.FAULT_BUDGET_S + 5.0, (rank, name, rows)
+            assert [r[0] for r in rows[2:4]] == ["WorkspaceAborted"] * 2, (rank, name, rows)
+            assert rows[4][0] == "returned" and rows[4][1] < TOL, (rank, name, rows)
+
+
+def test_configs_space_defaults_and_checks():
+    from autofuse.ops import moe_combine, moe_dispatch
+
+    class Trial:  # the first choice of everything
+        def suggest_categorical(self, name, choices):
+            return choices[0]
+
+    for op in (moe_dispatch.OP, moe_combine.OP):
+        v = op.variant("hybrid")
+        assert v.family == "hybrid" and v.tunable
+        for t, hid, k in ((1, 7168, 8), (64, 2048, 8), (4096, 7168, 8)):
+            p = moe.make_problem(op.name, "bfloat16", 8, t, hid, 2048, 256, k, "swiglu")
+            assert v.defaults(p) and all(v.check(p, c) is None for c in v.defaults(p)), p.key
+            assert v.check(p, v.space(Trial(), p)) is None
+        assert "ENGINE" in v.check(p, {**v.defaults(p)[0], "ENGINE": "sm"})
+        assert "BLOCK" in v.check(p, {**v.defaults(p)[0], "BLOCK": 100})
+        assert "COMM_SMS" in v.check(p, {**v.defaults(p)[0], "COMM_SMS": 0})
+    small = moe.make_problem(moe.DISPATCH, "bfloat16", 8, 1, 7168, 2048, 256, 8, "swiglu")
+    big = moe.make_problem(moe.DISPATCH, "bfloat16", 8, 4096, 7168, 2048, 256, 8, "swiglu")
+    assert moe_dispatch.OP.variant("hybrid").defaults(small)[0]["COMM_SMS"] < \
+        moe_dispatch.OP.variant("hybrid").defaults(big)[0]["COMM_SMS"]
