@@ -189,3 +189,73 @@ def test_configs_space_defaults_and_checks():
     big = moe.make_problem(moe.DISPATCH, "bfloat16", 8, 4096, 7168, 2048, 256, 8, "swiglu")
     assert moe_dispatch.OP.variant("hybrid").defaults(small)[0]["COMM_SMS"] < \
         moe_dispatch.OP.variant("hybrid").defaults(big)[0]["COMM_SMS"]
+
+
+# -- GPU (marker gpu): bfloat16, torch._grouped_mm, one CUDA graph replayed over changing routings ------------
+GPU_DIMS = dict(tokens=64, hidden=2048, ffn=768, topk=4, act="swiglu")  # Qwen3-30B-A3B's H and F, 8 experts a rank
+
+
+def _gpu_routing(problem, kind: str, rank: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """uniform, skewed (every row to rank 0's experts: the others receive none) or empty_experts (only the
+    first k experts of rank 0 and the last expert: most experts and the middle ranks get none)."""
+    ids, weights = moe.routing(problem, rank, seed)
+    if kind == "skewed":
+        ids = torch.stack([torch.randperm(problem["E"] // problem.world, generator=torch.Generator().manual_seed(
+            seed * 1000 + rank * 100 + t))[:problem["k"]] for t in range(problem["T"])])
+    elif kind == "empty_experts":
+        ids = torch.tensor([[*range(problem["k"] - 1), problem["E"] - 1]] * problem["T"])
+    return ids, weights
+
+
+def _gpu_graph(world) -> list[tuple[str, float, float]]:
+    """(case, relative error vs float64, tolerance): eager through the public API with both ops forced to
+    hybrid, then the runner pair captured once in a CUDA graph and replayed with each routing's inputs
+    copied in (the counts change between replays; the host never reads them)."""
+    import autofuse
+    from autofuse.measure.timing import capture
+    from autofuse.ops import moe_combine, moe_dispatch
+
+    os.environ["AUTOFUSE_VARIANT"] = "moe_dispatch:hybrid,moe_combine:hybrid"
+    p = moe.make_problem(moe.DISPATCH, "bfloat16", world.size, experts=8 * world.size, **GPU_DIMS)
+    tol, dev, out = moe.tolerance(p), world.device, []
+    _, _, _, w1r, w2r = (t.to(dev) for t in moe.rank_inputs(p, world.rank, 0))
+    w1, w2 = (t.to(p.torch_dtype).double() for t in moe.expert_weights(p, 0))
+
+    def case(kind: str, seed: int):
+        ids, weights = _gpu_routing(p, kind, world.rank, seed)
+        x = moe.tokens(p, world.rank, seed).to(p.torch_dtype)
+        ref = moe.unsharded(x.double(), ids, weights.double(), w1, w2, "swiglu").to(dev)
+        return x.to(dev), ids.to(dev), weights.to(dev), ref
+
+    for i, kind in enumerate(("uniform", "skewed", "empty_experts")):
+        x, ids, weights, ref = case(kind, i)
+        h, handle = autofuse.moe_dispatch(x, ids, weights, w1r, group=world)
+        out.append((f"eager {kind}", _err(autofuse.moe_combine(h, w2r, handle, group=world), ref), tol))
+    cfg = moe_dispatch.OP.variant("hybrid").defaults(p)[0]
+    dr = moe_dispatch.Hybrid().build(world, p, cfg)
+    cr = moe_combine.Hybrid().build(world, _combine_problem(world, p), cfg)
+    x_s, ids_s, w_s, _ = case("uniform", 10)
+    y = torch.empty(p["T"], p["H"], dtype=p.torch_dtype, device=dev)
+
+    def step():
+        h, handle = dr(x_s, ids_s, w_s, w1r)
+        cr(h, w2r, handle, out=y)
+
+    graph = capture(world, step)
+    for i, kind in enumerate(("uniform", "skewed", "empty_experts", "uniform")):
+        x, ids, weights, ref = case(kind, 20 + i)
+        x_s.copy_(x), ids_s.copy_(ids), w_s.copy_(weights)
+        y.fill_(float("nan"))
+        world.sync()
+        graph.replay()
+        world.sync()
+        dr.check(), cr.check()
+        out.append((f"graph replay {i} {kind}", _err(y, ref), tol))
+    return out
+
+
+@harness.gpu()
+def test_gpu_eager_and_graph_replay_over_changing_routings():
+    for rank, rows in enumerate(spawn(_gpu_graph, harness.gpu_world(), timeout_s=600)):
+        bad = [r for r in rows if not r[1] <= r[2]]
+        assert not bad, (rank, bad, rows)
