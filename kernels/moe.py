@@ -31,6 +31,10 @@ counts it did not get, fills its share of the destination buffer with NaN and se
 (else 0): the host's epilogue turns a set fault into NaN outputs without reading it, so a graph
 replay that failed leaves NaN too. Waits are bounded and faults collective (kernels/shmem.py).
 
+Loop bounds are the program's (`shmem.program_max` of each sum): a sum over a vector small enough to
+stay within a warp (a few ranks, a few experts) leaves one copy per warp, and the bounds must not
+depend on which copy a thread holds (kernels/shmem.py: decisions are made once per program).
+
 Flags (int32, the workspace's two parity sets; a call of epoch e uses set e % 2 and writes e):
 FLAG_BASE + (kind * W + src) * P + program, kind CNT or DATA. Every wait is for the same program
 index on a peer, so programs run one at a time (the interpreter) never wait on a later one.
@@ -147,8 +151,8 @@ def all_to_all_kernel(src, dst, sent, ids, order, inv, counts_out, fault, scratc
             tl.debug_barrier()  # the shifts are read back by other threads of this program
             for i in range(0, world):
                 q = (me + i + 1) % world  # peers first, my own rows last
-                lo = tl.sum(tl.where(owner < q, my_sent, 0), axis=0)
-                hi = lo + tl.sum(tl.where(owner == q, my_sent, 0), axis=0)
+                lo = shmem.program_max(tl.sum(tl.where(owner < q, my_sent, 0), axis=0))
+                hi = lo + shmem.program_max(tl.sum(tl.where(owner == q, my_sent, 0), axis=0))
                 for r0 in range(lo + p * BLOCK_R, hi, nprog * BLOCK_R):
                     rows = r0 + tl.arange(0, BLOCK_R)
                     live = rows < hi
@@ -165,8 +169,8 @@ def all_to_all_kernel(src, dst, sent, ids, order, inv, counts_out, fault, scratc
             base = tl.sum(tl.where(e_idx[None, :] < first, n, 0), axis=1)        # where they start there
             for i in range(0, world):
                 s = (me + i + 1) % world
-                ss = tl.sum(tl.where(s_idx < s, cnt, 0), axis=0)
-                hi = ss + tl.sum(tl.where(s_idx == s, cnt, 0), axis=0)
+                ss = shmem.program_max(tl.sum(tl.where(s_idx < s, cnt, 0), axis=0))
+                hi = ss + shmem.program_max(tl.sum(tl.where(s_idx == s, cnt, 0), axis=0))
                 at = tl.sum(tl.where(s_idx == s, base, 0), axis=0) - ss
                 for r0 in range(ss + p * BLOCK_R, hi, nprog * BLOCK_R):
                     rows = r0 + tl.arange(0, BLOCK_R)

@@ -13,6 +13,7 @@ import torch
 
 import harness
 from autofuse.comm.world import spawn
+from conftest import CTX, VERSIONS, assert_uniform, compile_request, compile_sm90_versions
 from autofuse.ops import moe
 from test_moe import _global, _grads, _shard
 
@@ -189,6 +190,36 @@ def test_configs_space_defaults_and_checks():
     big = moe.make_problem(moe.DISPATCH, "bfloat16", 8, 4096, 7168, 2048, 256, 8, "swiglu")
     assert moe_dispatch.OP.variant("hybrid").defaults(small)[0]["COMM_SMS"] < \
         moe_dispatch.OP.variant("hybrid").defaults(big)[0]["COMM_SMS"]
+
+
+# -- sm_90 compiles --------------------------------------------------------------------------------------
+A2A_SIG = {"src": "*bf16", "dst": "*bf16", "sent": "*i64", "ids": "*i64", "order": "*i64", "inv": "*i64",
+           "counts_out": "*i64", "fault": "*i32", "scratch": "*i32", "box": "*i32", "box_half": "i32", "ctx": CTX,
+           "flags": "*i32", "half_flags": "i32", "experts": "i32", "local": "i32", "topk": "i32", "width": "i32",
+           "dst_rows": "i32", "MODE": "constexpr", "W_P2": "constexpr", "E_P2": "constexpr", "BLOCK_R": "constexpr",
+           "BLOCK_C": "constexpr"}
+A2A_DIV = ["src", "dst", "box", "box_half", "flags", "half_flags", "width", "scratch"]
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_all_to_all_compiles_for_sm90_with_uniform_bounded_waits_and_vector_rows(version):
+    """Both directions (int64 and int32 ids; the DeepSeek-like 256 experts over 8 ranks, 8 warps and 16;
+    Mixtral's 8 over 2, where sums stay within a warp) compile for Hopper: no barrier in a per-thread branch, 16-byte row stores, waits polled and bounded,
+    flags released at system scope, a timed-out wait aborting the peers."""
+    reqs = []
+    big, small = {"W_P2": 8, "E_P2": 256, "BLOCK_R": 1, "BLOCK_C": 8192}, {"W_P2": 2, "E_P2": 8, "BLOCK_R": 2, "BLOCK_C": 4096}
+    for name, mode, ids, warps, tile in (("dispatch", 0, "*i64", 8, big), ("dispatch_i32", 0, "*i32", 16, big),
+                                         ("combine", 1, "*i64", 8, big), ("dispatch_mixtral", 0, "*i64", 4, small),
+                                         ("combine_mixtral", 1, "*i64", 4, small)):
+        consts = {"MODE": mode, **tile}
+        reqs.append(compile_request("autofuse.kernels.moe", "all_to_all_kernel", {**A2A_SIG, "ids": ids}, consts,
+                                    num_warps=warps, num_stages=1, divisible=A2A_DIV, name=name))
+    for name, k in compile_sm90_versions(reqs)[version].items():
+        assert_uniform(k, name)
+        ptx = k["ptx"]
+        assert "st.global.v4" in ptx, name
+        assert "ld.volatile.global" in ptx and "%globaltimer" in ptx, name
+        assert "atom.global.sys.release.exch.b32" in ptx and "atom.global.release.sys.cas.b32" in ptx, name
 
 
 # -- GPU (marker gpu): bfloat16, torch._grouped_mm, one CUDA graph replayed over changing routings ------------
