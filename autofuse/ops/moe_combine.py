@@ -88,7 +88,7 @@ class HybridRunner(Runner):
 
     def __init__(self, world: World, problem: Problem, config: Config):
         t, k = problem["T"], problem["k"]
-        self.a2a = moe_hybrid.Exchange(world, problem, config, f"{NAME}.hybrid", t * k)
+        self.a2a = moe_hybrid.Exchange(world, problem, config, f"{NAME}.hybrid")
         super().__init__(world, problem, in_specs(problem), TensorSpec("out", (t, problem["H"]), problem.torch_dtype),
                          self.a2a.workspaces)
         self.slots = torch.arange(t * k, device=world.device)

@@ -118,7 +118,7 @@ class HybridRunner(DispatchRunner):
     activation over the C rows, zero beyond the used ones, NaN where the all-to-all failed."""
 
     def __init__(self, world: World, problem: Problem, config: Config):
-        self.a2a = moe_hybrid.Exchange(world, problem, config, f"{NAME}.hybrid", problem["C"])
+        self.a2a = moe_hybrid.Exchange(world, problem, config, f"{NAME}.hybrid")
         super().__init__(world, problem, self.a2a.workspaces)
         self.buffers["rows"] = self.a2a.dst
         self.rows = torch.arange(problem["C"], device=world.device)

@@ -29,6 +29,7 @@ import torch
 from autofuse.comm.workspace import Workspace, workspace
 from autofuse.core.op import Config, Problem, SearchSpace, Variant
 from autofuse.core.sizes import cdiv, next_pow2
+from autofuse.ops import moe
 
 if TYPE_CHECKING:
     from autofuse.comm.world import World
@@ -44,6 +45,17 @@ FLAG_BASE, FLAG_KINDS = 16, 2  # kernels/moe.py's layout
 def row_bytes(problem: Problem) -> int:
     """Bytes one rank sends (dispatch) or gets back (combine) per call: T * k rows of H."""
     return problem["T"] * problem["k"] * problem["H"] * problem.torch_dtype.itemsize
+
+
+def receive_rows(problem: Problem) -> int:
+    """Rows of the fixed heap buffer the all-to-all fills on each rank: dispatch's C received rows, combine's
+    T * k returned ones."""
+    return problem["C"] if problem.op == moe.DISPATCH else problem["T"] * problem["k"]
+
+
+def fixed_bytes(problem: Problem) -> int:
+    """Heap bytes the receive buffer's workspace takes (workspaces round each half up to a power of two)."""
+    return 2 * next_pow2(cdiv(receive_rows(problem) * problem["H"] * problem.torch_dtype.itemsize, 2))
 
 
 class HybridVariant(Variant):
@@ -64,6 +76,14 @@ class HybridVariant(Variant):
         if nbytes <= 4 << 20:
             return [{"COMM_SMS": 16, "BLOCK": 4096, "num_warps": 8}, {"COMM_SMS": 32, "BLOCK": 8192, "num_warps": 8}]
         return [{"COMM_SMS": 64, "BLOCK": 8192, "num_warps": 8}, {"COMM_SMS": 32, "BLOCK": 16384, "num_warps": 16}]
+
+    def refuses(self, world: World, problem: Problem, config: Config) -> str | None:
+        """A receive buffer that cannot fit this World's symmetric heap at all (the tuner skips the config)."""
+        need, size = fixed_bytes(problem), world.heap.size
+        if need > size:
+            return (f"the capacity-bounded receive buffer needs {need >> 20} MiB of symmetric heap, the heap has "
+                    f"{size >> 20} MiB: raise AUTOFUSE_HEAP_SIZE")
+        return None
 
     def check(self, problem: Problem, config: Config) -> str | None:
         unknown = sorted(set(config) - set(KEYS))
@@ -127,10 +147,11 @@ def grouped_mm(a: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> torch.Te
 
 # -- the all-to-all -------------------------------------------------------------------------------------
 class Exchange:
-    """kernels/moe.py's all_to_all_kernel at one config, its workspaces and buffers, for one direction:
-    `dst_rows` x `width` rows of `dtype` land in this rank's fixed heap buffer `dst`."""
+    """kernels/moe.py's all_to_all_kernel at one config, its workspaces and buffers, for `problem`'s
+    direction: `receive_rows(problem)` x H rows land in this rank's fixed heap buffer `dst`."""
 
-    def __init__(self, world: World, problem: Problem, config: Config, name: str, dst_rows: int):
+    def __init__(self, world: World, problem: Problem, config: Config, name: str):
+        dst_rows = receive_rows(problem)
         w, e, k = world.size, problem["E"], problem["k"]
         self.world, self.width, self.dst_rows, self.topk = world, problem["H"], dst_rows, k
         self.experts, self.local = e, e // w
@@ -139,7 +160,7 @@ class Exchange:
         self.programs = max(1, min(config["COMM_SMS"], cdiv(problem["T"] * k, self.block_r)))
         self.num_warps = config["num_warps"]
         self.ws: Workspace = workspace(world, name, w * e * 4, FLAG_BASE + FLAG_KINDS * w * self.programs)
-        self.fixed_ws: Workspace = workspace(world, name + ".fixed", cdiv(dst_rows * self.width * problem.torch_dtype.itemsize, 2))
+        self.fixed_ws: Workspace = workspace(world, name + ".fixed", fixed_bytes(problem) // 2)
         self.workspaces = (self.ws, self.fixed_ws)
         self.dst = self.fixed_ws.data.view(problem.torch_dtype)[:dst_rows * self.width].view(dst_rows, self.width)
         self.box, self.box_half = self.ws.data_view(torch.int32)
