@@ -77,14 +77,6 @@ class HybridVariant(Variant):
             return [{"COMM_SMS": 16, "BLOCK": 4096, "num_warps": 8}, {"COMM_SMS": 32, "BLOCK": 8192, "num_warps": 8}]
         return [{"COMM_SMS": 64, "BLOCK": 8192, "num_warps": 8}, {"COMM_SMS": 32, "BLOCK": 16384, "num_warps": 16}]
 
-    def refuses(self, world: World, problem: Problem, config: Config) -> str | None:
-        """A receive buffer that cannot fit this World's symmetric heap at all (the tuner skips the config)."""
-        need, size = fixed_bytes(problem), world.heap.size
-        if need > size:
-            return (f"the capacity-bounded receive buffer needs {need >> 20} MiB of symmetric heap, the heap has "
-                    f"{size >> 20} MiB: raise AUTOFUSE_HEAP_SIZE")
-        return None
-
     def check(self, problem: Problem, config: Config) -> str | None:
         unknown = sorted(set(config) - set(KEYS))
         missing = sorted(set(KEYS) - set(config))
