@@ -1,8 +1,9 @@
 """MoE's `hybrid` variants (kernels/moe.py's heap all-to-all beside the grouped GEMM) on CPU ranks under
 Triton's interpreter: against float64 and against bsp (the same handle, so either combine takes either
 dispatch's), uniform / skewed / empty-expert routings, a rank receiving no rows and one sending none to
-its peers, several programs and rows wider than a copy step; gradients when dispatch picks hybrid; a
-late peer (bounded wait, every rank raises, NaN outputs, refused until rebuilt); the configs."""
+its peers, several programs and rows wider than a copy step; gradients when both pick hybrid (eager and
+torch.compile); a late peer (bounded wait, every rank raises, NaN outputs, refused until rebuilt); the
+configs; an sm_90 compile of the kernel; on GPUs (marker gpu) a CUDA graph replayed over changing routings."""
 from __future__ import annotations
 
 import os
@@ -94,7 +95,7 @@ def _grads_hybrid(world) -> dict:
     from autofuse.ops import moe_dispatch
 
     os.environ["AUTOFUSE_VARIANT"] = "moe_dispatch:hybrid,moe_combine:hybrid"
-    errs = _grads(world, False)
+    errs = {**_grads(world, False), **{f"compiled {k}": v for k, v in _grads(world, True).items()}}
     p = moe.make_problem(moe.DISPATCH, "float32", world.size, T, 32, F, 2 * world.size, K, "swiglu")
     x, ids, weights, w1 = moe_dispatch.inputs(world, p, 0)
     h, handle = autofuse.moe_dispatch(x, ids, weights, w1, group=world)
@@ -103,7 +104,9 @@ def _grads_hybrid(world) -> dict:
     return {"errs": errs, "chosen": chosen}
 
 
-def test_gradients_when_dispatch_and_combine_pick_hybrid():
+def test_gradients_when_dispatch_and_combine_pick_hybrid_eager_and_compiled():
+    """test_moe's float64 gradient check with both ops forced to hybrid, eager and under
+    torch.compile(fullgraph=True); explain() says hybrid ran."""
     for rank, r in enumerate(spawn(_grads_hybrid, 2, timeout_s=600)):
         assert r["chosen"] == ("hybrid", "hybrid"), r["chosen"]
         for kind, errs in r["errs"].items():
