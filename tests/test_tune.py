@@ -542,7 +542,7 @@ def test_a_tune_cut_short_covers_every_op_and_fit_has_an_entry_for_each(tmp_path
     proc = _run(_tune_cmd(db, "--time-limit", "0.01"), timeout=900)
     assert "time limit reached" in proc.stdout, proc.stdout[-3000:]
     ops = registry.names()
-    tunable = {op for op in ops if any(v.tunable for v in registry.get(op).variants.values())}  # moe: bsp only
+    tunable = {op for op in ops if any(v.tunable for v in registry.get(op).variants.values())}
     assert "covered: " + ", ".join(f"{op} 1/2 problems" for op in ops) in proc.stdout
     assert "trials/s; timing" in proc.stdout
     with Store.open(db, readonly=True) as store:

@@ -11,6 +11,11 @@ the handle's key, the dispatch problem's).
 Variants:
 - `bsp`: the grouped GEMM (torch._grouped_mm or one matmul per expert), the rows back by
   all_to_all_single with the handle's counts (the host reads them), the weighted sum by index_add.
+- `hybrid`: the grouped GEMM over the C rows with the group sizes on the device, then one launch of
+  kernels/moe.py's heap all-to-all pushing each output row into its token's rank's return buffer (in
+  that rank's send order), then the top-k weighted sum as a gather (autofuse/ops/moe_hybrid.py): the
+  host reads nothing, so the call can be captured in a CUDA graph. Takes the handle of either
+  dispatch variant (they make the same one).
 """
 from __future__ import annotations
 
@@ -21,7 +26,7 @@ import torch
 from autofuse.core.custom import Backward, CustomOp
 from autofuse.core.op import Config, InvalidInput, Op, Problem, Variant
 from autofuse.core.runner import Handle, HandleSpec, Runner, TensorSpec
-from autofuse.ops import moe, moe_backward
+from autofuse.ops import moe, moe_backward, moe_hybrid
 
 if TYPE_CHECKING:
     from autofuse.comm.world import World
@@ -78,6 +83,36 @@ class Bsp(Variant):
         return BspRunner(world, problem)
 
 
+class HybridRunner(Runner):
+    """The grouped GEMM, the heap all-to-all back into the return buffer (my send order), the weighted
+    sum: out[t] = sum_j weights[t, j] * returned row of slot (t, j); NaN where the all-to-all failed."""
+
+    def __init__(self, world: World, problem: Problem, config: Config):
+        t, k = problem["T"], problem["k"]
+        self.a2a = moe_hybrid.Exchange(world, problem, config, f"{NAME}.hybrid")
+        super().__init__(world, problem, in_specs(problem), TensorSpec("out", (t, problem["H"]), problem.torch_dtype),
+                         self.a2a.workspaces)
+        self.slots = torch.arange(t * k, device=world.device)
+        self.pos = torch.empty(t * k, dtype=torch.int64, device=world.device)
+
+    def launch(self, h: torch.Tensor, w2: torch.Tensor, handle: Handle, out: torch.Tensor) -> None:
+        from autofuse.kernels import moe as kernels
+
+        b = handle.tensors
+        t, k, hid = self.problem["T"], self.problem["k"], self.problem["H"]
+        h2 = moe_hybrid.grouped_mm(h, w2, b["counts"].sum(0).cumsum(0))
+        fault = self.a2a(kernels.COMBINE.value, h2, b["sent"], inv=moe_hybrid.inverse_index(b["index"]))
+        self.pos.scatter_(0, b["order"], self.slots)  # the send row of each slot
+        back = self.a2a.dst[self.pos].float().view(t, k, hid)
+        out.copy_((back * b["weights"].float().unsqueeze(2)).sum(1))
+        out.masked_fill_(fault, float("nan"))
+
+
+class Hybrid(moe_hybrid.HybridVariant):
+    def runner(self, world: World, problem: Problem, config: Config) -> Runner:
+        return HybridRunner(world, problem, config)
+
+
 def inputs(world: World, problem: Problem, seed: int) -> tuple:
     """(h, w2, handle): dispatch's bsp on this rank's inputs (collective: every rank makes them together),
     its handle copied (the next call of that runner would overwrite its buffers)."""
@@ -128,7 +163,7 @@ CUSTOM = CustomOp(
 OP = Op(
     name=NAME,
     args=("h", "w2", "handle"),
-    variants=[Bsp()],
+    variants=[Bsp(), Hybrid()],
     problem_of=problem_of,
     inputs=inputs,
     reference=reference,

@@ -16,6 +16,10 @@ Variants:
 - `bsp`: the counts by all_to_all_single, then the rows by all_to_all_single with those splits (the
   host reads the counts: not capturable in a CUDA graph), then torch's grouped GEMM
   (`torch._grouped_mm`, CUDA bfloat16 with 16-byte aligned rows) or one matmul per expert.
+- `hybrid`: one launch of kernels/moe.py's heap all-to-all (the counts through the heap, every row
+  pushed straight into its owner's receive buffer at a row computed on the device), then the grouped
+  GEMM on the capacity-bounded rows with the group sizes on the device (autofuse/ops/moe_hybrid.py):
+  the host reads nothing, so the call can be captured in a CUDA graph. Same handle as bsp.
 """
 from __future__ import annotations
 
@@ -26,8 +30,7 @@ import torch
 from autofuse.core.custom import Backward, CustomOp, HandleLayout
 from autofuse.core.op import Config, Op, Problem, Variant
 from autofuse.core.runner import HandleSpec, Runner, TensorSpec
-from autofuse.ops import moe
-from autofuse.ops import moe_backward
+from autofuse.ops import moe, moe_backward, moe_hybrid
 
 if TYPE_CHECKING:
     from autofuse.comm.world import World
@@ -111,6 +114,37 @@ class Bsp(Variant):
         return BspRunner(world, problem)
 
 
+class HybridRunner(DispatchRunner):
+    """The heap all-to-all into the receive buffer (the handle's `rows`), then the grouped GEMM and the
+    activation over the C rows, zero beyond the used ones, NaN where the all-to-all failed."""
+
+    def __init__(self, world: World, problem: Problem, config: Config):
+        self.a2a = moe_hybrid.Exchange(world, problem, config, f"{NAME}.hybrid")
+        super().__init__(world, problem, self.a2a.workspaces)
+        self.buffers["rows"] = self.a2a.dst
+        self.rows = torch.arange(problem["C"], device=world.device)
+
+    def launch(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: torch.Tensor, out: Any) -> None:
+        from autofuse.kernels import moe as kernels
+
+        p, b = self.problem, self.buffers
+        moe_hybrid.send_plan(ids, p["E"], b["order"], b["sent"])
+        fault = self.a2a(kernels.DISPATCH.value, x, b["sent"], ids=ids, order=b["order"], counts_out=b["counts"])
+        ends = b["counts"].sum(0).cumsum(0)
+        pre = moe_hybrid.grouped_mm(b["rows"], w1.reshape(self.local, p["H"], -1), ends)
+        h = out["h"]
+        h.copy_(torch.where((self.rows < ends[-1])[:, None], moe.act_forward(pre, p["act"]), 0.0))
+        h.masked_fill_(fault, float("nan"))
+        b["index"].copy_(moe_hybrid.group_index(b["counts"], p["C"]))
+        b["weights"].copy_(weights)
+        self.fill_handle(out)
+
+
+class Hybrid(moe_hybrid.HybridVariant):
+    def runner(self, world: World, problem: Problem, config: Config) -> Runner:
+        return HybridRunner(world, problem, config)
+
+
 def problem_of(world: World, x: Any, topk_ids: Any, topk_weights: Any, w1: Any) -> Problem:
     """The dispatch Problem of a call (InvalidInput naming what is wrong): E must divide by W."""
     return moe.dispatch_problem(world.size, x, topk_ids, topk_weights, w1)
@@ -161,7 +195,7 @@ CUSTOM = CustomOp(
 OP = Op(
     name=NAME,
     args=("x", "topk_ids", "topk_weights", "w1"),
-    variants=[Bsp()],
+    variants=[Bsp(), Hybrid()],
     problem_of=problem_of,
     inputs=inputs,
     reference=reference,
