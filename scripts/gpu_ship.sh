@@ -6,10 +6,11 @@
 # $OUT/ship-wWORLD.tgz after every step, so a run cut short still returns what it did.
 #   bash scripts/gpu_ship.sh WORLD GPUS [STEPS]
 #     WORLD  ranks (one per GPU)          GPUS  CUDA_VISIBLE_DEVICES, e.g. 0,1
-#     STEPS  comma-separated among tune, fit, export, eval, layer, train, train_model, warmup (default
+#     STEPS  comma-separated among tune, fit, export, eval, layer, train, train_model, warmup, moe (default
 #            tune,fit,export,eval,layer); train: `autofuse bench train_layer --sweep 70b,8b` with the fitted policy
 #            train_model: `autofuse bench train_model --sweep 8b --layers 4` (whole training steps) with it
 #            warmup: scripts/eval_warmup_gpu.py, first requests cold vs after `autofuse warmup` (fitted policy)
+#            moe: the MoE pair's GPU tests (graph replay of hybrid), then `autofuse bench moe` in graph mode
 # Two runs may share a 4-GPU machine on disjoint GPUs (say so beside their timings). Installs the carried
 # wheels (.whl/) and the project offline first, as scripts/gpu_session.sh does.
 set -uo pipefail
@@ -58,6 +59,9 @@ for s in ${STEPS//,/ }; do
               --world "$WORLD" --out "$W/eval-warmup.json" ;;
     train_model) step train_model 590 env AUTOFUSE_POLICY="$W/policy-graph.json" python3 -m autofuse bench \
                    train_model --world "$WORLD" --sweep 8b --layers 4 --reps 5 --out "$W/bench-train_model.json" --force ;;
+    moe) step moe-tests 420 env AUTOFUSE_TEST_WORLD="$WORLD" python3 -m pytest -q -m gpu tests/test_moe_hybrid.py
+         step moe-bench 420 python3 -m autofuse bench moe --world "$WORLD" --mode graph --tokens 1,64,1024,4096 \
+           --reps 20 --out "$W/bench-moe.json" --force ;;
     *) echo "unknown step $s" ;;
   esac
 done
