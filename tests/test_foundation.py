@@ -204,3 +204,21 @@ def test_in_own_thread_returns_or_raises_in_the_caller():
     with pytest.raises(KeyError, match="lost"):
         in_own_thread(lambda: {}["lost"])
     assert outside_graph_pool(torch.device("cpu"), lambda: threading.get_ident()) == caller
+
+
+def _time_with_budget_by_rank(world) -> str:
+    from autofuse.measure import timing
+
+    budget = 5.0 if world.rank == 0 else -1.0  # rank 1's build and check overran the measurement's budget
+    try:
+        timing.time_fn(world, lambda: None, reps=2, warmup=1, budget_s=budget)
+        return "timed"
+    except timing.TooSlow as exc:
+        return str(exc)
+
+
+def test_ranks_whose_clocks_left_different_budgets_agree_on_a_timing_verdict():
+    """Each rank passes what its own clock left of a measurement's budget; they must agree (the smallest)
+    before timing, or one rank gives up while the others wait in the timing's collectives."""
+    out = spawn(_time_with_budget_by_rank, 2, timeout_s=120)
+    assert all(o.startswith("no time left for eager timing") for o in out), out

@@ -268,8 +268,15 @@ def time_fn(world, fns: Sequence[Callable[[], Any]] | Callable[[], Any], mode: s
 
     A batch repeats the rotation `inner` times so that one timed batch lasts about
     `target_batch_us`; `inner` is agreed across ranks from the slowest rank's probe (`Batches`).
-    Raises TooSlow (on every rank alike) when the run would take longer than `budget_s`.
+    Raises TooSlow (on every rank alike) when the run would take longer than `budget_s`: the ranks
+    agree on the smallest rank's budget first (each passes what its own clock left of a measurement's
+    budget, and a verdict that differs by rank would leave the others in the timing's collectives).
     """
+    if math.isfinite(budget_s):
+        budget_s = -world.rank_max(-budget_s)
+        if budget_s <= 0:
+            raise TooSlow(f"no time left for {mode} timing: building and checking took the measurement's "
+                          f"budget ({-budget_s:.1f} s over it)")
     b = Batches(world, fns, mode, warmup, target_batch_us, max_inner)
     if b.probe_us * 1e-6 * (b.inner * reps + warmup) > budget_s:
         raise TooSlow(f"{mode} timing would take {b.batch_s * reps:.1f} s > budget {budget_s:.0f} s")
