@@ -761,6 +761,18 @@ def test_the_search_samples_no_variant_out_of_the_race(tmp_path):
         assert out and all(t.state == optuna.trial.TrialState.PRUNED and t.params["variant"] == "slow" for t in out)
     finally:
         store.close()
+    # Where BSP is over 2x ahead of every tunable variant, no variant is in the race: none is held back.
+    lone, lone_store = _driver(tmp_path, SPACE_OP, trials=6, name="lone")
+    try:
+        lone_store.add([Measurement(lone.problem, "bsp", {}, "eager", True, "", 0.0, 1.0, 1.0, 1.0, 1.0, 3)],
+                       environment.fingerprint(), source="baseline", op_digest=lone.digest)
+        n = 0
+        while (job := lone.next(None)) is not None:
+            n += 1
+            _finish(lone, job, us=10.0)
+        assert n == 6 and not [t for t in lone.study.get_trials(deepcopy=False) if "out_of_the_race" in t.user_attrs]
+    finally:
+        lone_store.close()
 
 
 @pytest.mark.filterwarnings("ignore:Heartbeat of storage")

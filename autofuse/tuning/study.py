@@ -26,7 +26,7 @@
   reason (attribute `invalid`) before anything is launched, and never counts as a measured trial; a config the store
   or the study already holds is not measured again: the trial is told the known verdict.
 - **The race**: a sampled (not enqueued) trial of a variant whose best measured config of the problem
-  is over `RACE_FACTOR` (2x) the problem's best is told PRUNED (attribute `out_of_the_race`) without
+  is over `RACE_FACTOR` (2x) the problem's best, while another tunable variant is within it, is told PRUNED (attribute `out_of_the_race`) without
   being measured: TPE then learns to draw that variant less, and the search spends its builds on
   variants that can still win.
 - **Resume**: a trial left RUNNING by a dead process of this host is settled on resume: told its
@@ -324,7 +324,8 @@ class StudyDriver:
 
     def _out_of_the_race(self, variant: str) -> str | None:
         """Why a sampled trial of `variant` is not worth measuring (None: it is): its best measured config
-        of this problem is over RACE_FACTOR x the problem's best (any variant, baselines included). Its
+        of this problem is over RACE_FACTOR x the problem's best (any variant, baselines included) while
+        another tunable variant is within it (where none is, the search goes on over all of them). Its
         known-good defaults are measured first (enqueued, never held back), so a variant is judged on
         them; a search that samples it again would spend builds and compiles on a variant that cannot win
         (on 2x H200, ag_gemm's pull at 3-5x the best took 13% of a tune)."""
@@ -335,8 +336,10 @@ class StudyDriver:
         if variant not in per or len(per) < 2:
             return None
         best = min(per.values())
-        if per[variant] > RACE_FACTOR * best:
-            return f"{variant}'s best {per[variant]:.1f} us is over {RACE_FACTOR:g}x the problem's best {best:.1f} us"
+        racing = [v for v in self.variants if v in per and per[v] <= RACE_FACTOR * best]
+        if per[variant] > RACE_FACTOR * best and racing:  # the trials go to `racing`, never nowhere
+            return (f"{variant}'s best {per[variant]:.1f} us is over {RACE_FACTOR:g}x the problem's best "
+                    f"{best:.1f} us, where {', '.join(racing)} {'is' if len(racing) == 1 else 'are'} within it")
         return None
 
     def _known_in_study(self, trial: optuna.Trial, variant: str, config: Config) -> bool:
