@@ -6,8 +6,9 @@
 # $OUT/ship-wWORLD.tgz after every step, so a run cut short still returns what it did.
 #   bash scripts/gpu_ship.sh WORLD GPUS [STEPS]
 #     WORLD  ranks (one per GPU)          GPUS  CUDA_VISIBLE_DEVICES, e.g. 0,1
-#     STEPS  comma-separated among tune, fit, export, eval, layer, train, train_model, warmup, moe (default
-#            tune,fit,export,eval,layer); train: `autofuse bench train_layer --sweep 70b,8b` with the fitted policy
+#     STEPS  comma-separated among tune, fit, export, eval, layer, train, train_model, warmup, moe, shipped
+#            (default tune,fit,export,eval,layer); shipped: instead of tune and fit, the policies dispatch would
+#            find on this machine (models/, by fingerprint) become the run's policy-{graph,eager}.json; train: `autofuse bench train_layer --sweep 70b,8b` with the fitted policy
 #            train_model: `autofuse bench train_model --sweep 8b --layers 4` (whole training steps) with it
 #            warmup: scripts/eval_warmup_gpu.py, first requests cold vs after `autofuse warmup` (fitted policy)
 #            moe: the MoE pair's GPU tests (graph replay of hybrid), then `autofuse bench moe` in graph mode
@@ -62,6 +63,17 @@ for s in ${STEPS//,/ }; do
     moe) step moe-tests 420 env AUTOFUSE_TEST_WORLD="$WORLD" python3 -m pytest -q -m gpu tests/test_moe_hybrid.py
          step moe-bench 420 python3 -m autofuse bench moe --world "$WORLD" --mode graph --tokens 1,64,1024,4096 \
            --reps 20 --out "$W/bench-moe.json" --force ;;
+    shipped) step shipped 120 python3 -c "
+import shutil, sys
+from autofuse.dispatch import find_policy
+from autofuse.measure.environment import fingerprint
+fp = fingerprint()
+for mode in ('graph', 'eager'):
+    path = find_policy(fp, mode)
+    if path is None:
+        sys.exit(f'no shipped policy for fingerprint {fp[\"id\"]}')
+    shutil.copy(path, '$W/policy-' + mode + '.json')
+    print(mode, path)" ;;
     *) echo "unknown step $s" ;;
   esac
 done
