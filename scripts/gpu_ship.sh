@@ -60,8 +60,8 @@ for s in ${STEPS//,/ }; do
               --world "$WORLD" --out "$W/eval-warmup.json" ;;
     train_model) step train_model 590 env AUTOFUSE_POLICY="$W/policy-graph.json" python3 -m autofuse bench \
                    train_model --world "$WORLD" --sweep 8b --layers 4 --reps 5 --out "$W/bench-train_model.json" --force ;;
-    moe) step moe-tests 420 env AUTOFUSE_TEST_WORLD="$WORLD" python3 -m pytest -q -m gpu tests/test_moe_hybrid.py
-         step moe-bench 420 python3 -m autofuse bench moe --world "$WORLD" --mode graph --tokens 1,64,1024,4096 \
+    moe) step moe-tests 200 env AUTOFUSE_TEST_WORLD="$WORLD" python3 -m pytest -q -m gpu tests/test_moe_hybrid.py
+         step moe-bench 300 python3 -m autofuse bench moe --world "$WORLD" --mode graph --tokens 1,64,1024,4096 \
            --reps 20 --out "$W/bench-moe.json" --force ;;
     shipped) step shipped 120 python3 -c "
 import shutil, sys
