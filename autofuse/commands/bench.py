@@ -10,6 +10,8 @@ import typer
 
 from autofuse.commands._common import OutputExists, check_new, fail, note, out, write_new
 
+TRACEBACK_LINES = 20  # of a failed rank's traceback, printed above the one-line failure
+
 
 def bench(
     target: str = typer.Argument(..., help="An op (ag_gemm, gemm_rs, gemm_ar, flash_decode, ...) or an extra "
@@ -118,8 +120,11 @@ def bench(
         result = module.run(options)
     except ValueError as exc:
         fail(f"bench {target}: {exc}")
-    except Exception as exc:  # a rank failed (RankFailed) or the target broke: one line, no traceback
-        first = (str(exc).strip().splitlines() or [""])[0]
+    except Exception as exc:  # a rank failed (RankFailed) or the target broke: the rank's traceback, then one line
+        lines = str(exc).strip().splitlines() or [""]
+        first = lines[0]
+        if isinstance(exc, RankFailed) and len(lines) > 1:
+            note("\n".join(lines[-TRACEBACK_LINES:]), style="dim")
         fail(f"bench {target} failed: {first if isinstance(exc, RankFailed) else f'{type(exc).__name__}: {first}'}")
     if not json_out:
         module.render(result, out)
