@@ -111,9 +111,9 @@ def remote_rows(world: World, ids: torch.Tensor, experts: int) -> int:
     import torch.distributed as dist
 
     owner = ids.reshape(-1).cpu() // (experts // world.size)
-    per_dest = torch.bincount(owner, minlength=world.size)
-    table = [torch.zeros_like(per_dest) for _ in range(world.size)]
-    dist.all_gather(table, per_dest.to(world.device) if world.device.type == "cuda" else per_dest, group=world.group)
+    per_dest = torch.bincount(owner, minlength=world.size).to(world.device)
+    table = [torch.zeros_like(per_dest) for _ in range(world.size)]  # on the rank's device: NCCL writes there
+    dist.all_gather(table, per_dest, group=world.group)
     m = torch.stack([row.cpu() for row in table])  # m[src, dst]
     off = m - torch.diag(torch.diag(m))
     return int((off.sum(1) + off.sum(0)).max())
