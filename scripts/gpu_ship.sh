@@ -11,7 +11,12 @@
 #            find on this machine (models/, by fingerprint) become the run's policy-{graph,eager}.json; train: `autofuse bench train_layer --sweep 70b,8b` with the fitted policy
 #            train_model: `autofuse bench train_model --sweep 8b --layers 4` (whole training steps) with it
 #            warmup: scripts/eval_warmup_gpu.py, first requests cold vs after `autofuse warmup` (fitted policy)
-#            moe: the MoE pair's GPU tests (graph replay of hybrid), then `autofuse bench moe` in graph mode
+#            tune-moe / tune-train: `autofuse tune --sweep moe` (MOE_MINUTES, default 2) / `--sweep train` (ag_gemm,
+#            gemm_rs; TRAIN_MINUTES, default 3) into the run's database; merge: BASE_DB (e.g. the shipped
+#            tuning_db/h200x2.db, copied, never changed) merged with the run's database, which later steps then fit
+#            and export; TRAIN_SHAPES: token counts for train_model (e.g. 4096)
+#            moe: the MoE pair's GPU tests (graph replay of hybrid), then `autofuse bench moe` in graph mode (moe-bench:
+#            the bench alone)
 # Two runs may share a 4-GPU machine on disjoint GPUs (say so beside their timings). Installs the carried
 # wheels (.whl/) and the project offline first, as scripts/gpu_session.sh does.
 set -uo pipefail
@@ -43,6 +48,12 @@ step() {  # step NAME LIMIT COMMAND...
 for s in ${STEPS//,/ }; do
   case $s in
     tune) step tune 560 python3 -m autofuse tune --world "$WORLD" --db "$DB" ;;
+    tune-moe) step tune-moe 240 python3 -m autofuse tune --world "$WORLD" --db "$DB" --sweep moe \
+                --op moe_dispatch,moe_combine --time-limit "${MOE_MINUTES:-2}" ;;
+    tune-train) step tune-train 300 python3 -m autofuse tune --world "$WORLD" --db "$DB" --sweep train \
+                  --op ag_gemm,gemm_rs --time-limit "${TRAIN_MINUTES:-3}" ;;
+    merge) step merge 120 bash -c "cp $BASE_DB $W/merged.db && python3 -m autofuse merge $W/merged.db $DB"
+           DB=$W/merged.db ;;
     fit) for m in graph eager; do
            step "fit-$m" 240 python3 -m autofuse fit --db "$DB" --mode "$m" --out "$W/policy-$m.json" \
              --report "$W/fit-$m.json" --force
@@ -59,9 +70,10 @@ for s in ${STEPS//,/ }; do
     warmup) step warmup 300 python3 scripts/eval_warmup_gpu.py --policy "$W/policy-graph.json" --mode graph \
               --world "$WORLD" --out "$W/eval-warmup.json" ;;
     train_model) step train_model 590 env AUTOFUSE_POLICY="$W/policy-graph.json" python3 -m autofuse bench \
-                   train_model --world "$WORLD" --sweep 8b --layers 4 --reps 5 --out "$W/bench-train_model.json" --force ;;
-    moe) step moe-tests 200 env AUTOFUSE_TEST_WORLD="$WORLD" python3 -m pytest -q -m gpu tests/test_moe_hybrid.py
-         step moe-bench 300 python3 -m autofuse bench moe --world "$WORLD" --mode graph --tokens 1,64,1024,4096 \
+                   train_model --world "$WORLD" --sweep 8b --layers 4 --reps 5 ${TRAIN_SHAPES:+--shapes $TRAIN_SHAPES} --out "$W/bench-train_model.json" --force ;;
+    moe|moe-bench) [ "$s" = moe ] && step moe-tests 200 env AUTOFUSE_TEST_WORLD="$WORLD" python3 -m pytest -q -m gpu \
+                     tests/test_moe_hybrid.py
+         step moe-bench 300 env AUTOFUSE_POLICY="$W/policy-graph.json" python3 -m autofuse bench moe --world "$WORLD" --mode graph --tokens 1,64,1024,4096 \
            --reps 20 --out "$W/bench-moe.json" --force ;;
     shipped) step shipped 120 python3 -c "
 import shutil, sys
