@@ -93,9 +93,18 @@ def stand_in_policy(ops: list[str], world: int, evaluated: list[str], path: str)
     return path
 
 
+COMPILED: list[str] = []  # what compile_counter saw compiled, in order: kernel name and its constants (Triton 3.4+)
+
+
+def compiled_since(start: int) -> list[str]:
+    """The kernels compiled since COMPILED had `start` entries (what made a first call compile)."""
+    return COMPILED[start:]
+
+
 def compile_counter() -> Callable[[], int]:
     """Install a counter of Triton compilations in this process (disk-cache loads excluded); returns
-    a function reading it. Triton 3.4+: the compilation listener; older: the cache manager's writes."""
+    a function reading it. Triton 3.4+: the compilation listener, which also names each kernel in
+    COMPILED; older: the cache manager's writes."""
     import triton
     import triton.compiler.compiler as tc
 
@@ -106,6 +115,9 @@ def compile_counter() -> Callable[[], int]:
 
         def listener(*, cache_hit: bool, **kw: Any) -> None:
             count[0] += not cache_hit
+            if not cache_hit:
+                src = kw.get("src")
+                COMPILED.append(f"{getattr(src, 'name', '?')} {str(getattr(src, 'constants', ''))[:400]}")
             if previous is not None:
                 previous(cache_hit=cache_hit, **kw)
 
@@ -174,7 +186,7 @@ def first_calls_job(world: Any, keys: list[str], seed: int) -> list[dict]:
         op = registry.get(problem.op)
         inputs = op.inputs(world, problem, seed)
         world.sync()
-        c0, n0 = compiles(), dispatch.stats.confirmations
+        c0, n0, k0 = compiles(), dispatch.stats.confirmations, len(COMPILED)
         t0 = time.perf_counter()
         getattr(autofuse, problem.op)(*inputs, group=world)
         if world.device.type == "cuda":
@@ -184,6 +196,7 @@ def first_calls_job(world: Any, keys: list[str], seed: int) -> list[dict]:
         conf = choice.confirmation
         rows.append({"problem": key, "op": problem.op, "seconds": seconds,
                      "confirmed": dispatch.stats.confirmations > n0, "compiles": compiles() - c0,
+                     "compiled": compiled_since(k0),
                      "variant": choice.variant, "basis": choice.basis, "reason": choice.reason,
                      "confirm_build_s": conf.build_seconds if conf else None,
                      "confirm_timing_s": conf.timing_seconds if conf else None, "setup_s": setup_s})
@@ -293,6 +306,9 @@ def show(res: dict) -> None:
     console.print(f"process setup before the first calls (policy and fingerprint, once per process, warmed or not): "
                   f"cold {s['cold_setup_s']:.2f} s, warm {s['warm_setup_s']:.2f} s; cold decisions by basis: "
                   f"{s['cold_bases']}", soft_wrap=True)
+    for w in res.get("warm", []):
+        for kernel in w.get("compiled", []):
+            console.print(f"[red]warm first call of {w['problem']} compiled[/red] {kernel}", soft_wrap=True)
     if res.get("cold") and not s["cold_confirmed"]:
         console.print("[yellow]no cold first call confirmed (a refused policy, or every problem tuned): the "
                       "comparison shows compiles only[/yellow]", soft_wrap=True)
