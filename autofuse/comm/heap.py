@@ -62,8 +62,8 @@ from autofuse.core import settings
 
 
 class Ranks(Protocol):
-    """What a heap reads of its World (`autofuse.comm.world.World`), named here so that the heap does not
-    import the module that creates it."""
+    """What a heap (and a round, comm/rounds.py) reads of its World (`autofuse.comm.world.World`), named
+    here so that neither imports the module that creates it."""
 
     rank: int
     size: int

@@ -19,7 +19,7 @@ from __future__ import annotations
 import hashlib
 from typing import NoReturn
 
-from autofuse.comm import rounds
+from autofuse.comm import rounds, stops
 from autofuse.core import settings
 from autofuse.core.op import InvalidInput, config_key
 from autofuse.comm.status import CollectiveTimeout, FlagTimeout, WorkspaceAborted
@@ -119,7 +119,7 @@ def exchange(world: World, op: str, mine: dict) -> list[dict]:
     n = rounds.publish(world, mine)
     STATE.stats.agreements += 1
     timeout = agree_timeout_s(world.device.type)
-    every = rounds.wait(world, n, timeout)
+    every = stops.wait(world, n, timeout)
     if every is None:
         s = rounds.store()
         present = [r for r, k in enumerate(rounds.keys(world, n)) if s.check([k])]
@@ -132,7 +132,7 @@ def exchange(world: World, op: str, mine: dict) -> list[dict]:
             f"autofuse.{op}: rank(s) {missing} did not take part in the first call of this problem within "
             f"{timeout:.0f} s, nor answered when this rank stopped the calls they may wait in: they skipped the "
             "call, hang elsewhere or died.")
-    rounds.settle(world, n, every, timeout)
+    stops.settle(world, n, every, timeout)
     if n > 0:  # every rank has published this round, so all have read the previous one
         rounds.store().delete_key(f"{rounds.prefix(world, n - 1)}/{world.rank}")
     return every
