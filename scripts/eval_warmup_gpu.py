@@ -44,7 +44,6 @@ evaluated decision is a prediction ('unsure') that dispatch confirms on first us
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import math
 import os
@@ -53,12 +52,12 @@ import statistics
 import sys
 import tempfile
 import time
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from eval_dispatch_gpu import OPS, held_out  # noqa: E402 - the held-out problems, one list for both evaluations
 
-from autofuse.comm.world import spawn  # noqa: E402
+from autofuse.comm.world import spawn, temporary_env  # noqa: E402
 from autofuse.core import registry  # noqa: E402
 from autofuse.core.op import Problem  # noqa: E402
 
@@ -221,21 +220,6 @@ def warmup_job(world: Any, keys: list[str]) -> dict:
     return dict(report.as_dict(), wall_s=time.perf_counter() - t0, compiles=compiles())
 
 
-@contextlib.contextmanager
-def environment(values: dict[str, str]) -> Iterator[None]:
-    """`values` in os.environ while spawning (the ranks read them at start), restored after."""
-    saved = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
 def folders(root: str, name: str) -> dict[str, str]:
     """A phase pair's own persistent folders under `root` (empty when made)."""
     base = os.path.join(root, name)
@@ -351,11 +335,11 @@ def main() -> int:
             json.dump(res, f, indent=1)
 
     try:
-        with environment({**common, **folders(root, "cold")}):
+        with temporary_env({**common, **folders(root, "cold")}):
             print(f"cold: first calls of {len(keys)} problems, nothing warmed", flush=True)
             res["cold"] = merge_ranks(spawn(first_calls_job, a.world, keys, 3, device_kind=kind, timeout_s=1200))
         save()
-        with environment({**common, **folders(root, "warmed")}):
+        with temporary_env({**common, **folders(root, "warmed")}):
             print(f"warmup: autofuse.warmup_problems of the {len(keys)} problems", flush=True)
             reports = spawn(warmup_job, a.world, keys, device_kind=kind, timeout_s=1200)
             res["warmup"] = dict(reports[0], seconds=max(r["seconds"] for r in reports),

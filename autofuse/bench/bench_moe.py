@@ -33,6 +33,8 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
+from autofuse.bench import target_options
+
 if TYPE_CHECKING:
     from autofuse.comm.world import World
 
@@ -46,47 +48,33 @@ TOLERANCE = {"cuda": 2.5e-2, "cpu": 1e-5}  # vs bsp's output (bf16 / float32, th
 CPU_REPS = 3
 
 
-def _tokens(options: Any, kind: str) -> list[int]:
-    text = ",".join(getattr(options, "tokens", None) or options.shapes or [])
-    out = [int(t) for t in text.replace("T=", "").split(",") if t.strip()] or list(TOKENS[kind])
-    if any(t < 1 for t in out):
-        raise ValueError(f"token counts must be positive, got {out}")
-    return out
-
-
 def run(options: Any) -> dict:
     """Spawn the ranks; check and time every contender at every model and token count; rank 0's result."""
-    from autofuse.comm.world import default_device_kind, gpu_count, spawn
+    from autofuse.comm.world import spawn
     from autofuse.core import registry
-    from autofuse.measure.compare import INTERPRETED_NOTE, interpreted
 
-    kind = options.device_kind or default_device_kind()
-    world = options.world or (gpu_count() if kind == "cuda" else 2)
+    s = target_options.setting(options, CPU_REPS)
+    kind, world = s.kind, s.world
     models = [m.strip() for m in (options.sweep or DEFAULT_SWEEP[kind]).split(",") if m.strip()]
     bad = [m for m in models if m not in MODELS]
     if bad or not models:
         raise ValueError(f"unknown model {','.join(bad) or '(none)'}: use one or more of {', '.join(MODELS)}")
     models = [m for m in models if m == "tiny" or MODELS[m][2] % world == 0]
     variants = [v for v in registry.get("moe_dispatch").variants if v in registry.get("moe_combine").variants]
-    names = list(options.variants or [*variants, AUTOFUSE])
-    unknown = sorted(set(names) - {*variants, AUTOFUSE})
-    if unknown:
-        raise ValueError(f"unknown contenders {unknown}: choose among {', '.join([*variants, AUTOFUSE])}")
+    names = target_options.contenders(options.variants, [*variants, AUTOFUSE])
     skew = getattr(options, "skew", None) or 0
     if not 0 <= skew <= 100:
         raise ValueError(f"--skew is a percent of the rows on rank 0's experts (0..100), got {skew}")
-    reps = options.reps
-    notes = [INTERPRETED_NOTE] if interpreted(kind) else []
-    if kind == "cpu" and reps > CPU_REPS:
-        notes.append(f"reps capped at {CPU_REPS} on CPU (asked for {reps})")
-        reps = CPU_REPS
-    cfg = {"models": models, "tokens": _tokens(options, kind)[:options.limit or None], "reps": reps, "skew": skew,
-           "contenders": names, "modes": list(options.modes or (["eager", "graph"] if kind == "cuda" else ["eager"])),
-           "progress": bool(options.progress), "seed": 0, "interpreted": interpreted(kind)}
+    tokens = target_options.token_counts(getattr(options, "tokens", None) or options.shapes, TOKENS[kind])
+    if any(t < 1 for t in tokens):
+        raise ValueError(f"token counts must be positive, got {tokens}")
+    cfg = {"models": models, "tokens": tokens[:options.limit or None], "reps": s.reps, "skew": skew,
+           "contenders": names, "modes": s.modes,
+           "progress": bool(options.progress), "seed": 0, "interpreted": s.interpreted}
     started = datetime.datetime.now(datetime.timezone.utc)
     result = dict(spawn(_rank, world, cfg, device_kind=kind, timeout_s=3600)[0])
-    result.update(sweep=",".join(models), world=world, device_kind=kind, reps=reps, skew=skew, notes=notes,
-                  interpreted=interpreted(kind), tolerance=TOLERANCE[kind],
+    result.update(sweep=",".join(models), world=world, device_kind=kind, reps=s.reps, skew=skew, notes=s.notes,
+                  interpreted=s.interpreted, tolerance=TOLERANCE[kind],
                   wall_s=(datetime.datetime.now(datetime.timezone.utc) - started).total_seconds())
     return result
 

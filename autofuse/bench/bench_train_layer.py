@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
-from autofuse.bench import torch_tp
+from autofuse.bench import target_options, torch_tp
 
 if TYPE_CHECKING:
     from autofuse.comm.world import World
@@ -66,23 +66,13 @@ TOLERANCE = {"bf16": 2.5e-2, "fp32": 1e-4}  # vs the unsharded layer, norm-wise 
 CPU_REPS = 3
 
 
-def _tokens(options: Any, kind: str, world: int) -> list[int]:
-    text = ",".join(options.shapes or [])
-    tokens = [int(t) for t in text.replace("T=", "").split(",") if t.strip()] or list(TOKENS[kind])
-    bad = [t for t in tokens if t % world]
-    if bad:
-        raise ValueError(f"token counts {bad} are not divisible by the world size {world}")
-    return tokens
-
-
 def run(options: Any) -> dict:
     """Spawn the ranks, check and time every contender at every token count; rank 0's result."""
-    from autofuse.comm.world import default_device_kind, gpu_count, spawn
-    from autofuse.measure.compare import INTERPRETED_NOTE, interpreted
+    from autofuse.comm.world import spawn
     from autofuse.nn.llama import check_sizes
 
-    kind = options.device_kind or default_device_kind()
-    world = options.world or (gpu_count() if kind == "cuda" else 2)
+    s = target_options.setting(options, CPU_REPS)
+    kind, world = s.kind, s.world
     models = [m.strip() for m in (options.sweep or ("70b" if kind == "cuda" else "tiny")).split(",") if m.strip()]
     unknown_models = [m for m in models if m not in MODELS]
     if unknown_models or not models:
@@ -90,23 +80,16 @@ def run(options: Any) -> dict:
                          f"{', '.join(MODELS)}, comma-separated")
     for model in models:
         check_sizes(MODELS[model], world)
-    contenders = list(options.variants or CONTENDERS)
-    unknown = sorted(set(contenders) - set(CONTENDERS))
-    if unknown:
-        raise ValueError(f"unknown contenders {unknown}: choose among {', '.join(CONTENDERS)}")
-    reps = options.reps
-    notes = [INTERPRETED_NOTE] if interpreted(kind) else []
-    if kind == "cpu" and reps > CPU_REPS:
-        notes.append(f"reps capped at {CPU_REPS} on CPU (asked for {reps})")
-        reps = CPU_REPS
-    cfg = {"models": models, "tokens": _tokens(options, kind, world)[:options.limit or None], "reps": reps,
-           "contenders": contenders, "progress": bool(options.progress), "seed": 0, "interpreted": interpreted(kind)}
+    contenders = target_options.contenders(options.variants, CONTENDERS)
+    tokens = target_options.token_counts(options.shapes, TOKENS[kind], world)
+    cfg = {"models": models, "tokens": tokens[:options.limit or None], "reps": s.reps,
+           "contenders": contenders, "progress": bool(options.progress), "seed": 0, "interpreted": s.interpreted}
     started = datetime.datetime.now(datetime.timezone.utc)
     result = dict(spawn(_rank, world, cfg, device_kind=kind, timeout_s=3600)[0])
-    notes += result.pop("notes", [])
-    result.update(sweep=",".join(models), world=world, device_kind=kind, model=",".join(models), reps=reps,
+    notes = s.notes + result.pop("notes", [])
+    result.update(sweep=",".join(models), world=world, device_kind=kind, model=",".join(models), reps=s.reps,
                   notes=notes,
-                  interpreted=interpreted(kind),
+                  interpreted=s.interpreted,
                   wall_s=(datetime.datetime.now(datetime.timezone.utc) - started).total_seconds(),
                   method=("forward + backward per step, eager or compiled (never graph-replayed); median of "
                           "reps timed batches, rank-max, the contenders in turns (autofuse.measure.time_in_turns); "

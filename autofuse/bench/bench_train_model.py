@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
-from autofuse.bench import torch_tp
+from autofuse.bench import target_options, torch_tp
 from autofuse.bench.bench_train_layer import MODELS as LAYERS_OF, layer_flops, peak_tflops
 
 if TYPE_CHECKING:
@@ -66,45 +66,28 @@ LR = 1e-3
 CPU_REPS = 2
 
 
-def _tokens(options: Any, kind: str, world: int) -> list[int]:
-    text = ",".join(options.shapes or [])
-    tokens = [int(t) for t in text.replace("T=", "").split(",") if t.strip()] or list(TOKENS[kind])
-    bad = [t for t in tokens if t % world]
-    if bad:
-        raise ValueError(f"token counts {bad} are not divisible by the world size {world}")
-    return tokens
-
-
 def run(options: Any) -> dict:
     """Spawn the ranks; check the losses and time every contender at every token count; rank 0's result."""
-    from autofuse.comm.world import default_device_kind, gpu_count, spawn
-    from autofuse.measure.compare import INTERPRETED_NOTE, interpreted
+    from autofuse.comm.world import spawn
     from autofuse.nn.llama import check_sizes
 
-    kind = options.device_kind or default_device_kind()
-    world = options.world or (gpu_count() if kind == "cuda" else 2)
+    s = target_options.setting(options, CPU_REPS)
+    kind, world = s.kind, s.world
     model = options.sweep or DEFAULT_SWEEP[kind]
     if model not in MODELS:
         raise ValueError(f"unknown model {model}: use one of {', '.join(MODELS)}")
     check_sizes(MODELS[model], world)
     layers = getattr(options, "layers", None) or DEFAULT_LAYERS[kind]
-    contenders = list(options.variants or CONTENDERS)
-    unknown = sorted(set(contenders) - set(CONTENDERS))
-    if unknown:
-        raise ValueError(f"unknown contenders {unknown}: choose among {', '.join(CONTENDERS)}")
-    reps = options.reps
-    notes = [INTERPRETED_NOTE] if interpreted(kind) else []
-    if kind == "cpu" and reps > CPU_REPS:
-        notes.append(f"reps capped at {CPU_REPS} on CPU (asked for {reps})")
-        reps = CPU_REPS
-    cfg = {"model": model, "layers": layers, "tokens": _tokens(options, kind, world)[:options.limit or None],
-           "reps": reps, "contenders": contenders, "progress": bool(options.progress), "seed": 0,
-           "interpreted": interpreted(kind)}
+    contenders = target_options.contenders(options.variants, CONTENDERS)
+    tokens = target_options.token_counts(options.shapes, TOKENS[kind], world)
+    cfg = {"model": model, "layers": layers, "tokens": tokens[:options.limit or None],
+           "reps": s.reps, "contenders": contenders, "progress": bool(options.progress), "seed": 0,
+           "interpreted": s.interpreted}
     started = datetime.datetime.now(datetime.timezone.utc)
     result = dict(spawn(_rank, world, cfg, device_kind=kind, timeout_s=3600)[0])
-    notes += result.pop("notes", [])
-    result.update(sweep=model, model=model, layers=layers, world=world, device_kind=kind, reps=reps, notes=notes,
-                  interpreted=interpreted(kind),
+    notes = s.notes + result.pop("notes", [])
+    result.update(sweep=model, model=model, layers=layers, world=world, device_kind=kind, reps=s.reps, notes=notes,
+                  interpreted=s.interpreted,
                   wall_s=(datetime.datetime.now(datetime.timezone.utc) - started).total_seconds(),
                   method=(f"forward + loss + backward + AdamW step + zero_grad per step; first {LOSS_STEPS} steps' "
                           "losses from the same weights and batches; then median of reps timed steps, rank-max, "

@@ -31,7 +31,7 @@ import socket
 import time
 import traceback
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -394,6 +394,22 @@ def _rank_main(local_rank: int, size: int, port: int, device_kind: str, fn: Call
                 pass
 
 
+@contextlib.contextmanager
+def temporary_env(values: dict[str, str]) -> Iterator[None]:
+    """`values` in os.environ while the block runs, each variable restored (or removed) after: what
+    ranks started inside it read at their start (`spawn` passes its children's settings this way)."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def spawn(fn: Callable[..., Any], size: int, *args: Any, device_kind: str | None = None,
           timeout_s: float = 600.0, ranks_per_gpu: int | None = None) -> list[Any]:
     """Run `fn(world, *args)` on `size` local ranks; return each rank's result, rank order.
@@ -427,17 +443,11 @@ def spawn(fn: Callable[..., Any], size: int, *args: Any, device_kind: str | None
         child_env["TRITON_INTERPRET"] = "1"  # read when their kernels are imported
     if shared and ranks_per_gpu is not None:
         child_env["AUTOFUSE_RANKS_PER_GPU"] = str(ranks_per_gpu)  # their settings say what the job does
-    saved = {k: os.environ.get(k) for k in child_env}
-    os.environ.update(child_env)
     try:
-        for p in procs:
-            p.start()
+        with temporary_env(child_env):
+            for p in procs:
+                p.start()
     finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
         for _, sender in pipes:
             sender.close()  # the children hold the sending ends; a dead child's pipe then reads EOF
     readers = {p[0]: r for r, p in enumerate(pipes)}
