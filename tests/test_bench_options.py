@@ -52,3 +52,16 @@ def test_temporary_env_sets_then_restores_or_removes(monkeypatch) -> None:
             assert (os.environ["AUTOFUSE_TEST_KEPT"], os.environ["AUTOFUSE_TEST_NEW"]) == ("inside", "1")
             raise RuntimeError("the block failed")
     assert os.environ["AUTOFUSE_TEST_KEPT"] == "before" and "AUTOFUSE_TEST_NEW" not in os.environ
+
+
+def test_bench_moe_keeps_the_ranks_notes_beside_its_own(monkeypatch) -> None:
+    """A contender refused on a problem is a note of the ranks' result; run() adds the setting's notes to
+    it instead of replacing it (they were lost)."""
+    import autofuse.comm.world as world
+    from autofuse.bench import bench_moe
+
+    refused = "hybrid refused on tiny T=4: ValueError: no"
+    monkeypatch.setattr(world, "spawn", lambda *a, **k: [{"rows": [], "notes": [refused], "contenders": [],
+                                                         "modes": ["eager"], "device": "cpu"}])
+    result = bench_moe.run(BenchOptions(target="moe", device_kind="cpu", world=2, reps=5, progress=False))
+    assert result["notes"] == [INTERPRETED_NOTE, "reps capped at 3 on CPU (asked for 5)", refused], result["notes"]

@@ -73,7 +73,8 @@ def run(options: Any) -> dict:
            "progress": bool(options.progress), "seed": 0, "interpreted": s.interpreted}
     started = datetime.datetime.now(datetime.timezone.utc)
     result = dict(spawn(_rank, world, cfg, device_kind=kind, timeout_s=3600)[0])
-    result.update(sweep=",".join(models), world=world, device_kind=kind, reps=s.reps, skew=skew, notes=s.notes,
+    result.update(sweep=",".join(models), world=world, device_kind=kind, reps=s.reps, skew=skew,
+                  notes=s.notes + result.get("notes", []),
                   interpreted=s.interpreted, tolerance=TOLERANCE[kind],
                   wall_s=(datetime.datetime.now(datetime.timezone.utc) - started).total_seconds())
     return result
