@@ -17,6 +17,10 @@
   a call that raises must leave NaN in every element of its `out` (given prefilled with finite
   values, so stale or untouched elements show).
 The case tables live in each op's test module and are used by its CPU and GPU tests alike.
+- models (tests/test_nn.py, tests/test_moe_nn.py): `cpu_job(fn, world)` spawns one CPU job;
+  `unsharded_run(ref, forward)` runs the unsharded reference (logits, loss and every gradient), and
+  `against(model, forward, want)` runs a parallelized model the same way, gathers its gradients back
+  into the unsharded model's keys (autofuse.nn.full_grads) and measures every difference (`rel`).
 """
 from __future__ import annotations
 
@@ -301,3 +305,46 @@ def check_fault_run(results: Sequence[dict]) -> None:
             assert r["first_fault_s"] is not None, f"rank {r['rank']} ({r['scenario']}): never raised: {r['seen']}"
             assert r["first_fault_s"] <= FAULT_BUDGET_S + 5.0, (
                 f"rank {r['rank']}: {r['first_fault_s']:.1f} s to raise with a {FAULT_BUDGET_S} s budget")
+
+
+# -- models against the unsharded one -----------------------------------------------------------------
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Norm-wise relative difference of `a` from `b`, in float64."""
+    a, b = a.detach().double(), b.detach().double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-300))
+
+
+def cpu_job(fn: Any, world: int) -> list:
+    """Every rank's result of `fn(world)` on `world` CPU ranks (a test module's one spawned job; 600 s bound)."""
+    from autofuse.comm.world import spawn
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return spawn(fn, world, device_kind="cpu", timeout_s=600)
+
+
+def unsharded_run(ref: Any, forward: Any) -> dict:
+    """`forward(ref)` -> (logits, loss) on the unsharded model `ref`, the loss's backward: {"logits",
+    "loss", "grads": every parameter's gradient by name, "state keys": its state_dict's keys}."""
+    logits, loss = forward(ref)
+    loss.backward()
+    return {"logits": logits, "loss": loss, "grads": {n: p.grad for n, p in ref.named_parameters() if p.grad is not None},
+            "state keys": sorted(ref.state_dict())}
+
+
+def against(model: Any, forward: Any, want: dict, call: Any = None) -> dict:
+    """`forward(call or model)` -> (logits, loss) on the parallelized `model` and the loss's backward,
+    against `unsharded_run`'s `want`: the logits' and loss's relative differences, whether the gathered
+    gradients (autofuse.nn.full_grads) have exactly the reference's keys, the worst gradient's
+    difference and name, and whether full_state_dict has the reference's keys (`call`: a compiled
+    `model`, say)."""
+    import autofuse
+
+    logits, loss = forward(call or model)
+    loss.backward()
+    grads, ref = autofuse.nn.full_grads(model), want["grads"]
+    errs = {k: rel(grads[k], g) if k in grads else math.inf for k, g in ref.items()}
+    worst = max(errs, key=errs.get)
+    return {"logits": rel(logits, want["logits"]), "loss": rel(loss, want["loss"]), "grad keys": sorted(grads) == sorted(ref),
+            "worst grad": errs[worst], "worst name": worst,
+            "state keys": sorted(autofuse.nn.full_state_dict(model)) == want["state keys"]}

@@ -1,5 +1,5 @@
 """autofuse.nn's expert-parallel MoE on CPU ranks: `ExpertParallelMoE` and `autofuse.parallelize` on tiny
-random transformers Mixtral and Qwen2-MoE models (config objects, no download).
+random transformers Mixtral, Qwen2-MoE and Qwen3-MoE models (config objects, no download).
 
 One spawned job per world size (2 and 4) runs every check and returns what it measured. Each rank
 builds the same float32 model (same seed); the reference is the unsharded model in float64, the
@@ -20,18 +20,14 @@ import pytest
 import torch
 from torch import nn
 
-from autofuse.comm.world import spawn
+import harness
+from harness import rel
 
 pytest.importorskip("transformers")
 
 TOL = 1e-5
 GRAD_TOL = 1e-4
 WORLDS = (2, 4)
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.detach().double(), b.detach().double()
-    return float((a - b).norm() / b.norm().clamp_min(1e-300))
 
 
 def tiny_mixtral(world: int):
@@ -63,6 +59,24 @@ def tiny_qwen2_moe(world: int):
     return model
 
 
+def tiny_qwen3_moe(world: int):
+    """Qwen3-MoE: per-head q/k norms in attention (random weights: the ones transformers gives hide a norm
+    left out), norm_topk_prob True, layer 1 dense."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    cfg = Qwen3MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=32, moe_intermediate_size=16,
+                         num_experts=2 * world, num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=world if world > 2 else 2, head_dim=8, mlp_only_layers=[1],
+                         max_position_embeddings=32, attn_implementation="eager", experts_implementation="eager")
+    torch.manual_seed(0)
+    model = Qwen3MoeForCausalLM(cfg)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
+                norm.weight.normal_(1.0, 0.5)
+    return model
+
+
 def _force(model: nn.Module, kind: str, world: int) -> None:
     """Make every router pick `kind`'s experts (a forward hook, copied with the router by from_module)."""
     for layer in model.model.layers:
@@ -89,16 +103,13 @@ def _model_case(world, make, kind: str, shape: tuple[int, int]) -> dict:
     if kind != "random":
         _force(base, kind, world.size)
     ids = torch.randint(0, 64, shape, generator=torch.Generator().manual_seed(3))
-    ref = copy.deepcopy(base).double()
     labels = ids if shape[1] > 1 else None  # one token has no next-token target: the logits' mean square then
 
     def loss(m: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
         o = m(input_ids=ids, labels=labels)
         return o.logits, o.loss if labels is not None else o.logits.square().mean()
 
-    logits, want_loss = loss(ref)
-    want_loss.backward()
-    want = {n: p.grad for n, p in ref.named_parameters() if p.grad is not None}
+    want = harness.unsharded_run(copy.deepcopy(base).double(), loss)
     model = autofuse.parallelize(copy.deepcopy(base), world.group)
     received, dispatch = [], autofuse.moe_dispatch
 
@@ -109,16 +120,11 @@ def _model_case(world, make, kind: str, shape: tuple[int, int]) -> dict:
 
     autofuse.moe_dispatch = counting  # the rows each call brought to this rank's experts
     try:
-        got_logits, got_loss = loss(model)
+        got = harness.against(model, loss, want)
     finally:
         autofuse.moe_dispatch = dispatch
-    got_loss.backward()
-    grads = autofuse.nn.full_grads(model)
-    return {"logits": rel(got_logits, logits), "loss": rel(got_loss, want_loss),
-            "grad keys": sorted(grads) == sorted(want), "worst grad": max(rel(grads[k], want[k]) for k in want),
-            "worst name": max(want, key=lambda k: rel(grads[k], want[k])),
-            "state keys": sorted(autofuse.nn.full_state_dict(model)) == sorted(base.state_dict()),
-            "received": received, "blocks": sum(isinstance(m, autofuse.nn.ExpertParallelMoE) for m in model.modules())}
+    return {**got, "received": received,
+            "blocks": sum(isinstance(m, autofuse.nn.ExpertParallelMoE) for m in model.modules())}
 
 
 def _copies(world) -> dict:
@@ -195,31 +201,34 @@ def _standalone(world) -> dict:
 def _job(world) -> dict:
     torch.set_num_threads(1)
     out: dict = {"copies": _copies(world), "standalone": _standalone(world)}
-    for name, make in (("mixtral", tiny_mixtral), ("qwen2_moe", tiny_qwen2_moe)):
+    for name, make in MODELS.items():
         for kind in ("random", "skewed", "empty"):
             out[(name, kind)] = _model_case(world, make, kind, (2, 6))
     out[("mixtral", "one token")] = _model_case(world, tiny_mixtral, "random", (1, 1))
-    try:
-        import autofuse
+    import autofuse
 
-        autofuse.parallelize(tiny_mixtral(world.size), world.group, sequence_parallel=True)
-        out["sp error"] = "no error"
-    except ValueError as exc:
-        out["sp error"] = str(exc)
+    for name in ("mixtral", "qwen3_moe"):
+        try:
+            autofuse.parallelize(MODELS[name](world.size), world.group, sequence_parallel=True)
+            out[f"sp error {name}"] = "no error"
+        except ValueError as exc:
+            out[f"sp error {name}"] = str(exc)
     return out
+
+
+MODELS = {"mixtral": tiny_mixtral, "qwen2_moe": tiny_qwen2_moe, "qwen3_moe": tiny_qwen3_moe}
 
 
 @pytest.fixture(scope="module", params=WORLDS, ids=lambda w: f"world{w}")
 def job(request) -> tuple[int, list[dict]]:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return request.param, spawn(_job, request.param, device_kind="cpu", timeout_s=600)
+    return request.param, harness.cpu_job(_job, request.param)
 
 
 # ------------------------------------------------------------------------------------------ tests
 def test_parallel_moe_models_match_the_unsharded_float64_model(job) -> None:
-    """Mixtral and Qwen2-MoE: logits, loss and every weight gradient (gathered back into transformers'
-    keys and layouts) match, with the models' routing, a skewed one and one leaving experts empty."""
+    """Mixtral, Qwen2-MoE and Qwen3-MoE (per-head q/k norms: their gradients summed over the group): logits,
+    loss and every weight gradient (gathered back into transformers' keys and layouts) match, with the
+    models' routing, a skewed one and one leaving experts empty."""
     w, ranks = job
     for r, res in enumerate(ranks):
         for case, v in res.items():
@@ -232,7 +241,7 @@ def test_parallel_moe_models_match_the_unsharded_float64_model(job) -> None:
 
 def test_skewed_and_empty_routings_leave_ranks_without_rows(job) -> None:
     w, ranks = job
-    for model in ("mixtral", "qwen2_moe"):
+    for model in MODELS:
         rows = [res[(model, "skewed")]["received"] for res in ranks]
         assert all(n > 0 for n in rows[0]) and all(n == 0 for rr in rows[1:] for n in rr), (model, rows)
         rows = [res[(model, "empty")]["received"] for res in ranks]
@@ -252,7 +261,9 @@ def test_from_module_copies_and_sequence_parallel_is_refused(job) -> None:
     _, ranks = job
     for res in ranks:
         assert res["copies"] == {"unchanged": True, "shared storage": False}, res["copies"]
-        assert "sequence_parallel=True is not supported for MoE models" in res["sp error"], res["sp error"]
+        for name in ("mixtral", "qwen3_moe"):
+            err = res[f"sp error {name}"]
+            assert "sequence_parallel=True is not supported for MoE models" in err, (name, err)
 
 
 def test_bench_moe_checks_and_times_on_cpu() -> None:

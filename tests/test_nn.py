@@ -1,4 +1,5 @@
-"""autofuse.nn on CPU ranks: the tensor-parallel linears and `parallelize` on a transformers Llama.
+"""autofuse.nn on CPU ranks: the tensor-parallel linears and `parallelize` on a transformers Llama
+(and Qwen2, and Qwen3 with its per-head q/k norms: logits, loss and every gradient against float64).
 
 One spawned job per world size (2 and 4) runs every check and returns what it measured; the tests
 assert on it. The model is a tiny LlamaForCausalLM built from a local random config (no download):
@@ -28,17 +29,13 @@ from torch import nn
 
 import harness
 from autofuse.comm.world import spawn
+from harness import rel
 
 pytest.importorskip("transformers")
 
 TOL = 1e-5
 GRAD_TOL = 1e-4
 WORLDS = (2, 4)
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.detach().double(), b.detach().double()
-    return float((a - b).norm() / b.norm().clamp_min(1e-300))
 
 
 def tiny_llama(world: int, kv_heads: int | None = None):
@@ -295,8 +292,52 @@ def _qwen2(world, ids: torch.Tensor) -> dict:
                                 want) for sp in (False, True)}
 
 
+def tiny_qwen3(world: int):
+    """A tiny random Qwen3ForCausalLM (float32): per-head q/k norms, their weights random (transformers'
+    ones would hide a norm left out or applied to the wrong width)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    cfg = Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=world if world > 2 else 2, head_dim=8, max_position_embeddings=32,
+                      attn_implementation="eager")
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(cfg)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
+                norm.weight.normal_(1.0, 0.5)
+    return model
+
+
+def _qwen3(world) -> dict:
+    """parallelize on a tiny Qwen3ForCausalLM, both forms: logits, loss and every weight gradient (the
+    per-head norms' summed over the group) against the unsharded model in float64; 7 tokens (padded
+    under sequence parallelism)."""
+    import autofuse
+
+    base = tiny_qwen3(world.size)
+    ids = torch.randint(0, 64, (2, 7), generator=torch.Generator().manual_seed(4))
+
+    def loss(m: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+        o = m(input_ids=ids, labels=ids)
+        return o.logits, o.loss
+
+    want = harness.unsharded_run(copy.deepcopy(base).double(), loss)
+    out: dict = {f"sp={sp}": harness.against(autofuse.parallelize(copy.deepcopy(base), world.group, sequence_parallel=sp),
+                                             loss, want) for sp in (False, True)}
+    wide = tiny_qwen3(world.size)
+    wide.model.layers[1].self_attn.q_norm = nn.RMSNorm(32)  # over every head's width (OLMo2's): does not split
+    try:
+        autofuse.parallelize(wide, world.group)
+        out["width error"] = "no error"
+    except ValueError as exc:
+        out["width error"] = str(exc)
+    return out
+
+
 def _job(world) -> dict:
-    out = {"modules": _modules(world), "plans": _plans(world), "llama": _llama(world), "train": _train(world)}
+    out = {"modules": _modules(world), "plans": _plans(world), "llama": _llama(world), "train": _train(world),
+           "qwen3": _qwen3(world)}
     if world.size == 2:  # torch.compile at one world size: compiling takes most of a minute per graph on CPU
         out["compiled train"] = _train(world, compiled=True)
         out["compiled generation"] = _compiled_generation(world)
@@ -305,9 +346,7 @@ def _job(world) -> dict:
 
 @pytest.fixture(scope="module", params=WORLDS, ids=lambda w: f"world{w}")
 def job(request) -> tuple[int, list[dict]]:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return request.param, spawn(_job, request.param, device_kind="cpu", timeout_s=600)
+    return request.param, harness.cpu_job(_job, request.param)
 
 
 # ------------------------------------------------------------------------------------------ tests
@@ -382,6 +421,20 @@ def test_qwen2_logits_match(job) -> None:
     _, ranks = job
     for res in ranks:
         assert all(err <= TOL for err in res["llama"]["qwen2"].values()), res["llama"]["qwen2"]
+
+
+def test_qwen3_matches_the_unsharded_float64_model(job) -> None:
+    """Qwen3 (per-head q/k norms, whose gradients each rank gets from its own heads: summed over the
+    group), with and without sequence parallelism: logits, loss and every weight gradient, gathered
+    back into transformers' keys, the q/k norms' included."""
+    w, ranks = job
+    for r, res in enumerate(ranks):
+        for sp in ("sp=False", "sp=True"):
+            v = res["qwen3"][sp]
+            assert v["logits"] <= TOL and v["loss"] <= TOL, (w, r, sp, v)
+            assert v["grad keys"] and v["state keys"] and v["worst grad"] <= GRAD_TOL, (w, r, sp, v)
+    err = ranks[0]["qwen3"]["width error"]
+    assert "layers.1.self_attn has parameters outside its projections and per-head q/k norms (q_norm.weight)" in err, err
 
 
 def test_llama_greedy_generation_matches(job) -> None:
@@ -506,22 +559,6 @@ def _greedy_ok(ref, tokens: torch.Tensor, prompt_len: int) -> float:
     return worst
 
 
-def _full_grads(model) -> dict[str, torch.Tensor]:
-    """The gradients of a parallel model's parameters, gathered like full_state_dict gathers the weights
-    (each parameter's value swapped for its gradient for the call)."""
-    import autofuse
-
-    params = [p for p in model.parameters() if p.grad is not None]
-    saved = [p.detach().clone() for p in params]
-    with torch.no_grad():
-        for p in params:
-            p.copy_(p.grad)
-        grads = {k: v.clone() for k, v in autofuse.nn.full_state_dict(model).items()}  # replicated ones are the params
-        for p, v in zip(params, saved):
-            p.copy_(v)
-    return grads
-
-
 def _gpu_job(world) -> dict:
     """bf16 on CUDA ranks: logits eager and under reduce-overhead (CUDA graphs), greedy generation, the
     loss and every gradient eager and under inductor (its forward is the logits' too); both forms."""
@@ -561,10 +598,12 @@ def _gpu_job(world) -> dict:
                                 pad_token_id=0)
         out[f"generate sp={sp}"] = _greedy_ok(ref, tokens, prompt.shape[1])
     ref.train()  # gradients (bf16 SGD updates would drown in the weights' rounding), eager and under inductor
-    whole = copy.deepcopy(ref)
-    loss = whole(input_ids=ids, labels=ids).loss
-    loss.backward()
-    want_grads = {k: p.grad for k, p in whole.named_parameters()}
+
+    def loss(m) -> tuple[torch.Tensor, torch.Tensor]:
+        o = m(input_ids=ids, labels=ids)
+        return o.logits, o.loss
+
+    want = harness.unsharded_run(copy.deepcopy(ref), loss)
     for compiled in (False, True):
         for sp in (False, True):
             if compiled and sp and getattr(world, "shares_gpu", False):
@@ -573,12 +612,8 @@ def _gpu_job(world) -> dict:
                     "calls torch's functional collectives, which crash on gloo with CUDA tensors (torch 2.11)")
                 continue
             model = autofuse.parallelize(copy.deepcopy(ref), world.group, sequence_parallel=sp)
-            run = torch.compile(model, fullgraph=True) if compiled else model
-            got = run(input_ids=ids, labels=ids).loss
-            got.backward()
-            grads = _full_grads(model)
-            out[f"train compiled={compiled} sp={sp}"] = (
-                rel(got, loss), max(rel(grads[k], g) for k, g in want_grads.items()), len(grads) == len(want_grads))
+            got = harness.against(model, loss, want, call=torch.compile(model, fullgraph=True) if compiled else None)
+            out[f"train compiled={compiled} sp={sp}"] = (got["loss"], got["worst grad"], got["grad keys"])
     return out
 
 

@@ -4,11 +4,12 @@
   group, with or without sequence parallelism; `from_linear(linear, group)` shards an existing layer.
 - `ExpertParallelMoE` (autofuse/nn/moe.py): a sparse MoE block (router, SwiGLU experts, optional shared
   expert) with its experts split over a process group, on `moe_dispatch` / `moe_combine`;
-  `from_module(block, group)` converts a transformers MoE block (Mixtral, Qwen2-MoE); `TopKRouter`.
+  `from_module(block, group)` converts a transformers MoE block (Mixtral, Qwen2-MoE, Qwen3-MoE); `TopKRouter`.
 - `autofuse.nn.functional`: the same as functions, and the row scatter/gather of sequence parallelism.
 - `parallelize(model, group, plan=None, sequence_parallel=False)` (autofuse/nn/parallelize.py): swaps a
-  model's linears for the modules above, by a plan or, for Hugging Face Llama-family models (and the MoE
-  models Mixtral and Qwen2-MoE, their MoE blocks made expert-parallel), by itself.
+  model's linears for the modules above, by a plan or, for Hugging Face Llama-family models (Qwen3
+  included, and the MoE models Mixtral, Qwen2-MoE and Qwen3-MoE, their MoE blocks made expert-parallel),
+  by itself.
 - `full_state_dict(model)` (autofuse/nn/checkpoint.py): the unsharded state_dict of a parallelized model;
   `full_grads(model)` its parameters' gradients likewise.
 - `ColwiseParallel`, `RowwiseParallel` (autofuse/nn/styles.py): the same as torch ParallelStyles, for

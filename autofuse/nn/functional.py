@@ -85,6 +85,12 @@ def transposed_parameter(weight: torch.Tensor, requires_grad: bool = True) -> to
                               requires_grad=requires_grad)
 
 
+def copied_parameter(t: torch.Tensor, requires_grad: bool = True) -> torch.nn.Parameter:
+    """A Parameter holding a contiguous copy of `t` (say a shard sliced from a user's layer): never a
+    view, so changing either (an optimizer step) never reaches the other."""
+    return torch.nn.Parameter(t.detach().clone(memory_format=torch.contiguous_format), requires_grad=requires_grad)
+
+
 def _operand(weight: torch.Tensor) -> torch.Tensor:
     """Wᵀ as a contiguous (in, out) matrix: a view for a transposed parameter, else a copy."""
     wt = weight.t()

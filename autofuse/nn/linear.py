@@ -155,10 +155,9 @@ class _ParallelLinear(nn.Module):
         shard, bias = m.shard_of(whole, bias)
         grad = first.weight.requires_grad
         # copies (a shard is a view of the user's layer): a change of either never reaches the other
-        m.weight = (tpf.transposed_parameter(shard, grad) if m.transposed
-                    else nn.Parameter(shard.clone(memory_format=torch.contiguous_format), grad))
+        m.weight = tpf.transposed_parameter(shard, grad) if m.transposed else tpf.copied_parameter(shard, grad)
         if bias is not None:
-            m.bias = nn.Parameter(bias.clone(), requires_grad=first.bias.requires_grad)
+            m.bias = tpf.copied_parameter(bias, first.bias.requires_grad)
         if names:
             if len(names) != len(linears):
                 raise ValueError(f"{cls.__name__}.from_linears: {len(names)} names for {len(linears)} layers")

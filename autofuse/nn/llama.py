@@ -1,11 +1,15 @@
-"""Hugging Face transformers Llama-family decoder models (Llama, Mistral, Qwen2, ...) made tensor-parallel.
+"""Hugging Face transformers Llama-family decoder models (Llama, Mistral, Qwen2, Qwen3, ...) made tensor-parallel.
 
 What is recognised: a model whose base model (`model.base_model`) has `layers`, each with `self_attn`
 holding the nn.Linear layers q_proj, k_proj, v_proj, o_proj and `mlp` holding gate_proj, up_proj,
-down_proj, and nothing else with parameters (Qwen3's per-head q_norm, say, is refused: its gradient
-would need a sum over ranks that this module does not add). Heads, KV heads and the MLP width must
+down_proj, and nothing else with parameters but per-head norms of q and k (Qwen3's `q_norm` /
+`k_norm`: weight [head_dim], applied to each head alike). Heads, KV heads and the MLP width must
 divide by the group size; rank r keeps query heads and KV heads block r (its KV cache holds those).
-Embeddings, the final norm and lm_head stay whole on every rank (replicated).
+Embeddings, the final norm and lm_head stay whole on every rank (replicated). The per-head norms are
+replicated too and need nothing in the forward (each rank normalises its own heads); their gradients
+come from this rank's heads only, so they are summed over the group (tensor hooks on the parameters,
+the same hooks as sequence parallelism's norms below), in either form. A norm over all heads' width
+(OLMo2's q_norm, say) is refused.
 
 sequence_parallel=False (the layout of transformers' own tensor-parallel plan for these models): the
 hidden states are whole on every rank; q/k/v and gate/up are column-parallel (local GEMMs; their
@@ -26,7 +30,7 @@ the group (tensor hooks on the parameters). Hidden states recorded between layer
 (output_hidden_states) are the row blocks. `autofuse.nn.full_state_dict` gives transformers' keys
 back. Decode steps (one token) pay W-fold padding here: generate with sequence_parallel=False.
 
-MoE models (transformers Mixtral, Qwen2-MoE: a layer's `mlp` is a sparse MoE block, see
+MoE models (transformers Mixtral, Qwen2-MoE, Qwen3-MoE: a layer's `mlp` is a sparse MoE block, see
 autofuse/nn/moe.py): attention as above; each MoE block becomes `autofuse.nn.ExpertParallelMoE`
 over the same group (expert parallel group = tensor parallel group: rank r keeps experts block r),
 which routes every token on every rank, sends row block r of the tokens from rank r through
@@ -53,6 +57,7 @@ from autofuse.nn.moe import ExpertParallelMoE, is_moe_block
 from autofuse.nn.plan import apply_plan
 
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+HEAD_NORMS = ("q_norm", "k_norm")  # Qwen3's per-head RMSNorms of q and k (weight [head_dim], shared by all heads)
 MLP = ("gate_proj", "up_proj", "down_proj")
 ATTENTION_PLAN = {  # sequence_parallel=False, relative to a decoder layer (transformers' base_model_tp_plan)
     "self_attn.q_proj": "column", "self_attn.k_proj": "column", "self_attn.v_proj": "column",
@@ -94,10 +99,21 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
                     raise ValueError(f"{type(model).__name__}: layers.{i}.{block}.{name} is not an nn.Linear; "
                                      "parallelize(model, group, plan={...}) takes other models")
             extra = [n for n, _ in mod.named_parameters() if n.split(".")[0] not in names]
+            where = "projections"
+            if block == "self_attn":
+                extra, where = [n for n in extra if not _per_head(mod, n)], "projections and per-head q/k norms"
             if extra:
-                raise ValueError(f"{type(model).__name__}: layers.{i}.{block} has parameters outside its "
-                                 f"projections ({', '.join(extra)}); autofuse does not know how to split them")
+                raise ValueError(f"{type(model).__name__}: layers.{i}.{block} has parameters outside its {where} "
+                                 f"({', '.join(extra)}); autofuse does not know how to split them")
     return layers
+
+
+def _per_head(attn: nn.Module, name: str) -> bool:
+    """Whether parameter `name` of `attn` belongs to a per-head norm (HEAD_NORMS): 1-D, head_dim long,
+    applied to each head alike, so it splits with the heads as is (a norm over all heads' width does not)."""
+    norm = name.split(".")[0]
+    p = attn.get_parameter(name)
+    return norm in HEAD_NORMS and p.dim() == 1 and p.shape[0] == getattr(attn, "head_dim", None)
 
 
 def check_sizes(config: Any, world: int, what: str = "the model", dense_mlp: bool = True) -> None:
@@ -145,6 +161,8 @@ def parallelize_layer(layer: nn.Module, group: Any, sequence_parallel: bool) -> 
     caller scatters and gathers the rows (`parallelize` hooks the first and last layer for that)."""
     world = dist.get_world_size(group)
     _local_head_counts(layer.self_attn, world)
+    head_norms = [getattr(layer.self_attn, n) for n in HEAD_NORMS if hasattr(layer.self_attn, n)]
+    _GradSum(group).register([p for norm in head_norms for p in norm.parameters()])
     if is_moe_block(layer.mlp):
         if sequence_parallel:
             raise ValueError("parallelize_layer: sequence parallelism is not supported for MoE layers")
@@ -184,14 +202,34 @@ def _with_first(output: Any, value: torch.Tensor) -> Any:
     return (value, *output[1:]) if isinstance(output, tuple) else value
 
 
-class _SequenceParallel:
+class _GradSum:
+    """Tensor hooks that sum replicated parameters' gradients over the group: for parameters that see
+    only this rank's part of the work (norms under sequence parallelism: this rank's rows; per-head
+    norms: this rank's heads), so every rank gets the unsharded model's gradient."""
+
+    def __init__(self, group: Any):
+        self.group = group
+
+    def __deepcopy__(self, memo: dict) -> "_GradSum":
+        return self  # no state but the group, which a copied model shares
+
+    def register(self, params: list[nn.Parameter]) -> None:
+        for p in params:
+            if p.requires_grad:
+                p.register_hook(self.sum_grad)
+
+    def sum_grad(self, grad: torch.Tensor) -> torch.Tensor:
+        grad = grad.clone()
+        dist.all_reduce(grad, group=self.group)
+        return grad
+
+
+class _SequenceParallel(_GradSum):
     """The hooks that keep the token rows split between a layer's projections (module doc)."""
 
     def __init__(self, group: Any, world: int):
-        self.group, self.world = group, world
-
-    def __deepcopy__(self, memo: dict) -> "_SequenceParallel":
-        return self  # no state but the group, which a copied model shares
+        super().__init__(group)
+        self.world = world
 
     def padded(self, s: int) -> int:
         return -(-s // self.world) * self.world
@@ -213,14 +251,7 @@ class _SequenceParallel:
         mlp.register_forward_pre_hook(self.mlp_in)
         mlp.register_forward_hook(self.mlp_out)
         mlp.down_proj.register_forward_pre_hook(self.rows_in)
-        for name, p in layer.named_parameters():
-            if p.requires_grad and not name.startswith(("self_attn.", "mlp.")):
-                p.register_hook(self.sum_grad)
-
-    def sum_grad(self, grad: torch.Tensor) -> torch.Tensor:
-        grad = grad.clone()
-        dist.all_reduce(grad, group=self.group)
-        return grad
+        self.register([p for name, p in layer.named_parameters() if not name.startswith(("self_attn.", "mlp."))])
 
     # The first layer's input (B, S, H), whole -> this rank's rows (B, S'/W, H); the last layer's back.
     def enter(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:

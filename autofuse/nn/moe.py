@@ -151,7 +151,7 @@ class ExpertParallelMoE(nn.Module):
             top_k = int(getattr(block, "top_k", None) or getattr(block, "num_experts_per_tok"))
             gate: nn.Module = TopKRouter(h, e, top_k, getattr(block, "norm_topk_prob", True), cast_weights=True,
                                          device="meta")
-            gate.weight = nn.Parameter(router.weight.detach().clone(), requires_grad=router.weight.requires_grad)
+            gate.weight = tpf.copied_parameter(router.weight, router.weight.requires_grad)
         elif isinstance(getattr(router, "weight", None), torch.Tensor) and isinstance(getattr(router, "top_k", None), int):
             top_k, gate = router.top_k, copy.deepcopy(router)  # transformers 5: its own router module
         else:
@@ -162,8 +162,7 @@ class ExpertParallelMoE(nn.Module):
         m.gate, m.layout = gate, layout
         mine = slice(m.rank * m.local_experts, (m.rank + 1) * m.local_experts)
         grad = w1.requires_grad
-        m.w1 = nn.Parameter(w1.detach()[mine].clone(memory_format=torch.contiguous_format), requires_grad=grad)
-        m.w2 = nn.Parameter(w2.detach()[mine].clone(memory_format=torch.contiguous_format), requires_grad=grad)
+        m.w1, m.w2 = tpf.copied_parameter(w1[mine], grad), tpf.copied_parameter(w2[mine], grad)
         shared = getattr(block, "shared_expert", None)
         if shared is not None:
             if sequence_parallel:
