@@ -325,6 +325,8 @@ def _qwen3(world) -> dict:
     want = harness.unsharded_run(copy.deepcopy(base).double(), loss)
     out: dict = {f"sp={sp}": harness.against(autofuse.parallelize(copy.deepcopy(base), world.group, sequence_parallel=sp),
                                              loss, want) for sp in (False, True)}
+    made = autofuse.parallelize(copy.deepcopy(base), world.group, sequence_parallel=True)
+    out["copied sp=True"] = harness.against(copy.deepcopy(made), loss, want)  # a copy sums its norms' grads too
     wide = tiny_qwen3(world.size)
     wide.model.layers[1].self_attn.q_norm = nn.RMSNorm(32)  # over every head's width (OLMo2's): does not split
     try:
@@ -426,10 +428,11 @@ def test_qwen2_logits_match(job) -> None:
 def test_qwen3_matches_the_unsharded_float64_model(job) -> None:
     """Qwen3 (per-head q/k norms, whose gradients each rank gets from its own heads: summed over the
     group), with and without sequence parallelism: logits, loss and every weight gradient, gathered
-    back into transformers' keys, the q/k norms' included."""
+    back into transformers' keys, the q/k norms' included; also a deep copy of the parallelized model
+    (tensor hooks are not copied: the summed parameters register theirs again)."""
     w, ranks = job
     for r, res in enumerate(ranks):
-        for sp in ("sp=False", "sp=True"):
+        for sp in ("sp=False", "sp=True", "copied sp=True"):
             v = res["qwen3"][sp]
             assert v["logits"] <= TOL and v["loss"] <= TOL, (w, r, sp, v)
             assert v["grad keys"] and v["state keys"] and v["worst grad"] <= GRAD_TOL, (w, r, sp, v)

@@ -162,7 +162,8 @@ def parallelize_layer(layer: nn.Module, group: Any, sequence_parallel: bool) -> 
     world = dist.get_world_size(group)
     _local_head_counts(layer.self_attn, world)
     head_norms = [getattr(layer.self_attn, n) for n in HEAD_NORMS if hasattr(layer.self_attn, n)]
-    _GradSum(group).register([p for norm in head_norms for p in norm.parameters()])
+    _GradSum(group).register(layer.self_attn, [f"{n}.{p}" for n in HEAD_NORMS if hasattr(layer.self_attn, n)
+                                                for p, _ in getattr(layer.self_attn, n).named_parameters()])
     if is_moe_block(layer.mlp):
         if sequence_parallel:
             raise ValueError("parallelize_layer: sequence parallelism is not supported for MoE layers")
@@ -213,15 +214,40 @@ class _GradSum:
     def __deepcopy__(self, memo: dict) -> "_GradSum":
         return self  # no state but the group, which a copied model shares
 
-    def register(self, params: list[nn.Parameter]) -> None:
-        for p in params:
-            if p.requires_grad:
-                p.register_hook(self.sum_grad)
+    def register(self, root: nn.Module, names: list[str]) -> None:
+        """Sum the gradients of `root`'s parameters `names` (dotted) over the group: each becomes a
+        `_Summed` parameter (the same data) whose hook sums its gradient, in a deep copy too."""
+        for name in names:
+            path, _, attr = name.rpartition(".")
+            owner = root.get_submodule(path)
+            p = getattr(owner, attr)
+            if p.requires_grad and not isinstance(p, _Summed):
+                setattr(owner, attr, _Summed.of(p.data, self))
 
     def sum_grad(self, grad: torch.Tensor) -> torch.Tensor:
         grad = grad.clone()
         dist.all_reduce(grad, group=self.group)
         return grad
+
+
+class _Summed(nn.Parameter):
+    """A replicated parameter whose gradient a tensor hook sums over the group (`_GradSum`). Tensor hooks
+    are not copied with a model (copy.deepcopy, torch.optim.swa_utils.AveragedModel): this parameter's
+    deep copy registers the hook again, so a copy of a parallelized model trains like the original."""
+
+    group_sum: _GradSum
+
+    @staticmethod
+    def of(data: torch.Tensor, group_sum: _GradSum) -> "_Summed":
+        p = _Summed(data, requires_grad=True)
+        p.group_sum = group_sum
+        p.register_hook(group_sum.sum_grad)
+        return p
+
+    def __deepcopy__(self, memo: dict) -> "_Summed":
+        if id(self) not in memo:
+            memo[id(self)] = _Summed.of(self.data.clone(memory_format=torch.preserve_format), self.group_sum)
+        return memo[id(self)]
 
 
 class _SequenceParallel(_GradSum):
@@ -251,7 +277,8 @@ class _SequenceParallel(_GradSum):
         mlp.register_forward_pre_hook(self.mlp_in)
         mlp.register_forward_hook(self.mlp_out)
         mlp.down_proj.register_forward_pre_hook(self.rows_in)
-        self.register([p for name, p in layer.named_parameters() if not name.startswith(("self_attn.", "mlp."))])
+        self.register(layer, [name for name, _ in layer.named_parameters()
+                              if not name.startswith(("self_attn.", "mlp."))])
 
     # The first layer's input (B, S, H), whole -> this rank's rows (B, S'/W, H); the last layer's back.
     def enter(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
