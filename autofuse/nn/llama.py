@@ -161,8 +161,8 @@ def parallelize_layer(layer: nn.Module, group: Any, sequence_parallel: bool) -> 
     caller scatters and gathers the rows (`parallelize` hooks the first and last layer for that)."""
     world = dist.get_world_size(group)
     _local_head_counts(layer.self_attn, world)
-    head_norms = [getattr(layer.self_attn, n) for n in HEAD_NORMS if hasattr(layer.self_attn, n)]
-    _GradSum(group).register(layer.self_attn, [f"{n}.{p}" for n in HEAD_NORMS if hasattr(layer.self_attn, n)
+    head_norms = [n for n in HEAD_NORMS if hasattr(layer.self_attn, n)]
+    _GradSum(group).register(layer.self_attn, [f"{n}.{p}" for n in head_norms
                                                 for p, _ in getattr(layer.self_attn, n).named_parameters()])
     if is_moe_block(layer.mlp):
         if sequence_parallel:
