@@ -332,6 +332,16 @@ def unsharded_run(ref: Any, forward: Any) -> dict:
             "state keys": sorted(ref.state_dict())}
 
 
+def random_head_norms(model: Any) -> Any:
+    """`model` (a transformers Qwen3 or Qwen3-MoE) with its per-head q/k norm weights drawn at random:
+    transformers' ones would hide a norm left out or applied to the wrong width."""
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
+                norm.weight.normal_(1.0, 0.5)
+    return model
+
+
 def against(model: Any, forward: Any, want: dict, call: Any = None) -> dict:
     """`forward(call or model)` -> (logits, loss) on the parallelized `model` and the loss's backward,
     against `unsharded_run`'s `want`: the logits' and loss's relative differences, whether the gathered

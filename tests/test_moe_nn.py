@@ -69,12 +69,7 @@ def tiny_qwen3_moe(world: int):
                          num_key_value_heads=world if world > 2 else 2, head_dim=8, mlp_only_layers=[1],
                          max_position_embeddings=32, attn_implementation="eager", experts_implementation="eager")
     torch.manual_seed(0)
-    model = Qwen3MoeForCausalLM(cfg)
-    with torch.no_grad():
-        for layer in model.model.layers:
-            for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
-                norm.weight.normal_(1.0, 0.5)
-    return model
+    return harness.random_head_norms(Qwen3MoeForCausalLM(cfg))
 
 
 def _force(model: nn.Module, kind: str, world: int) -> None:

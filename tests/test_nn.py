@@ -301,12 +301,7 @@ def tiny_qwen3(world: int):
                       num_key_value_heads=world if world > 2 else 2, head_dim=8, max_position_embeddings=32,
                       attn_implementation="eager")
     torch.manual_seed(0)
-    model = Qwen3ForCausalLM(cfg)
-    with torch.no_grad():
-        for layer in model.model.layers:
-            for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
-                norm.weight.normal_(1.0, 0.5)
-    return model
+    return harness.random_head_norms(Qwen3ForCausalLM(cfg))
 
 
 def _qwen3(world) -> dict:

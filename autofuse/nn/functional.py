@@ -19,7 +19,8 @@ Groups: None (the default group), a ProcessGroup, or a one-dimensional DeviceMes
 """
 from __future__ import annotations
 
-from typing import Any
+import copy
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -89,6 +90,19 @@ def copied_parameter(t: torch.Tensor, requires_grad: bool = True) -> torch.nn.Pa
     """A Parameter holding a contiguous copy of `t` (say a shard sliced from a user's layer): never a
     view, so changing either (an optimizer step) never reaches the other."""
     return torch.nn.Parameter(t.detach().clone(memory_format=torch.contiguous_format), requires_grad=requires_grad)
+
+
+M = TypeVar("M", bound=torch.nn.Module)
+
+
+def deepcopy_sharing_group(module: M, memo: dict) -> M:
+    """`module`'s deep copy (its `__deepcopy__`) sharing its process group `module.group`: a group cannot be
+    copied; the copy's tensors are its own."""
+    memo[id(module.group)] = module.group
+    new = object.__new__(type(module))
+    memo[id(module)] = new
+    new.__dict__.update(copy.deepcopy(module.__dict__, memo))
+    return new
 
 
 def _operand(weight: torch.Tensor) -> torch.Tensor:

@@ -13,7 +13,6 @@ is the op's contiguous operand. state_dict holds this rank's shard under nn.Line
 """
 from __future__ import annotations
 
-import copy
 import math
 from typing import Any
 
@@ -75,11 +74,7 @@ class _ParallelLinear(nn.Module):
 
     def __deepcopy__(self, memo: dict) -> "_ParallelLinear":
         """A copy sharing the process group (a group cannot be copied; the copy's shards are its own)."""
-        memo[id(self.group)] = self.group
-        new = object.__new__(type(self))
-        memo[id(self)] = new
-        new.__dict__.update(copy.deepcopy(self.__dict__, memo))
-        return new
+        return tpf.deepcopy_sharing_group(self, memo)
 
     def _shard(self, t: torch.Tensor, dim: int, rank: int | None = None) -> torch.Tensor:
         """Rank `rank`'s (default: this rank's) shard of a whole tensor along `dim`: its block of each part."""

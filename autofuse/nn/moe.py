@@ -116,11 +116,7 @@ class ExpertParallelMoE(nn.Module):
 
     def __deepcopy__(self, memo: dict) -> "ExpertParallelMoE":
         """A copy sharing the process group (a group cannot be copied; the copy's tensors are its own)."""
-        memo[id(self.group)] = self.group
-        new = object.__new__(type(self))
-        memo[id(self)] = new
-        new.__dict__.update(copy.deepcopy(self.__dict__, memo))
-        return new
+        return tpf.deepcopy_sharing_group(self, memo)
 
     def reset_parameters(self) -> None:
         """Every expert drawn whole (normal, 1/sqrt(fan-in)), this rank's kept: ranks seeded alike hold
