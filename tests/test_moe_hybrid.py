@@ -113,6 +113,29 @@ def test_gradients_when_dispatch_and_combine_pick_hybrid_eager_and_compiled():
             assert max(errs.values()) < TOL, (rank, kind, errs)
 
 
+def _confirm_pair(world) -> dict:
+    """First-use confirmation (what dispatch runs on a problem no table holds) of each op with hybrid
+    against bsp: the dispatch's outputs hold a handle, the combine takes one."""
+    from autofuse.dispatch import confirm
+    from autofuse.ops import moe_combine, moe_dispatch
+
+    p = moe.make_problem(moe.DISPATCH, "float32", world.size, T, 32, F, 2 * world.size, K, "swiglu")
+    args = moe_dispatch.inputs(world, p, 0)
+    got = {"dispatch": confirm.confirm(world, moe_dispatch.OP, p, args, [("hybrid", SMALL)], "eager", budget_s=0.5)}
+    cp = _combine_problem(world, p)
+    got["combine"] = confirm.confirm(world, moe_combine.OP, cp, moe_combine.inputs(world, cp, 0), [("hybrid", SMALL)],
+                                     "eager", budget_s=0.5)
+    return {name: (sorted(v for v, _, _ in c.timed), c.dropped) for name, c in got.items()}
+
+
+def test_first_use_confirmation_compares_outputs_beside_a_handle():
+    """Confirmation compared BSP's (output, handle) with a candidate's and died on the handle
+    (AttributeError on every GPU call of an untuned MoE problem)."""
+    for rank, r in enumerate(spawn(_confirm_pair, 2, timeout_s=600)):
+        for name, (timed, dropped) in r.items():
+            assert timed == ["bsp", "hybrid"] and not dropped, (rank, name, timed, dropped)
+
+
 def _late_peer(world) -> dict:
     """Per op: 4 calls; the last rank sleeps past the wait budget before call 1. What each call did:
     ('returned', error) or (exception, elements of the output that are not NaN: the kernel's own
