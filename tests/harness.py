@@ -343,14 +343,14 @@ def random_head_norms(model: Any) -> Any:
 
 
 def against(model: Any, forward: Any, want: dict, call: Any = None) -> dict:
-    """`forward(call or model)` -> (logits, loss) on the parallelized `model` and the loss's backward,
+    """`forward(model if call is None else call)` -> (logits, loss) on the parallelized `model` and the loss's backward,
     against `unsharded_run`'s `want`: the logits' and loss's relative differences, whether the gathered
     gradients (autofuse.nn.full_grads) have exactly the reference's keys, the worst gradient's
     difference and name, and whether full_state_dict has the reference's keys (`call`: a compiled
     `model`, say)."""
     import autofuse
 
-    logits, loss = forward(call or model)
+    logits, loss = forward(model if call is None else call)
     loss.backward()
     grads, ref = autofuse.nn.full_grads(model), want["grads"]
     errs = {k: rel(grads[k], g) if k in grads else math.inf for k, g in ref.items()}
