@@ -9,7 +9,9 @@ token sent twice or lost, or a missing gradient sum is off by O(1). Routings: th
 (random), skewed (a forward hook on every router makes all tokens pick rank 0's experts: the other
 ranks receive no rows), empty experts (every token picks the first and the last expert), and one
 token (fewer tokens than ranks: every rank but rank 0 sends only a padding row, to its own experts);
-the other cases have 12 tokens, a multiple of both world sizes.
+the other cases have 12 tokens, a multiple of both world sizes. With sequence_parallel=True (SP_CASES):
+7 tokens a sequence (padded to a multiple of W), one token, transformers' load-balancing loss (router
+logits gathered, padding dropped), a deep copy of the parallelized model, and (world 2) a skewed routing.
 """
 from __future__ import annotations
 
@@ -90,22 +92,37 @@ def _force(model: nn.Module, kind: str, world: int) -> None:
         gate.register_forward_hook(hook)
 
 
-def _model_case(world, make, kind: str, shape: tuple[int, int]) -> dict:
-    """Logits, loss and every weight's gradient of the parallelized model against the float64 unsharded one."""
+def _model_case(world, make, kind: str, shape: tuple[int, int], sp: bool = False, aux: bool = False,
+                copied: bool = False) -> dict:
+    """Logits, loss and every weight's gradient of the parallelized model against the float64 unsharded one.
+    `sp`: sequence_parallel=True. `aux`: output_router_logits=True with router_aux_loss_coef 1 (transformers'
+    load-balancing loss in the loss) and an attention mask hiding sequence 1's last two tokens (which the loss
+    leaves out of the router statistics); its aux_loss compared too. `copied`: a deep copy of the parallelized
+    model is run (its gradient sums must survive the copy)."""
     import autofuse
 
     base = make(world.size)
-    if kind != "random":
+    if kind in ("skewed", "empty"):
         _force(base, kind, world.size)
+    if aux:
+        base.router_aux_loss_coef = 1.0
     ids = torch.randint(0, 64, shape, generator=torch.Generator().manual_seed(3))
     labels = ids if shape[1] > 1 else None  # one token has no next-token target: the logits' mean square then
+    mask = None
+    if aux:
+        mask = torch.ones(shape, dtype=torch.long)
+        mask[1, -2:] = 0
+    auxes = []
 
     def loss(m: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
-        o = m(input_ids=ids, labels=labels)
+        o = m(input_ids=ids, labels=labels, attention_mask=mask, output_router_logits=aux)
+        auxes.append(o.aux_loss)
         return o.logits, o.loss if labels is not None else o.logits.square().mean()
 
     want = harness.unsharded_run(copy.deepcopy(base).double(), loss)
-    model = autofuse.parallelize(copy.deepcopy(base), world.group)
+    model = autofuse.parallelize(copy.deepcopy(base), world.group, sequence_parallel=sp)
+    if copied:
+        model = copy.deepcopy(model)
     received, dispatch = [], autofuse.moe_dispatch
 
     def counting(*args, **kwargs):
@@ -118,6 +135,8 @@ def _model_case(world, make, kind: str, shape: tuple[int, int]) -> dict:
         got = harness.against(model, loss, want)
     finally:
         autofuse.moe_dispatch = dispatch
+    if aux:
+        got["aux"] = rel(auxes[1], auxes[0])
     return {**got, "received": received,
             "blocks": sum(isinstance(m, autofuse.nn.ExpertParallelMoE) for m in model.modules())}
 
@@ -200,15 +219,20 @@ def _job(world) -> dict:
         for kind in ("random", "skewed", "empty"):
             out[(name, kind)] = _model_case(world, make, kind, (2, 6))
     out[("mixtral", "one token")] = _model_case(world, tiny_mixtral, "random", (1, 1))
-    import autofuse
-
-    for name in ("mixtral", "qwen3_moe"):
-        try:
-            autofuse.parallelize(MODELS[name](world.size), world.group, sequence_parallel=True)
-            out[f"sp error {name}"] = "no error"
-        except ValueError as exc:
-            out[f"sp error {name}"] = str(exc)
+    for name, kind, shape in SP_CASES[world.size]:
+        out[(name, kind, "sp")] = _model_case(world, MODELS[name], kind, shape, sp=True, aux=kind == "aux",
+                                              copied=kind == "copied")
     return out
+
+
+# sequence_parallel=True: 7 tokens (padded to 8 rows per sequence), one token (rank 0 holds it, the others
+# padding only), the load-balancing loss, a deep copy, a skewed routing; world 4 a subset (CI time).
+SP_CASES = {
+    2: [("mixtral", "random", (2, 7)), ("qwen2_moe", "random", (2, 7)), ("qwen3_moe", "random", (2, 7)),
+        ("mixtral", "one token", (1, 1)), ("qwen3_moe", "aux", (2, 7)), ("qwen2_moe", "copied", (2, 7)),
+        ("qwen3_moe", "skewed", (2, 7))],
+    4: [("qwen3_moe", "random", (2, 7)), ("qwen2_moe", "aux", (2, 7))],
+}
 
 
 MODELS = {"mixtral": tiny_mixtral, "qwen2_moe": tiny_qwen2_moe, "qwen3_moe": tiny_qwen3_moe}
@@ -232,6 +256,9 @@ def test_parallel_moe_models_match_the_unsharded_float64_model(job) -> None:
             assert v["logits"] <= TOL and v["loss"] <= TOL, (w, r, case, v)
             assert v["grad keys"] and v["state keys"] and v["worst grad"] <= GRAD_TOL, (w, r, case, v)
             assert v["blocks"] == (2 if case[0] == "mixtral" else 1), (case, v)
+            assert v.get("aux", 0.0) <= TOL, (w, r, case, v)
+    sp = [case for case in ranks[0] if isinstance(case, tuple) and case[-1] == "sp"]
+    assert len(sp) == len(SP_CASES[w]) and (w == 4 or {c[1] for c in sp} >= {"aux", "copied", "skewed"}), sp
 
 
 def test_skewed_and_empty_routings_leave_ranks_without_rows(job) -> None:
@@ -243,6 +270,10 @@ def test_skewed_and_empty_routings_leave_ranks_without_rows(job) -> None:
         assert all(n > 0 for n in rows[0] + rows[-1]), (model, rows)
         assert all(n == 0 for rr in rows[1:-1] for n in rr), (model, rows)  # world 4: ranks 1, 2 get none
     assert sum(sum(res[("mixtral", "one token")]["received"]) for res in ranks) == 2 * w * 2  # padded to W rows, top-2
+    if w == 2:  # sequence parallel: each rank sends its own rows (padding included), none reach rank 1's experts
+        rows = [res[("qwen3_moe", "skewed", "sp")]["received"] for res in ranks]
+        assert rows[0] == [2 * 8 * 2] and rows[1] == [0], rows  # 2 sequences padded to 8 rows, top-2, one MoE layer
+        assert sum(sum(res[("mixtral", "one token", "sp")]["received"]) for res in ranks) == 2 * w * 2
 
 
 def test_standalone_block_and_sequence_parallel(job) -> None:
@@ -252,13 +283,10 @@ def test_standalone_block_and_sequence_parallel(job) -> None:
             assert v["keys"] and max(v["y"], v["dx"]) <= TOL and v["worst grad"] <= GRAD_TOL, (w, r, sp, v)
 
 
-def test_from_module_copies_and_sequence_parallel_is_refused(job) -> None:
+def test_from_module_copies(job) -> None:
     _, ranks = job
     for res in ranks:
         assert res["copies"] == {"unchanged": True, "shared storage": False}, res["copies"]
-        for name in ("mixtral", "qwen3_moe"):
-            err = res[f"sp error {name}"]
-            assert "sequence_parallel=True is not supported for MoE models" in err, (name, err)
 
 
 def test_bench_moe_checks_and_times_on_cpu() -> None:

@@ -10,6 +10,11 @@ and must agree on every rank: seed alike, or load them). `to_linear` gathers the
 `weight` has nn.Linear's (out, in) orientation with this rank's shard shape; where an op reads it
 (every form but the replicated-input column-parallel one) it is stored transposed, so `weight.t()`
 is the op's contiguous operand. state_dict holds this rank's shard under nn.Linear's keys.
+
+`fuse_columns` makes several projections of one block that read the same input (q/k/v; gate/up) one
+column-parallel layer, each projection becoming a `FusedPart` view of its columns, so the block's own
+forward runs unchanged once a forward pre-hook hands it the fused layer's output (sequence parallelism:
+one all-gather of the rows for all of them).
 """
 from __future__ import annotations
 
@@ -220,3 +225,33 @@ class RowParallelLinear(_ParallelLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return tpf.row_parallel_linear(x, self.weight, self.bias, self.group, self.sequence_parallel)
+
+
+class FusedPart(nn.Module):
+    """Columns [start, stop) of the input's last dim: one projection's output inside a fused one's."""
+
+    def __init__(self, start: int, stop: int):
+        super().__init__()
+        self.start, self.stop = start, stop
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x[..., self.start:self.stop]
+
+    def extra_repr(self) -> str:
+        return f"columns={self.start}:{self.stop}"
+
+
+def fuse_columns(block: nn.Module, names: tuple[str, ...], fused: str, group: Any = None,
+                 sequence_parallel: bool = False) -> ColumnParallelLinear:
+    """The nn.Linear projections `names` of `block` made one ColumnParallelLinear `block.<fused>` (copied:
+    `from_linears`), each replaced by a FusedPart view of this rank's columns of it (module doc). The
+    caller feeds the block the fused layer's output (a forward pre-hook)."""
+    linears = [getattr(block, name) for name in names]
+    layer = ColumnParallelLinear.from_linears(linears, group, sequence_parallel, names)
+    setattr(block, fused, layer)
+    start = 0
+    for name, lin in zip(names, linears):
+        width = lin.out_features // layer.world
+        setattr(block, name, FusedPart(start, start + width))
+        start += width
+    return layer

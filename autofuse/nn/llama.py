@@ -32,12 +32,22 @@ back. Decode steps (one token) pay W-fold padding here: generate with sequence_p
 
 MoE models (transformers Mixtral, Qwen2-MoE, Qwen3-MoE: a layer's `mlp` is a sparse MoE block, see
 autofuse/nn/moe.py): attention as above; each MoE block becomes `autofuse.nn.ExpertParallelMoE`
-over the same group (expert parallel group = tensor parallel group: rank r keeps experts block r),
-which routes every token on every rank, sends row block r of the tokens from rank r through
-moe_dispatch / moe_combine and all-gathers the rows back, so the hidden states stay whole on every
-rank between layers; Qwen2-MoE's shared expert is tensor-parallel (gemm_ar), its gate replicated;
-dense layers (Qwen2-MoE's mlp_only_layers) are split as Llama's MLP. The experts must divide by the
-group size. sequence_parallel=True is refused for MoE models (not supported yet).
+over the same group (expert parallel group = tensor parallel group: rank r keeps experts block r; the
+experts must divide by the group size); dense layers (Qwen2-MoE's mlp_only_layers) are split as
+Llama's MLP, in either form. sequence_parallel=False: the block routes every token on every rank,
+sends row block r of the tokens from rank r through moe_dispatch / moe_combine and all-gathers the
+rows back, so the hidden states stay whole on every rank between layers; Qwen2-MoE's shared expert
+is tensor-parallel (gemm_ar), its gate replicated. sequence_parallel=True: the block is given this
+rank's row block (ExpertParallelMoE with sequence_parallel=True): it routes and sends its own rows,
+with no all-gather; the shared expert runs on the rows as the MLP above (gate/up one ag_gemm, down
+gemm_rs); the router's and the shared expert gate's gradients are summed over the group. Padding
+rows (zero rows in these models: o_proj has no bias) are routed and sent like the
+others; an expert's output for them is zero, they reach no other row (no expert capacity limit),
+get no gradient and are dropped with the padding. Router logits recorded for transformers'
+load-balancing loss (output_router_logits=True; `aux_loss`, added to `loss` with labels) are this
+rank's row blocks; a forward hook on the base model gathers them and drops the padding rows, so
+`router_logits`, `aux_loss` and its gradients are the unsharded model's (layers parallelized one by
+one with `parallelize_layer` keep the row blocks).
 
 Generation uses transformers' dynamic KV cache, which sizes itself from the keys it is given (this
 rank's heads); a static cache sized from the config (the whole model's heads) is not supported.
@@ -52,7 +62,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from autofuse.nn import functional as tpf
-from autofuse.nn.linear import ColumnParallelLinear, RowParallelLinear
+from autofuse.nn.linear import RowParallelLinear, fuse_columns
 from autofuse.nn.moe import ExpertParallelMoE, is_moe_block
 from autofuse.nn.plan import apply_plan
 
@@ -65,20 +75,6 @@ ATTENTION_PLAN = {  # sequence_parallel=False, relative to a decoder layer (tran
 }
 MLP_PLAN = {"mlp.gate_proj": "column", "mlp.up_proj": "column", "mlp.down_proj": "row"}
 PLAN = {**ATTENTION_PLAN, **MLP_PLAN}
-
-
-class FusedPart(nn.Module):
-    """Columns [start, stop) of the input's last dim: one projection's output inside a fused one's."""
-
-    def __init__(self, start: int, stop: int):
-        super().__init__()
-        self.start, self.stop = start, stop
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x[..., self.start:self.stop]
-
-    def extra_repr(self) -> str:
-        return f"columns={self.start}:{self.stop}"
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
@@ -143,9 +139,6 @@ def parallelize(model: nn.Module, group: Any, sequence_parallel: bool) -> None:
     layers = decoder_layers(model)
     world = dist.get_world_size(group)
     moe = [is_moe_block(layer.mlp) for layer in layers]
-    if any(moe) and sequence_parallel:
-        raise ValueError(f"{type(model).__name__}: sequence_parallel=True is not supported for MoE models; "
-                         "use sequence_parallel=False (the MoE blocks split the tokens themselves)")
     check_sizes(model.config, world, type(model).__name__, dense_mlp=not all(moe))
     for layer in layers:
         parallelize_layer(layer, group, sequence_parallel)
@@ -153,6 +146,8 @@ def parallelize(model: nn.Module, group: Any, sequence_parallel: bool) -> None:
         sp = _SequenceParallel(group, world)
         layers[0].register_forward_pre_hook(sp.enter, with_kwargs=True)
         layers[-1].register_forward_hook(sp.leave, with_kwargs=True)
+        if any(moe):
+            getattr(model, "base_model", model).register_forward_hook(sp.router_logits)
 
 
 def parallelize_layer(layer: nn.Module, group: Any, sequence_parallel: bool) -> nn.Module:
@@ -164,13 +159,11 @@ def parallelize_layer(layer: nn.Module, group: Any, sequence_parallel: bool) -> 
     head_norms = [n for n in HEAD_NORMS if hasattr(layer.self_attn, n)]
     _GradSum(group).register(layer.self_attn, [f"{n}.{p}" for n in head_norms
                                                 for p, _ in getattr(layer.self_attn, n).named_parameters()])
-    if is_moe_block(layer.mlp):
-        if sequence_parallel:
-            raise ValueError("parallelize_layer: sequence parallelism is not supported for MoE layers")
+    if sequence_parallel:
+        _SequenceParallel(group, world).layer(layer)
+    elif is_moe_block(layer.mlp):
         apply_plan(layer, ATTENTION_PLAN, group)
         layer.mlp = ExpertParallelMoE.from_module(layer.mlp, group)
-    elif sequence_parallel:
-        _SequenceParallel(group, world).layer(layer)
     else:
         apply_plan(layer, PLAN, group)
     return layer
@@ -261,22 +254,22 @@ class _SequenceParallel(_GradSum):
         return -(-s // self.world) * self.world
 
     def layer(self, layer: nn.Module) -> None:
-        """Fuse and swap one decoder layer's projections, hook its blocks, sum its norms' gradients."""
+        """Fuse and swap one decoder layer's projections (an MoE block: ExpertParallelMoE on the row
+        block), hook its blocks, sum its norms' gradients."""
         attn, mlp, g = layer.self_attn, layer.mlp, self.group
-        qkv = [attn.q_proj, attn.k_proj, attn.v_proj]
-        attn.qkv_proj = ColumnParallelLinear.from_linears(qkv, g, True, ("q_proj", "k_proj", "v_proj"))
-        _parts(attn, ("q_proj", "k_proj", "v_proj"), [lin.out_features // self.world for lin in qkv])
+        fuse_columns(attn, ("q_proj", "k_proj", "v_proj"), "qkv_proj", g, sequence_parallel=True)
         attn.o_proj = RowParallelLinear.from_linear(attn.o_proj, g, sequence_parallel=True)
-        gate_up = [mlp.gate_proj, mlp.up_proj]
-        mlp.gate_up_proj = ColumnParallelLinear.from_linears(gate_up, g, True, ("gate_proj", "up_proj"))
-        _parts(mlp, ("gate_proj", "up_proj"), [lin.out_features // self.world for lin in gate_up])
-        mlp.down_proj = RowParallelLinear.from_linear(mlp.down_proj, g, sequence_parallel=True)
         attn.register_forward_pre_hook(self.attention_in, with_kwargs=True)
         attn.register_forward_hook(self.attention_out, with_kwargs=True)
         attn.o_proj.register_forward_pre_hook(self.rows_in)
-        mlp.register_forward_pre_hook(self.mlp_in)
-        mlp.register_forward_hook(self.mlp_out)
-        mlp.down_proj.register_forward_pre_hook(self.rows_in)
+        if is_moe_block(mlp):
+            layer.mlp = ExpertParallelMoE.from_module(mlp, g, sequence_parallel=True)  # takes (B, S'/W, H) rows
+        else:
+            fuse_columns(mlp, ("gate_proj", "up_proj"), "gate_up_proj", g, sequence_parallel=True)
+            mlp.down_proj = RowParallelLinear.from_linear(mlp.down_proj, g, sequence_parallel=True)
+            mlp.register_forward_pre_hook(self.mlp_in)
+            mlp.register_forward_hook(self.mlp_out)
+            mlp.down_proj.register_forward_pre_hook(self.rows_in)
         self.register(layer, [name for name, _ in layer.named_parameters()
                               if not name.startswith(("self_attn.", "mlp."))])
 
@@ -295,6 +288,20 @@ class _SequenceParallel(_GradSum):
         b, t, h = rows.shape
         whole = tpf.gather_rows(rows.reshape(b * t, h), self.group).view(b, t * self.world, h)
         return _with_first(output, whole[:, :_seq_len(kwargs)])
+
+    def router_logits(self, module: nn.Module, args: tuple, output: Any) -> Any:
+        """The base model's recorded router logits (output_router_logits: one (B S'/W, E) row block per
+        MoE layer) made the unsharded model's (B S, E): gathered (one all-gather for every layer),
+        padding rows dropped, so transformers' load-balancing loss sees every token once and no padding."""
+        logits = getattr(output, "router_logits", None)
+        hidden = getattr(output, "last_hidden_state", None)
+        if not logits or hidden is None:
+            return output
+        b, s = hidden.shape[:2]
+        widths = [t.shape[-1] for t in logits]
+        rows = tpf.gather_rows(torch.cat(logits, -1), self.group).view(b, self.padded(s), -1)
+        output.router_logits = tuple(rows[:, :s].reshape(b * s, -1).split(widths, -1))
+        return output
 
     # Attention: rows -> q/k/v of every token (B, S, ...) for transformers' code; o_proj -> rows again.
     def attention_in(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -326,10 +333,3 @@ class _SequenceParallel(_GradSum):
         b, sp = args[0].shape[:2]
         return output.view(b, sp // self.world, -1)
 
-
-def _parts(block: nn.Module, names: tuple[str, ...], widths: list[int]) -> None:
-    """Replace projections `names` of `block` by FusedPart views of consecutive column ranges."""
-    start = 0
-    for name, width in zip(names, widths):
-        setattr(block, name, FusedPart(start, start + width))
-        start += width

@@ -19,11 +19,16 @@ backward all-gathers the blocks' gradients, so every rank gets the whole (replic
 the router and of the input, as in Megatron's tensor-parallel regions; expert gradients are this
 rank's experts' (every rank's tokens reach them). With `sequence_parallel=True` the input is this
 rank's rows instead (the same count on every rank) and steps 2 and 4 are skipped; the router then
-sees this rank's rows only and its gradient is summed over the group (`all_reduce_grad`).
+sees this rank's rows only and its gradient is summed over the group (`all_reduce_grad`). Every row
+given is routed and sent: padding rows a caller adds (Llama sequence parallelism's) are zero rows,
+whose expert output is zero, and the caller drops them.
 
-Shared expert (Qwen2-MoE): tensor-parallel over the same group through the existing linears
-(gate/up column-parallel, down row-parallel with `gemm_ar`) on the whole hidden states; its sigmoid
-gate (H -> 1) is replicated. Its output is added to the routed experts' (whole on every rank).
+Shared expert (Qwen2-MoE): tensor-parallel over the same group through the existing linears, on the
+rows the block was given: gate/up column-parallel, down row-parallel, with `gemm_ar` on the whole
+hidden states, or with sequence parallelism gate/up one `fuse_columns` layer (`ag_gemm`: every rank's
+rows) and down `gemm_rs` (this rank's rows back). Its sigmoid gate (H -> 1) is replicated (under
+sequence parallelism its gradient summed over the group, as the router's). Its output is added to
+the routed experts'.
 
 `from_module(block, group)` copies (never aliases) a transformers MoE block: Mixtral's and
 Qwen2-MoE's / Qwen3-MoE's SparseMoeBlock, experts as fused 3-D parameters (transformers 5:
@@ -46,6 +51,7 @@ from torch import nn
 
 import autofuse
 from autofuse.nn import functional as tpf
+from autofuse.nn.linear import RowParallelLinear, fuse_columns
 from autofuse.nn.plan import apply_plan
 
 SHARED_PLAN = {"gate_proj": "column", "up_proj": "column", "down_proj": "row"}
@@ -161,11 +167,7 @@ class ExpertParallelMoE(nn.Module):
         m.w1, m.w2 = tpf.copied_parameter(w1[mine], grad), tpf.copied_parameter(w2[mine], grad)
         shared = getattr(block, "shared_expert", None)
         if shared is not None:
-            if sequence_parallel:
-                raise ValueError(f"{name}: a shared expert under sequence parallelism is not supported")
-            shared = copy.deepcopy(shared)
-            apply_plan(shared, SHARED_PLAN, group)
-            m.shared_expert = shared
+            m.shared_expert = _shared_expert(shared, name, group, sequence_parallel)
             sg = getattr(block, "shared_expert_gate", None)
             m.shared_expert_gate = copy.deepcopy(sg) if sg is not None else None
         known = {"gate", "experts", "shared_expert", "shared_expert_gate"}
@@ -180,10 +182,10 @@ class ExpertParallelMoE(nn.Module):
         rows = hidden_states.reshape(-1, self.hidden_size)
         if self.sequence_parallel:
             x_r = rows.contiguous()
-            _, weights_r, ids_r = self._route(x_r, tpf.all_reduce_grad)
-            return self._experts(x_r, ids_r, weights_r).view(shape)
+            _, weights_r, ids_r = self._summed(self.gate, x_r)
+            return self._with_shared(self._experts(x_r, ids_r, weights_r), x_r).view(shape)
         n, w = rows.shape[0], self.world
-        _, weights, ids = self._route(rows, None)
+        _, weights, ids = self.gate(rows)
         pad = -n % w
         per = (n + pad) // w
         if pad:
@@ -196,21 +198,23 @@ class ExpertParallelMoE(nn.Module):
         weights_r = tpf.scatter_rows(weights.contiguous(), self.group)
         ids_r = ids[self.rank * per:(self.rank + 1) * per].contiguous()
         y = tpf.gather_rows(self._experts(x_r, ids_r, weights_r), self.group)[:n]
-        if self.shared_expert is not None:
-            whole = hidden_states.reshape(-1, self.hidden_size)
-            shared = self.shared_expert(whole)
-            if self.shared_expert_gate is not None:
-                shared = torch.sigmoid(self.shared_expert_gate(whole)) * shared
-            y = y + shared
-        return y.view(shape)
+        return self._with_shared(y, hidden_states.reshape(-1, self.hidden_size)).view(shape)
 
-    def _route(self, rows: torch.Tensor, grad_sum: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(logits, weights, ids) of the router; with `grad_sum` its weight's gradient summed over the group."""
-        if grad_sum is None:
-            return self.gate(rows)
-        weight = self.gate.weight
-        logits, weights, ids = torch.func.functional_call(self.gate, {"weight": grad_sum(weight, self.group)}, (rows,))
-        return logits, weights, ids
+    def _with_shared(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """y plus the shared expert's output on the same rows x (sigmoid-gated if the block has a gate)."""
+        if self.shared_expert is None:
+            return y
+        shared = self.shared_expert(x)
+        if self.shared_expert_gate is not None:
+            gate = self._summed(self.shared_expert_gate, x) if self.sequence_parallel else self.shared_expert_gate(x)
+            shared = torch.sigmoid(gate) * shared
+        return y + shared
+
+    def _summed(self, module: nn.Module, rows: torch.Tensor) -> Any:
+        """module(rows) with its (replicated) parameters' gradients summed over the group: under sequence
+        parallelism the router and the shared expert's gate see only this rank's rows."""
+        params = {name: tpf.all_reduce_grad(p, self.group) for name, p in module.named_parameters()}
+        return torch.func.functional_call(module, params, (rows,))
 
     def _experts(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         w1 = self.w1.view(self.local_experts, self.hidden_size, 2, self.ffn_size)
@@ -250,6 +254,26 @@ class ExpertParallelMoE(nn.Module):
         return (f"hidden={self.hidden_size}, ffn={self.ffn_size}, experts={self.num_experts}, top_k={self.top_k}, "
                 f"sequence_parallel={self.sequence_parallel}, rank={self.rank}/{self.world}, "
                 f"local_experts={self.local_experts}")
+
+
+def _gate_up_in(module: nn.Module, args: tuple) -> tuple:
+    """A sequence-parallel shared expert's input (this rank's rows) -> its fused gate/up output for every row."""
+    return (module.gate_up_proj(args[0]), *args[1:])
+
+
+def _shared_expert(shared: nn.Module, name: str, group: Any, sequence_parallel: bool) -> nn.Module:
+    """A copy of a block's shared expert (an MLP of gate_proj / up_proj / down_proj nn.Linear layers)
+    made tensor-parallel (module doc)."""
+    shared = copy.deepcopy(shared)
+    if not sequence_parallel:
+        apply_plan(shared, SHARED_PLAN, group)
+        return shared
+    if not all(isinstance(getattr(shared, n, None), nn.Linear) for n in SHARED_PLAN):
+        raise ValueError(f"{name}: its shared expert has no gate_proj / up_proj / down_proj nn.Linear layers")
+    fuse_columns(shared, ("gate_proj", "up_proj"), "gate_up_proj", group, sequence_parallel=True)
+    shared.down_proj = RowParallelLinear.from_linear(shared.down_proj, group, sequence_parallel=True)
+    shared.register_forward_pre_hook(_gate_up_in)
+    return shared
 
 
 def _silu_like(act: Any) -> bool:
