@@ -41,9 +41,9 @@ is tensor-parallel (gemm_ar), its gate replicated. sequence_parallel=True: the b
 rank's row block (ExpertParallelMoE with sequence_parallel=True): it routes and sends its own rows,
 with no all-gather; the shared expert runs on the rows as the MLP above (gate/up one ag_gemm, down
 gemm_rs); the router's and the shared expert gate's gradients are summed over the group. Padding
-rows (zero rows in these models: o_proj has no bias) are routed and sent like the
-others; an expert's output for them is zero, they reach no other row (no expert capacity limit),
-get no gradient and are dropped with the padding. Router logits recorded for transformers'
+rows (zero rows in these models: o_proj has no bias) are routed and sent like the others; an
+expert's output for them is zero, they reach no other row (no expert capacity limit), get no
+gradient and are dropped with the padding. Router logits recorded for transformers'
 load-balancing loss (output_router_logits=True; `aux_loss`, added to `loss` with labels) are this
 rank's row blocks; a forward hook on the base model gathers them and drops the padding rows, so
 `router_logits`, `aux_loss` and its gradients are the unsharded model's (layers parallelized one by

@@ -28,7 +28,7 @@ def parallelize(model: nn.Module, group: Any = None, plan: dict[str, str] | None
 
     plan=None: a Hugging Face Llama-family model (Llama, Mistral, Qwen2, Qwen3: q/k/v/o and gate/up/down
     projections, Qwen3's per-head q/k norms; Mixtral, Qwen2-MoE and Qwen3-MoE: MoE blocks made
-    expert-parallel over the same group, sequence_parallel=False only), parallelized as
+    expert-parallel over the same group, in either form), parallelized as
     autofuse/nn/llama.py describes. Otherwise a plan (module doc; applied by
     autofuse/nn/plan.py).
     """
