@@ -5,7 +5,8 @@
 `warmup` and `warmup_problems` make first calls ahead of serving (`autofuse.nn.warmup`, `autofuse.dispatch.warmup`);
 `autofuse.parallelize` and `autofuse.nn` make models tensor-parallel on them. They are made on first
 use, so `import autofuse` stays cheap: no torch import, no process group, no GPU work, no file or
-database I/O.
+database I/O. This module stands above dispatch and nn (it hands their names out); neither imports it
+(autofuse.nn calls the same functions through autofuse/nn/public.py).
 
 Without a GPU the kernels run under Triton's interpreter, which Triton reads from TRITON_INTERPRET
 when it is first imported: `import autofuse` sets TRITON_INTERPRET=1 when no NVIDIA device is
@@ -32,22 +33,26 @@ if "TRITON_INTERPRET" not in os.environ and "triton" not in sys.modules and _no_
 
 
 def __getattr__(name: str):
-    import importlib
-
+    # Plain imports, each where its name is first asked for; never `from autofuse import X` here (its
+    # fromlist asks this function for X again).
     if name in registry.MODULES:
-        registry.library()  # the custom ops (autograd, torch.compile) exist before any call is traced
-        value = importlib.import_module("autofuse.dispatch").entry_point(name)
+        from autofuse.dispatch import public
+
+        value = public(name)  # the very functions autofuse.nn calls
     elif name in _DISPATCH:
-        value = getattr(importlib.import_module("autofuse.dispatch"), name)
-    elif name in _WARMUP:
-        module = "autofuse.nn.warmup" if name == "warmup" else "autofuse.dispatch.warmup"  # models: a floor up
-        value = getattr(importlib.import_module(module), name)
+        import autofuse.dispatch as dispatch
+
+        value = getattr(dispatch, name)
+    elif name == "warmup_problems":
+        from autofuse.dispatch.warmup import warmup_problems as value
     elif name == "Policy":
-        value = importlib.import_module("autofuse.dispatch.policy").Policy
+        from autofuse.dispatch.policy import Policy as value
     elif name == "nn":
-        value = importlib.import_module("autofuse.nn")
+        import autofuse.nn as value
     elif name == "parallelize":
-        value = importlib.import_module("autofuse.nn").parallelize
+        from autofuse.nn import parallelize as value
+    elif name == "warmup":
+        from autofuse.nn.warmup import warmup as value
     else:
         raise AttributeError(f"module 'autofuse' has no attribute {name!r}")
     globals()[name] = value  # later lookups are plain module attributes

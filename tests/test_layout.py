@@ -123,10 +123,15 @@ def test_only_tuning_bench_and_commands_import_the_heavy_libraries():
     assert offenders == {}
 
 
-def test_the_floors_below_dispatch_import_no_package_root():
-    """`autofuse/__init__.py` stands on dispatch and nn: a module below them that imports it climbs back up."""
-    below = ("autofuse.kernels", "autofuse.core", "autofuse.comm", "autofuse.measure", "autofuse.ops")
+def test_the_package_root_stands_above_nn():
+    """`autofuse/__init__.py` hands out dispatch's and nn's names (`autofuse.<op>`, `autofuse.nn`,
+    `autofuse.parallelize`): a module of a floor up to nn that imports it climbs back up (nn calls the
+    ops through autofuse/nn/public.py; `from autofuse import dispatch` counts, say `autofuse.dispatch`)."""
+    below = ("autofuse.kernels", "autofuse.core", "autofuse.comm", "autofuse.measure", "autofuse.ops",
+             "autofuse.dispatch", "autofuse.library", "autofuse.nn")
     assert sorted(m for m, imps in IMPORTS.items() if _within(m, below) and "autofuse" in imps) == []
+    assert sorted(i for i in IMPORTS["autofuse"] if _within(i, TOP)) == []
+    assert {"autofuse.dispatch", "autofuse.nn"} <= IMPORTS["autofuse"]  # the arrows that stay: the root -> dispatch, nn
 
 
 def _cycles() -> list[set[str]]:

@@ -230,6 +230,20 @@ def entry_point(name: str) -> Callable[..., torch.Tensor]:
     return fn
 
 
+_PUBLIC: dict[str, Callable[..., torch.Tensor]] = {}
+
+
+def public(name: str) -> Callable[..., torch.Tensor]:
+    """`autofuse.<name>`: the op's entry point, made once per process and handed to every caller (the
+    package root, autofuse.nn), with the custom-op layer loaded first: the custom ops (autograd,
+    torch.compile) exist before any call is traced."""
+    fn = _PUBLIC.get(name)
+    if fn is None:
+        library()
+        fn = _PUBLIC[name] = entry_point(name)
+    return fn
+
+
 def explain(op: str | Op, *args: Any, group: Any = None, variant: str | None = None,
             config: Config | None = None) -> Choice:
     """Which variant and config `op(*args)` runs with, and why; builds nothing, no collective.

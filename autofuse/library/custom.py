@@ -58,17 +58,17 @@ def config_text(config: dict | None) -> str | None:
 
 
 def _dispatch(name: str, args: tuple, group_name: str, variant: str | None, config: str | None) -> Any:
-    from autofuse import dispatch
+    from autofuse.dispatch import call
 
-    return dispatch.call(name, *args, group=group_of(group_name), variant=variant,
-                         config=None if config is None else json.loads(config))
+    return call(name, *args, group=group_of(group_name), variant=variant,
+                config=None if config is None else json.loads(config))
 
 
 def _runner(name: str, args: tuple, group_name: str, variant: str | None, config: str | None) -> Any:
-    from autofuse import dispatch
+    from autofuse.dispatch import runner_of
 
-    return dispatch.runner_of(name, *args, group=group_of(group_name), variant=variant,
-                              config=None if config is None else json.loads(config))
+    return runner_of(name, *args, group=group_of(group_name), variant=variant,
+                     config=None if config is None else json.loads(config))
 
 
 def _register(qualname: str, op: Op, outputs: int, real: Callable, fake: Callable) -> Any:

@@ -16,6 +16,8 @@ are stored transposed (`transposed_parameter`): `weight.t()` is then a contiguou
 call, and gradients reach the parameter through it. Any other layout is copied per call.
 
 Groups: None (the default group), a ProcessGroup, or a one-dimensional DeviceMesh.
+
+The ops are called as `public.<op>` (autofuse/nn/public.py): the functions `autofuse.<op>` names.
 """
 from __future__ import annotations
 
@@ -27,8 +29,8 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 
-import autofuse
 from autofuse.comm.world import all_gather_single
+from autofuse.nn import public
 
 
 def process_group(group: Any) -> Any:
@@ -144,7 +146,7 @@ class _ColumnLocal(torch.autograd.Function):
         dx = dw = db = None
         if ctx.needs_input_grad[0]:
             group = ctx.name if torch.compiler.is_compiling() else ctx.group
-            dx = autofuse.gemm_ar(dy, weight.contiguous(), group=group)
+            dx = public.gemm_ar(dy, weight.contiguous(), group=group)
         if ctx.needs_input_grad[1]:
             dw = dy.t() @ x
         if ctx.has_bias and ctx.needs_input_grad[2]:
@@ -237,7 +239,7 @@ def column_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
         if x.dim() < 2:
             raise ValueError(f"column_parallel_linear: sequence parallelism gathers dim 0 of a (rows, ..., in) "
                              f"input, got {tuple(x.shape)}")
-        y = autofuse.ag_gemm(x2, _operand(weight), group=group)
+        y = public.ag_gemm(x2, _operand(weight), group=group)
         y = y.view(dist.get_world_size(group) * x.shape[0], *x.shape[1:-1], weight.shape[0])
         return y if bias is None else y + bias
     if torch.is_grad_enabled() and (x2.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)):
@@ -262,7 +264,7 @@ def row_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
         if x.dim() < 2 or x.shape[0] % w:
             raise ValueError(f"row_parallel_linear: sequence parallelism splits dim 0 of the output over {w} ranks, "
                              f"but the input is {tuple(x.shape)}")
-        y = autofuse.gemm_rs(x2, _operand(weight), group=group).view(x.shape[0] // w, *x.shape[1:-1], weight.shape[0])
+        y = public.gemm_rs(x2, _operand(weight), group=group).view(x.shape[0] // w, *x.shape[1:-1], weight.shape[0])
         return y if bias is None else y + all_reduce_grad(bias, group)
-    y = autofuse.gemm_ar(x2, _operand(weight), group=group).view(*x.shape[:-1], weight.shape[0])
+    y = public.gemm_ar(x2, _operand(weight), group=group).view(*x.shape[:-1], weight.shape[0])
     return y if bias is None else y + bias

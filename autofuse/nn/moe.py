@@ -49,8 +49,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-import autofuse
 from autofuse.nn import functional as tpf
+from autofuse.nn import public
 from autofuse.nn.linear import RowParallelLinear, fuse_columns
 from autofuse.nn.plan import apply_plan
 
@@ -218,8 +218,8 @@ class ExpertParallelMoE(nn.Module):
 
     def _experts(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         w1 = self.w1.view(self.local_experts, self.hidden_size, 2, self.ffn_size)
-        h, handle = autofuse.moe_dispatch(x, ids, weights.contiguous(), w1, group=self.group)
-        return autofuse.moe_combine(h, self.w2, handle, group=self.group)
+        h, handle = public.moe_dispatch(x, ids, weights.contiguous(), w1, group=self.group)
+        return public.moe_combine(h, self.w2, handle, group=self.group)
 
     # -- checkpoints ------------------------------------------------------------------------------------
     def gather(self, t: torch.Tensor) -> torch.Tensor:
