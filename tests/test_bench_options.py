@@ -1,5 +1,5 @@
 """The option handling the extra bench targets share (autofuse.bench.target_options: moe, train_layer,
-train_model) and spawn's environment helper (autofuse.comm.world.temporary_env); no ranks started."""
+train_model, layer) and spawn's environment helper (autofuse.comm.world.temporary_env); no ranks started."""
 from __future__ import annotations
 
 import os
@@ -18,6 +18,9 @@ def test_setting_on_cpu_caps_reps_and_says_so() -> None:
     assert s.notes == [INTERPRETED_NOTE, "reps capped at 3 on CPU (asked for 20)"]
     s = target_options.setting(BenchOptions(target="moe", device_kind="cpu", reps=2, world=3, modes=["eager"]), 3)
     assert (s.world, s.reps, s.notes) == (3, 2, [INTERPRETED_NOTE])
+
+    s = target_options.setting(BenchOptions(target="layer", device_kind="cpu", reps=30), 3, "the layer's own note")
+    assert s.notes == ["the layer's own note", "reps capped at 3 on CPU (asked for 30)"]
 
 
 def test_setting_on_gpus_keeps_reps_and_every_mode(monkeypatch) -> None:

@@ -37,13 +37,13 @@ import datetime
 import math
 import os
 import re
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 
 from autofuse.core import registry, settings
-from autofuse.bench import llama_layer
+from autofuse.bench import llama_layer, target_options
 
 if TYPE_CHECKING:
     from autofuse.comm.world import World
@@ -57,6 +57,7 @@ KV_BLOCK = {"cuda": 64, "cpu": 4}
 CPU_NOTE = ("CPU emulation: Triton's interpreter and gloo on a tiny config; these are interpreter timings, "
             "not GPU numbers: no speedup is shown (run on a GPU machine for the layer's real latency)")
 DEFAULT_SWEEP = {"cuda": "70b", "cpu": "tiny"}  # the model, when --sweep is not given
+GPU_REPS = 30  # timed batches per median where Options.reps is not given
 CPU_REPS = 3  # timed batches per median on CPU at most: the interpreter takes ~0.1-0.5 s per attention call
 
 
@@ -221,23 +222,17 @@ def shape_label(item: dict) -> str:
 # ----------------------------------------------------------------------------------- the run
 def run(options: Any = None) -> dict:
     """Spawn the ranks, measure every planned shape in every mode, return (and write) the result."""
-    from autofuse.comm.world import default_device_kind, gpu_count, spawn
+    from autofuse.comm.world import spawn
 
     opts = Options.of(options)
-    kind = opts.device_kind or default_device_kind()
-    world = opts.world or (gpu_count() if kind == "cuda" else 2)
+    s = target_options.setting(replace(opts, reps=opts.reps or GPU_REPS), CPU_REPS, CPU_NOTE)
+    kind, world, modes, reps, notes = s.kind, s.world, s.modes, s.reps, s.notes
     model = opts.model or DEFAULT_SWEEP[kind]
-    modes = list(opts.modes or (("eager", "graph") if kind == "cuda" else ("eager",)))
     if kind != "cuda" and "graph" in modes:
         raise ValueError("graph mode needs CUDA graphs; on CPU only eager mode runs")
     shapes = plan(opts, kind)[:opts.limit or None]
     if model not in llama_layer.CONFIGS:
         raise ValueError(f"unknown model {model!r}: use one of {', '.join(llama_layer.CONFIGS)}")
-    reps = opts.reps or 30
-    notes = [CPU_NOTE] if kind == "cpu" else []
-    if kind == "cpu" and reps > CPU_REPS:
-        notes.append(f"reps capped at {CPU_REPS} on CPU (asked for {reps})")
-        reps = CPU_REPS
     cfg = {"model": model, "modes": modes, "reps": reps, "progress": bool(opts.progress),
            "op_shares": opts.op_shares, "seed": opts.seed, "kv_block": opts.kv_block or KV_BLOCK[kind],
            "autofuse": autofuse_configs(opts),

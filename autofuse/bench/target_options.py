@@ -1,5 +1,6 @@
 """Option handling shared by the extra bench targets that spawn their own ranks and race contenders
-(`bench_moe`, `bench_train_layer`, `bench_train_model`), so the three read a command line alike.
+(`bench_moe`, `bench_train_layer`, `bench_train_model`; `bench_layer` takes its `setting`), so they read a
+command line alike.
 
 `setting(options, cpu_reps)`: the device kind and world (BenchOptions' defaults: every GPU, or 2 CPU
 ranks), the timing modes (every mode the device kind has), reps capped at `cpu_reps` on CPU, and the
@@ -26,8 +27,9 @@ class Setting:
     notes: list[str] = field(default_factory=list)
 
 
-def setting(options: Any, cpu_reps: int) -> Setting:
-    """The device kind, world, modes and reps of `options` (a BenchOptions), with the notes they call for."""
+def setting(options: Any, cpu_reps: int, interpreted_note: str | None = None) -> Setting:
+    """The device kind, world, modes and reps of `options` (a BenchOptions), with the notes they call for
+    (`interpreted_note`: the CPU emulation's, where a target says more than compare.INTERPRETED_NOTE)."""
     from autofuse.comm.world import default_device_kind, gpu_count
     from autofuse.core.modes import supported
     from autofuse.measure.compare import INTERPRETED_NOTE, interpreted
@@ -35,7 +37,7 @@ def setting(options: Any, cpu_reps: int) -> Setting:
     kind = options.device_kind or default_device_kind()
     world = options.world or (gpu_count() if kind == "cuda" else 2)
     reps = options.reps
-    notes = [INTERPRETED_NOTE] if interpreted(kind) else []
+    notes = [interpreted_note or INTERPRETED_NOTE] if interpreted(kind) else []
     if kind == "cpu" and reps > cpu_reps:
         notes.append(f"reps capped at {cpu_reps} on CPU (asked for {reps})")
         reps = cpu_reps
