@@ -111,6 +111,33 @@ def test_failed_config_never_a_candidate(store):
     assert store.lookup(P.key, config_id("fake_sum", "push", {"BLOCK": 128}), "eager") is None
 
 
+def test_best_of_one_problem_reads_that_problem_alone(store):
+    """The tuner asks for one problem's best at every trial (the race, the progress line): `problem=` gives
+    what the op's whole answer holds for that problem, read through the index that leads with problem, so
+    an ask costs the same however many other problems the database holds."""
+    fp = environment.fingerprint()
+    store.add([ok(P, "bsp", {}, 30.0), ok(Q, "bsp", {}, 40.0)], fp, source="baseline")
+    store.add([ok(P, "push", {"BLOCK": 16}, 9.0)], fp, study="s", trial=0)
+    store.add([ok(Q, "push", {"BLOCK": 16}, 50.0)], fp, study="q", trial=0)
+    store.add([ok(Q, "push", {"BLOCK": 32}, 1.0)], fp, study="q", trial=1)
+    store.add([bad(Q, "push", {"BLOCK": 32}, mode="graph")], fp, study="q", trial=2)
+    whole = store.best(op="fake_sum", mode="eager")
+    assert {r["problem"] for r in whole} == {P.key, Q.key}
+    for key in (P.key, Q.key):
+        assert store.best(op="fake_sum", mode="eager", problem=key) == [r for r in whole if r["problem"] == key]
+    assert [r["median_us"] for r in store.best(op="fake_sum", mode="eager", problem=Q.key)] == [40.0, 50.0]
+    assert store.best(op="fake_sum", mode="eager", problem="fake_sum|N=128|float32|w2") == []
+    statements: list[str] = []
+    store.conn.set_trace_callback(statements.append)
+    try:
+        store.best(op="fake_sum", mode="eager", problem=P.key)
+    finally:
+        store.conn.set_trace_callback(None)
+    (sql,) = [s for s in statements if "WITH good" in s]
+    plan = [row[3] for row in store.conn.execute("EXPLAIN QUERY PLAN " + sql)]
+    assert "SEARCH m USING INDEX measurements_config (problem=?)" in plan, plan
+
+
 def test_reads_select_by_hardware_and_op_code_and_report_the_rest(store):
     """Other hardware: kept, not used, reported. Other software: used and reported. A changed op:
     only that op's rows are left out."""

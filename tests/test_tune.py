@@ -749,6 +749,9 @@ def test_the_search_samples_no_variant_out_of_the_race(tmp_path):
     from autofuse.tuning.study import RACE_FACTOR
 
     driver, store = _driver(tmp_path, RACE_OP, trials=16)
+    asked: list = []  # the problems each ask of the store names: this one's alone, never the whole op's
+    whole = store.best
+    store.best = lambda *a, **k: asked.append(k.get("problem")) or whole(*a, **k)
     try:
         jobs = []
         while (job := driver.next(None)) is not None:
@@ -759,6 +762,7 @@ def test_the_search_samples_no_variant_out_of_the_race(tmp_path):
         assert len(jobs) > defaults and {j.variant for j in jobs[defaults:]} == {"tiled"}
         out = [t for t in driver.study.get_trials(deepcopy=False) if "out_of_the_race" in t.user_attrs]
         assert out and all(t.state == optuna.trial.TrialState.PRUNED and t.params["variant"] == "slow" for t in out)
+        assert asked and set(asked) == {driver.problem.key}
     finally:
         store.close()
     # Where BSP is over 2x ahead of every tunable variant, no variant is in the race: none is held back.

@@ -592,8 +592,11 @@ class Store:
         return [self._decode(r) for r in self._query(f"SELECT * FROM measurements WHERE {where} ORDER BY id", params)]
 
     def best(self, op: str | None = None, mode: str = "graph", hardware_id: str | None = None,
-             op_digest: str | None = None, fingerprint_id: str | None = None) -> list[dict]:
-        """Per (problem, variant), the fastest OK row in `mode` of configs that never failed there.
+             op_digest: str | None = None, fingerprint_id: str | None = None,
+             problem: str | None = None) -> list[dict]:
+        """Per (problem, variant), the fastest OK row in `mode` of configs that never failed there
+        (`problem`: of that problem key alone, read through the index that leads with it: the tuner asks
+        per trial, and the cost of an ask must not grow with the rest of the database).
 
         Keys: problem, op, variant, config (dict), config_id, median_us, p10_us, p90_us, mode,
         fingerprint, hardware_id, software_id, op_digest, source, extra (dict). A config with any
@@ -603,10 +606,15 @@ class Store:
         by it, whichever is faster. Environment selection as in `measurements`.
         """
         where, params = self._where(op, mode, hardware_id, op_digest, fingerprint_id, prefix="m.")
+        rows = "measurements m"
+        if problem is not None:  # that problem's rows by the index that leads with it: without statistics,
+            where += " AND m.problem = :problem"  # SQLite would scan every row of the op (measurements_select)
+            params["problem"] = problem
+            rows += " INDEXED BY measurements_config"
         sql = f"""
             WITH good AS (
               SELECT m.*, ROW_NUMBER() OVER (PARTITION BY m.problem, m.variant ORDER BY m.median_us, m.id) AS rk
-              FROM measurements m
+              FROM {rows}
               WHERE {where} AND m.ok = 1 AND m.median_us IS NOT NULL
                 AND NOT EXISTS (SELECT 1 FROM measurements b WHERE b.problem = m.problem
                                 AND b.config_id = m.config_id AND b.hardware_id = m.hardware_id

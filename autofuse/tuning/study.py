@@ -237,10 +237,14 @@ class StudyDriver:
                 n += 1
         return n
 
+    def _best_rows(self) -> list[dict]:
+        """The store's best row per variant of this problem, in the study's mode, code and hardware."""
+        return self.store.best(self.op.name, self.mode, hardware_id=self.fp["hardware_id"], op_digest=self.digest,
+                               problem=self.problem.key)
+
     def best(self) -> tuple[float, str]:
         """(latency, variant) of the best stored row of this problem in the study's mode."""
-        rows = [r for r in self.store.best(self.op.name, self.mode, hardware_id=self.fp["hardware_id"],
-                                           op_digest=self.digest) if r["problem"] == self.problem.key]
+        rows = self._best_rows()
         if not rows:
             return math.nan, "-"
         r = min(rows, key=lambda r: r["median_us"])
@@ -330,9 +334,8 @@ class StudyDriver:
         them; a search that samples it again would spend builds and compiles on a variant that cannot win
         (on 2x H200, ag_gemm's pull at 3-5x the best took 13% of a tune)."""
         per: dict[str, float] = {}
-        for r in self.store.best(self.op.name, self.mode, hardware_id=self.fp["hardware_id"], op_digest=self.digest):
-            if r["problem"] == self.problem.key:
-                per[r["variant"]] = min(per.get(r["variant"], math.inf), r["median_us"])
+        for r in self._best_rows():
+            per[r["variant"]] = min(per.get(r["variant"], math.inf), r["median_us"])
         if variant not in per or len(per) < 2:
             return None
         best = min(per.values())
