@@ -40,15 +40,17 @@ def __getattr__(name: str):
 
         value = public(name)  # the very functions autofuse.nn calls
     elif name in _DISPATCH:
-        import autofuse.dispatch as dispatch
+        import autofuse.dispatch
 
-        value = getattr(dispatch, name)
+        value = getattr(autofuse.dispatch, name)
     elif name == "warmup_problems":
         from autofuse.dispatch.warmup import warmup_problems as value
     elif name == "Policy":
         from autofuse.dispatch.policy import Policy as value
     elif name == "nn":
-        import autofuse.nn as value
+        import autofuse.nn
+
+        value = autofuse.nn
     elif name == "parallelize":
         from autofuse.nn import parallelize as value
     elif name == "warmup":

@@ -34,7 +34,7 @@ def test_the_toy_op_needs_its_module_and_one_registry_line():
     defining = {str(p.relative_to(ROOT)) for p in ROOT.glob("tests/*.py")
                 if "OP = Op(" in p.read_text() and f'NAME = "{NAME}"' in p.read_text()}
     registering = {str(p.relative_to(ROOT)) for p in ROOT.glob("tests/*.py")
-                   if f'registry.register(NAME, "_toy_op")' in p.read_text()}
+                   if 'registry.register(NAME, "_toy_op")' in p.read_text()}
     assert defining | registering == NEEDED and len(registering) == 1
     assert not any(m.startswith(("autofuse.library", "autofuse.dispatch")) for m in _imports(ROOT / "tests/_toy_op.py"))
 

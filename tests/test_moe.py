@@ -220,8 +220,8 @@ def _oracle_rows(problem, rank: int, seed: int, second: bool) -> torch.Tensor:
                 rows[e % local].append(x[s // k])
     out = torch.zeros(problem["C"], problem["H"] if second else problem["F"], dtype=torch.float64)
     i = 0
-    for l, group in enumerate(rows):
-        e = rank * local + l
+    for j, group in enumerate(rows):
+        e = rank * local + j
         for row in group:
             v = moe._act64(row @ w1[e], problem["act"])
             out[i] = v @ w2[e] if second else v

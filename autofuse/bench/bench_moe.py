@@ -212,7 +212,6 @@ def _case(world: World, cfg: dict, model: str, t: int) -> dict:
         if world.rank == 0 and cfg["progress"]:
             print(f"{model} T={t} {mode}: " + ", ".join(f"{n} {v['block']:.1f} us" for n, v in us.items())
                   + f" (diff vs bsp {max(diff.values(), default=0):.1e})", flush=True)
-    del handles, steps, outs
     return {"rows": rows, "notes": notes}
 
 

@@ -59,7 +59,7 @@ class _ParallelLinear(nn.Module):
             raise ValueError(f"{name}: parts {self.parts} must add up to out_features={out_features} "
                              "(only a column-parallel layer has parts)")
         for n in self.parts:
-            _split(n, self.world, "out_features" if len(self.parts) == 1 else f"a part's out_features", name)
+            _split(n, self.world, "out_features" if len(self.parts) == 1 else "a part's out_features", name)
         shape = [out_features, in_features]
         shape[self.split_dim] = _split(shape[self.split_dim], self.world,
                                        ("out_features", "in_features")[self.split_dim], name)

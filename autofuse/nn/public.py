@@ -7,7 +7,8 @@ object) so that torch.compile, tracing a first call, reads the attribute as it r
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 
 def __getattr__(name: str) -> Callable[..., Any]:
