@@ -123,18 +123,20 @@ def _model_case(world, make, kind: str, shape: tuple[int, int], sp: bool = False
     model = autofuse.parallelize(copy.deepcopy(base), world.group, sequence_parallel=sp)
     if copied:
         model = copy.deepcopy(model)
-    received, dispatch = [], autofuse.moe_dispatch
+    from autofuse.nn import public
+
+    received, dispatch = [], public.moe_dispatch
 
     def counting(*args, **kwargs):
         h, handle = dispatch(*args, **kwargs)
         received.append(int(handle.tensors["counts"].sum()))
         return h, handle
 
-    autofuse.moe_dispatch = counting  # the rows each call brought to this rank's experts
+    public.moe_dispatch = counting  # the rows each call brought to this rank's experts (what the blocks call)
     try:
         got = harness.against(model, loss, want)
     finally:
-        autofuse.moe_dispatch = dispatch
+        public.moe_dispatch = dispatch
     if aux:
         got["aux"] = rel(auxes[1], auxes[0])
     return {**got, "received": received,
