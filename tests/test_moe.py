@@ -1,7 +1,8 @@
 """MoE expert parallelism on CPU ranks: `autofuse.moe_dispatch` + `autofuse.moe_combine` against the
 unsharded block in float64 (uniform, skewed and empty-expert routings, a rank receiving no rows, a rank
 sending none to its peers), gradients against float64 autograd of the unsharded block, and a
-torch.compile(fullgraph=True) graph of the pair, forward and backward."""
+torch.compile(fullgraph=True) graph of the pair, forward and backward. The gradient job (`_grads`) is
+device-agnostic: test_moe_hybrid runs it on GPUs too (bfloat16)."""
 from __future__ import annotations
 
 import pytest
@@ -11,11 +12,22 @@ from autofuse.comm.world import spawn
 from autofuse.ops import moe
 
 T, H, F, K = 4, 32, 16, 2
-TOL = 1e-5
+TOL = 1e-5  # float32 on CPU ranks
 
 
-def _problem(world: int, local: int = 2, act: str = "swiglu") -> object:
-    return moe.make_problem(moe.DISPATCH, "float32", world, T, H, F, local * world, K, act)
+def _problem(world: int, local: int = 2, act: str = "swiglu", dtype: str = "float32") -> object:
+    return moe.make_problem(moe.DISPATCH, dtype, world, T, H, F, local * world, K, act)
+
+
+def _dtype_for(device: torch.device) -> str:
+    """The dtype of a device-agnostic job: float32 on CPU ranks (the interpreter); bfloat16 on GPUs, where the
+    grouped GEMMs run torch._grouped_mm (forward and backward: what models train in)."""
+    return "bfloat16" if device.type == "cuda" else "float32"
+
+
+def _tol_for(problem) -> float:
+    """TOL for float32 (CPU ranks), else the op's own tolerance (moe.tolerance: bfloat16 on GPUs)."""
+    return TOL if problem.dtype == "float32" else moe.tolerance(problem)
 
 
 def _routing(kind: str, problem, rank: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -49,7 +61,9 @@ def _shard(problem, w1: torch.Tensor, w2: torch.Tensor, rank: int) -> tuple[torc
 
 
 def _err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.detach().double() - b).norm() / max(b.norm(), 1e-30))
+    """Norm-wise relative error of `a` (any device) from the float64 `b`, on the CPU."""
+    a, b = a.detach().double().cpu(), b.detach().double().cpu()
+    return float((a - b).norm() / max(b.norm(), 1e-30))
 
 
 def _forward_cases(world) -> dict:
@@ -100,17 +114,26 @@ def test_dispatch_and_combine_match_the_unsharded_block(world):
 
 
 def _grads(world, compiled: bool) -> dict:
+    """This rank's output and gradients (x, topk_weights, w1, w2) against float64 autograd of the unsharded
+    block over every rank's tokens, uniform and skewed routings: {"tol", "backend", "errs": {kind: errors}}.
+    Device-agnostic: inputs drawn on the CPU in float32, rounded to the job's dtype (`_dtype_for`) and moved to
+    world.device; the references take the rounded values and stay on the CPU. Compiled
+    (torch.compile(fullgraph=True)): aot_eager on CPU ranks, inductor on GPUs."""
     import autofuse
     from autofuse import dispatch
     from autofuse.dispatch.policy import Policy
 
     dispatch.set_policy(Policy.bsp("moe tests"))
-    problem = _problem(world.size)
-    out = {}
+    problem = _problem(world.size, dtype=_dtype_for(world.device))
+    dev, dt = world.device, problem.torch_dtype
+    backend = "inductor" if dev.type == "cuda" else "aot_eager"
+    errs = {}
     for kind in ("uniform", "skewed"):
         ranks, w1, w2 = _global(problem, kind, 2)
+        ranks = [(x.to(dt), ids, wt) for x, ids, wt in ranks]
+        w1, w2 = w1.to(dt), w2.to(dt)
         gens = [torch.Generator().manual_seed(50 + r) for r in range(world.size)]
-        gs = [torch.randn(T, H, generator=g) for g in gens]
+        gs = [torch.randn(T, H, generator=g).to(dt) for g in gens]
         # float64 autograd of the unsharded block, every rank's tokens (rank r's loss term uses its own g)
         xs = [x.double().requires_grad_() for x, _, _ in ranks]
         ws = [wt.double().requires_grad_() for _, _, wt in ranks]
@@ -120,33 +143,36 @@ def _grads(world, compiled: bool) -> dict:
         r = world.rank
         x, ids, weights = ranks[r]
         w1r, w2r = _shard(problem, w1, w2, r)
-        leaves = [t.clone().requires_grad_() for t in (x, weights, w1r, w2r)]
+        leaves = [t.to(dev).clone().requires_grad_() for t in (x, weights, w1r, w2r)]
+        ids_dev = ids.to(dev)
 
         def block(x, weights, w1r, w2r):
-            h, handle = autofuse.moe_dispatch(x, ids, weights, w1r, group=world)
+            h, handle = autofuse.moe_dispatch(x, ids_dev, weights, w1r, group=world)
             return autofuse.moe_combine(h, w2r, handle, group=world)
 
-        fn = torch.compile(block, fullgraph=True, backend="aot_eager") if compiled else block
+        fn = torch.compile(block, fullgraph=True, backend=backend) if compiled else block
         y = fn(*leaves)
-        (y * gs[r]).sum().backward()
+        (y * gs[r].to(dev)).sum().backward()
         local = problem["E"] // world.size
         mine = slice(r * local, (r + 1) * local)
         refs = (xs[r].grad, ws[r].grad, g1.grad[mine].reshape(moe.w1_shape(problem)), g2.grad[mine])
-        out[kind] = {"y": _err(y, moe.unsharded(x.double(), ids, weights.double(), w1.double(), w2.double(), "swiglu")),
-                     **{n: _err(t.grad, ref) for n, t, ref in zip(("dx", "dweights", "dw1", "dw2"), leaves, refs)}}
-    return out
+        errs[kind] = {"y": _err(y, moe.unsharded(x.double(), ids, weights.double(), w1.double(), w2.double(), "swiglu")),
+                      **{n: _err(t.grad, ref) for n, t, ref in zip(("dx", "dweights", "dw1", "dw2"), leaves, refs)}}
+    return {"tol": _tol_for(problem), "backend": backend if compiled else "eager", "errs": errs}
 
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_gradients_match_float64_autograd_of_the_unsharded_block(world):
     for rank, r in enumerate(spawn(_grads, world, False, timeout_s=600)):
-        for kind, errs in r.items():
+        assert r["tol"] == TOL and r["backend"] == "eager", r
+        for kind, errs in r["errs"].items():
             assert max(errs.values()) < TOL, (rank, kind, errs)
 
 
 def test_dispatch_and_combine_compile_fullgraph_forward_and_backward():
     for rank, r in enumerate(spawn(_grads, 2, True, timeout_s=600)):
-        for kind, errs in r.items():
+        assert r["tol"] == TOL and r["backend"] == "aot_eager", r
+        for kind, errs in r["errs"].items():
             assert max(errs.values()) < TOL, (rank, kind, errs)
 
 
