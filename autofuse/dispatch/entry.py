@@ -8,7 +8,8 @@ predicted decision by measuring (dispatch/confirm.py), build the runner, cache i
 Library path: a call whose inputs require grad (grad mode on), or made while torch.compile /
 torch.export traces, or on tensor subclasses (FakeTensor, ...) goes to the op's torch custom op
 instead (autofuse/library: autograd, fake implementation, one node per call in a graph), which
-dispatches on real tensors when it runs. The hot path pays only the test for it. A miss never
+dispatches on real tensors when it runs (`library_call`: the same key and lookup, without the
+library-path test, one lookup per call, extra outputs included). The hot path pays only the test for it. A miss never
 decides while tracing (`TraceMiss`) or capturing a CUDA graph (`CaptureMiss`). The custom-op layer
 stands above dispatch: it installs itself here at import (`use_library`); dispatch never imports it,
 and loads it by the registry's name for it (`core.registry.library`) where nothing did yet.
@@ -18,6 +19,7 @@ are not tensors: the cache key takes each handle's static `key`, and the library
 """
 from __future__ import annotations
 
+import json
 from typing import Any, Callable, NoReturn
 
 import torch
@@ -68,6 +70,32 @@ def call(op: str | Op, *args: Any, group: Any = None, variant: str | None = None
         return miss(key, op, args, group, variant, config, out)
     STATE.stats.hits += 1
     return run(entry, args, out)
+
+
+def library_call(name: str, args: tuple, group: Any, variant: str | None, config: str | None) -> tuple[Any, Entry | None]:
+    """`call` for the custom ops' implementations (autofuse/library): the result and the Entry that ran it
+    (an extra output reads its runner, `Extra.take`), `config` as the canonical JSON the custom ops take.
+
+    The hot path without the library-path test: an implementation runs below autograd, on real tensors,
+    never while Dynamo traces. A miss, a config text that is not canonical, an input that is neither a
+    plain tensor nor a handle, or a running trace takes `call` itself (key, decision and checks as ever)."""
+    key: Any = [name, id(group), variant, config]
+    for a in args:
+        cls = a.__class__
+        if cls is torch.Tensor or cls is torch.nn.Parameter:
+            key += (a.shape, a.dtype, a.device, a.is_contiguous())
+        elif cls is Handle:
+            key.append(a.key)
+        else:
+            key = None
+            break
+    entry = None if key is None or compiling() else STATE.cache.get(tuple(key))
+    if entry is None:
+        parsed = None if config is None else json.loads(config)
+        result = call(name, *args, group=group, variant=variant, config=parsed)
+        return result, STATE.cache.get(key_of(name, group, variant, parsed, args))
+    STATE.stats.hits += 1
+    return run(entry, args, None), entry
 
 
 def library_path(args: tuple) -> bool:

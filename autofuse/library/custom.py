@@ -20,14 +20,13 @@ autograd graph may keep them past the next call), after the tensor outputs; the 
 the `Handle` and returns `Outputs`. Gradients flow through a handle's floating tensors (MoE's routing
 weights) like through any input.
 
-Each real implementation is one dispatched call (`autofuse.dispatch.call`: the cached variant, or the
-first-call decision on a new problem), so a traced graph holds one opaque node per call and the
-variant is chosen when the graph runs, on real tensors, never while tracing. An extra output is
-taken from the runner that ran the call (`Extra.take`).
+Each real implementation is one dispatched call (`autofuse.dispatch.entry.library_call`: the cached
+variant, or the first-call decision on a new problem), so a traced graph holds one opaque node per call
+and the variant is chosen when the graph runs, on real tensors, never while tracing. An extra output is
+taken from the runner that ran the call (`Extra.take`), found by the same cache lookup.
 """
 from __future__ import annotations
 
-import json
 from typing import Any, Callable
 
 import torch
@@ -36,6 +35,7 @@ from autofuse.core import registry
 from autofuse.core.custom import CustomOp, HandleLayout, InferenceOnly, refuse_grad
 from autofuse.core.op import Op, config_key
 from autofuse.core.runner import Handle, Outputs
+from autofuse.dispatch.entry import library_call
 from autofuse.library.groups import group_of, name_of, world_size
 
 NAMESPACE = "autofuse"
@@ -58,17 +58,16 @@ def config_text(config: dict | None) -> str | None:
 
 
 def _dispatch(name: str, args: tuple, group_name: str, variant: str | None, config: str | None) -> Any:
-    from autofuse.dispatch import call
-
-    return call(name, *args, group=group_of(group_name), variant=variant,
-                config=None if config is None else json.loads(config))
+    """One dispatched call (the cached runner, or the first-call decision): its result."""
+    return library_call(name, args, group_of(group_name), variant, config)[0]
 
 
-def _runner(name: str, args: tuple, group_name: str, variant: str | None, config: str | None) -> Any:
-    from autofuse.dispatch import runner_of
-
-    return runner_of(name, *args, group=group_of(group_name), variant=variant,
-                     config=None if config is None else json.loads(config))
+def _dispatch_runner(name: str, args: tuple, group_name: str, variant: str | None, config: str | None) -> tuple:
+    """One dispatched call and the runner that ran it (what an extra output reads), one cache lookup."""
+    out, entry = library_call(name, args, group_of(group_name), variant, config)
+    if entry is None:
+        raise LookupError(f"autofuse.{name}: no cached decision for these arguments; call it once first")
+    return out, entry.runner
 
 
 def _register(qualname: str, op: Op, outputs: int, real: Callable, fake: Callable) -> Any:
@@ -136,8 +135,8 @@ def define(op: Op) -> None:
     for extra_name, extra in decl.extras.items():
         def real_extra(args: tuple, group_name: str, variant: str | None, config: str | None,
                        take: Callable = extra.take) -> Any:
-            out = _dispatch(name, args, group_name, variant, config)
-            return out, take(_runner(name, args, group_name, variant, config), args)
+            out, runner = _dispatch_runner(name, args, group_name, variant, config)
+            return out, take(runner, args)
 
         def fake_extra(args: tuple, group_name: str, shape: Callable = extra.shape) -> Any:
             w = world_size(group_name)

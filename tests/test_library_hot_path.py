@@ -1,0 +1,110 @@
+"""The custom ops' cached call (what a compiled training step runs per autofuse node) does the least host work.
+
+CPU ranks (gloo), float32, tiny shapes, BSP: after each problem's first call, every further call of
+`torch.ops.autofuse.<op>` (ag_gemm_gathered and gemm_rs: a training step's forward and backward
+nodes; the overrides' `variant=`/`config=` text too) is one cache lookup and one runner call: no
+generic key building (`key_of`), no public `call` and its library-path test, no second lookup for an
+extra output (`runner_of`), no JSON parsing of the config, no decision, agreement or validation
+(`problem_of`), one hit and one launch per call. Counted with wrappers, never timed
+(scripts/host_profile_train.py measures the microseconds).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from autofuse.comm.world import spawn
+
+CALLS = 5
+
+
+class _Counter:
+    """Wrap attributes with call counters; `restore()` puts them back."""
+
+    def __init__(self) -> None:
+        self.counts: dict[str, int] = {}
+        self._saved: list[tuple] = []
+
+    def wrap(self, obj, name: str, label: str) -> None:
+        orig = getattr(obj, name)
+        self.counts.setdefault(label, 0)
+
+        def counted(*args, **kwargs):
+            self.counts[label] += 1
+            return orig(*args, **kwargs)
+
+        self._saved.append((obj, name, orig, name in vars(obj) if hasattr(obj, "__dict__") else True))
+        setattr(obj, name, counted)
+
+    def restore(self) -> None:
+        for obj, name, orig, own in reversed(self._saved):
+            if own:
+                setattr(obj, name, orig)
+            else:
+                delattr(obj, name)
+        self._saved.clear()
+
+
+def _job(world) -> dict:
+    import json
+    import os
+
+    import autofuse.library  # noqa: F401 - registers torch.ops.autofuse.*
+    from autofuse import dispatch
+    from autofuse.core import registry
+    from autofuse.dispatch import entry
+    from autofuse.dispatch.policy import Policy
+    from autofuse.dispatch.state import STATE
+    from autofuse.library.groups import name_of
+
+    torch.set_num_threads(1)
+    os.environ["AUTOFUSE_VARIANT"] = ""
+    dispatch.reset()
+    dispatch.set_policy(Policy.bsp("library hot-path test"))
+    g = torch.Generator().manual_seed(world.rank)
+    x, w = torch.randn(8, 16, generator=g), torch.randn(16, 24, generator=g)  # ag_gemm rows: (8 W, 24)
+    y, v = torch.randn(16, 8, generator=g), torch.randn(8, 16, generator=g)  # gemm_rs: (16 / W, 16)
+    name = name_of(world.group)
+    ops = torch.ops.autofuse
+    calls = {"ag_gemm_gathered": lambda: ops.ag_gemm_gathered.default(x, w, name),
+             "gemm_rs": lambda: ops.gemm_rs.default(y, v, name),
+             "gemm_rs_config": lambda: ops.gemm_rs.default(y, v, name, variant="bsp", config="{}")}
+    with torch.no_grad():
+        first = {k: fn() for k, fn in calls.items()}  # each problem's first call: decided, agreed, cached
+        c = _Counter()
+        for fn_name in ("key_of", "call", "library_path", "runner_of", "miss", "decide", "agree"):
+            c.wrap(entry, fn_name, fn_name)
+        for fn_name in ("call", "runner_of"):  # the public names the implementations called before
+            c.wrap(dispatch, fn_name, f"dispatch.{fn_name}")
+        c.wrap(json, "loads", "json.loads")
+        for op in ("ag_gemm", "gemm_rs"):
+            c.wrap(registry.get(op), "problem_of", "problem_of")
+        for e in STATE.cache.values():
+            c.wrap(e.runner, "launch", "launch")
+        before = dict(vars(STATE.stats))
+        try:
+            got = {k: [fn() for _ in range(CALLS)] for k, fn in calls.items()}
+        finally:
+            c.restore()
+        after = dict(vars(STATE.stats))
+
+    def same(a, b) -> bool:
+        return all(torch.equal(p, q) for p, q in zip(a, b)) if isinstance(a, tuple) else torch.equal(a, b)
+
+    return {"counts": c.counts, "delta": {k: after[k] - before[k] for k in after},
+            "same": all(same(r, first[k]) for k, rs in got.items() for r in rs), "entries": len(STATE.cache)}
+
+
+@pytest.fixture(scope="module")
+def results() -> list[dict]:
+    return spawn(_job, 2, timeout_s=300)
+
+
+def test_cached_custom_op_call_is_one_lookup_and_one_launch(results) -> None:
+    for rank, r in enumerate(results):
+        counts = dict(r["counts"])
+        assert counts.pop("launch") == 3 * CALLS, (rank, r["counts"])
+        assert all(n == 0 for n in counts.values()), (rank, counts)
+        d = r["delta"]
+        assert (d["hits"], d["misses"], d["agreements"], d["builds"], d["policy_loads"]) == (3 * CALLS, 0, 0, 0, 0), d
+        assert r["same"] and r["entries"] == 3, r
