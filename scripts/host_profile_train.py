@@ -65,7 +65,10 @@ def _record(world: Any, cfg: dict) -> list[dict]:
     """The autofuse custom-op calls of one eager forward + backward of the layer, in order, with phase."""
     from torch.utils._python_dispatch import TorchDispatchMode
     from transformers import LlamaConfig
-    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+    from transformers.models.llama.modeling_llama import (
+        LlamaDecoderLayer,
+        LlamaRotaryEmbedding,
+    )
 
     from autofuse.bench.bench_train_layer import MODELS
     from autofuse.nn.llama import parallelize_layer
@@ -84,7 +87,7 @@ def _record(world: Any, cfg: dict) -> list[dict]:
     class Record(TorchDispatchMode):
         phase = "forward"
 
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             kwargs = kwargs or {}
             if func.namespace == "autofuse":
                 calls.append({"phase": self.phase, "func": func,
@@ -152,13 +155,54 @@ def entry_of(name: str, tensors: tuple, group: Any, variant: str | None, config:
     return lambda: entry.call(name, *tensors, group=group, variant=variant, config=parsed)
 
 
-def _rank(world: Any, cfg: dict) -> dict:
+def _measure(world: Any, r: dict, real_runners: dict[int, tuple]) -> dict:
+    """One distinct call's row: its cached runner timed, then the custom op, the implementation and the
+    dispatch entry against a stub of it (left in place; `real_runners` keeps the real one)."""
     import autofuse
     from autofuse.dispatch.entry import key_of
     from autofuse.dispatch.state import STATE
     from autofuse.library import custom
     from autofuse.library.groups import group_of
 
+    func, args, kwargs = r["func"], r["args"], r["kwargs"]
+    qual = func.name().split("::")[-1]
+    name, op = _base(qual)
+    n = len(op.args)
+    tensors, group = args[:n], group_of(args[n])
+    variant, text = kwargs.get("variant"), kwargs.get("config")
+    config = None if text is None else json.loads(text)
+    entry = STATE.cache[key_of(name, group, variant, config, tensors)]
+    runner = real_runners.setdefault(id(entry), (entry, entry.runner))[1]
+
+    def real() -> Any:
+        return runner(*tensors)
+
+    with torch.no_grad():
+        runner_us = _host_us(world, {"runner": real}, RUNNER_CALLS)["runner"]
+        stub = entry.runner = _stub(runner, real())
+    impl = custom.DEFINED[qual]._init_fn
+    depth = {"op": lambda: func(*args, **kwargs), "impl": lambda: impl(*args, **kwargs),
+             "entry": entry_of(name, tensors, group, variant, text), "stub": lambda: stub(*tensors)}
+    with torch.no_grad():
+        us = _host_us(world, depth, CALLS)
+    # the eager training path of a forward call: the public entry point on inputs that require grad
+    # (route, the custom op's autograd node and setup_context), what an uncompiled step pays
+    leaves = [t.detach().requires_grad_(t.is_floating_point()) for t in tensors]
+    public = getattr(autofuse, name)
+
+    def eager() -> Any:
+        return public(*leaves, group=group, variant=variant, config=config)
+
+    eager_us = _host_us(world, {"eager": eager}, CALLS)["eager"] if r["phase"] == "forward" else None
+    row = {"op": qual, "phase": r["phase"], "shapes": [list(s) for s in r["shapes"]], "count": r["count"],
+           "variant": entry.choice.variant, "runner_us": runner_us,
+           "torch_us": us["op"] - us["impl"], "library_us": us["impl"] - us["entry"],
+           "dispatch_us": us["entry"] - us["stub"], "stub_us": us["stub"], "op_us": us["op"], "eager_us": eager_us}
+    row["host_us"] = row["torch_us"] + row["library_us"] + row["dispatch_us"]
+    return row
+
+
+def _rank(world: Any, cfg: dict) -> dict:
     if world.device.type != "cuda":
         torch.set_num_threads(1)
     if cfg["variant"] is not None:
@@ -166,40 +210,8 @@ def _rank(world: Any, cfg: dict) -> dict:
     rows = _split(_record(world, cfg))
     result: dict[str, Any] = {"rows": [], "cprofile": ""}
     real_runners: dict[int, tuple] = {}  # id(entry) -> (entry, its runner): rows of one problem share one entry
-
     for r in rows:
-        func, args, kwargs = r["func"], r["args"], r["kwargs"]
-        qual = func.name().split("::")[-1]
-        name, op = _base(qual)
-        n = len(op.args)
-        tensors, group = args[:n], group_of(args[n])
-        variant, config = kwargs.get("variant"), kwargs.get("config")
-        config = None if config is None else json.loads(config)
-        entry = STATE.cache[key_of(name, group, variant, config, tensors)]
-        runner = real_runners.setdefault(id(entry), (entry, entry.runner))[1]
-        real = lambda: runner(*tensors)  # noqa: E731
-        with torch.no_grad():
-            runner_us = _host_us(world, {"runner": real}, RUNNER_CALLS)["runner"]
-            stub = entry.runner = _stub(runner, real())
-        impl = custom.DEFINED[qual]._init_fn
-        depth = {"op": lambda: func(*args, **kwargs), "impl": lambda: impl(*args, **kwargs),
-                 "entry": entry_of(name, tensors, group, variant, kwargs.get("config")),
-                 "stub": lambda: stub(*tensors)}
-        with torch.no_grad():
-            us = _host_us(world, depth, CALLS)
-        # the eager training path of a forward call: the public entry point on inputs that require grad
-        # (route, the custom op's autograd node and setup_context), what an uncompiled step pays
-        leaves = [t.detach().requires_grad_(t.is_floating_point()) for t in tensors]
-        public = getattr(autofuse, name)
-        eager = lambda: public(*leaves, group=group, variant=variant, config=config)  # noqa: E731
-        eager_us = _host_us(world, {"eager": eager}, CALLS)["eager"] if r["phase"] == "forward" else None
-        row = {"op": qual, "phase": r["phase"], "shapes": [list(s) for s in r["shapes"]], "count": r["count"],
-               "variant": entry.choice.variant, "runner_us": runner_us,
-               "torch_us": us["op"] - us["impl"], "library_us": us["impl"] - us["entry"],
-               "dispatch_us": us["entry"] - us["stub"], "stub_us": us["stub"], "op_us": us["op"],
-               "eager_us": eager_us}
-        row["host_us"] = row["torch_us"] + row["library_us"] + row["dispatch_us"]
-        result["rows"].append(row)
+        result["rows"].append(_measure(world, r, real_runners))
     prof = cProfile.Profile()
     world.sync()
     with torch.no_grad():
@@ -222,8 +234,9 @@ def _rank(world: Any, cfg: dict) -> dict:
 
 
 def render(res: dict) -> str:
-    lines = [f"{'op':18s} {'phase':8s} {'n':>2s} {'variant':8s} {'torch':>7s} {'library':>8s} {'dispatch':>9s} "
-             f"{'host':>7s} {'runner':>8s} {'share':>6s} {'eager':>7s}   (us per call, median, rank-max)"]
+    head = (f"{'op':18s} {'phase':8s} {'n':>2s} {'variant':8s} {'torch':>7s} {'library':>8s} {'dispatch':>9s} "
+            f"{'host':>7s} {'runner':>8s} {'share':>6s} {'eager':>7s}   (us per call, median, rank-max)")
+    lines = [head]
     for r in res["rows"]:
         lines.append(f"{r['op']:18s} {r['phase']:8s} {r['count']:2d} {r['variant']:8s} {r['torch_us']:7.1f} "
                      f"{r['library_us']:8.1f} {r['dispatch_us']:9.1f} {r['host_us']:7.1f} {r['runner_us']:8.1f} "
