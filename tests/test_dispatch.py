@@ -552,6 +552,13 @@ def _confirm_job(world, policies: dict, db: str) -> dict:
     got = confirm.confirm(world, op, problem, (a3, b3), [("wrong", {"BLOCK": 16}), ("fused", {"BLOCK": 16})],
                           "eager", reps=3)
     res["wrong"] = _confirmation_fields(got)
+    # keep=1: the wrong candidate's place goes to the next one; the last is never built
+    import _toy_op as toy
+
+    before = toy.BUILDS["fused"]
+    got = confirm.confirm(world, op, problem, (a3, b3), [("wrong", {"BLOCK": 16}), ("fused", {"BLOCK": 16}),
+                                                         ("fused", {"BLOCK": 32})], "eager", reps=3, keep=1)
+    res["spare"] = {**_confirmation_fields(got), "fused_builds": toy.BUILDS["fused"] - before}
     # a candidate fast on one rank only: every rank sees the rank-max times and picks the same winner
     op = dataclasses.replace(TOY, variants=[*TOY.variants.values(), _Skewed()])
     problem = Problem.make("toy_mm", "float32", world.size, M=256, N=16, K=16)  # bsp ~148 us, fused ~86 us
@@ -594,6 +601,9 @@ def test_confirm_on_first_use_measures_records_and_reuses(policies, tmp_path):
             assert "build" in c["describe"] and "timing" in c["describe"], c
         assert "build" in first["reason"] and "timing" in first["reason"], first["reason"]
         assert w["reps"] <= 3, w
+        spare = r["spare"]
+        assert spare["timed"] == ["bsp", "fused"] and [v for v, _ in spare["dropped"]] == ["wrong"], spare
+        assert spare["fused_builds"] == 1, spare  # fused BLOCK 32, the last of the list, is never built
         assert r["skewed"]["timed"] == ["bsp", "fused", "skewed"] and r["skewed"]["rounds"] == 2, r["skewed"]
         assert r["tiny_budget"]["reps"] == 1 and r["tiny_budget"]["rounds"] == 1, r["tiny_budget"]
     for key in ("wrong", "skewed", "tiny_budget"):  # rank-max times: every rank saw the same and chose alike

@@ -132,21 +132,23 @@ def _confirm_pair(world) -> dict:
     from autofuse.dispatch import confirm
     from autofuse.ops import moe_combine, moe_dispatch
 
+    confirm.ROTATE_ON_CPU = True  # several input sets and scratch outputs, as on GPUs
     p = moe.make_problem(moe.DISPATCH, "float32", world.size, T, 32, F, 2 * world.size, K, "swiglu")
     args = moe_dispatch.inputs(world, p, 0)
     got = {"dispatch": confirm.confirm(world, moe_dispatch.OP, p, args, [("hybrid", SMALL)], "eager", budget_s=0.5)}
     cp = _combine_problem(world, p)
     got["combine"] = confirm.confirm(world, moe_combine.OP, cp, moe_combine.inputs(world, cp, 0), [("hybrid", SMALL)],
                                      "eager", budget_s=0.5)
-    return {name: (sorted(v for v, _, _ in c.timed), c.dropped) for name, c in got.items()}
+    return {name: (sorted(v for v, _, _ in c.timed), c.dropped, c.sets) for name, c in got.items()}
 
 
 def test_first_use_confirmation_compares_outputs_beside_a_handle():
     """Confirmation compared BSP's (output, handle) with a candidate's and died on the handle
-    (AttributeError on every GPU call of an untuned MoE problem)."""
+    (AttributeError on every GPU call of an untuned MoE problem); with several input sets (GPUs) its
+    scratch outputs must be Outputs beside a handle too."""
     for rank, r in enumerate(spawn(_confirm_pair, 2, timeout_s=600)):
-        for name, (timed, dropped) in r.items():
-            assert timed == ["bsp", "hybrid"] and not dropped, (rank, name, timed, dropped)
+        for name, (timed, dropped, sets) in r.items():
+            assert timed == ["bsp", "hybrid"] and not dropped and sets > 1, (rank, name, timed, dropped, sets)
 
 
 def _late_peer(world) -> dict:

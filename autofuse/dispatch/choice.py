@@ -33,7 +33,8 @@ class Choice:
     policy_path: str = ""
     config_source: str = ""
     cached: bool = False
-    candidates: list = field(default_factory=list)  # (variant, config) to confirm on first use
+    candidates: list = field(default_factory=list)  # (variant, config) to confirm on first use, best first: the first
+    # AUTOFUSE_CONFIRM_K that build and run are timed, the rest stand in for those that fail
     confirmation: Any = None  # the confirm.Confirmation this decision came from (its costs, timings)
     gain: float | None = None
 

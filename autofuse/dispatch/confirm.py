@@ -6,7 +6,10 @@ dispatch's agreement), runs `confirm`:
 1. BSP runs first, into a scratch output: its result is the yardstick.
 2. Each candidate (variant, config) is built (collective, as any build) and run once on the same
    inputs into its own scratch output; one that raises, or whose output differs from BSP's by more
-   than twice the op's tolerance, is dropped on every rank (one all-reduce of the verdicts).
+   than twice the op's tolerance, is dropped on every rank (one all-reduce of the verdicts). With
+   `keep`, only the first `keep` candidates are built at first, and each one dropped gives its place
+   to the next of the list (another wave, another all-reduce), so that a candidate that cannot run
+   here (an alternative refusing the dtype, say) does not leave fewer to choose from.
 3. The survivors are timed with the tuner's timer (`autofuse.measure.timing.Batches`, what `time_fn`
    uses): warm-up, batches of `inner` calls lasting about 2 ms each (agreed from the slowest
    rank's probe), input sets rotated against L2 on GPUs (copies of the caller's inputs), CUDA
@@ -41,7 +44,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 import torch
 import torch.distributed as dist
 
-from autofuse.measure.timing import Timing, nbytes, rotation_count, time_in_turns, timed_mode
+from autofuse.measure.timing import Timing, nan_like, nbytes, rotation_count, time_in_turns, timed_mode
 from autofuse.core.op import Config, Op, Problem, rel_error
 
 if TYPE_CHECKING:
@@ -51,6 +54,7 @@ BSP = "bsp"
 REPS = 6
 ROUNDS = 3
 BUDGET_S = 0.25
+ROTATE_ON_CPU = False  # tests: rotate input sets on CPU ranks too, the path GPUs take
 MARGIN = 0.02  # a candidate replaces BSP only when it is this much faster: within it, the timings' noise decides
 
 
@@ -152,7 +156,7 @@ def _input_sets(world: World, args: Sequence[Any]) -> list[tuple]:
     (GPUs only). The count is the smallest any rank could allocate, since every rank must make the
     same calls."""
     sets = [tuple(args)]
-    if world.device.type != "cuda":
+    if world.device.type != "cuda" and not ROTATE_ON_CPU:
         return sets
     try:
         for _ in range(rotation_count(nbytes(args)) - 1):
@@ -165,19 +169,23 @@ def _input_sets(world: World, args: Sequence[Any]) -> list[tuple]:
 
 def confirm(world: World, op: Op, problem: Problem, args: Sequence[torch.Tensor],
             candidates: Sequence[tuple[str, Config]], mode: str, reps: int = REPS, warmup: int = 2,
-            bsp_config: Config | None = None, budget_s: float = BUDGET_S, rounds: int = ROUNDS) -> Confirmation:
+            bsp_config: Config | None = None, budget_s: float = BUDGET_S, rounds: int = ROUNDS,
+            keep: int | None = None) -> Confirmation:
     """Measure BSP and `candidates` on `args` (this rank's inputs) in lockstep; see the module docstring.
 
     Every rank must call it with the same problem, candidates and counts (dispatch's agreement
     ensures it). `bsp_config`: BSP's config where the op's BSP takes one (default: its first
-    default). `reps`: timed batches per candidate, cut so that the timed batches stay within
-    `budget_s` seconds; `rounds`: how many turns they are spread over.
+    default). `keep`: how many candidates to time (default: all), the later ones of the list standing
+    in for those that fail. `reps`: timed batches per candidate, cut so that the timed batches stay
+    within `budget_s` seconds; `rounds`: how many turns they are spread over.
     Returns the fastest correct candidate (BSP unless one beats it by `MARGIN`: `pick`) with the measurements.
     """
     t0 = time.perf_counter()
     if bsp_config is None:
         bsp_config = op.variant(BSP).defaults(problem)[0]
-    cands = [(BSP, dict(bsp_config))] + [(v, dict(c)) for v, c in candidates if v != BSP]
+    queue = [(v, dict(c)) for v, c in candidates if v != BSP]
+    want = len(queue) if keep is None else max(0, keep)
+    cands = [(BSP, dict(bsp_config))] + queue[:want]
     runners, outs, errors = _build_all(world, op, problem, args, cands)
     if not errors[0]:
         _compare(op, problem, outs, errors)
@@ -185,13 +193,21 @@ def confirm(world: World, op: Op, problem: Problem, args: Sequence[torch.Tensor]
     if failed[0]:  # raised on every rank alike, after the verdicts' all-reduce
         why = errors[0] or "failed on another rank"
         raise RuntimeError(f"{op.name}: bsp failed on {problem.key} while confirming: {why}")
+    live_count = lambda: len(cands) - 1 - int(sum(failed[1:]))  # noqa: E731 - candidates built and right
+    while live_count() < want and len(cands) - 1 < len(queue):  # the next ones take the dropped ones' places
+        wave = queue[len(cands) - 1:len(cands) - 1 + want - live_count()]
+        r2, o2, e2 = _build_all(world, op, problem, args, wave)
+        verdicts = ["", *e2]
+        _compare(op, problem, [outs[0], *o2], verdicts)
+        cands, runners, outs, errors = cands + wave, runners + r2, outs + o2, errors + verdicts[1:]
+        failed = failed + _reduce_all(world, [1.0 if e else 0.0 for e in verdicts[1:]], dist.ReduceOp.MAX)
     result = Confirmation(BSP, dict(bsp_config), mode=mode, build_seconds=time.perf_counter() - t0)
     live = [i for i in range(len(cands)) if not failed[i]]
     result.dropped = [(v, c, errors[i] or "failed on another rank")
                       for i, (v, c) in enumerate(cands) if failed[i]]
     t1 = time.perf_counter()
     sets = _input_sets(world, args)
-    scratch = [outs[0]] + [torch.empty_like(outs[0]) for _ in sets[1:]]
+    scratch = [outs[0]] + [nan_like(outs[0]) for _ in sets[1:]]  # a tensor, or Outputs beside a handle
     del outs  # the other candidates' first outputs: every candidate writes `scratch` from here on
     steps = [[lambda r=runners[i], x=x, o=o: r(*x, out=o) for x, o in zip(sets, scratch)] for i in live]
     modes = [timed_mode(op.variant(cands[i][0]), mode) for i in live]
