@@ -52,8 +52,8 @@ shapes, so the first-call agreement never runs inside a trace.
 
 Confirm on first use (autofuse/dispatch/confirm.py): when the decision for a problem rests on a prediction
 (the policy never measured this problem, or the policy was fitted with other software), every rank
-measures the policy's top candidates (AUTOFUSE_CONFIRM_K, default 3, plus BSP) on the caller's
-inputs in lockstep, with the tuner's timer, and runs the fastest correct one (`explain` shows the
+measures the policy's top candidates (AUTOFUSE_CONFIRM_K, default 3, plus BSP; one that cannot run
+here gives its place to the next) on the caller's inputs in lockstep, with the tuner's timer, and runs the fastest correct one (`explain` shows the
 times and the cost, build and timing apart); the measurements go (source `online`) to this
 machine's online store (AUTOFUSE_ONLINE_DB, default <user cache>/autofuse/online-<hardware id>.db),
 which later processes read first (basis `confirmed`) and `autofuse fit` reads too. On by default
