@@ -11,7 +11,8 @@ ranks receive no rows), empty experts (every token picks the first and the last 
 token (fewer tokens than ranks: every rank but rank 0 sends only a padding row, to its own experts);
 the other cases have 12 tokens, a multiple of both world sizes. With sequence_parallel=True (SP_CASES):
 7 tokens a sequence (padded to a multiple of W), one token, transformers' load-balancing loss (router
-logits gathered, padding dropped), a deep copy of the parallelized model, and (world 2) a skewed routing.
+logits gathered, padding dropped), a deep copy of the parallelized model, and (world 2) a skewed routing
+and the model under torch.compile(fullgraph=True), forward and backward.
 """
 from __future__ import annotations
 
@@ -93,12 +94,13 @@ def _force(model: nn.Module, kind: str, world: int) -> None:
 
 
 def _model_case(world, make, kind: str, shape: tuple[int, int], sp: bool = False, aux: bool = False,
-                copied: bool = False) -> dict:
+                copied: bool = False, compiled: bool = False) -> dict:
     """Logits, loss and every weight's gradient of the parallelized model against the float64 unsharded one.
     `sp`: sequence_parallel=True. `aux`: output_router_logits=True with router_aux_loss_coef 1 (transformers'
     load-balancing loss in the loss) and an attention mask hiding sequence 1's last two tokens (which the loss
     leaves out of the router statistics); its aux_loss compared too. `copied`: a deep copy of the parallelized
-    model is run (its gradient sums must survive the copy)."""
+    model is run (its gradient sums must survive the copy). `compiled`: the model runs under
+    torch.compile(fullgraph=True) (the rows received are not counted: a count read on the host breaks the graph)."""
     import autofuse
 
     base = make(world.size)
@@ -132,9 +134,10 @@ def _model_case(world, make, kind: str, shape: tuple[int, int], sp: bool = False
         received.append(int(handle.tensors["counts"].sum()))
         return h, handle
 
-    public.moe_dispatch = counting  # the rows each call brought to this rank's experts (what the blocks call)
+    if not compiled:
+        public.moe_dispatch = counting  # the rows each call brought to this rank's experts (what the blocks call)
     try:
-        got = harness.against(model, loss, want)
+        got = harness.against(model, loss, want, call=torch.compile(model, fullgraph=True) if compiled else None)
     finally:
         public.moe_dispatch = dispatch
     if aux:
@@ -223,16 +226,17 @@ def _job(world) -> dict:
     out[("mixtral", "one token")] = _model_case(world, tiny_mixtral, "random", (1, 1))
     for name, kind, shape in SP_CASES[world.size]:
         out[(name, kind, "sp")] = _model_case(world, MODELS[name], kind, shape, sp=True, aux=kind == "aux",
-                                              copied=kind == "copied")
+                                              copied=kind == "copied", compiled=kind == "compiled")
     return out
 
 
 # sequence_parallel=True: 7 tokens (padded to 8 rows per sequence), one token (rank 0 holds it, the others
-# padding only), the load-balancing loss, a deep copy, a skewed routing; world 4 a subset (CI time).
+# padding only), the load-balancing loss, a deep copy, a skewed routing, torch.compile(fullgraph=True);
+# world 4 a subset (CI time).
 SP_CASES = {
     2: [("mixtral", "random", (2, 7)), ("qwen2_moe", "random", (2, 7)), ("qwen3_moe", "random", (2, 7)),
         ("mixtral", "one token", (1, 1)), ("qwen3_moe", "aux", (2, 7)), ("qwen2_moe", "copied", (2, 7)),
-        ("qwen3_moe", "skewed", (2, 7))],
+        ("qwen3_moe", "skewed", (2, 7)), ("qwen3_moe", "compiled", (2, 7))],
     4: [("qwen3_moe", "random", (2, 7)), ("qwen2_moe", "aux", (2, 7))],
 }
 
@@ -260,7 +264,7 @@ def test_parallel_moe_models_match_the_unsharded_float64_model(job) -> None:
             assert v["blocks"] == (2 if case[0] == "mixtral" else 1), (case, v)
             assert v.get("aux", 0.0) <= TOL, (w, r, case, v)
     sp = [case for case in ranks[0] if isinstance(case, tuple) and case[-1] == "sp"]
-    assert len(sp) == len(SP_CASES[w]) and (w == 4 or {c[1] for c in sp} >= {"aux", "copied", "skewed"}), sp
+    assert len(sp) == len(SP_CASES[w]) and (w == 4 or {c[1] for c in sp} >= {"aux", "copied", "skewed", "compiled"}), sp
 
 
 def test_skewed_and_empty_routings_leave_ranks_without_rows(job) -> None:
