@@ -358,3 +358,31 @@ def against(model: Any, forward: Any, want: dict, call: Any = None) -> dict:
     return {"logits": rel(logits, want["logits"]), "loss": rel(loss, want["loss"]), "grad keys": sorted(grads) == sorted(ref),
             "worst grad": errs[worst], "worst name": worst,
             "state keys": sorted(autofuse.nn.full_state_dict(model)) == want["state keys"]}
+
+
+class Counter:
+    """Wrap attributes of objects (functions, methods) with call counters; `restore()` puts them back,
+    deleting what was only inherited. The hot-path tests count calls, never time."""
+
+    def __init__(self) -> None:
+        self.counts: dict[str, int] = {}
+        self._saved: list[tuple] = []
+
+    def wrap(self, obj, name: str, label: str) -> None:
+        orig = getattr(obj, name)
+        self.counts.setdefault(label, 0)
+
+        def counted(*args, **kwargs):
+            self.counts[label] += 1
+            return orig(*args, **kwargs)
+
+        self._saved.append((obj, name, orig, name in vars(obj) if hasattr(obj, "__dict__") else True))
+        setattr(obj, name, counted)
+
+    def restore(self) -> None:
+        for obj, name, orig, own in reversed(self._saved):
+            if own:
+                setattr(obj, name, orig)
+            else:
+                delattr(obj, name)
+        self._saved.clear()

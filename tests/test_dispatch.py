@@ -42,30 +42,6 @@ def _write_policies(policies: dict, rank: int) -> dict[str, str]:
     return paths
 
 
-class _Counter:
-    """Wrap attributes of objects with call counters; `restore()` puts them back."""
-
-    def __init__(self) -> None:
-        self.counts: dict[str, int] = {}
-        self._saved: list[tuple] = []
-
-    def wrap(self, obj, name: str, label: str) -> None:
-        orig = getattr(obj, name)
-        self.counts[label] = 0
-
-        def counted(*args, **kwargs):
-            self.counts[label] += 1
-            return orig(*args, **kwargs)
-
-        self._saved.append((obj, name, orig))
-        setattr(obj, name, counted)
-
-    def restore(self) -> None:
-        for obj, name, orig in reversed(self._saved):
-            setattr(obj, name, orig)
-        self._saved.clear()
-
-
 def _rel(out, a, b) -> float:
     ref = a.double() @ b.double()
     return float((out.double() - ref).norm() / ref.norm())
@@ -100,7 +76,7 @@ def _dispatch_job(world, policies: dict) -> dict:
     res["first"] = {"rel": _rel(out, a, b), "stats": dict(vars(dispatch.stats)), "calls": dict(toy.CALLS)}
 
     # the hot path: no I/O, no collective, no policy walk, no problem_of
-    c = _Counter()
+    c = harness.Counter()
     for name in ("all_gather", "all_gather_object", "all_reduce", "broadcast", "broadcast_object_list", "barrier"):
         c.wrap(dist, name, f"dist.{name}")
     c.wrap(builtins, "open", "open")

@@ -13,36 +13,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+import harness
 from autofuse.comm.world import spawn
 
 CALLS = 5
-
-
-class _Counter:
-    """Wrap attributes with call counters; `restore()` puts them back."""
-
-    def __init__(self) -> None:
-        self.counts: dict[str, int] = {}
-        self._saved: list[tuple] = []
-
-    def wrap(self, obj, name: str, label: str) -> None:
-        orig = getattr(obj, name)
-        self.counts.setdefault(label, 0)
-
-        def counted(*args, **kwargs):
-            self.counts[label] += 1
-            return orig(*args, **kwargs)
-
-        self._saved.append((obj, name, orig, name in vars(obj) if hasattr(obj, "__dict__") else True))
-        setattr(obj, name, counted)
-
-    def restore(self) -> None:
-        for obj, name, orig, own in reversed(self._saved):
-            if own:
-                setattr(obj, name, orig)
-            else:
-                delattr(obj, name)
-        self._saved.clear()
 
 
 def _job(world) -> dict:
@@ -71,7 +45,7 @@ def _job(world) -> dict:
              "gemm_rs_config": lambda: ops.gemm_rs.default(y, v, name, variant="bsp", config="{}")}
     with torch.no_grad():
         first = {k: fn() for k, fn in calls.items()}  # each problem's first call: decided, agreed, cached
-        c = _Counter()
+        c = harness.Counter()
         for fn_name in ("key_of", "call", "library_path", "runner_of", "miss", "decide", "agree"):
             c.wrap(entry, fn_name, fn_name)
         for fn_name in ("call", "runner_of"):  # the public names the implementations called before

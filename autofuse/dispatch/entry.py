@@ -78,18 +78,9 @@ def library_call(name: str, args: tuple, group: Any, variant: str | None, config
 
     The hot path without the library-path test: an implementation runs below autograd, on real tensors,
     never while Dynamo traces. A miss, a config text that is not canonical, an input that is neither a
-    plain tensor nor a handle, or a running trace takes `call` itself (key, decision and checks as ever)."""
-    key: Any = [name, id(group), variant, config]
-    for a in args:
-        cls = a.__class__
-        if cls is torch.Tensor or cls is torch.nn.Parameter:
-            key += (a.shape, a.dtype, a.device, a.is_contiguous())
-        elif cls is Handle:
-            key.append(a.key)
-        else:
-            key = None
-            break
-    entry = None if key is None or compiling() else STATE.cache.get(tuple(key))
+    tensor nor a handle, or a running trace takes `call` itself (key, decision and checks as ever)."""
+    key = None if compiling() else _key(name, group, variant, config, args)
+    entry = None if key is None else STATE.cache.get(key)
     if entry is None:
         parsed = None if config is None else json.loads(config)
         result = call(name, *args, group=group, variant=variant, config=parsed)
@@ -326,7 +317,12 @@ def key_of(name: str, group: Any, variant: str | None, config: Config | None, ar
     Contiguity rather than strides: ops that need contiguous inputs reject the others in
     `problem_of` (a new key is a miss, so it runs); ops that take strides read them per call.
     """
-    key = [name, id(group), variant, None if config is None else config_key(config)]
+    return _key(name, group, variant, None if config is None else config_key(config), args)
+
+
+def _key(name: str, group: Any, variant: str | None, config_text: str | None, args: tuple) -> tuple | None:
+    """`key_of` with the config as its canonical text (`config_key`; the custom ops pass it as such)."""
+    key: list = [name, id(group), variant, config_text]
     for a in args:
         if isinstance(a, Handle):
             key.append(a.key)
