@@ -11,8 +11,10 @@
 #            find on this machine (models/, by fingerprint) become the run's policy-{graph,eager}.json; train: `autofuse bench train_layer --sweep 70b,8b` with the fitted policy
 #            train_model: `autofuse bench train_model --sweep 8b --layers 4` (whole training steps) with it
 #            warmup: scripts/eval_warmup_gpu.py, first requests cold vs after `autofuse warmup` (fitted policy)
+#            tune: TUNE_OPS (e.g. ag_gemm,gemm_ar: re-tune only the ops whose code changed, then merge) and
+#            TUNE_MINUTES (--time-limit) narrow it
 #            tune-moe / tune-train: `autofuse tune --sweep moe` (MOE_MINUTES, default 2) / `--sweep train` (ag_gemm,
-#            gemm_rs; TRAIN_MINUTES, default 3) into the run's database; merge: BASE_DB (e.g. the shipped
+#            gemm_rs, or TRAIN_OPS; TRAIN_MINUTES, default 3) into the run's database; merge: BASE_DB (e.g. the shipped
 #            tuning_db/h200x2.db, copied, never changed) merged with the run's database, which later steps then fit
 #            and export; TRAIN_SHAPES: token counts for train_model (e.g. 4096)
 #            moe: the MoE pair's GPU tests (graph replay of hybrid), then `autofuse bench moe` in graph mode (moe-bench:
@@ -47,11 +49,12 @@ step() {  # step NAME LIMIT COMMAND...
 }
 for s in ${STEPS//,/ }; do
   case $s in
-    tune) step tune 560 python3 -m autofuse tune --world "$WORLD" --db "$DB" ;;
+    tune) step tune 560 python3 -m autofuse tune --world "$WORLD" --db "$DB" ${TUNE_OPS:+--op $TUNE_OPS} \
+            ${TUNE_MINUTES:+--time-limit $TUNE_MINUTES} ;;
     tune-moe) step tune-moe 240 python3 -m autofuse tune --world "$WORLD" --db "$DB" --sweep moe \
                 --op moe_dispatch,moe_combine --time-limit "${MOE_MINUTES:-2}" ;;
     tune-train) step tune-train 300 python3 -m autofuse tune --world "$WORLD" --db "$DB" --sweep train \
-                  --op ag_gemm,gemm_rs --time-limit "${TRAIN_MINUTES:-3}" ;;
+                  --op "${TRAIN_OPS:-ag_gemm,gemm_rs}" --time-limit "${TRAIN_MINUTES:-3}" ;;
     merge) step merge 120 bash -c "cp $BASE_DB $W/merged.db && python3 -m autofuse merge $W/merged.db $DB"
            DB=$W/merged.db ;;
     fit) for m in graph eager; do

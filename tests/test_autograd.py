@@ -13,8 +13,8 @@ CPU ranks (gloo, shm heap, Triton's interpreter), float32, tiny shapes:
   backward graphs (a graph break fails fullgraph); torch.export keeps each call as one node;
 - flash_decode refuses inputs that require grad, every op FP8 inputs that do; fake tensors trace the public ops to their custom
   ops with no first-call agreement, and an op without one raises TraceMiss naming it;
-- ag_gemm's kept gathered A comes from the bsp and heap_mm runners' buffers (no second all-gather)
-  and is gathered again after a fused kernel.
+- ag_gemm's kept gathered A comes from the bsp and heap_mm runners' buffers and from the push kernels'
+  workspace (no second all-gather), and is gathered again after pull.
 GPU (marker gpu; gpu_world() ranks, which AUTOFUSE_RANKS_PER_GPU lets share one GPU): every available
 variant's gradients in bf16 at GPU sizes; torch.compile with inductor and mode="reduce-overhead"
 (three steps: warm-up, record, replay) of the MLP, and inductor of the example layer, equal to eager.
@@ -331,26 +331,47 @@ def _no_agreement_while_tracing(world) -> dict:
     return {"shape": shape, "agreements": dispatch.stats.agreements - before, "miss": miss}
 
 
-def _gathered_sources(world) -> dict:
-    """ag_gemm_gathered's gathered A per forward variant: taken from the runner's buffer (bsp, heap_mm: no
-    second all-gather) or gathered again (push); always the exact all_gather(A) (rows and k forms)."""
-    from autofuse.ops import ag_gemm as ag
+def _gathered_sources(world, dims: tuple = (4, 32, 16), dtype: torch.dtype = torch.float32) -> dict:
+    """ag_gemm_gathered's gathered A per forward variant (and layout) this job can run: taken from the runner's
+    buffer (bsp, heap_mm) or from the push kernels' workspace and A (push, push_ws, both layouts): no second
+    all-gather; gathered again after pull, and after torch_symm's first call only (later ones return it).
+    Two calls each, of other As: the second reads push's other parity half. Always the exact all_gather(A)
+    (rows and k forms). dims: (M rows per rank in the rows form, K, N)."""
+    from autofuse.core.op import config_key
     from autofuse.library.groups import name_of
+    from autofuse.ops import ag_gemm as ag
 
     extra = []
     gather = ag._all_gather
     ag._all_gather = lambda a, w: extra.append(1) or gather(a, w)  # count the second gathers
     out = {}
-    for form, m in (("rows", 4 * world.size), ("k", 8)):
-        s = unsharded("ag_gemm", form, world.size, world.rank, (m, 32, 16), seed=9)
-        shards = ag._all_gather(s["a"], world).chunk(world.size)
-        full_a = torch.cat(shards, dim=0 if form == "rows" else 1)
-        for variant in ("bsp", "heap_mm", "push"):
-            before = len(extra)
-            _, gathered = torch.ops.autofuse.ag_gemm_gathered(s["a"], s["b"], name_of(world), variant=variant)
-            out[f"{form} {variant}"] = (len(extra) - before, bool(torch.equal(gathered, full_a)))
+    rows, k, n = dims
+    for form, m in (("rows", rows * world.size), ("k", 2 * rows)):
+        s = unsharded("ag_gemm", form, world.size, world.rank, (m, k, n), seed=9, dtype=dtype,
+                      device=str(world.device))
+        problem = ag.problem_of(world, s["a"], s["b"])
+        cases = [(v, None, None) for v in ("bsp", "heap_mm", "torch_symm") if ag.OP.variant(v).available(world)
+                 and ag.OP.variant(v).check(problem, {}) is None]
+        for v in ("push", "push_ws", "pull"):
+            layouts = {c["LAYOUT"]: c for c in ag.OP.variant(v).defaults(problem)}
+            cases += [(v, layout, config_key(c)) for layout, c in sorted(layouts.items())]
+        for variant, layout, config in cases:
+            before, same = len(extra), []
+            for scale in (1.0, -2.0):
+                a = s["a"] * scale
+                full_a = torch.cat(gather(a, world).chunk(world.size), dim=0 if form == "rows" else 1)
+                _, gathered = torch.ops.autofuse.ag_gemm_gathered(a, s["b"], name_of(world), variant=variant,
+                                                                  config=config)
+                same.append(bool(torch.equal(gathered, full_a)))
+            out[f"{form} {variant}" + (f" {layout}" if layout else "")] = (len(extra) - before, all(same))
     ag._all_gather = gather
     return out
+
+
+def gathered_expected(results: dict) -> dict:
+    """What `_gathered_sources` must find for the variants it ran: second all-gathers only after pull (each
+    call) and torch_symm (its first), and always the exact gathered A."""
+    return {case: (2 if " pull " in f"{case} " else 1 if "torch_symm" in case else 0, True) for case in results}
 
 
 def _train_compile_export(world) -> dict:
@@ -399,8 +420,11 @@ def test_training_compile_export_w2():
         fwd, bwd = layer["nodes"]  # qkv, o_proj, gate_up, down; backward in reverse
         assert fwd == ["autofuse.ag_gemm_gathered.default", "autofuse.gemm_rs.default"] * 2, fwd
         assert sorted(bwd) == sorted(fwd), bwd
-        assert r["gathered"] == {f"{f} {v}": (int(v == "push"), True) for f in ("rows", "k")
-                                 for v in ("bsp", "heap_mm", "push")}, r["gathered"]
+        ran = {f"{f} {v}" for f in ("rows", "k") for v in ("bsp", "heap_mm")}
+        ran |= {f"{f} {v} {layout}" for f in ("rows", "k") for v in ("push", "push_ws") for layout in ("gathered", "shard")}
+        ran |= {f"{f} pull shard" for f in ("rows", "k")}
+        assert set(r["gathered"]) == ran, sorted(r["gathered"])
+        assert r["gathered"] == gathered_expected(r["gathered"]), r["gathered"]
         fake = r["fake"]
         assert fake["shape"] == (8, 16) and fake["agreements"] == 0, fake
         assert "autofuse.toy_mm ((4, 32) torch.float32, (32, 16) torch.float32) was called while a trace runs" in \
@@ -481,6 +505,15 @@ def _gpu_grads(world) -> list:
 def test_gpu_gradients_every_variant():
     """GPU: gradients of every available variant of every GEMM op and form, bf16, against float64."""
     _check(spawn(_gpu_grads, harness.gpu_world(), device_kind="cuda", timeout_s=540), GPU_TOL)
+
+
+@harness.gpu(2)
+def test_gpu_gathered_a_without_a_second_all_gather():
+    """GPU: the A that ag_gemm_gathered keeps, bf16, per variant (torch_symm's return_A included): exact, and
+    gathered a second time only where the variant cannot give it."""
+    for r in spawn(_gathered_sources, harness.gpu_world(), GPU_DIMS, torch.bfloat16, device_kind="cuda",
+                   timeout_s=300):
+        assert r == gathered_expected(r) and any("torch_symm" in c for c in r) == (not harness.ranks_share_gpus()), r
 
 
 @harness.gpu(2)

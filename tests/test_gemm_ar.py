@@ -179,6 +179,9 @@ def test_sweeps_defaults_and_features():
     assert {v.family for v in OP.variants.values()} == {"bsp", "peer", "hybrid", "fused"}
     for name in ("torch_symm_one_shot", "torch_symm_two_shot"):  # torch's symmetric memory: CUDA only
         assert OP.variant(name).available(fake_world()) is False and OP.variant(name).family == "peer"
+        for dtype, refused in (("float16", True), ("bfloat16", False), ("float32", False)):  # torch has no fp16 kernel
+            why = OP.variant(name).check(Problem.make("gemm_ar", dtype, 2, M=8, N=8192, K=8192), {})
+            assert (why is not None and "float16" in why) == refused, (name, dtype, why)
 
 
 # -- sm_90 -----------------------------------------------------------------------------------------------

@@ -509,6 +509,7 @@ class FusedRunner(Runner):
                        flags=flag_units(problem, config) + w)
         super().__init__(world, problem, inputs, out, workspaces=(ws,))
         self.ws, self.kernel, self.tma = ws, kernels.ag_gemm_kernel, cfg.TMA
+        self.pull, self.stacked = pull, layout == "shard" or problem["gather"] == "rows"
         self.data, self.data_half = ws.data_view(dt)
         self.scales = ws.data_view(torch.float32, scales_at)[0] if row_scales else self.data  # any pointer otherwise
         if layout == "gathered" and problem["gather"] == "rows":
@@ -534,6 +535,28 @@ class FusedRunner(Runner):
         self.meta = dict(cfg.fused_kwargs(), FLAG=FLAGS[config["FLAG"]], GATHER_K=problem["gather"] == "k",
                          GATHERED=layout == "gathered", PULL=pull, PERSISTENT=persistent,
                          B_T=problem.dtype == FP8, SCALE=gemm.SCALINGS[problem.get("scaling", "none")])
+
+    def gathered_copy(self, a: torch.Tensor) -> torch.Tensor:
+        """push, push_ws: a fresh M x K copy of the A this runner's last call multiplied, from my own
+        workspace (no peer is read): the peers' shards in the parity half of that call's epoch (chosen on
+        the device from the epoch counter: no host sync, graph-capturable) and my shard from `a` (the
+        shard layout never copies it there). Valid until my next call: only that lets a peer reach the
+        epoch that writes this half again."""
+        if self.pull:
+            raise InvalidInput(f"{NAME}: pull leaves the peers' shards in their heaps; gather A instead")
+        (r, c), w = a.shape, self.problem.world
+        halves = self.data[:2 * self.data_half].view(2, self.data_half)[:, :w * r * c]
+        g = halves.index_select(0, (self.ws.counter[:1] % 2).long())
+        rank = self.world.rank
+        if not self.stacked:  # the gathered k layout: R x W*C, shard s at columns s*C
+            g = g.view(r, w, c)
+            g[:, rank] = a
+            return g.view(r, w * c)
+        g = g.view(w, r, c)  # slot s: shard s, R x C
+        g[rank] = a
+        if self.problem["gather"] == "rows":
+            return g.view(w * r, c)
+        return g.transpose(0, 1).reshape(r, w * c)
 
     def launch(self, a: torch.Tensor, b: torch.Tensor, *scales: torch.Tensor, out: torch.Tensor) -> None:
         if self.meta["B_T"] and b.stride(0) != 1:
@@ -591,15 +614,21 @@ class SymmRunner(Runner):
         super().__init__(world, problem, inputs, out)
         self.group_name = torch_symm_group(world)
         self.gather_dim = 0 if problem["gather"] == "rows" else 1
+        # Once a caller has asked for the gathered A (`_gathered`: training keeps it for B's gradient), later
+        # calls have torch return it (return_A: a local copy of each shard as it lands, instead of a second
+        # all-gather); calls before that, and the tuner's, time the op without it.
+        self.keep_a = False
+        self.kept_a: torch.Tensor | None = None
 
     def launch(self, a: torch.Tensor, b: torch.Tensor, *scales: torch.Tensor, out: torch.Tensor) -> None:
         if scales:
             _, outs = torch.ops.symm_mem.fused_all_gather_scaled_matmul(
                 a, [b], scales[0], [scales[1]], self.gather_dim, self.group_name, biases=[None],
                 result_scales=[None], out_dtypes=[out.dtype], use_fast_accum=[True])
+            self.kept_a = None
         else:
-            _, outs = torch.ops.symm_mem.fused_all_gather_matmul(a, [b], self.gather_dim, self.group_name,
-                                                                 return_A=False)
+            self.kept_a, outs = torch.ops.symm_mem.fused_all_gather_matmul(
+                a, [b], self.gather_dim, self.group_name, return_A=self.keep_a)
         out.copy_(outs[0])
 
 
@@ -755,11 +784,18 @@ def _all_gather(a: torch.Tensor, world: World) -> torch.Tensor:
 
 def _gathered(runner: Runner, inputs: tuple) -> torch.Tensor:
     """A fresh M x K tensor holding the A the runner's last call multiplied: from its buffer where it holds
-    it whole (bsp, heap_mm, heap_mm_overlap), else (the fused kernels, whose tiles never sit whole in one
-    buffer, and torch_symm) gathered once more (concat_cols(A) in the k form)."""
+    it whole (bsp, heap_mm, heap_mm_overlap), from its workspace and `a` (push, push_ws: a local copy), else
+    (pull, whose peers' shards stay in their heaps, and torch_symm's first such call: its later calls return
+    the A, `SymmRunner.keep_a`) gathered once more (concat_cols(A) in the k form)."""
     a, b = inputs[:2]
     if isinstance(runner, (BspRunner, _AGRunner)):
         return runner.gathered_input().clone()
+    if isinstance(runner, FusedRunner) and not runner.pull:
+        return runner.gathered_copy(a)
+    if isinstance(runner, SymmRunner):
+        kept, runner.kept_a, runner.keep_a = runner.kept_a, None, True
+        if kept is not None:
+            return kept.contiguous()
     shards = _all_gather(a, runner.world)
     if gather_form(a, b) == "rows":
         return shards

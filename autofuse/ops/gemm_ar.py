@@ -34,7 +34,6 @@ import torch.distributed as dist
 
 from autofuse.core import gemm
 from autofuse.core.custom import Backward, CustomOp
-from autofuse.ops import hybrid
 from autofuse.comm import collectives
 from autofuse.comm.heap import torch_symm_group, torch_symm_unavailable
 from autofuse.core.op import Config, Op, Problem, Variant
@@ -120,6 +119,17 @@ class TorchSymmOneShot(Variant):
 
     def unavailable(self, world: World) -> str | None:
         return torch_symm_unavailable(world, self.torch_op)
+
+    def check(self, problem: Problem, config: Config) -> str | None:
+        """torch's symmetric-memory all-reduce kernels take bfloat16 and float32, not float16 (they raise
+        NotImplementedError for 'Half': refused here, before a build or a policy can pick them)."""
+        if problem.out_dtype == torch.float16:
+            return f"{self.name}: torch's symmetric-memory all-reduce has no float16 kernel"
+        return super().check(problem, config)
+
+    def defaults(self, problem: Problem) -> list[Config]:
+        """No config to measure where `check` refuses the problem (float16), else the empty one."""
+        return [] if self.check(problem, {}) else [{}]
 
     def runner(self, world: World, problem: Problem, config: Config) -> Runner:
         return SymmAllReduceRunner(world, problem, torch_symm_group(world), self.algo)
