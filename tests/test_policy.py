@@ -561,3 +561,26 @@ def test_user_models_dir(monkeypatch, tmp_path):
     assert settings.user_models_dir() == tmp_path / "autofuse" / "models"
     monkeypatch.setenv("XDG_DATA_HOME", "relative/dir")  # the XDG spec: relative paths are ignored
     assert settings.user_models_dir() == Path.home() / ".local" / "share" / "autofuse" / "models"
+
+
+def test_a_picked_variant_that_cannot_run_the_problem_gives_way_to_the_next(clean, monkeypatch):
+    """The model's pick has no config accepting the problem (as torch's all-reduce refuses float16): the
+    next variant by predicted gain is chosen (and confirmed on first use), not BSP by default."""
+    data = copy.deepcopy(clean["tree"])
+    op = _op(data)
+    model = op["model"]
+    op["variants"] = sorted(set(op["variants"]) | {"gpu_only"})
+    if "gpu_only" not in model["classes"]:
+        model["classes"].append("gpu_only")
+    tree = model["tree"]
+    for node, left in enumerate(tree["left"]):
+        if left == -1:
+            tree["label"][node] = model["classes"].index("gpu_only")
+            model["leaf_gain"][node] = {"bsp": 0.0, "fused": 1.0, "gpu_only": 2.0}
+    op["margin"] = 0.01
+    d = Policy(data).decide(_toy(4096), TOY)
+    assert d.variant == "gpu_only", d  # runnable: the model's pick stands
+    monkeypatch.setattr(type(TOY.variant("gpu_only")), "check", lambda self, problem, config: "cannot run it")
+    d = Policy(data).decide(_toy(4096), TOY)
+    assert d.variant == "fused" and d.basis == "policy", d
+    assert Policy(data).needs_confirmation(_toy(4096), d)

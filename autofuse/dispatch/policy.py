@@ -256,6 +256,9 @@ class Policy:
             why = self.stale_ops.get(problem.op) or f"policy {self.path} has no model for {problem.op}"
             return self._bsp(problem, op, f"fallback: {why}", "fallback")
         allowed = set(data["variants"]) if allowed is None else allowed & set(data["variants"]) | {BSP}
+        # Variants with no config that accepts the problem (torch's all-reduce on float16, say) are not
+        # candidates: the next best runnable one is, rather than BSP by default.
+        allowed = {v for v in allowed if v == BSP or self.config_for(problem, v, op)[0] is not None}
         tuned = data["problems"].get(problem.key)
         if tuned and BSP in tuned["us"]:
             return self._measured(problem, op, tuned["us"], allowed)
