@@ -431,6 +431,14 @@ def test_training_compile_export_w2():
             fake["miss"], fake["miss"]
 
 
+def test_kept_gathered_a_w4():
+    """Four ranks: the kept A of every variant and layout (three peers' slots in the push workspace, both
+    parity halves) equals all_gather(A) exactly; only pull gathers it a second time."""
+    for r in spawn(_gathered_sources, 4, timeout_s=300):
+        assert {c.split()[1] for c in r} == {"bsp", "heap_mm", "push", "push_ws", "pull"}, sorted(r)
+        assert r == gathered_expected(r), r
+
+
 # -- GPU (marker gpu): bf16 at GPU sizes, inductor and reduce-overhead ------------------------------------
 GPU_DIMS = (512, 1024, 256)  # M, K, N (ag_gemm: N per rank)
 GPU_TOL = 2e-2  # bf16 operands (the reference takes the same rounded values), float32 accumulation; the
