@@ -36,9 +36,28 @@ ROOT = TESTS.parent
 
 
 def _delay() -> None:
+    _join()
     ms = float(os.environ.get("AUTOFUSE_FAKE_DELAY_MS", "0"))
     if ms:
         time.sleep(ms / 1000)
+
+
+_JOINED = [False]
+
+
+def _join() -> None:
+    """AUTOFUSE_FAKE_JOIN='DIR:N': this rank process's first call waits (at most 120 s) until N rank processes
+    have made theirs, so that tuning workers started together also measure together however slowly each
+    one starts (on a loaded machine one worker could otherwise take every trial before the other began)."""
+    spec = os.environ.get("AUTOFUSE_FAKE_JOIN")
+    if not spec or _JOINED[0]:
+        return
+    _JOINED[0] = True
+    folder, n = spec.rsplit(":", 1)
+    Path(folder, str(os.getpid())).touch()
+    deadline = time.monotonic() + 120
+    while len(os.listdir(folder)) < int(n) and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 _SLOW_CALLS = [0]
@@ -497,8 +516,11 @@ def test_two_workers_share_one_study_on_postgres(tmp_path):
         if s.study_name.startswith("fake_sum|"):
             optuna.delete_study(study_name=s.study_name, storage=storage_url(url))
     dbs = [tmp_path / "host0.db", tmp_path / "host1.db"]
+    gate = tmp_path / "joined"  # every rank of both workers reaches its first call before any measures on
+    gate.mkdir()
     procs = [_start(_tune_cmd(db, "--op", "test_tune:FAKE_OP", "--world", "2", "--trials", "6", "--shapes", "N=96",
-                              "--storage", url), _env(AUTOFUSE_FAKE_DELAY_MS="40")) for db in dbs]
+                              "--storage", url), _env(AUTOFUSE_FAKE_DELAY_MS="40", AUTOFUSE_FAKE_JOIN=f"{gate}:4"))
+             for db in dbs]
     try:
         outs = [p.communicate(timeout=300) for p in procs]
     finally:
