@@ -70,7 +70,10 @@ DIMS = {2: (16, 32, 16), 4: (16, 32, 16)}
 ODD = [("ag_gemm", "rows", "push", "gemm_rs:push_last,ag_gemm:push", "0", (6, 32, 12)),
        ("ag_gemm", "k", "bsp", "gemm_rs:bsp,ag_gemm:pull", "0", (6, 32, 12)),
        ("gemm_rs", "", "bsp", "ag_gemm:push", "1", (6, 12, 20)),
-       ("gemm_rs", "", "push_last", "ag_gemm:push", "0", (6, 12, 20))]
+       ("gemm_rs", "", "push_last", "ag_gemm:push", "0", (6, 12, 20)),
+       # the gathered A kept from the push kernels' workspace, through the padded path
+       ("ag_gemm", "rows", "push_ws", "gemm_rs:bsp", "1", (6, 32, 12)),
+       ("ag_gemm", "k", "push", "gemm_rs:push_last", "1", (6, 32, 12))]
 
 
 def unsharded(op: str, form: str, w: int, r: int, dims: tuple[int, int, int], seed: int,
