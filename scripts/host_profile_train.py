@@ -257,7 +257,8 @@ def main() -> None:
     ap.add_argument("--world", type=int, default=None, help="ranks (default 2)")
     ap.add_argument("--variant", default=None, help="AUTOFUSE_VARIANT for the run (default *:bsp on CPU, the "
                                                      "environment's on GPUs; '' for the policy)")
-    ap.add_argument("--out", default="host_profile_train.json")
+    ap.add_argument("--out", default=os.path.join("autofuse-out", "host_profile_train.json"),
+                    help="JSON output (default: ./autofuse-out/host_profile_train.json, where the commands write)")
     a = ap.parse_args()
     kind = default_device_kind()
     cpu = kind == "cpu"
@@ -271,6 +272,7 @@ def main() -> None:
            "cpus": os.cpu_count(), **res}
     print(render(out))
     print(res["cprofile"])
+    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
     with open(a.out, "w") as f:
         json.dump(out, f, indent=1)
     print(f"wrote {a.out}")
