@@ -148,7 +148,7 @@ def main() -> int:
     ap.add_argument("--op", default="ag_gemm")
     ap.add_argument("--calls", type=int, default=200, help="calls per timed batch")
     ap.add_argument("--rounds", type=int, default=15, help="timed batches per row and side")
-    ap.add_argument("--out", type=Path, default=Path("tuning_db/bench_dispatch.json"))
+    ap.add_argument("--out", type=Path, default=Path("autofuse-out/bench_dispatch.json"))
     args = ap.parse_args()
 
     from rich.console import Console

@@ -160,7 +160,7 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--world", type=int, default=2)
     ap.add_argument("--no-confirm", action="store_true", help="dispatch on the policy's prediction alone")
-    ap.add_argument("--out", default="eval_dispatch.json")
+    ap.add_argument("--out", default=os.path.join("autofuse-out", "eval_dispatch.json"))
     ap.add_argument("--cpu", action="store_true", help="dry run of the code path on CPU ranks (tiny problems)")
     a = ap.parse_args()
     ops = [o for o in a.ops.split(",") if o]
@@ -171,6 +171,7 @@ def main() -> int:
         rows = [r for r in res["rows"] if r["op"] == o]
         if rows:
             res["summary"][o] = summarize(rows)
+    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
     with open(a.out, "w") as f:
         json.dump(res, f, indent=1)
     print(f"\nheld-out dispatch quality, {a.mode} mode, confirm on first use {'on' if res['confirm'] else 'off'}, "

@@ -305,7 +305,7 @@ def main() -> int:
     ap.add_argument("--mode", default=None, help="graph (default on GPUs) or eager (the only mode on CPU)")
     ap.add_argument("--world", type=int, default=2)
     ap.add_argument("--limit", type=int, default=0, help="at most this many problems per op (0: all)")
-    ap.add_argument("--out", default="eval_warmup.json")
+    ap.add_argument("--out", default=os.path.join("autofuse-out", "eval_warmup.json"))
     ap.add_argument("--keep", action="store_true", help="keep the temporary folders (printed) for inspection")
     ap.add_argument("--cpu", action="store_true", help="dry run of the code path on CPU ranks (tiny problems)")
     a = ap.parse_args()
@@ -331,6 +331,7 @@ def main() -> int:
 
     def save() -> None:
         res["summary"] = summarize(res)
+        os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
         with open(a.out, "w") as f:
             json.dump(res, f, indent=1)
 

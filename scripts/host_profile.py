@@ -139,7 +139,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--context", type=int, default=16384)
     ap.add_argument("--reps", type=int, default=15)
-    ap.add_argument("--out", default="host_profile.json")
+    ap.add_argument("--out", default=os.path.join("autofuse-out", "host_profile.json"))
     a = ap.parse_args()
     kind = default_device_kind()
     cpu = kind == "cpu"
@@ -147,6 +147,7 @@ def main() -> None:
             "context": a.context if not cpu else 24, "block": 4 if cpu else 64, "reps": 3 if cpu else a.reps}
     res = spawn(_rank, 2 if cpu else gpu_count(), args, device_kind=kind, timeout_s=1200)
     out = {"args": args, "device": torch.cuda.get_device_name() if not cpu else "cpu", **res[0]}
+    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
     with open(a.out, "w") as f:
         json.dump(out, f, indent=1)
     for k, v in out["profiles"].items():
