@@ -256,12 +256,13 @@ class Policy:
             why = self.stale_ops.get(problem.op) or f"policy {self.path} has no model for {problem.op}"
             return self._bsp(problem, op, f"fallback: {why}", "fallback")
         allowed = set(data["variants"]) if allowed is None else allowed & set(data["variants"]) | {BSP}
-        # Variants with no config that accepts the problem (torch's all-reduce on float16, say) are not
-        # candidates: the next best runnable one is, rather than BSP by default.
-        allowed = {v for v in allowed if v == BSP or self.config_for(problem, v, op)[0] is not None}
+        # Each variant's config, found once; one that no config accepts (torch's all-reduce on float16, say)
+        # is no candidate: the next best runnable one is, rather than BSP by default.
+        configs = {v: c for v in allowed - {BSP} if (c := self.config_for(problem, v, op))[0] is not None}
+        allowed = set(configs) | {BSP}
         tuned = data["problems"].get(problem.key)
         if tuned and BSP in tuned["us"]:
-            return self._measured(problem, op, tuned["us"], allowed)
+            return self._measured(problem, op, tuned["us"], configs)
         model = data.get("model")
         if model is None:
             return self._bsp(problem, op, f"unsure: too few tuned {problem.op} problems to fit a model", "unsure")
@@ -275,10 +276,7 @@ class Policy:
             err = f"{math.exp(margin):.3f}x" if math.isfinite(margin) else "unknown"
             return self._bsp(problem, op, f"unsure: policy ({name}) predicts {best} {math.exp(gain):.3f}x over bsp, "
                              f"within the model's error {err}: bsp", "unsure", gain)
-        config, source = self.config_for(problem, best, op)
-        if config is None:
-            return self._bsp(problem, op, f"fallback: policy ({name}) picked {best} but no tuned config of it "
-                             f"accepts {problem.key}", "fallback", gain)
+        config, source = configs[best]
         return self._choice(problem, best, config, f"policy ({name}): predicts {best} {math.exp(gain):.3f}x over bsp, above "
                         f"the model's error {math.exp(margin):.3f}x", "policy", gain, source)
 
@@ -343,8 +341,10 @@ class Policy:
                     break
         return unique
 
-    def _measured(self, problem: Problem, op: Op, us: Mapping[str, float], allowed: set[str]) -> Choice:
-        ok = {v: t for v, t in us.items() if v in allowed}
+    def _measured(self, problem: Problem, op: Op, us: Mapping[str, float],
+                  configs: Mapping[str, tuple[Config, str]]) -> Choice:
+        """The fastest of the tuned variants that can run (`configs`: each one's config and its source) or BSP."""
+        ok = {v: t for v, t in us.items() if v in configs or v == BSP}
         best = min(sorted(ok), key=lambda v: (ok[v], v != BSP))
         gain = math.log(us[BSP] / ok[best])
         if best == BSP:
@@ -352,9 +352,7 @@ class Policy:
         if gain <= math.log1p(MEASURED_MARGIN):
             return self._bsp(problem, op, f"unsure: {best} measured only {math.exp(gain):.3f}x over bsp on this "
                              f"problem (within {MEASURED_MARGIN:.0%} noise): bsp", "unsure", gain)
-        config, source = self.config_for(problem, best, op)
-        if config is None:
-            return self._bsp(problem, op, f"fallback: no config of {best} accepts this problem any more", "fallback", gain)
+        config, source = configs[best]
         return self._choice(problem, best, config, f"measured: {best} ran {math.exp(gain):.3f}x faster than bsp on this "
                         "problem when tuned", "measured", gain, source)
 
