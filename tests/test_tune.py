@@ -427,8 +427,10 @@ def test_ctrl_c_stops_after_the_trial_exits_130_and_resume_after_kill_9(tmp_path
     cmd = _tune_cmd(db, "--op", "test_tune:FAKE_OP", "--world", "2", "--trials", "5", "--shapes", "N=64")
     env = _env(AUTOFUSE_FAKE_DELAY_MS="30")
 
-    # 1. Ctrl-C, as a terminal sends it (every process of the group): a clean stop, exit 130.
-    p = _tune_until(cmd, env, db, 1, 180, "the first trial")
+    # 1. Ctrl-C, as a terminal sends it (every process of the group): a clean stop, exit 130. Slower calls
+    # here, so that the stop lands within the first trials however late the poll sees the first row, and
+    # the second run still has trials to be killed in (a run that stopped after 4 of 5 left it one).
+    p = _tune_until(cmd, _env(AUTOFUSE_FAKE_DELAY_MS="150"), db, 1, 180, "the first trial")
     out = _stop(p, signal.SIGINT, 130, timeout=120, group=True)
     assert "stopped early" in out and "interrupted" in out
     first = _tune_rows(db)
