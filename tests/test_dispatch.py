@@ -545,6 +545,13 @@ def _confirm_job(world, policies: dict, db: str) -> dict:
     # a budget smaller than one batch: one timed batch per candidate, one round, still a winner
     got = confirm.confirm(world, op, problem, (a4, b4), [("fused", {"BLOCK": 16})], "eager", budget_s=0.0)
     res["tiny_budget"] = _confirmation_fields(got)
+    # a second pass times again every candidate within `close` of the fastest (here: any), twice the batches
+    got = confirm.confirm(world, op, problem, (a4, b4), [("fused", {"BLOCK": 16})], "eager", reps=2, rounds=1,
+                          close=100.0)
+    res["again_pass"] = {**_confirmation_fields(got), "again": got.again, "again_reps": got.again_reps}
+    got = confirm.confirm(world, op, problem, (a4, b4), [("fused", {"BLOCK": 16})], "eager", reps=2, rounds=1,
+                          close=None)
+    res["no_again"] = {"again": got.again, "again_reps": got.again_reps}
     for k in ("AUTOFUSE_ONLINE", "AUTOFUSE_ONLINE_DB", "AUTOFUSE_POLICY"):
         del os.environ[k]
     dispatch.reset()
@@ -582,13 +589,28 @@ def test_confirm_on_first_use_measures_records_and_reuses(policies, tmp_path):
         assert spare["fused_builds"] == 1, spare  # fused BLOCK 32, the last of the list, is never built
         assert r["skewed"]["timed"] == ["bsp", "fused", "skewed"] and r["skewed"]["rounds"] == 2, r["skewed"]
         assert r["tiny_budget"]["reps"] == 1 and r["tiny_budget"]["rounds"] == 1, r["tiny_budget"]
-    for key in ("wrong", "skewed", "tiny_budget"):  # rank-max times: every rank saw the same and chose alike
+        ap = r["again_pass"]
+        assert sorted(ap["again"]) == ["bsp", "fused"] and ap["again_reps"] == 4 and ap["reps"] == 2, ap
+        assert "timed again (4 batches each): bsp, fused" in ap["describe"], ap
+        assert r["no_again"] == {"again": [], "again_reps": 0}, r["no_again"]
+    for key in ("wrong", "skewed", "tiny_budget", "again_pass"):  # rank-max times: every rank saw the same and chose alike
         assert results[0][key]["times"] == results[1][key]["times"], key
         assert results[0][key]["variant"] == results[1][key]["variant"], key
     skewed = dict(results[0]["skewed"]["times"])["skewed"]  # rank 1 spins 5 ms per call: a floor, not a timing
     assert skewed >= 5000, results[0]["skewed"]
     rows = results[0]["rows"]
     assert {(v, src) for v, src, ok in rows if ok} >= {("bsp", "online"), ("fused", "online")}, rows
+
+
+def test_a_second_pass_takes_the_candidates_the_first_cannot_tell_apart():
+    """Within CLOSE (5%) of the fastest, two or more: timed again; a clear winner or a lone candidate: not."""
+    from autofuse.dispatch.confirm import CLOSE, contenders
+
+    timed = [("bsp", {}, 24.0), ("heap_mm", {}, 24.1), ("push", {}, 30.0)]  # round 11's miss: a tie at first
+    assert CLOSE == 0.05 and contenders(timed) == [0, 1]
+    assert contenders([("bsp", {}, 20.0), ("one_shot", {}, 18.0)]) == []  # 10% apart: the first pass decides
+    assert contenders([("one_shot", {}, 18.0), ("bsp", {}, 18.5), ("mm_heap", {}, 18.9)]) == [0, 1, 2]
+    assert contenders(timed, close=0.5) == [0, 1, 2] and contenders([("bsp", {}, 20.0)]) == [] and contenders([]) == []
 
 
 def test_confirm_timing_plan_stays_within_budget():
