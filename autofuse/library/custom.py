@@ -40,7 +40,7 @@ from autofuse.library.groups import group_of, name_of, world_size
 
 NAMESPACE = "autofuse"
 _KW = "*, str? variant=None, str? config=None"
-DEFINED: dict[str, Any] = {}  # custom-op name -> the torch custom op (`<op>`, `<op>_<extra>`)
+DEFINED: dict[str, Any] = {}  # custom-op name -> its OpOverload (`torch.ops.autofuse.<op>.default`, `<op>_<extra>`)
 FUNCTIONS: dict[str, Callable[..., torch.Tensor]] = {}  # op name -> `function(op)`, what the library path calls
 OPS: dict[str, Op] = {}  # op name -> the Op defined (read while Dynamo traces: no registry import there)
 
@@ -70,8 +70,26 @@ def _dispatch_runner(name: str, args: tuple, group_name: str, variant: str | Non
     return out, entry.runner
 
 
+LIBRARY = torch.library.Library(NAMESPACE, "FRAGMENT")  # every op's schema, kernel, fake and autograd
+IMPLS: dict[str, Callable[..., Any]] = {}  # custom-op name -> the kernel it runs (host profiles time it alone)
+
+
+def _define(qualname: str, schema_text: str, impl: Callable, fake_impl: Callable) -> Any:
+    """`autofuse::<qualname>` with one kernel for every device (CompositeExplicitAutograd) and a fake
+    implementation: its OpOverload. Defined with `torch.library.Library` rather than
+    `torch.library.custom_op`, whose Python wrappers around the kernel (the backend and aliasing checks
+    on every call) cost a compiled training step more host time per call than the whole dispatch
+    (`scripts/host_profile_train.py`); the outputs are fresh tensors (a runner's new output, clones of
+    its buffers), never an input, which that check was for."""
+    LIBRARY.define(qualname + schema_text)
+    LIBRARY.impl(qualname, impl, "CompositeExplicitAutograd")
+    torch.library.register_fake(f"{NAMESPACE}::{qualname}", fake_impl, lib=LIBRARY)
+    IMPLS[qualname] = impl
+    return getattr(getattr(torch.ops, NAMESPACE), qualname).default
+
+
 def _register(qualname: str, op: Op, outputs: int, real: Callable, fake: Callable) -> Any:
-    """One `torch.library.custom_op` taking the op's tensors, then group_name, variant, config."""
+    """The custom op taking the op's tensors, then group_name, variant, config (`_define`)."""
     n = len(op.args)
 
     def impl(*args: Any, variant: str | None = None, config: str | None = None) -> Any:
@@ -80,9 +98,12 @@ def _register(qualname: str, op: Op, outputs: int, real: Callable, fake: Callabl
     def fake_impl(*args: Any, variant: str | None = None, config: str | None = None) -> Any:
         return fake(args[:n], args[n])
 
-    custom = torch.library.custom_op(f"{NAMESPACE}::{qualname}", impl, mutates_args=(), schema=schema(op, outputs))
-    custom.register_fake(fake_impl)
-    return custom
+    return _define(qualname, schema(op, outputs), impl, fake_impl)
+
+
+def _register_autograd(custom: Any, backward: Callable, setup: Callable) -> None:
+    """`backward` and `setup` as the custom op's autograd formula (torch.library.register_autograd)."""
+    torch.library.register_autograd(custom, backward, setup_context=setup, lib=LIBRARY)
 
 
 def _autograd(custom: Any, op: Op, decl: CustomOp, extra: str | None) -> None:
@@ -111,7 +132,7 @@ def _autograd(custom: Any, op: Op, decl: CustomOp, extra: str | None) -> None:
         grads = decl.backward.grads(kept, grad, tuple(ctx.needs_input_grad[:n]), ctx.group_name)
         return (*grads, None)
 
-    custom.register_autograd(backward, setup_context=setup)
+    _register_autograd(custom, backward, setup)
 
 
 def define(op: Op) -> None:
@@ -247,8 +268,7 @@ class Structured:
         def fake_impl(*args: Any, variant: str | None = None, config: str | None = None) -> Any:
             return self.fake(args[:n], args[n])
 
-        custom = torch.library.custom_op(f"{NAMESPACE}::{op.name}", impl, mutates_args=(), schema=self.schema())
-        custom.register_fake(fake_impl)
+        custom = _define(op.name, self.schema(), impl, fake_impl)
 
         def setup(ctx: Any, inputs: tuple, keyword_only_inputs: dict, output: Any) -> None:
             flat, group_name = inputs[:n], inputs[n]
@@ -272,7 +292,7 @@ class Structured:
             kept = {**ctx.values, **dict(zip(ctx.tensor_names, ctx.saved_tensors))}
             return (*decl.backward.grads(kept, grads, tuple(ctx.needs_input_grad[:n]), ctx.group_name), None)
 
-        custom.register_autograd(backward, setup_context=setup)
+        _register_autograd(custom, backward, setup)
         DEFINED[op.name] = custom
         FUNCTIONS[op.name], OPS[op.name] = self.function(custom), op
 
