@@ -770,3 +770,29 @@ def test_confirmation_keeps_bsp_unless_a_candidate_beats_it_by_the_margin():
     assert pick([("bsp", {}, 50.0), ("push", {}, 55.0)]) == ("bsp", {})
     assert pick([("push", {}, 55.0), ("bsp", {}, 55.0)]) == ("bsp", {})
     assert pick([("mm_heap", {}, 40.0)]) == ("mm_heap", {})  # no BSP timed: the fastest
+
+
+def test_a_later_process_decides_from_the_online_store_as_the_first_did():
+    """The online store's measurements give a later process the confirming process's decision: the same rule
+    (`pick`: BSP stays unless beaten by the margin), not the raw fastest (before: fused 1% ahead of BSP was
+    chosen there while the confirming process had kept BSP)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from autofuse.dispatch import online
+    from autofuse.dispatch.state import STATE
+
+    problem = Problem.make("toy_mm", "float32", 2, M=64, N=16, K=16)
+    world, policy = SimpleNamespace(device=torch.device("cpu")), SimpleNamespace(path="test-policy.json")
+    saved = dict(STATE.confirmed)
+    try:
+        STATE.confirmed["cpu"] = {problem.key: {"bsp": (100.0, {}), "fused": (99.0, {"BLOCK": 16})}}
+        got = online.confirmed_choice(TOY, world, problem, ["bsp", "fused"], policy)
+        assert got.variant == "bsp" and got.basis == "confirmed", got
+        STATE.confirmed["cpu"] = {problem.key: {"bsp": (100.0, {}), "fused": (90.0, {"BLOCK": 16})}}
+        got = online.confirmed_choice(TOY, world, problem, ["bsp", "fused"], policy)
+        assert got.variant == "fused" and got.config == {"BLOCK": 16}, got
+    finally:
+        STATE.confirmed.clear()
+        STATE.confirmed.update(saved)

@@ -13,6 +13,7 @@ from autofuse.core import settings
 from autofuse.core.op import Op, Problem
 from autofuse.comm.world import World
 from autofuse.dispatch.choice import Choice
+from autofuse.dispatch.confirm import pick
 from autofuse.dispatch.state import STATE, warn_once
 
 
@@ -32,7 +33,7 @@ def confirmed_choice(op: Op, world: World, problem: Problem, available: list[str
     ok = {v: m for v, m in measured.items() if v in available and op.variant(v).check(problem, m[1]) is None}
     if "bsp" not in ok:
         return None
-    best = min(sorted(ok), key=lambda v: (ok[v][0], v != "bsp"))
+    best, _ = pick([(v, c, us) for v, (us, c) in sorted(ok.items())])  # the confirming process's rule
     timed = ", ".join(f"{v} {t:.1f} us" for v, (t, _) in sorted(ok.items(), key=lambda x: x[1][0]))
     return Choice(op.name, problem, best, dict(ok[best][1]), f"confirmed: measured on this machine earlier ({timed})",
                   "confirmed", policy.path, "measured on first use")
