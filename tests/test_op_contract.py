@@ -139,3 +139,28 @@ def test_rel_error_is_the_norm_ratio_in_chunks_and_inf_on_a_non_finite_output(mo
     bad[300, 16] = float("nan")  # in the last chunk
     assert rel_error(bad, ref) == float("inf")
     assert rel_error((out, bad), (ref, ref)) == float("inf")
+
+
+def test_a_variant_without_parameters_has_no_default_where_its_check_refuses_the_problem():
+    """Variant.defaults: the empty config, or none where `check` refuses the problem with it, for every
+    config-less variant (ag_gemm's torch_symm has no FP8 kernel for the k form; gemm_ar's torch all-reduces
+    none for float16), so the tuner measures nothing there and dispatch drops the variant before its pick."""
+    from autofuse.core.op import Variant
+    from autofuse.ops import ag_gemm, gemm_ar
+
+    fp8 = "float8_e4m3fn"
+    symm = ag_gemm.OP.variant("torch_symm")
+    assert symm.defaults(Problem.make("ag_gemm", fp8, 2, M=6, N=32, K=64, gather="k", scaling="rowwise")) == []
+    assert symm.defaults(Problem.make("ag_gemm", fp8, 2, M=12, N=32, K=64, gather="rows", scaling="rowwise")) == [{}]
+    assert symm.defaults(Problem.make("ag_gemm", "bfloat16", 2, M=8, N=32, K=64, gather="k")) == [{}]
+    one_shot = gemm_ar.OP.variant("torch_symm_one_shot")
+    assert one_shot.defaults(Problem.make("gemm_ar", "float16", 2, M=4, N=64, K=64)) == []
+
+    class Picky(Variant):
+        name, family = "picky", "peer"
+
+        def check(self, problem: Problem, config: dict) -> str | None:
+            return "no kernel for float16" if problem.out_dtype == torch.float16 else super().check(problem, config)
+
+    assert Picky().defaults(Problem.make("gemm_ar", "float16", 2, M=4, N=64, K=64)) == []
+    assert Picky().defaults(Problem.make("gemm_ar", "bfloat16", 2, M=4, N=64, K=64)) == [{}]

@@ -86,7 +86,10 @@ class Variant:
         return {}
 
     def defaults(self, problem: Problem) -> list[Config]:
-        return [{}]
+        """The known-good configs to measure first: the empty one of a variant without parameters, or none
+        where `check` refuses the problem with it (a dtype or form the variant has no kernel for), so that
+        the tuner measures nothing there and dispatch never picks the variant for it."""
+        return [] if self.check(problem, {}) else [{}]
 
     def check(self, problem: Problem, config: Config) -> str | None:
         return f"{self.name} takes no config, got {config_key(config)}" if config else None
