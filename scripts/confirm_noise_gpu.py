@@ -23,15 +23,15 @@ from autofuse.core import registry
 from autofuse.core.op import Problem
 
 PROBLEMS = [  # (op, dtype, dims, candidates other than bsp): round 11's two misses
-    ("gemm_ar", "float16", dict(M=4, N=4096, K=4096), ["one_shot", "two_shot", "mm_heap"]),
-    ("ag_gemm", "float16", dict(M=96, N=3072, K=4096, gather="rows"), ["heap_mm", "push", "push_ws"]),
-    ("gemm_ar", "bfloat16", dict(M=8, N=8192, K=8192), ["one_shot", "mm_heap", "torch_symm_one_shot"]),
+    ("gemm_ar", "float16", {"M": 4, "N": 4096, "K": 4096}, ["one_shot", "two_shot", "mm_heap"]),
+    ("ag_gemm", "float16", {"M": 96, "N": 3072, "K": 4096, "gather": "rows"}, ["heap_mm", "push", "push_ws"]),
+    ("gemm_ar", "bfloat16", {"M": 8, "N": 8192, "K": 8192}, ["one_shot", "mm_heap", "torch_symm_one_shot"]),
 ]
 
 
 SMALL = [  # --cpu: the same ops and candidates at sizes the interpreter runs in seconds
-    ("gemm_ar", "float16", dict(M=4, N=32, K=64), ["one_shot", "two_shot", "mm_heap"]),
-    ("ag_gemm", "float16", dict(M=8, N=32, K=32, gather="rows"), ["heap_mm", "push", "push_ws"]),
+    ("gemm_ar", "float16", {"M": 4, "N": 32, "K": 64}, ["one_shot", "two_shot", "mm_heap"]),
+    ("ag_gemm", "float16", {"M": 8, "N": 32, "K": 32, "gather": "rows"}, ["heap_mm", "push", "push_ws"]),
 ]
 
 

@@ -32,7 +32,10 @@ def pick_holding(timed: list, incumbent: str | None) -> str:
 
 
 paths = sys.argv[1:] or [os.path.join(os.path.dirname(os.path.abspath(__file__)), "call2-eval-graph.json")]
-rows = [r for p in paths for r in json.load(open(p))["rows"] if r["basis"] == "confirmed"]
+rows = []
+for path in paths:
+    with open(path) as f:
+        rows += [r for r in json.load(f)["rows"] if r["basis"] == "confirmed"]
 scores = {"no hold": [], "hold": []}
 for r in rows:
     measured = r["reason"].split("): ", 1)[1].split(";")[0]
