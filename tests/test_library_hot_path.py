@@ -82,3 +82,63 @@ def test_cached_custom_op_call_is_one_lookup_and_one_launch(results) -> None:
         d = r["delta"]
         assert (d["hits"], d["misses"], d["agreements"], d["builds"], d["policy_loads"]) == (3 * CALLS, 0, 0, 0, 0), d
         assert r["same"] and r["entries"] == 3, r
+
+
+def _fresh_job(world) -> dict:
+    """Every registered op through its custom op (the library path, `autofuse.library.<op>`), on its first CPU
+    problem: which outputs share storage with an input."""
+    import autofuse.library as library
+    from autofuse import dispatch
+    from autofuse.core import registry
+    from autofuse.core.runner import Handle, Outputs
+    from autofuse.library import custom
+
+    def tensors(x) -> list:
+        if isinstance(x, torch.Tensor):
+            return [x]
+        if isinstance(x, Handle):
+            return list(x.tensors.values())
+        if isinstance(x, (Outputs, tuple, list)):
+            return [t for v in x for t in tensors(v)]
+        return []
+
+    import os
+
+    os.environ["AUTOFUSE_VARIANT"] = ""
+    dispatch.reset()
+    shared, seen, handles = {}, [], {}
+    with torch.no_grad():
+        for name in sorted(registry.names(), key=lambda n: bool(registry.get(n).handles)):  # partners first
+            op = registry.get(name)
+            if name not in custom.FUNCTIONS:
+                continue
+            problem = op.sweep("cpu", world.size)[0]
+            args = list(op.inputs(world, problem, 0))
+            for i, a in enumerate(op.args):  # a partner's handle: made by calling the partner first
+                if a in op.handles:
+                    args[i] = handles[op.partner]
+            outs = getattr(library, name)(*args, world.group)
+            if op.outputs and isinstance(outs, Outputs) and isinstance(outs[len(outs) - 1], Handle):
+                handles[name] = outs[len(outs) - 1]
+            ins = {t.untyped_storage().data_ptr() for t in tensors(tuple(args)) if t.numel()}
+            shared[name] = [i for i, t in enumerate(tensors(outs)) if t.numel() and t.untyped_storage().data_ptr() in ins]
+            seen.append(name)
+        problem = registry.get("ag_gemm").sweep("cpu", world.size)[0]
+        a, b = registry.get("ag_gemm").inputs(world, problem, 0)[:2]
+        outs = torch.ops.autofuse.ag_gemm_gathered.default(a, b, library.name_of(world.group))  # an extra output
+        ins = {a.untyped_storage().data_ptr(), b.untyped_storage().data_ptr()}
+        shared["ag_gemm_gathered"] = [i for i, t in enumerate(outs) if t.untyped_storage().data_ptr() in ins]
+        seen.append("ag_gemm_gathered")
+    return {"shared": shared, "seen": seen}
+
+
+def test_every_custom_ops_outputs_are_fresh_tensors() -> None:
+    """The custom ops are defined with torch.library.Library, which, unlike torch.library.custom_op, does not
+    check on every call that no output aliases an input (autograd and functionalization assume it): every
+    op's outputs, handles included, share no storage with its inputs."""
+    from autofuse.core import registry
+
+    for r in spawn(_fresh_job, 2, timeout_s=300):
+        assert set(r["seen"]) >= {"ag_gemm", "gemm_rs", "gemm_ar", "ag_gemm_gathered"}, r
+        assert all(not v for v in r["shared"].values()), r
+        assert len(r["seen"]) >= len([n for n in registry.names() if registry.get(n).custom]) - 1, r
