@@ -15,7 +15,9 @@ For each, on every rank:
 The oracle is the fastest measured candidate. Reported per op and overall: the share of calls
 within 5% of the oracle, the geomean of choice / oracle and of choice / BSP, the worst choice / BSP,
 the bases, and the first-call cost (median; with confirmation's build and timing medians). Prints a
-table and writes JSON. Usage:
+table and writes JSON (per call also each candidate's time keyed "variant config", and, where the decision was
+confirmed, what the confirmation timed, keyed alike, and which candidates its second pass took: the two
+timings side by side). Usage:
 
     python3 scripts/eval_dispatch_gpu.py --policy POLICY.json --mode graph --out eval.json
 """
@@ -112,11 +114,15 @@ def job(world, policy_path: str, ops: list[str], mode: str, reps: int, confirm: 
                 if math.isfinite(t):
                     us[v] = min(us.get(v, math.inf), t)
             conf = choice.confirmation
-            row = {"problem": problem.key, "op": name, "us": us, "pick": choice.variant, "basis": choice.basis,
+            by_config = {f"{v} {k}": t for (v, k), t in zip(keys, times) if math.isfinite(t)}
+            row = {"problem": problem.key, "op": name, "us": us, "us_by_config": by_config, "pick": choice.variant,
+                   "basis": choice.basis,
                    "config": choice.config, "reason": choice.reason, "pick_us": pick, "first_call_s": first_s,
                    "confirm_s": conf.seconds if conf else None,
                    "confirm_build_s": conf.build_seconds if conf else None,
-                   "confirm_timing_s": conf.timing_seconds if conf else None}
+                   "confirm_timing_s": conf.timing_seconds if conf else None,
+                   "confirm_us": {f"{v} {config_key(c)}": t for v, c, t in conf.timed} if conf else None,
+                   "confirm_again": list(conf.again) if conf else None}
             out.append(row)
             if world.rank == 0:
                 cost = f" (build {conf.build_seconds:.2f} s, timing {conf.timing_seconds * 1e3:.0f} ms)" if conf else ""

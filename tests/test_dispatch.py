@@ -715,6 +715,8 @@ def test_eval_dispatch_script_times_every_candidate_in_turns(tmp_path):
     assert set(row["us"]) == {"bsp", "one_shot", "two_shot", "mm_heap"}, row["us"]
     assert all(math.isfinite(t) and t > 0 for t in row["us"].values()), row["us"]
     assert row["pick"] == "bsp" and row["pick_us"] == row["us"]["bsp"], row
+    assert {k.split()[0] for k in row["us_by_config"]} == set(row["us"]), row["us_by_config"]
+    assert row["confirm_us"] is None and row["confirm_again"] is None, row  # no policy: nothing confirmed
 
 
 def _no_policy_job(world, models_dir: str) -> list[tuple[str, str]]:
