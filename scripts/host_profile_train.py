@@ -180,7 +180,7 @@ def _measure(world: Any, r: dict, real_runners: dict[int, tuple]) -> dict:
     with torch.no_grad():
         runner_us = _host_us(world, {"runner": real}, RUNNER_CALLS)["runner"]
         stub = entry.runner = _stub(runner, real())
-    impl = custom.IMPLS[qual] if hasattr(custom, "IMPLS") else custom.DEFINED[qual]._init_fn
+    impl = custom.IMPLS[qual]
     depth = {"op": lambda: func(*args, **kwargs), "impl": lambda: impl(*args, **kwargs),
              "entry": entry_of(name, tensors, group, variant, text), "stub": lambda: stub(*tensors)}
     with torch.no_grad():

@@ -86,7 +86,9 @@ def test_cached_custom_op_call_is_one_lookup_and_one_launch(results) -> None:
 
 def _fresh_job(world) -> dict:
     """Every registered op through its custom op (the library path, `autofuse.library.<op>`), on its first CPU
-    problem: which outputs share storage with an input."""
+    problem, and ag_gemm's extra output: which outputs share storage with an input."""
+    import os
+
     import autofuse.library as library
     from autofuse import dispatch
     from autofuse.core import registry
@@ -102,34 +104,31 @@ def _fresh_job(world) -> dict:
             return [t for v in x for t in tensors(v)]
         return []
 
-    import os
+    def shared_with(outs, args) -> list[int]:
+        ins = {t.untyped_storage().data_ptr() for t in tensors(tuple(args)) if t.numel()}
+        return [i for i, t in enumerate(tensors(outs)) if t.numel() and t.untyped_storage().data_ptr() in ins]
 
     os.environ["AUTOFUSE_VARIANT"] = ""
     dispatch.reset()
-    shared, seen, handles = {}, [], {}
+    shared, handles = {}, {}
     with torch.no_grad():
         for name in sorted(registry.names(), key=lambda n: bool(registry.get(n).handles)):  # partners first
             op = registry.get(name)
             if name not in custom.FUNCTIONS:
                 continue
-            problem = op.sweep("cpu", world.size)[0]
-            args = list(op.inputs(world, problem, 0))
+            args = list(op.inputs(world, op.sweep("cpu", world.size)[0], 0))
             for i, a in enumerate(op.args):  # a partner's handle: made by calling the partner first
                 if a in op.handles:
                     args[i] = handles[op.partner]
             outs = getattr(library, name)(*args, world.group)
-            if op.outputs and isinstance(outs, Outputs) and isinstance(outs[len(outs) - 1], Handle):
+            if isinstance(outs, Outputs) and isinstance(outs[len(outs) - 1], Handle):
                 handles[name] = outs[len(outs) - 1]
-            ins = {t.untyped_storage().data_ptr() for t in tensors(tuple(args)) if t.numel()}
-            shared[name] = [i for i, t in enumerate(tensors(outs)) if t.numel() and t.untyped_storage().data_ptr() in ins]
-            seen.append(name)
-        problem = registry.get("ag_gemm").sweep("cpu", world.size)[0]
-        a, b = registry.get("ag_gemm").inputs(world, problem, 0)[:2]
+            shared[name] = shared_with(outs, args)
+        ag = registry.get("ag_gemm")
+        a, b = ag.inputs(world, ag.sweep("cpu", world.size)[0], 0)[:2]
         outs = torch.ops.autofuse.ag_gemm_gathered.default(a, b, library.name_of(world.group))  # an extra output
-        ins = {a.untyped_storage().data_ptr(), b.untyped_storage().data_ptr()}
-        shared["ag_gemm_gathered"] = [i for i, t in enumerate(outs) if t.untyped_storage().data_ptr() in ins]
-        seen.append("ag_gemm_gathered")
-    return {"shared": shared, "seen": seen}
+        shared["ag_gemm_gathered"] = shared_with(outs, (a, b))
+    return shared
 
 
 def test_every_custom_ops_outputs_are_fresh_tensors() -> None:
@@ -138,7 +137,7 @@ def test_every_custom_ops_outputs_are_fresh_tensors() -> None:
     op's outputs, handles included, share no storage with its inputs."""
     from autofuse.core import registry
 
-    for r in spawn(_fresh_job, 2, timeout_s=300):
-        assert set(r["seen"]) >= {"ag_gemm", "gemm_rs", "gemm_ar", "ag_gemm_gathered"}, r
-        assert all(not v for v in r["shared"].values()), r
-        assert len(r["seen"]) >= len([n for n in registry.names() if registry.get(n).custom]) - 1, r
+    declared = {n for n in registry.names() if registry.get(n).custom is not None}
+    for shared in spawn(_fresh_job, 2, timeout_s=300):
+        assert set(shared) == declared | {"ag_gemm_gathered"}, shared
+        assert all(not v for v in shared.values()), shared
