@@ -149,7 +149,7 @@ def check_space(variant: Variant, problem: Problem, config_ok: Callable[[dict], 
 def check_sweeps(op: Op, divisible: Sequence[str]) -> list[tuple[Problem, Variant, list[dict]]]:
     """Every sweep kind at 2, 4 and 8 ranks: problems of `op` whose `divisible` dims split over the
     world, every variant's defaults pass its check (fused ones not warp specialised; a peer variant that
-    refuses a problem has none), finite features.
+    refuses a problem has none, and gemm_ar's mm_ll none above its message size), finite features.
     Returns (problem, fused variant, its defaults) for the op's own checks."""
     fused = []
     for kind in ("cpu", "gpu", "llama70b", "models", "default"):
@@ -159,7 +159,9 @@ def check_sweeps(op: Op, divisible: Sequence[str]) -> list[tuple[Problem, Varian
             for p in problems:
                 for name, v in op.variants.items():
                     configs = v.defaults(p)
-                    refused = v.family == "peer" and v.check(p, {}) is not None  # e.g. torch's fp16 all-reduce
+                    why = v.check(p, {}) or ""
+                    refused = ((v.family == "peer" and bool(why))  # e.g. torch's fp16 all-reduce
+                               or (name == "mm_ll" and "more than the low-latency" in why))  # small messages only
                     assert (configs or refused) and all(v.check(p, c) is None for c in configs), (name, p)
                     if v.family == "fused":
                         assert not any(c["WARP_SPEC"] for c in configs)

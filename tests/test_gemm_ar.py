@@ -25,7 +25,7 @@ from conftest import CTX, VERSIONS, assert_spills_within, compile_table, needs_t
 
 OP = gemm_ar.OP
 FUSED = ("one_shot", "two_shot")
-SAME_BITS = ("mm_heap", *FUSED)  # these sum in rank order: bitwise identical results on every rank
+SAME_BITS = ("mm_heap", "mm_ll", *FUSED)  # these sum in rank order: bitwise identical results on every rank
 
 _defaults = partial(default_cases, OP)  # (variant, dims, dtype, pick: the first `pick` defaults, world)
 
@@ -44,6 +44,7 @@ CPU_CASES = [
     ("two_shot", ODD, "float32", tiny(BLOCK_M=32, GROUP_M=1, BLOCK_K=32, PARTIAL="fp32")),
     ("two_shot", FEW, "float32", tiny(BLOCK_N=32, PARTIAL="fp32", SWAP_AB=True)),
     *_defaults("mm_heap", ODD, "bfloat16"), *_defaults("mm_heap", FEW, "float32", pick=1),
+    *_defaults("mm_ll", ODD, "float16", pick=1), *_defaults("mm_ll", FEW, "float32", pick=1),
 ]
 FOUR = {"M": 5, "N": 24, "K": 64}
 CPU4_CASES = [
@@ -51,6 +52,7 @@ CPU4_CASES = [
     ("one_shot", FOUR, "bfloat16", tiny(PARTIAL="out")),
     ("two_shot", FOUR, "float16", tiny(PARTIAL="out")),
     *_defaults("mm_heap", FOUR, "bfloat16", world=4),
+    *_defaults("mm_ll", FOUR, "bfloat16", pick=1, world=4),
 ]
 
 # GPU sizes: decode batches on Llama-3-70B's o_proj and down, the sweep's N=8192, K=14336, and
@@ -66,6 +68,8 @@ GPU_CASES = [
     ("torch_symm_two_shot", {"M": 77, **QWEN}, "bfloat16", {}),
     *_defaults("mm_heap", {"M": 8, **O_PROJ}, pick=4), *_defaults("mm_heap", {"M": 256, **GPU_SWEEP}),
     *_defaults("mm_heap", {"M": 77, **QWEN}, "float16", pick=1),
+    *_defaults("mm_ll", {"M": 1, **O_PROJ}, pick=3), *_defaults("mm_ll", {"M": 256, **GPU_SWEEP}, pick=1),
+    *_defaults("mm_ll", {"M": 77, **QWEN}, "float16", pick=1), *_defaults("mm_ll", {"M": 9, **O_PROJ}, "float32", pick=1),
     *_defaults("one_shot", {"M": 1, **O_PROJ}), *_defaults("one_shot", {"M": 32, **DOWN}),
     *_defaults("one_shot", {"M": 256, **GPU_SWEEP}), *_defaults("two_shot", {"M": 128, **GPU_SWEEP}),
     *_defaults("one_shot", {"M": 1000, **GPU_SWEEP}, pick=1), *_defaults("two_shot", {"M": 2048, **O_PROJ}, pick=1),
@@ -81,7 +85,8 @@ GPU_CASES = [
 SMALL_FAULT, LARGE_FAULT = {"M": 16, "N": 16, "K": 32}, {"M": 64, "N": 128, "K": 32}  # 1 and 8 tiles (32x32)
 FAULT_PLAN = fault_plan(SMALL_FAULT, "float32", (("one_shot", tiny(PARTIAL="fp32")), ("two_shot", tiny(PARTIAL="out"))))
 FAULT_PLAN.append(("one_shot", LARGE_FAULT, "float32", tiny(BLOCK_M=32, BLOCK_N=32, PARTIAL="fp32"), "dead_peer"))
-FAULT_PLAN4 = [("two_shot", SMALL_FAULT, "bfloat16", tiny(PARTIAL="out"), "dead_peer")]
+FAULT_PLAN4 = [("two_shot", SMALL_FAULT, "bfloat16", tiny(PARTIAL="out"), "dead_peer"),
+               ("mm_ll", SMALL_FAULT, "bfloat16", {"COMM_SMS": 2, "BLOCK": 256, "num_warps": 4}, "dead_peer")]
 
 
 @pytest.fixture(scope="module")
@@ -95,10 +100,11 @@ def test_two_ranks_every_variant_dtype_and_odd_shapes_bitwise_equal_across_ranks
 
 
 def test_four_ranks_and_a_dead_peer():
-    results, (seen,) = cases_and_faults(4, OP, CPU4_CASES, 1, FAULT_PLAN4, timeout_s=900)
+    results, scenarios = cases_and_faults(4, OP, CPU4_CASES, 1, FAULT_PLAN4, timeout_s=900)
     harness.assert_ok(results, same_bits=SAME_BITS)
-    harness.check_fault_run(seen)
-    assert all(r["seen"][1][0] != "returned" for r in seen[:-1]), seen
+    for seen in scenarios:
+        harness.check_fault_run(seen)
+        assert all(r["seen"][1][0] != "returned" for r in seen[:-1]), seen
 
 
 @harness.gpu()

@@ -120,9 +120,13 @@ CASES = {
         ("mm_heap", _mk(5, 40, 32), BF, {"ENGINE": "sm", "ALGO": "one_shot", **SMALL}),
         ("mm_heap", _mk(5, 40, 32), HALF, {"ENGINE": "sm", "ALGO": "two_shot", **SMALL}),
         ("mm_heap", _mk(4, 24, 32), F32, {"ENGINE": "ce", "ALGO": "one_shot", "COMM_SMS": 1}),
+        ("mm_ll", _mk(5, 40, 32), BF, {"COMM_SMS": 2, "BLOCK": 256, "num_warps": 4}),
+        ("mm_ll", _mk(3, 24, 32), HALF, {"COMM_SMS": 4, "BLOCK": 256, "num_warps": 4}),
+        ("mm_ll", _mk(3, 24, 32), F32, {}),
     ],
 }
-FOUR_RANKS = {"ag_gemm": [0, 3, 4, 6], "gemm_rs": [0, 3], "gemm_ar": [1]}
+FOUR_RANKS = {"ag_gemm": [0, 3, 4, 6], "gemm_rs": [0, 3], "gemm_ar": [1, 3]}
+SAME_BITS = ("mm_heap", "mm_ll")  # gemm_ar's heap all-reduces sum in rank order: bitwise equal on every rank
 
 
 def _cpu_job(world, picks):
@@ -131,7 +135,7 @@ def _cpu_job(world, picks):
 
 def _assert_all(results):
     for op in results[0]:
-        harness.assert_ok([r[op] for r in results], same_bits=("mm_heap",) if op == "gemm_ar" else ())
+        harness.assert_ok([r[op] for r in results], same_bits=SAME_BITS if op == "gemm_ar" else ())
 
 
 def test_two_ranks_every_hybrid():
@@ -156,6 +160,8 @@ FAULTS = [
     ("gemm_rs", "mm_heap_overlap", _mk(8, 40, 32), BF, {"ENGINE": "sm", **SMALL, **OVER},
      ("late_peer", "skipped_call")),
     ("gemm_ar", "mm_heap", _mk(4, 40, 32), BF, {"ENGINE": "sm", "ALGO": "two_shot", **SMALL}, ("skipped_call",)),
+    ("gemm_ar", "mm_ll", _mk(4, 40, 32), BF, {"COMM_SMS": 2, "BLOCK": 256, "num_warps": 4},
+     ("late_peer", "skipped_call", "dead_peer")),
 ]
 
 
@@ -268,7 +274,11 @@ def test_defaults_and_sampled_configs_pass_checks():
     for problem in PROBLEMS:
         for variant in hybrids(problem.op):
             defs = variant.defaults(problem)
-            assert defs, (variant, problem)
+            too_big = variant.name == "mm_ll" and problem["M"] * problem["N"] * 2 > 4 << 20
+            assert bool(defs) != too_big, (variant, problem)  # mm_ll: small messages only
+            if too_big:
+                assert "more than the low-latency" in variant.check(problem, {})
+                continue
             for cfg in defs:
                 assert variant.check(problem, cfg) is None, (variant, problem.key, cfg, variant.check(problem, cfg))
             for seed in range(20):
@@ -303,7 +313,7 @@ def test_variants_serve_only_their_op():
     assert "serves ag_gemm" in ag_gemm.HeapMM().check(problem, {})
     assert [v.name for v in hybrids("ag_gemm")] == ["heap_mm", "heap_mm_overlap"]
     assert [v.name for v in hybrids("gemm_rs")] == ["mm_heap", "mm_heap_overlap"]
-    assert [v.name for v in hybrids("gemm_ar")] == ["mm_heap"]
+    assert [v.name for v in hybrids("gemm_ar")] == ["mm_heap", "mm_ll"]
     assert [v.name for v in hybrids("flash_decode")] == ["split_heap"]  # its own kind: partials, not a GEMM
 
 

@@ -51,7 +51,8 @@ ANSI = re.compile(r"\x1b\[[0-9;]*m")  # terminal attributes nvidia-smi writes ev
 MATCHES = {"machine": "this machine", "kind": "hardware kind (other host)"}  # hardware_match's layers
 # Modules that count towards an op's digest when the op module imports them (directly or not).
 DIGEST_PACKAGES = ("autofuse.kernels", "autofuse.ops")
-DIGEST_MODULES = ("autofuse.core.gemm", "autofuse.core.runner", "autofuse.comm.workspace", "autofuse.comm.collectives")
+DIGEST_MODULES = ("autofuse.core.gemm", "autofuse.core.runner", "autofuse.comm.workspace", "autofuse.comm.collectives",
+                  "autofuse.comm.lowlatency")
 ALWAYS = ("autofuse.kernels.shmem",)  # the device API every fused kernel stands on
 
 
