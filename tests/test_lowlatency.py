@@ -190,3 +190,26 @@ def test_gpu_mm_ll_faults():
 
     check_faults_on_gpus(gemm_ar.OP, fault_plan({"M": 8, "N": 8192, "K": 8192}, "bfloat16",
                                                 (("mm_ll", {"COMM_SMS": 8, "BLOCK": 1024}),)))
+
+
+def _misaligned_out(world):
+    """gemm_ar mm_ll into an `out=` 2 bytes off a 4-byte boundary (a bfloat16 slice of a larger buffer)."""
+    from autofuse.core.op import Problem
+    from autofuse.ops import gemm_ar
+
+    problem = Problem.make("gemm_ar", "bfloat16", world.size, M=3, N=40, K=32)
+    runner = gemm_ar.OP.variant("mm_ll").build(world, problem, {"COMM_SMS": 2, "BLOCK": 256})
+    errors = []
+    for seed in (0, 1, 2):
+        a, b = gemm_ar.OP.inputs(world, problem, seed)
+        buf = torch.full((3 * 40 + 1,), float("nan"), dtype=torch.bfloat16)
+        out = buf[1:].view(3, 40)
+        runner(a, b, out=out)
+        ref = gemm_ar.OP.reference(world, problem, seed)
+        errors.append(float((out.double() - ref).abs().max() / ref.abs().max()))
+    return errors
+
+
+def test_mm_ll_writes_an_out_that_is_not_4_byte_aligned():
+    for errors in spawn(_misaligned_out, 2, device_kind="cpu", timeout_s=300):
+        assert max(errors) < 2 ** -6, errors

@@ -216,16 +216,25 @@ class MMHeapAR(rp.RowParallelHybrid):
 
 
 class _LLRunner(Runner):
-    """mm_ll of gemm_ar: torch.matmul into out, then the low-latency all-reduce in place."""
+    """mm_ll of gemm_ar: torch.matmul into out, then the low-latency all-reduce in place (through a fixed
+    scratch buffer where the caller's `out=` is not 4-byte aligned: the all-reduce moves 32-bit words)."""
 
     def __init__(self, world: World, problem: Problem, ar: lowlatency.AllReduce):
         self.ar = ar
         specs, out = rp.io_specs(problem, problem["M"])
         super().__init__(world, problem, specs, out, workspaces=ar.workspaces)
+        self._scratch: torch.Tensor | None = None
 
     def launch(self, a: torch.Tensor, b: torch.Tensor, *scales: torch.Tensor, out: torch.Tensor) -> None:
-        gemm.vendor_mm(a, b, scales, out)
-        self.ar._call(out, out)
+        if out.data_ptr() % 4 == 0:
+            gemm.vendor_mm(a, b, scales, out)
+            self.ar._call(out, out)
+            return
+        if self._scratch is None:
+            self._scratch = torch.empty_like(out, memory_format=torch.contiguous_format)
+        gemm.vendor_mm(a, b, scales, self._scratch)
+        self.ar._call(self._scratch, self._scratch)
+        out.copy_(self._scratch)
 
 
 class MMLowLatency(Variant):
