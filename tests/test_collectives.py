@@ -554,14 +554,14 @@ def test_bench_collectives_runs_on_cpu_and_renders_at_80_columns():
     assert result["kinds"] == ["all_gather", "all_reduce"]
     impls = {(r["kind"], r["impl"]) for r in result["rows"]}
     assert impls == {("all_gather", "gloo"), ("all_gather", "inbox"), ("all_reduce", "gloo"),
-                     ("all_reduce", "one_shot"), ("all_reduce", "two_shot"), ("all_reduce", "ce")}
+                     ("all_reduce", "one_shot"), ("all_reduce", "two_shot"), ("all_reduce", "ce"), ("all_reduce", "ll")}
     assert not [r for r in result["rows"] if r["error"]], [r for r in result["rows"] if r["error"]]
     assert all(b["best"] is not None for b in result["best"])
     json.dumps(result, allow_nan=True)
     text = io.StringIO()
     bench.render(result, Console(file=text, width=80, markup=False))
     out = text.getvalue()
-    assert "CPU emulation" in out and "one_shot" in out
+    assert "CPU emulation" in out and "one_shot" in out and "ll" in out
     assert max(len(line) for line in out.splitlines()) <= 80
     assert "x gloo" not in out and "bus GB/s" not in out  # interpreter timings: never a speedup
 

@@ -4,8 +4,10 @@ For each collective (all_gather, reduce_scatter, all_reduce), each message size 
 to 64 MB, x4 steps) and each timing mode (graph: CUDA-graph replay; eager), it times the library's
 collective (NCCL on GPUs: all_gather_single, reduce_scatter_single, all_reduce; gloo on CPU) and
 every heap implementation (all_gather: push, inbox, pull, ce; reduce_scatter: sm, ce; all_reduce:
-one_shot, two_shot, ce) at a few configs (COMM_SMS chosen by size), keeping each implementation's
-best. Every config is first checked against the library's result (the gather bit for bit, the sums
+one_shot, two_shot, ce, and ll: the data-as-flag all-reduce of autofuse/comm/lowlatency.py, up to its
+size limit) at a few configs (COMM_SMS chosen by size), keeping each implementation's best. On GPUs the
+all-reduce also times the alternative users run instead, torch's symmetric-memory one-shot and two-shot
+all-reduces (`own/alt`: the fastest of them over autofuse's fastest). Every config is first checked against the library's result (the gather bit for bit, the sums
 within the dtype's rounding; all_reduce also bitwise equal on every rank); a wrong or failing config
 is reported, never timed. Latency in us (median, rank-max), algorithm bandwidth (bytes per rank / time)
 and bus bandwidth (NCCL's convention: all_gather (W-1)/W * W * bytes, reduce_scatter (W-1)/W * bytes,
@@ -26,12 +28,15 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 
+from autofuse.comm import lowlatency
+
 if TYPE_CHECKING:
     from autofuse.comm.world import World
 
 KINDS = ("all_gather", "reduce_scatter", "all_reduce")
 IMPLS = {"all_gather": ("push", "inbox", "pull", "ce"), "reduce_scatter": ("sm", "ce"),
-         "all_reduce": ("one_shot", "two_shot", "ce")}
+         "all_reduce": ("one_shot", "two_shot", "ce", "ll")}
+ALTERNATIVES = {"all_reduce": ("torch_one_shot", "torch_two_shot")}  # torch's symmetric memory (CUDA only)
 GPU_SIZES = tuple(4 << (10 + 2 * i) for i in range(8))  # 4 KB .. 64 MB per rank
 CPU_SIZES = (4 << 10, 16 << 10)
 CPU_NOTE = ("CPU emulation: the Triton interpreter and gloo on CPU ranks, not GPU timings; they show that every "
@@ -90,6 +95,10 @@ def candidates(kind: str, nbytes: int, device_type: str) -> dict[str, list[dict]
     else:
         out = {a: [dict(c, ALGO=a) for c in sm] for a in ("one_shot", "two_shot")}
         out["ce"] = [dict(ce, ALGO="one_shot")]
+        if nbytes <= lowlatency.MAX_BYTES:
+            ll_sms = (2,) if device_type != "cuda" else (8, 16, 32) if nbytes <= 64 << 10 else (16, 32, 64)
+            out["ll"] = [{"COMM_SMS": s, "BLOCK": 256 if device_type != "cuda" else 1024, "num_warps": 4}
+                         for s in ll_sms]
     return out
 
 
@@ -175,7 +184,7 @@ def collective_call(kind: str, coll: Any, x: torch.Tensor) -> Callable[[], Any]:
     buffer, the others into one preallocated output."""
     if kind == "all_gather":
         return lambda: coll(x)
-    out = torch.empty(coll.out_shape, dtype=x.dtype, device=x.device)
+    out = torch.empty(x.shape if kind == "all_reduce" else coll.out_shape, dtype=x.dtype, device=x.device)
     return lambda: coll(x, out=out)
 
 
@@ -189,11 +198,13 @@ def time_config(world: World, kind: str, x: torch.Tensor, expected: torch.Tensor
 
     failed = {mode: math.nan for mode in modes}
     rows, cols = x.shape
-    why = C.check(kind, world, rows, cols, x.dtype, config)
+    ll = kind == "all_reduce" and "ALGO" not in config and "ENGINE" not in config  # lowlatency's config
+    why = lowlatency.check(world, rows, cols, x.dtype, config) if ll else C.check(kind, world, rows, cols, x.dtype, config)
     if why:
         return failed, why
     try:
-        coll = C.build(kind, world, rows, cols, x.dtype, config, name=name)
+        coll = (lowlatency.all_reduce(world, rows, cols, x.dtype, config, name=f"{name}.ll") if ll
+                else C.build(kind, world, rows, cols, x.dtype, config, name=name))
     except Exception as exc:  # e.g. HeapFull: the same on every rank
         return failed, f"{type(exc).__name__}: {exc}"
     why = _verify(world, kind, coll, x, expected, tol)
@@ -242,6 +253,11 @@ def bench_rank(world: World, kinds: Sequence[str], sizes: Sequence[int], modes: 
             for mode in modes:
                 record(kind, nbytes, shape, mode, "nccl" if cuda else "gloo", {},
                        time_fn(world, lib, mode, reps=reps).median_us)
+            if cuda and kind in ALTERNATIVES:
+                for impl, fn in torch_all_reduces(world, x).items():
+                    if _wanted(kind, impl, variants):
+                        for mode in modes:
+                            record(kind, nbytes, shape, mode, impl, {}, time_fn(world, fn, mode, reps=reps).median_us)
             for impl, configs in candidates(kind, nbytes, world.device.type).items():
                 if not _wanted(kind, impl, variants):
                     continue
@@ -251,6 +267,22 @@ def bench_rank(world: World, kinds: Sequence[str], sizes: Sequence[int], modes: 
                         record(kind, nbytes, shape, mode, impl, config, us[mode], why)
     return {"rows": rows, "kinds": list(kinds), "sizes": list(sizes), "modes": list(modes), "world": w,
             "dtype": str(dtype).split(".")[-1]}
+
+
+def torch_all_reduces(world: World, x: torch.Tensor) -> dict[str, Callable[[], Any]]:
+    """torch's symmetric-memory one-shot and two-shot all-reduces of `x`, as users run them (x copied once
+    into a symmetric buffer; the one-shot writes a separate output, the two-shot reduces in place)."""
+    import torch.distributed._symmetric_memory as symm
+
+    from autofuse.comm.heap import torch_symm_group
+
+    group = torch_symm_group(world)
+    buf = symm.empty(tuple(x.shape), dtype=x.dtype, device=x.device)
+    symm.rendezvous(buf, group)
+    buf.copy_(x)
+    out = torch.empty_like(x)
+    return {"torch_one_shot": lambda: torch.ops.symm_mem.one_shot_all_reduce_out(buf, "sum", group, out),
+            "torch_two_shot": lambda: torch.ops.symm_mem.two_shot_all_reduce_(buf, "sum", group)}
 
 
 def config_text(config: dict) -> str:
@@ -288,7 +320,8 @@ def best_rows(rows: Sequence[dict]) -> list[dict]:
     out = []
     for (kind, nbytes, mode), rs in groups.items():
         lib = next((r for r in rs if r["impl"] in ("nccl", "gloo")), None)
-        heap = [r for r in rs if r["impl"] not in ("nccl", "gloo") and not r["error"] and r["us"] == r["us"]]
+        alts = {r["impl"]: r["us"] for r in rs if r["impl"] in ALTERNATIVES.get(kind, ()) and r["us"] == r["us"]}
+        heap = [r for r in rs if r["impl"] not in ("nccl", "gloo", *alts) and not r["error"] and r["us"] == r["us"]]
         per_impl: dict[str, dict] = {}
         for r in heap:
             if r["impl"] not in per_impl or r["us"] < per_impl[r["impl"]]["us"]:
@@ -302,6 +335,9 @@ def best_rows(rows: Sequence[dict]) -> list[dict]:
                     "best": best["impl"] if best else None, "best_us": best["us"] if best else math.nan,
                     "best_config": best["config"] if best else None,
                     "speedup": lib_us / best["us"] if best and best["us"] > 0 else math.nan,
+                    "alternative_us": alts,
+                    "own_vs_alternative": (min(alts.values()) / best["us"] if alts and best and best["us"] > 0
+                                           else math.nan),
                     "busbw_GBps": best.get("busbw_GBps", math.nan) if best else math.nan,
                     "library_busbw_GBps": lib.get("busbw_GBps", math.nan) if lib else math.nan})
     return out
@@ -330,15 +366,19 @@ def render(result: dict[str, Any], console: Any) -> None:
             rows = sorted((b for b in best if b["kind"] == kind and b["mode"] == mode), key=lambda b: b["bytes"])
             if not rows:
                 continue
+            alts = [a for a in ALTERNATIVES.get(kind, ()) if any(a in b.get("alternative_us", {}) for b in rows)]
             body = []
             for b in rows:
                 cells = [_f(b["impl_us"].get(i)) if i in b["impl_us"] else ("fail" if i in b["failed"] else "-")
                          for i in impls]
-                body.append([size_text(b["bytes"]), _f(b["library_us"]), *cells, b["best"] or "-",
-                             *([_f(b["speedup"], 2), _f(b["busbw_GBps"], 0)] if gpu else [])])
+                alt_cells = [_f(b.get("alternative_us", {}).get(a)) for a in alts]
+                body.append([size_text(b["bytes"]), _f(b["library_us"]), *alt_cells, *cells, b["best"] or "-",
+                             *([_f(b["speedup"], 2), _f(b["busbw_GBps"], 0)] if gpu else []),
+                             *([_f(b.get("own_vs_alternative"), 2)] if gpu and alts else [])])
             print_split_table(console, f"{kind}, {mode} mode, {result.get('dtype', '')}, {result['world']} ranks: us "
                               "per call (median, rank-max; best config per column)", ["size"],
-                              [lib_name, *impls, "best", *([f"x {lib_name}", "bus GB/s"] if gpu else [])], body)
+                              [lib_name, *alts, *impls, "best", *([f"x {lib_name}", "bus GB/s"] if gpu else []),
+                               *(["own/alt"] if gpu and alts else [])], body)
     failures = [r for r in result["rows"] if r.get("error")]
     for r in failures[:10]:
         console.print(f"  {r['kind']} {size_text(r['bytes'])} {r['impl']} {config_text(r['config'])}: {r['error']}",
