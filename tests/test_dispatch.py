@@ -712,7 +712,7 @@ def test_eval_dispatch_script_times_every_candidate_in_turns(tmp_path):
     rows = json.loads(out.read_text())["rows"]
     assert len(rows) == 1
     row = rows[0]
-    assert set(row["us"]) == {"bsp", "one_shot", "two_shot", "mm_heap"}, row["us"]
+    assert set(row["us"]) == {"bsp", "one_shot", "two_shot", "mm_heap", "mm_ll"}, row["us"]
     assert all(math.isfinite(t) and t > 0 for t in row["us"].values()), row["us"]
     assert row["pick"] == "bsp" and row["pick_us"] == row["us"]["bsp"], row
     assert {k.split()[0] for k in row["us_by_config"]} == set(row["us"]), row["us_by_config"]
