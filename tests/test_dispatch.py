@@ -798,3 +798,29 @@ def test_a_later_process_decides_from_the_online_store_as_the_first_did():
     finally:
         STATE.confirmed.clear()
         STATE.confirmed.update(saved)
+
+
+def test_confirmation_times_torchs_ops_beside_the_policys_candidates():
+    """Where the op has peer variants (torch's own ops, what users run instead) that can run the problem,
+    confirmation times every one of them beside the policy's k most promising candidates, so a confirmed
+    pick is never slower than them by more than the timing's noise; where none can run (float16, or not
+    available on this World), it times the k candidates alone, as before."""
+    from autofuse.dispatch.policy import Policy
+    from autofuse.ops import gemm_ar
+
+    pol = Policy(json.loads(open(os.path.join(os.path.dirname(__file__), "..", "models",
+                                              "nvidia-h200-x2-3de2364861f4a5a9-graph.json")).read()))
+    every = list(gemm_ar.OP.variants)
+    peers = {"torch_symm_one_shot", "torch_symm_two_shot"}
+    for m, k_dim in ((24, 14336), (1, 8192), (192, 8192)):
+        problem = Problem.make("gemm_ar", "bfloat16", 2, M=m, N=4096, K=k_dim)
+        cands, keep = pol.confirmation_candidates(problem, gemm_ar.OP, every, 3)
+        timed = [v for v, _ in cands[:keep]]
+        assert peers <= set(timed) and 3 <= keep <= 5, (m, timed)
+        assert timed[:3] == [v for v, _ in pol.candidates(problem, gemm_ar.OP, every, 6)[:3]]  # the policy's first
+        assert len(timed) == len(set(timed)) and "bsp" not in timed
+        without, kept = pol.confirmation_candidates(problem, gemm_ar.OP, [v for v in every if v not in peers], 3)
+        assert kept == 3 and without == pol.candidates(problem, gemm_ar.OP, [v for v in every if v not in peers], 6)
+    half = Problem.make("gemm_ar", "float16", 2, M=4, N=4096, K=4096)  # torch has no float16 all-reduce
+    cands, keep = pol.confirmation_candidates(half, gemm_ar.OP, every, 3)
+    assert keep == 3 and not peers & {v for v, _ in cands}

@@ -35,6 +35,7 @@ class Choice:
     cached: bool = False
     candidates: list = field(default_factory=list)  # (variant, config) to confirm on first use, best first: the first
     # AUTOFUSE_CONFIRM_K that build and run are timed, the rest stand in for those that fail
+    keep: int = 0  # how many of `candidates` to time (AUTOFUSE_CONFIRM_K, + 1 where torch's op was added)
     confirmation: Any = None  # the confirm.Confirmation this decision came from (its costs, timings)
     gain: float | None = None
 

@@ -56,8 +56,8 @@ def decide(op: Op, world: World, args: tuple, variant: str | None, config: Confi
     if not policy.needs_confirmation(problem, choice):
         return choice
     if settings.online(world.device.type, world.shares_gpu):
-        # twice as many as are timed: the later ones stand in for candidates that cannot run here
-        choice.candidates = policy.candidates(problem, op, available, 2 * settings.confirm_k())
+        # twice as many as are timed: the later ones stand in for candidates that cannot run here; torch's op too
+        choice.candidates, choice.keep = policy.confirmation_candidates(problem, op, available, settings.confirm_k())
     elif problem.op in policy.stale_ops:
         config, source = policy.config_for(problem, "bsp", op)
         return Choice(op.name, problem, "bsp", config or {}, f"fallback: {policy.stale_ops[problem.op]}, and "
@@ -77,7 +77,7 @@ def confirm(world: World, op: Op, choice: Choice, args: tuple) -> Choice:
     policy: Any = policy_for(world)
     bsp_config, _ = policy.config_for(choice.problem, "bsp", op)
     result = measure_candidates(world, op, choice.problem, args, choice.candidates, settings.mode(world.device.type),
-                                bsp_config=bsp_config, keep=settings.confirm_k())
+                                bsp_config=bsp_config, keep=choice.keep or settings.confirm_k())
     STATE.stats.confirmations += 1
     if world.rank == 0:
         online.record(world, choice.problem, result)

@@ -331,6 +331,25 @@ class Policy:
                     out.append((v, per_variant[v][depth]))
         return out
 
+    def confirmation_candidates(self, problem: Problem, op: Op, available: Iterable[str] | None = None,
+                                k: int = 3) -> tuple[list[tuple[str, Config]], int]:
+        """(what a confirmation on first use measures besides bsp, how many of them it times): the k most
+        promising candidates (`candidates`; twice as many listed, the later ones standing in for those
+        that cannot run), and every `peer` variant (torch's own ops: what users run instead) that can run
+        here and is not among those k, timed as well (k + their number). A confirmed pick is then never
+        slower than the alternative by more than the timing's noise."""
+        cands = self.candidates(problem, op, available, 2 * k)
+        allowed = None if available is None else set(available)
+        peers = [v for v, var in op.variants.items()
+                 if var.family == "peer" and (allowed is None or v in allowed)]
+        first = {v for v, _ in cands[:k]}
+        alts = [c for c in (self.candidates(problem, op, peers, len(peers)) if peers and cands else [])
+                if c[0] not in first]
+        if not alts:
+            return cands, k
+        added = {v for v, _ in alts}
+        return cands[:k] + alts + [c for c in cands[k:] if c[0] not in added], k + len(alts)
+
     def configs_for(self, problem: Problem, variant: str, op: Op, n: int = 1) -> list[Config]:
         """Up to `n` distinct configs of `variant` that accept `problem`, in `config_for`'s order."""
         unique: list[Config] = []
