@@ -41,6 +41,7 @@ CPU_CASES = {
         ("two_shot", {**ODD, "scaling": "rowwise"}, FP8, tiny(**FP8_TINY, PARTIAL="out", TMA=False)),
         ("two_shot", {**ODD, "scaling": "tensorwise"}, FP8, tiny(**FP8_TINY, BLOCK_N=32, PARTIAL="fp32")),
         *default_cases(gemm_ar.OP, "mm_heap", {**ODD, "scaling": "rowwise"}, FP8, pick=1),
+        *default_cases(gemm_ar.OP, "mm_ll", {**ODD, "scaling": "tensorwise"}, FP8, pick=1),
     ],
     "gemm_rs": [
         ("bsp", {**ODD, "scaling": "rowwise"}, FP8, {}),
@@ -106,7 +107,7 @@ CPU_CASES["ag_gemm"] = [
     ("push_ws", AG_KR, FP8, ag_fused("row_block", "gathered")),
 ]
 OPS = {"ag_gemm": ag_gemm.OP, "gemm_ar": gemm_ar.OP, "gemm_rs": gemm_rs.OP}
-SAME_BITS = ("one_shot", "two_shot", "mm_heap")  # gemm_ar's fused and heap all-reduce sum in rank order
+SAME_BITS = ("one_shot", "two_shot", "mm_heap", "mm_ll")  # gemm_ar's fused and heap all-reduces sum in rank order
 
 
 def _cases(world) -> dict:
