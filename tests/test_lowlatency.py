@@ -50,7 +50,7 @@ def _job(world, cases, calls):
     return out
 
 
-@pytest.mark.parametrize("ranks", [2, 4])
+@pytest.mark.parametrize("ranks", [1, 2, 4])
 def test_sums_like_the_one_shot_all_reduce_bitwise_on_every_rank(ranks):
     calls = 4  # epochs 1 (flag path), 2, 3 (after the zeroing of both halves) and 4
     results = spawn(_job, ranks, CASES, calls, device_kind="cpu", timeout_s=600)
