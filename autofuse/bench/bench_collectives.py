@@ -189,16 +189,18 @@ def collective_call(kind: str, coll: Any, x: torch.Tensor) -> Callable[[], Any]:
 
 
 def time_config(world: World, kind: str, x: torch.Tensor, expected: torch.Tensor, config: dict,
-                modes: Sequence[str], reps: int, tol: float, name: str = "bench") -> tuple[dict[str, float], str]:
+                modes: Sequence[str], reps: int, tol: float, name: str = "bench",
+                impl: str = "") -> tuple[dict[str, float], str]:
     """Check one heap config of collective `kind` on `x` against the library's `expected` result,
     then time it in each of `modes`: ({mode: median us, rank-max}, '') or ({mode: nan}, why it was
-    refused, failed or wrong). A failed config's workspaces are rebuilt. Every rank calls it alike."""
+    refused, failed or wrong). A failed config's workspaces are rebuilt. Every rank calls it alike. `impl`
+    "ll" builds the low-latency all-reduce (autofuse.comm.lowlatency) instead of a collectives one."""
     from autofuse.comm import collectives as C
     from autofuse.measure.timing import time_fn
 
     failed = {mode: math.nan for mode in modes}
     rows, cols = x.shape
-    ll = kind == "all_reduce" and "ALGO" not in config and "ENGINE" not in config  # lowlatency's config
+    ll = impl == "ll"  # autofuse.comm.lowlatency's all-reduce, its own config keys
     why = lowlatency.check(world, rows, cols, x.dtype, config) if ll else C.check(kind, world, rows, cols, x.dtype, config)
     if why:
         return failed, why
@@ -262,7 +264,8 @@ def bench_rank(world: World, kinds: Sequence[str], sizes: Sequence[int], modes: 
                 if not _wanted(kind, impl, variants):
                     continue
                 for config in configs:
-                    us, why = time_config(world, kind, x, expected, config, modes, reps, tol, name=f"bench.{kind}")
+                    us, why = time_config(world, kind, x, expected, config, modes, reps, tol, name=f"bench.{kind}",
+                                          impl=impl)
                     for mode in modes:
                         record(kind, nbytes, shape, mode, impl, config, us[mode], why)
     return {"rows": rows, "kinds": list(kinds), "sizes": list(sizes), "modes": list(modes), "world": w,
