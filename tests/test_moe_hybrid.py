@@ -291,6 +291,28 @@ def test_all_to_all_compiles_for_sm90_with_uniform_bounded_waits_and_vector_rows
         assert "atom.global.sys.release.exch.b32" in ptx and "atom.global.release.sys.cas.b32" in ptx, name
 
 
+ROWS_SIG = {"pre": "*bf16", "h": "*bf16", "ends": "*i64", "last": "i32", "fault": "*i1", "rows": "i32", "width": "i32",
+            "ACT": "constexpr", "BLOCK_R": "constexpr", "BLOCK_C": "constexpr"}
+SUM_SIG = {"back": "*bf16", "pos": "*i64", "weights": "*fp32", "out": "*bf16", "fault": "*i1", "tokens": "i32",
+           "width": "i32", "TOPK": "constexpr", "BLOCK_T": "constexpr", "BLOCK_C": "constexpr"}
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_row_epilogues_compile_for_sm90_with_vector_rows(version):
+    """The hybrids' row epilogues (kernels/moe_rows.py) compile for Hopper with 16-byte row loads and stores
+    (the launch's block sizes at F=768 and H=7168, SwiGLU and copy, top-8)."""
+    reqs = [compile_request("autofuse.kernels.moe_rows", "act_rows_kernel", ROWS_SIG,
+                            {"ACT": act, "BLOCK_R": 16, "BLOCK_C": 256}, num_warps=4, num_stages=1,
+                            divisible=["pre", "h", "width"], name=f"act{act}") for act in (0, 1)]
+    reqs.append(compile_request("autofuse.kernels.moe_rows", "weighted_sum_kernel", SUM_SIG,
+                                {"TOPK": 8, "BLOCK_T": 4, "BLOCK_C": 512}, num_warps=4, num_stages=1,
+                                divisible=["back", "out", "width"], name="weighted_sum"))
+    for name, k in compile_sm90_versions(reqs)[version].items():
+        ptx = k["ptx"]
+        assert "st.global.v4" in ptx or "st.global.v2" in ptx, name
+        assert "ld.global.v4" in ptx or "ld.global.nc.v4" in ptx or "ld.global.v2" in ptx, name
+
+
 # -- GPU (marker gpu): bfloat16, torch._grouped_mm, one CUDA graph replayed over changing routings ------------
 GPU_DIMS = dict(tokens=64, hidden=2048, ffn=768, topk=4, act="swiglu")  # Qwen3-30B-A3B's H and F, 8 experts a rank
 

@@ -99,13 +99,10 @@ class HybridRunner(Runner):
         from autofuse.kernels import moe as kernels
 
         b = handle.tensors
-        t, k, hid = self.problem["T"], self.problem["k"], self.problem["H"]
         h2 = moe_hybrid.grouped_mm(h, w2, b["counts"].sum(0).cumsum(0))
         fault = self.a2a(kernels.COMBINE.value, h2, b["sent"], inv=moe_hybrid.inverse_index(b["index"]))
         self.pos.scatter_(0, b["order"], self.slots)  # the send row of each slot
-        back = self.a2a.dst[self.pos].float().view(t, k, hid)
-        out.copy_((back * b["weights"].float().unsqueeze(2)).sum(1))
-        out.masked_fill_(fault, float("nan"))
+        moe_hybrid.weighted_rows(self.a2a.dst, self.pos, b["weights"], out, fault)
 
 
 class Hybrid(moe_hybrid.HybridVariant):

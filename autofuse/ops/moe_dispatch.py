@@ -122,7 +122,6 @@ class HybridRunner(DispatchRunner):
         self.a2a = moe_hybrid.Exchange(world, problem, config, f"{NAME}.hybrid")
         super().__init__(world, problem, self.a2a.workspaces)
         self.buffers["rows"] = self.a2a.dst
-        self.rows = torch.arange(problem["C"], device=world.device)
 
     def launch(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: torch.Tensor, out: Any) -> None:
         from autofuse.kernels import moe as kernels
@@ -132,9 +131,7 @@ class HybridRunner(DispatchRunner):
         fault = self.a2a(kernels.DISPATCH.value, x, b["sent"], ids=ids, order=b["order"], counts_out=b["counts"])
         ends = b["counts"].sum(0).cumsum(0)
         pre = moe_hybrid.grouped_mm(b["rows"], w1.reshape(self.local, p["H"], -1), ends)
-        h = out["h"]
-        h.copy_(torch.where((self.rows < ends[-1])[:, None], moe.act_forward(pre, p["act"]), 0.0))
-        h.masked_fill_(fault, float("nan"))
+        moe_hybrid.activate(pre, out["h"], ends, fault, p["act"])
         b["index"].copy_(moe_hybrid.group_index(b["counts"], p["C"]))
         b["weights"].copy_(weights)
         self.fill_handle(out)
