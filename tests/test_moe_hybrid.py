@@ -151,8 +151,8 @@ def test_first_use_confirmation_compares_outputs_beside_a_handle():
             assert timed == ["bsp", "hybrid"] and not dropped and sets > 1, (rank, name, timed, dropped, sets)
 
 
-def _late_peer(world) -> dict:
-    """Per op: 4 calls; the last rank sleeps past the wait budget before call 1. What each call did:
+def _late_peer(world, combine: str = "hybrid", combine_config: dict | None = None) -> dict:
+    """Per op (combine: the `combine` variant at `combine_config`, default hybrid at SMALL): 4 calls; the last rank sleeps past the wait budget before call 1. What each call did:
     ('returned', error) or (exception, elements of the output that are not NaN: the kernel's own
     epilogue's, before the host check, and after it, seconds it took); then autofuse.rebuild and a 5th call.
     Device-agnostic: {"tol", "seen": {op: rows}}; inputs drawn on the CPU (float32, rounded to bfloat16 on
@@ -175,7 +175,9 @@ def _late_peer(world) -> dict:
     hb, handle = hb.clone(), _copy(handle)
     cases = (("dispatch", moe_dispatch.Hybrid().build(world, p, SMALL), (x, ids, weights, w1r),
               lambda o: _err(o[0], hb)),
-             ("combine", moe_combine.Hybrid().build(world, cp, SMALL), (hb, w2r, handle), lambda o: _err(o, ref)))
+             ("combine", moe_combine.OP.variant(combine).build(world, cp, combine_config or (
+                 SMALL if combine == "hybrid" else moe_combine.OP.variant(combine).defaults(cp)[0])), (hb, w2r, handle),
+              lambda o: _err(o, ref)))
     if dev.type == "cuda":
         _warm(world, [(runner, args) for _, runner, args, _ in cases])
     seen = {}
@@ -329,15 +331,15 @@ def _gpu_routing(problem, kind: str, rank: int, seed: int) -> tuple[torch.Tensor
     return ids, weights
 
 
-def _gpu_graph(world) -> list[tuple[str, float, float]]:
-    """(case, relative error vs float64, tolerance): eager through the public API with both ops forced to
-    hybrid, then the runner pair captured once in a CUDA graph and replayed with each routing's inputs
+def _gpu_graph(world, combine: str = "hybrid") -> list[tuple[str, float, float]]:
+    """(case, relative error vs float64, tolerance): eager through the public API with dispatch forced to
+    hybrid and combine to `combine`, then the runner pair captured once in a CUDA graph and replayed with each routing's inputs
     copied in (the counts change between replays; the host never reads them)."""
     import autofuse
     from autofuse.measure.timing import capture
     from autofuse.ops import moe_combine, moe_dispatch
 
-    os.environ["AUTOFUSE_VARIANT"] = "moe_dispatch:hybrid,moe_combine:hybrid"
+    os.environ["AUTOFUSE_VARIANT"] = f"moe_dispatch:hybrid,moe_combine:{combine}"
     p = moe.make_problem(moe.DISPATCH, "bfloat16", world.size, experts=8 * world.size, **GPU_DIMS)
     tol, dev, out = moe.tolerance(p), world.device, []
     _, _, _, w1r, w2r = (t.to(dev) for t in moe.rank_inputs(p, world.rank, 0))
@@ -355,7 +357,8 @@ def _gpu_graph(world) -> list[tuple[str, float, float]]:
         out.append((f"eager {kind}", _err(autofuse.moe_combine(h, w2r, handle, group=world), ref), tol))
     cfg = moe_dispatch.OP.variant("hybrid").defaults(p)[0]
     dr = moe_dispatch.Hybrid().build(world, p, cfg)
-    cr = moe_combine.Hybrid().build(world, _combine_problem(world, p), cfg)
+    cp = _combine_problem(world, p)
+    cr = moe_combine.OP.variant(combine).build(world, cp, moe_combine.OP.variant(combine).defaults(cp)[0])
     x_s, ids_s, w_s, _ = case("uniform", 10)
     y = torch.empty(p["T"], p["H"], dtype=p.torch_dtype, device=dev)
 

@@ -700,6 +700,37 @@ def test_every_tunable_variant_builds_against_the_compile_ahead_stand_in_world()
     assert int(built) >= 40 and failed == "[]", proc.stdout[-3000:]
 
 
+def test_every_op_gets_inputs_its_runners_take_on_the_compile_ahead_stand_in_world():
+    """Compiling ahead calls each runner once on inputs made in one process: moe_combine's (the partner
+    dispatch's outputs) are made collectively, so on the stand-in they come from the runner's specs, the
+    handle from dispatch's layout; every op's must fit its runner's specs, and quickly (op.inputs waited
+    out the 120 s collective timeout there, and every combine config failed to compile ahead: round 14's
+    MoE tune on 2x H200 compiled 0 of 83 ahead)."""
+    code = ("import os\n"
+            "os.environ['AUTOFUSE_WAIT_TIMEOUT'] = '5'\n"
+            "from autofuse.tuning.compile_ahead import stand_in_world, stand_in_inputs\n"
+            "from autofuse.core import registry\n"
+            "checked, bad = 0, []\n"
+            "for name in registry.names():\n"
+            "    op = registry.get(name)\n"
+            "    p = op.sweep('cpu', 2)[0]\n"
+            "    for v, var in op.variants.items():\n"
+            "        if var.tunable and var.check(p, var.defaults(p)[0]) is None:\n"
+            "            w = stand_in_world(2, 1, 'cpu')\n"
+            "            runner = var.build(w, p, var.defaults(p)[0])\n"
+            "            args = stand_in_inputs(op, runner, w, p)\n"
+            "            errs = [s.problem_with(a, w.device) for s, a in zip(runner.in_specs, args)]\n"
+            "            if len(args) != len(runner.in_specs) or any(errs):\n"
+            "                bad.append((name, v, errs))\n"
+            "            checked += 1\n"
+            "print(checked, bad)\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
+                          env={**_env(), "TRITON_INTERPRET": "1"}, cwd=str(ROOT))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    checked, bad = proc.stdout.strip().splitlines()[-1].split(" ", 1)
+    assert int(checked) >= 15 and bad == "[]", proc.stdout[-3000:]
+
+
 def test_a_tune_whose_compile_ahead_fails_measures_everything_as_without_it(tmp_path, monkeypatch):
     """Compile-ahead workers that fail (here: every bias=1 config, and a worker killed mid-run would be
     the same) never fail a tune: every config is measured and stored as without them."""

@@ -9,9 +9,9 @@ CPU. Routing: random, k distinct experts per token; `--skew S` sends each token 
 experts with the probability that makes rank 0's expected share of the rows S percent (as the ops'
 sweeps do; 0: even).
 
-Contenders (`--variants` picks some): every variant both ops have and that runs here, forced with
-the ops' `variant=` argument (what AUTOFUSE_VARIANT does), and `autofuse` (dispatched: the policy's
-choice). Each is first checked: its output against bsp's (rank-max relative difference, norm-wise),
+Contenders (`--variants` picks some): every combine variant that runs here, forced with the ops'
+`variant=` argument (what AUTOFUSE_VARIANT does), with dispatch's variant of the same name or, where
+dispatch has none (`fused`), dispatch's `hybrid`; and `autofuse` (dispatched: the policy's choice). Each is first checked: its output against bsp's (rank-max relative difference, norm-wise),
 and on CPU against the unsharded block in float64. Then, per timing mode (eager and graph on GPUs,
 eager on CPU): the block, dispatch alone and combine alone (with a handle its dispatch made), the
 contenders in turns (`autofuse.measure.timing.time_in_turns`), median of reps, rank-max. Variants that
@@ -44,6 +44,7 @@ TOKENS = {"cuda": (1, 8, 64, 256, 1024, 4096, 8192), "cpu": (4, 16)}
 DEFAULT_SWEEP = {"cuda": "mixtral,qwen3,deepseek", "cpu": "tiny"}
 AUTOFUSE = "autofuse"
 BASELINE = "bsp"
+PAIRED_DISPATCH = "hybrid"  # dispatch's variant beside a combine variant dispatch has not (fused)
 TOLERANCE = {"cuda": 2.5e-2, "cpu": 1e-5}  # vs bsp's output (bf16 / float32, the same sums in other orders)
 CPU_REPS = 3
 
@@ -60,7 +61,7 @@ def run(options: Any) -> dict:
     if bad or not models:
         raise ValueError(f"unknown model {','.join(bad) or '(none)'}: use one or more of {', '.join(MODELS)}")
     models = [m for m in models if m == "tiny" or MODELS[m][2] % world == 0]
-    variants = [v for v in registry.get("moe_dispatch").variants if v in registry.get("moe_combine").variants]
+    variants = list(registry.get("moe_combine").variants)
     names = target_options.contenders(options.variants, [*variants, AUTOFUSE])
     skew = getattr(options, "skew", None) or 0
     if not 0 <= skew <= 100:
@@ -154,12 +155,14 @@ def _case(world: World, cfg: dict, model: str, t: int) -> dict:
     w1 = w1.to(dev, dt).reshape(local, h, 2, f).contiguous()
     w2 = w2.to(dev, dt).contiguous()
     names = cfg["contenders"]
-    forced = {n: (None if n == AUTOFUSE else n) for n in names}
+    dispatch_variants = registry.get("moe_dispatch").variants
+    forced = {n: ((None, None) if n == AUTOFUSE else (n if n in dispatch_variants else PAIRED_DISPATCH, n))
+              for n in names}  # (dispatch's variant, combine's)
 
-    def block(v: str | None) -> Callable[[], torch.Tensor]:
+    def block(v: tuple[str | None, str | None]) -> Callable[[], torch.Tensor]:
         def go() -> torch.Tensor:
-            hh, handle = autofuse.moe_dispatch(x, ids, weights, w1, group=group, variant=v)
-            return autofuse.moe_combine(hh, w2, handle, group=group, variant=v)
+            hh, handle = autofuse.moe_dispatch(x, ids, weights, w1, group=group, variant=v[0])
+            return autofuse.moe_combine(hh, w2, handle, group=group, variant=v[1])
         return go
 
     notes: list[str] = []
@@ -171,7 +174,7 @@ def _case(world: World, cfg: dict, model: str, t: int) -> dict:
             notes.append(f"{n} refused on {model} T={t}: {type(exc).__name__}: {str(exc).splitlines()[0][:120]}")
     live = [n for n in names if n in outs]
     chosen = autofuse.explain("moe_dispatch", x, ids, weights, w1, group=group).variant if AUTOFUSE in live else None
-    base = outs.get(BASELINE) if BASELINE in outs else block(BASELINE)()
+    base = outs.get(BASELINE) if BASELINE in outs else block((BASELINE, BASELINE))()
     diff = {n: world.rank_max(_rel(y, base)) for n, y in outs.items()}
     ref_diff = None
     if whole:
@@ -179,12 +182,14 @@ def _case(world: World, cfg: dict, model: str, t: int) -> dict:
         ref_diff = {n: world.rank_max(_rel(y.cpu(), want)) for n, y in outs.items()}
     tol = TOLERANCE["cuda" if cuda else "cpu"]
     ok = all(d <= tol for d in diff.values()) and all(d <= tol for d in (ref_diff or {}).values())
-    handles = {n: autofuse.moe_dispatch(x, ids, weights, w1, group=group, variant=forced[n]) for n in live}
+    handles = {n: autofuse.moe_dispatch(x, ids, weights, w1, group=group, variant=forced[n][0]) for n in live}
     steps = {n: {"block": block(forced[n]),
-                 "dispatch": (lambda v=forced[n]: autofuse.moe_dispatch(x, ids, weights, w1, group=group, variant=v)),
+                 "dispatch": (lambda v=forced[n][0]: autofuse.moe_dispatch(x, ids, weights, w1, group=group, variant=v)),
                  "combine": (lambda n=n: autofuse.moe_combine(handles[n][0], w2, handles[n][1], group=group,
-                                                              variant=forced[n]))} for n in live}
-    variant = {n: registry.get("moe_dispatch").variant(chosen if n == AUTOFUSE else n) for n in live}
+                                                              variant=forced[n][1]))} for n in live}
+    variant = {n: registry.get("moe_dispatch").variant(chosen if n == AUTOFUSE else forced[n][0]) for n in live}
+    chosen_combine = (autofuse.explain("moe_combine", handles[AUTOFUSE][0], w2, handles[AUTOFUSE][1], group=group).variant
+                      if AUTOFUSE in live else None)
     moved = remote_rows(world, ids, e) * h * x.element_size()
     warmup, reps = (3 if cuda else 1), cfg["reps"]
     rows = []
@@ -207,7 +212,8 @@ def _case(world: World, cfg: dict, model: str, t: int) -> dict:
                "moved_bytes": moved,
                "dispatch_GBps": ({n: moved / v["dispatch"] / 1e3 for n, v in us.items()} if ratios else {}),
                "combine_GBps": ({n: moved / v["combine"] / 1e3 for n, v in us.items()} if ratios else {}),
-               "diff": diff, "ref_diff": ref_diff, "ok": ok, "autofuse_variant": chosen}
+               "diff": diff, "ref_diff": ref_diff, "ok": ok, "autofuse_variant": chosen,
+               "autofuse_combine_variant": chosen_combine}
         rows.append(row)
         if world.rank == 0 and cfg["progress"]:
             print(f"{model} T={t} {mode}: " + ", ".join(f"{n} {v['block']:.1f} us" for n, v in us.items())

@@ -16,6 +16,9 @@ Variants:
   that rank's send order), then the top-k weighted sum as a gather (autofuse/ops/moe_hybrid.py): the
   host reads nothing, so the call can be captured in a CUDA graph. Takes the handle of either
   dispatch variant (they make the same one).
+- `fused`: one launch of autofuse's grouped GEMM whose epilogue stores every output row straight into
+  its token's rank's return buffer (the return all-to-all is the GEMM's own stores; kernels/moe_fused.py,
+  autofuse/ops/moe_fused.py), then the same weighted sum as hybrid. Capturable; takes either handle.
 """
 from __future__ import annotations
 
@@ -26,7 +29,7 @@ import torch
 from autofuse.core.custom import Backward, CustomOp
 from autofuse.core.op import Config, InvalidInput, Op, Problem, Variant
 from autofuse.core.runner import Handle, HandleSpec, Runner, TensorSpec
-from autofuse.ops import moe, moe_backward, moe_hybrid
+from autofuse.ops import moe, moe_backward, moe_fused, moe_hybrid
 
 if TYPE_CHECKING:
     from autofuse.comm.world import World
@@ -110,6 +113,30 @@ class Hybrid(moe_hybrid.HybridVariant):
         return HybridRunner(world, problem, config)
 
 
+class FusedRunner(Runner):
+    """The grouped GEMM storing its rows into the token ranks' return buffers (autofuse/ops/moe_fused.py),
+    then the weighted sum; NaN where the launch failed."""
+
+    def __init__(self, world: World, problem: Problem, config: Config):
+        t, k = problem["T"], problem["k"]
+        self.gemm = moe_fused.CombineGemm(world, problem, config, f"{NAME}.fused")
+        super().__init__(world, problem, in_specs(problem), TensorSpec("out", (t, problem["H"]), problem.torch_dtype),
+                         self.gemm.workspaces)
+        self.slots = torch.arange(t * k, device=world.device)
+        self.pos = torch.empty(t * k, dtype=torch.int64, device=world.device)
+
+    def launch(self, h: torch.Tensor, w2: torch.Tensor, handle: Handle, out: torch.Tensor) -> None:
+        b = handle.tensors
+        fault = self.gemm(h, w2, b["index"], b["counts"], b["sent"])
+        self.pos.scatter_(0, b["order"], self.slots)  # the send row of each slot
+        moe_hybrid.weighted_rows(self.gemm.dst, self.pos, b["weights"], out, fault)
+
+
+class Fused(moe_fused.FusedVariant):
+    def runner(self, world: World, problem: Problem, config: Config) -> Runner:
+        return FusedRunner(world, problem, config)
+
+
 def inputs(world: World, problem: Problem, seed: int) -> tuple:
     """(h, w2, handle): dispatch's bsp on this rank's inputs (collective: every rank makes them together),
     its handle copied (the next call of that runner would overwrite its buffers)."""
@@ -160,7 +187,7 @@ CUSTOM = CustomOp(
 OP = Op(
     name=NAME,
     args=("h", "w2", "handle"),
-    variants=[Bsp(), Hybrid()],
+    variants=[Bsp(), Hybrid(), Fused()],
     problem_of=problem_of,
     inputs=inputs,
     reference=reference,

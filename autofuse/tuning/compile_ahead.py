@@ -316,4 +316,30 @@ def compile_config(op_ref: str, problem_key: str, variant: str, config: Config, 
         world = stand_in_world(problem.world, rank, device_kind)
         with compile_only():
             runner = v.build(world, problem, config)
-            runner(*op.inputs(world, problem, 0))
+            runner(*stand_in_inputs(op, runner, world, problem))
+
+
+def stand_in_inputs(op: Op, runner: Any, world: Any, problem: Problem) -> tuple:
+    """The op's inputs on a stand-in World; for an op that takes a partner's handle (moe_combine: its inputs
+    are the partner dispatch's outputs, made collectively, which on a one-process group would wait out
+    the collective timeout), zeros of the runner's input specs instead, the handle filled from its
+    producer's layout (`CustomOp.handle`) with zeros: the kernels only compile."""
+    import torch
+
+    from autofuse.core import registry
+    from autofuse.core.runner import Handle, HandleSpec
+
+    if not any(isinstance(spec, HandleSpec) for spec in runner.in_specs):
+        return tuple(op.inputs(world, problem, 0))
+    args: list[Any] = []
+    for spec in runner.in_specs:
+        if isinstance(spec, HandleSpec):
+            made = Problem.from_key(spec.key)
+            producer = registry.get(made.op)
+            layout = producer.custom.handle
+            shapes = layout.fake(tuple(producer.inputs(world, made, 0)), made.world)
+            args.append(Handle(spec.key, **{n: torch.zeros(shape, dtype=dt, device=world.device)
+                                            for n, (shape, dt) in zip(layout.names, shapes)}))
+        else:
+            args.append(torch.zeros(spec.shape, dtype=spec.dtype, device=world.device))
+    return tuple(args)

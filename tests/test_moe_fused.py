@@ -1,0 +1,150 @@
+"""moe_combine's `fused` variant (kernels/moe_fused.py: the grouped GEMM storing each output row into its
+token's rank's return buffer) on CPU ranks under Triton's interpreter: against float64 and against hybrid
+with either dispatch's handle, at 2 and 4 ranks, uniform / skewed / empty-expert routings (a rank
+receiving no rows, groups of zero rows), several m- and n-tiles per group; a late peer (bounded wait,
+every rank raises, NaN outputs, refused until rebuilt); the configs; an sm_90 compile; on GPUs (marker
+gpu) the pair captured in a CUDA graph and replayed over changing routings, and the late peer again."""
+from __future__ import annotations
+
+import harness
+import pytest
+from conftest import (
+    VERSIONS,
+    assert_pipelined_gemm,
+    assert_uniform,
+    compile_request,
+    compile_sm90_versions,
+)
+from test_moe import _global, _shard
+from test_moe_hybrid import (
+    ROUTINGS,
+    SMALL,
+    TOL,
+    _assert_late_peer,
+    _combine_problem,
+    _copy,
+    _err,
+    _gpu_graph,
+    _late_peer,
+)
+
+from autofuse.comm.world import spawn
+from autofuse.ops import moe
+
+T, F, K = 4, 16, 2
+# H=32: one n-tile, 32-row m-tiles; H=1536 with 64-column tiles: 24 n-tiles, 16-row tiles over ~8-row groups
+CASES = ((32, {"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 32, "NUM_STAGES": 2, "num_warps": 4}),
+         (1536, {"BLOCK_M": 32, "BLOCK_N": 256, "BLOCK_K": 32, "NUM_STAGES": 2, "num_warps": 4}))
+TINY_M = {"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 32, "NUM_STAGES": 2, "num_warps": 4}
+
+
+def _forward(world) -> dict:
+    """Every routing: fused combine on bsp's and on hybrid's dispatch handle, vs float64 and vs hybrid combine."""
+    from autofuse.ops import moe_combine, moe_dispatch
+
+    out = {}
+    for hid, cfg in CASES:
+        p = moe.make_problem(moe.DISPATCH, "float32", world.size, T, hid, F, 2 * world.size, K, "swiglu")
+        cp = _combine_problem(world, p)
+        bsp, hybrid = moe_dispatch.Bsp().build(world, p, {}), moe_dispatch.Hybrid().build(world, p, SMALL)
+        fused = moe_combine.Fused().build(world, cp, cfg)
+        chybrid = moe_combine.Hybrid().build(world, cp, SMALL)
+        for kind in ROUTINGS:
+            ranks, w1, w2 = _global(p, kind, 1)
+            x, ids, weights = ranks[world.rank]
+            w1r, w2r = _shard(p, w1, w2, world.rank)
+            ref = moe.unsharded(x.double(), ids, weights.double(), w1.double(), w2.double(), "swiglu")
+            hb, handle_b = bsp(x, ids, weights, w1r)
+            hb, handle_b = hb.clone(), _copy(handle_b)
+            hh, handle_h = hybrid(x, ids.int() if kind == "self" else ids, weights, w1r)
+            hh, handle_h = hh.clone(), _copy(handle_h)
+            y_b = fused(hb, w2r, handle_b).clone()
+            y_h = fused(hh, w2r, handle_h).clone()
+            out[(hid, kind)] = {"y bsp dispatch": _err(y_b, ref), "y hybrid dispatch": _err(y_h, ref),
+                                "vs hybrid combine": _err(y_h, chybrid(hh, w2r, handle_h)),
+                                "used": int(handle_b.tensors["counts"].sum())}
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_fused_combine_matches_float64_and_hybrid(world):
+    results = spawn(_forward, world, timeout_s=600)
+    for rank, r in enumerate(results):
+        for case, v in r.items():
+            assert max(v[n] for n in ("y bsp dispatch", "y hybrid dispatch", "vs hybrid combine")) < TOL, (rank, case, v)
+    for case in results[0]:
+        if case[1] == "skewed":  # every row to rank 0: the other ranks receive none, so run no tile
+            assert all(r[case]["used"] == 0 for r in results[1:]), case
+
+
+def test_fused_combine_late_peer_raises_on_every_rank_leaves_nan_and_is_refused_until_rebuilt():
+    results = spawn(_late_peer, 2, "fused", TINY_M, timeout_s=600)
+    assert all(r["tol"] == TOL for r in results), results
+    _assert_late_peer(results)
+
+
+def test_fused_configs_space_defaults_and_checks():
+    from autofuse.ops import moe_combine
+
+    class Trial:  # the first choice of everything
+        def suggest_categorical(self, name, choices):
+            return choices[0]
+
+    v = moe_combine.OP.variant("fused")
+    assert v.family == "fused" and v.tunable and v.capturable
+    for t, hid, f, e, k in ((1, 7168, 2048, 256, 8), (64, 2048, 768, 128, 8), (4096, 4096, 14336, 8, 2)):
+        p = moe.make_problem(moe.COMBINE, "bfloat16", 2, t, hid, f, e, k, "swiglu")
+        assert v.defaults(p) and all(v.check(p, c) is None for c in v.defaults(p)), p.key
+        assert v.check(p, v.space(Trial(), p)) is None
+    decode = moe.make_problem(moe.COMBINE, "bfloat16", 2, 1, 7168, 2048, 256, 8, "swiglu")
+    prefill = moe.make_problem(moe.COMBINE, "bfloat16", 2, 4096, 4096, 14336, 8, 2, "swiglu")
+    assert v.defaults(decode)[0]["BLOCK_M"] < v.defaults(prefill)[0]["BLOCK_M"]
+    cfg = v.defaults(prefill)[0]
+    assert "ENGINE" in v.check(prefill, {**cfg, "ENGINE": 1})
+    assert "BLOCK_N" in v.check(prefill, {**cfg, "BLOCK_N": 96})
+    assert "shared memory" in v.check(prefill, {**cfg, "BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 128, "NUM_STAGES": 4})
+    huge = moe.make_problem(moe.COMBINE, "bfloat16", 2, 65536, 4096, 14336, 8, 2, "swiglu")  # C x F > 2**31
+    assert "2**31" in v.check(huge, cfg)
+
+
+SIG = {"h": "*bf16", "w2": "*bf16", "index": "*i64", "ends": "*i64", "tile_ends": "*i64", "dst": "*bf16",
+       "sent": "*i64", "fault": "*i32", "box": "*i32", "box_half": "i32", "ctx": ["i32", "i32", "*i64", "*i32",
+       "*i32", "*i32", "i64"], "flags": "*i32", "half_flags": "i32", "experts": "i32", "local": "i32", "ffn": "i32",
+       "hidden": "i32", "dst_rows": "i32"}
+DIV = ["h", "w2", "dst", "box", "box_half", "flags", "half_flags", "ffn", "hidden"]
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_fused_combine_compiles_for_sm90_with_uniform_bounded_waits_and_vector_rows(version):
+    """Mixtral-like (8 experts over 2 ranks) and DeepSeek-like (256 over 8) launches compile for Hopper: no
+    barrier in a per-thread branch, wgmma with cp.async loads pipelined in NUM_STAGES buffers, no spills,
+    16-byte row stores into the peers' buffers, bounded waits, peers aborted on a timeout."""
+    from test_moe_hybrid import A2A_SIG
+
+    ctx = A2A_SIG["ctx"]
+    reqs = []
+    for name, consts, warps in (("mixtral", {"W_P2": 2, "E_P2": 8, "L_P2": 4, "BLOCK_M": 128, "BLOCK_N": 128,
+                                             "BLOCK_K": 64, "NUM_STAGES": 3}, 8),
+                                ("deepseek", {"W_P2": 8, "E_P2": 256, "L_P2": 32, "BLOCK_M": 64, "BLOCK_N": 128,
+                                              "BLOCK_K": 64, "NUM_STAGES": 3}, 4)):
+        sig = {**SIG, "ctx": ctx, **{k: "constexpr" for k in consts}}
+        reqs.append(compile_request("autofuse.kernels.moe_fused", "combine_gemm_kernel", sig, consts,
+                                    num_warps=warps, num_stages=1, divisible=DIV, name=name))
+    consts = {r["name"]: r["constexprs"] for r in reqs}
+    for name, k in compile_sm90_versions(reqs)[version].items():
+        assert_uniform(k, name)
+        assert_pipelined_gemm(k["ptx"], k["shared"], {**consts[name], "USE_TMA": False}, 227 << 10)
+        assert "st.global.v4" in k["ptx"], name  # rows into the peers' buffers: 16-byte stores
+
+
+@harness.gpu()
+def test_gpu_fused_combine_eager_and_graph_replay_over_changing_routings():
+    for rank, rows in enumerate(spawn(_gpu_graph, harness.gpu_world(), "fused", timeout_s=600)):
+        bad = [r for r in rows if not r[1] <= r[2]]
+        assert not bad, (rank, bad, rows)
+
+
+@harness.gpu()
+def test_gpu_fused_combine_late_peer_raises_on_every_rank_leaves_nan_and_is_refused_until_rebuilt():
+    _assert_late_peer(spawn(_late_peer, harness.gpu_world(), "fused", None, device_kind="cuda", timeout_s=600))
+
