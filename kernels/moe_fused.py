@@ -10,7 +10,8 @@ program at the end, so all of them must be resident), three steps in every progr
    starts, so its earlier reads of its return buffer (the weighted sum of its previous call) are done.
 2. Tiles. The grouped GEMM h @ w2[l] over the rows of each local expert l (rows ends[l-1] .. ends[l] of
    h: grouped by expert, then source rank), tiles BLOCK_M x BLOCK_N dealt round-robin over the programs,
-   m-tiles numbered across the groups (`tile_ends`: the cumulative m-tiles per group, on the device).
+   m-tiles numbered across the groups (`tile_ends`: the cumulative m-tiles per group, on the device),
+   GROUP_M m-tiles of a group at a time over its n-tiles (L2 reuse of w2's columns).
    Epilogue: grouped row r is source-major position m = index[r], which belongs to source rank s
    (m in [ss_s, ss_s + cnt_s), cnt_s = rows s sent to my experts) and lands at row base_s + m - ss_s of
    s's return buffer (base_s = rows s sent to experts of ranks before me: s's buffer is in s's send
@@ -66,7 +67,7 @@ def combine_gemm_kernel(h, w2, index, ends, tile_ends, dst, sent, fault, box, bo
                         experts, local, ffn, hidden, dst_rows,
                         W_P2: tl.constexpr, E_P2: tl.constexpr, L_P2: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        NUM_STAGES: tl.constexpr):
+                        NUM_STAGES: tl.constexpr, GROUP_M: tl.constexpr):
     """out rows of (h @ w2[expert]) into the token ranks' return buffers `dst` (see the module doc).
 
     h: C x ffn (grouped rows), w2: local x ffn x hidden, index: C (grouped row -> source-major
@@ -74,7 +75,9 @@ def combine_gemm_kernel(h, w2, index, ends, tile_ends, dst, sent, fault, box, bo
     (cumulative m-tiles of BLOCK_M rows per group), dst: my return buffer (dst_rows = T * k rows of
     hidden, in my send order), sent: E int64 (my rows per expert), fault: P int32.
 
-    grid = (P,): program p runs work items p, p + P, ... of (m-tile, n-tile), n-tile fastest.
+    grid = (P,): program p runs work items p, p + P, ...; a group's items are its m-tiles x n-tiles, walked
+    GROUP_M m-tiles at a time column by column (gemm_core.swizzle), so programs running together share
+    w2's columns in L2.
     """
     p = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -116,14 +119,14 @@ def combine_gemm_kernel(h, w2, index, ends, tile_ends, dst, sent, fault, box, bo
         work_end = tl.load(tile_ends + local - 1).to(tl.int32) * n_tiles
         k_steps = tl.cdiv(ffn, BLOCK_K)
         for work in range(p, work_end, nprog):
-            mt = work // n_tiles
-            nt = work % n_tiles
-            g = tl.sum((t_ends <= mt).to(tl.int32), axis=0)
+            g = tl.sum((t_ends <= work // n_tiles).to(tl.int32), axis=0)  # the group of the work's m-tile
             tile0 = tl.load(tile_ends + g - 1, mask=g > 0, other=0).to(tl.int32)
+            tiles_g = tl.load(tile_ends + g).to(tl.int32) - tile0
+            pid_m, pid_n = gemm_core.swizzle(work - tile0 * n_tiles, tiles_g, n_tiles, GROUP_M)  # B shared in L2
             row0 = tl.load(ends + g - 1, mask=g > 0, other=0).to(tl.int32)
             row_end = tl.load(ends + g).to(tl.int32)
-            off_m = row0 + (mt - tile0) * BLOCK_M
-            off_n = nt * BLOCK_N
+            off_m = row0 + pid_m * BLOCK_M
+            off_n = pid_n * BLOCK_N
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             acc = gemm_core.gemm_tile(acc, h, w2 + g.to(tl.int64) * ffn * hidden, off_m, off_n, 0, k_steps,
                                       row_end, hidden, ffn, ffn, 1, hidden, 1, BLOCK_M, BLOCK_N, BLOCK_K,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import harness
 import pytest
+import torch
 from conftest import (
     VERSIONS,
     assert_pipelined_gemm,
@@ -32,10 +33,10 @@ from autofuse.comm.world import spawn
 from autofuse.ops import moe
 
 T, F, K = 4, 16, 2
-# H=32: one n-tile, 32-row m-tiles; H=1536 with 64-column tiles: 24 n-tiles, 16-row tiles over ~8-row groups
-CASES = ((32, {"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 32, "NUM_STAGES": 2, "num_warps": 4}),
-         (1536, {"BLOCK_M": 32, "BLOCK_N": 256, "BLOCK_K": 32, "NUM_STAGES": 2, "num_warps": 4}))
-TINY_M = {"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 32, "NUM_STAGES": 2, "num_warps": 4}
+# (tokens, H, config). H=32: one n-tile, 32-row m-tiles; H=1536 with 256-column tiles: 6 n-tiles
+CASES = ((T, 32, {"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 32, "NUM_STAGES": 2, "GROUP_M": 4, "num_warps": 4}),
+         (T, 1536, {"BLOCK_M": 32, "BLOCK_N": 256, "BLOCK_K": 32, "NUM_STAGES": 2, "GROUP_M": 4, "num_warps": 4}))
+TINY_M = {"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 32, "NUM_STAGES": 2, "GROUP_M": 4, "num_warps": 4}
 
 
 def _forward(world) -> dict:
@@ -43,8 +44,8 @@ def _forward(world) -> dict:
     from autofuse.ops import moe_combine, moe_dispatch
 
     out = {}
-    for hid, cfg in CASES:
-        p = moe.make_problem(moe.DISPATCH, "float32", world.size, T, hid, F, 2 * world.size, K, "swiglu")
+    for tokens, hid, cfg in CASES:
+        p = moe.make_problem(moe.DISPATCH, "float32", world.size, tokens, hid, F, 2 * world.size, K, "swiglu")
         cp = _combine_problem(world, p)
         bsp, hybrid = moe_dispatch.Bsp().build(world, p, {}), moe_dispatch.Hybrid().build(world, p, SMALL)
         fused = moe_combine.Fused().build(world, cp, cfg)
@@ -60,7 +61,7 @@ def _forward(world) -> dict:
             hh, handle_h = hh.clone(), _copy(handle_h)
             y_b = fused(hb, w2r, handle_b).clone()
             y_h = fused(hh, w2r, handle_h).clone()
-            out[(hid, kind)] = {"y bsp dispatch": _err(y_b, ref), "y hybrid dispatch": _err(y_h, ref),
+            out[(tokens, hid, kind)] = {"y bsp dispatch": _err(y_b, ref), "y hybrid dispatch": _err(y_h, ref),
                                 "vs hybrid combine": _err(y_h, chybrid(hh, w2r, handle_h)),
                                 "used": int(handle_b.tensors["counts"].sum())}
     return out
@@ -73,8 +74,33 @@ def test_fused_combine_matches_float64_and_hybrid(world):
         for case, v in r.items():
             assert max(v[n] for n in ("y bsp dispatch", "y hybrid dispatch", "vs hybrid combine")) < TOL, (rank, case, v)
     for case in results[0]:
-        if case[1] == "skewed":  # every row to rank 0: the other ranks receive none, so run no tile
+        if case[2] == "skewed":  # every row to rank 0: the other ranks receive none, so run no tile
             assert all(r[case]["used"] == 0 for r in results[1:]), case
+
+
+def _many_tiles(world) -> dict:
+    """24 tokens a rank, each routed to both of rank 0's two experts: rank 0's groups hold 24 * W rows, several
+    16-row m-tiles each, walked GROUP_M=4 at a time over 4 n-tiles; the other ranks receive nothing."""
+    from autofuse.ops import moe_combine, moe_dispatch
+
+    tokens, hid = 24, 256
+    p = moe.make_problem(moe.DISPATCH, "float32", world.size, tokens, hid, F, 2 * world.size, K, "swiglu")
+    w1, w2 = moe.expert_weights(p, 3)
+    x = moe.tokens(p, world.rank, 3)
+    ids = torch.tensor([[0, 1]] * tokens)
+    weights = torch.rand(tokens, K, generator=torch.Generator().manual_seed(world.rank)) + 0.1
+    ref = moe.unsharded(x.double(), ids, weights.double(), w1.double(), w2.double(), "swiglu")
+    w1r, w2r = _shard(p, w1, w2, world.rank)
+    h, handle = moe_dispatch.Bsp().build(world, p, {})(x, ids, weights, w1r)
+    cfg = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 32, "NUM_STAGES": 2, "GROUP_M": 4, "num_warps": 4}
+    y = moe_combine.Fused().build(world, _combine_problem(world, p), cfg)(h, w2r, handle)
+    return {"err": _err(y, ref), "rows": int(handle.tensors["counts"].sum())}
+
+
+def test_fused_combine_with_several_m_tiles_per_expert_walked_in_groups():
+    results = spawn(_many_tiles, 2, timeout_s=600)
+    assert results[0]["rows"] == 2 * 24 * K and results[1]["rows"] == 0, results
+    assert all(r["err"] < TOL for r in results), results
 
 
 def test_fused_combine_late_peer_raises_on_every_rank_leaves_nan_and_is_refused_until_rebuilt():
@@ -124,9 +150,9 @@ def test_fused_combine_compiles_for_sm90_with_uniform_bounded_waits_and_vector_r
     ctx = A2A_SIG["ctx"]
     reqs = []
     for name, consts, warps in (("mixtral", {"W_P2": 2, "E_P2": 8, "L_P2": 4, "BLOCK_M": 128, "BLOCK_N": 128,
-                                             "BLOCK_K": 64, "NUM_STAGES": 3}, 8),
+                                             "BLOCK_K": 64, "NUM_STAGES": 3, "GROUP_M": 8}, 8),
                                 ("deepseek", {"W_P2": 8, "E_P2": 256, "L_P2": 32, "BLOCK_M": 64, "BLOCK_N": 128,
-                                              "BLOCK_K": 64, "NUM_STAGES": 3}, 4)):
+                                              "BLOCK_K": 64, "NUM_STAGES": 3, "GROUP_M": 1}, 4)):
         sig = {**SIG, "ctx": ctx, **{k: "constexpr" for k in consts}}
         reqs.append(compile_request("autofuse.kernels.moe_fused", "combine_gemm_kernel", sig, consts,
                                     num_warps=warps, num_stages=1, divisible=DIV, name=name))

@@ -6,7 +6,8 @@ own stores, so rows travel while later tiles compute. The GEMM is autofuse's (ke
 tile loop over pointers), not the vendor's: where the vendor grouped GEMM is much faster than the
 all-to-all costs, `hybrid` wins, and the tuner measures which.
 
-Configs (the tuner's space): BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, num_warps. The launch has one
+Configs (the tuner's space): BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, GROUP_M (m-tiles walked together over
+the n-tiles: L2 reuse of w2), num_warps. The launch has one
 program per SM (every program waits for its peers' same-index program at the end, so all must be
 resident; on CPU ranks two). Workspaces "moe_combine.fused" (counts inbox and flags) and
 "moe_combine.fused.fixed" (the return buffer, T * k rows of H).
@@ -25,12 +26,13 @@ from autofuse.ops import moe
 if TYPE_CHECKING:
     from autofuse.comm.world import World
 
-BLOCK_MS = (32, 64, 128)
+BLOCK_MS = (16, 32, 64, 128)
 BLOCK_NS = (64, 128, 256)
 BLOCK_KS = (32, 64, 128)
 STAGES = (2, 3, 4)
 WARPS = (4, 8)
-KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "NUM_STAGES", "num_warps")
+GROUP_MS = (1, 4, 8)
+KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "NUM_STAGES", "GROUP_M", "num_warps")
 CPU_PROGRAMS = 2
 FLAG_BASE, FLAG_KINDS = 16, 2  # kernels/moe_fused.py's layout
 SMEM_BYTES = 227 << 10  # Hopper's shared memory per block (opt-in)
@@ -52,13 +54,14 @@ class FusedVariant(Variant):
                 "BLOCK_N": trial.suggest_categorical("BLOCK_N", list(BLOCK_NS)),
                 "BLOCK_K": trial.suggest_categorical("BLOCK_K", list(BLOCK_KS)),
                 "NUM_STAGES": trial.suggest_categorical("NUM_STAGES", list(STAGES)),
+                "GROUP_M": trial.suggest_categorical("GROUP_M", list(GROUP_MS)),
                 "num_warps": trial.suggest_categorical("num_warps", list(WARPS))}
 
     def defaults(self, problem: Problem) -> list[Config]:
         """Small row tiles where a rank gets few rows per expert (decode), 128 x 128 where it gets many."""
         rows_per_expert = problem["T"] * problem["k"] / max(1, moe.local_experts(problem))
-        small = {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "NUM_STAGES": 3, "num_warps": 4}
-        large = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "NUM_STAGES": 3, "num_warps": 8}
+        small = {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "NUM_STAGES": 3, "GROUP_M": 1, "num_warps": 4}
+        large = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "NUM_STAGES": 3, "GROUP_M": 8, "num_warps": 8}
         return [small, large] if rows_per_expert < 256 else [large, small]
 
     def check(self, problem: Problem, config: Config) -> str | None:
@@ -67,7 +70,7 @@ class FusedVariant(Variant):
         if unknown or missing:
             return f"takes exactly {', '.join(KEYS)} (unknown {unknown}, missing {missing})"
         for key, allowed in (("BLOCK_M", BLOCK_MS), ("BLOCK_N", BLOCK_NS), ("BLOCK_K", BLOCK_KS),
-                             ("NUM_STAGES", STAGES), ("num_warps", WARPS)):
+                             ("NUM_STAGES", STAGES), ("GROUP_M", GROUP_MS), ("num_warps", WARPS)):
             if config[key] not in allowed:
                 return f"{key} must be one of {allowed}, got {config[key]!r}"
         size = problem.torch_dtype.itemsize
@@ -115,5 +118,5 @@ class CombineGemm:
             ws.half_flags, self.experts, self.local, self.ffn, self.hidden, self.dst_rows,
             W_P2=next_pow2(self.world.size), E_P2=next_pow2(self.experts), L_P2=next_pow2(self.local),
             BLOCK_M=c["BLOCK_M"], BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"], NUM_STAGES=c["NUM_STAGES"],
-            num_warps=c["num_warps"])
+            GROUP_M=c["GROUP_M"], num_warps=c["num_warps"])
         return self.fault.ne(0).any()
