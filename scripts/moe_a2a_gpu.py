@@ -1,6 +1,7 @@
 """MoE's heap all-to-all alone (kernels/moe.py, the `hybrid` variants' exchange) against NCCL's
-all_to_all_single of the same rows, per model and token count, and where the hybrid block's time goes
-(a kernel table of one dispatch + combine). Issue 41: the >= 150 GB/s per GPU target is for the
+all_to_all_single of the same rows, per model and token count, the best of a grid of configs
+(autofuse/bench/moe_a2a.py, which `autofuse bench moe` runs at the configs dispatch picks), and where
+the hybrid block's time goes (a kernel table of one dispatch + combine). Issue 41: the >= 150 GB/s per GPU target is for the
 all-to-all alone (DeepSeek-V3-like: 4096 tokens, hidden 7168, top-8).
 
 GB/s per GPU = the bytes of the token rows a rank receives from other ranks (dispatch; what it gets
@@ -21,7 +22,6 @@ import os
 import sys
 
 import torch
-import torch.distributed as dist
 
 from autofuse.comm.world import spawn
 
@@ -37,94 +37,23 @@ def _configs(cuda: bool) -> list[dict]:
 
 
 def _case(world, model: str, t: int, mode: str, reps: int, profile: bool) -> dict:
-    from autofuse.kernels import moe as kernels
-
+    from autofuse.bench import moe_a2a
     from autofuse.bench.bench_moe import routing
-    from autofuse.core.op import Problem
-    from autofuse.measure.timing import time_fn
-    from autofuse.ops import moe, moe_hybrid
 
     cuda = world.device.type == "cuda"
     dev, dt = world.device, (torch.bfloat16 if cuda else torch.float32)
     h, f, e, k = MODELS[model]
     e = e or 2 * world.size
-    local = e // world.size
     gen = torch.Generator().manual_seed(world.rank * 104729 + t)
     ids, weights = routing(t, e, k, world.size, 0, gen)
     x = torch.randn(t, h, generator=gen).to(dev, dt)
     ids, weights = ids.to(dev), weights.to(dev)
-    w1 = torch.zeros(local, h, 2, f, dtype=dt, device=dev)
-    d = moe.dispatch_problem(world.size, x, ids, weights, w1)
-    c_problem = Problem.make(moe.COMBINE, d.dtype, d.world, **dict(d.dims))
-    cap = d["C"]
-    order = torch.empty(t * k, dtype=torch.int64, device=dev)
-    sent = torch.empty(e, dtype=torch.int64, device=dev)
-    counts = torch.empty(world.size, local, dtype=torch.int64, device=dev)
-    moe_hybrid.send_plan(ids, e, order, sent)
-
-    # NCCL: the same rows, sorted by destination, with the splits known
-    owner_sent = sent.view(world.size, local).sum(1)
-    in_splits = owner_sent.tolist()
-    table = [torch.zeros_like(owner_sent) for _ in range(world.size)]
-    dist.all_gather(table, owner_sent, group=world.group)
-    out_splits = [int(table[s][world.rank]) for s in range(world.size)]
-    recv_remote = sum(n for s, n in enumerate(out_splits) if s != world.rank)
-    back_remote = sum(n for s, n in enumerate(in_splits) if s != world.rank)
-    send_rows = x[order // k].contiguous()
-    recv = torch.empty(sum(out_splits), h, dtype=dt, device=dev)
-
-    def nccl() -> None:
-        dist.all_to_all_single(recv, send_rows, out_splits, in_splits, group=world.group)
-
-    ref = recv.clone()
-    nccl()
-    ref.copy_(recv)
+    w1 = torch.zeros(e // world.size, h, 2, f, dtype=dt, device=dev)  # only its shape is read
     row = {"model": model, "tokens": t, "H": h, "E": e, "k": k, "mode": mode,
-           "recv_bytes": world.rank_max(float(recv_remote * h * x.element_size())),
-           "back_bytes": world.rank_max(float(back_remote * h * x.element_size())), "us": {}, "config": {}}
-    row["us"]["nccl"] = time_fn(world, nccl, mode, reps=reps).median_us
-
-    best: dict[str, tuple[float, dict]] = {}
-    for cfg in _configs(cuda):
-        try:
-            disp = moe_hybrid.Exchange(world, d, cfg, "a2a.dispatch")
-            comb = moe_hybrid.Exchange(world, c_problem, cfg, "a2a.combine")
-        except Exception as exc:  # noqa: BLE001 - a config the heap cannot hold: skip it on every rank alike
-            if world.rank == 0:
-                print(f"{model} T={t} {cfg}: {type(exc).__name__}: {exc}", flush=True)
-            continue
-
-        def go_d(disp=disp) -> None:
-            disp(kernels.DISPATCH.value, x, sent, ids=ids, order=order, counts_out=counts)
-
-        go_d()
-        if cuda:
-            torch.cuda.synchronize()
-        n_used = int(counts.sum())
-        # the received rows, regrouped in NCCL's (source-major) order, must equal NCCL's
-        index = moe_hybrid.group_index(counts, cap)
-        inv = moe_hybrid.inverse_index(index)
-        got = disp.dst[inv[:n_used]]
-        bad = world.rank_max(0.0 if torch.equal(got, ref) else 1.0)
-        if bad:
-            if world.rank == 0:
-                print(f"{model} T={t} {cfg}: dispatch rows differ from NCCL's", flush=True)
-            continue
-        src = torch.randn(cap, h, device=dev).to(dt)
-
-        def go_c(comb=comb, src=src, inv=inv) -> None:
-            comb(kernels.COMBINE.value, src, sent, inv=inv)
-
-        for name, fn in (("dispatch", go_d), ("combine", go_c)):
-            us = time_fn(world, fn, mode, reps=reps).median_us
-            if not math.isnan(us) and (name not in best or us < best[name][0]):
-                best[name] = (us, cfg)
-        del disp, comb
-    for name, (us, cfg) in best.items():
-        row["us"][name] = us
-        row["config"][name] = cfg
-    row["GBps"] = {n: (row["back_bytes"] if n == "combine" else row["recv_bytes"]) / us / 1e3
-                   for n, us in row["us"].items() if us and not math.isnan(us)}
+           **moe_a2a.measure(world, x, ids, weights, w1, _configs(cuda), mode, reps)}
+    if world.rank == 0:
+        for cfg in row["wrong"]:
+            print(f"{model} T={t} {cfg}: dispatch rows differ from NCCL's", flush=True)
     if profile and cuda:
         row["profile"] = _profile(world, x, ids, weights, model, t)
     return row

@@ -298,7 +298,8 @@ def test_from_module_copies(job) -> None:
 def test_bench_moe_checks_and_times_on_cpu() -> None:
     """`autofuse bench moe` on 2 CPU ranks, skew 100 (every row on rank 0's experts): every contender agrees
     with bsp and the float64 block, is timed (block, dispatch, combine), no speedup from the interpreter,
-    and the moved bytes are rank 1's 4 x 2 rows of H=32 float32 (rank 0 keeps its own)."""
+    and the moved bytes are rank 1's 4 x 2 rows of H=32 float32 (rank 0 keeps its own); the heap all-to-all
+    alone moves the same rows as NCCL's."""
     from autofuse.bench import bench_moe
     from autofuse.bench.bench import BenchOptions
 
@@ -312,6 +313,10 @@ def test_bench_moe_checks_and_times_on_cpu() -> None:
     assert all(v > 0 for part in ("us", "dispatch_us", "combine_us") for v in row[part].values()), row
     assert row["x_bsp"] == {} and row["dispatch_GBps"] == {} and result["interpreted"], row
     assert row["moved_bytes"] == 4 * 2 * 32 * 4 and row["model"] == "tiny" and row["skew"] == 100, row
+    assert {"fused", "hybrid"} <= set(row["us"]), row["us"]  # fused: combine's, beside dispatch's hybrid
+    a2a = row["a2a"]  # the heap all-to-all alone: its rows equal NCCL's, timed both ways; rank 0 receives
+    assert not a2a["wrong"] and all(a2a["us"][n] > 0 for n in ("nccl", "dispatch", "combine")), a2a
+    assert a2a["recv_bytes"] == 4 * 2 * 32 * 4 and a2a["back_bytes"] == 4 * 2 * 32 * 4, a2a  # rank 1's rows
 
 
 def test_bench_moe_routing_skew() -> None:

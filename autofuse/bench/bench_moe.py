@@ -21,7 +21,10 @@ where it dispatches to one), marked `timed_eager` (what a captured model does ar
 piece eagerly). x BSP = bsp's time / the contender's, in the same
 mode row. Bandwidth per GPU: bytes of the token rows the busiest rank sends to and receives from
 other ranks (H x dtype bytes per row; rows to its own experts not counted) over the time of dispatch
-alone (combine alone for combine): an effective rate, the expert GEMM included in that time.
+alone (combine alone for combine): an effective rate, the expert GEMM included in that time. The
+all-to-all alone (autofuse/bench/moe_a2a.py): hybrid's heap exchange at the config dispatch would use
+(dispatch's and combine's), without the GEMM, against NCCL's all_to_all_single of the same rows with
+the splits known; GB/s = bytes a rank receives from other ranks / time (issue 41's measure).
 On CPU the timings are the interpreter's and gloo's: no speedups or rates are shown.
 `run(options)` / `render(result, console)` follow autofuse/bench/bench.py's contract.
 """
@@ -29,11 +32,12 @@ from __future__ import annotations
 
 import datetime
 import math
-from typing import TYPE_CHECKING, Any, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from autofuse.bench import target_options
+from autofuse.bench import moe_a2a, target_options
 
 if TYPE_CHECKING:
     from autofuse.comm.world import World
@@ -192,8 +196,10 @@ def _case(world: World, cfg: dict, model: str, t: int) -> dict:
                       if AUTOFUSE in live else None)
     moved = remote_rows(world, ids, e) * h * x.element_size()
     warmup, reps = (3 if cuda else 1), cfg["reps"]
+    heap_configs = _heap_configs(world, x, ids, weights, w1, w2, handles.get(PAIRED_DISPATCH))
     rows = []
     for mode in cfg["modes"]:
+        a2a = moe_a2a.measure(world, x, ids, weights, w1, heap_configs, mode, reps)
         us: dict[str, dict[str, float]] = {n: {} for n in live}
         as_mode = [timed_mode(variant[n], mode) for n in live]
         for part in ("block", "dispatch", "combine"):
@@ -212,13 +218,29 @@ def _case(world: World, cfg: dict, model: str, t: int) -> dict:
                "moved_bytes": moved,
                "dispatch_GBps": ({n: moved / v["dispatch"] / 1e3 for n, v in us.items()} if ratios else {}),
                "combine_GBps": ({n: moved / v["combine"] / 1e3 for n, v in us.items()} if ratios else {}),
-               "diff": diff, "ref_diff": ref_diff, "ok": ok, "autofuse_variant": chosen,
+               "a2a": a2a, "diff": diff, "ref_diff": ref_diff, "ok": ok, "autofuse_variant": chosen,
                "autofuse_combine_variant": chosen_combine}
         rows.append(row)
         if world.rank == 0 and cfg["progress"]:
             print(f"{model} T={t} {mode}: " + ", ".join(f"{n} {v['block']:.1f} us" for n, v in us.items())
                   + f" (diff vs bsp {max(diff.values(), default=0):.1e})", flush=True)
     return {"rows": rows, "notes": notes}
+
+
+def _heap_configs(world: World, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: torch.Tensor,
+                  w2: torch.Tensor, handle: Any) -> list[dict]:
+    """The all-to-all configs the hybrid variants run with here (what dispatch would pick: the policy's
+    or the known-good default), dispatch's and, given a hybrid handle, combine's."""
+    import autofuse
+
+    configs = [dict(autofuse.explain("moe_dispatch", x, ids, weights, w1, group=world.group,
+                                     variant=PAIRED_DISPATCH).config)]
+    if handle is not None:
+        c = dict(autofuse.explain("moe_combine", handle[0], w2, handle[1], group=world.group,
+                                  variant=PAIRED_DISPATCH).config)
+        if c not in configs:
+            configs.append(c)
+    return configs
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -232,7 +254,8 @@ def _f(x: Any, digits: int = 1) -> str:
 
 
 def render(result: dict, console: Any) -> None:
-    """Per mode: the block's us per contender and x BSP; dispatch / combine alone and their GB/s; geomeans."""
+    """Per mode: the block's us per contender and x BSP; dispatch / combine alone and their GB/s; the heap
+    all-to-all alone against NCCL's; geomeans."""
     from rich import box
     from rich.table import Table
     from rich.text import Text
@@ -275,6 +298,24 @@ def render(result: dict, console: Any) -> None:
                 extra = [_f(r["dispatch_GBps"].get(n)), _f(r["combine_GBps"].get(n))] if ratios else []
                 b.add_row(r["model"], str(r["tokens"]), n, _f(r["dispatch_us"][n]), _f(r["combine_us"][n]), *extra)
         console.print(b)
+        a = Table(title=Text(f"{mode} mode: the heap all-to-all alone (hybrid's exchange at its config) vs NCCL "
+                             "all_to_all_single with known splits, us" + (" and GB/s per GPU received" if ratios else "")),
+                  box=box.SIMPLE_HEAD)
+        for c in ("model", "T", "remote MB", "NCCL us", "heap dispatch us", "heap combine us") + (
+                ("NCCL GB/s", "dispatch GB/s", "combine GB/s") if ratios else ()):
+            a.add_column(c, justify="left" if c == "model" else "right")
+        for r in rows:
+            x2 = r.get("a2a")
+            if not x2:
+                continue
+            u, g = x2["us"], x2.get("GBps", {})
+            extra = [_f(g.get("nccl")), _f(g.get("dispatch")), _f(g.get("combine"))] if ratios else []
+            a.add_row(r["model"], str(r["tokens"]), _f(x2["recv_bytes"] / 1e6, 2), _f(u.get("nccl")), _f(u.get("dispatch")),
+                      _f(u.get("combine")), *extra)
+            if x2.get("wrong"):
+                console.print(Text(f"{r['model']} T={r['tokens']}: heap all-to-all rows differ from NCCL's at "
+                                   f"{x2['wrong']}", style="red"))
+        console.print(a)
         if ratios:
             for n in names:
                 if n != "bsp":
