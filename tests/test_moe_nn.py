@@ -312,11 +312,20 @@ def test_bench_moe_checks_and_times_on_cpu() -> None:
     assert row["ok"] and max(row["ref_diff"].values()) <= result["tolerance"], row
     assert all(v > 0 for part in ("us", "dispatch_us", "combine_us") for v in row[part].values()), row
     assert row["x_bsp"] == {} and row["dispatch_GBps"] == {} and result["interpreted"], row
+    assert row["autofuse_vs_best"] is None, row  # no ratios from the interpreter's times
     assert row["moved_bytes"] == 4 * 2 * 32 * 4 and row["model"] == "tiny" and row["skew"] == 100, row
     assert {"fused", "hybrid"} <= set(row["us"]), row["us"]  # fused: combine's, beside dispatch's hybrid
     a2a = row["a2a"]  # the heap all-to-all alone: its rows equal NCCL's, timed both ways; rank 0 receives
     assert not a2a["wrong"] and all(a2a["us"][n] > 0 for n in ("nccl", "dispatch", "combine")), a2a
     assert a2a["recv_bytes"] == 4 * 2 * 32 * 4 and a2a["back_bytes"] == 4 * 2 * 32 * 4, a2a  # rank 1's rows
+
+
+def test_bench_moe_autofuse_over_the_fastest_forced_contender() -> None:
+    from autofuse.bench.bench_moe import _vs_best
+
+    us = {"bsp": {"block": 10.0}, "hybrid": {"block": 5.0}, "fused": {"block": 4.0}, "autofuse": {"block": 5.0}}
+    assert _vs_best(us) == 1.25
+    assert _vs_best({"bsp": {"block": 10.0}}) is None and _vs_best({"autofuse": {"block": 3.0}}) is None
 
 
 def test_bench_moe_routing_skew() -> None:

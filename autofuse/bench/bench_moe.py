@@ -19,7 +19,8 @@ cannot be captured in a CUDA graph (`Variant.capturable` False: bsp reads the co
 timed eagerly in graph mode, in the same turns (`autofuse.measure.timing.timed_mode`; `autofuse` too
 where it dispatches to one), marked `timed_eager` (what a captured model does around them: runs that
 piece eagerly). x BSP = bsp's time / the contender's, in the same
-mode row. Bandwidth per GPU: bytes of the token rows the busiest rank sends to and receives from
+mode row; `autofuse_vs_best`: autofuse's time over the fastest forced contender's (its misses).
+Bandwidth per GPU: bytes of the token rows the busiest rank sends to and receives from
 other ranks (H x dtype bytes per row; rows to its own experts not counted) over the time of dispatch
 alone (combine alone for combine): an effective rate, the expert GEMM included in that time. The
 all-to-all alone (autofuse/bench/moe_a2a.py): hybrid's heap exchange at the config dispatch would use
@@ -222,6 +223,7 @@ def _case(world: World, cfg: dict, model: str, t: int) -> dict:
                "moved_bytes": moved,
                "dispatch_GBps": ({n: moved / v["dispatch"] / 1e3 for n, v in us.items()} if ratios else {}),
                "combine_GBps": ({n: moved / v["combine"] / 1e3 for n, v in us.items()} if ratios else {}),
+               "autofuse_vs_best": _vs_best(us) if ratios else None,
                "a2a": a2a, "diff": diff, "ref_diff": ref_diff, "ok": ok, "autofuse_variant": chosen,
                "autofuse_combine_variant": chosen_combine}
         rows.append(row)
@@ -229,6 +231,13 @@ def _case(world: World, cfg: dict, model: str, t: int) -> dict:
             print(f"{model} T={t} {mode}: " + ", ".join(f"{n} {v['block']:.1f} us" for n, v in us.items())
                   + f" (diff vs bsp {max(diff.values(), default=0):.1e})", flush=True)
     return {"rows": rows, "notes": notes}
+
+
+def _vs_best(us: dict[str, dict[str, float]]) -> float | None:
+    """autofuse's block time over the fastest forced contender's (same turns); None without both."""
+    forced = [v["block"] for n, v in us.items() if n != AUTOFUSE and math.isfinite(v.get("block", math.nan))]
+    mine = us.get(AUTOFUSE, {}).get("block", math.nan)
+    return mine / min(forced) if forced and math.isfinite(mine) else None
 
 
 def _heap_configs(world: World, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: torch.Tensor,
@@ -325,5 +334,11 @@ def render(result: dict, console: Any) -> None:
                 if n != "bsp":
                     console.print(f"{mode}: geomean x BSP of {n} over {len(rows)} rows = "
                                   f"{_f(geomean(r['x_bsp'].get(n) for r in rows), 3)}")
+            vs_best = [r["autofuse_vs_best"] for r in rows if r.get("autofuse_vs_best")]
+            if vs_best:
+                worst = max(rows, key=lambda r: r.get("autofuse_vs_best") or 0)
+                console.print(f"{mode}: autofuse over the fastest forced contender in the same turns, geomean "
+                              f"{_f(geomean(vs_best), 3)}, worst {_f(worst['autofuse_vs_best'], 3)} "
+                              f"({worst['model']} T={worst['tokens']})")
     for line in result.get("notes", []):
         console.print(Text(line, style="yellow"))
