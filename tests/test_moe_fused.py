@@ -21,6 +21,7 @@ from test_moe_hybrid import (
     ROUTINGS,
     SMALL,
     TOL,
+    Trial,
     _assert_late_peer,
     _combine_problem,
     _copy,
@@ -111,10 +112,6 @@ def test_fused_combine_late_peer_raises_on_every_rank_leaves_nan_and_is_refused_
 
 def test_fused_configs_space_defaults_and_checks():
     from autofuse.ops import moe_combine
-
-    class Trial:  # the first choice of everything
-        def suggest_categorical(self, name, choices):
-            return choices[0]
 
     v = moe_combine.OP.variant("fused")
     assert v.family == "fused" and v.tunable and v.capturable

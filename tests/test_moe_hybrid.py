@@ -240,12 +240,15 @@ def test_late_peer_raises_on_every_rank_leaves_nan_and_is_refused_until_rebuilt(
     _assert_late_peer(results)
 
 
+class Trial:
+    """A search space that takes the first choice of everything (a variant's `space` checked without Optuna)."""
+
+    def suggest_categorical(self, name, choices):
+        return choices[0]
+
+
 def test_configs_space_defaults_and_checks():
     from autofuse.ops import moe_combine, moe_dispatch
-
-    class Trial:  # the first choice of everything
-        def suggest_categorical(self, name, choices):
-            return choices[0]
 
     for op in (moe_dispatch.OP, moe_combine.OP):
         v = op.variant("hybrid")

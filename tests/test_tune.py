@@ -670,6 +670,15 @@ def test_compile_ahead_close_ends_workers_that_ignore_sigterm(tmp_path, monkeypa
     assert not any(p.is_alive() for p in ahead.procs)
 
 
+def _interpreted_last_line(code: str) -> list[str]:
+    """Run `code` in a fresh Python under Triton's interpreter (the stand-in world builds in one process);
+    its last printed line, split once at the first space."""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
+                          env={**_env(), "TRITON_INTERPRET": "1"}, cwd=str(ROOT))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout.strip().splitlines()[-1].split(" ", 1)
+
+
 def test_every_tunable_variant_builds_against_the_compile_ahead_stand_in_world():
     """The default compile function builds each config against a one-process stand-in World (no peers, a
     heap of plain tensors): every registered op's tunable variants must build there as every rank, at
@@ -693,11 +702,8 @@ def test_every_tunable_variant_builds_against_the_compile_ahead_stand_in_world()
             "                        except Exception as exc:\n"
             "                            failed.append(f'{name}.{v} rank {r}: {type(exc).__name__}: {exc}')\n"
             "print(built, failed)\n")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
-                          env={**_env(), "TRITON_INTERPRET": "1"}, cwd=str(ROOT))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    built, failed = proc.stdout.strip().splitlines()[-1].split(" ", 1)
-    assert int(built) >= 40 and failed == "[]", proc.stdout[-3000:]
+    built, failed = _interpreted_last_line(code)
+    assert int(built) >= 40 and failed == "[]", (built, failed)
 
 
 def test_every_op_gets_inputs_its_runners_take_on_the_compile_ahead_stand_in_world():
@@ -724,11 +730,8 @@ def test_every_op_gets_inputs_its_runners_take_on_the_compile_ahead_stand_in_wor
             "                bad.append((name, v, errs))\n"
             "            checked += 1\n"
             "print(checked, bad)\n")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
-                          env={**_env(), "TRITON_INTERPRET": "1"}, cwd=str(ROOT))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    checked, bad = proc.stdout.strip().splitlines()[-1].split(" ", 1)
-    assert int(checked) >= 15 and bad == "[]", proc.stdout[-3000:]
+    checked, bad = _interpreted_last_line(code)
+    assert int(checked) >= 15 and bad == "[]", (checked, bad)
 
 
 def test_a_tune_whose_compile_ahead_fails_measures_everything_as_without_it(tmp_path, monkeypatch):
