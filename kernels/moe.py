@@ -87,6 +87,75 @@ def _fill_nan(dst, dst_rows, width, program, programs, BLOCK_R: tl.constexpr, BL
 
 
 @triton.jit
+def exchange_counts(sent, box, box_half, ctx, flags, half_flags, epoch, healthy, experts, program, programs,
+                    W_P2: tl.constexpr, E_P2: tl.constexpr):
+    """Step 1 (module doc): my `sent` into row `me` of every rank's counts inbox, CNT(me, program) raised on
+    every peer, every peer's awaited. Returns (ok, n, my_sent): n the W_P2 x E_P2 counts N (zero where not
+    received), my_sent (E_P2, int32). Shared by every MoE kernel that exchanges counts (kernels/moe_fused.py)."""
+    me = ctx.rank
+    world = ctx.world
+    mine = box + shmem.parity(epoch) * box_half
+    e_idx = tl.arange(0, E_P2)
+    s_idx = tl.arange(0, W_P2)
+    e_ok = e_idx < experts
+    my_sent = tl.load(sent + e_idx, mask=e_ok, other=0).to(tl.int32)
+    if healthy:
+        for q in range(0, world):
+            shmem.store(mine + me * experts + e_idx, my_sent, me, q, ctx.heap_bases, mask=e_ok)
+        for i in range(1, world):
+            shmem.signal(_flag(flags, half_flags, epoch, CNT, me, program, world, programs), epoch, me,
+                         (me + i) % world, ctx.heap_bases)
+    ok = healthy  # an unhealthy call reads nothing: a flag it finds set may be of a peer's other call
+    for i in range(1, world):
+        q = (me + i) % world
+        ok = ok & shmem.wait_until(_flag(flags, half_flags, epoch, CNT, q, program, world, programs), epoch, ctx)
+    n_mask = (s_idx < world)[:, None] & e_ok[None, :]
+    n = tl.load(mine + s_idx[:, None] * experts + e_idx[None, :], mask=n_mask, other=0)
+    n = tl.where(ok, n, 0)  # counts not received: no row moves (and the handle says none came)
+    return ok, n, my_sent
+
+
+@triton.jit
+def dispatch_rows(src, dst, ids, order, scratch, n, my_sent, ctx, flags, half_flags, epoch, local, topk, width,
+                  program, programs, SIGNAL_SELF: tl.constexpr, W_P2: tl.constexpr, E_P2: tl.constexpr,
+                  BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Step 2 of DISPATCH (module doc): this program's share of my send rows into their owners' receive
+    buffers, DATA(me, program) raised on each owner after its rows (on me too with SIGNAL_SELF: a kernel
+    whose other programs read my own rows, kernels/moe_fused.py)."""
+    me = ctx.rank
+    world = ctx.world
+    e_idx = tl.arange(0, E_P2)
+    s_idx = tl.arange(0, W_P2)
+    owner = e_idx // local
+    colsum = tl.sum(n, axis=0)                                         # rows to expert e, all sources
+    below = tl.sum(tl.where(s_idx[:, None] < me, n, 0), axis=0)        # ... from sources before me
+    before = tl.cumsum(colsum, axis=0) - colsum                        # ... to experts before e
+    block = tl.zeros([E_P2], tl.int32)                                 # ... to experts before e's owner's
+    for q in range(0, world):
+        block = tl.where(owner == q, tl.sum(tl.where(e_idx < q * local, colsum, 0), axis=0), block)
+    start = tl.cumsum(my_sent, axis=0) - my_sent                       # my send row of expert e's first
+    tl.store(scratch + program * E_P2 + e_idx, before - block + below - start)
+    tl.debug_barrier()  # the shifts are read back by other threads of this program
+    for i in range(0, world):
+        q = (me + i + 1) % world  # peers first, my own rows last
+        lo = shmem.program_max(tl.sum(tl.where(owner < q, my_sent, 0), axis=0))
+        hi = lo + shmem.program_max(tl.sum(tl.where(owner == q, my_sent, 0), axis=0))
+        for r0 in range(lo + program * BLOCK_R, hi, programs * BLOCK_R):
+            rows = r0 + tl.arange(0, BLOCK_R)
+            live = rows < hi
+            slot = tl.load(order + rows, mask=live, other=0)
+            e = tl.load(ids + slot, mask=live, other=0)
+            shift = tl.load(scratch + program * E_P2 + e, mask=live, other=0)
+            _rows(src, slot // topk, dst, rows + shift, hi - r0, width, me, q, ctx.heap_bases, BLOCK_R, BLOCK_C)
+        if SIGNAL_SELF:
+            shmem.signal(_flag(flags, half_flags, epoch, DATA, me, program, world, programs), epoch, me, q,
+                         ctx.heap_bases)
+        elif q != me:
+            shmem.signal(_flag(flags, half_flags, epoch, DATA, me, program, world, programs), epoch, me, q,
+                         ctx.heap_bases)
+
+
+@triton.jit
 def all_to_all_kernel(src, dst, sent, ids, order, inv, counts_out, fault, scratch, box, box_half, ctx, flags,
                       half_flags, experts, local, topk, width, dst_rows,
                       MODE: tl.constexpr, W_P2: tl.constexpr, E_P2: tl.constexpr,
@@ -108,26 +177,12 @@ def all_to_all_kernel(src, dst, sent, ids, order, inv, counts_out, fault, scratc
     me = ctx.rank
     world = ctx.world
     epoch, healthy = shmem.epoch_begin(ctx)
-    mine = box + shmem.parity(epoch) * box_half
     e_idx = tl.arange(0, E_P2)
     s_idx = tl.arange(0, W_P2)
-    e_ok = e_idx < experts
-    my_sent = tl.load(sent + e_idx, mask=e_ok, other=0).to(tl.int32)
 
     # 1. counts: my row of every rank's N, then CNT; wait for every peer's
-    if healthy:
-        for q in range(0, world):
-            shmem.store(mine + me * experts + e_idx, my_sent, me, q, ctx.heap_bases, mask=e_ok)
-        for i in range(1, world):
-            shmem.signal(_flag(flags, half_flags, epoch, CNT, me, p, world, nprog), epoch, me, (me + i) % world,
-                         ctx.heap_bases)
-    ok = healthy  # an unhealthy call reads nothing: a flag it finds set may be of a peer's other call
-    for i in range(1, world):
-        q = (me + i) % world
-        ok = ok & shmem.wait_until(_flag(flags, half_flags, epoch, CNT, q, p, world, nprog), epoch, ctx)
-    n_mask = (s_idx < world)[:, None] & e_ok[None, :]
-    n = tl.load(mine + s_idx[:, None] * experts + e_idx[None, :], mask=n_mask, other=0)
-    n = tl.where(ok, n, 0)  # counts not received: no row moves (and the handle says none came)
+    ok, n, my_sent = exchange_counts(sent, box, box_half, ctx, flags, half_flags, epoch, healthy, experts, p, nprog,
+                                     W_P2, E_P2)
     first = me * local  # my first expert
     own = (e_idx >= first) & (e_idx < first + local)
     if MODE == DISPATCH:
@@ -139,31 +194,8 @@ def all_to_all_kernel(src, dst, sent, ids, order, inv, counts_out, fault, scratc
     # 2. rows
     if ok:
         if MODE == DISPATCH:
-            owner = e_idx // local
-            colsum = tl.sum(n, axis=0)                                         # rows to expert e, all sources
-            below = tl.sum(tl.where(s_idx[:, None] < me, n, 0), axis=0)        # ... from sources before me
-            before = tl.cumsum(colsum, axis=0) - colsum                        # ... to experts before e
-            block = tl.zeros([E_P2], tl.int32)                                 # ... to experts before e's owner's
-            for q in range(0, world):
-                block = tl.where(owner == q, tl.sum(tl.where(e_idx < q * local, colsum, 0), axis=0), block)
-            start = tl.cumsum(my_sent, axis=0) - my_sent                       # my send row of expert e's first
-            tl.store(scratch + p * E_P2 + e_idx, before - block + below - start)
-            tl.debug_barrier()  # the shifts are read back by other threads of this program
-            for i in range(0, world):
-                q = (me + i + 1) % world  # peers first, my own rows last
-                lo = shmem.program_max(tl.sum(tl.where(owner < q, my_sent, 0), axis=0))
-                hi = lo + shmem.program_max(tl.sum(tl.where(owner == q, my_sent, 0), axis=0))
-                for r0 in range(lo + p * BLOCK_R, hi, nprog * BLOCK_R):
-                    rows = r0 + tl.arange(0, BLOCK_R)
-                    live = rows < hi
-                    slot = tl.load(order + rows, mask=live, other=0)
-                    e = tl.load(ids + slot, mask=live, other=0)
-                    shift = tl.load(scratch + p * E_P2 + e, mask=live, other=0)
-                    _rows(src, slot // topk, dst, rows + shift, hi - r0, width, me, q, ctx.heap_bases, BLOCK_R,
-                          BLOCK_C)
-                if q != me:
-                    shmem.signal(_flag(flags, half_flags, epoch, DATA, me, p, world, nprog), epoch, me, q,
-                                 ctx.heap_bases)
+            dispatch_rows(src, dst, ids, order, scratch, n, my_sent, ctx, flags, half_flags, epoch, local, topk, width,
+                          p, nprog, False, W_P2, E_P2, BLOCK_R, BLOCK_C)
         else:
             cnt = tl.sum(tl.where(own[None, :], n, 0), axis=1)                   # rows I return to each rank
             base = tl.sum(tl.where(e_idx[None, :] < first, n, 0), axis=1)        # where they start there

@@ -9,6 +9,9 @@ the used row count read on the device (the host reads nothing, so a CUDA graph r
 - `weighted_sum_kernel` (combine): out[t] = sum_j weights[t, j] * back[pos[t * k + j]] in float32,
   NaN when the call's all-to-all failed (one read of the returned rows instead of a float32 copy of
   them, a product and a sum).
+- `settle_rows_kernel` (dispatch's `fused`, whose GEMM wrote the used rows of h itself): zero on the
+  capacity rows beyond the used ones, NaN everywhere when the call failed; a block of used rows of a call
+  that did not fail costs two loads.
 """
 import triton
 import triton.language as tl
@@ -65,3 +68,24 @@ def weighted_sum_kernel(back, pos, weights, out, fault, tokens, width, TOPK: tl.
         acc += w[:, None] * v
     acc = tl.where(failed, float("nan"), acc)
     tl.store(out + t.to(tl.int64)[:, None] * width + c[None, :], acc.to(out.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def settle_rows_kernel(h, ends, last, fault, rows, width, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """h (rows x width): rows at or beyond ends[last] (the used count, on the device) to zero, every row to
+    NaN if `fault` (the call's, one bool); other rows untouched.
+
+    grid = (cdiv(rows, BLOCK_R),): a program settles BLOCK_R rows, BLOCK_C columns a step.
+    """
+    r0 = tl.program_id(0) * BLOCK_R
+    used = tl.load(ends + last)
+    failed = tl.load(fault) != 0
+    if failed | (r0 + BLOCK_R > used):
+        r = r0 + tl.arange(0, BLOCK_R)
+        r64 = r.to(tl.int64)[:, None]
+        settle = (r < rows) & (((r >= used).to(tl.int32) + failed.to(tl.int32)) > 0)
+        for c0 in range(0, width, BLOCK_C):
+            c = c0 + tl.arange(0, BLOCK_C)
+            v = tl.where(failed, float("nan"), tl.zeros([BLOCK_R, BLOCK_C], tl.float32))
+            tl.store(h + r64 * width + c[None, :], v.to(h.dtype.element_ty),
+                     mask=settle[:, None] & (c < width)[None, :])

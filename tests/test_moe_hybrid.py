@@ -151,8 +151,10 @@ def test_first_use_confirmation_compares_outputs_beside_a_handle():
             assert timed == ["bsp", "hybrid"] and not dropped and sets > 1, (rank, name, timed, dropped, sets)
 
 
-def _late_peer(world, combine: str = "hybrid", combine_config: dict | None = None) -> dict:
-    """Per op (combine: the `combine` variant at `combine_config`, default hybrid at SMALL): 4 calls; the last rank sleeps past the wait budget before call 1. What each call did:
+def _late_peer(world, combine: str = "hybrid", combine_config: dict | None = None, dispatch: str = "hybrid",
+               dispatch_config: dict | None = None) -> dict:
+    """Per op (the `combine` / `dispatch` variant at its config, default hybrid at SMALL, else the variant's
+    first default): 4 calls; the last rank sleeps past the wait budget before call 1. What each call did:
     ('returned', error) or (exception, elements of the output that are not NaN: the kernel's own
     epilogue's, before the host check, and after it, seconds it took); then autofuse.rebuild and a 5th call.
     Device-agnostic: {"tol", "seen": {op: rows}}; inputs drawn on the CPU (float32, rounded to bfloat16 on
@@ -173,10 +175,13 @@ def _late_peer(world, combine: str = "hybrid", combine_config: dict | None = Non
     w1r, w2r = (t.to(dev) for t in _shard(p, w1, w2, world.rank))
     hb, handle = moe_dispatch.Bsp().build(world, p, {})(x, ids, weights, w1r)
     hb, handle = hb.clone(), _copy(handle)
-    cases = (("dispatch", moe_dispatch.Hybrid().build(world, p, SMALL), (x, ids, weights, w1r),
+    def build(op, variant: str, config: dict | None, problem):
+        v = op.variant(variant)
+        return v.build(world, problem, config or (SMALL if variant == "hybrid" else v.defaults(problem)[0]))
+
+    cases = (("dispatch", build(moe_dispatch.OP, dispatch, dispatch_config, p), (x, ids, weights, w1r),
               lambda o: _err(o[0], hb)),
-             ("combine", moe_combine.OP.variant(combine).build(world, cp, combine_config or (
-                 SMALL if combine == "hybrid" else moe_combine.OP.variant(combine).defaults(cp)[0])), (hb, w2r, handle),
+             ("combine", build(moe_combine.OP, combine, combine_config, cp), (hb, w2r, handle),
               lambda o: _err(o, ref)))
     if dev.type == "cuda":
         _warm(world, [(runner, args) for _, runner, args, _ in cases])
@@ -300,22 +305,28 @@ ROWS_SIG = {"pre": "*bf16", "h": "*bf16", "ends": "*i64", "last": "i32", "fault"
             "ACT": "constexpr", "BLOCK_R": "constexpr", "BLOCK_C": "constexpr"}
 SUM_SIG = {"back": "*bf16", "pos": "*i64", "weights": "*fp32", "out": "*bf16", "fault": "*i1", "tokens": "i32",
            "width": "i32", "TOPK": "constexpr", "BLOCK_T": "constexpr", "BLOCK_C": "constexpr"}
+SETTLE_SIG = {"h": "*bf16", "ends": "*i64", "last": "i32", "fault": "*i1", "rows": "i32", "width": "i32",
+              "BLOCK_R": "constexpr", "BLOCK_C": "constexpr"}
 
 
 @pytest.mark.parametrize("version", VERSIONS)
 def test_row_epilogues_compile_for_sm90_with_vector_rows(version):
-    """The hybrids' row epilogues (kernels/moe_rows.py) compile for Hopper with 16-byte row loads and stores
-    (the launch's block sizes at F=768 and H=7168, SwiGLU and copy, top-8)."""
+    """The row epilogues (kernels/moe_rows.py) compile for Hopper with 16-byte row loads and stores (the
+    launch's block sizes at F=768 and H=7168, SwiGLU and copy, top-8; the fused dispatch's settle pass)."""
     reqs = [compile_request("autofuse.kernels.moe_rows", "act_rows_kernel", ROWS_SIG,
                             {"ACT": act, "BLOCK_R": 16, "BLOCK_C": 256}, num_warps=4, num_stages=1,
                             divisible=["pre", "h", "width"], name=f"act{act}") for act in (0, 1)]
     reqs.append(compile_request("autofuse.kernels.moe_rows", "weighted_sum_kernel", SUM_SIG,
                                 {"TOPK": 8, "BLOCK_T": 4, "BLOCK_C": 512}, num_warps=4, num_stages=1,
                                 divisible=["back", "out", "width"], name="weighted_sum"))
+    reqs.append(compile_request("autofuse.kernels.moe_rows", "settle_rows_kernel", SETTLE_SIG,
+                                {"BLOCK_R": 16, "BLOCK_C": 256}, num_warps=4, num_stages=1, divisible=["h", "width"],
+                                name="settle"))
     for name, k in compile_sm90_versions(reqs)[version].items():
         ptx = k["ptx"]
         assert "st.global.v4" in ptx or "st.global.v2" in ptx, name
-        assert "ld.global.v4" in ptx or "ld.global.nc.v4" in ptx or "ld.global.v2" in ptx, name
+        if name != "settle":  # settle only stores
+            assert "ld.global.v4" in ptx or "ld.global.nc.v4" in ptx or "ld.global.v2" in ptx, name
 
 
 # -- GPU (marker gpu): bfloat16, torch._grouped_mm, one CUDA graph replayed over changing routings ------------
@@ -334,15 +345,15 @@ def _gpu_routing(problem, kind: str, rank: int, seed: int) -> tuple[torch.Tensor
     return ids, weights
 
 
-def _gpu_graph(world, combine: str = "hybrid") -> list[tuple[str, float, float]]:
+def _gpu_graph(world, combine: str = "hybrid", dispatch: str = "hybrid") -> list[tuple[str, float, float]]:
     """(case, relative error vs float64, tolerance): eager through the public API with dispatch forced to
-    hybrid and combine to `combine`, then the runner pair captured once in a CUDA graph and replayed with each routing's inputs
+    `dispatch` and combine to `combine`, then the runner pair captured once in a CUDA graph and replayed with each routing's inputs
     copied in (the counts change between replays; the host never reads them)."""
     import autofuse
     from autofuse.measure.timing import capture
     from autofuse.ops import moe_combine, moe_dispatch
 
-    os.environ["AUTOFUSE_VARIANT"] = f"moe_dispatch:hybrid,moe_combine:{combine}"
+    os.environ["AUTOFUSE_VARIANT"] = f"moe_dispatch:{dispatch},moe_combine:{combine}"
     p = moe.make_problem(moe.DISPATCH, "bfloat16", world.size, experts=8 * world.size, **GPU_DIMS)
     tol, dev, out = moe.tolerance(p), world.device, []
     _, _, _, w1r, w2r = (t.to(dev) for t in moe.rank_inputs(p, world.rank, 0))
@@ -358,8 +369,7 @@ def _gpu_graph(world, combine: str = "hybrid") -> list[tuple[str, float, float]]
         x, ids, weights, ref = case(kind, i)
         h, handle = autofuse.moe_dispatch(x, ids, weights, w1r, group=world)
         out.append((f"eager {kind}", _err(autofuse.moe_combine(h, w2r, handle, group=world), ref), tol))
-    cfg = moe_dispatch.OP.variant("hybrid").defaults(p)[0]
-    dr = moe_dispatch.Hybrid().build(world, p, cfg)
+    dr = moe_dispatch.OP.variant(dispatch).build(world, p, moe_dispatch.OP.variant(dispatch).defaults(p)[0])
     cp = _combine_problem(world, p)
     cr = moe_combine.OP.variant(combine).build(world, cp, moe_combine.OP.variant(combine).defaults(cp)[0])
     x_s, ids_s, w_s, _ = case("uniform", 10)

@@ -10,8 +10,9 @@ experts with the probability that makes rank 0's expected share of the rows S pe
 sweeps do; 0: even).
 
 Contenders (`--variants` picks some): every combine variant that runs here, forced with the ops'
-`variant=` argument (what AUTOFUSE_VARIANT does), with dispatch's variant of the same name or, where
-dispatch has none (`fused`), dispatch's `hybrid`; and `autofuse` (dispatched: the policy's choice). Each is first checked: its output against bsp's (rank-max relative difference, norm-wise),
+`variant=` argument (what AUTOFUSE_VARIANT does), with dispatch's variant of the same name (or, where
+dispatch has none, dispatch's `hybrid`); `DISPATCH/COMBINE` pairs (default: `hybrid/fused`, hybrid's
+dispatch beside the fused combine); and `autofuse` (dispatched: the policy's choice). Each is first checked: its output against bsp's (rank-max relative difference, norm-wise),
 and on CPU against the unsharded block in float64. Then, per timing mode (eager and graph on GPUs,
 eager on CPU): the block, dispatch alone and combine alone (with a handle its dispatch made), the
 contenders in turns (`autofuse.measure.timing.time_in_turns`), median of reps, rank-max. Variants that
@@ -67,7 +68,9 @@ def run(options: Any) -> dict:
         raise ValueError(f"unknown model {','.join(bad) or '(none)'}: use one or more of {', '.join(MODELS)}")
     models = [m for m in models if m == "tiny" or MODELS[m][2] % world == 0]
     variants = list(registry.get("moe_combine").variants)
-    names = target_options.contenders(options.variants, [*variants, AUTOFUSE])
+    pairs = [f"{PAIRED_DISPATCH}/{v}" for v in variants
+             if v not in (BASELINE, PAIRED_DISPATCH) and v in registry.get("moe_dispatch").variants]
+    names = target_options.contenders(options.variants, [*variants, *pairs, AUTOFUSE])
     skew = getattr(options, "skew", None) or 0
     if not 0 <= skew <= 100:
         raise ValueError(f"--skew is a percent of the rows on rank 0's experts (0..100), got {skew}")
@@ -161,8 +164,7 @@ def _case(world: World, cfg: dict, model: str, t: int) -> dict:
     w2 = w2.to(dev, dt).contiguous()
     names = cfg["contenders"]
     dispatch_variants = registry.get("moe_dispatch").variants
-    forced = {n: ((None, None) if n == AUTOFUSE else (n if n in dispatch_variants else PAIRED_DISPATCH, n))
-              for n in names}  # (dispatch's variant, combine's)
+    forced = {n: _pair(n, dispatch_variants) for n in names}  # (dispatch's variant, combine's)
 
     def block(v: tuple[str | None, str | None]) -> Callable[[], torch.Tensor]:
         def go() -> torch.Tensor:
@@ -231,6 +233,17 @@ def _case(world: World, cfg: dict, model: str, t: int) -> dict:
             print(f"{model} T={t} {mode}: " + ", ".join(f"{n} {v['block']:.1f} us" for n, v in us.items())
                   + f" (diff vs bsp {max(diff.values(), default=0):.1e})", flush=True)
     return {"rows": rows, "notes": notes}
+
+
+def _pair(name: str, dispatch_variants: dict) -> tuple[str | None, str | None]:
+    """A contender's (dispatch variant, combine variant): `autofuse` (None, None), `D/C` (D, C), else the
+    combine variant beside dispatch's variant of that name, or hybrid's where dispatch has none."""
+    if name == AUTOFUSE:
+        return None, None
+    if "/" in name:
+        d, c = name.split("/", 1)
+        return d, c
+    return (name if name in dispatch_variants else PAIRED_DISPATCH), name
 
 
 def _vs_best(us: dict[str, dict[str, float]]) -> float | None:

@@ -20,6 +20,9 @@ Variants:
   pushed straight into its owner's receive buffer at a row computed on the device), then the grouped
   GEMM on the capacity-bounded rows with the group sizes on the device (autofuse/ops/moe_hybrid.py):
   the host reads nothing, so the call can be captured in a CUDA graph. Same handle as bsp.
+- `fused`: one launch (kernels/moe_fused.py): mover programs push the rows as hybrid's all-to-all does
+  while the other programs run autofuse's grouped GEMM + SwiGLU into h, each tile once the rows it covers
+  have landed (flags per source and mover program); capturable, same handle (autofuse/ops/moe_fused.py).
 """
 from __future__ import annotations
 
@@ -30,7 +33,7 @@ import torch
 from autofuse.core.custom import Backward, CustomOp, HandleLayout
 from autofuse.core.op import Config, Op, Problem, Variant
 from autofuse.core.runner import HandleSpec, Runner, TensorSpec
-from autofuse.ops import moe, moe_backward, moe_hybrid
+from autofuse.ops import moe, moe_backward, moe_fused, moe_hybrid
 
 if TYPE_CHECKING:
     from autofuse.comm.world import World
@@ -142,6 +145,30 @@ class Hybrid(moe_hybrid.HybridVariant):
         return HybridRunner(world, problem, config)
 
 
+class FusedRunner(DispatchRunner):
+    """One launch moving the rows into the receive buffer (the handle's `rows`) while its other programs
+    run the grouped GEMM + activation into h, tile by tile as rows land (autofuse/ops/moe_fused.py); zero
+    beyond the used rows, NaN where the launch failed."""
+
+    def __init__(self, world: World, problem: Problem, config: Config):
+        self.gemm = moe_fused.DispatchGemm(world, problem, config, f"{NAME}.fused")
+        super().__init__(world, problem, self.gemm.workspaces)
+        self.buffers["rows"] = self.gemm.rows
+
+    def launch(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: torch.Tensor, out: Any) -> None:
+        p, b = self.problem, self.buffers
+        moe_hybrid.send_plan(ids, p["E"], b["order"], b["sent"])
+        self.gemm(x, ids, b["order"], b["sent"], w1, out["h"], b["counts"])
+        b["index"].copy_(moe_hybrid.group_index(b["counts"], p["C"]))
+        b["weights"].copy_(weights)
+        self.fill_handle(out)
+
+
+class Fused(moe_fused.FusedDispatchVariant):
+    def runner(self, world: World, problem: Problem, config: Config) -> Runner:
+        return FusedRunner(world, problem, config)
+
+
 def problem_of(world: World, x: Any, topk_ids: Any, topk_weights: Any, w1: Any) -> Problem:
     """The dispatch Problem of a call (InvalidInput naming what is wrong): E must divide by W."""
     return moe.dispatch_problem(world.size, x, topk_ids, topk_weights, w1)
@@ -192,7 +219,7 @@ CUSTOM = CustomOp(
 OP = Op(
     name=NAME,
     args=("x", "topk_ids", "topk_weights", "w1"),
-    variants=[Bsp(), Hybrid()],
+    variants=[Bsp(), Hybrid(), Fused()],
     problem_of=problem_of,
     inputs=inputs,
     reference=reference,
