@@ -187,8 +187,12 @@ def _bad_inputs(world) -> list[str]:
     problem = _problem(world.size)
     x, ids, weights, w1r, w2r = moe.rank_inputs(problem, world.rank, 0)
     said = []
+    bad_ids = ids.clone()
+    if world.rank == 1:  # one rank's routing names an expert the group does not have
+        bad_ids[0, 0] = problem["E"]
     for call in (lambda: autofuse.moe_dispatch(x, ids, weights, w1r[:, 1:].contiguous(), group=world),
-                 lambda: autofuse.moe_combine(torch.zeros(3, F), w2r, Handle("nope"), group=world)):
+                 lambda: autofuse.moe_combine(torch.zeros(3, F), w2r, Handle("nope"), group=world),
+                 lambda: autofuse.moe_dispatch(x, bad_ids, weights, w1r, group=world)):
         try:
             call()
         except InvalidInput as exc:
@@ -197,9 +201,12 @@ def _bad_inputs(world) -> list[str]:
 
 
 def test_bad_arguments_raise_on_every_rank_saying_what():
-    for said in spawn(_bad_inputs, 2, timeout_s=300):
-        assert len(said) == 2
+    results = spawn(_bad_inputs, 2, timeout_s=300)
+    for said in results:
+        assert len(said) == 3
         assert "w1" in said[0] and "handle" in said[1], said
+    assert "topk_ids must be expert ids in [0, 4)" in results[1][2] and "from 0 to 4" in results[1][2], results
+    assert "rank 1" in results[0][2] and "topk_ids" in results[0][2], results  # every rank says which rank
 
 
 def test_tune_measures_the_pair_on_cpu(tmp_path):

@@ -98,6 +98,20 @@ def check_routing(world_size: int, x: Any, ids: Any, weights: Any, w1: Any) -> t
     return t, h, w1.shape[-1], w1.shape[0] * world_size, "swiglu" if w1.dim() == 4 else "none"
 
 
+def check_expert_ids(ids: torch.Tensor, experts: int) -> None:
+    """InvalidInput unless every id is an expert of the group, in [0, experts). Reads two numbers on the host
+    (a device sync), so dispatch runs it where a call is validated (the first call of a shape, autofuse.warmup);
+    skipped for tensors without data (torch.compile's fake tensors) and inside a CUDA-graph capture."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    if ids.is_meta or isinstance(ids, FakeTensor) or (ids.is_cuda and torch.cuda.is_current_stream_capturing()):
+        return
+    lo, hi = torch.stack([ids.min(), ids.max()]).tolist()
+    if lo < 0 or hi >= experts:
+        raise InvalidInput(f"{DISPATCH}: topk_ids must be expert ids in [0, {experts}) (the group's E experts), got "
+                           f"ids from {lo} to {hi}")
+
+
 def w1_shape(problem: Problem) -> tuple[int, ...]:
     """This rank's w1: L x H x 2 x F (swiglu) or L x H x F."""
     local, h, f = local_experts(problem), problem["H"], problem["F"]

@@ -170,8 +170,12 @@ class Fused(moe_fused.FusedDispatchVariant):
 
 
 def problem_of(world: World, x: Any, topk_ids: Any, topk_weights: Any, w1: Any) -> Problem:
-    """The dispatch Problem of a call (InvalidInput naming what is wrong): E must divide by W."""
-    return moe.dispatch_problem(world.size, x, topk_ids, topk_weights, w1)
+    """The dispatch Problem of a call (InvalidInput naming what is wrong): E must divide by W, every id an
+    expert of the group (checked where dispatch validates a call: its first call of a shape; a later call
+    with an id outside [0, E) fails in torch's scatter of the routing plan, a device-side assert on CUDA)."""
+    problem = moe.dispatch_problem(world.size, x, topk_ids, topk_weights, w1)
+    moe.check_expert_ids(topk_ids, problem["E"])
+    return problem
 
 
 def inputs(world: World, problem: Problem, seed: int) -> tuple[torch.Tensor, ...]:
