@@ -18,7 +18,8 @@
 #            tuning_db/h200x2.db, copied, never changed) merged with the run's database, which later steps then fit
 #            and export; TRAIN_SHAPES: token counts for train_model (e.g. 4096)
 #            moe: the MoE pair's GPU tests (graph replay of hybrid), then `autofuse bench moe` in graph mode (moe-bench:
-#            the bench alone)
+#            the bench alone; AUTOFUSE_HEAP_SIZE default 32G there: every contender's buffers at DeepSeek-like
+#            T=4096 overflow the default 8G)
 # Two runs may share a 4-GPU machine on disjoint GPUs (say so beside their timings). Installs the carried
 # wheels (.whl/) and the project offline first, as scripts/gpu_session.sh does.
 set -uo pipefail
@@ -76,7 +77,7 @@ for s in ${STEPS//,/ }; do
                    train_model --world "$WORLD" --sweep 8b --layers 4 --reps 5 ${TRAIN_SHAPES:+--shapes $TRAIN_SHAPES} --out "$W/bench-train_model.json" --force ;;
     moe|moe-bench) [ "$s" = moe ] && step moe-tests 200 env AUTOFUSE_TEST_WORLD="$WORLD" python3 -m pytest -q -m gpu \
                      tests/test_moe_hybrid.py
-         step moe-bench 300 env AUTOFUSE_POLICY="$W/policy-graph.json" python3 -m autofuse bench moe --world "$WORLD" --mode graph --tokens 1,64,1024,4096 \
+         step moe-bench 300 env AUTOFUSE_POLICY="$W/policy-graph.json" AUTOFUSE_HEAP_SIZE="${AUTOFUSE_HEAP_SIZE:-32G}" python3 -m autofuse bench moe --world "$WORLD" --mode graph --tokens 1,64,1024,4096 \
            --reps 20 --out "$W/bench-moe.json" --force ;;
     shipped) step shipped 120 python3 -c "
 import shutil, sys

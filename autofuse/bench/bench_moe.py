@@ -12,7 +12,10 @@ sweeps do; 0: even).
 Contenders (`--variants` picks some): every combine variant that runs here, forced with the ops'
 `variant=` argument (what AUTOFUSE_VARIANT does), with dispatch's variant of the same name (or, where
 dispatch has none, dispatch's `hybrid`); `DISPATCH/COMBINE` pairs (default: `hybrid/fused`, hybrid's
-dispatch beside the fused combine); and `autofuse` (dispatched: the policy's choice). Each is first checked: its output against bsp's (rank-max relative difference, norm-wise),
+dispatch beside the fused combine); and `autofuse` (dispatched: the policy's choice). A contender refused
+on every rank (an input it does not take; buffers that do not fit the symmetric heap, where each contender
+keeps its own: at DeepSeek-like T=4096 on 4 GPUs they need more than the default 8G, AUTOFUSE_HEAP_SIZE=32G
+holds them) is left out of that row with a note. Each is first checked: its output against bsp's (rank-max relative difference, norm-wise),
 and on CPU against the unsharded block in float64. Then, per timing mode (eager and graph on GPUs,
 eager on CPU): the block, dispatch alone and combine alone (with a handle its dispatch made), the
 contenders in turns (`autofuse.measure.timing.time_in_turns`), median of reps, rank-max. Variants that
@@ -177,8 +180,10 @@ def _case(world: World, cfg: dict, model: str, t: int) -> dict:
     for n in names:
         try:
             outs[n] = block(forced[n])().clone()
-        except (ValueError, NotImplementedError) as exc:  # refused alike on every rank, before any launch
-            notes.append(f"{n} refused on {model} T={t}: {type(exc).__name__}: {str(exc).splitlines()[0][:120]}")
+        except (ValueError, NotImplementedError, MemoryError) as exc:  # alike on every rank, before any launch
+            # (MemoryError: HeapFull, the symmetric heap holds every contender's buffers; its message says to
+            # raise AUTOFUSE_HEAP_SIZE)
+            notes.append(f"{n} refused on {model} T={t}: {type(exc).__name__}: {str(exc).splitlines()[0][:160]}")
     live = [n for n in names if n in outs]
     chosen = autofuse.explain("moe_dispatch", x, ids, weights, w1, group=group).variant if AUTOFUSE in live else None
     base = outs.get(BASELINE) if BASELINE in outs else block((BASELINE, BASELINE))()
