@@ -86,17 +86,30 @@ class Bsp(Variant):
         return BspRunner(world, problem)
 
 
-class HybridRunner(Runner):
-    """The grouped GEMM, the heap all-to-all back into the return buffer (my send order), the weighted
-    sum: out[t] = sum_j weights[t, j] * returned row of slot (t, j); NaN where the all-to-all failed."""
+class ReturnRunner(Runner):
+    """What hybrid and fused share: the returned rows land in a buffer in this rank's send order, then the
+    top-k weighted sum out[t] = sum_j weights[t, j] * returned row of slot (t, j), NaN where the launch
+    that moved them failed."""
 
-    def __init__(self, world: World, problem: Problem, config: Config):
+    def __init__(self, world: World, problem: Problem, workspaces: tuple):
         t, k = problem["T"], problem["k"]
-        self.a2a = moe_hybrid.Exchange(world, problem, config, f"{NAME}.hybrid")
         super().__init__(world, problem, in_specs(problem), TensorSpec("out", (t, problem["H"]), problem.torch_dtype),
-                         self.a2a.workspaces)
+                         workspaces)
         self.slots = torch.arange(t * k, device=world.device)
         self.pos = torch.empty(t * k, dtype=torch.int64, device=world.device)
+
+    def weighted_sum(self, back: torch.Tensor, handle: Handle, out: torch.Tensor, fault: torch.Tensor) -> None:
+        b = handle.tensors
+        self.pos.scatter_(0, b["order"], self.slots)  # the send row of each slot
+        moe_hybrid.weighted_rows(back, self.pos, b["weights"], out, fault)
+
+
+class HybridRunner(ReturnRunner):
+    """The grouped GEMM, the heap all-to-all back into the return buffer (my send order), the weighted sum."""
+
+    def __init__(self, world: World, problem: Problem, config: Config):
+        self.a2a = moe_hybrid.Exchange(world, problem, config, f"{NAME}.hybrid")
+        super().__init__(world, problem, self.a2a.workspaces)
 
     def launch(self, h: torch.Tensor, w2: torch.Tensor, handle: Handle, out: torch.Tensor) -> None:
         from autofuse.kernels import moe as kernels
@@ -104,8 +117,7 @@ class HybridRunner(Runner):
         b = handle.tensors
         h2 = moe_hybrid.grouped_mm(h, w2, b["counts"].sum(0).cumsum(0))
         fault = self.a2a(kernels.COMBINE.value, h2, b["sent"], inv=moe_hybrid.inverse_index(b["index"]))
-        self.pos.scatter_(0, b["order"], self.slots)  # the send row of each slot
-        moe_hybrid.weighted_rows(self.a2a.dst, self.pos, b["weights"], out, fault)
+        self.weighted_sum(self.a2a.dst, handle, out, fault)
 
 
 class Hybrid(moe_hybrid.HybridVariant):
@@ -113,23 +125,18 @@ class Hybrid(moe_hybrid.HybridVariant):
         return HybridRunner(world, problem, config)
 
 
-class FusedRunner(Runner):
+class FusedRunner(ReturnRunner):
     """The grouped GEMM storing its rows into the token ranks' return buffers (autofuse/ops/moe_fused.py),
-    then the weighted sum; NaN where the launch failed."""
+    then the weighted sum."""
 
     def __init__(self, world: World, problem: Problem, config: Config):
-        t, k = problem["T"], problem["k"]
         self.gemm = moe_fused.CombineGemm(world, problem, config, f"{NAME}.fused")
-        super().__init__(world, problem, in_specs(problem), TensorSpec("out", (t, problem["H"]), problem.torch_dtype),
-                         self.gemm.workspaces)
-        self.slots = torch.arange(t * k, device=world.device)
-        self.pos = torch.empty(t * k, dtype=torch.int64, device=world.device)
+        super().__init__(world, problem, self.gemm.workspaces)
 
     def launch(self, h: torch.Tensor, w2: torch.Tensor, handle: Handle, out: torch.Tensor) -> None:
         b = handle.tensors
         fault = self.gemm(h, w2, b["index"], b["counts"], b["sent"])
-        self.pos.scatter_(0, b["order"], self.slots)  # the send row of each slot
-        moe_hybrid.weighted_rows(self.gemm.dst, self.pos, b["weights"], out, fault)
+        self.weighted_sum(self.gemm.dst, handle, out, fault)
 
 
 class Fused(moe_fused.FusedVariant):

@@ -85,6 +85,13 @@ class DispatchRunner(Runner):
     def fill_handle(self, out: Any) -> None:
         out["handle"].tensors.update(self.buffers)
 
+    def finish_heap_handle(self, weights: torch.Tensor, out: Any) -> None:
+        """The heap variants' handle once the launch wrote its counts: the index computed on the device."""
+        b = self.buffers
+        b["index"].copy_(moe_hybrid.group_index(b["counts"], self.problem["C"]))
+        b["weights"].copy_(weights)
+        self.fill_handle(out)
+
 
 class BspRunner(DispatchRunner):
     def launch(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w1: torch.Tensor, out: Any) -> None:
@@ -135,9 +142,7 @@ class HybridRunner(DispatchRunner):
         ends = b["counts"].sum(0).cumsum(0)
         pre = moe_hybrid.grouped_mm(b["rows"], w1.reshape(self.local, p["H"], -1), ends)
         moe_hybrid.activate(pre, out["h"], ends, fault, p["act"])
-        b["index"].copy_(moe_hybrid.group_index(b["counts"], p["C"]))
-        b["weights"].copy_(weights)
-        self.fill_handle(out)
+        self.finish_heap_handle(weights, out)
 
 
 class Hybrid(moe_hybrid.HybridVariant):
@@ -159,9 +164,7 @@ class FusedRunner(DispatchRunner):
         p, b = self.problem, self.buffers
         moe_hybrid.send_plan(ids, p["E"], b["order"], b["sent"])
         self.gemm(x, ids, b["order"], b["sent"], w1, out["h"], b["counts"])
-        b["index"].copy_(moe_hybrid.group_index(b["counts"], p["C"]))
-        b["weights"].copy_(weights)
-        self.fill_handle(out)
+        self.finish_heap_handle(weights, out)
 
 
 class Fused(moe_fused.FusedDispatchVariant):
