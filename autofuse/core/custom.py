@@ -7,8 +7,9 @@ str? variant=None, str? config=None) -> Tensor`. The op declares the rest:
   implementation torch.compile, torch.export and FakeTensor run; dtype and device: the first input's).
 - `extras`: named extra outputs (`Extra`), each a custom op `<op>_<name>` returning (out, extra):
   ag_gemm's `gathered` (all_gather(A), which a training step keeps for B's gradient).
-- `backward` (`Backward`): the gradient in terms of other ops' custom ops (`torch.ops.autofuse.*`),
-  or None for an inference-only op (inputs that require grad raise `InferenceOnly`).
+- `backward` (`Backward`): the gradient in terms of other ops' custom ops (`torch.ops.autofuse.*`) and of
+  the op's own `Helper` custom ops, or None for an inference-only op (inputs that require grad raise
+  `InferenceOnly`).
 - `handle` (`HandleLayout`): for an op whose last output is a handle (`Op.outputs`, e.g. moe_dispatch's),
   how it travels through custom ops: its tensors become outputs of this op's custom op and inputs of its
   partner's (`Tensor <arg>_<name>` each, then `str <arg>_key`), so autograd and torch.compile see them.
@@ -61,6 +62,18 @@ class HandleLayout:
 
 
 @dataclass(frozen=True)
+class Helper:
+    """A computation a backward runs as one opaque custom op, `torch.ops.autofuse.<name>` (e.g. MoE's
+    bulk-synchronous backward all-to-alls): `fn` its real implementation (the schema is inferred from its
+    type hints), `fake(*args)` its outputs' shapes for torch.compile. The custom-op layer registers it
+    beside the op that declares it, so op modules define no custom ops themselves."""
+
+    name: str
+    fn: Callable[..., Any]
+    fake: Callable[..., Any]
+
+
+@dataclass(frozen=True)
 class Backward:
     """The gradient of an op in terms of other ops.
 
@@ -78,6 +91,7 @@ class Backward:
 
     keep: Callable[[tuple, tuple[bool, ...], Mapping[str, torch.Tensor]], dict[str, Any]]
     grads: Callable[[dict[str, Any], torch.Tensor, tuple[bool, ...], str], tuple]
+    helpers: tuple[Helper, ...] = ()
 
 
 @dataclass(frozen=True)

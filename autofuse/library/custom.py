@@ -11,7 +11,8 @@
 - a fake implementation (the declared shapes, the first input's dtype and device; it reads the
   group's size, a host-side value): all torch.compile, torch.export and FakeTensor need;
 - autograd: the op's `Backward` (its gradient in terms of other ops' custom ops), or for an
-  inference-only op a refusal (`InferenceOnly`) of inputs that require grad.
+  inference-only op a refusal (`InferenceOnly`) of inputs that require grad; the backward's `Helper`s as
+  custom ops of their own (`autofuse::<name>`, e.g. moe_dispatch_backward).
 
 Ops with handles (`Op.handles`, `CustomOp.handle`: MoE's dispatch/combine pair) and ops of several
 outputs: a handle argument `h` becomes `Tensor h_<name>, ..., str h_key` (its tensors in the layout's
@@ -136,11 +137,21 @@ def _autograd(custom: Any, op: Op, decl: CustomOp, extra: str | None) -> None:
     _register_autograd(custom, backward, setup)
 
 
+def _define_helpers(decl: CustomOp) -> None:
+    """The backward's helper custom ops (`Helper`: `autofuse::<name>`, schema from the function's hints), once."""
+    for h in decl.backward.helpers if decl.backward is not None else ():
+        if h.name not in DEFINED:
+            helper = torch.library.custom_op(f"{NAMESPACE}::{h.name}", mutates_args=())(h.fn)
+            helper.register_fake(h.fake)
+            DEFINED[h.name] = helper
+
+
 def define(op: Op) -> None:
     """Register `op`'s custom op(s) from its declaration (once; an op without `custom` gets none)."""
     decl = op.custom
     if decl is None or op.name in DEFINED:
         return
+    _define_helpers(decl)
     if op.handles or len(op.outputs) > 1:
         Structured(op).define()
         return

@@ -1,7 +1,8 @@
-"""The MoE pair's backward as two torch custom ops (`autofuse::moe_dispatch_backward`,
-`autofuse::moe_combine_backward`): opaque nodes with static shapes, so torch.compile traces the
-backward graph while the real work (host-read counts, all-to-alls, grouped GEMMs) runs on real
-tensors. Bulk-synchronous, like the ops' `bsp` variant; not dispatched or tuned.
+"""The MoE pair's backward, run as two torch custom ops (`autofuse::moe_dispatch_backward`,
+`autofuse::moe_combine_backward`: the ops declare them as `Helper`s, autofuse/library registers them):
+opaque nodes with static shapes, so torch.compile traces the backward graph while the real work
+(host-read counts, all-to-alls, grouped GEMMs) runs on real tensors. Bulk-synchronous, like the ops'
+`bsp` variant; not dispatched or tuned.
 
 - dispatch's backward is combine-shaped: from dh, d pre-activation (SwiGLU recomputed from the kept
   rows), dw1 = rows^T d pre per expert, d rows = d pre w1^T, returned to the tokens' ranks and summed
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from autofuse.core.custom import Helper
 from autofuse.ops import moe
 
 
@@ -28,7 +30,6 @@ def _per_expert_outer(a: torch.Tensor, g: torch.Tensor, counts: list[int], shape
     return out.to(dtype).reshape(shape)
 
 
-@torch.library.custom_op("autofuse::moe_dispatch_backward", mutates_args=())
 def dispatch_backward(dh: torch.Tensor, rows: torch.Tensor, w1: torch.Tensor, counts: torch.Tensor,
                       sent: torch.Tensor, order: torch.Tensor, index: torch.Tensor, tokens: int,
                       group_name: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -50,12 +51,10 @@ def dispatch_backward(dh: torch.Tensor, rows: torch.Tensor, w1: torch.Tensor, co
     return dx.to(rows.dtype), dw1
 
 
-@dispatch_backward.register_fake
-def _(dh, rows, w1, counts, sent, order, index, tokens, group_name):
+def _dispatch_backward_fake(dh, rows, w1, counts, sent, order, index, tokens, group_name):
     return rows.new_empty(tokens, rows.shape[1]), torch.empty_like(w1)
 
 
-@torch.library.custom_op("autofuse::moe_combine_backward", mutates_args=())
 def combine_backward(dy: torch.Tensor, h: torch.Tensor, w2: torch.Tensor, counts: torch.Tensor, sent: torch.Tensor,
                      order: torch.Tensor, index: torch.Tensor, weights: torch.Tensor,
                      group_name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -77,9 +76,12 @@ def combine_backward(dy: torch.Tensor, h: torch.Tensor, w2: torch.Tensor, counts
     return dh, dw2, dweights.view(weights.shape).to(weights.dtype)
 
 
-@combine_backward.register_fake
-def _(dy, h, w2, counts, sent, order, index, weights, group_name):
+def _combine_backward_fake(dy, h, w2, counts, sent, order, index, weights, group_name):
     return torch.empty_like(h), torch.empty_like(w2), torch.empty_like(weights)
+
+
+DISPATCH_BACKWARD = Helper("moe_dispatch_backward", dispatch_backward, _dispatch_backward_fake)
+COMBINE_BACKWARD = Helper("moe_combine_backward", combine_backward, _combine_backward_fake)
 
 
 def dispatch_grads(dh, rows, w1, counts, sent, order, index, tokens, group_name):

@@ -188,7 +188,7 @@ def _grads(kept: dict, grads: tuple, needs: tuple, group_name: str) -> tuple:
 
 CUSTOM = CustomOp(
     out_shape=lambda inputs, w: (inputs[2].tensors["weights"].shape[0], inputs[1].shape[2]),
-    backward=Backward(_keep, _grads),
+    backward=Backward(_keep, _grads, helpers=(moe_backward.COMBINE_BACKWARD,)),
 )
 
 OP = Op(

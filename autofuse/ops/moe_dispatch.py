@@ -219,7 +219,7 @@ def _grads(kept: dict, grads: tuple, needs: tuple, group_name: str) -> tuple:
 
 CUSTOM = CustomOp(
     out_shape=lambda inputs, w: (w * inputs[0].shape[0] * inputs[1].shape[1], inputs[3].shape[-1]),
-    backward=Backward(_keep, _grads),
+    backward=Backward(_keep, _grads, helpers=(moe_backward.DISPATCH_BACKWARD,)),
     handle=HandleLayout(moe.HANDLE, _handle_fake, lambda inputs, w: moe.dispatch_key(w, inputs[0], inputs[1], inputs[3])),
 )
 
