@@ -191,6 +191,21 @@ def _synthetic_rows(noise: float, gain: float, seed: int = 0) -> list[dict]:
     return out
 
 
+def test_a_problem_with_only_its_baseline_is_predicted_not_a_measured_bsp_win():
+    """A tune cut short measured one problem's BSP and none of its candidates: the fit leaves it out of the
+    measured problems (saying so) and the policy predicts it from its neighbours (fused, 1.5x everywhere),
+    where taking it as measured would run bsp there."""
+    rows = _synthetic_rows(noise=0.01, gain=1.5)
+    cut = _toy(256, 32).key
+    rows = [r for r in rows if not (r["problem"] == cut and r["variant"] != "bsp")]
+    res = fitting.fit(rows, FP, "eager", ops={"toy_mm": TOY})
+    assert any(s.startswith(cut) and "only bsp measured" in s for s in res.report["ops"]["toy_mm"]["skipped"])
+    d = Policy(res.data).decide(Problem.from_key(cut), TOY)
+    assert d.variant == "fused" and d.basis != "measured", d
+    alone = fitting.collect([r for r in rows if r["variant"] == "bsp"], {"toy_mm": TOY})["toy_mm"]
+    assert len(alone.keys) == 24 and not alone.skipped  # bsp alone everywhere: kept (the "only bsp" report)
+
+
 def test_fit_is_unsure_where_gains_are_noise():
     """Fused and BSP equal under 5% noise: some held-out calls are unsure, and the policy costs little;
     with a clear 1.5x gain it picks fused everywhere."""

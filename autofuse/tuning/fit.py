@@ -58,7 +58,9 @@ class OpData:
 
 
 def collect(rows: Iterable[Mapping[str, Any]], ops: Mapping[str, Op] | None = None) -> dict[str, OpData]:
-    """Group store rows (store.best) by op; drop 'bound*' rows and problems without a BSP row."""
+    """Group store rows (store.best) by op; drop 'bound*' rows, problems without a BSP row and, where other
+    problems of the op have candidates measured, problems with nothing but their BSP row (a tune cut short:
+    as a measured problem its table entry would say bsp wins there, which nothing measured)."""
     ops = dict(ops or {})
     best: dict[str, dict[str, dict[str, tuple[float, Config]]]] = {}
     for row in rows:
@@ -86,6 +88,12 @@ def collect(rows: Iterable[Mapping[str, Any]], ops: Mapping[str, Op] | None = No
             d.keys.append(key)
             d.us[key] = {v: t for v, (t, _) in per.items()}
             d.configs[key] = {v: c for v, (_, c) in per.items()}
+        if any(len(d.us[k]) > 1 for k in d.keys):  # a problem a cut-short tune left with its baseline alone is
+            for key in [k for k in d.keys if len(d.us[k]) == 1]:  # no evidence that bsp wins there: predicted
+                d.skipped.append(f"{key}: only bsp measured (the tune stopped before its candidates): predicted "
+                                 "like a problem no tune measured")
+                d.keys.remove(key)
+                del d.us[key], d.configs[key], feats[key]
         d.features = sorted({f for fs in feats.values() for f in fs})
         d.x = [vector(feats[k], d.features) for k in d.keys]
         d.variants = [BSP] + sorted({v for k in d.keys for v in d.us[k]} - {BSP})
