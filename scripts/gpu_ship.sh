@@ -13,7 +13,8 @@
 #            warmup: scripts/eval_warmup_gpu.py, first requests cold vs after `autofuse warmup` (fitted policy)
 #            tune: TUNE_OPS (e.g. ag_gemm,gemm_ar: re-tune only the ops whose code changed, then merge) and
 #            TUNE_MINUTES (--time-limit) narrow it
-#            tune-moe / tune-train: `autofuse tune --sweep moe` (MOE_OPS, MOE_MINUTES, default 2) / `--sweep train` (ag_gemm,
+#            tune-moe / tune-train: `autofuse tune --sweep moe` (MOE_OPS, MOE_MINUTES, default 3: one minute covered 15 of 21 problems per op at
+#            4 GPUs once moe_dispatch had its fused variant) / `--sweep train` (ag_gemm,
 #            gemm_rs, or TRAIN_OPS; TRAIN_MINUTES, default 3) into the run's database; merge: BASE_DB (e.g. the shipped
 #            tuning_db/h200x2.db, copied, never changed) merged with the run's database, which later steps then fit
 #            and export; TRAIN_SHAPES: token counts for train_model (e.g. 4096)
@@ -52,8 +53,8 @@ for s in ${STEPS//,/ }; do
   case $s in
     tune) step tune 560 python3 -m autofuse tune --world "$WORLD" --db "$DB" ${TUNE_OPS:+--op $TUNE_OPS} \
             ${TUNE_MINUTES:+--time-limit $TUNE_MINUTES} ;;
-    tune-moe) step tune-moe 240 python3 -m autofuse tune --world "$WORLD" --db "$DB" --sweep moe \
-                --op "${MOE_OPS:-moe_dispatch,moe_combine}" --time-limit "${MOE_MINUTES:-2}" ;;
+    tune-moe) step tune-moe 300 python3 -m autofuse tune --world "$WORLD" --db "$DB" --sweep moe \
+                --op "${MOE_OPS:-moe_dispatch,moe_combine}" --time-limit "${MOE_MINUTES:-3}" ;;
     tune-train) step tune-train 300 python3 -m autofuse tune --world "$WORLD" --db "$DB" --sweep train \
                   --op "${TRAIN_OPS:-ag_gemm,gemm_rs}" --time-limit "${TRAIN_MINUTES:-3}" ;;
     merge) step merge 120 bash -c "cp $BASE_DB $W/merged.db && python3 -m autofuse merge $W/merged.db $DB"
