@@ -43,6 +43,7 @@ FLAG_BASE, FLAG_KINDS = 16, 2  # kernels/moe_fused.py's layout
 SMEM_BYTES = 227 << 10  # Hopper's shared memory per block (opt-in)
 INT32_MAX = 2**31 - 1
 MOVERS = (1, 2, 4, 8, 16, 32, 64)  # the fused dispatch's mover programs
+MOVER_KEYS = ("COMM_SMS", "BLOCK")  # the fused dispatch's movers, as hybrid's all-to-all takes them
 ACC_PER_WARP = 2048  # SwiGLU's two accumulators: BLOCK_M * BLOCK_N elements a tile per warp before spills
 
 
@@ -93,7 +94,7 @@ class FusedVariant(Variant):
 class FusedDispatchVariant(FusedVariant):
     """The fused dispatch's configs: the GEMM's, plus the movers' COMM_SMS and BLOCK (moe_hybrid's)."""
 
-    keys = KEYS + moe_hybrid.KEYS[:2]
+    keys = KEYS + MOVER_KEYS
 
     def space(self, trial: SearchSpace, problem: Problem) -> Config:
         return {**super().space(trial, problem),
@@ -105,8 +106,8 @@ class FusedDispatchVariant(FusedVariant):
         gemm = super().defaults(problem)
         if problem["T"] * problem["k"] / max(1, moe.local_experts(problem)) < 64:
             gemm = [{**gemm[0], "BLOCK_M": 16}, gemm[0]]
-        move = [{n: c[n] for n in ("COMM_SMS", "BLOCK")} for c in moe_hybrid.HybridVariant().defaults(problem)]
-        return [{**g, **move[0]} for g in gemm]
+        hybrid = moe_hybrid.HybridVariant().defaults(problem)[0]
+        return [{**g, **{n: hybrid[n] for n in MOVER_KEYS}} for g in gemm]
 
     def check(self, problem: Problem, config: Config) -> str | None:
         why = super().check(problem, config)
