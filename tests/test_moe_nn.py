@@ -314,10 +314,19 @@ def test_bench_moe_checks_and_times_on_cpu() -> None:
     assert row["x_bsp"] == {} and row["dispatch_GBps"] == {} and result["interpreted"], row
     assert row["autofuse_vs_best"] is None, row  # no ratios from the interpreter's times
     assert row["moved_bytes"] == 4 * 2 * 32 * 4 and row["model"] == "tiny" and row["skew"] == 100, row
-    assert {"fused", "hybrid"} <= set(row["us"]), row["us"]  # fused: combine's, beside dispatch's hybrid
+    assert {"fused", "hybrid", "hybrid/fused"} <= set(row["us"]), row["us"]  # fused: both ops'; the pair mixed
     a2a = row["a2a"]  # the heap all-to-all alone: its rows equal NCCL's, timed both ways; rank 0 receives
     assert not a2a["wrong"] and all(a2a["us"][n] > 0 for n in ("nccl", "dispatch", "combine")), a2a
     assert a2a["recv_bytes"] == 4 * 2 * 32 * 4 and a2a["back_bytes"] == 4 * 2 * 32 * 4, a2a  # rank 1's rows
+
+
+def test_bench_moe_contenders_name_their_pair() -> None:
+    from autofuse.bench.bench_moe import _pair
+
+    dispatch = {"bsp": 0, "hybrid": 0, "fused": 0}
+    assert _pair("autofuse", dispatch) == (None, None) and _pair("fused", dispatch) == ("fused", "fused")
+    assert _pair("hybrid/fused", dispatch) == ("hybrid", "fused")
+    assert _pair("fused", {"bsp": 0, "hybrid": 0}) == ("hybrid", "fused")  # a combine variant dispatch has not
 
 
 def test_bench_moe_autofuse_over_the_fastest_forced_contender() -> None:
