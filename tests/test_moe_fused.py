@@ -23,6 +23,7 @@ from test_moe_hybrid import (
     TOL,
     Trial,
     _assert_late_peer,
+    _beside_bsp,
     _combine_problem,
     _copy,
     _err,
@@ -126,14 +127,7 @@ def _dispatch_forward(world) -> dict:
             x, ids, weights = ranks[world.rank]
             w1r, w2r = _shard(p, w1, w2, world.rank)
             ref = moe.unsharded(x.double(), ids, weights.double(), w1.double(), w2.double(), act)
-            h, handle = fused(x, ids.int() if kind == "self" else ids, weights, w1r)
-            h, handle = h.clone(), _copy(handle)
-            hb, handle_b = bsp(x, ids, weights, w1r)
-            hb, handle_b = hb.clone(), _copy(handle_b)
-            used = int(handle.tensors["counts"].sum())
-            same = {n: bool(torch.equal(handle.tensors[n], handle_b.tensors[n]))
-                    for n in ("counts", "sent", "order", "index", "weights")}
-            same["rows"] = bool(torch.equal(handle.tensors["rows"][:used], handle_b.tensors["rows"][:used]))
+            h, handle, hb, handle_b, used, same = _beside_bsp(fused, bsp, kind, x, ids, weights, w1r)
             out[(hid, act, kind)] = {"used": used, "same": same, "pad_zero": bool((h[used:] == 0).all()),
                                      "h": _err(h, hb), "y bsp combine": _err(cbsp(h, w2r, handle), ref),
                                      "y fused combine": _err(cfused(h, w2r, handle), ref)}

@@ -52,20 +52,27 @@ def _forward(world) -> dict:
             x, ids, weights = ranks[world.rank]
             w1r, w2r = _shard(p, w1, w2, world.rank)
             ref = moe.unsharded(x.double(), ids, weights.double(), w1.double(), w2.double(), act)
-            h, handle = hybrid(x, ids.int() if kind == "self" else ids, weights, w1r)
-            h, handle = h.clone(), _copy(handle)
-            hb, handle_b = bsp(x, ids, weights, w1r)
-            hb, handle_b = hb.clone(), _copy(handle_b)
-            used = int(handle.tensors["counts"].sum())
-            same = {n: bool(torch.equal(handle.tensors[n], handle_b.tensors[n]))
-                    for n in ("counts", "sent", "order", "index", "weights")}
-            same["rows"] = bool(torch.equal(handle.tensors["rows"][:used], handle_b.tensors["rows"][:used]))
+            h, handle, hb, handle_b, used, same = _beside_bsp(hybrid, bsp, kind, x, ids, weights, w1r)
             out[(hid, act, kind)] = {
                 "used": used, "same": same, "pad_zero": bool((h[used:] == 0).all()),
                 "h": _err(h, hb), "y": _err(chybrid(h, w2r, handle), ref),
                 "y bsp dispatch": _err(chybrid(hb, w2r, handle_b), ref),  # hybrid combine, bsp's handle
                 "y bsp combine": _err(cbsp(h, w2r, handle), ref)}         # bsp combine, hybrid's handle
     return out
+
+
+def _beside_bsp(runner, bsp, kind: str, x, ids, weights, w1r) -> tuple:
+    """A heap dispatch (`runner`, int32 ids for the `self` routing) and bsp's on the same call, copied:
+    (h, handle, h bsp, handle bsp, used rows, {handle tensor: equal to bsp's}, rows compared up to `used`)."""
+    h, handle = runner(x, ids.int() if kind == "self" else ids, weights, w1r)
+    h, handle = h.clone(), _copy(handle)
+    hb, handle_b = bsp(x, ids, weights, w1r)
+    hb, handle_b = hb.clone(), _copy(handle_b)
+    used = int(handle.tensors["counts"].sum())
+    same = {n: bool(torch.equal(handle.tensors[n], handle_b.tensors[n]))
+            for n in ("counts", "sent", "order", "index", "weights")}
+    same["rows"] = bool(torch.equal(handle.tensors["rows"][:used], handle_b.tensors["rows"][:used]))
+    return h, handle, hb, handle_b, used, same
 
 
 def _combine_problem(world, p):
