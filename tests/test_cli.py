@@ -536,6 +536,24 @@ def test_show_names_the_other_environments_of_a_merged_database(runner, tmp_path
     assert "also holds" not in res.stderr
 
 
+def test_policy_fitted_off_the_machine_records_the_code_it_was_fitted_on(runner, tmp_path):
+    """A database tuned on a GPU host, fitted elsewhere (a login node, a CPU laptop): the policy records
+    today's op digests, those of the rows it read, so dispatch on the tuned host trusts it (not stale), and
+    a digest the code no longer has still makes it stale."""
+    from autofuse.dispatch.policy import Policy
+    from autofuse.measure import environment
+
+    db = make_db(tmp_path / "gpu.db")  # measured on GPU_FP, not this machine
+    res = runner.invoke(app, ["fit", "--db", str(db), "--out", "p.json"])
+    assert res.exit_code == 0 and "not this machine's" in res.stderr, res.output
+    data = json.loads((tmp_path / "p.json").read_text())
+    assert data["fingerprint"]["ops"] == environment.op_digests()
+    here = dict(GPU_FP, ops=environment.op_digests())
+    assert Policy.from_dict(data, here, "p.json").stale_ops == {}
+    changed = dict(here, ops=dict(here["ops"], ag_gemm="other-code"))
+    assert list(Policy.from_dict(data, changed, "p.json").stale_ops) == ["ag_gemm"]
+
+
 def test_fit_on_stale_rows_only_says_they_are_stale(runner, tmp_path):
     """A database whose every row was measured with older code of its op: fit says so and how to re-tune,
     not that there are no successful measurements."""

@@ -151,6 +151,8 @@ def _load(store: Any, db: Path, mode: str | None, fingerprint: str | None, op: s
         else:
             fp = dict(store.environment(fp_id) or {"id": fp_id})
             fp.pop("created_at", None)
+            if not stale:  # the rows read are today's code of each op: a policy fitted off the machine says so
+                fp["ops"] = environment.op_digests()
         found.append((m, rows, fp))
     if not found and older:
         fail(f"{db} holds only measurements of older code of {', '.join(sorted(older))} (the op changed since): "
