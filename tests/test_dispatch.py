@@ -230,6 +230,51 @@ def results(policies) -> list[dict]:
     return spawn(_dispatch_job, 2, policies)
 
 
+def _heap_full_job(world, policies: dict) -> dict:
+    """The heap filled to its last bytes; then the policy's fused (M=256) needs a workspace, then fused forced."""
+    import warnings
+
+    import torch
+
+    from autofuse import dispatch
+    from autofuse.dispatch.decide import HeapFallback
+
+    torch.set_num_threads(1)
+    os.environ["AUTOFUSE_POLICY"] = _write_policies(policies, world.rank)["good"]
+    dispatch.reset()
+    heap = world.heap
+    heap.empty(heap.size - heap._top - 256, dtype=torch.uint8, name="filler")  # every rank alike: symmetric
+    res: dict = {}
+    a, b = _inputs(world, 256)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = dispatch.call(TOY, a, b)
+    ex = dispatch.explain(TOY, a, b)
+    res["chosen"] = {"rel": _rel(out, a, b), "variant": ex.variant, "basis": ex.basis, "reason": ex.reason,
+                     "warned": [str(w.message) for w in caught if issubclass(w.category, HeapFallback)],
+                     "again": _rel(dispatch.call(TOY, a, b), a, b)}
+    try:
+        dispatch.call(TOY, *_inputs(world, 512), variant="fused")
+        res["forced"] = "ran"
+    except MemoryError as exc:
+        res["forced"] = f"{type(exc).__name__}: {exc}"
+    return res
+
+
+def test_a_full_heap_sends_a_chosen_variant_to_bsp_and_a_forced_one_raises(policies):
+    """A variant dispatch chose that cannot get its heap workspaces runs bsp on every rank (warned once, explained,
+    right, cached); forced with variant=, it raises HeapFull on every rank, naming the variant and the heap."""
+    for rank, r in enumerate(spawn(_heap_full_job, 2, policies, timeout_s=300)):
+        c = r["chosen"]
+        assert c["variant"] == "bsp" and c["basis"] == "fallback", (rank, c)
+        assert "do not fit in the symmetric heap (symmetric heap full: 'toy_mm." in c["reason"], (rank, c)
+        assert "of [measured] " in c["reason"], (rank, c)
+        assert c["rel"] < 1e-5 and c["again"] < 1e-5, (rank, c)
+        assert len(c["warned"]) == 1 and "AUTOFUSE_HEAP_SIZE" in c["warned"][0], (rank, c)
+        assert r["forced"].startswith("HeapFull: autofuse.toy_mm: fused cannot run"), (rank, r["forced"])
+        assert "symmetric heap full" in r["forced"], (rank, r["forced"])
+
+
 def test_first_call_decides_once(results):
     for r in results:
         s = r["first"]["stats"]

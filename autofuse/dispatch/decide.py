@@ -2,6 +2,7 @@
 machine, then the policy; and confirming a predicted decision by measuring it on first use."""
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -86,3 +87,38 @@ def confirm(world: World, op: Op, choice: Choice, args: tuple) -> Choice:
     return Choice(op.name, choice.problem, result.variant, result.config,
                   f"{stale}{result.describe()}; the policy said: [{choice.basis}] {choice.reason}", "confirmed",
                   choice.policy_path, "measured on first use", confirmation=result)
+
+
+class HeapFallback(UserWarning):
+    """A chosen variant's workspaces did not fit in the symmetric heap: its problem runs bsp instead."""
+
+
+FORCED = ("override", "env")  # Choice bases a user set: never replaced behind their back
+
+
+def build(world: World, op: Op, choice: Choice) -> tuple[Any, Choice]:
+    """Build the runner of `choice`, or where the symmetric heap cannot hold its variant's workspaces
+    (HeapFull), give a variant dispatch chose (policy, measurement, confirmation) way to bsp, with one warning
+    naming AUTOFUSE_HEAP_SIZE: the model runs, and the shape's choice says why (`explain`). A variant the user
+    forced (variant=, AUTOFUSE_VARIANT), or bsp itself, raises HeapFull instead.
+
+    The heap is symmetric: every rank makes the same allocations in the same order (each one's offset is
+    checked across the ranks), so every rank of the group finds it full at the same allocation, before the
+    workspace's collective, and takes the same branch here without a word to its peers.
+    """
+    from autofuse.comm.heap import HeapFull
+
+    try:
+        return op.variant(choice.variant).build(world, choice.problem, choice.config), choice
+    except HeapFull as exc:
+        if choice.basis in FORCED or choice.variant == "bsp":
+            raise HeapFull(f"autofuse.{op.name}: {choice.variant} cannot run {choice.problem.key} here: "
+                           f"{str(exc).splitlines()[0]}") from exc
+        why = str(exc).splitlines()[0]
+    config, source = policy_for(world).config_for(choice.problem, "bsp", op)
+    fallback = Choice(op.name, choice.problem, "bsp", config or {},
+                      f"fallback: {choice.variant}'s workspaces do not fit in the symmetric heap ({why}); bsp instead "
+                      f"(a larger AUTOFUSE_HEAP_SIZE, alike on every rank, lets it run) of [{choice.basis}] "
+                      f"{choice.reason}", "fallback", choice.policy_path, source)
+    warnings.warn(f"autofuse.{op.name} {choice.problem.key}: {fallback.reason}", HeapFallback, stacklevel=2)
+    return op.variant("bsp").build(world, choice.problem, fallback.config), fallback

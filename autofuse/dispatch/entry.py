@@ -30,7 +30,7 @@ from autofuse.core.runner import Handle
 from autofuse.dispatch import agreement
 from autofuse.dispatch.agreement import agree, told
 from autofuse.dispatch.choice import Choice
-from autofuse.dispatch.decide import confirm, decide
+from autofuse.dispatch.decide import build, confirm, decide
 from autofuse.dispatch.state import STATE, Entry, op_of, world_of
 
 
@@ -390,7 +390,7 @@ def miss(key: tuple | None, op: str | Op, args: tuple, group: Any, variant: str 
     agree(world, op.name, choice, invalid)
     if choice.candidates:
         choice = confirm(world, op, choice, args)
-    runner = op.variant(choice.variant).build(world, choice.problem, choice.config)
+    runner, choice = build(world, op, choice)
     STATE.stats.builds += 1
     every = bool(getattr(runner, "workspaces", ())) and (world.device.type == "cpu" or settings.check_every_call())
     entry = Entry(runner, choice, every)
