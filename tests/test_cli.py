@@ -81,6 +81,11 @@ def runner(monkeypatch, tmp_path) -> CliRunner:
     return CliRunner()
 
 
+def _flat(text: str) -> str:
+    """`text` with its line breaks folded: rich wraps a message at 80 columns wherever a long path puts the break."""
+    return " ".join(text.split())
+
+
 def _digest(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
@@ -111,9 +116,9 @@ def test_help_keeps_extras_and_names_the_bench_file(runner):
 def test_modes_default_to_what_the_database_holds(runner, db):
     res = runner.invoke(app, ["show", "--db", str(db)])
     assert res.exit_code == 0, res.output
-    assert "--mode not given: reading the eager mode" in res.stderr
+    assert "--mode not given: reading the eager mode" in _flat(res.stderr)
     res = runner.invoke(app, ["show", "--db", str(db), "--mode", "graph"])
-    assert res.exit_code == 1 and "no graph-mode measurements" in res.output and "--mode eager" in res.output
+    assert res.exit_code == 1 and "no graph-mode measurements" in _flat(res.output) and "--mode eager" in _flat(res.output)
     assert len(res.output.strip().splitlines()) == 1, res.output
 
 
@@ -153,7 +158,7 @@ def test_strong_scaling_table(runner, db):
             assert pw["variant"] == _best(m, w) and pw["us"] == pytest.approx(_latency(_best(m, w), m, w))
             assert pw["speedup_vs_smallest"] == pytest.approx(_latency(_best(m, 1), m, 1) / pw["us"])
     res = runner.invoke(app, ["show", "--db", str(db)])
-    assert "strong scaling" in res.stdout
+    assert "strong scaling" in _flat(res.stdout)
     assert all(h in res.stdout for h in ("w1", "w2", "w4", "speedup"))
 
 
@@ -249,7 +254,7 @@ def test_fit_writes_to_the_user_data_dir_and_never_replaces(runner, tmp_path):
     db = make_db(tmp_path / "cpu.db", fp=FP)
     res = runner.invoke(app, ["fit", "--db", str(db)])
     assert res.exit_code == 0, res.output
-    assert "within 5%" in res.stdout and "x bsp" not in res.stdout  # CPU timings: never a speedup
+    assert "within 5%" in _flat(res.stdout) and "x bsp" not in res.stdout  # CPU timings: never a speedup
     written = list((tmp_path / "xdg" / "autofuse" / "models").glob("*.json"))
     assert len(written) == 1, written
     machine = FP["gpu_name"].split("(")[1].strip(")").replace("_", "-")
@@ -257,7 +262,7 @@ def test_fit_writes_to_the_user_data_dir_and_never_replaces(runner, tmp_path):
     assert "-x0-" not in written[0].name
     before = _digest(written[0])
     res = runner.invoke(app, ["fit", "--db", str(db)])
-    assert res.exit_code == 1 and "exists; pass --force" in res.output and _digest(written[0]) == before
+    assert res.exit_code == 1 and "exists; pass --force" in _flat(res.output) and _digest(written[0]) == before
     res = runner.invoke(app, ["fit", "--db", str(db), "--force"])
     assert res.exit_code == 0, res.output
     res = runner.invoke(app, ["fit", "--db", str(db), "--op", "ag_gemm"])  # one op: not where dispatch looks
@@ -378,14 +383,14 @@ def fake_target(monkeypatch):
 def test_bench_target_contract(runner, fake_target, tmp_path):
     res = runner.invoke(app, ["bench", "fake", "--world", "3"])
     assert res.exit_code == 0, res.output
-    assert "fake table [bold]1 row[/bold] [/red]" in res.stdout  # markup off: printed as written
+    assert "fake table [bold]1 row[/bold] [/red]" in _flat(res.stdout)  # markup off: printed as written
     date = datetime.datetime.now(datetime.timezone.utc).date().isoformat()
     path = tmp_path / "autofuse-out" / f"bench-fake-tiny-w3-{date}.json"
     doc = json.loads(path.read_text())
     assert doc["target"] == "fake" and doc["rows"][0]["us"] == 1.5 and doc["rows"][0]["nan"] is None
     assert doc["options"]["world"] == 3 and doc["fingerprint"]["id"] == FP["id"]
     res = runner.invoke(app, ["bench", "fake", "--world", "3"])  # a second run never replaces the first:
-    assert res.exit_code == 1 and "exists; pass --force" in res.output  # it stops before any work, as
+    assert res.exit_code == 1 and "exists; pass --force" in _flat(res.output)  # it stops before any work, as
     assert "fake measurement" not in res.output and json.loads(path.read_text()) == doc  # show, fit, export do
     assert not path.with_name(path.stem + "-2.json").exists()
     res = runner.invoke(app, ["bench", "fake", "--out", str(path)])
@@ -401,14 +406,14 @@ def test_bench_errors_are_one_line(runner, fake_target):
         "bench target 'ghost' is not available in this installation (its module " \
         "autofuse.bench.bench_ghost_missing is missing)"
     res = runner.invoke(app, ["bench", "nonsense"])
-    assert res.exit_code == 1 and "unknown bench target 'nonsense'" in res.output and "ag_gemm" in res.output
+    assert res.exit_code == 1 and "unknown bench target 'nonsense'" in _flat(res.output) and "ag_gemm" in res.output
     res = runner.invoke(app, ["bench", "fake", "--variants", "explode"])
-    assert res.exit_code == 1 and "[/home/ci/gloo/transport.cc:154]" in res.output and "[/red] [/foo]" in res.output
+    assert res.exit_code == 1 and "[/home/ci/gloo/transport.cc:154]" in res.output and "[/red] [/foo]" in _flat(res.output)
     assert "Traceback" not in res.output and "MarkupError" not in res.output
     res = runner.invoke(app, ["bench", "ag_gemm", "--mode", "graph"])
-    assert res.exit_code == 1 and "needs CUDA graphs" in res.output
+    assert res.exit_code == 1 and "needs CUDA graphs" in _flat(res.output)
     res = runner.invoke(app, ["bench", "train-layer", "--mode", "graph"])  # hyphenated: the same target
-    assert res.exit_code == 1 and "needs CUDA graphs" in res.output and "unknown" not in res.output
+    assert res.exit_code == 1 and "needs CUDA graphs" in _flat(res.output) and "unknown" not in res.output
 
 
 def test_cpu_op_bench(tmp_path):
@@ -419,9 +424,9 @@ def test_cpu_op_bench(tmp_path):
     res = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stdout + res.stderr
     assert re.search(r"^\[1/1\] problem 1/1 gemm_ar\|.* bsp default: eager [0-9.]+ us$", res.stdout, re.M), res.stdout
-    assert "not GPU timings" in res.stdout + res.stderr
+    assert "not GPU timings" in _flat(res.stdout + res.stderr)
     written = list((tmp_path / "autofuse-out").glob("bench-gemm_ar-cpu-w2-*.json"))
-    assert len(written) == 1 and f"wrote {written[0].relative_to(tmp_path)}" in res.stderr
+    assert len(written) == 1 and f"wrote {written[0].relative_to(tmp_path)}" in _flat(res.stderr)
     doc = json.loads(written[0].read_text())
     assert doc["op"] == "gemm_ar" and doc["sweep"] == "cpu" and len(doc["rows"]) == 1
     assert "profile" not in doc["rows"][0]  # only `--profile` adds it
@@ -511,7 +516,7 @@ def test_show_and_export_mark_rows_of_older_op_code_stale(runner, tmp_path):
     assert {r["problem"]: r["stale"] for r in records if r["M"] == 512} == {old.key: True}
     assert not any(r["stale"] for r in records if r["M"] != 512)
     res = runner.invoke(app, ["fit", "--db", str(db), "--out", "p.json"])
-    assert res.exit_code == 0 and "left out 1 problems of ag_gemm measured only with older code" in res.stderr
+    assert res.exit_code == 0 and "left out 1 problems of ag_gemm measured only with older code" in _flat(res.stderr)
 
 
 def test_show_names_the_other_environments_of_a_merged_database(runner, tmp_path):
@@ -642,7 +647,7 @@ def test_outputs_that_are_not_regular_files_are_never_replaced(runner, db, tmp_p
             for force in ([], ["--force"]):
                 res = runner.invoke(app, [*args, *force])
                 assert res.exit_code == 1, (kind, args, force, res.output)
-                assert "not a regular file" in res.output and "Traceback" not in res.output, res.output
+                assert "not a regular file" in _flat(res.output) and "Traceback" not in res.output, res.output
                 assert _still(kind, path), (kind, args, force)
 
 
@@ -680,12 +685,12 @@ def test_rows_modified_outside_autofuse_are_one_line(runner, db, tmp_path, colum
     shutil.copy(db, out)
     before = _digest(out)
     res = runner.invoke(app, ["merge", str(out), str(path)])
-    assert res.exit_code == 1 and "outside autofuse" in res.output and "Traceback" not in res.output, res.output
+    assert res.exit_code == 1 and "outside autofuse" in _flat(res.output) and "Traceback" not in res.output, res.output
     assert _digest(out) == before
     for command in ("show", "export", "fit"):
         res = runner.invoke(app, [command, "--db", str(path)])
         assert res.exit_code == 1, (command, res.output)
-        assert str(path) in res.output and "outside autofuse" in res.output, (command, res.output)
+        assert str(path) in res.output and "outside autofuse" in _flat(res.output), (command, res.output)
         assert "Traceback" not in res.output and not isinstance(res.exception, (ValueError, TypeError)), res.output
 
 
@@ -714,7 +719,7 @@ def test_a_dangling_db_link_is_refused(runner, db, tmp_path):
     for args in (["merge", str(link), str(db)], ["tune", "--db", str(link), "--op", "gemm_ar", "--trials", "1"]):
         res = runner.invoke(app, args)
         assert res.exit_code == 1, (args, res.output)
-        assert "symbolic link" in res.output and "does not exist" in res.output, (args, res.output)
+        assert "symbolic link" in _flat(res.output) and "does not exist" in _flat(res.output), (args, res.output)
         assert "Traceback" not in res.output, res.output
         assert not target.exists() and link.is_symlink(), args
     assert list(target.parent.iterdir()) == []
