@@ -14,7 +14,7 @@ from autofuse.comm.world import World
 from autofuse.dispatch import online
 from autofuse.dispatch.choice import Choice
 from autofuse.dispatch.policy_files import policy_for
-from autofuse.dispatch.state import STATE
+from autofuse.dispatch.state import STATE, user_stacklevel
 
 
 def decide(op: Op, world: World, args: tuple, variant: str | None, config: Config | None) -> Choice:
@@ -60,10 +60,8 @@ def decide(op: Op, world: World, args: tuple, variant: str | None, config: Confi
         # twice as many as are timed: the later ones stand in for candidates that cannot run here; torch's op too
         choice.candidates, choice.keep = policy.confirmation_candidates(problem, op, available, settings.confirm_k())
     elif problem.op in policy.stale_ops:
-        config, source = policy.config_for(problem, "bsp", op)
-        return Choice(op.name, problem, "bsp", config or {}, f"fallback: {policy.stale_ops[problem.op]}, and "
-                      "confirmation on first use is off (AUTOFUSE_ONLINE=0, the CPU emulation or ranks sharing a GPU): bsp", "fallback",
-                      policy.path, source)
+        return bsp_fallback(op, problem, policy, f"fallback: {policy.stale_ops[problem.op]}, and confirmation on "
+                            "first use is off (AUTOFUSE_ONLINE=0, the CPU emulation or ranks sharing a GPU): bsp")
     elif getattr(policy, "other_host", False):
         choice.reason += ("; but confirmation on first use is off (AUTOFUSE_ONLINE=0, the CPU emulation or ranks "
                           "sharing a GPU): used unconfirmed")
@@ -89,6 +87,12 @@ def confirm(world: World, op: Op, choice: Choice, args: tuple) -> Choice:
                   choice.policy_path, "measured on first use", confirmation=result)
 
 
+def bsp_fallback(op: Op, problem: Any, policy: Any, reason: str) -> Choice:
+    """The Choice that runs `problem` on bsp (at the policy's bsp config, if it has one) because of `reason`."""
+    config, source = policy.config_for(problem, "bsp", op)
+    return Choice(op.name, problem, "bsp", config or {}, reason, "fallback", policy.path, source)
+
+
 class HeapFallback(UserWarning):
     """A chosen variant's workspaces did not fit in the symmetric heap: its problem runs bsp instead."""
 
@@ -111,14 +115,13 @@ def build(world: World, op: Op, choice: Choice) -> tuple[Any, Choice]:
     try:
         return op.variant(choice.variant).build(world, choice.problem, choice.config), choice
     except HeapFull as exc:
-        if choice.basis in FORCED or choice.variant == "bsp":
-            raise HeapFull(f"autofuse.{op.name}: {choice.variant} cannot run {choice.problem.key} here: "
-                           f"{str(exc).splitlines()[0]}") from exc
         why = str(exc).splitlines()[0]
-    config, source = policy_for(world).config_for(choice.problem, "bsp", op)
-    fallback = Choice(op.name, choice.problem, "bsp", config or {},
-                      f"fallback: {choice.variant}'s workspaces do not fit in the symmetric heap ({why}); bsp instead "
-                      f"(a larger AUTOFUSE_HEAP_SIZE, alike on every rank, lets it run) of [{choice.basis}] "
-                      f"{choice.reason}", "fallback", choice.policy_path, source)
-    warnings.warn(f"autofuse.{op.name} {choice.problem.key}: {fallback.reason}", HeapFallback, stacklevel=2)
+        if choice.basis in FORCED or choice.variant == "bsp":
+            raise HeapFull(f"autofuse.{op.name}: {choice.variant} cannot run {choice.problem.key} here: {why}") from exc
+    fallback = bsp_fallback(op, choice.problem, policy_for(world),
+                            f"fallback: {choice.variant}'s workspaces do not fit in the symmetric heap ({why}); bsp "
+                            f"instead (a larger AUTOFUSE_HEAP_SIZE, alike on every rank, lets it run) of "
+                            f"[{choice.basis}] {choice.reason}")
+    warnings.warn(f"autofuse.{op.name} {choice.problem.key}: {fallback.reason}", HeapFallback,
+                  stacklevel=user_stacklevel())
     return op.variant("bsp").build(world, choice.problem, fallback.config), fallback
