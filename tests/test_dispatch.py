@@ -712,7 +712,9 @@ def _gpu_dispatch_job(world) -> list[tuple[str, bool, str]]:
                 g = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(g):
                     entry(*inputs, group=world, variant=v, out=out)
-                out.fill_(math.nan)
+                for t in (out if isinstance(out, tuple) else (out,)):  # several outputs (moe_dispatch): each one
+                    if isinstance(t, torch.Tensor) and t.is_floating_point():
+                        t.fill_(math.nan)
                 world.sync()
                 for _ in range(3):
                     g.replay()
