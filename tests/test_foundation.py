@@ -132,6 +132,42 @@ def test_the_launcher_makes_no_named_semaphores(monkeypatch):
     assert spawn(_rank, 2, timeout_s=120) == [0, 1]
 
 
+def _environment(world):
+    return os.environ.get("AUTOFUSE_TEST_SPAWN_PROBE"), os.environ.get("TRITON_INTERPRET"), os.getppid()
+
+
+@pytest.mark.parametrize("start_method", [None, "spawn"])
+def test_ranks_see_the_launchers_environment_as_it_is_at_each_spawn(monkeypatch, start_method):
+    """CPU ranks fork from a server started at the first spawn (None: the default) or start fresh ("spawn",
+    as `autofuse tune` does): either way a rank sees the launcher's environment of that call, a variable set
+    or removed after the server started included, and spawn's own settings (TRITON_INTERPRET on CPU)."""
+    monkeypatch.setenv("AUTOFUSE_TEST_SPAWN_PROBE", "first")
+    assert [r[:2] for r in spawn(_environment, 2, timeout_s=120, start_method=start_method)] == [("first", "1")] * 2
+    monkeypatch.setenv("AUTOFUSE_TEST_SPAWN_PROBE", "second")
+    assert [r[:2] for r in spawn(_environment, 2, timeout_s=120, start_method=start_method)] == [("second", "1")] * 2
+    monkeypatch.delenv("AUTOFUSE_TEST_SPAWN_PROBE")
+    got = spawn(_environment, 2, timeout_s=120, start_method=start_method)
+    assert [r[:2] for r in got] == [(None, "1")] * 2
+    assert all((r[2] == os.getpid()) == (start_method == "spawn") for r in got)  # the fork server is the parent
+
+
+def _store_after_rank_0_returned(world):
+    import torch.distributed as dist
+
+    if world.rank == 0:
+        return "returned"
+    time.sleep(1.0)  # rank 0 (the store's process) has returned by now
+    store = dist.distributed_c10d._get_default_store()
+    store.set("late", "1")
+    return store.get("late").decode()
+
+
+def test_the_store_outlives_rank_0_until_every_rank_has_left_it():
+    """The job's store lives in rank 0's process; a peer still using it after rank 0 returned (a refusal, an
+    agreement) finds it there: rank 0 exits once every rank has left (bounded)."""
+    assert spawn(_store_after_rank_0_returned, 2, timeout_s=120) == ["returned", "1"]
+
+
 def _sleep_forever(world):
     time.sleep(600)
 

@@ -373,8 +373,42 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_main(local_rank: int, size: int, port: int, device_kind: str, fn: Callable, args: tuple,
-               results: Any, timeout_s: float, device_index: int, shares_gpu: bool) -> None:
+class _Environ:
+    """The launcher's environment, put in place as the rank unpickles it: a forkserver child starts with the
+    fork server's environment, not the launcher's current one, and this comes first in the rank's arguments,
+    so the launcher's settings hold before the job's function and arguments are unpickled (and import what
+    they need)."""
+
+    def __init__(self, values: dict[str, str]):
+        self.values = values
+
+    def __getstate__(self) -> dict[str, str]:
+        return self.values
+
+    def __setstate__(self, values: dict[str, str]) -> None:
+        self.values = values
+        os.environ.clear()
+        os.environ.update(values)
+
+
+# imported once by the fork server, so a CPU rank starts in milliseconds instead of importing them again
+FORKSERVER_PRELOAD = ("torch", "torch.distributed", "triton", "autofuse.comm.world")
+
+
+def _context(device_kind: str, start_method: str | None) -> Any:
+    """The multiprocessing context ranks start from: `start_method` if given; else a fork server for CPU
+    ranks (their imports are the start's cost: about 2 s a rank on a small host) and fresh interpreters
+    for GPU ranks (nothing CUDA-related is ever forked)."""
+    method = start_method or ("forkserver" if device_kind == "cpu" and "forkserver" in mp.get_all_start_methods()
+                              else "spawn")
+    ctx = mp.get_context(method)
+    if method == "forkserver":
+        ctx.set_forkserver_preload(list(FORKSERVER_PRELOAD))
+    return ctx
+
+
+def _rank_main(environ: _Environ, local_rank: int, size: int, port: int, device_kind: str, fn: Callable,
+               args: tuple, results: Any, timeout_s: float, device_index: int, shares_gpu: bool) -> None:
     world = None
     try:
         world = _init(local_rank, size, device_index, device_kind, f"tcp://127.0.0.1:{port}", timeout_s, shares_gpu)
@@ -387,11 +421,30 @@ def _rank_main(local_rank: int, size: int, port: int, device_kind: str, fn: Call
         results.close()
         if world is not None:
             world.close()
+        _leave_store(local_rank, size)
         if dist.is_initialized():
             try:
                 dist.destroy_process_group()
             except Exception:
                 pass
+
+
+LEAVE_WAIT_S = 10.0  # how long the store's rank waits for the others to leave it (a dead peer never does)
+
+
+def _leave_store(rank: int, size: int) -> None:
+    """The job's store lives in rank 0's process: rank 0 exits only once every rank has left it (or after
+    LEAVE_WAIT_S), so a peer still in a store exchange (a refusal, an agreement) never finds the store gone."""
+    if not dist.is_initialized():
+        return
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        store.add("autofuse/spawn/left", 1)
+        deadline = time.monotonic() + LEAVE_WAIT_S
+        while rank == 0 and store.add("autofuse/spawn/left", 0) < size and time.monotonic() < deadline:
+            time.sleep(0.01)
+    except Exception:  # noqa: BLE001 - a store already gone (rank 0 died) leaves nothing to wait for
+        pass
 
 
 @contextlib.contextmanager
@@ -411,7 +464,7 @@ def temporary_env(values: dict[str, str]) -> Iterator[None]:
 
 
 def spawn(fn: Callable[..., Any], size: int, *args: Any, device_kind: str | None = None,
-          timeout_s: float = 600.0, ranks_per_gpu: int | None = None) -> list[Any]:
+          timeout_s: float = 600.0, ranks_per_gpu: int | None = None, start_method: str | None = None) -> list[Any]:
     """Run `fn(world, *args)` on `size` local ranks; return each rank's result, rank order.
 
     GPUs: one process per GPU with NCCL; with more ranks than GPUs and `ranks_per_gpu` > 1 (default
@@ -420,6 +473,11 @@ def spawn(fn: Callable[..., Any], size: int, *args: Any, device_kind: str | None
     Triton's interpreter (TRITON_INTERPRET=1 is set for the children). If any rank raises or dies,
     the others are terminated and `RankFailed` names the first rank that failed and why; past
     `timeout_s` every rank is terminated and `RankFailed` says so. Never waits without bound.
+
+    Ranks start from a fork server on CPU (torch and Triton imported once, not once per rank) and as
+    fresh interpreters on GPUs; `start_method` ("spawn", "forkserver") overrides it, e.g. "spawn" where a
+    rank must be a child of this process (`autofuse tune`'s ranks die with it). Either way a rank sees
+    this process's environment as it was when `spawn` was called, plus what spawn sets for it.
     """
     device_kind = device_kind or default_device_kind()
     if size < 1:
@@ -428,21 +486,22 @@ def spawn(fn: Callable[..., Any], size: int, *args: Any, device_kind: str | None
     if device_kind == "cuda":
         devices = device_plan(size, settings.ranks_per_gpu() if ranks_per_gpu is None else ranks_per_gpu)
         shared = len(set(devices)) < size
-    ctx = mp.get_context("spawn")
+    ctx = _context(device_kind, start_method)
     # one pipe per rank, not a multiprocessing queue: a queue's locks are named semaphores
     # (/dev/shm/sem.mp-*) that a killed job would leave behind
     pipes = [ctx.Pipe(duplex=False) for _ in range(size)]
     port = free_port()
-    procs = [
-        ctx.Process(target=_rank_main, args=(r, size, port, device_kind, fn, args, pipes[r][1], timeout_s, devices[r],
-                                             shared), daemon=False)
-        for r in range(size)
-    ]
     child_env = {}  # what the children read from the environment at start
     if device_kind == "cpu":
         child_env["TRITON_INTERPRET"] = "1"  # read when their kernels are imported
     if shared and ranks_per_gpu is not None:
         child_env["AUTOFUSE_RANKS_PER_GPU"] = str(ranks_per_gpu)  # their settings say what the job does
+    environ = _Environ({**os.environ, **child_env})
+    procs = [
+        ctx.Process(target=_rank_main, args=(environ, r, size, port, device_kind, fn, args, pipes[r][1], timeout_s,
+                                             devices[r], shared), daemon=False)
+        for r in range(size)
+    ]
     try:
         with temporary_env(child_env):
             for p in procs:

@@ -212,7 +212,8 @@ def _run(ops: list[str], world: Optional[list[str]], options_args: dict, db: Pat
     t0 = time.monotonic()
     with Supervisor(say=lambda text: say(text, "yellow")) as supervisor:
         try:
-            results = spawn(tune_rank, n, options, supervisor.link(), device_kind=kind, timeout_s=job_timeout)
+            results = spawn(tune_rank, n, options, supervisor.link(), device_kind=kind, timeout_s=job_timeout,
+                            start_method="spawn")  # ranks are this process's children: they die with it
         except (RankFailed, KeyboardInterrupt) as exc:
             code = supervisor.exit_code()
             if code is not None:
