@@ -14,7 +14,8 @@
 #     together:test_gemm_rs,test_ag_gemm:240:gpu_cases+or+sizes_that_hung \
 #     together:test_gemm_ar,test_flash_decode,test_collectives,test_hybrid,test_gemm_core:270:not+test_gpu_faults \
 #     together:test_gemm_rs,test_gemm_ar,test_ag_gemm,test_flash_decode,test_collectives,test_groups,test_dispatch,test_calls:150:test_gpu_faults+and+not+sizes_that_hung+or+test_groups+or+test_dispatch+or+test_calls
-# (--world 4: the same at 4 ranks on the GPU.)
+# (--world 4: the same at 4 ranks on the GPU, in smaller waves: 11 tests at once, 44 processes on one GPU and 16
+# CPU cores, made ranks miss 4 s agreement budgets and the host kill one; the same tests passed one after the other.)
 # Stages (LIMIT: seconds, default 300):
 #   pytest:FILES[:LIMIT[:KEXPR]]    pytest -m gpu on tests/FILES (comma-separated file stems, e.g. test_ag_gemm),
 #                                   -k KEXPR if given ('+' for spaces)
