@@ -149,6 +149,8 @@ def test_ranks_see_the_launchers_environment_as_it_is_at_each_spawn(monkeypatch,
     got = spawn(_environment, 2, timeout_s=120, start_method=start_method)
     assert [r[:2] for r in got] == [(None, "1")] * 2
     assert all((r[2] == os.getpid()) == (start_method == "spawn") for r in got)  # the fork server is the parent
+    with pytest.raises(ValueError, match="start_method 'fork'"):
+        spawn(_environment, 2, timeout_s=120, start_method="fork")
 
 
 def _store_after_rank_0_returned(world):

@@ -399,6 +399,9 @@ def _context(device_kind: str, start_method: str | None) -> Any:
     """The multiprocessing context ranks start from: `start_method` if given; else a fork server for CPU
     ranks (their imports are the start's cost: about 2 s a rank on a small host) and fresh interpreters
     for GPU ranks (nothing CUDA-related is ever forked)."""
+    if start_method not in (None, "spawn", "forkserver"):
+        raise ValueError(f"start_method {start_method!r}: use 'spawn', 'forkserver' or None (forkserver on CPU, spawn on "
+                         f"GPUs); 'fork' would copy this process's torch and CUDA state into every rank")
     method = start_method or ("forkserver" if device_kind == "cpu" and "forkserver" in mp.get_all_start_methods()
                               else "spawn")
     ctx = mp.get_context(method)
