@@ -137,6 +137,7 @@ def _modules(world) -> dict:
     with torch.no_grad():
         out["deepcopy"] = twin.group is group, rel(twin(x[rows]), h64[..., cols])
     out["aliases"] = _aliases(world)
+    out["unaligned"] = _unaligned(world)
     errors = {}
     for name, make in {"column 63": lambda: ColumnParallelLinear(32, 63, group=world.group),
                        "row 33": lambda: RowParallelLinear(33, 32, group=world.group),
@@ -148,6 +149,31 @@ def _modules(world) -> dict:
             errors[name] = str(exc)
     out["errors"] = errors
     return out
+
+
+def _unaligned(world) -> dict:
+    """A sequence-parallel column layer whose shard width ag_gemm refuses (6 float32 columns a rank:
+    24 bytes, not a multiple of 16): its output and the gradients of its input, weight and bias
+    against float64 autograd of the whole layer."""
+    from autofuse.nn import ColumnParallelLinear
+
+    w, r = world.size, world.rank
+    torch.manual_seed(3)
+    lin = nn.Linear(20, 6 * w)
+    x = torch.randn(4 * w, 20)
+    cols, rows = slice(6 * r, 6 * (r + 1)), slice(4 * r, 4 * (r + 1))
+    weight = torch.arange(6 * w, dtype=torch.float64) / (6 * w) + 0.5  # every column its own loss weight
+    x64, lin64 = x.double().requires_grad_(), copy.deepcopy(lin).double()
+    ((lin64(x64) * weight) ** 2).sum().backward()
+    layer = ColumnParallelLinear.from_linear(lin, world.group, sequence_parallel=True)
+    xr = x[rows].clone().requires_grad_()
+    y = layer(xr)
+    ((y * weight[cols].float()) ** 2).sum().backward()
+    with torch.no_grad():
+        want = lin64(x64)[:, cols]
+    return {"shape": tuple(y.shape), "out": rel(y, want), "input grad": rel(xr.grad, x64.grad[rows]),
+            "weight grad": rel(layer.weight.grad, lin64.weight.grad[cols]),
+            "bias grad": rel(layer.bias.grad, lin64.bias.grad[cols])}
 
 
 # ------------------------------------------------------------------------------------------- plans
@@ -359,6 +385,16 @@ def test_modules_match_the_whole_layer(job) -> None:
         assert m["column input grad"] <= TOL
         assert m["fused"][0] <= TOL and m["fused"][1] == 0.0
         assert m["deepcopy"][0] and m["deepcopy"][1] <= TOL
+
+
+def test_sequence_parallel_column_shards_ag_gemm_refuses_gather_then_multiply(job) -> None:
+    """A shard width whose rows ag_gemm would refuse (not a multiple of 16 bytes) still trains: the
+    rows are gathered, multiplied locally, and the input's gradient summed and scattered back."""
+    w, ranks = job
+    for r, res in enumerate(ranks):
+        u = res["modules"]["unaligned"]
+        assert u["shape"] == (4 * w, 6), (r, u)
+        assert max(u["out"], u["input grad"], u["weight grad"], u["bias grad"]) <= TOL, (r, u)
 
 
 def test_from_linear_copies(job) -> None:

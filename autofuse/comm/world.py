@@ -171,8 +171,8 @@ class World:
         origin, said = stop
         if origin is None:
             self.broken = (f"{what}: rank {self.rank}'s collective did not complete within {budget:g} s "
-                           f"(AUTOFUSE_WAIT_TIMEOUT; {said}): a peer did not take part (it skipped the call or "
-                           "died). This process group cannot be used any more: restart the job")
+                           f"(AUTOFUSE_WAIT_TIMEOUT; {said}): a peer did not take part (it skipped the call, made "
+                           "another op's call or died). This process group cannot be used any more: restart the job")
         else:
             self.broken = (f"{what}: rank {self.rank} stopped because rank {origin} did not take part in this "
                            f"collective: it {said}. This process group cannot be used any more: restart the job")

@@ -168,6 +168,28 @@ class _AllReduceGrad(torch.autograd.Function):
         return _sum(g, ctx.group), None
 
 
+class _GatherRowsSummedGrad(torch.autograd.Function):
+    """Every rank's dim-0 block concatenated (rank r of w); backward: this rank's block of the gradient
+    summed over the group (each rank's columns contribute to every gathered row: the all-gather's
+    adjoint, a reduce-scatter, written as an all-reduce and a slice)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any, w: int, r: int) -> torch.Tensor:
+        ctx.group, ctx.w, ctx.r = group, w, r
+        return _gather0(x, group)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple:
+        n = g.shape[0] // ctx.w
+        return _sum(g, ctx.group)[ctx.r * n:(ctx.r + 1) * n], None, None, None
+
+
+def _rows_aligned(dtype: torch.dtype, *widths: int) -> bool:
+    """Whether rows `widths` elements of `dtype` wide start 16 bytes apart, as `autofuse.ag_gemm`
+    requires of N and K (its `validate`)."""
+    return all(n * dtype.itemsize % 16 == 0 for n in widths)
+
+
 class _ScatterRows(torch.autograd.Function):
     """This rank's (rank r of w) block of dim 0 of a replicated x; backward: the blocks' gradients all-gathered.
 
@@ -231,7 +253,9 @@ def column_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
     """This rank's out/W columns of x Wᵀ + b; weight, bias: rows r of W and b ((out/W, in), (out/W,)).
 
     sequence_parallel=False: x (..., in) replicated -> (..., out/W). True: x (m, ..., in) is this
-    rank's rows, the result (W m, ..., out/W) every rank's rows (`autofuse.ag_gemm`).
+    rank's rows, the result (W m, ..., out/W) every rank's rows (`autofuse.ag_gemm`; where its rows
+    would not be 16-byte aligned, out/W or in not a multiple of 16 bytes, which ag_gemm refuses: the
+    rows all-gathered, then a local GEMM, the input's gradient summed and scattered back).
     """
     group = process_group(group)
     x2 = _rows(x, "column_parallel_linear", weight.shape[1])
@@ -239,7 +263,11 @@ def column_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
         if x.dim() < 2:
             raise ValueError(f"column_parallel_linear: sequence parallelism gathers dim 0 of a (rows, ..., in) "
                              f"input, got {tuple(x.shape)}")
-        y = public.ag_gemm(x2, _operand(weight), group=group)
+        if _rows_aligned(x2.dtype, *weight.shape):
+            y = public.ag_gemm(x2, _operand(weight), group=group)
+        else:  # a shard width ag_gemm refuses: the rows gathered, then this rank's columns
+            w = dist.get_world_size(group)
+            y = F.linear(_GatherRowsSummedGrad.apply(x2, group, w, dist.get_rank(group)), weight)
         y = y.view(dist.get_world_size(group) * x.shape[0], *x.shape[1:-1], weight.shape[0])
         return y if bias is None else y + bias
     if torch.is_grad_enabled() and (x2.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)):
