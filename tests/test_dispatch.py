@@ -386,9 +386,15 @@ def test_find_shipped_policy(policies, tmp_path, monkeypatch):
     newer = dict(policies["data"]["fingerprint"], triton="0.0.1")
     (d / "0-newer.json").write_text(json.dumps(dict(policies["data"], mode="graph", fingerprint=newer)))
     (d / "junk.json").write_text("[1, 2")
+    (d / "a-damaged.json").write_text(json.dumps(dict(policies["data"], mode="eager", ops={"ag_gemm": {}})))
     monkeypatch.setenv("AUTOFUSE_MODELS_DIR", str(d))
     monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "data"))  # no user policies from the real home
-    assert dispatch.find_policy(FP, "eager") == d / "b.json"
+    from autofuse.dispatch import policy
+
+    validated, validate = [], policy.validate
+    monkeypatch.setattr(policy, "validate", lambda data: validated.append(data["fingerprint"]["gpu_name"]) or validate(data))
+    assert dispatch.find_policy(FP, "eager") == d / "b.json"  # this hardware's damaged file (first by name) skipped
+    assert "NVIDIA B200" not in validated and validated  # another hardware kind's file is never validated
     assert dispatch.find_policy(FP, "graph") == d / "a.json"  # same software before other software's file
     assert dispatch.find_policy(dict(FP, hardware_id="0" * 16), "graph") is None  # other hardware: none
     assert dispatch.find_policy(dict(FP, software_id=environment.software_id(newer)), "graph") == d / "0-newer.json"

@@ -537,6 +537,34 @@ def test_op_digest_counts_code_not_docstrings_or_comments(tmp_path):
     assert _digests(roots)["flash_decode"] != declared["flash_decode"]
 
 
+def test_code_cache_gives_what_parsing_gives_and_outlives_damage(tmp_path, monkeypatch):
+    """op digests from `<user cache>/autofuse/code-*.json` (what a new process reads instead of parsing
+    every op's sources) equal the parsed ones; a damaged cache file is parsed around and replaced; a
+    cache folder that cannot be made costs nothing but the parsing."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setattr(environment, "_CODE", environment._CodeCache())
+    parsed = environment.op_digests()
+    (cache,) = (tmp_path / "cache" / "autofuse").glob("code-*.json")
+
+    def no_parsing(raw, path):
+        raise AssertionError(f"{path} parsed although the cache holds it")
+
+    monkeypatch.setattr(environment, "_CODE", environment._CodeCache())  # a new process: nothing in memory
+    with monkeypatch.context() as m:
+        m.setattr(environment, "_read_code", no_parsing)
+        assert environment.op_digests() == parsed
+
+    cache.write_text('{"damaged": ')
+    monkeypatch.setattr(environment, "_CODE", environment._CodeCache())
+    assert environment.op_digests() == parsed
+    assert len(json.loads(cache.read_text())) >= len(parsed)  # rewritten whole
+
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "file" / "cache"))  # under a file: mkdir fails
+    monkeypatch.setattr(environment, "_CODE", environment._CodeCache())
+    assert environment.op_digests() == parsed
+
+
 def test_fingerprint_layers_and_ids():
     fp = environment.fingerprint()
     assert set(environment.layer(fp, "hardware")) == set(environment.HARDWARE_FIELDS)

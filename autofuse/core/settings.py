@@ -216,9 +216,14 @@ def online_db(hardware_id: str) -> Path:
     text = _text("AUTOFUSE_ONLINE_DB")
     if text:
         return Path(text)
+    return user_cache_dir() / f"online-{hardware_id}.db"
+
+
+def user_cache_dir() -> Path:
+    """autofuse's folder in the user cache: $XDG_CACHE_HOME/autofuse, else ~/.cache/autofuse."""
     base = os.environ.get("XDG_CACHE_HOME", "")
     root = Path(base) if base and os.path.isabs(base) else Path.home() / ".cache"
-    return root / "autofuse" / f"online-{hardware_id}.db"
+    return root / "autofuse"
 
 
 def user_models_dir() -> Path:

@@ -11,6 +11,7 @@ earlier folders. None: BSP for every op with one warning.
 from __future__ import annotations
 
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -38,10 +39,10 @@ def find_policy(fingerprint: dict, mode: str | None = None) -> Path | None:
     for index, d in enumerate(models_dirs()):
         for path in sorted(d.glob("*.json")):
             data, _ = read_file(path)
-            if data is None or validate(data) is not None:
-                continue
-            theirs = data["fingerprint"]
-            if hardware_id(theirs) == fingerprint["hardware_id"]:
+            theirs = data.get("fingerprint") if isinstance(data, Mapping) else None
+            if not isinstance(theirs, Mapping) or hardware_id(theirs) != fingerprint["hardware_id"]:
+                continue  # not a policy, or another hardware kind's: never used here, so not validated
+            if validate(data) is None:
                 found.append((data.get("mode") != mode, hardware_match(theirs, fingerprint) != "machine",
                               software_id(theirs) != fingerprint["software_id"], index, str(path), path))
     return min(found)[-1] if found else None

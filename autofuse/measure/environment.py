@@ -84,10 +84,90 @@ def _canonical(node: Any) -> str:
     return f"{type(node).__name__}:{node!r}"
 
 
+Imports = tuple[tuple[str, int, tuple[str, ...]], ...]  # a file's import statements: (module, level, names)
+
+
+def _read_code(raw: bytes, path: Path) -> tuple[str, Imports]:
+    """One file's digest (its syntax tree without docstrings, comments or layout) and its import
+    statements, from its contents: what parsing costs, done once per content (`_code`)."""
+    tree = ast.parse(raw.decode(), filename=str(path))
+    imports: list[tuple[str, int, tuple[str, ...]]] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            imports.extend((a.name, 0, ()) for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            imports.append((node.module or "", node.level, tuple(a.name for a in node.names)))
+    digest = hashlib.sha256(_canonical(_strip_docstrings(tree)).encode()).hexdigest()
+    return digest, tuple(imports)
+
+
+class _CodeCache:
+    """Digests and imports of file contents seen before, by the contents' sha256: in this process, and
+    in `<user cache>/autofuse/code-<python>-<this module's hash>.json`, so a new process (a rank, a
+    test) does not parse every op's sources again. The key is the contents and the file names the
+    Python version and this module's own code, so an entry can only be what parsing those contents
+    gives; an unreadable or damaged file is ignored (and replaced), an unwritable folder skipped."""
+
+    LIMIT = 4096  # entries kept on disk (a file over it starts again)
+
+    def __init__(self) -> None:
+        self.entries: dict[str, tuple[str, Imports]] = {}
+        self.loaded = False
+        self.added = 0
+
+    def path(self) -> Path:
+        from autofuse.core import settings
+
+        me = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:16]
+        return settings.user_cache_dir() / f"code-py{sys.version_info[0]}.{sys.version_info[1]}-{me}.json"
+
+    def _load(self) -> None:
+        self.loaded = True
+        try:
+            data = json.loads(self.path().read_text())
+            for key, (digest, imports) in data.items():
+                if isinstance(key, str) and isinstance(digest, str):
+                    self.entries.setdefault(key, (digest, tuple((m, int(lv), tuple(n)) for m, lv, n in imports)))
+        except (OSError, ValueError, TypeError, AttributeError):
+            pass  # no cache yet, or not one this code can read: it is rebuilt
+
+    def get(self, path: Path) -> tuple[str, Imports]:
+        raw = path.read_bytes()
+        key = hashlib.sha256(raw).hexdigest()
+        if key not in self.entries and not self.loaded:
+            self._load()
+        if key not in self.entries:
+            self.entries[key] = _read_code(raw, path)
+            self.added += 1
+        return self.entries[key]
+
+    def save(self) -> None:
+        """Write the entries added since the last save (merged with what another process wrote)."""
+        if not self.added:
+            return
+        self.added = 0
+        target = self.path()
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                data = json.loads(target.read_text())
+                data = data if isinstance(data, dict) and len(data) < self.LIMIT else {}
+            except (OSError, ValueError):
+                data = {}
+            data.update({k: [d, [list(i) for i in imps]] for k, (d, imps) in self.entries.items()})
+            tmp = target.with_name(f"{target.name}.{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(data))
+            os.replace(tmp, target)
+        except OSError:
+            pass  # a read-only or full cache folder: the next process parses again
+
+
+_CODE = _CodeCache()
+
+
 def source_digest(path: str | Path) -> str:
     """sha256 of one Python file's code: docstrings, comments and formatting do not count."""
-    tree = _strip_docstrings(ast.parse(Path(path).read_text(), filename=str(path)))
-    return hashlib.sha256(_canonical(tree).encode()).hexdigest()
+    return _CODE.get(Path(path))[0]
 
 
 def _counts(name: str) -> bool:
@@ -129,19 +209,16 @@ def _module_file(name: str, roots: Mapping[str, Path] | None) -> Path | None:
 def _imports(path: Path, module: str, roots: Mapping[str, Path] | None) -> set[str]:
     """The modules counted in digests that `path` (module `module`) imports anywhere in its code."""
     out: set[str] = set()
-    tree = ast.parse(path.read_text(), filename=str(path))
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
-    for node in ast.walk(tree):
-        names: list[str] = []
-        if isinstance(node, ast.Import):
-            names = [a.name for a in node.names]
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
+    for base, level, imported in _CODE.get(path)[1]:
+        if not imported:  # import a.b
+            names = [base]
+        else:
+            if level:
                 parts = package.split(".")
-                parent = ".".join(parts[:len(parts) - node.level + 1])
+                parent = ".".join(parts[:len(parts) - level + 1])
                 base = f"{parent}.{base}" if base else parent
-            names = [base] + [f"{base}.{a.name}" for a in node.names if a.name != "*"]
+            names = [base] + [f"{base}.{a}" for a in imported if a != "*"]
         for name in names:
             if _counts(name) and (name in DIGEST_PACKAGES or _module_file(name, roots) is not None):
                 out.add(name)
@@ -217,7 +294,9 @@ def op_digests(names: Iterable[str] | None = None) -> dict[str, str]:
     """{op: op_digest(op)} for the registered ops (or `names`)."""
     from autofuse.core import registry
 
-    return {n: op_digest(n) for n in (registry.names() if names is None else names)}
+    digests = {n: op_digest(n) for n in (registry.names() if names is None else names)}
+    _CODE.save()
+    return digests
 
 
 def legacy_kernel_hash() -> str:
