@@ -157,12 +157,12 @@ def _unaligned(world) -> dict:
     against float64 autograd of the whole layer."""
     from autofuse.nn import ColumnParallelLinear
 
-    w, r = world.size, world.rank
+    w, r, dev = world.size, world.rank, world.device
     torch.manual_seed(3)
-    lin = nn.Linear(20, 6 * w)
-    x = torch.randn(4 * w, 20)
+    lin = nn.Linear(20, 6 * w).to(dev)
+    x = torch.randn(4 * w, 20).to(dev)
     cols, rows = slice(6 * r, 6 * (r + 1)), slice(4 * r, 4 * (r + 1))
-    weight = torch.arange(6 * w, dtype=torch.float64) / (6 * w) + 0.5  # every column its own loss weight
+    weight = torch.arange(6 * w, dtype=torch.float64, device=dev) / (6 * w) + 0.5  # every column its own loss weight
     x64, lin64 = x.double().requires_grad_(), copy.deepcopy(lin).double()
     ((lin64(x64) * weight) ** 2).sum().backward()
     layer = ColumnParallelLinear.from_linear(lin, world.group, sequence_parallel=True)
@@ -631,6 +631,8 @@ def _gpu_job(world) -> dict:
         tokens = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=4, do_sample=False,
                                 pad_token_id=0)
         out[f"generate sp={sp}"] = _greedy_ok(ref, tokens, prompt.shape[1])
+    u = _unaligned(world)  # float32: a sequence-parallel column shard ag_gemm refuses, gathered instead
+    out["unaligned sp column"] = max(u["out"], u["input grad"], u["weight grad"], u["bias grad"])
     ref.train()  # gradients (bf16 SGD updates would drown in the weights' rounding), eager and under inductor
 
     def loss(m) -> tuple[torch.Tensor, torch.Tensor]:
