@@ -35,6 +35,7 @@ pytest.importorskip("transformers")
 
 TOL = 1e-5
 GRAD_TOL = 1e-4
+AUTOCAST_TOL = 3e-2  # bfloat16 GEMMs on both sides, summed in another order: ~4e-3 logits, ~1e-2 gradients measured
 WORLDS = (2, 4)
 
 
@@ -286,6 +287,30 @@ def _train(world, compiled: bool = False) -> dict:
     return out
 
 
+def _autocast_train(world) -> dict:
+    """float32 weights under torch.autocast(bfloat16), as transformers' Trainer runs mixed precision: the
+    parallel model's logits, loss and every float32 gradient against the whole model under the same
+    autocast; both forms."""
+    import autofuse
+
+    ref = tiny_llama(world.size).train()
+    ids = torch.randint(0, 128, (2, 7), generator=torch.Generator().manual_seed(4))
+
+    def forward(m) -> tuple[torch.Tensor, torch.Tensor]:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            o = m(input_ids=ids, labels=ids)
+        return o.logits, o.loss
+
+    want = harness.unsharded_run(copy.deepcopy(ref), forward)
+    out: dict = {}
+    for sp in (False, True):
+        model = autofuse.parallelize(copy.deepcopy(ref), world.group, sequence_parallel=sp)
+        got = harness.against(model, forward, want)
+        got["grad dtypes"] = sorted({str(p.grad.dtype) for p in model.parameters() if p.grad is not None})
+        out[f"sp={sp}"] = got
+    return out
+
+
 def _compiled_generation(world) -> dict:
     """Greedy generation (KV cache) with the parallel model's forward under torch.compile(fullgraph=True)."""
     import autofuse
@@ -360,7 +385,7 @@ def _qwen3(world) -> dict:
 
 def _job(world) -> dict:
     out = {"modules": _modules(world), "plans": _plans(world), "llama": _llama(world), "train": _train(world),
-           "qwen3": _qwen3(world)}
+           "qwen3": _qwen3(world), "autocast": _autocast_train(world)}
     if world.size == 2:  # torch.compile at one world size: compiling takes most of a minute per graph on CPU
         out["compiled train"] = _train(world, compiled=True)
         out["compiled generation"] = _compiled_generation(world)
@@ -469,6 +494,19 @@ def test_qwen3_matches_the_unsharded_float64_model(job) -> None:
             assert v["grad keys"] and v["state keys"] and v["worst grad"] <= GRAD_TOL, (w, r, sp, v)
     err = ranks[0]["qwen3"]["width error"]
     assert "layers.1.self_attn has parameters outside its projections and per-head q/k norms (q_norm.weight)" in err, err
+
+
+def test_llama_trains_under_autocast_with_float32_weights(job) -> None:
+    """torch.autocast(bfloat16) over a model with float32 weights (mixed precision, as transformers'
+    Trainer runs it): the layers cast their operands as autocast casts F.linear's (the ops were refused
+    float32 weights beside bfloat16 activations); logits, loss and every gradient (float32) equal the
+    whole model's under the same autocast within bfloat16 rounding, both forms."""
+    w, ranks = job
+    for r, res in enumerate(ranks):
+        for sp in ("sp=False", "sp=True"):
+            v = res["autocast"][sp]
+            assert v["grad keys"] and v["grad dtypes"] == ["torch.float32"], (w, r, sp, v)
+            assert max(v["logits"], v["loss"], v["worst grad"]) <= AUTOCAST_TOL, (w, r, sp, v)
 
 
 def test_llama_greedy_generation_matches(job) -> None:

@@ -89,7 +89,7 @@ Imports = tuple[tuple[str, int, tuple[str, ...]], ...]  # a file's import statem
 
 def _read_code(raw: bytes, path: Path) -> tuple[str, Imports]:
     """One file's digest (its syntax tree without docstrings, comments or layout) and its import
-    statements, from its contents: what parsing costs, done once per content (`_code`)."""
+    statements, from its contents: what parsing costs, done once per content (`_CodeCache`)."""
     tree = ast.parse(raw.decode(), filename=str(path))
     imports: list[tuple[str, int, tuple[str, ...]]] = []
     for node in ast.walk(tree):

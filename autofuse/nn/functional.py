@@ -113,6 +113,23 @@ def _operand(weight: torch.Tensor) -> torch.Tensor:
     return wt if wt.is_contiguous() else wt.contiguous()
 
 
+def autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
+    """The dtype torch.autocast runs matmuls in on x's device type where it is enabled there, else None.
+    The ops are not on autocast's lists (a custom op runs with the dtypes it is given), so the layers cast
+    their operands as autocast casts F.linear's: a model parallelized with float32 weights trains under
+    `torch.autocast(..., dtype=torch.bfloat16)` with bfloat16 GEMMs and float32 gradients."""
+    kind = x.device.type
+    return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else None
+
+
+def _autocast(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> tuple:
+    """(x, weight, bias) in autocast's dtype where autocast is on (differentiable casts), else as given."""
+    dtype = autocast_dtype(x)
+    if dtype is None or not x.is_floating_point():
+        return x, weight, bias
+    return x.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype)
+
+
 def _rows(x: torch.Tensor, what: str, features: int) -> torch.Tensor:
     """x as a contiguous 2-D (rows, features) matrix (leading dims flattened)."""
     if x.dim() < 1 or x.shape[-1] != features:
@@ -258,6 +275,7 @@ def column_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
     rows all-gathered, then a local GEMM, the input's gradient summed and scattered back).
     """
     group = process_group(group)
+    x, weight, bias = _autocast(x, weight, bias)
     x2 = _rows(x, "column_parallel_linear", weight.shape[1])
     if sequence_parallel:
         if x.dim() < 2:
@@ -286,6 +304,7 @@ def row_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     d0 must divide by W), and the bias's gradient is summed over the ranks.
     """
     group = process_group(group)
+    x, weight, bias = _autocast(x, weight, bias)
     x2 = _rows(x, "row_parallel_linear", weight.shape[1])
     if sequence_parallel:
         w = dist.get_world_size(group)
