@@ -380,6 +380,14 @@ def _qwen3(world) -> dict:
         out["width error"] = "no error"
     except ValueError as exc:
         out["width error"] = str(exc)
+    out["twice"] = {}
+    for sp in (False, True):
+        try:
+            autofuse.parallelize(made if sp else autofuse.parallelize(copy.deepcopy(base), world.group), world.group,
+                                 sequence_parallel=sp)
+            out["twice"][sp] = "no error"
+        except ValueError as exc:
+            out["twice"][sp] = str(exc)
     return out
 
 
@@ -492,6 +500,8 @@ def test_qwen3_matches_the_unsharded_float64_model(job) -> None:
             v = res["qwen3"][sp]
             assert v["logits"] <= TOL and v["loss"] <= TOL, (w, r, sp, v)
             assert v["grad keys"] and v["state keys"] and v["worst grad"] <= GRAD_TOL, (w, r, sp, v)
+    for sp, err in ranks[0]["qwen3"]["twice"].items():  # a parallelized model given again is named as such
+        assert "is tensor-parallel already (layers.0." in err and "parallelize a model once" in err, (sp, err)
     err = ranks[0]["qwen3"]["width error"]
     assert "layers.1.self_attn has parameters outside its projections and per-head q/k norms (q_norm.weight)" in err, err
 

@@ -62,7 +62,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from autofuse.nn import functional as tpf
-from autofuse.nn.linear import RowParallelLinear, fuse_columns
+from autofuse.nn.linear import ColumnParallelLinear, FusedPart, RowParallelLinear, fuse_columns
 from autofuse.nn.moe import ExpertParallelMoE, is_moe_block
 from autofuse.nn.plan import apply_plan
 
@@ -78,13 +78,19 @@ PLAN = {**ATTENTION_PLAN, **MLP_PLAN}
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
-    """The decoder layers of a Llama-family model; ValueError naming what is missing otherwise."""
+    """The decoder layers of a Llama-family model; ValueError naming what is missing otherwise, or what is
+    tensor-parallel already (a model given to `parallelize` a second time)."""
     base = getattr(model, "base_model", model)
     layers = getattr(base, "layers", None)
     if not isinstance(layers, nn.ModuleList) or len(layers) == 0:
         raise ValueError(f"{type(model).__name__} is not a Llama-family model (no base_model.layers): "
                          "pass parallelize(model, group, plan={...}) naming its linears")
     for i, layer in enumerate(layers):
+        done = next((f"{n} is a {type(m).__name__}" for n, m in layer.named_modules()
+                     if isinstance(m, (ColumnParallelLinear, RowParallelLinear, FusedPart, ExpertParallelMoE))), None)
+        if done:
+            raise ValueError(f"{type(model).__name__} is tensor-parallel already (layers.{i}.{done}): "
+                             "parallelize a model once, from its whole weights")
         for block, names in (("self_attn", ATTENTION), ("mlp", MLP)):
             mod = getattr(layer, block, None)
             if block == "mlp" and mod is not None and is_moe_block(mod):
