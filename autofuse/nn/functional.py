@@ -185,22 +185,6 @@ class _AllReduceGrad(torch.autograd.Function):
         return _sum(g, ctx.group), None
 
 
-class _GatherRowsSummedGrad(torch.autograd.Function):
-    """Every rank's dim-0 block concatenated (rank r of w); backward: this rank's block of the gradient
-    summed over the group (each rank's columns contribute to every gathered row: the all-gather's
-    adjoint, a reduce-scatter, written as an all-reduce and a slice)."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Any, w: int, r: int) -> torch.Tensor:
-        ctx.group, ctx.w, ctx.r = group, w, r
-        return _gather0(x, group)
-
-    @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> tuple:
-        n = g.shape[0] // ctx.w
-        return _sum(g, ctx.group)[ctx.r * n:(ctx.r + 1) * n], None, None, None
-
-
 def _rows_aligned(dtype: torch.dtype, *widths: int) -> bool:
     """Whether rows `widths` elements of `dtype` wide start 16 bytes apart, as `autofuse.ag_gemm`
     requires of N and K (its `validate`)."""
@@ -228,17 +212,21 @@ class _ScatterRows(torch.autograd.Function):
 
 class _GatherRows(torch.autograd.Function):
     """Every rank's dim-0 block concatenated; backward: this rank's (rank r of w) block of the
-    (replicated) gradient."""
+    gradient, which is replicated (the code after the gather is), or with `summed` a partial one
+    summed over the group first (each rank's columns contribute to every gathered row: the
+    all-gather's adjoint, a reduce-scatter, as an all-reduce and a slice)."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Any, w: int, r: int) -> torch.Tensor:
-        ctx.w, ctx.r = w, r
+    def forward(ctx: Any, x: torch.Tensor, group: Any, w: int, r: int, summed: bool) -> torch.Tensor:
+        ctx.group, ctx.w, ctx.r, ctx.summed = group, w, r, summed
         return _gather0(x, group)
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> tuple:
         n = g.shape[0] // ctx.w
-        return g[ctx.r * n:(ctx.r + 1) * n], None, None, None
+        if ctx.summed:
+            g = _sum(g, ctx.group)
+        return g[ctx.r * n:(ctx.r + 1) * n], None, None, None, None
 
 
 def scatter_rows(x: torch.Tensor, group: Any = None) -> torch.Tensor:
@@ -257,7 +245,7 @@ def gather_rows(x: torch.Tensor, group: Any = None) -> torch.Tensor:
     code after it must be replicated (every rank computes the same gradient), so the backward keeps
     this rank's block of the gradient."""
     group = process_group(group)
-    return _GatherRows.apply(x, group, dist.get_world_size(group), dist.get_rank(group))
+    return _GatherRows.apply(x, group, dist.get_world_size(group), dist.get_rank(group), False)
 
 
 def all_reduce_grad(x: torch.Tensor, group: Any = None) -> torch.Tensor:
@@ -285,7 +273,7 @@ def column_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
             y = public.ag_gemm(x2, _operand(weight), group=group)
         else:  # a shard width ag_gemm refuses: the rows gathered, then this rank's columns
             w = dist.get_world_size(group)
-            y = F.linear(_GatherRowsSummedGrad.apply(x2, group, w, dist.get_rank(group)), weight)
+            y = F.linear(_GatherRows.apply(x2, group, w, dist.get_rank(group), True), weight)
         y = y.view(dist.get_world_size(group) * x.shape[0], *x.shape[1:-1], weight.shape[0])
         return y if bias is None else y + bias
     if torch.is_grad_enabled() and (x2.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)):
