@@ -3,8 +3,8 @@
 
 One spawned job per world size (2 and 4) runs every check and returns what it measured; the tests
 assert on it. The model is a tiny LlamaForCausalLM built from a local random config (no download):
-hidden 64, 2 layers, heads / KV heads 4 / 2 at world 2 and 8 / 4 at world 4 (the KV heads must
-divide), head dim 16 / 8, MLP 128, vocab 128, float32. Each rank builds the same model (same seed),
+hidden 64, 2 layers, heads / KV heads 4 / 2 at world 2 and 8 / 4 at world 4 (a tiny Qwen2 with 1
+KV head, and 2 at world 4, checks replicated KV heads), head dim 16 / 8, MLP 128, vocab 128, float32. Each rank builds the same model (same seed),
 keeps one copy whole as the reference and parallelizes another.
 
 Tolerances: float32 throughout. A shard computes the same dot products as the whole layer, split
@@ -39,13 +39,13 @@ AUTOCAST_TOL = 3e-2  # bfloat16 GEMMs on both sides, summed in another order: ~4
 WORLDS = (2, 4)
 
 
-def tiny_llama(world: int, kv_heads: int | None = None):
+def tiny_llama(world: int):
     """A tiny random LlamaForCausalLM (float32, eval mode), the same on every rank."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     heads = 4 if world <= 2 else 8
     cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=heads, num_key_value_heads=kv_heads or heads // 2, head_dim=64 // heads,
+                      num_attention_heads=heads, num_key_value_heads=heads // 2, head_dim=64 // heads,
                       max_position_embeddings=64, attn_implementation="eager")
     torch.manual_seed(0)
     return LlamaForCausalLM(cfg).eval()
@@ -214,6 +214,7 @@ def _plans(world) -> dict:
 def _llama(world) -> dict:
     """parallelize on a tiny LlamaForCausalLM: logits and greedy generation against the whole model."""
     import autofuse
+    from autofuse.nn.llama import check_sizes
 
     out: dict = {}
     ref = tiny_llama(world.size)
@@ -238,11 +239,45 @@ def _llama(world) -> dict:
         out[f"modules sp={sp}"] = {type(m).__name__ for m in model.modules()}
     out["ref keys"] = sorted(ref.state_dict())
     out["qwen2"] = _qwen2(world, ids)
-    try:
-        autofuse.parallelize(tiny_llama(world.size, kv_heads=world.size // 2), world.group)
+    try:  # 3 KV heads: neither divisible by the group size nor dividing it (the check parallelize makes)
+        check_sizes({"num_attention_heads": 6 * world.size, "num_key_value_heads": 3, "intermediate_size": 128},
+                    world.size, "LlamaForCausalLM")
         out["kv error"] = "no error"
     except ValueError as exc:
         out["kv error"] = str(exc)
+    return out
+
+
+def _replicated_kv(world) -> dict:
+    """Fewer KV heads than ranks (KV heads replicated): a tiny Qwen2 (random q/k/v biases: the replicated
+    bias path) with 1 KV head (MQA) and, at world 4, 2; both forms: logits, loss and every gradient
+    against the unsharded float64 model, greedy generation (the KV cache of this rank's replicated head)
+    against the whole model's, and full_state_dict exactly the unsharded model's."""
+    import autofuse
+
+    ids = torch.randint(0, 128, (2, 7), generator=torch.Generator().manual_seed(5))
+    prompt = ids[:, :5]
+    kw = {"attention_mask": torch.ones_like(prompt), "max_new_tokens": 4, "do_sample": False, "pad_token_id": 0}
+
+    def loss(m: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+        o = m(input_ids=ids, labels=ids)
+        return o.logits, o.loss
+
+    out: dict = {}
+    for kv in sorted({1, world.size // 2}):
+        base = tiny_qwen2(world.size, kv_heads=kv)
+        want = harness.unsharded_run(copy.deepcopy(base).double(), loss)
+        with torch.no_grad():
+            tokens = base.generate(prompt, **kw).tolist()
+        for sp in (False, True):
+            model = autofuse.parallelize(copy.deepcopy(base), world.group, sequence_parallel=sp)
+            res = harness.against(model, loss, want)
+            full, ref = autofuse.nn.full_state_dict(model), base.state_dict()
+            res["full_state_dict"] = (sorted(full) == sorted(ref), max(float((full[k] - ref[k]).abs().max()) for k in ref))
+            with torch.no_grad():
+                res["generate"] = model.generate(prompt, **kw).tolist() == tokens
+            res["shards"] = sorted({m.shards for m in model.modules() if isinstance(m, autofuse.nn.ColumnParallelLinear)})
+            out[f"kv={kv} sp={sp}"] = res
     return out
 
 
@@ -324,20 +359,30 @@ def _compiled_generation(world) -> dict:
         return {"tokens": (model.generate(prompt, **kw).tolist(), ref.generate(prompt, **kw).tolist())}
 
 
-def _qwen2(world, ids: torch.Tensor) -> dict:
-    """A tiny Qwen2ForCausalLM (q/k/v carry biases: the column-parallel bias path) through the same plan."""
-    import autofuse
+def tiny_qwen2(world: int, kv_heads: int | None = None):
+    """A tiny random Qwen2ForCausalLM (float32, eval mode; q/k/v carry biases, drawn at random:
+    transformers zeroes them, and a bias given to the wrong rank must show)."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    heads = 4 if world.size <= 2 else 8
+    heads = 4 if world <= 2 else 8
     cfg = Qwen2Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=heads, num_key_value_heads=heads // 2, max_position_embeddings=64)
+                      num_attention_heads=heads, num_key_value_heads=kv_heads or heads // 2,
+                      max_position_embeddings=64, attn_implementation="eager")
     torch.manual_seed(0)
     ref = Qwen2ForCausalLM(cfg).eval()
     with torch.no_grad():
-        for m in ref.modules():  # transformers zeroes them; a bias given to the wrong rank must show
+        for m in ref.modules():
             if isinstance(m, nn.Linear) and m.bias is not None:
                 m.bias.normal_(0.0, 0.5)
+    return ref
+
+
+def _qwen2(world, ids: torch.Tensor) -> dict:
+    """A tiny Qwen2ForCausalLM (q/k/v carry biases: the column-parallel bias path) through the same plan."""
+    import autofuse
+
+    ref = tiny_qwen2(world.size)
+    with torch.no_grad():
         want = ref(ids).logits
         return {f"sp={sp}": rel(autofuse.parallelize(copy.deepcopy(ref), world.group, sequence_parallel=sp)(ids).logits,
                                 want) for sp in (False, True)}
@@ -393,7 +438,8 @@ def _qwen3(world) -> dict:
 
 def _job(world) -> dict:
     out = {"modules": _modules(world), "plans": _plans(world), "llama": _llama(world), "train": _train(world),
-           "qwen3": _qwen3(world), "autocast": _autocast_train(world)}
+           "qwen3": _qwen3(world), "autocast": _autocast_train(world),
+           "replicated kv": _replicated_kv(world)}
     if world.size == 2:  # torch.compile at one world size: compiling takes most of a minute per graph on CPU
         out["compiled train"] = _train(world, compiled=True)
         out["compiled generation"] = _compiled_generation(world)
@@ -565,9 +611,25 @@ def test_llama_modules_and_state_dict(job) -> None:
         assert llama[f"full_state_dict sp={sp}"] == (True, 0.0)
 
 
-def test_llama_refuses_kv_heads_that_do_not_divide(job) -> None:
+def test_fewer_kv_heads_than_ranks_are_replicated(job) -> None:
+    """KV heads replicated over the ranks whose query heads read them (MQA; 2 KV heads at world 4):
+    every replica's gradient is the whole model's (summed over the ranks holding it), generation and
+    the gathered state_dict are the whole model's, in both forms."""
     w, ranks = job
-    assert f"num_key_value_heads={w // 2} not divisible by the tensor-parallel size {w}" in ranks[0]["llama"]["kv error"]
+    for r, res in enumerate(ranks):
+        for key, v in res["replicated kv"].items():
+            assert v["logits"] <= TOL and v["loss"] <= TOL, (w, r, key, v)
+            assert v["grad keys"] and v["state keys"] and v["worst grad"] <= GRAD_TOL, (w, r, key, v)
+            assert v["generate"] and v["full_state_dict"] == (True, 0.0), (w, r, key, v)
+            kv = int(key.split()[0].split("=")[1])
+            split = (w, kv, kv) if key.endswith("sp=True") else (kv,)  # k and v split kv ways, not w
+            assert split in v["shards"], (key, v["shards"])
+
+
+def test_llama_refuses_kv_heads_that_neither_divide_nor_are_divided(job) -> None:
+    w, ranks = job
+    err = ranks[0]["llama"]["kv error"]
+    assert f"num_key_value_heads=3 neither divisible by the tensor-parallel size {w} nor dividing it" in err, err
 
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"

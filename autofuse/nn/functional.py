@@ -185,6 +185,45 @@ class _AllReduceGrad(torch.autograd.Function):
         return _sum(g, ctx.group), None
 
 
+class _SumReplicas(torch.autograd.Function):
+    """Identity forward on a column-parallel weight or bias; backward: the rows of each replicated part
+    (`rows`: (start, stop, shards)) summed over the ranks holding the same shard (rank r holds shard
+    r * shards // W), the other rows as they are. One all-reduce over the group of a buffer holding each
+    part's every shard, zero but this rank's: no subgroups to make, and traceable by torch.compile."""
+
+    @staticmethod
+    def forward(ctx: Any, t: torch.Tensor, rows: tuple, group: Any, w: int, r: int) -> torch.Tensor:
+        ctx.rows, ctx.group, ctx.w, ctx.r = rows, group, w, r
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple:
+        slots = []
+        for start, stop, shards in ctx.rows:
+            slot = g.new_zeros((shards, stop - start, *g.shape[1:]))
+            slot[ctx.r * shards // ctx.w] = g[start:stop]
+            slots.append(slot.flatten())
+        summed = _sum(torch.cat(slots), ctx.group)
+        pieces, at, offset = [], 0, 0
+        for (start, stop, shards), slot in zip(ctx.rows, slots):
+            pieces.append(g[at:start])
+            mine = summed[offset:offset + slot.numel()].view(shards, stop - start, *g.shape[1:])
+            pieces.append(mine[ctx.r * shards // ctx.w])
+            at, offset = stop, offset + slot.numel()
+        pieces.append(g[at:])
+        return torch.cat(pieces), None, None, None, None
+
+
+def sum_replicas(t: torch.Tensor, rows: tuple[tuple[int, int, int], ...], group: Any = None) -> torch.Tensor:
+    """t itself (a column-parallel weight (out/W.., in) or bias), whose gradient's rows `rows` ((start,
+    stop, shards) each: a part split into fewer shards than ranks) are summed in the backward pass over
+    the ranks holding the same shard, so every replica gets the whole gradient."""
+    if not rows:
+        return t
+    group = process_group(group)
+    return _SumReplicas.apply(t, tuple(rows), group, dist.get_world_size(group), dist.get_rank(group))
+
+
 def _rows_aligned(dtype: torch.dtype, *widths: int) -> bool:
     """Whether rows `widths` elements of `dtype` wide start 16 bytes apart, as `autofuse.ag_gemm`
     requires of N and K (its `validate`)."""

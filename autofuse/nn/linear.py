@@ -11,6 +11,11 @@ and must agree on every rank: seed alike, or load them). `to_linear` gathers the
 (every form but the replicated-input column-parallel one) it is stored transposed, so `weight.t()`
 is the op's contiguous operand. state_dict holds this rank's shard under nn.Linear's keys.
 
+A column-parallel part may be split into fewer shards than ranks (`shards`, a divisor of the group size:
+the KV projections of a model with fewer KV heads than ranks, as vLLM replicates them): rank r holds
+shard r * shards // W, the same on W / shards consecutive ranks, and each replica's gradient is summed
+over the ranks that hold it (each saw only its own query heads' work), so every replica stays equal.
+
 `fuse_columns` makes several projections of one block that read the same input (q/k/v; gate/up) one
 column-parallel layer, each projection becoming a `FusedPart` view of its columns, so the block's own
 forward runs unchanged once a forward pre-hook hands it the fused layer's output (sequence parallelism:
@@ -32,10 +37,10 @@ def _world(group: Any) -> tuple[int, int]:
     return dist.get_world_size(group), dist.get_rank(group)
 
 
-def _split(n: int, world: int, what: str, layer: str) -> int:
-    if n % world:
-        raise ValueError(f"{layer}: {what}={n} is not divisible by the group size {world}")
-    return n // world
+def _split(n: int, by: int, what: str, layer: str, into: str = "the group size") -> int:
+    if n % by:
+        raise ValueError(f"{layer}: {what}={n} is not divisible by {into} {by}")
+    return n // by
 
 
 class _ParallelLinear(nn.Module):
@@ -46,23 +51,33 @@ class _ParallelLinear(nn.Module):
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, group: Any = None,
                  sequence_parallel: bool = False, device: Any = None, dtype: torch.dtype | None = None,
-                 parts: tuple[int, ...] | None = None):
+                 parts: tuple[int, ...] | None = None, shards: tuple[int, ...] | None = None):
         super().__init__()
         self.group = tpf.process_group(group)
         self.world, self.rank = _world(self.group)
         self.in_features, self.out_features = in_features, out_features
         self.sequence_parallel = bool(sequence_parallel)
         self.parts = tuple(parts) if parts else (out_features,)
+        self.shards = tuple(shards) if shards else (self.world,) * len(self.parts)
         self.part_names: tuple[str, ...] = ()  # the layers a fused one was made from (`from_linears`)
         name = type(self).__name__
         if sum(self.parts) != out_features or (len(self.parts) > 1 and self.split_dim != 0):
             raise ValueError(f"{name}: parts {self.parts} must add up to out_features={out_features} "
                              "(only a column-parallel layer has parts)")
-        for n in self.parts:
-            _split(n, self.world, "out_features" if len(self.parts) == 1 else "a part's out_features", name)
+        if len(self.shards) != len(self.parts) or (self.split_dim != 0 and self.shards != (self.world,)):
+            raise ValueError(f"{name}: shards {self.shards} must give one count per part {self.parts} "
+                             "(only a column-parallel layer replicates shards)")
+        for n, s in zip(self.parts, self.shards):
+            if s < 1 or self.world % s:
+                raise ValueError(f"{name}: a part split into {s} shards over {self.world} ranks: the shards must "
+                                 "divide the group size (each held by group size / shards ranks)")
+            _split(n, s, "out_features" if len(self.parts) == 1 else "a part's out_features", name,
+                   "the group size" if s == self.world else "its shard count")
         shape = [out_features, in_features]
-        shape[self.split_dim] = _split(shape[self.split_dim], self.world,
-                                       ("out_features", "in_features")[self.split_dim], name)
+        if self.split_dim == 0:
+            shape[0] = sum(n // s for n, s in zip(self.parts, self.shards))
+        else:
+            shape[1] = _split(in_features, self.world, "in_features", name)
         empty = torch.empty(shape, device=device, dtype=dtype)
         self.weight = tpf.transposed_parameter(empty) if self.transposed else nn.Parameter(empty)
         if bias:
@@ -81,24 +96,47 @@ class _ParallelLinear(nn.Module):
         """A copy sharing the process group (a group cannot be copied; the copy's shards are its own)."""
         return tpf.deepcopy_sharing_group(self, memo)
 
+    @property
+    def replicated(self) -> bool:
+        """Whether some part has fewer shards than ranks (its shards are replicated)."""
+        return any(s != self.world for s in self.shards)
+
+    def _layout(self, dim: int, size: int) -> list[tuple[int, int]]:
+        """(whole size, shards) of each part along `dim` (a tensor `size` long there)."""
+        if dim != 0:
+            return [(size, self.world)]
+        return list(zip(self.parts, self.shards))
+
     def _shard(self, t: torch.Tensor, dim: int, rank: int | None = None) -> torch.Tensor:
-        """Rank `rank`'s (default: this rank's) shard of a whole tensor along `dim`: its block of each part."""
+        """Rank `rank`'s (default: this rank's) shard of a whole tensor along `dim`: its block of each
+        part (of a part with s shards, block rank * s // W)."""
         rank = self.rank if rank is None else rank
-        parts = self.parts if dim == 0 else (t.shape[dim],)
         blocks, start = [], 0
-        for n in parts:
-            step = n // self.world
-            blocks.append(t.narrow(dim, start + rank * step, step))
+        for n, s in self._layout(dim, t.shape[dim]):
+            step = n // s
+            blocks.append(t.narrow(dim, start + rank * s // self.world * step, step))
             start += n
         return blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim)
 
     def _unshard(self, shards: list[torch.Tensor], dim: int) -> torch.Tensor:
-        """The whole tensor from every rank's shard along `dim` (the inverse of `_shard`)."""
-        if dim != 0 or len(self.parts) == 1:
+        """The whole tensor from every rank's shard along `dim` (the inverse of `_shard`; a replicated
+        shard is taken from the first rank holding it)."""
+        layout = self._layout(dim, shards[0].shape[dim] * self.world)
+        if len(layout) == 1 and layout[0][1] == self.world:
             return torch.cat(shards, dim)
-        steps = [n // self.world for n in self.parts]
-        split = [s.split(steps, 0) for s in shards]
-        return torch.cat([split[r][p] for p in range(len(steps)) for r in range(self.world)], 0)
+        steps = [n // s for n, s in layout]
+        split = [t.split(steps, dim) for t in shards]
+        return torch.cat([split[j * self.world // s][p] for p, (_, s) in enumerate(layout) for j in range(s)], dim)
+
+    def replica_rows(self) -> tuple[tuple[int, int, int], ...]:
+        """(start, stop, shards) of this rank's rows of each part whose shards are replicated (the rows
+        whose gradient `functional.sum_replicas` sums over the ranks holding the same shard)."""
+        out, start = [], 0
+        for n, s in zip(self.parts, self.shards):
+            if s != self.world:
+                out.append((start, start + n // s, s))
+            start += n // s
+        return tuple(out)
 
     def shard_of(self, weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """This rank's shard of a whole (out, in) weight and (out,) bias."""
@@ -127,17 +165,20 @@ class _ParallelLinear(nn.Module):
                 self.bias.copy_(b)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, group: Any = None, sequence_parallel: bool = False) -> "_ParallelLinear":
-        """This rank's shard of `linear` (copied; `linear` is left as it was), same dtype and device."""
-        return cls.from_linears([linear], group, sequence_parallel)
+    def from_linear(cls, linear: nn.Linear, group: Any = None, sequence_parallel: bool = False,
+                    shards: int | None = None) -> "_ParallelLinear":
+        """This rank's shard of `linear` (copied; `linear` is left as it was), same dtype and device.
+        `shards` (column-parallel): split into that many shards, a divisor of the group size (module doc)."""
+        return cls.from_linears([linear], group, sequence_parallel, shards=None if shards is None else (shards,))
 
     @classmethod
     def from_linears(cls, linears: list[nn.Linear], group: Any = None, sequence_parallel: bool = False,
-                     names: tuple[str, ...] = ()) -> "_ParallelLinear":
+                     names: tuple[str, ...] = (), shards: tuple[int, ...] | None = None) -> "_ParallelLinear":
         """One layer from several that read the same input, their outputs side by side (q, k and v;
         gate and up): this rank holds its block of each, so one call gathers the input once.
-        `names`: the layers' module names, under which `full_state_dict` gives them back. The
-        shards are copied: the layers are left as they were, and never share storage with the new one."""
+        `names`: the layers' module names, under which `full_state_dict` gives them back; `shards`: each
+        layer's shard count (default: the group size; module doc). The shards are copied: the layers
+        are left as they were, and never share storage with the new one."""
         for lin in linears:
             if not isinstance(lin, nn.Linear):
                 raise TypeError(f"{cls.__name__}.from_linear takes nn.Linear layers, got {type(lin).__name__}")
@@ -147,7 +188,7 @@ class _ParallelLinear(nn.Module):
             raise ValueError(f"{cls.__name__}.from_linears: the layers differ in in_features, bias or dtype")
         parts = tuple(lin.out_features for lin in linears)
         m = cls(first.in_features, sum(parts), bias=first.bias is not None, group=group,
-                sequence_parallel=sequence_parallel, device="meta", dtype=first.weight.dtype, parts=parts)
+                sequence_parallel=sequence_parallel, device="meta", dtype=first.weight.dtype, parts=parts, shards=shards)
         whole = torch.cat([lin.weight.detach() for lin in linears]) if len(linears) > 1 else first.weight.detach()
         bias = None
         if first.bias is not None:
@@ -185,6 +226,8 @@ class _ParallelLinear(nn.Module):
 
     def extra_repr(self) -> str:
         parts = f", parts={self.parts}" if len(self.parts) > 1 else ""
+        if self.replicated:
+            parts += f", shards={self.shards}"
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
                 f"sequence_parallel={self.sequence_parallel}, rank={self.rank}/{self.world}, "
                 f"shard={tuple(self.weight.shape)}{parts}")
@@ -207,7 +250,12 @@ class ColumnParallelLinear(_ParallelLinear):
         return self.sequence_parallel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return tpf.column_parallel_linear(x, self.weight, self.bias, self.group, self.sequence_parallel)
+        weight, bias = self.weight, self.bias
+        if self.replicated:
+            rows = self.replica_rows()
+            weight = tpf.sum_replicas(weight, rows, self.group)
+            bias = None if bias is None else tpf.sum_replicas(bias, rows, self.group)
+        return tpf.column_parallel_linear(x, weight, bias, self.group, self.sequence_parallel)
 
 
 class RowParallelLinear(_ParallelLinear):
@@ -242,16 +290,16 @@ class FusedPart(nn.Module):
 
 
 def fuse_columns(block: nn.Module, names: tuple[str, ...], fused: str, group: Any = None,
-                 sequence_parallel: bool = False) -> ColumnParallelLinear:
+                 sequence_parallel: bool = False, shards: tuple[int, ...] | None = None) -> ColumnParallelLinear:
     """The nn.Linear projections `names` of `block` made one ColumnParallelLinear `block.<fused>` (copied:
-    `from_linears`), each replaced by a FusedPart view of this rank's columns of it (module doc). The
-    caller feeds the block the fused layer's output (a forward pre-hook)."""
+    `from_linears`; `shards` as there), each replaced by a FusedPart view of this rank's columns of it
+    (module doc). The caller feeds the block the fused layer's output (a forward pre-hook)."""
     linears = [getattr(block, name) for name in names]
-    layer = ColumnParallelLinear.from_linears(linears, group, sequence_parallel, names)
+    layer = ColumnParallelLinear.from_linears(linears, group, sequence_parallel, names, shards)
     setattr(block, fused, layer)
     start = 0
-    for name, lin in zip(names, linears):
-        width = lin.out_features // layer.world
+    for name, lin, s in zip(names, linears, layer.shards):
+        width = lin.out_features // s
         setattr(block, name, FusedPart(start, start + width))
         start += width
     return layer

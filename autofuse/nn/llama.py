@@ -3,8 +3,12 @@
 What is recognised: a model whose base model (`model.base_model`) has `layers`, each with `self_attn`
 holding the nn.Linear layers q_proj, k_proj, v_proj, o_proj and `mlp` holding gate_proj, up_proj,
 down_proj, and nothing else with parameters but per-head norms of q and k (Qwen3's `q_norm` /
-`k_norm`: weight [head_dim], applied to each head alike). Heads, KV heads and the MLP width must
-divide by the group size; rank r keeps query heads and KV heads block r (its KV cache holds those).
+`k_norm`: weight [head_dim], applied to each head alike). Heads and the MLP width must divide by the
+group size; rank r keeps query heads block r. KV heads either divide by the group size (rank r keeps
+KV heads block r) or divide it (fewer KV heads than ranks, MQA: as vLLM does, each KV head is
+replicated on the group size / KV heads ranks whose query heads read it, rank r keeps KV head r * KV
+heads // W, and each replica's gradient is summed over the ranks holding it); the KV cache holds this
+rank's KV heads.
 Embeddings, the final norm and lm_head stay whole on every rank (replicated). The per-head norms are
 replicated too and need nothing in the forward (each rank normalises its own heads); their gradients
 come from this rank's heads only, so they are summed over the group (tensor hooks on the parameters,
@@ -74,7 +78,6 @@ ATTENTION_PLAN = {  # sequence_parallel=False, relative to a decoder layer (tran
     "self_attn.o_proj": "row",
 }
 MLP_PLAN = {"mlp.gate_proj": "column", "mlp.up_proj": "column", "mlp.down_proj": "row"}
-PLAN = {**ATTENTION_PLAN, **MLP_PLAN}
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
@@ -123,21 +126,37 @@ def check_sizes(config: Any, world: int, what: str = "the model", dense_mlp: boo
     `config` (a transformers config or a dict of its fields) divide by the group size."""
     get = config.get if isinstance(config, dict) else lambda k, d=None: getattr(config, k, d)
     heads = get("num_attention_heads")
-    sizes = {"num_attention_heads": heads, "num_key_value_heads": get("num_key_value_heads") or heads}
+    kv = get("num_key_value_heads") or heads
+    sizes = {"num_attention_heads": heads}
     if dense_mlp:
         sizes["intermediate_size"] = get("intermediate_size")
     bad = [f"{k}={v}" for k, v in sizes.items() if v % world]
     if bad:
         raise ValueError(f"{what}: {', '.join(bad)} not divisible by the tensor-parallel size {world}")
+    if kv % world and world % kv:
+        raise ValueError(f"{what}: num_key_value_heads={kv} neither divisible by the tensor-parallel size {world} "
+                         f"nor dividing it (fewer KV heads than ranks are replicated, group size / KV heads ranks each)")
 
 
-def _local_head_counts(attn: nn.Module, world: int) -> None:
-    """Older transformers' attention reshapes with its own head counts: give it this rank's."""
-    for name in ("num_heads", "num_key_value_heads"):
+def kv_shards(attn: nn.Module, world: int) -> int:
+    """How many shards k_proj and v_proj of `attn` are split into: the group size, or the KV heads where
+    there are fewer (each replicated; module doc)."""
+    head_dim = getattr(attn, "head_dim", None) or attn.q_proj.out_features // attn.config.num_attention_heads
+    kv = attn.k_proj.out_features // head_dim
+    return world if kv % world == 0 else kv
+
+
+def _local_head_counts(attn: nn.Module, world: int, kv_shards: int) -> None:
+    """Older transformers' attention reshapes with its own head counts: give it this rank's (one KV
+    head where KV heads are replicated), and the query heads per KV head that repeat_kv and SDPA's GQA
+    read (`num_key_value_groups`: changed only where KV heads are replicated)."""
+    for name, split in (("num_heads", world), ("num_key_value_heads", kv_shards)):
         if isinstance(getattr(attn, name, None), int):
-            setattr(attn, name, getattr(attn, name) // world)
+            setattr(attn, name, getattr(attn, name) // split)
     if isinstance(getattr(attn, "hidden_size", None), int) and hasattr(attn, "num_heads"):
         attn.hidden_size = attn.num_heads * attn.head_dim
+    if isinstance(getattr(attn, "num_key_value_groups", None), int):
+        attn.num_key_value_groups = attn.num_key_value_groups * kv_shards // world
 
 
 def parallelize(model: nn.Module, group: Any, sequence_parallel: bool) -> None:
@@ -161,17 +180,25 @@ def parallelize_layer(layer: nn.Module, group: Any, sequence_parallel: bool) -> 
     sequence_parallel its input and output are this rank's row block (B, S'/W, H) (module doc): the
     caller scatters and gathers the rows (`parallelize` hooks the first and last layer for that)."""
     world = dist.get_world_size(group)
-    _local_head_counts(layer.self_attn, world)
+    kv = kv_shards(layer.self_attn, world)
+    _local_head_counts(layer.self_attn, world, kv)
     head_norms = [n for n in HEAD_NORMS if hasattr(layer.self_attn, n)]
     _GradSum(group).register(layer.self_attn, [f"{n}.{p}" for n in head_norms
                                                 for p, _ in getattr(layer.self_attn, n).named_parameters()])
     if sequence_parallel:
-        _SequenceParallel(group, world).layer(layer)
-    elif is_moe_block(layer.mlp):
-        apply_plan(layer, ATTENTION_PLAN, group)
+        _SequenceParallel(group, world).layer(layer, kv)
+        return layer
+    attention = dict(ATTENTION_PLAN)
+    if kv != world:  # replicated KV heads: k_proj and v_proj split into kv shards
+        for name in ("k_proj", "v_proj"):
+            del attention[f"self_attn.{name}"]
+            setattr(layer.self_attn, name, ColumnParallelLinear.from_linear(getattr(layer.self_attn, name), group,
+                                                                            shards=kv))
+    if is_moe_block(layer.mlp):
+        apply_plan(layer, attention, group)
         layer.mlp = ExpertParallelMoE.from_module(layer.mlp, group)
     else:
-        apply_plan(layer, PLAN, group)
+        apply_plan(layer, {**attention, **MLP_PLAN}, group)
     return layer
 
 
@@ -259,11 +286,12 @@ class _SequenceParallel(_GradSum):
     def padded(self, s: int) -> int:
         return -(-s // self.world) * self.world
 
-    def layer(self, layer: nn.Module) -> None:
-        """Fuse and swap one decoder layer's projections (an MoE block: ExpertParallelMoE on the row
-        block), hook its blocks, sum its norms' gradients."""
+    def layer(self, layer: nn.Module, kv_shards: int) -> None:
+        """Fuse and swap one decoder layer's projections (k and v split into `kv_shards`; an MoE block:
+        ExpertParallelMoE on the row block), hook its blocks, sum its norms' gradients."""
         attn, mlp, g = layer.self_attn, layer.mlp, self.group
-        fuse_columns(attn, ("q_proj", "k_proj", "v_proj"), "qkv_proj", g, sequence_parallel=True)
+        fuse_columns(attn, ("q_proj", "k_proj", "v_proj"), "qkv_proj", g, sequence_parallel=True,
+                     shards=(self.world, kv_shards, kv_shards))
         attn.o_proj = RowParallelLinear.from_linear(attn.o_proj, g, sequence_parallel=True)
         attn.register_forward_pre_hook(self.attention_in, with_kwargs=True)
         attn.register_forward_hook(self.attention_out, with_kwargs=True)

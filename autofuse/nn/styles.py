@@ -28,8 +28,9 @@ def convert(module: nn.Module, cls: type[_ParallelLinear], group: Any, sequence_
     made = cls.from_linear(module, group, sequence_parallel)
     for name in ("weight", "bias"):
         module._parameters[name] = made._parameters[name]
-    for name in ("group", "world", "rank", "in_features", "out_features", "sequence_parallel", "parts"):
-        module.__dict__[name] = made.__dict__[name]
+    for name, value in made.__dict__.items():  # the layer's own attributes, not nn.Module's state
+        if not name.startswith("_") and name != "training":
+            module.__dict__[name] = value
     module.__class__ = cls
     return module
 
