@@ -30,6 +30,10 @@ pytest.importorskip("transformers")
 
 TOL = 1e-5
 GRAD_TOL = 1e-4
+# bfloat16 GEMMs on both sides, summed in another order: logits ~4.7e-3; gradients up to 4.4e-2 (layer 1's
+# q/k projections, small sums with cancellation; 4.9e-2 with the experts in float32, before they were cast).
+# A wrong expert, shard or lost gradient is O(1).
+AUTOCAST_TOL = 1e-1
 WORLDS = (2, 4)
 
 
@@ -94,13 +98,14 @@ def _force(model: nn.Module, kind: str, world: int) -> None:
 
 
 def _model_case(world, make, kind: str, shape: tuple[int, int], sp: bool = False, aux: bool = False,
-                copied: bool = False, compiled: bool = False) -> dict:
+                copied: bool = False, compiled: bool = False, autocast: bool = False) -> dict:
     """Logits, loss and every weight's gradient of the parallelized model against the float64 unsharded one.
     `sp`: sequence_parallel=True. `aux`: output_router_logits=True with router_aux_loss_coef 1 (transformers'
     load-balancing loss in the loss) and an attention mask hiding sequence 1's last two tokens (which the loss
     leaves out of the router statistics); its aux_loss compared too. `copied`: a deep copy of the parallelized
     model is run (its gradient sums must survive the copy). `compiled`: the model runs under
-    torch.compile(fullgraph=True) (the rows received are not counted: a count read on the host breaks the graph)."""
+    torch.compile(fullgraph=True) (the rows received are not counted: a count read on the host breaks the graph).
+    `autocast`: both models under torch.autocast("cpu", bfloat16), the unsharded one in float32 (mixed precision)."""
     import autofuse
 
     base = make(world.size)
@@ -117,21 +122,23 @@ def _model_case(world, make, kind: str, shape: tuple[int, int], sp: bool = False
     auxes = []
 
     def loss(m: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
-        o = m(input_ids=ids, labels=labels, attention_mask=mask, output_router_logits=aux)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            o = m(input_ids=ids, labels=labels, attention_mask=mask, output_router_logits=aux)
         auxes.append(o.aux_loss)
         return o.logits, o.loss if labels is not None else o.logits.square().mean()
 
-    want = harness.unsharded_run(copy.deepcopy(base).double(), loss)
+    want = harness.unsharded_run(copy.deepcopy(base) if autocast else copy.deepcopy(base).double(), loss)
     model = autofuse.parallelize(copy.deepcopy(base), world.group, sequence_parallel=sp)
     if copied:
         model = copy.deepcopy(model)
     from autofuse.nn import public
 
-    received, dispatch = [], public.moe_dispatch
+    received, dtypes, dispatch = [], set(), public.moe_dispatch
 
     def counting(*args, **kwargs):
         h, handle = dispatch(*args, **kwargs)
         received.append(int(handle.tensors["counts"].sum()))
+        dtypes.add(str(args[0].dtype))
         return h, handle
 
     if not compiled:
@@ -142,7 +149,7 @@ def _model_case(world, make, kind: str, shape: tuple[int, int], sp: bool = False
         public.moe_dispatch = dispatch
     if aux:
         got["aux"] = rel(auxes[1], auxes[0])
-    return {**got, "received": received,
+    return {**got, "received": received, "expert dtypes": sorted(dtypes),
             "blocks": sum(isinstance(m, autofuse.nn.ExpertParallelMoE) for m in model.modules())}
 
 
@@ -223,6 +230,8 @@ def _job(world) -> dict:
     for name, make in MODELS.items():
         for kind in ("random", "skewed", "empty"):
             out[(name, kind)] = _model_case(world, make, kind, (2, 6))
+    for sp in (False, True):
+        out[("qwen2_moe", "autocast", sp)] = _model_case(world, tiny_qwen2_moe, "random", (2, 7), sp=sp, autocast=True)
     out[("mixtral", "one token")] = _model_case(world, tiny_mixtral, "random", (1, 1))
     for name, kind, shape in SP_CASES[world.size]:
         out[(name, kind, "sp")] = _model_case(world, MODELS[name], kind, shape, sp=True, aux=kind == "aux",
@@ -257,7 +266,7 @@ def test_parallel_moe_models_match_the_unsharded_float64_model(job) -> None:
     w, ranks = job
     for r, res in enumerate(ranks):
         for case, v in res.items():
-            if not isinstance(case, tuple):
+            if not isinstance(case, tuple) or case[1] == "autocast":
                 continue
             assert v["logits"] <= TOL and v["loss"] <= TOL, (w, r, case, v)
             assert v["grad keys"] and v["state keys"] and v["worst grad"] <= GRAD_TOL, (w, r, case, v)
@@ -265,6 +274,18 @@ def test_parallel_moe_models_match_the_unsharded_float64_model(job) -> None:
             assert v.get("aux", 0.0) <= TOL, (w, r, case, v)
     sp = [case for case in ranks[0] if isinstance(case, tuple) and case[-1] == "sp"]
     assert len(sp) == len(SP_CASES[w]) and (w == 4 or {c[1] for c in sp} >= {"aux", "copied", "skewed", "compiled"}), sp
+
+
+def test_experts_run_in_autocasts_dtype(job) -> None:
+    """float32 weights under torch.autocast(bfloat16) (mixed precision): the experts get bfloat16 rows and
+    weights (they ran in float32 before), and logits, loss and every float32 gradient equal the unsharded
+    model's under the same autocast within bfloat16 rounding, both forms."""
+    w, ranks = job
+    for r, res in enumerate(ranks):
+        for sp in (False, True):
+            v = res[("qwen2_moe", "autocast", sp)]
+            assert v["expert dtypes"] == ["torch.bfloat16"], (w, r, sp, v)
+            assert v["grad keys"] and max(v["logits"], v["loss"], v["worst grad"]) <= AUTOCAST_TOL, (w, r, sp, v)
 
 
 def test_skewed_and_empty_routings_leave_ranks_without_rows(job) -> None:

@@ -217,9 +217,15 @@ class ExpertParallelMoE(nn.Module):
         return torch.func.functional_call(module, params, (rows,))
 
     def _experts(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        w1 = self.w1.view(self.local_experts, self.hidden_size, 2, self.ffn_size)
+        """The experts on rows x: under torch.autocast in its dtype (x and the expert weights cast as
+        autocast casts the unsharded block's F.linear operands; the ops are not on autocast's lists)."""
+        w1, w2 = self.w1, self.w2
+        dtype = tpf.autocast_dtype(x)
+        if dtype is not None and x.is_floating_point():
+            x, w1, w2 = x.to(dtype), w1.to(dtype), w2.to(dtype)
+        w1 = w1.view(self.local_experts, self.hidden_size, 2, self.ffn_size)
         h, handle = public.moe_dispatch(x, ids, weights.contiguous(), w1, group=self.group)
-        return public.moe_combine(h, self.w2, handle, group=self.group)
+        return public.moe_combine(h, w2, handle, group=self.group)
 
     # -- checkpoints ------------------------------------------------------------------------------------
     def gather(self, t: torch.Tensor) -> torch.Tensor:
