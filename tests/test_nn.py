@@ -436,10 +436,63 @@ def _qwen3(world) -> dict:
     return out
 
 
+FAMILIES = {  # transformers families beyond Llama's projection names: what each one exercises
+    "phi3": "q/k/v fused in qkv_proj, gate/up fused in gate_up_proj (its forward slices with the config's heads)",
+    "glm4": "gate/up fused in gate_up_proj, norms after attention and MLP",
+    "starcoder2": "an ungated MLP (c_fc, c_proj) with biases, LayerNorms with biases",
+    "hunyuan_v1_dense": "per-head q/k norms named query_layernorm / key_layernorm",
+    "apertus": "an ungated MLP (up_proj, down_proj) with a learnable activation (xIELU's scalars)",
+}
+
+
+def tiny_family(name: str):
+    """A tiny random transformers model of family `name` (float32, eval mode): 4 heads, 2 KV heads (replicated
+    at world 4), every 1-D parameter (norm weights and biases, activation scalars) moved at random (transformers'
+    ones and zeros would hide one left out or applied to the wrong columns)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.for_model(name, vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                               num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
+                               pad_token_id=0, attn_implementation="eager")
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 1:  # about their initial values (ones or zeros): well-conditioned gradients
+                p.add_(torch.randn_like(p), alpha=0.3)
+    return model
+
+
+def _families(world) -> dict:
+    """parallelize on each of FAMILIES, both forms: logits, loss and every gradient against the unsharded
+    float64 model, full_state_dict's keys; greedy generation against the whole model's (sp=False)."""
+    import autofuse
+
+    ids = torch.randint(0, 64, (2, 7), generator=torch.Generator().manual_seed(6))
+    prompt = ids[:, :5]
+    kw = {"attention_mask": torch.ones_like(prompt), "max_new_tokens": 3, "do_sample": False, "pad_token_id": 0}
+
+    def loss(m: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+        o = m(input_ids=ids, labels=ids)
+        return o.logits, o.loss
+
+    out: dict = {}
+    for name in FAMILIES:
+        base = tiny_family(name)
+        want = harness.unsharded_run(copy.deepcopy(base).double(), loss)
+        for sp in (False, True):
+            model = autofuse.parallelize(copy.deepcopy(base), world.group, sequence_parallel=sp)
+            out[(name, sp)] = harness.against(model, loss, want)
+        model = autofuse.parallelize(copy.deepcopy(base), world.group)
+        with torch.no_grad():
+            out[(name, "generate")] = model.generate(prompt, **kw).tolist() == base.generate(prompt, **kw).tolist()
+    return out
+
+
 def _job(world) -> dict:
     out = {"modules": _modules(world), "plans": _plans(world), "llama": _llama(world), "train": _train(world),
            "qwen3": _qwen3(world), "autocast": _autocast_train(world),
-           "replicated kv": _replicated_kv(world)}
+           "replicated kv": _replicated_kv(world), "families": _families(world)}
     if world.size == 2:  # torch.compile at one world size: compiling takes most of a minute per graph on CPU
         out["compiled train"] = _train(world, compiled=True)
         out["compiled generation"] = _compiled_generation(world)
@@ -624,6 +677,20 @@ def test_fewer_kv_heads_than_ranks_are_replicated(job) -> None:
             kv = int(key.split()[0].split("=")[1])
             split = (w, kv, kv) if key.endswith("sp=True") else (kv,)  # k and v split kv ways, not w
             assert split in v["shards"], (key, v["shards"])
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_other_families_match_the_unsharded_float64_model(job, family) -> None:
+    """Families whose projections are fused or named otherwise (FAMILIES says what each exercises), both
+    forms: logits, loss, every gradient (those of replicated KV heads at world 4 included), the gathered
+    state_dict's keys; greedy generation equals the whole model's."""
+    w, ranks = job
+    for r, res in enumerate(ranks):
+        for sp in (False, True):
+            v = res["families"][(family, sp)]
+            assert v["logits"] <= TOL and v["loss"] <= TOL, (w, r, family, sp, v)
+            assert v["grad keys"] and v["state keys"] and v["worst grad"] <= GRAD_TOL, (w, r, family, sp, v)
+        assert res["families"][(family, "generate")], (w, r, family)
 
 
 def test_llama_refuses_kv_heads_that_neither_divide_nor_are_divided(job) -> None:

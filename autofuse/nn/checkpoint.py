@@ -51,6 +51,9 @@ def _unsharded(model: nn.Module, tensors: dict[str, torch.Tensor]) -> dict[str, 
             out[key] = whole
             continue
         parent = path.rpartition(".")[0]
+        if len(layer.part_names) == 1:  # one name: the whole layer under it (a fused projection's own)
+            out[f"{parent}.{layer.part_names[0]}.{name}" if parent else f"{layer.part_names[0]}.{name}"] = whole
+            continue
         for part, piece in zip(layer.part_names, whole.split(list(layer.parts), 0)):
             out[f"{parent}.{part}.{name}" if parent else f"{part}.{name}"] = piece.clone()
     return out

@@ -59,7 +59,8 @@ class _ParallelLinear(nn.Module):
         self.sequence_parallel = bool(sequence_parallel)
         self.parts = tuple(parts) if parts else (out_features,)
         self.shards = tuple(shards) if shards else (self.world,) * len(self.parts)
-        self.part_names: tuple[str, ...] = ()  # the layers a fused one was made from (`from_linears`)
+        # the layers a fused one was made from (`from_linears`), or one name: the fused projection it stands for
+        self.part_names: tuple[str, ...] = ()
         name = type(self).__name__
         if sum(self.parts) != out_features or (len(self.parts) > 1 and self.split_dim != 0):
             raise ValueError(f"{name}: parts {self.parts} must add up to out_features={out_features} "
@@ -166,14 +167,19 @@ class _ParallelLinear(nn.Module):
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, group: Any = None, sequence_parallel: bool = False,
-                    shards: int | None = None) -> "_ParallelLinear":
+                    shards: int | tuple[int, ...] | None = None, parts: tuple[int, ...] | None = None) -> "_ParallelLinear":
         """This rank's shard of `linear` (copied; `linear` is left as it was), same dtype and device.
-        `shards` (column-parallel): split into that many shards, a divisor of the group size (module doc)."""
-        return cls.from_linears([linear], group, sequence_parallel, shards=None if shards is None else (shards,))
+        Column-parallel only: `parts`, the output features of the projections a fused `linear` holds side by
+        side (q, k, v of a qkv_proj), rank r keeping its block of each; `shards`, how many shards each part
+        (or the whole) is split into, a divisor of the group size (module doc)."""
+        if isinstance(shards, int):
+            shards = (shards,)
+        return cls.from_linears([linear], group, sequence_parallel, shards=shards, parts=parts)
 
     @classmethod
     def from_linears(cls, linears: list[nn.Linear], group: Any = None, sequence_parallel: bool = False,
-                     names: tuple[str, ...] = (), shards: tuple[int, ...] | None = None) -> "_ParallelLinear":
+                     names: tuple[str, ...] = (), shards: tuple[int, ...] | None = None,
+                     parts: tuple[int, ...] | None = None) -> "_ParallelLinear":
         """One layer from several that read the same input, their outputs side by side (q, k and v;
         gate and up): this rank holds its block of each, so one call gathers the input once.
         `names`: the layers' module names, under which `full_state_dict` gives them back; `shards`: each
@@ -186,7 +192,10 @@ class _ParallelLinear(nn.Module):
         if any(lin.in_features != first.in_features or (lin.bias is None) != (first.bias is None) or
                lin.weight.dtype != first.weight.dtype for lin in linears):
             raise ValueError(f"{cls.__name__}.from_linears: the layers differ in in_features, bias or dtype")
-        parts = tuple(lin.out_features for lin in linears)
+        if parts is not None and len(linears) > 1:
+            raise ValueError(f"{cls.__name__}.from_linears: parts are the layers' out_features; give parts only "
+                             "for one fused layer")
+        parts = tuple(parts) if parts else tuple(lin.out_features for lin in linears)
         m = cls(first.in_features, sum(parts), bias=first.bias is not None, group=group,
                 sequence_parallel=sequence_parallel, device="meta", dtype=first.weight.dtype, parts=parts, shards=shards)
         whole = torch.cat([lin.weight.detach() for lin in linears]) if len(linears) > 1 else first.weight.detach()

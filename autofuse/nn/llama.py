@@ -1,19 +1,27 @@
-"""Hugging Face transformers Llama-family decoder models (Llama, Mistral, Qwen2, Qwen3, ...) made tensor-parallel.
+"""Hugging Face transformers Llama-family decoder models (Llama, Mistral, Qwen2, Qwen3, Phi-3, GLM-4, ...) made tensor-parallel.
 
 What is recognised: a model whose base model (`model.base_model`) has `layers`, each with `self_attn`
-holding the nn.Linear layers q_proj, k_proj, v_proj, o_proj and `mlp` holding gate_proj, up_proj,
-down_proj, and nothing else with parameters but per-head norms of q and k (Qwen3's `q_norm` /
-`k_norm`: weight [head_dim], applied to each head alike). Heads and the MLP width must divide by the
-group size; rank r keeps query heads block r. KV heads either divide by the group size (rank r keeps
-KV heads block r) or divide it (fewer KV heads than ranks, MQA: as vLLM does, each KV head is
-replicated on the group size / KV heads ranks whose query heads read it, rank r keeps KV head r * KV
-heads // W, and each replica's gradient is summed over the ranks holding it); the KV cache holds this
-rank's KV heads.
-Embeddings, the final norm and lm_head stay whole on every rank (replicated). The per-head norms are
-replicated too and need nothing in the forward (each rank normalises its own heads); their gradients
-come from this rank's heads only, so they are summed over the group (tensor hooks on the parameters,
-the same hooks as sequence parallelism's norms below), in either form. A norm over all heads' width
-(OLMo2's q_norm, say) is refused.
+and `mlp` holding one of the projection sets `ATTENTION_FORMS` / `MLP_FORMS` name (nn.Linear layers):
+attention q_proj, k_proj, v_proj, o_proj, or qkv_proj (q, k, v fused: Phi-3) and o_proj; MLP
+gate_proj, up_proj, down_proj, or gate_up_proj (fused: Phi-3, GLM-4) and down_proj, or an ungated
+up_proj / down_proj (Arcee, Apertus) or c_fc / c_proj (StarCoder2). Besides them, attention may hold
+per-head norms of q and k (Qwen3's `q_norm` / `k_norm`, HunYuan's `query_layernorm` /
+`key_layernorm`: weight [head_dim], applied to each head alike) and the MLP a learnable activation's
+parameters (Apertus's xIELU scalars); anything else with parameters is refused, naming it. Heads and
+the MLP width must divide by the group size; rank r keeps query heads block r. KV heads either divide
+by the group size (rank r keeps KV heads block r) or divide it (fewer KV heads than ranks, MQA: as
+vLLM does, each KV head is replicated on the group size / KV heads ranks whose query heads read it,
+rank r keeps KV head r * KV heads // W, and each replica's gradient is summed over the ranks holding
+it); the KV cache holds this rank's KV heads. A fused projection is split part by part (rank r keeps
+its block of q, of k and of v). An attention whose forward slices a fused qkv_proj with the config's
+head counts (Phi-3) gets a copy of the config with this rank's counts (`self_attn.config`; the
+model's own config stays whole, so a later change of the model's attention implementation does not
+reach these layers: choose it before parallelize).
+Embeddings, the final norm and lm_head stay whole on every rank (replicated). The per-head norms and
+activation parameters are replicated too and need nothing in the forward (each rank normalises its
+own heads); their gradients come from this rank's heads or columns only, so they are summed over the
+group (tensor hooks on the parameters, the same hooks as sequence parallelism's norms below), in
+either form. A norm over all heads' width (OLMo2's q_norm, say) is refused.
 
 sequence_parallel=False (the layout of transformers' own tensor-parallel plan for these models): the
 hidden states are whole on every rank; q/k/v and gate/up are column-parallel (local GEMMs; their
@@ -26,8 +34,11 @@ and residual adds run on 1/W of them. The hidden states (B, S, H) are padded alo
 r keeps rows block r, shaped (B, S'/W, H) for transformers' code: a container, not positions
 S'/W r.. of each sequence. q/k/v are one column-parallel layer `self_attn.qkv_proj` (one all-gather
 of the rows per layer, inside `ag_gemm`), gate/up another, `mlp.gate_up_proj`; the separate
-projections become `FusedPart` views of their columns. o and down are row-parallel with gemm_rs,
-which hands each rank its row block back. The first layer scatters the rows (its gradient
+projections become `FusedPart` views of their columns. An attention's own fused qkv_proj (Phi-3)
+becomes the layer `self_attn.qkv_proj_parallel`, its `qkv_proj` the FusedPart of all its columns. An
+MLP with one column projection (fused gate_up, or ungated) runs it on the rows as they are: its
+output, (W B, S'/W, ...), holds every rank's rows, which the row projection hands back as this
+rank's block. o and down are row-parallel with gemm_rs, which hands each rank its row block back. The first layer scatters the rows (its gradient
 all-gathered), the last gathers them (its gradient kept per block), so everything outside the layers
 runs whole. Norm weights inside the layers see only this rank's rows: their gradients are summed over
 the group (tensor hooks on the parameters). Hidden states recorded between layers
@@ -58,6 +69,8 @@ rank's heads); a static cache sized from the config (the whole model's heads) is
 """
 from __future__ import annotations
 
+import copy
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -68,16 +81,39 @@ from torch import nn
 from autofuse.nn import functional as tpf
 from autofuse.nn.linear import ColumnParallelLinear, FusedPart, RowParallelLinear, fuse_columns
 from autofuse.nn.moe import ExpertParallelMoE, is_moe_block
-from autofuse.nn.plan import apply_plan
 
-ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
-HEAD_NORMS = ("q_norm", "k_norm")  # Qwen3's per-head RMSNorms of q and k (weight [head_dim], shared by all heads)
-MLP = ("gate_proj", "up_proj", "down_proj")
-ATTENTION_PLAN = {  # sequence_parallel=False, relative to a decoder layer (transformers' base_model_tp_plan)
-    "self_attn.q_proj": "column", "self_attn.k_proj": "column", "self_attn.v_proj": "column",
-    "self_attn.o_proj": "row",
-}
-MLP_PLAN = {"mlp.gate_proj": "column", "mlp.up_proj": "column", "mlp.down_proj": "row"}
+@dataclass(frozen=True)
+class Block:
+    """One form of a decoder layer's attention or MLP: `columns`, the nn.Linear projections reading the
+    block's input (column-parallel, outputs side by side), and `row`, the one writing its output
+    (row-parallel). A fused projection (`qkv_proj`: q, k, v; `gate_up_proj`: gate, up) holds several
+    parts side by side; rank r keeps its block of each."""
+
+    columns: tuple[str, ...]
+    row: str
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return (*self.columns, self.row)
+
+    def __str__(self) -> str:
+        return "/".join(self.names)
+
+
+ATTENTION_FORMS = (Block(("q_proj", "k_proj", "v_proj"), "o_proj"),  # Llama, Mistral, Qwen, Gemma, ...
+                   Block(("qkv_proj",), "o_proj"))                    # Phi-3 / Phi-4: q, k, v fused
+MLP_FORMS = (Block(("gate_proj", "up_proj"), "down_proj"),           # gated (SwiGLU, GeGLU)
+             Block(("gate_up_proj",), "down_proj"),                  # gated, fused: Phi-3, GLM-4 (chunk(2))
+             Block(("up_proj",), "down_proj"),                       # ungated: Arcee, Apertus
+             Block(("c_fc",), "c_proj"))                             # ungated: StarCoder2
+
+
+def _form(block: nn.Module | None, forms: tuple[Block, ...]) -> Block | None:
+    """The first of `forms` whose projections are all nn.Linear layers of `block`, else None."""
+    for form in forms:
+        if block is not None and all(isinstance(getattr(block, n, None), nn.Linear) for n in form.names):
+            return form
+    return None
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
@@ -94,19 +130,20 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
         if done:
             raise ValueError(f"{type(model).__name__} is tensor-parallel already (layers.{i}.{done}): "
                              "parallelize a model once, from its whole weights")
-        for block, names in (("self_attn", ATTENTION), ("mlp", MLP)):
+        for block, forms in (("self_attn", ATTENTION_FORMS), ("mlp", MLP_FORMS)):
             mod = getattr(layer, block, None)
             if block == "mlp" and mod is not None and is_moe_block(mod):
                 continue  # a sparse MoE block: ExpertParallelMoE.from_module checks it
-
-            for name in names:
-                if not isinstance(getattr(mod, name, None), nn.Linear):
-                    raise ValueError(f"{type(model).__name__}: layers.{i}.{block}.{name} is not an nn.Linear; "
-                                     "parallelize(model, group, plan={...}) takes other models")
-            extra = [n for n, _ in mod.named_parameters() if n.split(".")[0] not in names]
-            where = "projections"
+            form = _form(mod, forms)
+            if form is None:
+                raise ValueError(f"{type(model).__name__}: layers.{i}.{block} has none of the nn.Linear projection sets "
+                                 f"autofuse knows ({', '.join(map(str, forms))}); "
+                                 "parallelize(model, group, plan={...}) takes other models")
+            extra = [n for n, _ in mod.named_parameters() if n.split(".")[0] not in form.names]
             if block == "self_attn":
                 extra, where = [n for n in extra if not _per_head(mod, n)], "projections and per-head q/k norms"
+            else:
+                extra, where = [n for n in extra if not n.startswith("act_fn.")], "projections and activation"
             if extra:
                 raise ValueError(f"{type(model).__name__}: layers.{i}.{block} has parameters outside its {where} "
                                  f"({', '.join(extra)}); autofuse does not know how to split them")
@@ -114,20 +151,32 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
 
 
 def _per_head(attn: nn.Module, name: str) -> bool:
-    """Whether parameter `name` of `attn` belongs to a per-head norm (HEAD_NORMS): 1-D, head_dim long,
-    applied to each head alike, so it splits with the heads as is (a norm over all heads' width does not)."""
-    norm = name.split(".")[0]
+    """Whether parameter `name` of `attn` (outside its projections) is a per-head norm's (Qwen3's q_norm /
+    k_norm, HunYuan's query_layernorm / key_layernorm): 1-D and head_dim long, so applied to each head
+    alike, and it splits with the heads as is (a norm over all heads' width, OLMo2's, does not)."""
     p = attn.get_parameter(name)
-    return norm in HEAD_NORMS and p.dim() == 1 and p.shape[0] == getattr(attn, "head_dim", None)
+    return p.dim() == 1 and p.shape[0] == heads(attn)[2]
+
+
+def heads(attn: nn.Module) -> tuple[int, int, int]:
+    """(query heads, KV heads, head dim) of a transformers attention module, from its config."""
+    cfg = getattr(attn, "config", None)
+    if cfg is None:  # older transformers: the module's own counts
+        n = attn.num_heads
+        return n, getattr(attn, "num_key_value_heads", None) or n, attn.head_dim
+    n = cfg.num_attention_heads
+    head_dim = getattr(attn, "head_dim", None) or getattr(cfg, "head_dim", None) or cfg.hidden_size // n
+    return n, getattr(cfg, "num_key_value_heads", None) or n, head_dim
 
 
 def check_sizes(config: Any, world: int, what: str = "the model", dense_mlp: bool = True) -> None:
-    """ValueError unless heads, KV heads and (`dense_mlp`: some layer has a dense MLP) the MLP width of
-    `config` (a transformers config or a dict of its fields) divide by the group size."""
+    """ValueError unless heads and (`dense_mlp`: some layer has a dense MLP) the MLP width of `config` (a
+    transformers config or a dict of its fields) divide by the group size, and its KV heads divide by it
+    or divide it (module doc)."""
     get = config.get if isinstance(config, dict) else lambda k, d=None: getattr(config, k, d)
-    heads = get("num_attention_heads")
-    kv = get("num_key_value_heads") or heads
-    sizes = {"num_attention_heads": heads}
+    n = get("num_attention_heads")
+    kv = get("num_key_value_heads") or n
+    sizes = {"num_attention_heads": n}
     if dense_mlp:
         sizes["intermediate_size"] = get("intermediate_size")
     bad = [f"{k}={v}" for k, v in sizes.items() if v % world]
@@ -139,24 +188,43 @@ def check_sizes(config: Any, world: int, what: str = "the model", dense_mlp: boo
 
 
 def kv_shards(attn: nn.Module, world: int) -> int:
-    """How many shards k_proj and v_proj of `attn` are split into: the group size, or the KV heads where
+    """How many shards the KV projections of `attn` are split into: the group size, or the KV heads where
     there are fewer (each replicated; module doc)."""
-    head_dim = getattr(attn, "head_dim", None) or attn.q_proj.out_features // attn.config.num_attention_heads
-    kv = attn.k_proj.out_features // head_dim
+    kv = heads(attn)[1]
     return world if kv % world == 0 else kv
 
 
+def _columns(attn_or_mlp: nn.Module, name: str, world: int, kv: int) -> dict:
+    """`from_linear`'s parts and shards for column projection `name` of a block (k/v: `kv` shards; a
+    fused projection: its parts)."""
+    if name in ("k_proj", "v_proj"):
+        return {"shards": kv}
+    if name == "qkv_proj":
+        n, kvh, d = heads(attn_or_mlp)
+        return {"parts": (n * d, kvh * d, kvh * d), "shards": (world, kv, kv)}
+    if name == "gate_up_proj":
+        half = getattr(attn_or_mlp, name).out_features // 2
+        return {"parts": (half, half)}
+    return {}
+
+
 def _local_head_counts(attn: nn.Module, world: int, kv_shards: int) -> None:
-    """Older transformers' attention reshapes with its own head counts: give it this rank's (one KV
-    head where KV heads are replicated), and the query heads per KV head that repeat_kv and SDPA's GQA
-    read (`num_key_value_groups`: changed only where KV heads are replicated)."""
-    for name, split in (("num_heads", world), ("num_key_value_heads", kv_shards)):
+    """Give the attention this rank's head counts where its code reads them: older transformers' own
+    counts (num_heads, num_key_value_heads: one KV head where KV heads are replicated), the query heads
+    per KV head that repeat_kv and SDPA's GQA read (`num_key_value_groups`: changed only where KV heads
+    are replicated), and, for a fused qkv_proj (whose forward slices it with the config's head counts),
+    a copy of the config with this rank's counts (the model's own config is left whole)."""
+    for name, split in (("num_heads", world), ("num_key_value_heads", kv_shards), ("num_attention_heads", world)):
         if isinstance(getattr(attn, name, None), int):
             setattr(attn, name, getattr(attn, name) // split)
     if isinstance(getattr(attn, "hidden_size", None), int) and hasattr(attn, "num_heads"):
         attn.hidden_size = attn.num_heads * attn.head_dim
     if isinstance(getattr(attn, "num_key_value_groups", None), int):
         attn.num_key_value_groups = attn.num_key_value_groups * kv_shards // world
+    if isinstance(getattr(attn, "qkv_proj", None), nn.Linear):
+        n, kv, _ = heads(attn)
+        attn.config = copy.copy(attn.config)
+        attn.config.num_attention_heads, attn.config.num_key_value_heads = n // world, kv // kv_shards
 
 
 def parallelize(model: nn.Module, group: Any, sequence_parallel: bool) -> None:
@@ -180,26 +248,38 @@ def parallelize_layer(layer: nn.Module, group: Any, sequence_parallel: bool) -> 
     sequence_parallel its input and output are this rank's row block (B, S'/W, H) (module doc): the
     caller scatters and gathers the rows (`parallelize` hooks the first and last layer for that)."""
     world = dist.get_world_size(group)
-    kv = kv_shards(layer.self_attn, world)
-    _local_head_counts(layer.self_attn, world, kv)
-    head_norms = [n for n in HEAD_NORMS if hasattr(layer.self_attn, n)]
-    _GradSum(group).register(layer.self_attn, [f"{n}.{p}" for n in head_norms
-                                                for p, _ in getattr(layer.self_attn, n).named_parameters()])
+    attn = layer.self_attn
+    attention = _form(attn, ATTENTION_FORMS)
+    kv = kv_shards(attn, world)
+    shapes = {name: _columns(attn, name, world, kv) for name in attention.columns}
+    _local_head_counts(attn, world, kv)
+    _GradSum(group).register(attn, [n for n, _ in attn.named_parameters() if n.split(".")[0] not in attention.names])
     if sequence_parallel:
-        _SequenceParallel(group, world).layer(layer, kv)
+        _SequenceParallel(group, world).layer(layer, attention, shapes)
         return layer
-    attention = dict(ATTENTION_PLAN)
-    if kv != world:  # replicated KV heads: k_proj and v_proj split into kv shards
-        for name in ("k_proj", "v_proj"):
-            del attention[f"self_attn.{name}"]
-            setattr(layer.self_attn, name, ColumnParallelLinear.from_linear(getattr(layer.self_attn, name), group,
-                                                                            shards=kv))
+    _split(attn, attention, shapes, group, False)
     if is_moe_block(layer.mlp):
-        apply_plan(layer, attention, group)
         layer.mlp = ExpertParallelMoE.from_module(layer.mlp, group)
     else:
-        apply_plan(layer, {**attention, **MLP_PLAN}, group)
+        mlp = _form(layer.mlp, MLP_FORMS)
+        _split(layer.mlp, mlp, {n: _columns(layer.mlp, n, world, kv) for n in mlp.columns}, group, False)
+        _activation_grads(layer.mlp, group)
     return layer
+
+
+def _activation_grads(mlp: nn.Module, group: Any) -> None:
+    """A learnable activation's parameters (Apertus's xIELU: scalars applied to every element) are
+    replicated; each rank's gradient comes from its own columns of the MLP: summed over the group."""
+    _GradSum(group).register(mlp, [n for n, _ in mlp.named_parameters() if n.startswith("act_fn.")])
+
+
+def _split(block: nn.Module, form: Block, shapes: dict, group: Any, sequence_parallel: bool) -> None:
+    """Swap a block's projections for their shards in place: columns (`shapes`: their parts and shards)
+    column-parallel, the row projection row-parallel."""
+    for name in form.columns:
+        setattr(block, name, ColumnParallelLinear.from_linear(getattr(block, name), group, sequence_parallel,
+                                                              **shapes[name]))
+    setattr(block, form.row, RowParallelLinear.from_linear(getattr(block, form.row), group, sequence_parallel))
 
 
 def _seq_len(kwargs: dict) -> int:
@@ -286,24 +366,40 @@ class _SequenceParallel(_GradSum):
     def padded(self, s: int) -> int:
         return -(-s // self.world) * self.world
 
-    def layer(self, layer: nn.Module, kv_shards: int) -> None:
-        """Fuse and swap one decoder layer's projections (k and v split into `kv_shards`; an MoE block:
-        ExpertParallelMoE on the row block), hook its blocks, sum its norms' gradients."""
+    def layer(self, layer: nn.Module, attention: Block, shapes: dict) -> None:
+        """Swap one decoder layer's projections (`shapes`: the attention's column parts and shards) and
+        hook its blocks; sum its norms' gradients. Attention: its column projections one layer (one
+        all-gather of the rows), fed to the attention as its input (B, S, ...) by a pre-hook. MLP: gated
+        with separate gate/up, the same; a single column projection (fused gate_up, ungated) runs on the
+        rows as they are, its output (W B, S'/W, ...) every rank's rows, which the row projection
+        (gemm_rs) hands back as this rank's block; an MoE block: ExpertParallelMoE on the row block."""
         attn, mlp, g = layer.self_attn, layer.mlp, self.group
-        fuse_columns(attn, ("q_proj", "k_proj", "v_proj"), "qkv_proj", g, sequence_parallel=True,
-                     shards=(self.world, kv_shards, kv_shards))
-        attn.o_proj = RowParallelLinear.from_linear(attn.o_proj, g, sequence_parallel=True)
+        if len(attention.columns) > 1:
+            fuse_columns(attn, attention.columns, "qkv_proj", g, sequence_parallel=True,
+                         shards=tuple(shapes[n].get("shards", self.world) for n in attention.columns))
+        else:  # one fused projection the attention calls itself: the layer beside it, the projection its output
+            name = attention.columns[0]
+            made = ColumnParallelLinear.from_linear(getattr(attn, name), g, True, **shapes[name])
+            made.part_names = (name,)
+            setattr(attn, f"{name}_parallel", made)
+            setattr(attn, name, FusedPart(0, made.weight.shape[0]))
+        setattr(attn, attention.row, RowParallelLinear.from_linear(getattr(attn, attention.row), g, sequence_parallel=True))
         attn.register_forward_pre_hook(self.attention_in, with_kwargs=True)
         attn.register_forward_hook(self.attention_out, with_kwargs=True)
-        attn.o_proj.register_forward_pre_hook(self.rows_in)
-        if is_moe_block(mlp):
+        getattr(attn, attention.row).register_forward_pre_hook(self.rows_in)
+        form = None if is_moe_block(mlp) else _form(mlp, MLP_FORMS)
+        if form is None:
             layer.mlp = ExpertParallelMoE.from_module(mlp, g, sequence_parallel=True)  # takes (B, S'/W, H) rows
-        else:
-            fuse_columns(mlp, ("gate_proj", "up_proj"), "gate_up_proj", g, sequence_parallel=True)
-            mlp.down_proj = RowParallelLinear.from_linear(mlp.down_proj, g, sequence_parallel=True)
+        elif len(form.columns) > 1:
+            fuse_columns(mlp, form.columns, "gate_up_proj", g, sequence_parallel=True)
+            setattr(mlp, form.row, RowParallelLinear.from_linear(getattr(mlp, form.row), g, sequence_parallel=True))
             mlp.register_forward_pre_hook(self.mlp_in)
             mlp.register_forward_hook(self.mlp_out)
-            mlp.down_proj.register_forward_pre_hook(self.rows_in)
+            getattr(mlp, form.row).register_forward_pre_hook(self.rows_in)
+        else:
+            _split(mlp, form, {n: _columns(mlp, n, self.world, self.world) for n in form.columns}, g, True)
+        if form is not None:
+            _activation_grads(mlp, g)
         self.register(layer, [name for name, _ in layer.named_parameters()
                               if not name.startswith(("self_attn.", "mlp."))])
 
@@ -341,7 +437,8 @@ class _SequenceParallel(_GradSum):
     def attention_in(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         hidden, keyword = _hidden(args, kwargs)
         b, t, h = hidden.shape
-        qkv = module.qkv_proj(hidden.reshape(b * t, h)).view(b, t * self.world, -1)
+        fused = getattr(module, "qkv_proj_parallel", None) or module.qkv_proj  # Phi-3's own, or q/k/v fused
+        qkv = fused(hidden.reshape(b * t, h)).view(b, t * self.world, -1)
         return _with_hidden(args, kwargs, qkv[:, :_seq_len(kwargs)], keyword)
 
     def rows_in(self, module: nn.Module, args: tuple) -> tuple:
