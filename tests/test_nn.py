@@ -419,7 +419,7 @@ def _qwen3(world) -> dict:
     made = autofuse.parallelize(copy.deepcopy(base), world.group, sequence_parallel=True)
     out["copied sp=True"] = harness.against(copy.deepcopy(made), loss, want)  # a copy sums its norms' grads too
     wide = tiny_qwen3(world.size)
-    wide.model.layers[1].self_attn.q_norm = nn.RMSNorm(32)  # over every head's width (OLMo2's): does not split
+    wide.model.layers[1].self_attn.q_norm = nn.LayerNorm(32)  # over q_proj's width with a bias: not an RMSNorm
     try:
         autofuse.parallelize(wide, world.group)
         out["width error"] = "no error"
@@ -442,6 +442,7 @@ FAMILIES = {  # transformers families beyond Llama's projection names: what each
     "starcoder2": "an ungated MLP (c_fc, c_proj) with biases, LayerNorms with biases",
     "hunyuan_v1_dense": "per-head q/k norms named query_layernorm / key_layernorm",
     "apertus": "an ungated MLP (up_proj, down_proj) with a learnable activation (xIELU's scalars)",
+    "olmo2": "q/k norms over q_proj's / k_proj's whole width (ShardedRMSNorm; k's replicated at world 4)",
 }
 
 
@@ -486,7 +487,26 @@ def _families(world) -> dict:
         model = autofuse.parallelize(copy.deepcopy(base), world.group)
         with torch.no_grad():
             out[(name, "generate")] = model.generate(prompt, **kw).tolist() == base.generate(prompt, **kw).tolist()
+    gemma_like = tiny_family("olmo2")
+    gemma_like.model.layers[1].self_attn.q_norm = _OnePlusRMSNorm(32)
+    try:
+        autofuse.parallelize(gemma_like, world.group)
+        out["norm error"] = "no error"
+    except ValueError as exc:
+        out["norm error"] = str(exc)
     return out
+
+
+class _OnePlusRMSNorm(nn.Module):
+    """Gemma's RMSNorm (x * rsqrt(mean(x²) + eps) * (1 + weight)): not what ShardedRMSNorm computes."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(width))
+        self.variance_epsilon = 1e-6
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon) * (1 + self.weight)
 
 
 def _job(world) -> dict:
@@ -602,7 +622,8 @@ def test_qwen3_matches_the_unsharded_float64_model(job) -> None:
     for sp, err in ranks[0]["qwen3"]["twice"].items():  # a parallelized model given again is named as such
         assert "is tensor-parallel already (layers.0." in err and "parallelize a model once" in err, (sp, err)
     err = ranks[0]["qwen3"]["width error"]
-    assert "layers.1.self_attn has parameters outside its projections and per-head q/k norms (q_norm.weight)" in err, err
+    assert ("layers.1.self_attn has parameters outside its projections and q/k norms (per head, or over q_proj's / "
+            "k_proj's width) (q_norm.bias)") in err, err
 
 
 def test_llama_trains_under_autocast_with_float32_weights(job) -> None:
@@ -691,6 +712,11 @@ def test_other_families_match_the_unsharded_float64_model(job, family) -> None:
             assert v["logits"] <= TOL and v["loss"] <= TOL, (w, r, family, sp, v)
             assert v["grad keys"] and v["state keys"] and v["worst grad"] <= GRAD_TOL, (w, r, family, sp, v)
         assert res["families"][(family, "generate")], (w, r, family)
+
+
+def test_a_width_norm_that_is_not_rmsnorm_is_refused(job) -> None:
+    err = job[1][0]["families"]["norm error"]
+    assert "_OnePlusRMSNorm does not compute x * rsqrt(mean(x²) + eps) * weight" in err, err
 
 
 def test_llama_refuses_kv_heads_that_neither_divide_nor_are_divided(job) -> None:

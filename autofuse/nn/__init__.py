@@ -5,10 +5,12 @@
 - `ExpertParallelMoE` (autofuse/nn/moe.py): a sparse MoE block (router, SwiGLU experts, optional shared
   expert) with its experts split over a process group, on `moe_dispatch` / `moe_combine`;
   `from_module(block, group)` converts a transformers MoE block (Mixtral, Qwen2-MoE, Qwen3-MoE); `TopKRouter`.
+- `ShardedRMSNorm` (autofuse/nn/norm.py): an RMSNorm over a column-parallel projection's whole width
+  (OLMo2's q_norm / k_norm), from its shards.
 - `autofuse.nn.functional`: the same as functions, and the row scatter/gather of sequence parallelism.
 - `parallelize(model, group, plan=None, sequence_parallel=False)` (autofuse/nn/parallelize.py): swaps a
-  model's linears for the modules above, by a plan or, for Hugging Face Llama-family models (Qwen3
-  included, and the MoE models Mixtral, Qwen2-MoE and Qwen3-MoE, their MoE blocks made expert-parallel),
+  model's linears for the modules above, by a plan or, for Hugging Face Llama-family models (Qwen3,
+  Phi-3, GLM-4, OLMo2 and more included, and the MoE models Mixtral, Qwen2-MoE and Qwen3-MoE, their MoE blocks made expert-parallel),
   by itself.
 - `full_state_dict(model)` (autofuse/nn/checkpoint.py): the unsharded state_dict of a parallelized model;
   `full_grads(model)` its parameters' gradients likewise.
@@ -21,9 +23,10 @@ from autofuse.nn import functional
 from autofuse.nn.checkpoint import full_grads, full_state_dict
 from autofuse.nn.linear import ColumnParallelLinear, RowParallelLinear
 from autofuse.nn.moe import ExpertParallelMoE, TopKRouter
+from autofuse.nn.norm import ShardedRMSNorm
 from autofuse.nn.parallelize import parallelize
 
-__all__ = ["ColumnParallelLinear", "RowParallelLinear", "ExpertParallelMoE", "TopKRouter", "ColwiseParallel", "RowwiseParallel", "full_state_dict", "full_grads",
+__all__ = ["ColumnParallelLinear", "RowParallelLinear", "ShardedRMSNorm", "ExpertParallelMoE", "TopKRouter", "ColwiseParallel", "RowwiseParallel", "full_state_dict", "full_grads",
            "functional", "parallelize"]
 
 

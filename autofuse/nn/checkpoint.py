@@ -4,7 +4,7 @@ A parallelized model's own state_dict holds this rank's shards (and, under Llama
 parallelism, fused `qkv_proj` / `gate_up_proj` layers). `full_state_dict` gathers every
 tensor-parallel layer and splits fused ones back into the layers they were made from, so the result
 has the unsharded model's keys and shapes (expert-parallel MoE blocks' experts gathered and given back
-in the layout their transformers block had), e.g. for `save_pretrained(dir, state_dict=...)`;
+in the layout their transformers block had; sharded norms' weights gathered), e.g. for `save_pretrained(dir, state_dict=...)`;
 `full_grads` does the same for the parameters' gradients.
 """
 from __future__ import annotations
@@ -14,6 +14,7 @@ from torch import nn
 
 from autofuse.nn.linear import _ParallelLinear
 from autofuse.nn.moe import ExpertParallelMoE
+from autofuse.nn.norm import ShardedRMSNorm
 
 
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -35,12 +36,16 @@ def _unsharded(model: nn.Module, tensors: dict[str, torch.Tensor]) -> dict[str, 
     into the unsharded model's keys."""
     layers = {path: m for path, m in model.named_modules() if isinstance(m, _ParallelLinear)}
     experts = {path: m for path, m in model.named_modules() if isinstance(m, ExpertParallelMoE)}
+    norms = {path: m for path, m in model.named_modules() if isinstance(m, ShardedRMSNorm)}
     out: dict[str, torch.Tensor] = {}
     for key, t in tensors.items():
         path, _, name = key.rpartition(".")
         block = experts.get(path)
         if block is not None and name in ("w1", "w2"):  # expert-parallel experts: gathered, in their source layout
             out.update({f"{path}.{k}" if path else k: v for k, v in block.unshard(name, t).items()})
+            continue
+        if path in norms:  # a norm over a projection's width: its weight's shards gathered
+            out[key] = norms[path].gather(t)
             continue
         layer = layers.get(path)
         if layer is None:

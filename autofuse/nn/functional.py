@@ -185,6 +185,24 @@ class _AllReduceGrad(torch.autograd.Function):
         return _sum(g, ctx.group), None
 
 
+class _SumOverGroup(torch.autograd.Function):
+    """x summed over the group; its gradient likewise (every rank's x reaches every rank's sum)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.group = group
+        return _sum(x, group)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple:
+        return _sum(g, ctx.group), None
+
+
+def sum_over_group(x: torch.Tensor, group: Any = None) -> torch.Tensor:
+    """x summed over the group, out of place, differentiable (the all-reduce's adjoint is itself)."""
+    return _SumOverGroup.apply(x, process_group(group))
+
+
 class _SumReplicas(torch.autograd.Function):
     """Identity forward on a column-parallel weight or bias; backward: the rows of each replicated part
     (`rows`: (start, stop, shards)) summed over the ranks holding the same shard (rank r holds shard

@@ -1,4 +1,4 @@
-"""Hugging Face transformers Llama-family decoder models (Llama, Mistral, Qwen2, Qwen3, Phi-3, GLM-4, ...) made tensor-parallel.
+"""Hugging Face transformers Llama-family decoder models (Llama, Mistral, Qwen2, Qwen3, Phi-3, GLM-4, OLMo2, ...) made tensor-parallel.
 
 What is recognised: a model whose base model (`model.base_model`) has `layers`, each with `self_attn`
 and `mlp` holding one of the projection sets `ATTENTION_FORMS` / `MLP_FORMS` name (nn.Linear layers):
@@ -6,7 +6,8 @@ attention q_proj, k_proj, v_proj, o_proj, or qkv_proj (q, k, v fused: Phi-3) and
 gate_proj, up_proj, down_proj, or gate_up_proj (fused: Phi-3, GLM-4) and down_proj, or an ungated
 up_proj / down_proj (Arcee, Apertus) or c_fc / c_proj (StarCoder2). Besides them, attention may hold
 per-head norms of q and k (Qwen3's `q_norm` / `k_norm`, HunYuan's `query_layernorm` /
-`key_layernorm`: weight [head_dim], applied to each head alike) and the MLP a learnable activation's
+`key_layernorm`: weight [head_dim], applied to each head alike) or norms over q_proj's / k_proj's
+whole width (OLMo2's `q_norm` / `k_norm`, below), and the MLP a learnable activation's
 parameters (Apertus's xIELU scalars); anything else with parameters is refused, naming it. Heads and
 the MLP width must divide by the group size; rank r keeps query heads block r. KV heads either divide
 by the group size (rank r keeps KV heads block r) or divide it (fewer KV heads than ranks, MQA: as
@@ -21,7 +22,9 @@ Embeddings, the final norm and lm_head stay whole on every rank (replicated). Th
 activation parameters are replicated too and need nothing in the forward (each rank normalises its
 own heads); their gradients come from this rank's heads or columns only, so they are summed over the
 group (tensor hooks on the parameters, the same hooks as sequence parallelism's norms below), in
-either form. A norm over all heads' width (OLMo2's q_norm, say) is refused.
+either form. A norm over a whole projection's width (OLMo2's q_norm over q_proj's output, k_norm over
+k_proj's) becomes `autofuse.nn.ShardedRMSNorm` (autofuse/nn/norm.py): the rows' sums of squares added
+over the group, each rank scaling its own columns by its shard of the weight.
 
 sequence_parallel=False (the layout of transformers' own tensor-parallel plan for these models): the
 hidden states are whole on every rank; q/k/v and gate/up are column-parallel (local GEMMs; their
@@ -81,6 +84,7 @@ from torch import nn
 from autofuse.nn import functional as tpf
 from autofuse.nn.linear import ColumnParallelLinear, FusedPart, RowParallelLinear, fuse_columns
 from autofuse.nn.moe import ExpertParallelMoE, is_moe_block
+from autofuse.nn.norm import ShardedRMSNorm
 
 @dataclass(frozen=True)
 class Block:
@@ -141,7 +145,8 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
                                  "parallelize(model, group, plan={...}) takes other models")
             extra = [n for n, _ in mod.named_parameters() if n.split(".")[0] not in form.names]
             if block == "self_attn":
-                extra, where = [n for n in extra if not _per_head(mod, n)], "projections and per-head q/k norms"
+                extra = [n for n in extra if not (_per_head(mod, n) or _width_norm(mod, form, n))]
+                where = "projections and q/k norms (per head, or over q_proj's / k_proj's width)"
             else:
                 extra, where = [n for n in extra if not n.startswith("act_fn.")], "projections and activation"
             if extra:
@@ -156,6 +161,19 @@ def _per_head(attn: nn.Module, name: str) -> bool:
     alike, and it splits with the heads as is (a norm over all heads' width, OLMo2's, does not)."""
     p = attn.get_parameter(name)
     return p.dim() == 1 and p.shape[0] == heads(attn)[2]
+
+
+WIDTH_NORMS = {"q_norm": "q_proj", "k_norm": "k_proj"}  # OLMo2's: an RMSNorm over the projection's whole output
+
+
+def _width_norm(attn: nn.Module, form: Block, name: str) -> bool:
+    """Whether parameter `name` of `attn` is the weight of a norm over a whole projection's output (OLMo2's
+    q_norm over q_proj's width), which `ShardedRMSNorm` splits with the projection's columns."""
+    norm, _, attr = name.partition(".")
+    proj = WIDTH_NORMS.get(norm)
+    p = attn.get_parameter(name)
+    return (attr == "weight" and proj in form.columns and p.dim() == 1
+            and p.shape[0] == getattr(attn, proj).out_features)
 
 
 def heads(attn: nn.Module) -> tuple[int, int, int]:
@@ -252,8 +270,15 @@ def parallelize_layer(layer: nn.Module, group: Any, sequence_parallel: bool) -> 
     attention = _form(attn, ATTENTION_FORMS)
     kv = kv_shards(attn, world)
     shapes = {name: _columns(attn, name, world, kv) for name in attention.columns}
+    widths = [n for n in WIDTH_NORMS if isinstance(getattr(attn, n, None), nn.Module)
+              and _width_norm(attn, attention, f"{n}.weight")]
+    norms = {n: ShardedRMSNorm.from_norm(getattr(attn, n), group, shards=shapes[WIDTH_NORMS[n]].get("shards", world))
+             for n in widths}  # made (and checked) before anything of the layer changes
+    for n, norm in norms.items():
+        setattr(attn, n, norm)
     _local_head_counts(attn, world, kv)
-    _GradSum(group).register(attn, [n for n, _ in attn.named_parameters() if n.split(".")[0] not in attention.names])
+    _GradSum(group).register(attn, [n for n, _ in attn.named_parameters()
+                                    if n.split(".")[0] not in (*attention.names, *widths)])
     if sequence_parallel:
         _SequenceParallel(group, world).layer(layer, attention, shapes)
         return layer
