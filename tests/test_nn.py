@@ -853,6 +853,36 @@ def _gpu_job(world) -> dict:
             model = autofuse.parallelize(copy.deepcopy(ref), world.group, sequence_parallel=sp)
             got = harness.against(model, loss, want, call=torch.compile(model, fullgraph=True) if compiled else None)
             out[f"train compiled={compiled} sp={sp}"] = (got["loss"], got["worst grad"], got["grad keys"])
+    out.update(_gpu_families(world))
+    return out
+
+
+def _gpu_families(world) -> dict:
+    """FAMILIES and a Qwen2 with one KV head (replicated) on CUDA ranks, eager, both forms: logits against the
+    whole model's, loss and every gradient against the whole model's backward. float32 (the fused kernels'
+    dots in TF32, ~1e-3): in bfloat16 the gradient of a parameter applied to every element (Apertus's
+    activation scalars) is a sum whose per-rank partials, each rounded to bfloat16 before the group sums
+    them, cancel; measured 0.35 from float64 against the whole bfloat16 model's 0.024 (CPU ranks): that
+    precision is bfloat16 parameters', not this check's subject."""
+    import autofuse
+
+    dev = world.device
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(6)).to(dev)
+
+    def loss(m) -> tuple[torch.Tensor, torch.Tensor]:
+        o = m(input_ids=ids, labels=ids)
+        return o.logits, o.loss
+
+    out: dict = {}
+    models = {name: lambda name=name: tiny_family(name) for name in FAMILIES}
+    models["qwen2 one KV head"] = lambda: tiny_qwen2(world.size, kv_heads=1)
+    for name, make in models.items():
+        base = make().to(dev).train()
+        want = harness.unsharded_run(copy.deepcopy(base), loss)
+        for sp in (False, True):
+            got = harness.against(autofuse.parallelize(copy.deepcopy(base), world.group, sequence_parallel=sp), loss, want)
+            out[f"{name} logits sp={sp}"] = got["logits"]
+            out[f"train {name} sp={sp}"] = (got["loss"], got["worst grad"], got["grad keys"])
     return out
 
 
