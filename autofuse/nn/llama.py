@@ -67,8 +67,9 @@ rank's row blocks; a forward hook on the base model gathers them and drops the p
 `router_logits`, `aux_loss` and its gradients are the unsharded model's (layers parallelized one by
 one with `parallelize_layer` keep the row blocks).
 
-Generation uses transformers' dynamic KV cache, which sizes itself from the keys it is given (this
-rank's heads); a static cache sized from the config (the whole model's heads) is not supported.
+Generation: transformers' KV caches size themselves from the keys they are given (this rank's heads),
+the dynamic one and, in transformers 5, the static one (`cache_implementation="static"`) too; a cache
+sized from the config (the whole model's heads, transformers 4's StaticCache) does not fit.
 """
 from __future__ import annotations
 
