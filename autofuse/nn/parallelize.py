@@ -26,10 +26,10 @@ def parallelize(model: nn.Module, group: Any = None, plan: dict[str, str] | None
     DeviceMesh), in place, and return it. Every rank of the group calls it with the same model (same
     weights: seed alike or load the same checkpoint); each keeps its shards.
 
-    plan=None: a Hugging Face Llama-family model (Llama, Mistral, Qwen2, Qwen3: q/k/v/o and gate/up/down
-    projections, Qwen3's per-head q/k norms; Mixtral, Qwen2-MoE and Qwen3-MoE: MoE blocks made
-    expert-parallel over the same group, in either form), parallelized as
-    autofuse/nn/llama.py describes. Otherwise a plan (module doc; applied by
+    plan=None: a Hugging Face Llama-family model (Llama, Mistral, Qwen2, Qwen3, Gemma, Phi-3, GLM-4, OLMo2,
+    StarCoder2, ...: the projection sets llama.ATTENTION_FORMS / MLP_FORMS name, per-head or width q/k
+    norms, fewer KV heads than ranks replicated; Mixtral, Qwen2-MoE and Qwen3-MoE: MoE blocks made
+    expert-parallel over the same group, in either form), parallelized as autofuse/nn/llama.py describes. Otherwise a plan (module doc; applied by
     autofuse/nn/plan.py).
     """
     group = process_group(group)
