@@ -447,6 +447,7 @@ FAMILIES = {  # transformers families beyond Llama's projection names: what each
     "hunyuan_v1_dense": "per-head q/k norms named query_layernorm / key_layernorm",
     "apertus": "an ungated MLP (up_proj, down_proj) with a learnable activation (xIELU's scalars)",
     "olmo2": "q/k norms over q_proj's / k_proj's whole width (ShardedRMSNorm; k's replicated at world 4)",
+    "olmoe": "width q/k norms beside sparse MoE blocks (4 experts, top-2)",
 }
 
 
@@ -458,7 +459,8 @@ def tiny_family(name: str):
 
     cfg = AutoConfig.for_model(name, vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
-                               pad_token_id=0, attn_implementation="eager")
+                               pad_token_id=0, attn_implementation="eager", experts_implementation="eager",
+                               num_experts=4, num_experts_per_tok=2)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg).eval()
     with torch.no_grad():
