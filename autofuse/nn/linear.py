@@ -59,6 +59,7 @@ class _ParallelLinear(nn.Module):
         self.sequence_parallel = bool(sequence_parallel)
         self.parts = tuple(parts) if parts else (out_features,)
         self.shards = tuple(shards) if shards else (self.world,) * len(self.parts)
+        self.replicated = any(s != self.world for s in self.shards)  # some part's shards held by several ranks
         # the layers a fused one was made from (`from_linears`), or one name: the fused projection it stands for
         self.part_names: tuple[str, ...] = ()
         name = type(self).__name__
@@ -96,11 +97,6 @@ class _ParallelLinear(nn.Module):
     def __deepcopy__(self, memo: dict) -> "_ParallelLinear":
         """A copy sharing the process group (a group cannot be copied; the copy's shards are its own)."""
         return tpf.deepcopy_sharing_group(self, memo)
-
-    @property
-    def replicated(self) -> bool:
-        """Whether some part has fewer shards than ranks (its shards are replicated)."""
-        return any(s != self.world for s in self.shards)
 
     def _layout(self, dim: int, size: int) -> list[tuple[int, int]]:
         """(whole size, shards) of each part along `dim` (a tensor `size` long there)."""

@@ -463,7 +463,7 @@ class _SequenceParallel(_GradSum):
     def attention_in(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         hidden, keyword = _hidden(args, kwargs)
         b, t, h = hidden.shape
-        fused = getattr(module, "qkv_proj_parallel", None) or module.qkv_proj  # Phi-3's own, or q/k/v fused
+        fused = module._modules.get("qkv_proj_parallel") or module.qkv_proj  # Phi-3's own, or q/k/v fused
         qkv = fused(hidden.reshape(b * t, h)).view(b, t * self.world, -1)
         return _with_hidden(args, kwargs, qkv[:, :_seq_len(kwargs)], keyword)
 
