@@ -503,6 +503,53 @@ def _families(world) -> dict:
     return out
 
 
+VISION = {  # vision-language models: the language model's layers tensor-parallel, the vision tower whole
+    "llava": dict(model_type="clip_vision_model", hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                  num_attention_heads=2, image_size=28, patch_size=14),
+    "qwen2_5_vl": dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32),
+}
+IMAGE_TOKEN = 63  # the tiny Llava's image token id (4 image tokens: a 28 x 28 image in 14 x 14 patches)
+
+
+def tiny_vlm(name: str):
+    """A tiny random vision-language model (float32, eval mode), its text model as `tiny_family`'s."""
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    text = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=8, max_position_embeddings=64, pad_token_id=0)
+    if name == "qwen2_5_vl":  # multimodal rotary positions (three sections)
+        text["rope_parameters"] = {"rope_type": "default", "mrope_section": [1, 1, 2], "rope_theta": 10000.0}
+    cfg = AutoConfig.for_model(name, text_config=text, vision_config=VISION[name], image_token_id=IMAGE_TOKEN)
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(0)
+    return AutoModelForImageTextToText.from_config(cfg).eval()
+
+
+def _vision_language(world) -> dict:
+    """parallelize on vision-language models, both forms, against the unsharded float64 model: Llava with an
+    image (the vision tower's gradients included), Qwen2.5-VL on text (multimodal rotary positions)."""
+    import autofuse
+
+    ids = torch.randint(3, 60, (2, 10), generator=torch.Generator().manual_seed(4))
+    ids[:, 1:5] = IMAGE_TOKEN
+    pixels = torch.randn(2, 3, 28, 28, generator=torch.Generator().manual_seed(5))
+    out: dict = {}
+    for name in VISION:
+        inputs = {"input_ids": ids, "pixel_values": pixels} if name == "llava" else {"input_ids": ids[:, 5:]}
+
+        def loss(m: nn.Module, inputs: dict = inputs) -> tuple[torch.Tensor, torch.Tensor]:
+            dtype = next(m.parameters()).dtype
+            o = m(**{k: v.to(dtype) if v.is_floating_point() else v for k, v in inputs.items()}, labels=inputs["input_ids"])
+            return o.logits, o.loss
+
+        base = tiny_vlm(name)
+        want = harness.unsharded_run(copy.deepcopy(base).double(), loss)
+        for sp in (False, True):
+            out[(name, sp)] = harness.against(autofuse.parallelize(copy.deepcopy(base), world.group, sequence_parallel=sp),
+                                              loss, want)
+    return out
+
+
 class _OnePlusRMSNorm(nn.Module):
     """Gemma's RMSNorm (x * rsqrt(mean(x²) + eps) * (1 + weight)): not what ShardedRMSNorm computes."""
 
@@ -518,7 +565,8 @@ class _OnePlusRMSNorm(nn.Module):
 def _job(world) -> dict:
     out = {"modules": _modules(world), "plans": _plans(world), "llama": _llama(world), "train": _train(world),
            "qwen3": _qwen3(world), "autocast": _autocast_train(world),
-           "replicated kv": _replicated_kv(world), "families": _families(world)}
+           "replicated kv": _replicated_kv(world), "families": _families(world),
+           "vision-language": _vision_language(world)}
     if world.size == 2:  # torch.compile at one world size: compiling takes most of a minute per graph on CPU
         out["compiled train"] = _train(world, compiled=True)
         out["compiled generation"] = _compiled_generation(world)
@@ -719,6 +767,18 @@ def test_other_families_match_the_unsharded_float64_model(job, family) -> None:
             assert v["logits"] <= TOL and v["loss"] <= TOL, (w, r, family, sp, v)
             assert v["grad keys"] and v["state keys"] and v["worst grad"] <= GRAD_TOL, (w, r, family, sp, v)
         assert res["families"][(family, "generate")], (w, r, family)
+
+
+@pytest.mark.parametrize("name", list(VISION))
+def test_vision_language_models_match_the_unsharded_float64_model(job, name) -> None:
+    """A vision-language model's language model made tensor-parallel, its vision tower whole: logits, loss
+    and every gradient (the vision tower's, from an image, included) equal the unsharded model's."""
+    w, ranks = job
+    for r, res in enumerate(ranks):
+        for sp in (False, True):
+            v = res["vision-language"][(name, sp)]
+            assert v["logits"] <= TOL and v["loss"] <= TOL, (w, r, name, sp, v)
+            assert v["grad keys"] and v["state keys"] and v["worst grad"] <= GRAD_TOL, (w, r, name, sp, v)
 
 
 def test_a_width_norm_that_is_not_rmsnorm_is_refused(job) -> None:

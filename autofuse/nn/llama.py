@@ -1,6 +1,8 @@
 """Hugging Face transformers Llama-family decoder models (Llama, Mistral, Qwen2, Qwen3, Phi-3, GLM-4, OLMo2, ...) made tensor-parallel.
 
-What is recognised: a model whose base model (`model.base_model`) has `layers`, each with `self_attn`
+What is recognised: a model whose base model (`model.base_model`), or in a vision-language model (Llava,
+Qwen2.5-VL, Gemma 3, Mistral 3, ...) its language model (`text_model`: the vision tower and projector
+stay whole on every rank, their gradients whole too), has `layers`, each with `self_attn`
 and `mlp` holding one of the projection sets `ATTENTION_FORMS` / `MLP_FORMS` name (nn.Linear layers):
 attention q_proj, k_proj, v_proj, o_proj, or qkv_proj (q, k, v fused: Phi-3) and o_proj; MLP
 gate_proj, up_proj, down_proj, or gate_up_proj (fused: Phi-3, GLM-4) and down_proj, or an ungated
@@ -113,6 +115,28 @@ MLP_FORMS = (Block(("gate_proj", "up_proj"), "down_proj"),           # gated (Sw
              Block(("c_fc",), "c_proj"))                             # ungated: StarCoder2
 
 
+def text_model(model: nn.Module) -> nn.Module:
+    """The module holding the decoder `layers`: the base model (`model.base_model`), or in a vision-language
+    model (Llava, Qwen2.5-VL, Gemma 3, Mistral 3, ...) its language model (`language_model` or
+    `text_model`, or that one's base model), whose layers are made tensor-parallel while the vision tower
+    and projector stay whole on every rank."""
+    base = getattr(model, "base_model", model)
+    if isinstance(getattr(base, "layers", None), nn.ModuleList):
+        return base
+    for name in ("language_model", "text_model"):
+        sub = getattr(base, name, None)
+        for m in (sub, getattr(sub, "base_model", None), getattr(sub, "model", None)):
+            if isinstance(getattr(m, "layers", None), nn.ModuleList):
+                return m
+    return base
+
+
+def text_config(config: Any) -> Any:
+    """The decoder's config: a vision-language model's text config, else the config itself."""
+    get = getattr(config, "get_text_config", None)
+    return get() if callable(get) else config
+
+
 def _form(block: nn.Module | None, forms: tuple[Block, ...]) -> Block | None:
     """The first of `forms` whose projections are all nn.Linear layers of `block`, else None."""
     for form in forms:
@@ -124,8 +148,7 @@ def _form(block: nn.Module | None, forms: tuple[Block, ...]) -> Block | None:
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
     """The decoder layers of a Llama-family model; ValueError naming what is missing otherwise, or what is
     tensor-parallel already (a model given to `parallelize` a second time)."""
-    base = getattr(model, "base_model", model)
-    layers = getattr(base, "layers", None)
+    layers = getattr(text_model(model), "layers", None)
     if not isinstance(layers, nn.ModuleList) or len(layers) == 0:
         raise ValueError(f"{type(model).__name__} is not a Llama-family model (no base_model.layers): "
                          "pass parallelize(model, group, plan={...}) naming its linears")
@@ -251,7 +274,7 @@ def parallelize(model: nn.Module, group: Any, sequence_parallel: bool) -> None:
     layers = decoder_layers(model)
     world = dist.get_world_size(group)
     moe = [is_moe_block(layer.mlp) for layer in layers]
-    check_sizes(model.config, world, type(model).__name__, dense_mlp=not all(moe))
+    check_sizes(text_config(model.config), world, type(model).__name__, dense_mlp=not all(moe))
     for layer in layers:
         parallelize_layer(layer, group, sequence_parallel)
     if sequence_parallel:
@@ -259,7 +282,7 @@ def parallelize(model: nn.Module, group: Any, sequence_parallel: bool) -> None:
         layers[0].register_forward_pre_hook(sp.enter, with_kwargs=True)
         layers[-1].register_forward_hook(sp.leave, with_kwargs=True)
         if any(moe):
-            getattr(model, "base_model", model).register_forward_hook(sp.router_logits)
+            text_model(model).register_forward_hook(sp.router_logits)
 
 
 def parallelize_layer(layer: nn.Module, group: Any, sequence_parallel: bool) -> nn.Module:
