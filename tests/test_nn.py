@@ -448,6 +448,7 @@ FAMILIES = {  # transformers families beyond Llama's projection names: what each
     "apertus": "an ungated MLP (up_proj, down_proj) with a learnable activation (xIELU's scalars)",
     "olmo2": "q/k norms over q_proj's / k_proj's whole width (ShardedRMSNorm; k's replicated at world 4)",
     "olmoe": "width q/k norms beside sparse MoE blocks (4 experts, top-2)",
+    "ernie4_5_moe": "MoE blocks with shared experts under a plural name and a router with correction statics",
 }
 
 
@@ -460,7 +461,7 @@ def tiny_family(name: str):
     cfg = AutoConfig.for_model(name, vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
                                pad_token_id=0, attn_implementation="eager", experts_implementation="eager",
-                               num_experts=4, num_experts_per_tok=2)
+                               num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg).eval()
     with torch.no_grad():

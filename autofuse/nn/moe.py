@@ -165,12 +165,13 @@ class ExpertParallelMoE(nn.Module):
         mine = slice(m.rank * m.local_experts, (m.rank + 1) * m.local_experts)
         grad = w1.requires_grad
         m.w1, m.w2 = tpf.copied_parameter(w1[mine], grad), tpf.copied_parameter(w2[mine], grad)
-        shared = getattr(block, "shared_expert", None)
-        if shared is not None:
-            m.shared_expert = _shared_expert(shared, name, group, sequence_parallel)
+        plural = getattr(block, "shared_expert", None) is None and getattr(block, "shared_experts", None) is not None
+        shared = block.shared_experts if plural else getattr(block, "shared_expert", None)
+        if shared is not None:  # kept under the block's own name (Ernie 4.5's is plural), so its keys stay transformers'
+            setattr(m, "shared_experts" if plural else "shared_expert", _shared_expert(shared, name, group, sequence_parallel))
             sg = getattr(block, "shared_expert_gate", None)
             m.shared_expert_gate = copy.deepcopy(sg) if sg is not None else None
-        known = {"gate", "experts", "shared_expert", "shared_expert_gate"}
+        known = {"gate", "experts", "shared_expert", "shared_experts", "shared_expert_gate"}
         extra = [n for n, _ in block.named_parameters() if n.split(".")[0] not in known]
         if extra:
             raise ValueError(f"{name}: parameters outside the router and experts ({', '.join(extra)}) are not supported")
@@ -202,9 +203,10 @@ class ExpertParallelMoE(nn.Module):
 
     def _with_shared(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """y plus the shared expert's output on the same rows x (sigmoid-gated if the block has a gate)."""
-        if self.shared_expert is None:
+        expert = self.shared_expert if self.shared_expert is not None else self._modules.get("shared_experts")
+        if expert is None:
             return y
-        shared = self.shared_expert(x)
+        shared = expert(x)
         if self.shared_expert_gate is not None:
             gate = self._summed(self.shared_expert_gate, x) if self.sequence_parallel else self.shared_expert_gate(x)
             shared = torch.sigmoid(gate) * shared
