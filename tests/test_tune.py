@@ -425,7 +425,6 @@ def test_ctrl_c_stops_after_the_trial_exits_130_and_resume_after_kill_9(tmp_path
     db = tmp_path / "r.db"
     url = default_storage(db)
     cmd = _tune_cmd(db, "--op", "test_tune:FAKE_OP", "--world", "2", "--trials", "5", "--shapes", "N=64")
-    env = _env(AUTOFUSE_FAKE_DELAY_MS="30")
 
     # 1. Ctrl-C, as a terminal sends it (every process of the group): a clean stop, exit 130. Slower calls
     # here, so that the stop lands within the first trials however late the poll sees the first row, and
@@ -438,8 +437,11 @@ def test_ctrl_c_stops_after_the_trial_exits_130_and_resume_after_kill_9(tmp_path
     (trials,) = _studies(url).values()
     assert not _unfinished(trials)
 
-    # 2. kill -9 of every process while a trial runs (after one trial of this run was written).
-    p = _tune_until(cmd, env, db, len(first) + 1, 180, "a trial of the second run", capture=False)
+    # 2. kill -9 of every process while a trial runs (after one trial of this run was written). Slow calls
+    # again: a run left one or two trials by step 1 must still be inside one when a poll, late on a busy
+    # machine, looks (at 30 ms a call the last trial could end between two polls: the run exited 0 first).
+    p = _tune_until(cmd, _env(AUTOFUSE_FAKE_DELAY_MS="150"), db, len(first) + 1, 180, "a trial of the second run",
+                    capture=False)
     written = {r["trial"] for r in _tune_rows(db)}
 
     def running() -> bool:
