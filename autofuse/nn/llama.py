@@ -163,6 +163,10 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
             if block == "mlp" and mod is not None and is_moe_block(mod):
                 continue  # a sparse MoE block: ExpertParallelMoE.from_module checks it
             form = _form(mod, forms)
+            if mod is None:
+                raise ValueError(f"{type(model).__name__}: layers.{i} has no {block} (its blocks: "
+                                 f"{', '.join(n for n, _ in layer.named_children())}); "
+                                 "parallelize(model, group, plan={...}) takes other models")
             if form is None:
                 raise ValueError(f"{type(model).__name__}: layers.{i}.{block} has none of the nn.Linear projection sets "
                                  f"autofuse knows ({', '.join(map(str, forms))}); "
