@@ -150,6 +150,39 @@ def test_warmup_of_a_parallelized_model_leaves_only_cache_hits(sequence_parallel
         assert r["new_misses"] == 0 and r["hits"] >= 4, r
 
 
+def _moe_job(world, sequence_parallel: bool) -> dict:
+    import warnings
+
+    import torch
+
+    from autofuse import dispatch, warmup
+    from autofuse.nn import ExpertParallelMoE
+
+    torch.set_num_threads(1)
+    warnings.simplefilter("ignore")
+    dispatch.reset()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(ExpertParallelMoE(16, 8, 4, 2, world.group, sequence_parallel=sequence_parallel)
+                                  for _ in range(2)))  # the second block repeats the first's shapes
+    report = warmup(model, world.group, tokens=[3, 4])
+    misses = dispatch.stats.misses
+    with torch.no_grad():
+        for t in (3, 4):
+            model(torch.randn(-(-t // world.size) if sequence_parallel else t, 16))
+    return {"report": report.as_dict(), "new_misses": dispatch.stats.misses - misses, "hits": dispatch.stats.hits}
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["replicated", "sequence_parallel"])
+def test_warmup_of_an_expert_parallel_moe_block_leaves_only_cache_hits(sequence_parallel):
+    """ExpertParallelMoE's moe_dispatch / moe_combine calls are warmed like the linears' (a served MoE model's
+    first requests paid their decisions before)."""
+    for r in spawn(_moe_job, 2, sequence_parallel):
+        rep = r["report"]
+        ops = sorted({w["problem"].split("|")[0] for w in rep["problems"] if w["state"] == "new"})
+        assert ops == ["moe_combine", "moe_dispatch"], rep
+        assert r["new_misses"] == 0 and r["hits"] >= 4, r
+
+
 def test_preset_and_shape_problems():
     from autofuse.commands.warmup import problems_of
     from autofuse.dispatch.warmup import preset_problems

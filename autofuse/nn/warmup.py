@@ -1,8 +1,9 @@
 """`autofuse.warmup(model, group, tokens)`: the first calls a parallelized model's layers make, ahead of serving.
 
 Each distinct call an autofuse.nn layer makes (RowParallelLinear: gemm_ar, or gemm_rs with sequence
-parallelism; ColumnParallelLinear with sequence parallelism: ag_gemm) is made once per token count,
-through the layer's own forward, so the calls (shapes, dtype, device, group) are exactly the ones
+parallelism; ColumnParallelLinear with sequence parallelism: ag_gemm; ExpertParallelMoE: moe_dispatch and
+moe_combine, on random rows routed by its own router) is made once per token count, through the layer's
+own forward, so the calls (shapes, dtype, device, group) are exactly the ones
 serving makes; autofuse/dispatch/warmup.py says what is paid and what later processes keep.
 """
 from __future__ import annotations
@@ -15,6 +16,7 @@ from autofuse.dispatch.state import world_of
 from autofuse.dispatch.warmup import WarmupReport, first_calls, new_report
 from autofuse.nn import functional as tpf
 from autofuse.nn.linear import ColumnParallelLinear, RowParallelLinear
+from autofuse.nn.moe import ExpertParallelMoE
 
 
 def _layers(model: torch.nn.Module, group: Any) -> list[tuple[str, torch.nn.Module]]:
@@ -22,18 +24,24 @@ def _layers(model: torch.nn.Module, group: Any) -> list[tuple[str, torch.nn.Modu
     wanted = tpf.process_group(group)
     seen: dict[tuple, tuple[str, torch.nn.Module]] = {}
     for name, m in model.named_modules():
-        calls_op = isinstance(m, RowParallelLinear) or (isinstance(m, ColumnParallelLinear) and m.sequence_parallel)
+        calls_op = (isinstance(m, (RowParallelLinear, ExpertParallelMoE))
+                    or (isinstance(m, ColumnParallelLinear) and m.sequence_parallel))
         if not calls_op:
             continue
         if group is not None and m.group is not wanted:
             raise ValueError(f"warmup: layer {name} is parallelized over another process group than the one given")
-        w = m.weight
-        sig = (type(m).__name__, m.sequence_parallel, tuple(w.shape), w.dtype, w.device, w.t().is_contiguous(),
-               id(m.group))
+        if isinstance(m, ExpertParallelMoE):
+            w = m.w1
+            sig = ("moe", m.sequence_parallel, tuple(m.w1.shape), tuple(m.w2.shape), m.top_k, w.dtype, w.device,
+                   id(m.group))
+        else:
+            w = m.weight
+            sig = (type(m).__name__, m.sequence_parallel, tuple(w.shape), w.dtype, w.device, w.t().is_contiguous(),
+                   id(m.group))
         seen.setdefault(sig, (name, m))
     if not seen:
-        raise ValueError("warmup: the model has no autofuse.nn layer that calls an op (RowParallelLinear, or "
-                         "ColumnParallelLinear with sequence_parallel=True): parallelize it first "
+        raise ValueError("warmup: the model has no autofuse.nn layer that calls an op (RowParallelLinear, "
+                         "ColumnParallelLinear with sequence_parallel=True, ExpertParallelMoE): parallelize it first "
                          "(autofuse.parallelize)")
     return list(seen.values())
 
@@ -60,9 +68,10 @@ def warmup(model: torch.nn.Module, group: Any = None, tokens: Sequence[int] = (1
         for t in counts:
             for name, m in layers:
                 rows = -(-t // world.size) * world.size if m.sequence_parallel else t
-                if m.sequence_parallel and m.split_dim == 0:
-                    rows //= world.size  # a column-parallel layer's input: this rank's block of the rows
-                x = torch.randn(rows, m.weight.shape[1], generator=gen).to(m.weight.device, m.weight.dtype)
+                if m.sequence_parallel and (isinstance(m, ExpertParallelMoE) or m.split_dim == 0):
+                    rows //= world.size  # a column-parallel layer's or MoE block's input: this rank's block of the rows
+                w = m.w1 if isinstance(m, ExpertParallelMoE) else m.weight
+                x = torch.randn(rows, w.shape[1], generator=gen).to(w.device, w.dtype)
 
                 def thunk(m: torch.nn.Module = m, x: torch.Tensor = x) -> None:
                     with torch.no_grad():
