@@ -164,8 +164,13 @@ def _copies(world) -> dict:
     with torch.no_grad():
         for p in block.parameters():
             p.add_(1.0)
+    try:  # a block whose forward scales the routed output differs from what was read: refused
+        ExpertParallelMoE.from_module(_Block4(16, 8, 2 * world.size, 2, scale=2.5), world.group)
+        scaled = "no error"
+    except ValueError as exc:
+        scaled = str(exc)
     return {"unchanged": all(torch.equal(a, b) for a, b in zip(before, (ep.w1, ep.w2, ep.gate.weight))),
-            "shared storage": any(p.data_ptr() in ptrs for p in ep.parameters())}
+            "shared storage": any(p.data_ptr() in ptrs for p in ep.parameters()), "scaled": scaled}
 
 
 class _Expert(nn.Module):
@@ -179,12 +184,27 @@ class _Expert(nn.Module):
 
 
 class _Block4(nn.Module):
-    """A transformers-4 style sparse MoE block: an nn.Linear gate, a list of experts, norm_topk_prob off."""
+    """A transformers-4 style sparse MoE block: an nn.Linear gate, a list of experts, norm_topk_prob off;
+    its forward routes as transformers 4's Mixtral (softmax, top-k, not renormalised) and returns
+    (hidden states, router logits). `scale` multiplies the routed output (a routed scaling factor, which
+    ExpertParallelMoE does not apply: from_module must refuse such a block)."""
 
-    def __init__(self, h: int, f: int, e: int, k: int):
+    def __init__(self, h: int, f: int, e: int, k: int, scale: float = 1.0):
         super().__init__()
         self.gate, self.experts = nn.Linear(h, e, bias=False), nn.ModuleList(_Expert(h, f) for _ in range(e))
-        self.top_k, self.norm_topk_prob = k, False
+        self.top_k, self.norm_topk_prob, self.scale = k, False, scale
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = x.reshape(-1, x.shape[-1])
+        logits = self.gate(rows)
+        weights, ids = torch.topk(torch.softmax(logits, -1), self.top_k, -1)
+        out = torch.zeros_like(rows)
+        for j in range(self.top_k):
+            for i, ex in enumerate(self.experts):
+                hit = ids[:, j] == i
+                y = ex.down_proj(ex.act_fn(ex.gate_proj(rows[hit])) * ex.up_proj(rows[hit]))
+                out[hit] += weights[hit, j:j + 1] * y
+        return (self.scale * out).view_as(x), logits
 
 
 def _standalone(world) -> dict:
@@ -313,7 +333,10 @@ def test_standalone_block_and_sequence_parallel(job) -> None:
 def test_from_module_copies(job) -> None:
     _, ranks = job
     for res in ranks:
-        assert res["copies"] == {"unchanged": True, "shared storage": False}, res["copies"]
+        c = dict(res["copies"])
+        scaled = c.pop("scaled")
+        assert c == {"unchanged": True, "shared storage": False}, res["copies"]
+        assert "its forward differs from top-k routed SwiGLU experts" in scaled and "so it is not split" in scaled, scaled
 
 
 def test_bench_moe_checks_and_times_on_cpu() -> None:

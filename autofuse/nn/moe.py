@@ -36,7 +36,11 @@ Qwen2-MoE's / Qwen3-MoE's SparseMoeBlock, experts as fused 3-D parameters (trans
 gate_proj/up_proj/down_proj or w1/w3/w2 nn.Linear layers (transformers 4); the router is a copy of
 the block's own (5: a router module whose forward gives (logits, weights, ids)) or, for an
 nn.Linear gate (4), `TopKRouter` with the block's normalisation. `unshard` gives the experts back
-in the layout they came from (autofuse.nn.full_state_dict uses it).
+in the layout they came from (autofuse.nn.full_state_dict uses it). Before anything is made,
+`from_module` runs the block on a few random rows and compares its output with what this module
+computes from what was read (the router's weights and ids, SwiGLU experts, the shared expert): a
+block that routes, scales or activates otherwise (a router post-processed in the block's forward, a
+routed scaling factor, another activation) is refused, not silently misread.
 """
 from __future__ import annotations
 
@@ -159,6 +163,7 @@ class ExpertParallelMoE(nn.Module):
         else:
             raise ValueError(f"{name}: its gate ({type(router).__name__}) is neither an nn.Linear nor a router with "
                              "`weight` and `top_k`")
+        _check_reads_like(block, gate, w1, w2, name)
         group = tpf.process_group(group)
         m = cls(h, f2 // 2, e, top_k, group, sequence_parallel=sequence_parallel, device="meta", dtype=w1.dtype)
         m.gate, m.layout = gate, layout
@@ -293,6 +298,49 @@ def _silu_like(act: Any) -> bool:
         return torch.allclose(act(x), F.silu(x))
     except Exception:  # noqa: BLE001 - anything that is not an elementwise activation
         return False
+
+
+def _check_reads_like(block: nn.Module, gate: nn.Module, w1: torch.Tensor, w2: torch.Tensor, name: str) -> None:
+    """ValueError unless `block`'s forward on 5 random rows (eval mode, no grad) equals, within its dtype's
+    rounding, what ExpertParallelMoE computes from `gate` (the router it will run: (logits, weights, ids)),
+    the SwiGLU experts `w1` (E x H x 2F, [gate | up]) / `w2` (E x F x H) and the block's shared expert.
+    Skipped for weights on the meta device (nothing to run)."""
+    if w1.is_meta:
+        return
+    h, f = w1.shape[1], w1.shape[2] // 2
+    x = torch.randn(1, 5, h, generator=torch.Generator().manual_seed(0)).to(w1.device, w1.dtype)
+    rows = x.reshape(-1, h)
+    was = block.training
+    block.eval()
+    try:
+        with torch.no_grad():
+            out = block(x)
+            out = (out[0] if isinstance(out, tuple) else out).reshape(-1, h).float()
+            routed = gate(rows)
+            if not (isinstance(routed, tuple) and len(routed) == 3):
+                raise ValueError(f"{name}: its router gives {type(routed).__name__}, not (logits, weights, ids); "
+                                 "autofuse does not know how this block routes")
+            _, weights, ids = routed
+            want = torch.zeros_like(out)
+            for k in range(ids.shape[1]):
+                e = ids[:, k]
+                a = torch.einsum("th,thf->tf", rows.float(), w1[e].float())
+                want += weights[:, k:k + 1].float() * torch.einsum("tf,tfh->th", F.silu(a[:, :f]) * a[:, f:],
+                                                                   w2[e].float())
+            shared = getattr(block, "shared_expert", None) or getattr(block, "shared_experts", None)
+            if shared is not None:
+                extra = shared(rows).float()
+                sg = getattr(block, "shared_expert_gate", None)
+                want += extra if sg is None else torch.sigmoid(sg(rows).float()) * extra
+    finally:
+        block.train(was)
+    tol = 1e-4 if w1.dtype in (torch.float32, torch.float64) else 3e-2
+    err = float((out - want).norm() / want.norm().clamp_min(1e-30))
+    if not err <= tol:
+        raise ValueError(f"{name}: its forward differs from top-k routed SwiGLU experts (plus its shared expert) "
+                         f"by {err:.2g} on random rows; autofuse does not know how this block routes, scales or "
+                         "activates (a routed scaling factor, a router post-processed in the block, another "
+                         "activation), so it is not split")
 
 
 def _experts_of(experts: nn.Module, name: str) -> tuple[torch.Tensor, torch.Tensor, str]:
