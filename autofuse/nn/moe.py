@@ -322,11 +322,13 @@ def _check_reads_like(block: nn.Module, gate: nn.Module, w1: torch.Tensor, w2: t
                                  "autofuse does not know how this block routes")
             _, weights, ids = routed
             want = torch.zeros_like(out)
-            for k in range(ids.shape[1]):
-                e = ids[:, k]
-                a = torch.einsum("th,thf->tf", rows.float(), w1[e].float())
-                want += weights[:, k:k + 1].float() * torch.einsum("tf,tfh->th", F.silu(a[:, :f]) * a[:, f:],
-                                                                   w2[e].float())
+            for e in ids.unique().tolist():  # one expert's weights at a time, as views (no copy of the experts)
+                for k in range(ids.shape[1]):
+                    hit = ids[:, k] == e
+                    if bool(hit.any()):
+                        a = (rows[hit] @ w1[e]).float()
+                        y = ((F.silu(a[:, :f]) * a[:, f:]).to(w2.dtype) @ w2[e]).float()
+                        want[hit] += weights[hit, k:k + 1].float() * y
             shared = getattr(block, "shared_expert", None) or getattr(block, "shared_experts", None)
             if shared is not None:
                 extra = shared(rows).float()
