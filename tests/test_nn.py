@@ -496,11 +496,19 @@ def _families(world) -> dict:
             out[(name, "generate")] = model.generate(prompt, **kw).tolist() == base.generate(prompt, **kw).tolist()
     gemma_like = tiny_family("olmo2")
     gemma_like.model.layers[1].self_attn.q_norm = _OnePlusRMSNorm(32)
-    try:
-        autofuse.parallelize(gemma_like, world.group)
-        out["norm error"] = "no error"
-    except ValueError as exc:
-        out["norm error"] = str(exc)
+    scaled = tiny_family("olmoe")  # layer 1's MoE block scales its output: what from_module reads misses that
+    block = scaled.model.layers[1].mlp
+    block.forward = lambda h, forward=block.forward: 2.5 * forward(h)
+    for key, model in (("norm error", gemma_like), ("moe error", scaled)):
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        try:
+            autofuse.parallelize(model, world.group)
+            out[key] = "no error"
+        except ValueError as exc:
+            out[key] = str(exc)
+        after = model.state_dict()  # refused before any layer changed (layer 0 is fine in both)
+        out[f"{key}: model unchanged"] = (sorted(after) == sorted(before) and all(torch.equal(after[k], v)
+                                                                                 for k, v in before.items()))
     return out
 
 
@@ -782,9 +790,13 @@ def test_vision_language_models_match_the_unsharded_float64_model(job, name) -> 
             assert v["grad keys"] and v["state keys"] and v["worst grad"] <= GRAD_TOL, (w, r, name, sp, v)
 
 
-def test_a_width_norm_that_is_not_rmsnorm_is_refused(job) -> None:
-    err = job[1][0]["families"]["norm error"]
-    assert "_OnePlusRMSNorm does not compute x * rsqrt(mean(x²) + eps) * weight" in err, err
+def test_what_parallelize_would_misread_is_refused_before_any_layer_changes(job) -> None:
+    """A width norm that is not RMSNorm (Gemma's 1 + weight) and an MoE block whose forward scales its output,
+    both in layer 1: refused by name, and the model is as it was (layer 0 was not converted first)."""
+    fam = job[1][0]["families"]
+    assert "_OnePlusRMSNorm does not compute x * rsqrt(mean(x²) + eps) * weight" in fam["norm error"], fam["norm error"]
+    assert "its forward differs from top-k routed SwiGLU experts" in fam["moe error"], fam["moe error"]
+    assert fam["norm error: model unchanged"] and fam["moe error: model unchanged"], fam
 
 
 def test_llama_refuses_kv_heads_that_neither_divide_nor_are_divided(job) -> None:

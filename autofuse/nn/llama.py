@@ -279,6 +279,7 @@ def parallelize(model: nn.Module, group: Any, sequence_parallel: bool) -> None:
     world = dist.get_world_size(group)
     moe = [is_moe_block(layer.mlp) for layer in layers]
     check_sizes(text_config(model.config), world, type(model).__name__, dense_mlp=not all(moe))
+    _check_layers(layers, world)
     for layer in layers:
         parallelize_layer(layer, group, sequence_parallel)
     if sequence_parallel:
@@ -287,6 +288,23 @@ def parallelize(model: nn.Module, group: Any, sequence_parallel: bool) -> None:
         layers[-1].register_forward_hook(sp.leave, with_kwargs=True)
         if any(moe):
             text_model(model).register_forward_hook(sp.router_logits)
+
+
+def _check_layers(layers: nn.ModuleList, world: int) -> None:
+    """What `parallelize` refuses by content, checked on every layer before any layer changes (a refusal
+    half-way would leave the user's model half converted): width q/k norms that are not RMSNorm
+    (`ShardedRMSNorm.check`), MoE blocks it would misread (`ExpertParallelMoE.read`) or whose experts do not
+    divide by the group size."""
+    for i, layer in enumerate(layers):
+        attn = layer.self_attn
+        form = _form(attn, ATTENTION_FORMS)
+        for n in WIDTH_NORMS:
+            if isinstance(getattr(attn, n, None), nn.Module) and _width_norm(attn, form, f"{n}.weight"):
+                ShardedRMSNorm.check(getattr(attn, n))
+        if is_moe_block(layer.mlp):
+            experts = ExpertParallelMoE.read(layer.mlp)[0].shape[0]
+            if experts % world:
+                raise ValueError(f"layers.{i}.mlp: {experts} experts are not divisible by the group size {world}")
 
 
 def parallelize_layer(layer: nn.Module, group: Any, sequence_parallel: bool) -> nn.Module:

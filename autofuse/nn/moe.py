@@ -144,14 +144,44 @@ class ExpertParallelMoE(nn.Module):
     def from_module(cls, block: nn.Module, group: Any = None, sequence_parallel: bool = False) -> "ExpertParallelMoE":
         """This rank's experts of a transformers sparse MoE block (module doc), copied: the block is
         left as it was and never shares storage with the new one. ValueError naming what is not
-        understood (another activation, expert biases, router noise)."""
+        understood (another activation, expert biases, router noise: `read`)."""
+        w1, w2, layout, gate, top_k = cls.read(block)
+        e, h, f2 = w1.shape
+        group = tpf.process_group(group)
+        m = cls(h, f2 // 2, e, top_k, group, sequence_parallel=sequence_parallel, device="meta", dtype=w1.dtype)
+        m.gate, m.layout = gate, layout
+        mine = slice(m.rank * m.local_experts, (m.rank + 1) * m.local_experts)
+        grad = w1.requires_grad
+        m.w1, m.w2 = tpf.copied_parameter(w1[mine], grad), tpf.copied_parameter(w2[mine], grad)
+        plural = getattr(block, "shared_expert", None) is None and getattr(block, "shared_experts", None) is not None
+        shared = block.shared_experts if plural else getattr(block, "shared_expert", None)
+        if shared is not None:  # kept under the block's own name (Ernie 4.5's is plural), so its keys stay transformers'
+            setattr(m, "shared_experts" if plural else "shared_expert", _shared_expert(shared, group, sequence_parallel))
+            sg = getattr(block, "shared_expert_gate", None)
+            m.shared_expert_gate = copy.deepcopy(sg) if sg is not None else None
+        return m
+
+    @staticmethod
+    def read(block: nn.Module) -> tuple[torch.Tensor, torch.Tensor, str, nn.Module, int]:
+        """(w1 E x H x 2F, w2 E x F x H, layout, router, top_k) of a transformers sparse MoE block (views
+        of its experts, a copy of its router), after every check `from_module` makes: its parts, its
+        experts' form and activation, its router, its shared expert's projections, and its own forward on a
+        few random rows against what was read (`_check_reads_like`). ValueError naming what is not
+        understood; nothing of the block changes, so a model can be checked whole before any layer is."""
         name = type(block).__name__
         if not is_moe_block(block):
             raise ValueError(f"ExpertParallelMoE.from_module: {name} has no `gate` and `experts`")
         if getattr(block, "jitter_noise", 0) or getattr(block, "router_jitter_noise", 0):
             raise ValueError(f"{name}: router jitter noise is not supported (set router_jitter_noise=0)")
+        known = {"gate", "experts", "shared_expert", "shared_experts", "shared_expert_gate"}
+        extra = [n for n, _ in block.named_parameters() if n.split(".")[0] not in known]
+        if extra:
+            raise ValueError(f"{name}: parameters outside the router and experts ({', '.join(extra)}) are not supported")
+        shared = getattr(block, "shared_expert", None) or getattr(block, "shared_experts", None)
+        if shared is not None and not all(isinstance(getattr(shared, n, None), nn.Linear) for n in SHARED_PLAN):
+            raise ValueError(f"{name}: its shared expert has no gate_proj / up_proj / down_proj nn.Linear layers")
         w1, w2, layout = _experts_of(block.experts, name)
-        e, h, f2 = w1.shape
+        e, h, _ = w1.shape
         router = block.gate
         if isinstance(router, nn.Linear):  # transformers 4: the block routes itself
             top_k = int(getattr(block, "top_k", None) or getattr(block, "num_experts_per_tok"))
@@ -164,23 +194,7 @@ class ExpertParallelMoE(nn.Module):
             raise ValueError(f"{name}: its gate ({type(router).__name__}) is neither an nn.Linear nor a router with "
                              "`weight` and `top_k`")
         _check_reads_like(block, gate, w1, w2, name)
-        group = tpf.process_group(group)
-        m = cls(h, f2 // 2, e, top_k, group, sequence_parallel=sequence_parallel, device="meta", dtype=w1.dtype)
-        m.gate, m.layout = gate, layout
-        mine = slice(m.rank * m.local_experts, (m.rank + 1) * m.local_experts)
-        grad = w1.requires_grad
-        m.w1, m.w2 = tpf.copied_parameter(w1[mine], grad), tpf.copied_parameter(w2[mine], grad)
-        plural = getattr(block, "shared_expert", None) is None and getattr(block, "shared_experts", None) is not None
-        shared = block.shared_experts if plural else getattr(block, "shared_expert", None)
-        if shared is not None:  # kept under the block's own name (Ernie 4.5's is plural), so its keys stay transformers'
-            setattr(m, "shared_experts" if plural else "shared_expert", _shared_expert(shared, name, group, sequence_parallel))
-            sg = getattr(block, "shared_expert_gate", None)
-            m.shared_expert_gate = copy.deepcopy(sg) if sg is not None else None
-        known = {"gate", "experts", "shared_expert", "shared_experts", "shared_expert_gate"}
-        extra = [n for n, _ in block.named_parameters() if n.split(".")[0] not in known]
-        if extra:
-            raise ValueError(f"{name}: parameters outside the router and experts ({', '.join(extra)}) are not supported")
-        return m
+        return w1, w2, layout, gate, top_k
 
     # -- forward ----------------------------------------------------------------------------------------
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -274,15 +288,13 @@ def _gate_up_in(module: nn.Module, args: tuple) -> tuple:
     return (module.gate_up_proj(args[0]), *args[1:])
 
 
-def _shared_expert(shared: nn.Module, name: str, group: Any, sequence_parallel: bool) -> nn.Module:
+def _shared_expert(shared: nn.Module, group: Any, sequence_parallel: bool) -> nn.Module:
     """A copy of a block's shared expert (an MLP of gate_proj / up_proj / down_proj nn.Linear layers)
     made tensor-parallel (module doc)."""
     shared = copy.deepcopy(shared)
     if not sequence_parallel:
         apply_plan(shared, SHARED_PLAN, group)
         return shared
-    if not all(isinstance(getattr(shared, n, None), nn.Linear) for n in SHARED_PLAN):
-        raise ValueError(f"{name}: its shared expert has no gate_proj / up_proj / down_proj nn.Linear layers")
     fuse_columns(shared, ("gate_proj", "up_proj"), "gate_up_proj", group, sequence_parallel=True)
     shared.down_proj = RowParallelLinear.from_linear(shared.down_proj, group, sequence_parallel=True)
     shared.register_forward_pre_hook(_gate_up_in)

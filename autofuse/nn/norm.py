@@ -51,6 +51,17 @@ class ShardedRMSNorm(nn.Module):
     def from_norm(cls, norm: nn.Module, group: Any = None, shards: int | None = None) -> "ShardedRMSNorm":
         """This rank's shard of `norm` (a weight-only RMSNorm: its weight copied, its eps read from
         `variance_epsilon` or `eps`); ValueError if `norm` computes something else."""
+        weight, eps = cls.check(norm)
+        m = cls(weight.shape[0], eps, group, shards, device="meta", dtype=weight.dtype)
+        step = m.width // m.shards
+        start = m.rank * m.shards // m.world * step
+        m.weight = tpf.copied_parameter(weight[start:start + step], weight.requires_grad)
+        return m
+
+    @staticmethod
+    def check(norm: nn.Module) -> tuple[torch.Tensor, float]:
+        """`norm`'s (weight, eps) if it is a weight-only RMSNorm (eps read from `variance_epsilon` or `eps`;
+        run on a random input to see it computes RMSNorm); ValueError otherwise. Changes nothing."""
         weight = getattr(norm, "weight", None)
         eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
         params = [n for n, _ in norm.named_parameters()]
@@ -60,11 +71,7 @@ class ShardedRMSNorm(nn.Module):
         if not _computes_rms_norm(norm, weight, eps):
             raise ValueError(f"{type(norm).__name__} does not compute x * rsqrt(mean(x²) + eps) * weight; autofuse does "
                              "not know how to split it over a projection's width")
-        m = cls(weight.shape[0], eps, group, shards, device="meta", dtype=weight.dtype)
-        step = m.width // m.shards
-        start = m.rank * m.shards // m.world * step
-        m.weight = tpf.copied_parameter(weight[start:start + step], weight.requires_grad)
-        return m
+        return weight, eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
