@@ -51,6 +51,21 @@ def tiny_llama(world: int):
     return LlamaForCausalLM(cfg).eval()
 
 
+def lm_loss(ids: torch.Tensor):
+    """loss(m) -> (logits, loss) of a causal LM on `ids` (labels = ids): what harness.unsharded_run and
+    harness.against run."""
+    def loss(m: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+        o = m(input_ids=ids, labels=ids)
+        return o.logits, o.loss
+    return loss
+
+
+def greedy(prompt: torch.Tensor, new_tokens: int) -> dict:
+    """generate()'s keyword arguments for greedy decoding of `new_tokens` after an unpadded `prompt`."""
+    return {"attention_mask": torch.ones_like(prompt), "max_new_tokens": new_tokens, "do_sample": False,
+            "pad_token_id": 0}
+
+
 # ------------------------------------------------------------------------------------- the modules
 def _aliases(world) -> list[str]:
     """The from_linear / from_linears layers whose parameters share storage with the layers they were
@@ -261,12 +276,7 @@ def _replicated_kv(world) -> dict:
 
     ids = torch.randint(0, 128, (2, 7), generator=torch.Generator().manual_seed(5))
     prompt = ids[:, :5]
-    kw = {"attention_mask": torch.ones_like(prompt), "max_new_tokens": 4, "do_sample": False, "pad_token_id": 0}
-
-    def loss(m: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
-        o = m(input_ids=ids, labels=ids)
-        return o.logits, o.loss
-
+    kw, loss = greedy(prompt, 4), lm_loss(ids)
     out: dict = {}
     for kv in sorted({1, world.size // 2}):
         base = tiny_qwen2(world.size, kv_heads=kv)
@@ -358,7 +368,7 @@ def _compiled_generation(world) -> dict:
     model = autofuse.parallelize(copy.deepcopy(ref), world.group)
     model.forward = torch.compile(model.forward, backend="aot_eager", fullgraph=True)
     prompt = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(1))
-    kw = {"attention_mask": torch.ones_like(prompt), "max_new_tokens": 4, "do_sample": False, "pad_token_id": 0}
+    kw = greedy(prompt, 4)
     with torch.no_grad():
         return {"tokens": (model.generate(prompt, **kw).tolist(), ref.generate(prompt, **kw).tolist())}
 
@@ -411,12 +421,7 @@ def _qwen3(world) -> dict:
     import autofuse
 
     base = tiny_qwen3(world.size)
-    ids = torch.randint(0, 64, (2, 7), generator=torch.Generator().manual_seed(4))
-
-    def loss(m: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
-        o = m(input_ids=ids, labels=ids)
-        return o.logits, o.loss
-
+    loss = lm_loss(torch.randint(0, 64, (2, 7), generator=torch.Generator().manual_seed(4)))
     want = harness.unsharded_run(copy.deepcopy(base).double(), loss)
     out: dict = {f"sp={sp}": harness.against(autofuse.parallelize(copy.deepcopy(base), world.group, sequence_parallel=sp),
                                              loss, want) for sp in (False, True)}
@@ -478,12 +483,7 @@ def _families(world) -> dict:
 
     ids = torch.randint(0, 64, (2, 7), generator=torch.Generator().manual_seed(6))
     prompt = ids[:, :5]
-    kw = {"attention_mask": torch.ones_like(prompt), "max_new_tokens": 3, "do_sample": False, "pad_token_id": 0}
-
-    def loss(m: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
-        o = m(input_ids=ids, labels=ids)
-        return o.logits, o.loss
-
+    kw, loss = greedy(prompt, 3), lm_loss(ids)
     out: dict = {}
     for name in FAMILIES:
         base = tiny_family(name)
@@ -947,12 +947,7 @@ def _gpu_families(world) -> dict:
     import autofuse
 
     dev = world.device
-    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(6)).to(dev)
-
-    def loss(m) -> tuple[torch.Tensor, torch.Tensor]:
-        o = m(input_ids=ids, labels=ids)
-        return o.logits, o.loss
-
+    loss = lm_loss(torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(6)).to(dev))
     out: dict = {}
     models = {name: lambda name=name: tiny_family(name) for name in FAMILIES}
     models["qwen2 one KV head"] = lambda: tiny_qwen2(world.size, kv_heads=1)
