@@ -42,8 +42,8 @@ def tiny(name: str) -> torch.nn.Module:
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg).eval()
     with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 1:
+        for n, p in model.named_parameters():
+            if p.dim() == 1 or n.endswith("bias"):  # expert biases (GPT-OSS's) are 2-D
                 p.add_(torch.randn_like(p), alpha=0.3)
     return model
 

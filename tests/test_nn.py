@@ -454,31 +454,35 @@ FAMILIES = {  # transformers families beyond Llama's projection names: what each
     "olmo2": "q/k norms over q_proj's / k_proj's whole width (ShardedRMSNorm; k's replicated at world 4)",
     "olmoe": "width q/k norms beside sparse MoE blocks (4 experts, top-2)",
     "ernie4_5_moe": "MoE blocks with shared experts under a plural name and a router with correction statics",
+    "gpt_oss": "attention sinks (one per head), biases everywhere, MoE experts with biases and a clamped SwiGLU on "
+               "interleaved gate/up columns (tensor-parallel experts run by the block's own forward)",
 }
 
 
 def tiny_family(name: str):
     """A tiny random transformers model of family `name` (float32, eval mode): 4 heads, 2 KV heads (replicated
-    at world 4), every 1-D parameter (norm weights and biases, activation scalars) moved at random (transformers'
-    ones and zeros would hide one left out or applied to the wrong columns)."""
+    at world 4), every 1-D parameter (norm weights and biases, activation scalars, sinks) and every bias (experts'
+    are 2-D) moved at random (transformers' ones and zeros would hide one left out or applied to the wrong
+    columns, or a bias added on every rank)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     cfg = AutoConfig.for_model(name, vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
                                pad_token_id=0, attn_implementation="eager", experts_implementation="eager",
-                               num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
+                               num_experts=4, num_local_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg).eval()
     with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 1:  # about their initial values (ones or zeros): well-conditioned gradients
+        for n, p in model.named_parameters():
+            if p.dim() == 1 or n.endswith("bias"):  # about their initial values (ones or zeros): well-conditioned gradients
                 p.add_(torch.randn_like(p), alpha=0.3)
     return model
 
 
 def _families(world) -> dict:
     """parallelize on each of FAMILIES, both forms: logits, loss and every gradient against the unsharded
-    float64 model, full_state_dict's keys; greedy generation against the whole model's (sp=False)."""
+    float64 model, full_state_dict's keys; greedy generation against the whole model's and full_state_dict
+    against its state_dict, exactly (sp=False)."""
     import autofuse
 
     ids = torch.randint(0, 64, (2, 7), generator=torch.Generator().manual_seed(6))
@@ -494,6 +498,8 @@ def _families(world) -> dict:
         model = autofuse.parallelize(copy.deepcopy(base), world.group)
         with torch.no_grad():
             out[(name, "generate")] = model.generate(prompt, **kw).tolist() == base.generate(prompt, **kw).tolist()
+        whole, own = autofuse.nn.full_state_dict(model), base.state_dict()
+        out[(name, "state")] = sorted(whole) == sorted(own) and all(torch.equal(whole[k], v) for k, v in own.items())
     gemma_like = tiny_family("olmo2")
     gemma_like.model.layers[1].self_attn.q_norm = _OnePlusRMSNorm(32)
     scaled = tiny_family("olmoe")  # layer 1's MoE block scales its output: what from_module reads misses that
@@ -685,8 +691,8 @@ def test_qwen3_matches_the_unsharded_float64_model(job) -> None:
     for sp, err in ranks[0]["qwen3"]["twice"].items():  # a parallelized model given again is named as such
         assert "is tensor-parallel already (layers.0." in err and "parallelize a model once" in err, (sp, err)
     err = ranks[0]["qwen3"]["width error"]
-    assert ("layers.1.self_attn has parameters outside its projections and q/k norms (per head, or over q_proj's / "
-            "k_proj's width) (q_norm.bias)") in err, err
+    assert ("layers.1.self_attn has parameters outside its projections, q/k norms (per head, or over q_proj's / "
+            "k_proj's width) and per-head vectors (q_norm.bias)") in err, err
 
 
 def test_llama_trains_under_autocast_with_float32_weights(job) -> None:
@@ -768,7 +774,7 @@ def test_fewer_kv_heads_than_ranks_are_replicated(job) -> None:
 def test_other_families_match_the_unsharded_float64_model(job, family) -> None:
     """Families whose projections are fused or named otherwise (FAMILIES says what each exercises), both
     forms: logits, loss, every gradient (those of replicated KV heads at world 4 included), the gathered
-    state_dict's keys; greedy generation equals the whole model's."""
+    state_dict's keys; greedy generation equals the whole model's, the gathered state_dict its tensors."""
     w, ranks = job
     for r, res in enumerate(ranks):
         for sp in (False, True):
@@ -776,6 +782,7 @@ def test_other_families_match_the_unsharded_float64_model(job, family) -> None:
             assert v["logits"] <= TOL and v["loss"] <= TOL, (w, r, family, sp, v)
             assert v["grad keys"] and v["state keys"] and v["worst grad"] <= GRAD_TOL, (w, r, family, sp, v)
         assert res["families"][(family, "generate")], (w, r, family)
+        assert res["families"][(family, "state")], (w, r, family)
 
 
 @pytest.mark.parametrize("name", list(VISION))

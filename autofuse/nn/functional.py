@@ -297,12 +297,55 @@ def scatter_rows(x: torch.Tensor, group: Any = None) -> torch.Tensor:
     return _ScatterRows.apply(x, group, w, dist.get_rank(group))
 
 
-def gather_rows(x: torch.Tensor, group: Any = None) -> torch.Tensor:
+def gather_rows(x: torch.Tensor, group: Any = None, summed: bool = False) -> torch.Tensor:
     """Leave a sequence-parallel region: every rank's x concatenated along dim 0 in rank order. The
     code after it must be replicated (every rank computes the same gradient), so the backward keeps
-    this rank's block of the gradient."""
+    this rank's block of the gradient; with `summed` the code after it is split over the ranks (each
+    computes a part of every row's result) and the gradient is summed over the group first (the
+    all-gather's adjoint, a reduce-scatter)."""
     group = process_group(group)
-    return _GatherRows.apply(x, group, dist.get_world_size(group), dist.get_rank(group), False)
+    return _GatherRows.apply(x, group, dist.get_world_size(group), dist.get_rank(group), summed)
+
+
+class _SumPartials(torch.autograd.Function):
+    """x summed over the group; the gradient passes as it is (the code after the sum is replicated)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
+        return _sum(x, group)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple:
+        return g, None
+
+
+def sum_partials(x: torch.Tensor, group: Any = None) -> torch.Tensor:
+    """Every rank's partial result x summed over the group, out of place (Megatron's reduce after a
+    row-parallel layer): the code after it is replicated, so each rank's gradient passes as it is."""
+    return _SumPartials.apply(x, process_group(group))
+
+
+class _KeepShare(torch.autograd.Function):
+    """Identity forward; backward: rows r, r + w, r + 2w, ... of the gradient (rank r of w), zero elsewhere."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, w: int, r: int) -> torch.Tensor:
+        ctx.w, ctx.r = w, r
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple:
+        out = torch.zeros_like(g)
+        out[ctx.r::ctx.w] = g[ctx.r::ctx.w]
+        return out, None, None
+
+
+def keep_share(x: torch.Tensor, group: Any = None) -> torch.Tensor:
+    """x itself (a tensor every rank computes alike from partial work whose gradients the group then sums,
+    e.g. tensor-parallel experts' router logits), whose gradient keeps this rank's share of the rows (rows
+    r, r + W, ...) and zero elsewhere: the code after it is replicated, so the group's sum is its gradient once."""
+    group = process_group(group)
+    return _KeepShare.apply(x, dist.get_world_size(group), dist.get_rank(group))
 
 
 def all_reduce_grad(x: torch.Tensor, group: Any = None) -> torch.Tensor:

@@ -69,6 +69,11 @@ rank's row blocks; a forward hook on the base model gathers them and drops the p
 `router_logits`, `aux_loss` and its gradients are the unsharded model's (layers parallelized one by
 one with `parallelize_layer` keep the row blocks).
 
+An MoE block `ExpertParallelMoE` cannot read (GPT-OSS's: experts with biases, a clamped SwiGLU on interleaved
+gate/up columns, a router with a bias) is split by each expert's width instead (`autofuse/nn/moe_tp.py`, in
+either form; `moe_plan` decides, before any layer changes). Per-head vectors of the attention (GPT-OSS's
+`sinks`: one value per query head, 1-D, not a norm's) are split with the heads (`autofuse_shards`).
+
 Generation: transformers' KV caches size themselves from the keys they are given (this rank's heads),
 the dynamic one and, in transformers 5, the static one (`cache_implementation="static"`) too; a cache
 sized from the config (the whole model's heads, transformers 4's StaticCache) does not fit.
@@ -85,9 +90,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from autofuse.nn import functional as tpf
+from autofuse.nn.grads import GradSum
 from autofuse.nn.linear import ColumnParallelLinear, FusedPart, RowParallelLinear, fuse_columns
+from autofuse.nn import moe_tp
 from autofuse.nn.moe import ExpertParallelMoE, is_moe_block
 from autofuse.nn.norm import ShardedRMSNorm
+from autofuse.nn.shards import Shards, Split
 
 @dataclass(frozen=True)
 class Block:
@@ -173,8 +181,8 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
                                  "parallelize(model, group, plan={...}) takes other models")
             extra = [n for n, _ in mod.named_parameters() if n.split(".")[0] not in form.names]
             if block == "self_attn":
-                extra = [n for n in extra if not (_per_head(mod, n) or _width_norm(mod, form, n))]
-                where = "projections and q/k norms (per head, or over q_proj's / k_proj's width)"
+                extra = [n for n in extra if not (_per_head(mod, n) or _head_vector(mod, n) or _width_norm(mod, form, n))]
+                where = "projections, q/k norms (per head, or over q_proj's / k_proj's width) and per-head vectors"
             else:
                 extra, where = [n for n in extra if not n.startswith("act_fn.")], "projections and activation"
             if extra:
@@ -185,10 +193,17 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
 
 def _per_head(attn: nn.Module, name: str) -> bool:
     """Whether parameter `name` of `attn` (outside its projections) is a per-head norm's (Qwen3's q_norm /
-    k_norm, HunYuan's query_layernorm / key_layernorm): 1-D and head_dim long, so applied to each head
-    alike, and it splits with the heads as is (a norm over all heads' width, OLMo2's, does not)."""
+    k_norm, HunYuan's query_layernorm / key_layernorm): a norm's, 1-D and head_dim long, so applied to each
+    head alike, and it splits with the heads as is (a norm over all heads' width, OLMo2's, does not)."""
     p = attn.get_parameter(name)
-    return p.dim() == 1 and p.shape[0] == heads(attn)[2]
+    return "norm" in name.split(".")[0] and p.dim() == 1 and p.shape[0] == heads(attn)[2]
+
+
+def _head_vector(attn: nn.Module, name: str) -> bool:
+    """Whether parameter `name` of `attn` holds one value per query head (GPT-OSS's attention `sinks`), split
+    with the heads: rank r keeps query heads block r's values."""
+    p = attn.get_parameter(name)
+    return not _per_head(attn, name) and p.dim() == 1 and p.shape[0] == heads(attn)[0]
 
 
 WIDTH_NORMS = {"q_norm": "q_proj", "k_norm": "k_proj"}  # OLMo2's: an RMSNorm over the projection's whole output
@@ -278,40 +293,63 @@ def parallelize(model: nn.Module, group: Any, sequence_parallel: bool) -> None:
     layers = decoder_layers(model)
     world = dist.get_world_size(group)
     moe = [is_moe_block(layer.mlp) for layer in layers]
-    check_sizes(text_config(model.config), world, type(model).__name__, dense_mlp=not all(moe))
-    _check_layers(layers, world)
-    for layer in layers:
-        parallelize_layer(layer, group, sequence_parallel)
+    config = text_config(model.config)
+    check_sizes(config, world, type(model).__name__, dense_mlp=not all(moe))
+    plans = _check_layers(layers, group, getattr(config, "hidden_size", None))
+    for layer, planned in zip(layers, plans):
+        parallelize_layer(layer, group, sequence_parallel, moe=planned)
     if sequence_parallel:
         sp = _SequenceParallel(group, world)
         layers[0].register_forward_pre_hook(sp.enter, with_kwargs=True)
         layers[-1].register_forward_hook(sp.leave, with_kwargs=True)
-        if any(moe):
-            text_model(model).register_forward_hook(sp.router_logits)
+    tensor = [moe_tp.is_tensor_parallel(layer.mlp) for layer, m in zip(layers, moe) if m]
+    if sequence_parallel and any(moe) or any(tensor):
+        text_model(model).register_forward_hook(_RouterLogits(group, world, sequence_parallel, tensor))
 
 
-def _check_layers(layers: nn.ModuleList, world: int) -> None:
+def _check_layers(layers: nn.ModuleList, group: Any, hidden: int | None) -> list[Any]:
     """What `parallelize` refuses by content, checked on every layer before any layer changes (a refusal
     half-way would leave the user's model half converted): width q/k norms that are not RMSNorm
-    (`ShardedRMSNorm.check`), MoE blocks it would misread (`ExpertParallelMoE.read`) or whose experts do not
-    divide by the group size."""
+    (`ShardedRMSNorm.check`), MoE blocks it can split neither by experts nor by their width (`moe_plan`).
+    Returns each layer's MoE plan (None for a dense MLP)."""
+    plans = []
     for i, layer in enumerate(layers):
         attn = layer.self_attn
         form = _form(attn, ATTENTION_FORMS)
         for n in WIDTH_NORMS:
             if isinstance(getattr(attn, n, None), nn.Module) and _width_norm(attn, form, f"{n}.weight"):
                 ShardedRMSNorm.check(getattr(attn, n))
-        if is_moe_block(layer.mlp):
-            experts = ExpertParallelMoE.read(layer.mlp)[0].shape[0]
-            if experts % world:
-                raise ValueError(f"layers.{i}.mlp: {experts} experts are not divisible by the group size {world}")
+        plans.append(moe_plan(layer.mlp, group, hidden, f"layers.{i}.mlp") if is_moe_block(layer.mlp) else None)
+    return plans
 
 
-def parallelize_layer(layer: nn.Module, group: Any, sequence_parallel: bool) -> nn.Module:
+def moe_plan(block: nn.Module, group: Any, hidden: int | None = None, where: str = "mlp") -> Any:
+    """How an MoE block is split: "expert" (`ExpertParallelMoE`: top-k routed SwiGLU experts, as many as
+    divide by the group size) or, where that cannot read it, a `moe_tp.Plan` (tensor-parallel experts run by
+    the block's own forward: GPT-OSS's). ValueError giving both reasons where neither fits."""
+    world = dist.get_world_size(group)
+    try:
+        experts = ExpertParallelMoE.read(block)[0].shape[0]
+        if experts % world == 0:
+            return "expert"
+        why = f"{experts} experts are not divisible by the group size {world}"
+    except ValueError as exc:
+        why = str(exc)
+    try:
+        return moe_tp.plan(block, group, hidden)
+    except ValueError as exc:
+        raise ValueError(f"{where}: autofuse splits this MoE block neither by experts ({why}) nor by each expert's "
+                         f"width ({exc})") from None
+
+
+def parallelize_layer(layer: nn.Module, group: Any, sequence_parallel: bool, moe: Any = None) -> nn.Module:
     """One decoder layer made tensor-parallel in place (the caller checks that heads divide). With
     sequence_parallel its input and output are this rank's row block (B, S'/W, H) (module doc): the
-    caller scatters and gathers the rows (`parallelize` hooks the first and last layer for that)."""
+    caller scatters and gathers the rows (`parallelize` hooks the first and last layer for that). `moe`:
+    the MoE block's `moe_plan`, made earlier (else made here)."""
     world = dist.get_world_size(group)
+    if moe is None and is_moe_block(layer.mlp):
+        moe = moe_plan(layer.mlp, group)
     attn = layer.self_attn
     attention = _form(attn, ATTENTION_FORMS)
     kv = kv_shards(attn, world)
@@ -322,15 +360,16 @@ def parallelize_layer(layer: nn.Module, group: Any, sequence_parallel: bool) -> 
              for n in widths}  # made (and checked) before anything of the layer changes
     for n, norm in norms.items():
         setattr(attn, n, norm)
+    split = _split_head_vectors(attn, group)
     _local_head_counts(attn, world, kv)
-    _GradSum(group).register(attn, [n for n, _ in attn.named_parameters()
-                                    if n.split(".")[0] not in (*attention.names, *widths)])
+    GradSum(group).register(attn, [n for n, _ in attn.named_parameters()
+                                   if n.split(".")[0] not in (*attention.names, *widths) and n not in split])
     if sequence_parallel:
-        _SequenceParallel(group, world).layer(layer, attention, shapes)
+        _SequenceParallel(group, world).layer(layer, attention, shapes, moe)
         return layer
     _split(attn, attention, shapes, group, False)
-    if is_moe_block(layer.mlp):
-        layer.mlp = ExpertParallelMoE.from_module(layer.mlp, group)
+    if moe is not None:
+        layer.mlp = _moe(layer.mlp, group, False, moe)
     else:
         mlp = _form(layer.mlp, MLP_FORMS)
         _split(layer.mlp, mlp, {n: _columns(layer.mlp, n, world, kv) for n in mlp.columns}, group, False)
@@ -338,10 +377,32 @@ def parallelize_layer(layer: nn.Module, group: Any, sequence_parallel: bool) -> 
     return layer
 
 
+def _split_head_vectors(attn: nn.Module, group: Any) -> list[str]:
+    """Swap each per-head vector of `attn` (GPT-OSS's `sinks`) for this rank's query heads' values (a copy),
+    recorded in `attn.autofuse_shards` for full_state_dict; their names."""
+    names = [n for n, _ in attn.named_parameters() if "." not in n and _head_vector(attn, n)]
+    if not names:
+        return []
+    shards = Shards(group, {n: Split(0, (heads(attn)[0],)) for n in names})
+    for n in names:
+        p = getattr(attn, n)
+        setattr(attn, n, tpf.copied_parameter(shards.specs[n].local(p.detach(), shards.rank, shards.world),
+                                              p.requires_grad))
+    attn.autofuse_shards = shards
+    return names
+
+
+def _moe(block: nn.Module, group: Any, sequence_parallel: bool, planned: Any) -> nn.Module:
+    """The MoE block made as `moe_plan` decided: expert-parallel, or tensor-parallel experts."""
+    if planned == "expert":
+        return ExpertParallelMoE.from_module(block, group, sequence_parallel=sequence_parallel)
+    return moe_tp.from_module(block, group, sequence_parallel, planned=planned)
+
+
 def _activation_grads(mlp: nn.Module, group: Any) -> None:
     """A learnable activation's parameters (Apertus's xIELU: scalars applied to every element) are
     replicated; each rank's gradient comes from its own columns of the MLP: summed over the group."""
-    _GradSum(group).register(mlp, [n for n, _ in mlp.named_parameters() if n.startswith("act_fn.")])
+    GradSum(group).register(mlp, [n for n, _ in mlp.named_parameters() if n.startswith("act_fn.")])
 
 
 def _split(block: nn.Module, form: Block, shapes: dict, group: Any, sequence_parallel: bool) -> None:
@@ -380,54 +441,42 @@ def _with_first(output: Any, value: torch.Tensor) -> Any:
     return (value, *output[1:]) if isinstance(output, tuple) else value
 
 
-class _GradSum:
-    """Tensor hooks that sum replicated parameters' gradients over the group: for parameters that see
-    only this rank's part of the work (norms under sequence parallelism: this rank's rows; per-head
-    norms: this rank's heads), so every rank gets the unsharded model's gradient."""
+class _RouterLogits:
+    """The base model's recorded router logits (output_router_logits: one tensor per MoE layer) made the
+    unsharded model's, for transformers' load-balancing loss: under sequence parallelism an expert-parallel
+    layer's are this rank's row block (B S'/W, E), gathered (one all-gather for every such layer), and the
+    padding rows dropped. A tensor-parallel experts layer's are whole on every rank (its router saw every
+    row) and its router's gradient is summed over the group: their gradient keeps this rank's share of the
+    rows (`functional.keep_share`), so the sum is the loss's gradient once. `tensor`: per MoE layer, whether
+    it is tensor-parallel experts."""
 
-    def __init__(self, group: Any):
-        self.group = group
+    def __init__(self, group: Any, world: int, sequence_parallel: bool, tensor: list[bool]):
+        self.group, self.world, self.sequence_parallel, self.tensor = group, world, sequence_parallel, tensor
 
-    def __deepcopy__(self, memo: dict) -> "_GradSum":
-        return self  # no state but the group, which a copied model shares
+    def __deepcopy__(self, memo: dict) -> "_RouterLogits":
+        return self
 
-    def register(self, root: nn.Module, names: list[str]) -> None:
-        """Sum the gradients of `root`'s parameters `names` (dotted) over the group: each becomes a
-        `_Summed` parameter (the same data) whose hook sums its gradient, in a deep copy too."""
-        for name in names:
-            path, _, attr = name.rpartition(".")
-            owner = root.get_submodule(path)
-            p = getattr(owner, attr)
-            if p.requires_grad and not isinstance(p, _Summed):
-                setattr(owner, attr, _Summed.of(p.data, self))
-
-    def sum_grad(self, grad: torch.Tensor) -> torch.Tensor:
-        grad = grad.clone()
-        dist.all_reduce(grad, group=self.group)
-        return grad
-
-
-class _Summed(nn.Parameter):
-    """A replicated parameter whose gradient a tensor hook sums over the group (`_GradSum`). Tensor hooks
-    are not copied with a model (copy.deepcopy, torch.optim.swa_utils.AveragedModel): this parameter's
-    deep copy registers the hook again, so a copy of a parallelized model trains like the original."""
-
-    group_sum: _GradSum
-
-    @staticmethod
-    def of(data: torch.Tensor, group_sum: _GradSum) -> "_Summed":
-        p = _Summed(data, requires_grad=True)
-        p.group_sum = group_sum
-        p.register_hook(group_sum.sum_grad)
-        return p
-
-    def __deepcopy__(self, memo: dict) -> "_Summed":
-        if id(self) not in memo:
-            memo[id(self)] = _Summed.of(self.data.clone(memory_format=torch.preserve_format), self.group_sum)
-        return memo[id(self)]
+    def __call__(self, module: nn.Module, args: tuple, output: Any) -> Any:
+        logits = getattr(output, "router_logits", None)
+        hidden = getattr(output, "last_hidden_state", None)
+        if not logits or hidden is None or len(logits) != len(self.tensor):
+            return output
+        b, s = hidden.shape[:2]
+        rows = list(logits)
+        blocks = [i for i, tp in enumerate(self.tensor) if self.sequence_parallel and not tp]
+        if blocks:
+            whole = tpf.gather_rows(torch.cat([rows[i] for i in blocks], -1), self.group)
+            for i, t in zip(blocks, whole.split([rows[i].shape[-1] for i in blocks], -1)):
+                rows[i] = t
+        rows = [tpf.keep_share(t, self.group) if tp else t for t, tp in zip(rows, self.tensor)]
+        if self.sequence_parallel:
+            sp = -(-s // self.world) * self.world
+            rows = [t.reshape(b, sp, -1)[:, :s].reshape(b * s, -1) for t in rows]
+        output.router_logits = tuple(rows)
+        return output
 
 
-class _SequenceParallel(_GradSum):
+class _SequenceParallel(GradSum):
     """The hooks that keep the token rows split between a layer's projections (module doc)."""
 
     def __init__(self, group: Any, world: int):
@@ -437,13 +486,14 @@ class _SequenceParallel(_GradSum):
     def padded(self, s: int) -> int:
         return -(-s // self.world) * self.world
 
-    def layer(self, layer: nn.Module, attention: Block, shapes: dict) -> None:
+    def layer(self, layer: nn.Module, attention: Block, shapes: dict, moe: Any = None) -> None:
         """Swap one decoder layer's projections (`shapes`: the attention's column parts and shards) and
         hook its blocks; sum its norms' gradients. Attention: its column projections one layer (one
         all-gather of the rows), fed to the attention as its input (B, S, ...) by a pre-hook. MLP: gated
         with separate gate/up, the same; a single column projection (fused gate_up, ungated) runs on the
         rows as they are, its output (W B, S'/W, ...) every rank's rows, which the row projection
-        (gemm_rs) hands back as this rank's block; an MoE block: ExpertParallelMoE on the row block."""
+        (gemm_rs) hands back as this rank's block; an MoE block (`moe`: its plan): ExpertParallelMoE on the
+        row block, or tensor-parallel experts that gather every rank's rows."""
         attn, mlp, g = layer.self_attn, layer.mlp, self.group
         if len(attention.columns) > 1:
             fuse_columns(attn, attention.columns, "qkv_proj", g, sequence_parallel=True,
@@ -458,9 +508,9 @@ class _SequenceParallel(_GradSum):
         attn.register_forward_pre_hook(self.attention_in, with_kwargs=True)
         attn.register_forward_hook(self.attention_out, with_kwargs=True)
         getattr(attn, attention.row).register_forward_pre_hook(self.rows_in)
-        form = None if is_moe_block(mlp) else _form(mlp, MLP_FORMS)
+        form = None if moe is not None else _form(mlp, MLP_FORMS)
         if form is None:
-            layer.mlp = ExpertParallelMoE.from_module(mlp, g, sequence_parallel=True)  # takes (B, S'/W, H) rows
+            layer.mlp = _moe(mlp, g, True, moe)  # takes (B, S'/W, H) rows
         elif len(form.columns) > 1:
             fuse_columns(mlp, form.columns, "gate_up_proj", g, sequence_parallel=True)
             setattr(mlp, form.row, RowParallelLinear.from_linear(getattr(mlp, form.row), g, sequence_parallel=True))
@@ -489,20 +539,6 @@ class _SequenceParallel(_GradSum):
         b, t, h = rows.shape
         whole = tpf.gather_rows(rows.reshape(b * t, h), self.group).view(b, t * self.world, h)
         return _with_first(output, whole[:, :_seq_len(kwargs)])
-
-    def router_logits(self, module: nn.Module, args: tuple, output: Any) -> Any:
-        """The base model's recorded router logits (output_router_logits: one (B S'/W, E) row block per
-        MoE layer) made the unsharded model's (B S, E): gathered (one all-gather for every layer),
-        padding rows dropped, so transformers' load-balancing loss sees every token once and no padding."""
-        logits = getattr(output, "router_logits", None)
-        hidden = getattr(output, "last_hidden_state", None)
-        if not logits or hidden is None:
-            return output
-        b, s = hidden.shape[:2]
-        widths = [t.shape[-1] for t in logits]
-        rows = tpf.gather_rows(torch.cat(logits, -1), self.group).view(b, self.padded(s), -1)
-        output.router_logits = tuple(rows[:, :s].reshape(b * s, -1).split(widths, -1))
-        return output
 
     # Attention: rows -> q/k/v of every token (B, S, ...) for transformers' code; o_proj -> rows again.
     def attention_in(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:

@@ -92,9 +92,18 @@ class TopKRouter(nn.Module):
                 f"norm_topk_prob={self.norm_topk_prob}, cast_weights={self.cast_weights}")
 
 
+def router_of(block: nn.Module) -> nn.Module | None:
+    """A transformers MoE block's router: `gate` (Mixtral, Qwen-MoE) or `router` (GPT-OSS)."""
+    for name in ("gate", "router"):
+        m = getattr(block, name, None)
+        if isinstance(m, nn.Module):
+            return m
+    return None
+
+
 def is_moe_block(module: nn.Module) -> bool:
-    """Whether `module` looks like a transformers sparse MoE block (a router `gate` and `experts`)."""
-    return isinstance(getattr(module, "gate", None), nn.Module) and isinstance(getattr(module, "experts", None), nn.Module)
+    """Whether `module` looks like a transformers sparse MoE block (a router, `gate` or `router`, and `experts`)."""
+    return router_of(module) is not None and isinstance(getattr(module, "experts", None), nn.Module)
 
 
 class ExpertParallelMoE(nn.Module):
@@ -170,7 +179,10 @@ class ExpertParallelMoE(nn.Module):
         understood; nothing of the block changes, so a model can be checked whole before any layer is."""
         name = type(block).__name__
         if not is_moe_block(block):
-            raise ValueError(f"ExpertParallelMoE.from_module: {name} has no `gate` and `experts`")
+            raise ValueError(f"ExpertParallelMoE.from_module: {name} has no router (`gate` or `router`) and `experts`")
+        if not isinstance(getattr(block, "gate", None), nn.Module):
+            raise ValueError(f"{name}: its router is not named `gate` (expert-parallel blocks keep transformers' "
+                             "`gate` keys)")
         if getattr(block, "jitter_noise", 0) or getattr(block, "router_jitter_noise", 0):
             raise ValueError(f"{name}: router jitter noise is not supported (set router_jitter_noise=0)")
         known = {"gate", "experts", "shared_expert", "shared_experts", "shared_expert_gate"}

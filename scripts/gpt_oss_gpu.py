@@ -1,0 +1,95 @@
+"""GPT-OSS through `autofuse.parallelize` on CUDA ranks, at gpt-oss-20b's layer sizes in bfloat16: the
+tensor-parallel experts' cut is found (the simulated ranks' sum within bfloat16 rounding of the block; there the
+hidden width equals the experts' width, so the cut is not told by shapes alone), and the parallel model's
+logits, loss and gradients against the whole model's in the same dtype, both forms. `--family mixtral` gives
+the same comparison for an expert-parallel model (what bfloat16 alone moves).
+
+Ranks may share GPUs (AUTOFUSE_RANKS_PER_GPU): a correctness check, nothing is timed.
+
+    AUTOFUSE_RANKS_PER_GPU=4 python3 scripts/gpt_oss_gpu.py --world 2,4 [--layers 2]
+    python3 scripts/gpt_oss_gpu.py --device cpu --tiny      # a dry run of the script on CPU ranks
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+
+# gpt-oss-20b's layer (hidden 2880, 64 query / 8 KV heads of 64, 32 experts of 2880, top-4, sliding window 128)
+SIZES = dict(hidden_size=2880, intermediate_size=2880, num_attention_heads=64, num_key_value_heads=8, head_dim=64,
+             num_local_experts=32, num_experts_per_tok=4, sliding_window=128, vocab_size=1024, pad_token_id=0)
+TINY = dict(SIZES, hidden_size=64, intermediate_size=64, num_attention_heads=8, num_key_value_heads=4, head_dim=8,
+            num_local_experts=4, num_experts_per_tok=2, vocab_size=64)
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
+
+
+def job(world: Any, layers: int, sizes: dict, dtype: str, family: str) -> list[dict]:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    import autofuse
+
+    warnings.simplefilter("ignore")
+    dev = world.device
+    cfg = AutoConfig.for_model(family, num_hidden_layers=layers, attn_implementation="eager", **sizes)
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_config(cfg).to(dev, getattr(torch, dtype)).train()
+    with torch.no_grad():
+        for n, p in base.named_parameters():
+            if p.dim() == 1 or n.endswith("bias"):
+                p.add_(torch.randn_like(p), alpha=0.1)
+    ids = torch.randint(0, sizes["vocab_size"], (2, 160), generator=torch.Generator().manual_seed(1)).to(dev)
+    whole = copy.deepcopy(base)
+    out = whole(input_ids=ids, labels=ids)
+    out.loss.backward()
+    want_grads = {n: p.grad for n, p in whole.named_parameters() if p.grad is not None}
+    rows = []
+    for sp in (False, True):
+        t0 = time.perf_counter()
+        par = autofuse.parallelize(copy.deepcopy(base), world.group, sequence_parallel=sp)
+        made = time.perf_counter() - t0
+        got = par(input_ids=ids, labels=ids)
+        got.loss.backward()
+        grads = autofuse.nn.full_grads(par)
+        worst = max(want_grads, key=lambda n: _rel(grads[n], want_grads[n]) if n in grads else float("inf"))
+        rows.append({"world": world.size, "sp": sp, "parallelize s": made, "logits": _rel(got.logits, out.logits),
+                     "loss": _rel(got.loss, out.loss), "worst grad": _rel(grads[worst], want_grads[worst]),
+                     "worst name": worst, "grad keys": sorted(grads) == sorted(want_grads)})
+        del par, got, grads
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--world", default="2,4")
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    ap.add_argument("--tiny", action="store_true", help="small sizes (a dry run)")
+    ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    ap.add_argument("--family", default="gpt_oss", help="another transformers MoE family at the same sizes, for "
+                    "the bfloat16 differences an expert-parallel model shows (mixtral)")
+    args = ap.parse_args()
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from autofuse.comm.world import spawn
+
+    print(f"{args.family}, {args.dtype}")
+    print("world sp    parallelize_s  logits    loss      worst_grad  grad_keys  worst_name")
+    for w in (int(x) for x in args.world.split(",")):
+        for r in spawn(job, w, args.layers, TINY if args.tiny else SIZES, args.dtype, args.family,
+                       device_kind=args.device, timeout_s=900)[0]:
+            print(f"{r['world']:5d} {str(r['sp']):5s} {r['parallelize s']:13.1f}  {r['logits']:.2e}  {r['loss']:.2e}  "
+                  f"{r['worst grad']:.2e}    {str(r['grad keys']):9s}  {r['worst name']}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
