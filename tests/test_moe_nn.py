@@ -246,46 +246,54 @@ def _standalone(world) -> dict:
 
 def _tensor_parallel(world) -> dict:
     """autofuse.nn.moe_tp on a Mixtral block (experts [gate | up] halves, where GPT-OSS's in test_nn are
-    interleaved pairs), made tensor-parallel though ExpertParallelMoE could take it: output, input gradient and
+    interleaved pairs) and a Qwen2-MoE block (its shared expert split with the experts, its shared expert gate
+    kept whole), made tensor-parallel though ExpertParallelMoE could take them: output, input gradient and
     every parameter's gradient (full_grads, under the block's own keys) against float64 autograd of the block,
-    input replicated and with sequence_parallel=True; the block left as it was (copies); a Qwen2-MoE block (its
-    shared expert would be added once per rank) refused; GPT-OSS with its load-balancing loss, both forms (the
-    tensor-parallel routers record every row on every rank and their gradient is summed: the loss's gradient
-    must reach them once)."""
+    input replicated and with sequence_parallel=True; the gathered state_dict equal to the block's; the block
+    left as it was (copies); a block whose forward reaches weights outside it refused; GPT-OSS with its
+    load-balancing loss, both forms (the tensor-parallel routers record every row on every rank and their
+    gradient is summed: the loss's gradient must reach them once)."""
     from autofuse.nn import full_grads, full_state_dict, moe_tp
+    from autofuse.nn.shards import Split
 
     w, r = world.size, world.rank
-    block = tiny_mixtral(w).model.layers[0].mlp
     gen = torch.Generator().manual_seed(5)
     xs = [torch.randn(1, 3, 32, generator=gen) for _ in range(w)]  # rank i's rows (sequence parallel)
     dys = [torch.randn(1, 3, 32, generator=gen) for _ in range(w)]
     out: dict = {}
-    before = {k: v.clone() for k, v in block.state_dict().items()}
-    for sp in (False, True):
-        b64 = copy.deepcopy(block).double()
-        whole = torch.cat(xs, 1).double().requires_grad_()
-        want = b64(whole)
-        want = want[0] if isinstance(want, tuple) else want
-        (want * torch.cat(dys, 1).double()).sum().backward()
-        tp = moe_tp.from_module(block, world.group, sequence_parallel=sp)
-        x = (xs[r] if sp else torch.cat(xs, 1)).clone().requires_grad_()
-        y = tp(x)
-        y = y[0] if isinstance(y, tuple) else y
-        (y * (dys[r] if sp else torch.cat(dys, 1))).sum().backward()
-        mine = slice(r * 3, (r + 1) * 3) if sp else slice(None)
-        grads, want_grads = full_grads(tp), dict(b64.named_parameters())
-        state = full_state_dict(tp)
-        out[f"sp={sp}"] = {"y": rel(y, want[:, mine]), "dx": rel(x.grad, whole.grad[:, mine]),
-                           "keys": sorted(grads) == sorted(want_grads),
-                           "worst grad": max(rel(grads[n], p.grad) for n, p in want_grads.items()),
-                           "state": all(torch.equal(state[k], v) for k, v in before.items()) and len(state) == len(before),
-                           "halves": any(len(getattr(c, "parts", ())) == 2 for c in tp.autofuse_shards.specs.values())}
-    out["block unchanged"] = all(torch.equal(block.state_dict()[k], v) for k, v in before.items())
+    for name, make in (("mixtral", tiny_mixtral), ("qwen2_moe", tiny_qwen2_moe)):
+        block = make(w).model.layers[0].mlp
+        before = {k: v.clone() for k, v in block.state_dict().items()}
+        for sp in (False, True):
+            b64 = copy.deepcopy(block).double()
+            whole = torch.cat(xs, 1).double().requires_grad_()
+            want = b64(whole)
+            want = want[0] if isinstance(want, tuple) else want
+            (want * torch.cat(dys, 1).double()).sum().backward()
+            tp = moe_tp.from_module(block, world.group, sequence_parallel=sp)
+            x = (xs[r] if sp else torch.cat(xs, 1)).clone().requires_grad_()
+            y = tp(x)
+            y = y[0] if isinstance(y, tuple) else y
+            (y * (dys[r] if sp else torch.cat(dys, 1))).sum().backward()
+            mine = slice(r * 3, (r + 1) * 3) if sp else slice(None)
+            grads, want_grads = full_grads(tp), dict(b64.named_parameters())
+            state = full_state_dict(tp)
+            specs = tp.autofuse_shards.specs
+            out[(name, sp)] = {"y": rel(y, want[:, mine]), "dx": rel(x.grad, whole.grad[:, mine]),
+                               "keys": sorted(grads) == sorted(want_grads),
+                               "worst grad": max(rel(grads[n], p.grad) for n, p in want_grads.items()),
+                               "state": sorted(state) == sorted(before) and all(torch.equal(state[k], v)
+                                                                                for k, v in before.items()),
+                               "halves": any(isinstance(c, Split) and len(c.parts) == 2 for c in specs.values()),
+                               "shared split": all(n in specs for n in before if n.startswith("shared_expert."))}
+        out[(name, "unchanged")] = all(torch.equal(block.state_dict()[k], v) for k, v in before.items())
+    block = tiny_mixtral(w).model.layers[0].mlp
+    block.forward = lambda h, forward=block.forward: forward(h)  # a copy of it would still run this block's weights
     try:
-        moe_tp.plan(tiny_qwen2_moe(w).model.layers[0].mlp, world.group)
-        out["shared expert"] = "no error"
+        moe_tp.plan(block, world.group)
+        out["reaches outside"] = "no error"
     except ValueError as exc:
-        out["shared expert"] = str(exc)
+        out["reaches outside"] = str(exc)
     import test_nn
 
     import autofuse
@@ -387,16 +395,17 @@ def test_standalone_block_and_sequence_parallel(job) -> None:
             assert v["keys"] and max(v["y"], v["dx"]) <= TOL and v["worst grad"] <= GRAD_TOL, (w, r, sp, v)
 
 
-def test_tensor_parallel_experts_match_float64_and_refuse_what_they_would_add_twice(job) -> None:
+def test_tensor_parallel_experts_match_float64_and_refuse_a_block_they_cannot_reproduce(job) -> None:
     w, ranks = job
     for r, res in enumerate(ranks):
         tp = res["tensor parallel"]
-        for sp in (False, True):
-            v = tp[f"sp={sp}"]
-            assert v["keys"] and v["state"] and v["halves"], (w, r, sp, v)
-            assert max(v["y"], v["dx"]) <= TOL and v["worst grad"] <= GRAD_TOL, (w, r, sp, v)
-        assert tp["block unchanged"], (w, r)
-        assert "no cut of its experts' width" in tp["shared expert"], tp["shared expert"]
+        for name in ("mixtral", "qwen2_moe"):
+            for sp in (False, True):
+                v = tp[(name, sp)]
+                assert v["keys"] and v["state"] and v["halves"] and v["shared split"], (w, r, name, sp, v)
+                assert max(v["y"], v["dx"]) <= TOL and v["worst grad"] <= GRAD_TOL, (w, r, name, sp, v)
+            assert tp[(name, "unchanged")], (w, r, name)
+        assert "no cut of its experts' width" in tp["reaches outside"], tp["reaches outside"]
         for sp in (False, True):
             v = tp[f"gpt_oss aux sp={sp}"]
             assert v["logits"] <= TOL and v["loss"] <= TOL and v["grad keys"] and v["worst grad"] <= GRAD_TOL, (w, r, sp, v)

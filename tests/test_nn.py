@@ -456,6 +456,8 @@ FAMILIES = {  # transformers families beyond Llama's projection names: what each
     "ernie4_5_moe": "MoE blocks with shared experts under a plural name and a router with correction statics",
     "gpt_oss": "attention sinks (one per head), biases everywhere, MoE experts with biases and a clamped SwiGLU on "
                "interleaved gate/up columns (tensor-parallel experts run by the block's own forward)",
+    "llama4_text": "MLP named feed_forward; MoE blocks whose router scales the experts' input, beside a shared expert "
+                   "(tensor-parallel experts, the shared expert split with them), returning flattened rows",
 }
 
 

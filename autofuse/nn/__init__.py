@@ -6,14 +6,15 @@
   expert) with its experts split over a process group, on `moe_dispatch` / `moe_combine`;
   `from_module(block, group)` converts a transformers MoE block (Mixtral, Qwen2-MoE, Qwen3-MoE); `TopKRouter`.
 - `autofuse.nn.moe_tp`: an MoE block ExpertParallelMoE cannot read (GPT-OSS's experts with biases and a
-  clamped SwiGLU) split by each expert's width and run by the block's own forward (`parallelize` uses it).
+  clamped SwiGLU, Llama 4's with a shared expert) split by each expert's width and run by the block's own
+  forward (`parallelize` uses it).
 - `ShardedRMSNorm` (autofuse/nn/norm.py): an RMSNorm over a column-parallel projection's whole width
   (OLMo2's q_norm / k_norm), from its shards.
 - `autofuse.nn.functional`: the same as functions, and the row scatter/gather of sequence parallelism.
 - `parallelize(model, group, plan=None, sequence_parallel=False)` (autofuse/nn/parallelize.py): swaps a
   model's linears for the modules above, by a plan or, for Hugging Face Llama-family models (Qwen3,
   Phi-3, GLM-4, OLMo2 and more included, and the MoE models Mixtral, Qwen2-MoE and Qwen3-MoE, their MoE blocks made expert-parallel,
-  and GPT-OSS, its experts tensor-parallel),
+  and GPT-OSS, Llama 4 and HunYuan-MoE, their experts tensor-parallel),
   by itself.
 - `full_state_dict(model)` (autofuse/nn/checkpoint.py): the unsharded state_dict of a parallelized model;
   `full_grads(model)` its parameters' gradients likewise.

@@ -70,8 +70,9 @@ rank's row blocks; a forward hook on the base model gathers them and drops the p
 one with `parallelize_layer` keep the row blocks).
 
 An MoE block `ExpertParallelMoE` cannot read (GPT-OSS's: experts with biases, a clamped SwiGLU on interleaved
-gate/up columns, a router with a bias) is split by each expert's width instead (`autofuse/nn/moe_tp.py`, in
-either form; `moe_plan` decides, before any layer changes). Per-head vectors of the attention (GPT-OSS's
+gate/up columns, a router with a bias; Llama 4's, with a shared expert) is split by each expert's width instead
+(`autofuse/nn/moe_tp.py`, in either form; `moe_plan` decides, before any layer changes). A layer's MLP (or MoE
+block) is its `mlp` or, in Llama 4, its `feed_forward` (`MLP_NAMES`). Per-head vectors of the attention (GPT-OSS's
 `sinks`: one value per query head, 1-D, not a norm's) are split with the heads (`autofuse_shards`).
 
 Generation: transformers' KV caches size themselves from the keys they are given (this rank's heads),
@@ -81,7 +82,6 @@ sized from the config (the whole model's heads, transformers 4's StaticCache) do
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -95,32 +95,16 @@ from autofuse.nn.linear import ColumnParallelLinear, FusedPart, RowParallelLinea
 from autofuse.nn import moe_tp
 from autofuse.nn.moe import ExpertParallelMoE, is_moe_block
 from autofuse.nn.norm import ShardedRMSNorm
+from autofuse.nn.forms import ATTENTION_FORMS, MLP_FORMS, Block, form_of
 from autofuse.nn.shards import Shards, Split
 
-@dataclass(frozen=True)
-class Block:
-    """One form of a decoder layer's attention or MLP: `columns`, the nn.Linear projections reading the
-    block's input (column-parallel, outputs side by side), and `row`, the one writing its output
-    (row-parallel). A fused projection (`qkv_proj`: q, k, v; `gate_up_proj`: gate, up) holds several
-    parts side by side; rank r keeps its block of each."""
 
-    columns: tuple[str, ...]
-    row: str
-
-    @property
-    def names(self) -> tuple[str, ...]:
-        return (*self.columns, self.row)
-
-    def __str__(self) -> str:
-        return "/".join(self.names)
+MLP_NAMES = ("mlp", "feed_forward")  # a decoder layer's MLP or MoE block: Llama's name, Llama 4's
 
 
-ATTENTION_FORMS = (Block(("q_proj", "k_proj", "v_proj"), "o_proj"),  # Llama, Mistral, Qwen, Gemma, ...
-                   Block(("qkv_proj",), "o_proj"))                    # Phi-3 / Phi-4: q, k, v fused
-MLP_FORMS = (Block(("gate_proj", "up_proj"), "down_proj"),           # gated (SwiGLU, GeGLU)
-             Block(("gate_up_proj",), "down_proj"),                  # gated, fused: Phi-3, GLM-4 (chunk(2))
-             Block(("up_proj",), "down_proj"),                       # ungated: Arcee, Apertus
-             Block(("c_fc",), "c_proj"))                             # ungated: StarCoder2
+def mlp_name(layer: nn.Module) -> str:
+    """The name of a decoder layer's MLP (or MoE block): the first of MLP_NAMES it has, else "mlp"."""
+    return next((n for n in MLP_NAMES if isinstance(getattr(layer, n, None), nn.Module)), "mlp")
 
 
 def text_model(model: nn.Module) -> nn.Module:
@@ -131,7 +115,7 @@ def text_model(model: nn.Module) -> nn.Module:
     base = getattr(model, "base_model", model)
     if isinstance(getattr(base, "layers", None), nn.ModuleList):
         return base
-    for name in ("language_model", "text_model"):
+    for name in ("language_model", "text_model", "model"):  # Llama 4's causal LM names its prefix but holds `model`
         sub = getattr(base, name, None)
         for m in (sub, getattr(sub, "base_model", None), getattr(sub, "model", None)):
             if isinstance(getattr(m, "layers", None), nn.ModuleList):
@@ -143,14 +127,6 @@ def text_config(config: Any) -> Any:
     """The decoder's config: a vision-language model's text config, else the config itself."""
     get = getattr(config, "get_text_config", None)
     return get() if callable(get) else config
-
-
-def _form(block: nn.Module | None, forms: tuple[Block, ...]) -> Block | None:
-    """The first of `forms` whose projections are all nn.Linear layers of `block`, else None."""
-    for form in forms:
-        if block is not None and all(isinstance(getattr(block, n, None), nn.Linear) for n in form.names):
-            return form
-    return None
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
@@ -166,11 +142,11 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
         if done:
             raise ValueError(f"{type(model).__name__} is tensor-parallel already (layers.{i}.{done}): "
                              "parallelize a model once, from its whole weights")
-        for block, forms in (("self_attn", ATTENTION_FORMS), ("mlp", MLP_FORMS)):
+        for block, forms in (("self_attn", ATTENTION_FORMS), (mlp_name(layer), MLP_FORMS)):
             mod = getattr(layer, block, None)
-            if block == "mlp" and mod is not None and is_moe_block(mod):
+            if forms is MLP_FORMS and mod is not None and is_moe_block(mod):
                 continue  # a sparse MoE block: ExpertParallelMoE.from_module checks it
-            form = _form(mod, forms)
+            form = form_of(mod, forms)
             if mod is None:
                 raise ValueError(f"{type(model).__name__}: layers.{i} has no {block} (its blocks: "
                                  f"{', '.join(n for n, _ in layer.named_children())}); "
@@ -292,7 +268,7 @@ def parallelize(model: nn.Module, group: Any, sequence_parallel: bool) -> None:
     """Make a Llama-family model tensor-parallel in place (module doc)."""
     layers = decoder_layers(model)
     world = dist.get_world_size(group)
-    moe = [is_moe_block(layer.mlp) for layer in layers]
+    moe = [is_moe_block(getattr(layer, mlp_name(layer))) for layer in layers]
     config = text_config(model.config)
     check_sizes(config, world, type(model).__name__, dense_mlp=not all(moe))
     plans = _check_layers(layers, group, getattr(config, "hidden_size", None))
@@ -302,7 +278,7 @@ def parallelize(model: nn.Module, group: Any, sequence_parallel: bool) -> None:
         sp = _SequenceParallel(group, world)
         layers[0].register_forward_pre_hook(sp.enter, with_kwargs=True)
         layers[-1].register_forward_hook(sp.leave, with_kwargs=True)
-    tensor = [moe_tp.is_tensor_parallel(layer.mlp) for layer, m in zip(layers, moe) if m]
+    tensor = [moe_tp.is_tensor_parallel(getattr(layer, mlp_name(layer))) for layer, m in zip(layers, moe) if m]
     if sequence_parallel and any(moe) or any(tensor):
         text_model(model).register_forward_hook(_RouterLogits(group, world, sequence_parallel, tensor))
 
@@ -315,11 +291,13 @@ def _check_layers(layers: nn.ModuleList, group: Any, hidden: int | None) -> list
     plans = []
     for i, layer in enumerate(layers):
         attn = layer.self_attn
-        form = _form(attn, ATTENTION_FORMS)
+        form = form_of(attn, ATTENTION_FORMS)
         for n in WIDTH_NORMS:
             if isinstance(getattr(attn, n, None), nn.Module) and _width_norm(attn, form, f"{n}.weight"):
                 ShardedRMSNorm.check(getattr(attn, n))
-        plans.append(moe_plan(layer.mlp, group, hidden, f"layers.{i}.mlp") if is_moe_block(layer.mlp) else None)
+        name = mlp_name(layer)
+        mlp = getattr(layer, name)
+        plans.append(moe_plan(mlp, group, hidden, f"layers.{i}.{name}") if is_moe_block(mlp) else None)
     return plans
 
 
@@ -348,10 +326,11 @@ def parallelize_layer(layer: nn.Module, group: Any, sequence_parallel: bool, moe
     caller scatters and gathers the rows (`parallelize` hooks the first and last layer for that). `moe`:
     the MoE block's `moe_plan`, made earlier (else made here)."""
     world = dist.get_world_size(group)
-    if moe is None and is_moe_block(layer.mlp):
-        moe = moe_plan(layer.mlp, group)
+    slot = mlp_name(layer)
+    if moe is None and is_moe_block(getattr(layer, slot)):
+        moe = moe_plan(getattr(layer, slot), group)
     attn = layer.self_attn
-    attention = _form(attn, ATTENTION_FORMS)
+    attention = form_of(attn, ATTENTION_FORMS)
     kv = kv_shards(attn, world)
     shapes = {name: _columns(attn, name, world, kv) for name in attention.columns}
     widths = [n for n in WIDTH_NORMS if isinstance(getattr(attn, n, None), nn.Module)
@@ -368,12 +347,13 @@ def parallelize_layer(layer: nn.Module, group: Any, sequence_parallel: bool, moe
         _SequenceParallel(group, world).layer(layer, attention, shapes, moe)
         return layer
     _split(attn, attention, shapes, group, False)
+    block = getattr(layer, slot)
     if moe is not None:
-        layer.mlp = _moe(layer.mlp, group, False, moe)
+        setattr(layer, slot, _moe(block, group, False, moe))
     else:
-        mlp = _form(layer.mlp, MLP_FORMS)
-        _split(layer.mlp, mlp, {n: _columns(layer.mlp, n, world, kv) for n in mlp.columns}, group, False)
-        _activation_grads(layer.mlp, group)
+        mlp = form_of(block, MLP_FORMS)
+        _split(block, mlp, {n: _columns(block, n, world, kv) for n in mlp.columns}, group, False)
+        _activation_grads(block, group)
     return layer
 
 
@@ -494,7 +474,8 @@ class _SequenceParallel(GradSum):
         rows as they are, its output (W B, S'/W, ...) every rank's rows, which the row projection
         (gemm_rs) hands back as this rank's block; an MoE block (`moe`: its plan): ExpertParallelMoE on the
         row block, or tensor-parallel experts that gather every rank's rows."""
-        attn, mlp, g = layer.self_attn, layer.mlp, self.group
+        slot = mlp_name(layer)
+        attn, mlp, g = layer.self_attn, getattr(layer, slot), self.group
         if len(attention.columns) > 1:
             fuse_columns(attn, attention.columns, "qkv_proj", g, sequence_parallel=True,
                          shards=tuple(shapes[n].get("shards", self.world) for n in attention.columns))
@@ -508,9 +489,9 @@ class _SequenceParallel(GradSum):
         attn.register_forward_pre_hook(self.attention_in, with_kwargs=True)
         attn.register_forward_hook(self.attention_out, with_kwargs=True)
         getattr(attn, attention.row).register_forward_pre_hook(self.rows_in)
-        form = None if moe is not None else _form(mlp, MLP_FORMS)
+        form = None if moe is not None else form_of(mlp, MLP_FORMS)
         if form is None:
-            layer.mlp = _moe(mlp, g, True, moe)  # takes (B, S'/W, H) rows
+            setattr(layer, slot, _moe(mlp, g, True, moe))  # takes (B, S'/W, H) rows
         elif len(form.columns) > 1:
             fuse_columns(mlp, form.columns, "gate_up_proj", g, sequence_parallel=True)
             setattr(mlp, form.row, RowParallelLinear.from_linear(getattr(mlp, form.row), g, sequence_parallel=True))
@@ -522,7 +503,7 @@ class _SequenceParallel(GradSum):
         if form is not None:
             _activation_grads(mlp, g)
         self.register(layer, [name for name, _ in layer.named_parameters()
-                              if not name.startswith(("self_attn.", "mlp."))])
+                              if not name.startswith(("self_attn.", f"{slot}."))])
 
     # The first layer's input (B, S, H), whole -> this rank's rows (B, S'/W, H); the last layer's back.
     def enter(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:

@@ -1,7 +1,9 @@
 """Tensor-parallel experts: a sparse MoE block that autofuse's expert-parallel ops cannot run (experts with
 biases or another activation, e.g. GPT-OSS's clamped SwiGLU on interleaved gate/up columns; a router of its
-own kind) split over a process group by each expert's intermediate width, and run by the block's own
-forward.
+own kind, e.g. Llama 4's scaling the experts' input) split over a process group by each expert's intermediate
+width, and run by the block's own forward. A shared expert (an MLP of `forms.MLP_FORMS` inside the block) is
+split as a tensor-parallel MLP; any other parameter outside the router is kept whole (a gate multiplying a
+partial output, Qwen2-MoE's shared_expert_gate) or by the first rank (added once), as the simulation finds.
 
 Rank r of the W ranks keeps block r of every expert's intermediate width F: the columns of the
 parameters that make it (gate/up, side by side or interleaved in pairs, and their biases) and the rows of
@@ -18,12 +20,11 @@ The router's gradient is summed over the group (each rank's part of the experts 
 
 How each expert parameter is cut is not read from names: `plan` tries the cuts the parameters' shapes
 allow (an F-wide dimension; a 2F-wide one as [gate | up] halves or as interleaved pairs) and keeps the
-first whose W simulated ranks, each run through this rank's converted copy of the block on random rows
-(eval, no grad), sum to the whole block's output within the dtype's rounding. A block no cut fits (a
-shared expert, which the sum would add W times; a forward that reaches weights the copy does not hold)
-is refused, never run wrong. The converted block keeps its class and transformers' state_dict keys,
-each holding this rank's piece; `autofuse_shards` (autofuse/nn/shards.py) says how, for
-`full_state_dict`.
+first whose W simulated ranks, each run through a converted copy of the block on random rows (eval, no
+grad), sum to the whole block's output within the dtype's rounding. A block no cut fits (a forward that
+reaches weights the copy does not hold, experts of another form) is refused, never run wrong. The
+converted block keeps its class and transformers' state_dict keys, each holding this rank's piece;
+`autofuse_shards` (autofuse/nn/shards.py) says how, for `full_state_dict`.
 """
 from __future__ import annotations
 
@@ -37,10 +38,12 @@ import torch.distributed as dist
 from torch import nn
 
 from autofuse.nn import functional as tpf
+from autofuse.nn.forms import MLP_FORMS, form_of
 from autofuse.nn.grads import GradSum
+from autofuse.nn.moe import router_of
 from autofuse.nn.shards import First, Shards, Split
 
-WIDTH_NAMES = ("intermediate_size", "expert_dim", "moe_intermediate_size", "ffn_dim")  # the experts' F, by attribute
+WIDTH_NAMES = ("intermediate_dim", "intermediate_size", "expert_dim", "moe_intermediate_size", "ffn_dim")  # experts' F
 MAX_CUTS = 64  # cut combinations tried per block
 
 
@@ -55,30 +58,80 @@ class Plan:
 
 
 def width(block: nn.Module) -> int | None:
-    """The experts' intermediate width F, from the experts module's attributes (or its config's)."""
+    """The experts' intermediate width F: an attribute of the experts module (WIDTH_NAMES; not its config's
+    `intermediate_size`, which may be a dense MLP's), else the smallest size of the experts' 3-D parameters
+    whose double is another of their sizes (gate/up's 2F beside down's F)."""
     experts = getattr(block, "experts", None)
-    for owner in (experts, getattr(experts, "config", None)):
-        for name in WIDTH_NAMES:
-            v = getattr(owner, name, None)
-            if isinstance(v, int) and v > 0:
-                return v
-    return None
+    for name in WIDTH_NAMES:
+        v = getattr(experts, name, None)
+        if isinstance(v, int) and v > 0:
+            return v
+    sizes = {d for p in experts.parameters() if p.dim() >= 3 for d in p.shape[1:]} if experts is not None else set()
+    return next((d for d in sorted(sizes) if 2 * d in sizes), None)
 
 
 def _jitter(block: nn.Module) -> float:
-    router = getattr(block, "router", None) or getattr(block, "gate", None)
+    router = router_of(block)
     return max(float(getattr(m, n, 0) or 0) for m in (block, router) for n in ("jitter_noise", "router_jitter_noise"))
 
 
-def _options(p: torch.Tensor, f: int, world: int, layout: str) -> list[Split | First]:
-    """The cuts of expert parameter `p` (dim 0: the experts) that split F: a 2F-wide dimension as [gate | up]
-    halves (`layout` 'halves') or as interleaved pairs ('pairs': one block of whole pairs), an F-wide one whole;
-    last, the first rank's (added once after the product; also where the hidden width equals F)."""
+class Whole:
+    """A parameter outside the router that every rank keeps whole (a gate multiplying a partial output, as
+    Qwen2-MoE's shared_expert_gate): its gradient is summed over the group, as the router's."""
+
+    def local(self, t: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+        return t
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Whole)
+
+    def __hash__(self) -> int:
+        return hash(Whole)
+
+    def __repr__(self) -> str:
+        return "Whole()"
+
+
+def _options(name: str, p: torch.Tensor, f: int, world: int, layout: str) -> list[Split | First | Whole]:
+    """The cuts of parameter `name` of the block. An expert parameter (dim 0: the experts): along a 2F-wide
+    dimension as [gate | up] halves (`layout` 'halves') or as interleaved pairs ('pairs': one block of whole
+    pairs), along an F-wide one; then the first rank's (added once after the product; also where the hidden
+    width equals F). Any other (outside the router and shared MLPs): whole on every rank (a gate multiplying a
+    partial output), or the first rank's (added once)."""
+    if not name.startswith("experts."):
+        return [Whole(), First()]
     dims = range(1 if p.dim() > 1 else 0, p.dim())
-    out: list[Split | First] = [Split(d, (f, f)) if layout == "halves" else Split(d, (2 * f,))
-                                for d in dims if p.shape[d] == 2 * f]
+    out: list[Split | First | Whole] = [Split(d, (f, f)) if layout == "halves" else Split(d, (2 * f,))
+                                        for d in dims if p.shape[d] == 2 * f]
     out += [Split(d, (f,)) for d in dims if p.shape[d] == f]
-    return [s for s in out if s.fits(p.shape, world)] + [First()]
+    return [c for c in out if c.fits(p.shape, world)] + [First()]
+
+
+def _shared_mlps(block: nn.Module, router: nn.Module, world: int) -> dict[str, Split | First]:
+    """The cuts of every MLP inside the block outside its experts and router (a shared expert: an MLP_FORMS
+    form), as a tensor-parallel MLP: columns' weights and biases split by rows (a fused gate_up part by part),
+    the row projection's weight by columns and its bias on the first rank."""
+    specs: dict[str, Split | First] = {}
+    for path, m in block.named_modules():
+        if not path or path == "experts" or path.startswith("experts.") or m is router:
+            continue
+        form = form_of(m, MLP_FORMS)
+        if form is None:
+            continue
+        for col in form.columns:
+            lin = getattr(m, col)
+            parts = (lin.out_features // 2,) * 2 if col == "gate_up_proj" else (lin.out_features,)
+            for t in ("weight", "bias"):
+                if getattr(lin, t) is not None:
+                    specs[f"{path}.{col}.{t}"] = Split(0, parts)
+        row = getattr(m, form.row)
+        specs[f"{path}.{form.row}.weight"] = Split(1, (row.in_features,))
+        if row.bias is not None:
+            specs[f"{path}.{form.row}.bias"] = First()
+        if row.in_features % world:
+            raise ValueError(f"{type(block).__name__}: its {path} width {row.in_features} is not divisible by the "
+                             f"group size {world}")
+    return specs
 
 
 def plan(block: nn.Module, group: Any, hidden: int | None = None) -> Plan:
@@ -87,38 +140,45 @@ def plan(block: nn.Module, group: Any, hidden: int | None = None) -> Plan:
     group = tpf.process_group(group)
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     name = type(block).__name__
-    experts = getattr(block, "experts", None)
-    if not isinstance(experts, nn.Module):
-        raise ValueError(f"{name}: no `experts` module")
+    experts, router = getattr(block, "experts", None), router_of(block)
+    if not isinstance(experts, nn.Module) or router is None:
+        raise ValueError(f"{name}: no `experts` module and router (`gate` or `router`)")
     if _jitter(block):
         raise ValueError(f"{name}: router jitter noise is not supported (set router_jitter_noise=0)")
-    params = {n: p for n, p in block.named_parameters() if n.startswith("experts.")}
-    if not params:
+    routers = {id(p) for p in router.parameters()}
+    params = {n: p for n, p in block.named_parameters() if id(p) not in routers}
+    if not any(n.startswith("experts.") for n in params):
         raise ValueError(f"{name}: its experts hold no parameters")
+    if not all(p.is_floating_point() for p in params.values()):
+        raise ValueError(f"{name}: its experts are quantized ({', '.join(sorted({str(p.dtype) for p in params.values()}))}"
+                         "): load the model dequantized (e.g. quantization_config=Mxfp4Config(dequantize=True))")
     f = width(block)
     if f is None:
         raise ValueError(f"{name}: its experts' intermediate width is not known (none of {', '.join(WIDTH_NAMES)})")
     if f % world:
         raise ValueError(f"{name}: the experts' intermediate width {f} is not divisible by the group size {world}")
     hidden = hidden or _hidden(block, params)
-    template = _copy(block, {n: First() for n in params}, f, 1, world)  # the block's code, no expert weights
-    tol = _tolerance(next((p for p in params.values() if p.is_floating_point()), None))
+    shared = _shared_mlps(block, router, world)
+    searched = {n: p for n, p in params.items() if n not in shared}
+    template = _copy(block, {n: First() for n in params}, f, 1, world)  # the block's code, no weights to cut
+    tol = _tolerance(next(iter(params.values())))
     tried: set[tuple] = set()
     worst = None
     for layout in ("halves", "pairs"):
-        choices = [_options(p, f, world, layout) for p in params.values()]
+        choices = [_options(n, p, f, world, layout) for n, p in searched.items()]
         for combo in itertools.islice(itertools.product(*choices), MAX_CUTS):
-            if combo in tried or all(isinstance(c, First) for c in combo):  # all on the first rank: no split
+            if combo in tried or not any(isinstance(c, Split) for c in combo):  # nothing split: no parallelism
                 continue
             tried.add(combo)
-            specs = dict(zip(params, combo))
-            err = _simulate(block, template, specs, params, world, hidden)
+            cuts = {**shared, **dict(zip(searched, combo))}
+            err = _simulate(block, template, cuts, params, world, hidden)
             if err <= tol:
-                return Plan(specs, f, _copy(block, specs, f, rank, world))
+                specs = {n: c for n, c in cuts.items() if not isinstance(c, Whole)}
+                return Plan(specs, f, _copy(block, cuts, f, rank, world))
             worst = err if worst is None else min(worst, err)
     raise ValueError(f"{name}: no cut of its experts' width over {world} ranks reproduces its forward (best "
-                     f"relative error {worst:.2g} on random rows): a shared expert, a forward reaching weights "
-                     "outside its experts, or experts of another form")
+                     f"relative error {worst:.2g} on random rows): a forward reaching weights outside the block, or "
+                     "experts of another form")
 
 
 def _hidden(block: nn.Module, params: dict[str, torch.Tensor]) -> int:
@@ -129,20 +189,25 @@ def _hidden(block: nn.Module, params: dict[str, torch.Tensor]) -> int:
     raise ValueError(f"{type(block).__name__}: its input width is not known (no router weight): pass hidden=")
 
 
-def _tolerance(p: torch.Tensor | None) -> float:
-    return 1e-4 if p is not None and p.dtype in (torch.float32, torch.float64) else 3e-2
+def _tolerance(p: torch.Tensor) -> float:
+    return 1e-4 if p.dtype in (torch.float32, torch.float64) else 3e-2
 
 
-def _copy(block: nn.Module, specs: dict[str, Split | First], f: int, rank: int, world: int) -> nn.Module:
+def _copy(block: nn.Module, specs: dict[str, Split | First | Whole], f: int, rank: int, world: int) -> nn.Module:
     """A deep copy of `block` holding rank `rank`'s pieces (copies, never views of the block's tensors); a
     First parameter becomes a zero buffer on the other ranks (empty where every one is First: `plan`'s
-    template, run only with the pieces given to functional_call); the experts' width attributes are F / W."""
+    template, run only with the pieces given to functional_call); the experts' width attributes are F / W and
+    a split nn.Linear's features its piece's."""
     memo: dict[int, Any] = {}
     for n, spec in specs.items():
         p = block.get_parameter(n)
-        piece = spec.local(p.detach(), rank, world) if isinstance(spec, Split) or rank == 0 else p.new_empty(0)
-        memo[id(p)] = tpf.copied_parameter(piece, p.requires_grad)
+        keep = not isinstance(spec, First) or rank == 0
+        memo[id(p)] = tpf.copied_parameter(spec.local(p.detach(), rank, world) if keep else p.new_empty(0),
+                                           p.requires_grad)
     local = copy.deepcopy(block, memo)
+    for m in local.modules():
+        if isinstance(m, nn.Linear) and m.weight.dim() == 2 and m.weight.numel():
+            m.out_features, m.in_features = m.weight.shape
     for n, spec in specs.items():
         if isinstance(spec, First) and rank != 0:
             path, _, attr = n.rpartition(".")
@@ -230,8 +295,8 @@ class _Exchange:
         y = _first(output)
         if not self.sequence_parallel:
             y = tpf.sum_partials(y, self.group)
-        else:
-            wb, t, h = y.shape
-            y = tpf.scatter_rows(tpf.sum_partials(y.reshape(wb * t, h), self.group), self.group)
-            y = y.view(wb // self.world, t, h)
+        else:  # (W B, S'/W, H), or its rows flattened (Llama 4's): this rank's part in the same layout
+            shape = y.shape
+            y = tpf.scatter_rows(tpf.sum_partials(y.reshape(-1, shape[-1]), self.group), self.group)
+            y = y.view(shape[0] // self.world, *shape[1:])
         return (y, *output[1:]) if isinstance(output, tuple) else y
