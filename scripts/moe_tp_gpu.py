@@ -1,13 +1,14 @@
-"""GPT-OSS through `autofuse.parallelize` on CUDA ranks, at gpt-oss-20b's layer sizes in bfloat16: the
-tensor-parallel experts' cut is found (the simulated ranks' sum within bfloat16 rounding of the block; there the
-hidden width equals the experts' width, so the cut is not told by shapes alone), and the parallel model's
-logits, loss and gradients against the whole model's in the same dtype, both forms. `--family mixtral` gives
-the same comparison for an expert-parallel model (what bfloat16 alone moves).
+"""MoE models whose experts `autofuse.parallelize` splits by width (autofuse/nn/moe_tp.py) on CUDA ranks, at
+real layer sizes in bfloat16: GPT-OSS at gpt-oss-20b's (the hidden width equals the experts' width, so the cut
+is not told by shapes alone), Llama 4 at Llama-4-Scout's (a shared expert, 16 experts top-1). The cut is found
+(the simulated ranks' sum within bfloat16 rounding of the block), and the parallel model's logits, loss and
+gradients are compared with the whole model's in the same dtype, both forms. `--family mixtral` gives the same
+comparison for an expert-parallel model at GPT-OSS's sizes (what bfloat16 alone moves).
 
 Ranks may share GPUs (AUTOFUSE_RANKS_PER_GPU): a correctness check, nothing is timed.
 
-    AUTOFUSE_RANKS_PER_GPU=4 python3 scripts/gpt_oss_gpu.py --world 2,4 [--layers 2]
-    python3 scripts/gpt_oss_gpu.py --device cpu --tiny      # a dry run of the script on CPU ranks
+    AUTOFUSE_RANKS_PER_GPU=4 python3 scripts/moe_tp_gpu.py --world 2,4 [--layers 2] [--family llama4_text]
+    python3 scripts/moe_tp_gpu.py --device cpu --tiny      # a dry run of the script on CPU ranks
 """
 from __future__ import annotations
 
@@ -24,12 +25,17 @@ import torch
 # gpt-oss-20b's layer (hidden 2880, 64 query / 8 KV heads of 64, 32 experts of 2880, top-4, sliding window 128)
 SIZES = dict(hidden_size=2880, intermediate_size=2880, num_attention_heads=64, num_key_value_heads=8, head_dim=64,
              num_local_experts=32, num_experts_per_tok=4, sliding_window=128, vocab_size=1024, pad_token_id=0)
+FAMILY_SIZES = {  # Llama-4-Scout's layer: hidden 5120, 40 query / 8 KV heads of 128, 16 experts of 8192, top-1
+    "llama4_text": dict(hidden_size=5120, intermediate_size=8192, intermediate_size_mlp=16384, num_attention_heads=40,
+                        num_key_value_heads=8, head_dim=128, num_local_experts=16, num_experts_per_tok=1,
+                        vocab_size=1024, pad_token_id=0)}
 TINY = dict(SIZES, hidden_size=64, intermediate_size=64, num_attention_heads=8, num_key_value_heads=4, head_dim=8,
             num_local_experts=4, num_experts_per_tok=2, vocab_size=64)
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
+    a, b = a.detach().cpu().float(), b.detach().cpu().float()  # on the host: ranks sharing a GPU leave little room
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
 def job(world: Any, layers: int, sizes: dict, dtype: str, family: str) -> list[dict]:
@@ -76,8 +82,8 @@ def main() -> None:
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     ap.add_argument("--tiny", action="store_true", help="small sizes (a dry run)")
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
-    ap.add_argument("--family", default="gpt_oss", help="another transformers MoE family at the same sizes, for "
-                    "the bfloat16 differences an expert-parallel model shows (mixtral)")
+    ap.add_argument("--family", default="gpt_oss", help="gpt_oss, llama4_text, or another transformers MoE family "
+                    "at GPT-OSS's sizes, for the bfloat16 differences an expert-parallel model shows (mixtral)")
     args = ap.parse_args()
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from autofuse.comm.world import spawn
@@ -85,7 +91,8 @@ def main() -> None:
     print(f"{args.family}, {args.dtype}")
     print("world sp    parallelize_s  logits    loss      worst_grad  grad_keys  worst_name")
     for w in (int(x) for x in args.world.split(",")):
-        for r in spawn(job, w, args.layers, TINY if args.tiny else SIZES, args.dtype, args.family,
+        sizes = TINY if args.tiny else FAMILY_SIZES.get(args.family, SIZES)
+        for r in spawn(job, w, args.layers, sizes, args.dtype, args.family,
                        device_kind=args.device, timeout_s=900)[0]:
             print(f"{r['world']:5d} {str(r['sp']):5s} {r['parallelize s']:13.1f}  {r['logits']:.2e}  {r['loss']:.2e}  "
                   f"{r['worst grad']:.2e}    {str(r['grad keys']):9s}  {r['worst name']}", flush=True)
