@@ -28,7 +28,8 @@ import harness  # noqa: E402
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "granite", "olmo", "olmo2",
             "olmo3", "phi3", "glm", "glm4", "cohere", "stablelm", "starcoder2", "arcee", "apertus", "exaone4",
             "ernie4_5", "seed_oss", "hunyuan_v1_dense", "helium", "smollm3", "mixtral", "qwen2_moe", "qwen3_moe",
-            "olmoe", "flex_olmo", "ernie4_5_moe", "phimoe", "granitemoe", "gpt_oss", "minimax", "hunyuan_v1_moe")
+            "olmoe", "flex_olmo", "ernie4_5_moe", "phimoe", "granitemoe", "gpt_oss", "minimax", "hunyuan_v1_moe",
+            "llama4_text", "granitemoeshared", "glm4_moe", "nemotron", "deepseek_v3", "qwen3_next", "lfm2")
 
 
 def tiny(name: str) -> torch.nn.Module:

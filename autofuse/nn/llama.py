@@ -72,7 +72,7 @@ one with `parallelize_layer` keep the row blocks).
 An MoE block `ExpertParallelMoE` cannot read (GPT-OSS's: experts with biases, a clamped SwiGLU on interleaved
 gate/up columns, a router with a bias; Llama 4's, with a shared expert) is split by each expert's width instead
 (`autofuse/nn/moe_tp.py`, in either form; `moe_plan` decides, before any layer changes). A layer's MLP (or MoE
-block) is its `mlp` or, in Llama 4, its `feed_forward` (`MLP_NAMES`). Per-head vectors of the attention (GPT-OSS's
+block) is its `mlp` or, in Llama 4, its `feed_forward`, in GraniteMoE its `block_sparse_moe` (`MLP_NAMES`). Per-head vectors of the attention (GPT-OSS's
 `sinks`: one value per query head, 1-D, not a norm's) are split with the heads (`autofuse_shards`).
 
 Generation: transformers' KV caches size themselves from the keys they are given (this rank's heads),
@@ -99,7 +99,7 @@ from autofuse.nn.forms import ATTENTION_FORMS, MLP_FORMS, Block, form_of
 from autofuse.nn.shards import Shards, Split
 
 
-MLP_NAMES = ("mlp", "feed_forward")  # a decoder layer's MLP or MoE block: Llama's name, Llama 4's
+MLP_NAMES = ("mlp", "feed_forward", "block_sparse_moe")  # a layer's MLP or MoE block: Llama's, Llama 4's, GraniteMoE's
 
 
 def mlp_name(layer: nn.Module) -> str:
