@@ -252,8 +252,8 @@ def _tensor_parallel(world) -> dict:
     input replicated and with sequence_parallel=True; the gathered state_dict equal to the block's; the block
     left as it was (copies); a block whose forward reaches weights outside it refused; GPT-OSS with its
     load-balancing loss, both forms (the tensor-parallel routers record every row on every rank and their
-    gradient is summed: the loss's gradient must reach them once); at world 2, Llama 4 (sequence parallel)
-    under torch.compile(fullgraph=True)."""
+    gradient is summed: the loss's gradient must reach them once) and a deep copy of the parallel model; at
+    world 2, Llama 4 (sequence parallel) under torch.compile(fullgraph=True)."""
     from autofuse.nn import full_grads, full_state_dict, moe_tp
     from autofuse.nn.shards import Split
 
@@ -307,6 +307,8 @@ def _tensor_parallel(world) -> dict:
     for sp in (False, True):
         out[f"gpt_oss aux sp={sp}"] = harness.against(autofuse.parallelize(copy.deepcopy(oss), world.group,
                                                                           sequence_parallel=sp), loss, want)
+    made = autofuse.parallelize(copy.deepcopy(oss), world.group)  # a deep copy of it trains as it would
+    out["gpt_oss copied"] = harness.against(copy.deepcopy(made), loss, want)
     if w == 2:  # Llama 4's MoE has no data-dependent shapes: the whole model compiles (GPT-OSS's eager experts loop does not)
         l4 = test_nn.tiny_family("llama4_text")
         want = harness.unsharded_run(copy.deepcopy(l4).double(), loss)
@@ -413,7 +415,7 @@ def test_tensor_parallel_experts_match_float64_and_refuse_a_block_they_cannot_re
                 assert max(v["y"], v["dx"]) <= TOL and v["worst grad"] <= GRAD_TOL, (w, r, name, sp, v)
             assert tp[(name, "unchanged")], (w, r, name)
         assert "no cut of its experts' width" in tp["reaches outside"], tp["reaches outside"]
-        cases = [f"gpt_oss aux sp={sp}" for sp in (False, True)] + (["llama4 compiled sp"] if w == 2 else [])
+        cases = [f"gpt_oss aux sp={sp}" for sp in (False, True)] + ["gpt_oss copied"] + (["llama4 compiled sp"] if w == 2 else [])
         for case in cases:
             v = tp[case]
             assert v["logits"] <= TOL and v["loss"] <= TOL and v["grad keys"] and v["worst grad"] <= GRAD_TOL, (w, r, case, v)
