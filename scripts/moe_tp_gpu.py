@@ -1,6 +1,7 @@
 """MoE models whose experts `autofuse.parallelize` splits by width (autofuse/nn/moe_tp.py) on CUDA ranks, at
 real layer sizes in bfloat16: GPT-OSS at gpt-oss-20b's (the hidden width equals the experts' width, so the cut
-is not told by shapes alone), Llama 4 at Llama-4-Scout's (a shared expert, 16 experts top-1). The cut is found
+is not told by shapes alone), Llama 4 at Llama-4-Scout's (a shared expert, 16 experts top-1), DeepSeek-V2 at
+DeepSeek-V2-Lite's (latent attention, 64 experts top-6 and 2 shared experts). The cut is found
 (the simulated ranks' sum within bfloat16 rounding of the block), and the parallel model's logits, loss and
 gradients are compared with the whole model's in the same dtype, both forms. `--family mixtral` gives the same
 comparison for an expert-parallel model at GPT-OSS's sizes (what bfloat16 alone moves).
@@ -28,9 +29,22 @@ SIZES = dict(hidden_size=2880, intermediate_size=2880, num_attention_heads=64, n
 FAMILY_SIZES = {  # Llama-4-Scout's layer: hidden 5120, 40 query / 8 KV heads of 128, 16 experts of 8192, top-1
     "llama4_text": dict(hidden_size=5120, intermediate_size=8192, intermediate_size_mlp=16384, num_attention_heads=40,
                         num_key_value_heads=8, head_dim=128, num_local_experts=16, num_experts_per_tok=1,
+                        vocab_size=1024, pad_token_id=0),
+    # DeepSeek-V2-Lite's layer: hidden 2048, 16 heads of latent attention (KV rank 512), 64 experts of 1408, top-6,
+    # 2 shared experts; layer 0 dense (first_k_dense_replace=1), as in the model
+    "deepseek_v2": dict(hidden_size=2048, intermediate_size=10944, moe_intermediate_size=1408, num_attention_heads=16,
+                        num_key_value_heads=16, q_lora_rank=None, kv_lora_rank=512, qk_nope_head_dim=128,
+                        qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=64, num_experts_per_tok=6,
+                        n_shared_experts=2, first_k_dense_replace=1, topk_method="greedy", n_group=1, topk_group=1,
                         vocab_size=1024, pad_token_id=0)}
 TINY = dict(SIZES, hidden_size=64, intermediate_size=64, num_attention_heads=8, num_key_value_heads=4, head_dim=8,
             num_local_experts=4, num_experts_per_tok=2, vocab_size=64)
+
+
+TINY_FAMILY = {"deepseek_v2": dict(FAMILY_SIZES["deepseek_v2"], hidden_size=64, intermediate_size=64, moe_intermediate_size=16,
+                                   num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=16, qk_nope_head_dim=8,
+                                   qk_rope_head_dim=8, v_head_dim=8, n_routed_experts=4, num_experts_per_tok=2,
+                                   n_shared_experts=1, vocab_size=64)}
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -91,7 +105,7 @@ def main() -> None:
     print(f"{args.family}, {args.dtype}")
     print("world sp    parallelize_s  logits    loss      worst_grad  grad_keys  worst_name")
     for w in (int(x) for x in args.world.split(",")):
-        sizes = TINY if args.tiny else FAMILY_SIZES.get(args.family, SIZES)
+        sizes = (TINY_FAMILY.get(args.family, TINY) if args.tiny else FAMILY_SIZES.get(args.family, SIZES))
         for r in spawn(job, w, args.layers, sizes, args.dtype, args.family,
                        device_kind=args.device, timeout_s=900)[0]:
             print(f"{r['world']:5d} {str(r['sp']):5s} {r['parallelize s']:13.1f}  {r['logits']:.2e}  {r['loss']:.2e}  "

@@ -29,17 +29,24 @@ FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_tex
             "olmo3", "phi3", "glm", "glm4", "cohere", "stablelm", "starcoder2", "arcee", "apertus", "exaone4",
             "ernie4_5", "seed_oss", "hunyuan_v1_dense", "helium", "smollm3", "mixtral", "qwen2_moe", "qwen3_moe",
             "olmoe", "flex_olmo", "ernie4_5_moe", "phimoe", "granitemoe", "gpt_oss", "minimax", "hunyuan_v1_moe",
-            "llama4_text", "granitemoeshared", "glm4_moe", "nemotron", "deepseek_v3", "qwen3_next", "lfm2")
+            "llama4_text", "granitemoeshared", "glm4_moe", "nemotron", "deepseek_v2", "deepseek_v3", "qwen3_next", "lfm2")
+
+
+LATENT = dict(num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8,
+              v_head_dim=8, n_routed_experts=4, n_group=1, topk_group=1, first_k_dense_replace=1, n_shared_experts=1)
+CONFIG = {  # what a family needs beyond the shared tiny sizes (multi-head latent attention's dimensions)
+    "deepseek_v3": LATENT, "deepseek_v2": {**LATENT, "q_lora_rank": None, "topk_method": "greedy"}}
 
 
 def tiny(name: str) -> torch.nn.Module:
     """A tiny random model of family `name` (float32, eval mode)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    cfg = AutoConfig.for_model(name, vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                               num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
-                               pad_token_id=0, num_local_experts=4, num_experts=4, num_experts_per_tok=2,
-                               moe_intermediate_size=16, attn_implementation="eager", experts_implementation="eager")
+    kw = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=8, max_position_embeddings=64, pad_token_id=0, num_local_experts=4,
+              num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, attn_implementation="eager",
+              experts_implementation="eager")
+    cfg = AutoConfig.for_model(name, **{**kw, **CONFIG.get(name, {})})
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg).eval()
     with torch.no_grad():

@@ -458,7 +458,12 @@ FAMILIES = {  # transformers families beyond Llama's projection names: what each
                "interleaved gate/up columns (tensor-parallel experts run by the block's own forward)",
     "llama4_text": "MLP named feed_forward; MoE blocks whose router scales the experts' input, beside a shared expert "
                    "(tensor-parallel experts, the shared expert split with them), returning flattened rows",
+    "deepseek_v3": "multi-head latent attention (low-rank q, compressed KV expanded per head; the cache holds the "
+                   "latents), MoE with grouped routing, a routed scaling factor and shared experts (tensor-parallel)",
 }
+LATENT = dict(num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8,
+              v_head_dim=8, n_routed_experts=4, n_group=1, topk_group=1, first_k_dense_replace=1, n_shared_experts=1)
+FAMILY_CONFIG = {"deepseek_v3": LATENT}  # what a family needs beyond tiny_family's shared sizes
 
 
 def tiny_family(name: str):
@@ -468,10 +473,11 @@ def tiny_family(name: str):
     columns, or a bias added on every rank)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    cfg = AutoConfig.for_model(name, vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                               num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
-                               pad_token_id=0, attn_implementation="eager", experts_implementation="eager",
-                               num_experts=4, num_local_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
+    kw = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=8, max_position_embeddings=64, pad_token_id=0, attn_implementation="eager",
+              experts_implementation="eager", num_experts=4, num_local_experts=4, num_experts_per_tok=2,
+              moe_intermediate_size=16)
+    cfg = AutoConfig.for_model(name, **{**kw, **FAMILY_CONFIG.get(name, {})})
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg).eval()
     with torch.no_grad():

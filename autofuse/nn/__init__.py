@@ -14,7 +14,7 @@
 - `parallelize(model, group, plan=None, sequence_parallel=False)` (autofuse/nn/parallelize.py): swaps a
   model's linears for the modules above, by a plan or, for Hugging Face Llama-family models (Qwen3,
   Phi-3, GLM-4, OLMo2 and more included, and the MoE models Mixtral, Qwen2-MoE and Qwen3-MoE, their MoE blocks made expert-parallel,
-  and GPT-OSS, Llama 4, HunYuan-MoE and GraniteMoE, their experts tensor-parallel),
+  GPT-OSS, Llama 4, HunYuan-MoE, GraniteMoE and DeepSeek-V2/V3 (latent attention), their experts tensor-parallel),
   by itself.
 - `full_state_dict(model)` (autofuse/nn/checkpoint.py): the unsharded state_dict of a parallelized model;
   `full_grads(model)` its parameters' gradients likewise.

@@ -72,7 +72,11 @@ one with `parallelize_layer` keep the row blocks).
 An MoE block `ExpertParallelMoE` cannot read (GPT-OSS's: experts with biases, a clamped SwiGLU on interleaved
 gate/up columns, a router with a bias; Llama 4's, with a shared expert) is split by each expert's width instead
 (`autofuse/nn/moe_tp.py`, in either form; `moe_plan` decides, before any layer changes). A layer's MLP (or MoE
-block) is its `mlp` or, in Llama 4, its `feed_forward`, in GraniteMoE its `block_sparse_moe` (`MLP_NAMES`). Per-head vectors of the attention (GPT-OSS's
+block) is its `mlp` or, in Llama 4, its `feed_forward`, in GraniteMoE its `block_sparse_moe` (`MLP_NAMES`).
+DeepSeek-V2/V3's multi-head latent attention (`LATENT`) is split by heads: q_proj or q_b_proj and kv_b_proj keep
+this rank's heads' rows, o_proj is row-parallel; q_a_proj, kv_a_proj_with_mqa and their norms are replicated
+(their gradients summed over the group) and run on every token (under sequence parallelism on every rank's rows,
+gathered), and the KV cache holds the compressed latents, whole on every rank. Per-head vectors of the attention (GPT-OSS's
 `sinks`: one value per query head, 1-D, not a norm's) are split with the heads (`autofuse_shards`).
 
 Generation: transformers' KV caches size themselves from the keys they are given (this rank's heads),
@@ -146,6 +150,13 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
             mod = getattr(layer, block, None)
             if forms is MLP_FORMS and mod is not None and is_moe_block(mod):
                 continue  # a sparse MoE block: ExpertParallelMoE.from_module checks it
+            if block == "self_attn" and mod is not None and is_latent_attention(mod):
+                extra = [n for n, _ in mod.named_parameters() if n.split(".")[0] not in LATENT]
+                if extra:
+                    raise ValueError(f"{type(model).__name__}: layers.{i}.self_attn (latent attention) has parameters "
+                                     f"outside {', '.join(LATENT)} ({', '.join(extra)}); autofuse does not know how to "
+                                     "split them")
+                continue
             form = form_of(mod, forms)
             if mod is None:
                 raise ValueError(f"{type(model).__name__}: layers.{i} has no {block} (its blocks: "
@@ -165,6 +176,46 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
                 raise ValueError(f"{type(model).__name__}: layers.{i}.{block} has parameters outside its {where} "
                                  f"({', '.join(extra)}); autofuse does not know how to split them")
     return layers
+
+
+LATENT_HEADS = ("q_proj", "q_b_proj", "kv_b_proj")  # latent attention's projections to every head's q / k and v
+LATENT = (*LATENT_HEADS, "q_a_proj", "q_a_layernorm", "kv_a_proj_with_mqa", "kv_a_layernorm", "o_proj")
+
+
+def is_latent_attention(attn: nn.Module) -> bool:
+    """Whether `attn` is DeepSeek-V2/V3's multi-head latent attention: low-rank q (q_a_proj, q_a_layernorm,
+    q_b_proj) or a plain q_proj, the shared compressed KV (kv_a_proj_with_mqa, kv_a_layernorm) expanded per
+    head by kv_b_proj, and o_proj."""
+    linear = lambda n: isinstance(getattr(attn, n, None), nn.Linear)  # noqa: E731
+    return all(linear(n) for n in ("kv_a_proj_with_mqa", "kv_b_proj", "o_proj")) and (linear("q_b_proj") or linear("q_proj"))
+
+
+def _split_latent_attention(attn: nn.Module, group: Any, sequence_parallel: bool) -> None:
+    """Latent attention made tensor-parallel in place: the per-head projections (q_proj or q_b_proj, kv_b_proj)
+    keep this rank's heads' rows (`autofuse_shards`), o_proj is row-parallel; the low-rank projections and their
+    norms are replicated, their gradients summed over the group (each rank's heads give part of it). The cache
+    holds the compressed latents, whole on every rank. The input's gradient is summed by the caller's hook."""
+    world = dist.get_world_size(group)
+    specs = {}
+    for n in LATENT_HEADS:
+        lin = getattr(attn, n, None)
+        if isinstance(lin, nn.Linear):
+            for t in ("weight", "bias"):
+                if getattr(lin, t) is not None:
+                    specs[f"{n}.{t}"] = Split(0, (lin.out_features,))
+    shards = Shards(group, specs)
+    for name, spec in specs.items():
+        owner, _, t = name.partition(".")
+        lin = getattr(attn, owner)
+        whole = getattr(lin, t)
+        setattr(lin, t, tpf.copied_parameter(spec.local(whole.detach(), shards.rank, world), whole.requires_grad))
+        lin.out_features = lin.weight.shape[0]
+    attn.autofuse_shards = shards
+    attn.o_proj = RowParallelLinear.from_linear(attn.o_proj, group, sequence_parallel)
+    if isinstance(getattr(attn, "num_heads", None), int):
+        attn.num_heads //= world
+    GradSum(group).register(attn, [n for n, _ in attn.named_parameters()
+                                   if n.split(".")[0] not in (*LATENT_HEADS, "o_proj")])
 
 
 def _per_head(attn: nn.Module, name: str) -> bool:
@@ -330,6 +381,14 @@ def parallelize_layer(layer: nn.Module, group: Any, sequence_parallel: bool, moe
     if moe is None and is_moe_block(getattr(layer, slot)):
         moe = moe_plan(getattr(layer, slot), group)
     attn = layer.self_attn
+    if is_latent_attention(attn):
+        _split_latent_attention(attn, group, sequence_parallel)
+        if sequence_parallel:
+            _SequenceParallel(group, world).layer(layer, None, {}, moe)
+            return layer
+        attn.register_forward_pre_hook(_SumInputGrad(group), with_kwargs=True)
+        _mlp(layer, slot, group, world, moe)
+        return layer
     attention = form_of(attn, ATTENTION_FORMS)
     kv = kv_shards(attn, world)
     shapes = {name: _columns(attn, name, world, kv) for name in attention.columns}
@@ -347,14 +406,34 @@ def parallelize_layer(layer: nn.Module, group: Any, sequence_parallel: bool, moe
         _SequenceParallel(group, world).layer(layer, attention, shapes, moe)
         return layer
     _split(attn, attention, shapes, group, False)
+    _mlp(layer, slot, group, world, moe)
+    return layer
+
+
+def _mlp(layer: nn.Module, slot: str, group: Any, world: int, moe: Any) -> None:
+    """A layer's MLP (or MoE block, `moe` its plan) made tensor-parallel in place, without sequence parallelism."""
     block = getattr(layer, slot)
     if moe is not None:
         setattr(layer, slot, _moe(block, group, False, moe))
-    else:
-        mlp = form_of(block, MLP_FORMS)
-        _split(block, mlp, {n: _columns(block, n, world, kv) for n in mlp.columns}, group, False)
-        _activation_grads(block, group)
-    return layer
+        return
+    mlp = form_of(block, MLP_FORMS)
+    _split(block, mlp, {n: _columns(block, n, world, world) for n in mlp.columns}, group, False)
+    _activation_grads(block, group)
+
+
+class _SumInputGrad:
+    """A forward pre-hook summing the gradient of a block's input over the group (the block's replicated
+    projections feed this rank's heads only); a deep copy shares it."""
+
+    def __init__(self, group: Any):
+        self.group = group
+
+    def __deepcopy__(self, memo: dict) -> "_SumInputGrad":
+        return self
+
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        hidden, keyword = _hidden(args, kwargs)
+        return _with_hidden(args, kwargs, tpf.all_reduce_grad(hidden, self.group), keyword)
 
 
 def _split_head_vectors(attn: nn.Module, group: Any) -> list[str]:
@@ -466,17 +545,20 @@ class _SequenceParallel(GradSum):
     def padded(self, s: int) -> int:
         return -(-s // self.world) * self.world
 
-    def layer(self, layer: nn.Module, attention: Block, shapes: dict, moe: Any = None) -> None:
+    def layer(self, layer: nn.Module, attention: Block | None, shapes: dict, moe: Any = None) -> None:
         """Swap one decoder layer's projections (`shapes`: the attention's column parts and shards) and
         hook its blocks; sum its norms' gradients. Attention: its column projections one layer (one
         all-gather of the rows), fed to the attention as its input (B, S, ...) by a pre-hook. MLP: gated
         with separate gate/up, the same; a single column projection (fused gate_up, ungated) runs on the
         rows as they are, its output (W B, S'/W, ...) every rank's rows, which the row projection
         (gemm_rs) hands back as this rank's block; an MoE block (`moe`: its plan): ExpertParallelMoE on the
-        row block, or tensor-parallel experts that gather every rank's rows."""
+        row block, or tensor-parallel experts that gather every rank's rows. `attention` None: a latent
+        attention, split already (`_split_latent_attention`), given every rank's rows gathered."""
         slot = mlp_name(layer)
         attn, mlp, g = layer.self_attn, getattr(layer, slot), self.group
-        if len(attention.columns) > 1:
+        if attention is None:
+            attn.register_forward_pre_hook(self.latent_in, with_kwargs=True)
+        elif len(attention.columns) > 1:
             fuse_columns(attn, attention.columns, "qkv_proj", g, sequence_parallel=True,
                          shards=tuple(shapes[n].get("shards", self.world) for n in attention.columns))
         else:  # one fused projection the attention calls itself: the layer beside it, the projection its output
@@ -485,10 +567,11 @@ class _SequenceParallel(GradSum):
             made.part_names = (name,)
             setattr(attn, f"{name}_parallel", made)
             setattr(attn, name, FusedPart(0, made.weight.shape[0]))
-        setattr(attn, attention.row, RowParallelLinear.from_linear(getattr(attn, attention.row), g, sequence_parallel=True))
-        attn.register_forward_pre_hook(self.attention_in, with_kwargs=True)
+        if attention is not None:
+            setattr(attn, attention.row, RowParallelLinear.from_linear(getattr(attn, attention.row), g, sequence_parallel=True))
+            attn.register_forward_pre_hook(self.attention_in, with_kwargs=True)
         attn.register_forward_hook(self.attention_out, with_kwargs=True)
-        getattr(attn, attention.row).register_forward_pre_hook(self.rows_in)
+        getattr(attn, "o_proj" if attention is None else attention.row).register_forward_pre_hook(self.rows_in)
         form = None if moe is not None else form_of(mlp, MLP_FORMS)
         if form is None:
             setattr(layer, slot, _moe(mlp, g, True, moe))  # takes (B, S'/W, H) rows
@@ -528,6 +611,14 @@ class _SequenceParallel(GradSum):
         fused = module._modules.get("qkv_proj_parallel") or module.qkv_proj  # Phi-3's own, or q/k/v fused
         qkv = fused(hidden.reshape(b * t, h)).view(b, t * self.world, -1)
         return _with_hidden(args, kwargs, qkv[:, :_seq_len(kwargs)], keyword)
+
+    def latent_in(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """A latent attention's input: every rank's rows gathered (B, S, H), the gradient reduce-scattered (its
+        replicated low-rank projections feed this rank's heads only)."""
+        hidden, keyword = _hidden(args, kwargs)
+        b, t, h = hidden.shape
+        rows = tpf.gather_rows(hidden.reshape(b * t, h), self.group, summed=True).view(b, t * self.world, h)
+        return _with_hidden(args, kwargs, rows[:, :_seq_len(kwargs)], keyword)
 
     def rows_in(self, module: nn.Module, args: tuple) -> tuple:
         """o_proj / down_proj: (B, S, in/W) -> padded, flattened rows (B S', in/W) for gemm_rs."""
