@@ -203,14 +203,7 @@ def _split_latent_attention(attn: nn.Module, group: Any, sequence_parallel: bool
             for t in ("weight", "bias"):
                 if getattr(lin, t) is not None:
                     specs[f"{n}.{t}"] = Split(0, (lin.out_features,))
-    shards = Shards(group, specs)
-    for name, spec in specs.items():
-        owner, _, t = name.partition(".")
-        lin = getattr(attn, owner)
-        whole = getattr(lin, t)
-        setattr(lin, t, tpf.copied_parameter(spec.local(whole.detach(), shards.rank, world), whole.requires_grad))
-        lin.out_features = lin.weight.shape[0]
-    attn.autofuse_shards = shards
+    Shards(group, specs).cut(attn)
     attn.o_proj = RowParallelLinear.from_linear(attn.o_proj, group, sequence_parallel)
     if isinstance(getattr(attn, "num_heads", None), int):
         attn.num_heads //= world
@@ -442,12 +435,7 @@ def _split_head_vectors(attn: nn.Module, group: Any) -> list[str]:
     names = [n for n, _ in attn.named_parameters() if "." not in n and _head_vector(attn, n)]
     if not names:
         return []
-    shards = Shards(group, {n: Split(0, (heads(attn)[0],)) for n in names})
-    for n in names:
-        p = getattr(attn, n)
-        setattr(attn, n, tpf.copied_parameter(shards.specs[n].local(p.detach(), shards.rank, shards.world),
-                                              p.requires_grad))
-    attn.autofuse_shards = shards
+    Shards(group, {n: Split(0, (heads(attn)[0],)) for n in names}).cut(attn)
     return names
 
 

@@ -101,6 +101,11 @@ def router_of(block: nn.Module) -> nn.Module | None:
     return None
 
 
+def jitter(block: nn.Module) -> float:
+    """The router jitter noise a block (or its router) applies in training: random per rank, so refused."""
+    return max(float(getattr(m, n, 0) or 0) for m in (block, router_of(block)) for n in ("jitter_noise", "router_jitter_noise"))
+
+
 def is_moe_block(module: nn.Module) -> bool:
     """Whether `module` looks like a transformers sparse MoE block (a router, `gate` or `router`, and `experts`)."""
     return router_of(module) is not None and isinstance(getattr(module, "experts", None), nn.Module)
@@ -183,7 +188,7 @@ class ExpertParallelMoE(nn.Module):
         if not isinstance(getattr(block, "gate", None), nn.Module):
             raise ValueError(f"{name}: its router is not named `gate` (expert-parallel blocks keep transformers' "
                              "`gate` keys)")
-        if getattr(block, "jitter_noise", 0) or getattr(block, "router_jitter_noise", 0):
+        if jitter(block):
             raise ValueError(f"{name}: router jitter noise is not supported (set router_jitter_noise=0)")
         known = {"gate", "experts", "shared_expert", "shared_experts", "shared_expert_gate"}
         extra = [n for n, _ in block.named_parameters() if n.split(".")[0] not in known]

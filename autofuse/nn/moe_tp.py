@@ -40,7 +40,7 @@ from torch import nn
 from autofuse.nn import functional as tpf
 from autofuse.nn.forms import MLP_FORMS, form_of
 from autofuse.nn.grads import GradSum
-from autofuse.nn.moe import router_of
+from autofuse.nn.moe import jitter, router_of
 from autofuse.nn.shards import First, Shards, Split
 
 WIDTH_NAMES = ("intermediate_dim", "intermediate_size", "expert_dim", "moe_intermediate_size", "ffn_dim")  # experts' F
@@ -68,11 +68,6 @@ def width(block: nn.Module) -> int | None:
             return v
     sizes = {d for p in experts.parameters() if p.dim() >= 3 for d in p.shape[1:]} if experts is not None else set()
     return next((d for d in sorted(sizes) if 2 * d in sizes), None)
-
-
-def _jitter(block: nn.Module) -> float:
-    router = router_of(block)
-    return max(float(getattr(m, n, 0) or 0) for m in (block, router) for n in ("jitter_noise", "router_jitter_noise"))
 
 
 class Whole:
@@ -143,7 +138,7 @@ def plan(block: nn.Module, group: Any, hidden: int | None = None) -> Plan:
     experts, router = getattr(block, "experts", None), router_of(block)
     if not isinstance(experts, nn.Module) or router is None:
         raise ValueError(f"{name}: no `experts` module and router (`gate` or `router`)")
-    if _jitter(block):
+    if jitter(block):
         raise ValueError(f"{name}: router jitter noise is not supported (set router_jitter_noise=0)")
     routers = {id(p) for p in router.parameters()}
     params = {n: p for n, p in block.named_parameters() if id(p) not in routers}

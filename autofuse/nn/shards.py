@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 
 @dataclass(frozen=True)
@@ -60,6 +61,19 @@ class Shards:
 
     def __deepcopy__(self, memo: dict) -> "Shards":
         return self
+
+    def cut(self, module: nn.Module) -> None:
+        """Swap `module`'s parameters named in `specs` (Split only) for this rank's pieces, copies (never views of
+        the whole), a split nn.Linear's features its piece's; record this object as `module.autofuse_shards`."""
+        for name, spec in self.specs.items():
+            path, _, attr = name.rpartition(".")
+            owner = module.get_submodule(path)
+            whole = getattr(owner, attr)
+            piece = spec.local(whole.detach(), self.rank, self.world).clone(memory_format=torch.contiguous_format)
+            setattr(owner, attr, nn.Parameter(piece, requires_grad=whole.requires_grad))
+            if isinstance(owner, nn.Linear):
+                owner.out_features, owner.in_features = owner.weight.shape
+        module.autofuse_shards = self
 
     def gather(self, name: str, t: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor | None:
         """The whole tensor `name` from every rank's piece `t` (collective over the group: every rank calls
