@@ -1,10 +1,13 @@
 """The projection sets autofuse knows in a decoder layer's attention and MLP (transformers' names), each a
-`Block`: column projections reading the block's input and one row projection writing its output. Read by
+`Block`: column projections reading the block's input and one row projection writing its output; and the two
+forms a block's output takes (a tensor, or a tuple led by one: `first`, `with_first`). Read by
 `autofuse.nn.llama` (whole decoder layers) and `autofuse.nn.moe_tp` (an MoE block's shared expert)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
+import torch
 from torch import nn
 
 
@@ -40,3 +43,14 @@ def form_of(block: nn.Module | None, forms: tuple[Block, ...]) -> Block | None:
         if block is not None and all(isinstance(getattr(block, n, None), nn.Linear) for n in form.names):
             return form
     return None
+
+
+def first(output: Any) -> torch.Tensor:
+    """A module's main output: `output` itself, or the first item of a tuple (transformers' layers and MoE
+    blocks return (hidden, router logits, ...))."""
+    return output[0] if isinstance(output, tuple) else output
+
+
+def with_first(output: Any, value: torch.Tensor) -> Any:
+    """`output` in its own form with `value` as its main output (`first`)."""
+    return (value, *output[1:]) if isinstance(output, tuple) else value

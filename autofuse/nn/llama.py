@@ -99,7 +99,7 @@ from autofuse.nn.linear import ColumnParallelLinear, FusedPart, RowParallelLinea
 from autofuse.nn import moe_tp
 from autofuse.nn.moe import ExpertParallelMoE, is_moe_block
 from autofuse.nn.norm import ShardedRMSNorm
-from autofuse.nn.forms import ATTENTION_FORMS, MLP_FORMS, Block, form_of
+from autofuse.nn.forms import ATTENTION_FORMS, MLP_FORMS, Block, first, form_of, with_first
 from autofuse.nn.shards import Shards, Split
 
 
@@ -480,14 +480,6 @@ def _with_hidden(args: tuple, kwargs: dict, hidden: torch.Tensor, keyword: bool)
     return (hidden, *args[1:]), kwargs
 
 
-def _first(output: Any) -> torch.Tensor:
-    return output[0] if isinstance(output, tuple) else output
-
-
-def _with_first(output: Any, value: torch.Tensor) -> Any:
-    return (value, *output[1:]) if isinstance(output, tuple) else value
-
-
 class _RouterLogits:
     """The base model's recorded router logits (output_router_logits: one tensor per MoE layer) made the
     unsharded model's, for transformers' load-balancing loss: under sequence parallelism an expert-parallel
@@ -587,10 +579,10 @@ class _SequenceParallel(GradSum):
         return _with_hidden(args, kwargs, rows.view(b, sp // self.world, h), keyword)
 
     def leave(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
-        rows = _first(output)
+        rows = first(output)
         b, t, h = rows.shape
         whole = tpf.gather_rows(rows.reshape(b * t, h), self.group).view(b, t * self.world, h)
-        return _with_first(output, whole[:, :_seq_len(kwargs)])
+        return with_first(output, whole[:, :_seq_len(kwargs)])
 
     # Attention: rows -> q/k/v of every token (B, S, ...) for transformers' code; o_proj -> rows again.
     def attention_in(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -619,7 +611,7 @@ class _SequenceParallel(GradSum):
 
     def attention_out(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
         b, s = _hidden(args, kwargs)[0].shape[:2]
-        return _with_first(output, _first(output).view(b, self.padded(s) // self.world, -1))
+        return with_first(output, first(output).view(b, self.padded(s) // self.world, -1))
 
     # MLP: rows -> gate/up of every token (B, S', ...); down_proj -> rows (B, S'/W, H).
     def mlp_in(self, module: nn.Module, args: tuple) -> tuple:

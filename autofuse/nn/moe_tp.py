@@ -38,7 +38,7 @@ import torch.distributed as dist
 from torch import nn
 
 from autofuse.nn import functional as tpf
-from autofuse.nn.forms import MLP_FORMS, form_of
+from autofuse.nn.forms import MLP_FORMS, first, form_of
 from autofuse.nn.grads import GradSum
 from autofuse.nn.moe import jitter, router_of
 from autofuse.nn.shards import First, Shards, Split
@@ -228,11 +228,11 @@ def _simulate(block: nn.Module, local: nn.Module, specs: dict[str, Split | First
     local.eval()
     try:
         with torch.no_grad():
-            want = _first(block(x)).float()
+            want = first(block(x)).float()
             got = torch.zeros_like(want)
             for r in range(world):
                 pieces = {n: s.local(params[n].detach(), r, world) for n, s in specs.items()}
-                got += _first(torch.func.functional_call(local, pieces, (x,))).float()
+                got += first(torch.func.functional_call(local, pieces, (x,))).float()
     except Exception:  # noqa: BLE001 - a cut the block's forward cannot take (shapes that do not fit)
         return float("inf")
     finally:
@@ -241,10 +241,6 @@ def _simulate(block: nn.Module, local: nn.Module, specs: dict[str, Split | First
     if got.shape != want.shape:
         return float("inf")
     return float((got - want).norm() / want.norm().clamp_min(1e-30))
-
-
-def _first(output: Any) -> torch.Tensor:
-    return output[0] if isinstance(output, tuple) else output
 
 
 def from_module(block: nn.Module, group: Any, sequence_parallel: bool = False, hidden: int | None = None,
@@ -287,7 +283,7 @@ class _Exchange:
         return (rows.view(self.world * b, t, h), *args[1:])
 
     def leave(self, module: nn.Module, args: tuple, output: Any) -> Any:
-        y = _first(output)
+        y = first(output)
         if not self.sequence_parallel:
             y = tpf.sum_partials(y, self.group)
         else:  # (W B, S'/W, H), or its rows flattened (Llama 4's): this rank's part in the same layout
