@@ -644,6 +644,102 @@ def test_compile_ahead_workers_take_the_configs_in_order_skip_what_was_reached_a
     assert default_workers(2, cores=2) == 0 and default_workers(2, cores=64) == 8 and default_workers(8, 12) == 3
 
 
+def test_compile_ahead_compiles_sampled_configs_whatever_the_ranks_reached(tmp_path, monkeypatch):
+    """Configs asked ahead in the search (ordered=False) come after the known-good list and are reached in the
+    search's own order: reaching one skips nothing, reaching a later known-good one does not skip them."""
+    from autofuse.tuning.compile_ahead import CompileAhead
+
+    log = tmp_path / "fed.jsonl"
+    monkeypatch.setenv("AUTOFUSE_TEST_COMPILE_LOG", str(log))
+    p64, p96 = (Problem.make("fake_sum", "float32", 2, N=n) for n in (64, 96))
+    ahead = CompileAhead(1, device_kind="cpu", compile_fn="test_tune:record_compile",
+                         op_refs={"fake_sum": "test_tune:FAKE_OP"}, start=False)
+    assert ahead.submit([(FAKE_OP, p64, "chunked", {"chunk": 16, "bias": 0})]) == 1
+    assert ahead.submit([(FAKE_OP, p96, "chunked", {"chunk": 8, "bias": 0}),
+                         (FAKE_OP, p64, "chunked", {"chunk": 4, "bias": 0})], ordered=False) == 2
+    ahead.reached("fake_sum", p64.key, "chunked", {"chunk": 4, "bias": 0})  # a sampled one: skips nothing
+    ahead.start()
+    assert ahead.wait(120)
+    counts = ahead.close()
+    fed = [(k, c["chunk"]) for _, k, _, c in (json.loads(line) for line in log.read_text().splitlines())]
+    assert fed == [(p64.key, 16), (p96.key, 8), (p64.key, 4)]
+    assert (counts["compile_submitted"], counts["compile_sampled"], counts["compiled"]) == (3, 2, 3)
+
+
+def test_a_trial_asked_ahead_is_handed_out_next_and_failed_if_never_measured(tmp_path):
+    """`ask_ahead` samples the study's next trial while the current one is measured (none while a known-good
+    config is queued, one at a time, none the budget has no room for); `next` hands it out first; `release`
+    fails one never handed out, which is not queued again and never counted as measured."""
+    driver, store = _driver(tmp_path, SPACE_OP, trials=7)
+    for i in range(3):  # the three known-good configs: none asked ahead while another is still queued
+        job = driver.next(None)
+        assert job is not None and (i == 2 or driver.ask_ahead(None) is None)
+        _finish(driver, job)
+    assert driver.stage() == "search"
+    job = driver.next(None)
+    ahead = next(filter(None, (driver.ask_ahead(None) for _ in range(5))), None)
+    assert ahead is not None and ahead.trial != job.trial and ahead.config != job.config
+    assert driver.ask_ahead(None) is None  # one at a time
+    assert driver.measured() == 4  # the trial asked ahead counts once handed out
+    _finish(driver, job, 12.0)
+    handed = driver.next(None)
+    assert (handed.trial, handed.config) == (ahead.trial, ahead.config) and driver.measured() == 5
+    _finish(driver, handed, 11.0)
+    job = driver.next(None)
+    assert driver.ask_ahead(None) is None  # 6 measured with this one: the budget of 7 has no room past the next
+    _finish(driver, job, 13.0)
+    job = driver.next(None)
+    assert job is not None and driver.measured() == 7
+    _finish(driver, job, 14.0)
+    assert driver.next(None) is None
+
+    driver2, store2 = _driver(tmp_path, SPACE_OP, trials=20, name="y")
+    for _ in range(4):
+        job = driver2.next(None)
+        _finish(driver2, job)
+    left = next(filter(None, (driver2.ask_ahead(None) for _ in range(5))), None)
+    assert left is not None
+    driver2.release()
+    trial = driver2.study.get_trials(deepcopy=False)[left.trial]
+    assert trial.state == optuna.trial.TrialState.FAIL and trial.user_attrs["abandoned"]
+    assert not trial.user_attrs["measured"] and driver2.measured() == 4
+    assert left.config not in [c for _, c, _ in driver2.pending()]  # a sampled config is not queued again
+    nxt = driver2.next(None)
+    assert nxt is not None and nxt.trial != left.trial
+    _finish(driver2, nxt)
+    store.close()
+    store2.close()
+
+
+def test_a_tune_compiles_its_sampled_trials_ahead_and_leaves_no_trial_running(tmp_path, monkeypatch):
+    """In the search each sampled trial's successor is asked ahead and fed to the compile-ahead workers (what
+    they compile before the run ends is their race: not asserted); at the end every trial asked ahead was
+    measured, settled at its ask or failed as not measured: none is left RUNNING."""
+    from autofuse.comm.world import spawn
+    from autofuse.tuning.storage import open_storage
+    from autofuse.tuning.tune import TuneOptions, tune_rank
+
+    log = tmp_path / "fed.jsonl"
+    monkeypatch.setenv("AUTOFUSE_TEST_COMPILE_LOG", str(log))
+    db = tmp_path / "s.db"
+    settings = TuneOptions(db=str(db), ops=["test_tune:FAKE_OP"], worlds=[2], trials=6, shapes=["N=64"],
+                           compile_workers=1, compile_fn="test_tune:record_compile", verbose=False)
+    stats = spawn(tune_rank, 2, settings, device_kind="cpu", timeout_s=300)[0]["stats"]
+    assert stats["compile_sampled"] >= 1 and stats["compile_submitted"] == 2 + stats["compile_sampled"], stats
+    storage = open_storage(default_storage(db))
+    (summary,) = optuna.get_all_study_summaries(storage)
+    trials = optuna.load_study(study_name=summary.study_name, storage=storage).get_trials(deepcopy=False)
+    assert not [t for t in trials if t.state == optuna.trial.TrialState.RUNNING]
+    asked = [t for t in trials if t.user_attrs.get("asked_ahead")]
+    assert len(asked) >= stats["compile_sampled"]
+    settled_at_ask = ("known", "invalid", "duplicate_of", "out_of_the_race")  # told at once, never measured
+    for t in asked:
+        a = t.user_attrs
+        assert (a.get("measured") or any(k in a for k in settled_at_ask)
+                or (t.state == optuna.trial.TrialState.FAIL and a.get("abandoned"))), t
+    assert any(t.user_attrs.get("measured") for t in asked)  # handed out and measured: the search went on with it
+
+
 def stubborn_compile(op_ref: str, problem_key: str, variant: str, config: dict, device_kind: str) -> None:
     """A compile function that ignores SIGTERM, as a worker started by a supervised rank did (it inherited
     the rank's ignored SIGTERM), and then takes long."""

@@ -64,8 +64,9 @@ def run_line(stats: dict) -> str:
             f"turns in {wall:.0f} s: {trials / wall:.2f} trials/s; timing {100 * stats.get('timing_s', 0.0) / wall:.0f}% "
             f"of the wall time, compiling and checking {100 * stats.get('build_check_s', 0.0) / wall:.0f}%")
     if "compiled" in stats:
-        text += (f"; compiled ahead: {int(stats['compiled'])} configs ({int(stats.get('compile_failed', 0))} failed, "
-                 f"{int(stats.get('compile_skipped', 0))} reached first)")
+        text += (f"; compiled ahead: {int(stats['compiled'])} of {int(stats.get('compile_submitted', 0))} configs "
+                 f"({int(stats.get('compile_sampled', 0))} sampled, asked ahead in the search; "
+                 f"{int(stats.get('compile_failed', 0))} failed, {int(stats.get('compile_skipped', 0))} reached first)")
     return text
 
 

@@ -8,7 +8,10 @@ process that compiles a config's kernels there makes the ranks' first call a cac
 
 - `CompileAhead(workers, ...)` (rank 0): worker processes fed every known-good config the run will
   measure, in the order the scheduler will measure them (`submit`); `reached(...)` tells it which
-  config the ranks reached, so that workers skip what is already behind; `close()` stops them and
+  config the ranks reached, so that workers skip what is already behind. Sampled configs asked ahead
+  in the search come later, one at a time (`submit(..., ordered=False)`): the search takes them in its
+  own order, so reaching one skips nothing, and each is compiled (a worker may still be at it when the ranks
+  reach it: they then compile it too, as without compiling ahead); `close()` stops them and
   returns counts (compiled, failed, skipped) and the workers' seconds. Failures of any kind (a
   config the stand-in cannot build, a worker that dies) are counted and otherwise ignored: the ranks
   then compile that config themselves, as without compiling ahead.
@@ -73,8 +76,8 @@ def _worker(jobs: Any, results: Any, reached: Any, fn_ref: str, device_kind: str
         job = jobs.get()
         if job is None:
             return
-        seq, op_ref, key, variant, config = job
-        if seq <= reached.value:
+        seq, op_ref, key, variant, config, ordered = job
+        if ordered and seq <= reached.value:
             results.put((seq, None, 0.0, "reached"))
             continue
         t0 = time.perf_counter()
@@ -95,8 +98,9 @@ class CompileAhead:
         self.reached_seq = ctx.RawValue("q", -1)
         self.op_refs = dict(op_refs or {})
         self.seq: dict[tuple, int] = {}
-        self.counts = {"compile_submitted": 0, "compiled": 0, "compile_failed": 0, "compile_skipped": 0,
-                       "compile_ahead_s": 0.0}
+        self.unordered: set[int] = set()  # seqs of configs submitted with ordered=False
+        self.counts = {"compile_submitted": 0, "compile_sampled": 0, "compiled": 0, "compile_failed": 0,
+                       "compile_skipped": 0, "compile_ahead_s": 0.0}
         self.errors: list[str] = []
         self.procs = [ctx.Process(target=_worker, args=(self.jobs, self.results, self.reached_seq,
                                                         compile_fn or DEFAULT_FN, device_kind, i, os.getpid()),
@@ -126,23 +130,30 @@ class CompileAhead:
     def _key(self, op: str, problem: str, variant: str, config: Config) -> tuple:
         return (op, problem, variant, config_key(config))
 
-    def submit(self, items: Sequence[tuple[Op, Problem, str, Config]]) -> int:
-        """Queue configs to compile, in order (each once); returns how many were new."""
+    def submit(self, items: Sequence[tuple[Op, Problem, str, Config]], ordered: bool = True) -> int:
+        """Queue configs to compile (each once); returns how many were new. `ordered`: in the order the ranks
+        will reach them (reaching one skips those before it); False: sampled configs asked ahead, which the
+        search reaches in its own order (never skipped)."""
         new = 0
         for op, problem, variant, config in items:
             key = self._key(op.name, problem.key, variant, config)
             if key in self.seq:
                 continue
             self.seq[key] = len(self.seq)
-            self.jobs.put((self.seq[key], self.op_refs.get(op.name, op.name), problem.key, variant, dict(config)))
+            if not ordered:
+                self.unordered.add(self.seq[key])
+            self.jobs.put((self.seq[key], self.op_refs.get(op.name, op.name), problem.key, variant, dict(config),
+                           ordered))
             new += 1
         self.counts["compile_submitted"] += new
+        if not ordered:
+            self.counts["compile_sampled"] += new
         return new
 
     def reached(self, op: str, problem: str, variant: str, config: Config) -> None:
         """The ranks are about to measure this config: workers skip it and everything queued before it."""
         seq = self.seq.get(self._key(op, problem, variant, config))
-        if seq is not None and seq > self.reached_seq.value:
+        if seq is not None and seq not in self.unordered and seq > self.reached_seq.value:
             self.reached_seq.value = seq
         self._drain()
 

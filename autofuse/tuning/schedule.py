@@ -24,6 +24,11 @@ done, a problem whose x BSP deviates from its neighbours' (`measure.compare.devi
 `confirm` step: its BSP and its best are re-measured in turns and stored marked `confirmed`, which
 the store prefers to their first rows. Each (problem, best config) is confirmed at most once a run.
 
+**Compiling ahead**: the known-good configs of passes 1-2 are known before the run (`upcoming`); in the
+search, each sampled trial handed out is followed by the next one of the same study asked ahead
+(`StudyDriver.ask_ahead`), whose config `on_ahead` passes on (the run's compile-ahead workers compile it
+while the current trial is measured); `release` fails the trials asked ahead and never handed out.
+
 Nothing here measures: `Scheduler.next()` returns a `Step`, the rank loop (`tuning.tune`)
 measures it on every rank and hands the results to `Scheduler.record()`.
 """
@@ -146,6 +151,7 @@ class Scheduler:
         self.checked: dict[str, str] = {}  # problem -> the best config already confirmed (or found fine)
         self.covered: set[str] = set()
         self.phase = "coverage"
+        self.on_ahead: Callable[[Slot, str, Config], None] | None = None  # a sampled config asked ahead
         self._steps = self._plan()
 
     # -- what the rank loop asks ---------------------------------------------------------------------
@@ -204,6 +210,12 @@ class Scheduler:
         for s in self.slots:
             self._check(s)
 
+    def release(self) -> None:
+        """The run ends: every study fails the trial it asked ahead and never handed out."""
+        for s in self.slots:
+            if s.driver is not None:
+                s.driver.release()
+
     def upcoming(self) -> list[tuple[Slot, str, Config]]:
         """Every known-good config the coverage and defaults passes will measure, in their order (what
         the compile-ahead workers are given): per round, per slot, each variant's defaults."""
@@ -235,6 +247,10 @@ class Scheduler:
             return None
         best, _ = self.board.best(slot.key)
         below = best * (1 + SCREEN_MARGIN) if screen and math.isfinite(best) else None
+        if phase == "search" and self.on_ahead is not None:
+            ahead = driver.ask_ahead(None if self.forced else self.deadline)
+            if ahead is not None:
+                self.on_ahead(slot, ahead.variant, ahead.config)
         return Step("trial", slot, job.variant, job.config, job=job, screen_below=below, phase=phase)
 
     def _cover(self, slot: Slot) -> Iterator[Step]:

@@ -29,6 +29,11 @@
   is over `RACE_FACTOR` (2x) the problem's best, while another tunable variant is within it, is told PRUNED (attribute `out_of_the_race`) without
   being measured: TPE then learns to draw that variant less, and the search spends its builds on
   variants that can still win.
+- **Asked ahead**: in the sampled search, the run may ask a study's next trial while the current one is
+  measured (`ask_ahead`: TPE's `constant_liar` lets it sample with a trial in flight), so that its config
+  compiles ahead in the run's worker processes; `next` then hands it out first. Until then it is RUNNING
+  but not measured (attribute `asked_ahead`); one never handed out is failed when the run ends (`release`,
+  attribute `abandoned`) and is not queued again.
 - **Resume**: a trial left RUNNING by a dead process of this host is settled on resume: told its
   result if its rows reached the store, else marked FAIL (attribute `abandoned`) and its config
   queued again; trials of dead processes on other hosts are failed by Optuna's heartbeat check.
@@ -55,6 +60,7 @@ if TYPE_CHECKING:
 
 MAX_ATTEMPTS = 2  # a config whose worker died this often is not queued again
 RACE_FACTOR = 2.0  # a variant whose best is over this many times the problem's best is not sampled again
+AHEAD_ASKS = 3  # asks `ask_ahead` makes at most (a draw the store already holds, say, is settled at once)
 
 
 def study_name(problem: Problem, mode: str, hardware_id: str, op_digest: str) -> str:
@@ -151,6 +157,7 @@ class StudyDriver:
                 constant_liar=True)
         self.heartbeat: Heartbeat | None = None
         self.current: optuna.Trial | None = None
+        self.ahead: tuple[optuna.Trial, Job, Heartbeat] | None = None  # asked ahead, not handed out yet
         self.idle_asks = 0
         self.measured_here = 0
         self.compile_s = 0.0
@@ -251,7 +258,15 @@ class StudyDriver:
         return r["median_us"], r["variant"]
 
     def next(self, deadline: float | None) -> Job | None:
-        """The next trial to measure, or None when the study is done for this run."""
+        """The next trial to measure (the one asked ahead first), or None when the study is done for this run."""
+        if self.ahead is not None:
+            trial, job, beat = self.ahead
+            self.ahead = None
+            if self.measured() < self.trials and (deadline is None or time.monotonic() <= deadline):
+                trial.set_user_attr("measured", True)
+                self.current, self.heartbeat, self.idle_asks = trial, beat, 0
+                return job
+            self._release(trial, beat)
         idle_limit = max(30, 3 * self.trials)
         measured = self.measured()
         if (self.study.user_attrs.get("exhausted_at") == measured and not self._trials((TrialState.WAITING,))
@@ -282,6 +297,42 @@ class StudyDriver:
                 return job
             measured = self.measured()
         return None
+
+    def ask_ahead(self, deadline: float | None) -> Job | None:
+        """Sample the trial `next` will hand out, while the current one is measured, so that its config can
+        compile meanwhile: its Job, or None (one is held already, the budget has no room for it past the
+        current trial, a known-good config is still queued, the deadline passed, or no draw needs measuring)."""
+        if (self.ahead is not None or self.measured() + 1 >= self.trials or self.pending()
+                or self._trials((TrialState.WAITING,)) or (deadline is not None and time.monotonic() > deadline)):
+            return None
+        for _ in range(AHEAD_ASKS):
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message="Heartbeat of storage")
+                trial = self.study.ask()
+            trial.set_user_attr("worker", self.worker)
+            trial.set_user_attr("measured", False)
+            trial.set_user_attr("asked_ahead", True)
+            job = self._config(trial)
+            if job is not None:
+                self.ahead = (trial, job, Heartbeat(self.storage, trial._trial_id))
+                return job
+        return None
+
+    def release(self) -> None:
+        """Fail the trial asked ahead and never handed out (the run ends): it was not measured, and its
+        sampled config is not queued again."""
+        if self.ahead is not None:
+            trial, _, beat = self.ahead
+            self.ahead = None
+            self._release(trial, beat)
+
+    def _release(self, trial: optuna.Trial, beat: Heartbeat) -> None:
+        beat.stop()
+        try:
+            trial.set_user_attr("abandoned", "asked ahead, not measured")
+            self.study.tell(trial, state=TrialState.FAIL)
+        except Exception:  # noqa: BLE001 - left RUNNING: the next run's recovery settles it
+            pass
 
     def _config(self, trial: optuna.Trial) -> Job | None:
         """Draw the trial's config; settle it at once (and return None) if it need not be measured."""
@@ -388,7 +439,9 @@ class StudyDriver:
         return mine
 
     def abandon(self) -> None:
-        """Give the current trial up (second Ctrl-C): FAIL it; its config is queued again next run."""
+        """Give the current trial up (second Ctrl-C): FAIL it; its config is queued again next run. The trial
+        asked ahead, if any, is released."""
+        self.release()
         trial = self.current
         if trial is None:
             return

@@ -25,9 +25,10 @@
   entry `autofuse fit` can use; a signal stops after the current step (`tuning.lifecycle`).
 - **Outliers**: a problem whose x BSP deviates from its neighbours' gets its BSP and best re-measured
   in turns (`measure.timing.measure_in_turns`), stored marked `confirmed` (the store prefers them).
-- **Throughput**: on GPUs the known-good configs of the coverage and defaults passes are compiled ahead
-  in child processes (`tuning.compile_ahead`) into Triton's on-disk cache, so a rank's first call of
-  a config loads its kernels instead of compiling them while the GPUs wait (builds themselves stay on
+- **Throughput**: on GPUs the known-good configs of the coverage and defaults passes, and in the search
+  each study's next sampled trial (asked ahead while the current one is measured: `tuning.schedule`),
+  are compiled ahead in child processes (`tuning.compile_ahead`) into Triton's on-disk cache, so a rank's
+  first call of a config loads its kernels instead of compiling them while the GPUs wait (builds themselves stay on
   the ranks: they allocate on the symmetric heap, in the same order on every rank). References are
   computed once per problem and seed on each rank. The summary reports trials per second and the
   share of wall time the ranks spent timing (`extra.timing_s` per row) and compiling and checking
@@ -588,6 +589,8 @@ def _compile_ahead(world: World, options: TuneOptions, sched: Scheduler) -> Any:
     refs = {resolve_op(name).name: name for name in options.ops}  # 'module:attr' ops, for the workers
     ahead = CompileAhead(int(workers), device_kind=dev, compile_fn=options.compile_fn, op_refs=refs)
     ahead.submit([(s.op, s.problem, v, c) for s, v, c in sched.upcoming()])
+    sched.on_ahead = lambda slot, variant, config: ahead.submit([(slot.op, slot.problem, variant, config)],
+                                                                  ordered=False)
     return ahead
 
 
@@ -629,6 +632,8 @@ def _tune(world: World, options: TuneOptions, supervised: bool) -> dict:
         state.stopped = world.rank_max(1.0 if state.stopped else 0.0) > 0
     finally:
         if world.rank == 0:
+            if state.scheduler is not None:
+                state.scheduler.release()
             if ahead is not None:
                 state.stats.update(ahead.close())
             if state.progress is not None:
