@@ -260,13 +260,12 @@ class StudyDriver:
     def next(self, deadline: float | None) -> Job | None:
         """The next trial to measure (the one asked ahead first), or None when the study is done for this run."""
         if self.ahead is not None:
-            trial, job, beat = self.ahead
-            self.ahead = None
             if self.measured() < self.trials and (deadline is None or time.monotonic() <= deadline):
+                trial, job, self.heartbeat = self.ahead
+                self.ahead, self.current, self.idle_asks = None, trial, 0
                 trial.set_user_attr("measured", True)
-                self.current, self.heartbeat, self.idle_asks = trial, beat, 0
                 return job
-            self._release(trial, beat)
+            self.release()
         idle_limit = max(30, 3 * self.trials)
         measured = self.measured()
         if (self.study.user_attrs.get("exhausted_at") == measured and not self._trials((TrialState.WAITING,))
@@ -283,11 +282,7 @@ class StudyDriver:
                 queue = self.pending()
                 if queue:
                     self._enqueue(*queue[0])
-            with warnings.catch_warnings():
-                warnings.filterwarnings("ignore", message="Heartbeat of storage")  # ask/tell beats on its own
-                trial = self.study.ask()
-            trial.set_user_attr("worker", self.worker)
-            trial.set_user_attr("measured", False)  # a retried trial carries its original's attributes
+            trial = self._ask()
             job = self._config(trial)
             if job is not None:
                 self.idle_asks = 0
@@ -306,11 +301,7 @@ class StudyDriver:
                 or self._trials((TrialState.WAITING,)) or (deadline is not None and time.monotonic() > deadline)):
             return None
         for _ in range(AHEAD_ASKS):
-            with warnings.catch_warnings():
-                warnings.filterwarnings("ignore", message="Heartbeat of storage")
-                trial = self.study.ask()
-            trial.set_user_attr("worker", self.worker)
-            trial.set_user_attr("measured", False)
+            trial = self._ask()
             trial.set_user_attr("asked_ahead", True)
             job = self._config(trial)
             if job is not None:
@@ -318,15 +309,22 @@ class StudyDriver:
                 return job
         return None
 
-    def release(self) -> None:
-        """Fail the trial asked ahead and never handed out (the run ends): it was not measured, and its
-        sampled config is not queued again."""
-        if self.ahead is not None:
-            trial, _, beat = self.ahead
-            self.ahead = None
-            self._release(trial, beat)
+    def _ask(self) -> optuna.Trial:
+        """A new trial of the study, marked with this worker and not (yet) measured."""
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Heartbeat of storage")  # ask/tell beats on its own
+            trial = self.study.ask()
+        trial.set_user_attr("worker", self.worker)
+        trial.set_user_attr("measured", False)  # a retried trial carries its original's attributes
+        return trial
 
-    def _release(self, trial: optuna.Trial, beat: Heartbeat) -> None:
+    def release(self) -> None:
+        """Fail the trial asked ahead and never handed out (the run ends, or the budget or deadline left no
+        room for it): it was not measured, and its sampled config is not queued again."""
+        if self.ahead is None:
+            return
+        trial, _, beat = self.ahead
+        self.ahead = None
         beat.stop()
         try:
             trial.set_user_attr("abandoned", "asked ahead, not measured")
