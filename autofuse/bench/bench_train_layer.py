@@ -187,9 +187,10 @@ def _model_rows(world: World, cfg: dict, model: str, mesh: Any) -> dict:
     say = world.rank == 0 and cfg["progress"]
     warmup = 3 if cuda else 1
 
-    def gathered(x: torch.Tensor) -> torch.Tensor:
-        """torch-tp's all-gather of this rank's tokens (dim 1), differentiable."""
-        return DTensor.from_local(x, mesh, [Shard(1)], run_check=False).redistribute(mesh, [Replicate()]).to_local()
+    def gathered(x: torch.Tensor) -> DTensor:
+        """torch-tp's all-gather of this rank's tokens (dim 1), differentiable, a DTensor as the plan hands the
+        column-parallel linears (torch_tp's module doc): its gradient is a reduce-scatter."""
+        return DTensor.from_local(x, mesh, [Shard(1)], run_check=False).redistribute(mesh, [Replicate()])
 
     rows = []
     for t in cfg["tokens"]:

@@ -3,7 +3,11 @@ training benchmarks (`bench_train_layer`, `bench_train_model`) race autofuse aga
 
 `parallelize_layer`: DTensor TP with sequence parallelism on one LlamaDecoderLayer (SequenceParallel
 norms, PrepareModuleInput all-gathers, ColwiseParallel q/k/v/gate/up, RowwiseParallel o/down
-reduce-scattering to Shard(1)); its input and output are this rank's Shard(1) block of the tokens.
+reduce-scattering to Shard(1)); its input and output are this rank's Shard(1) block of the tokens. As in
+torchtitan, the all-gathered input reaches the column-parallel linears as a DTensor (PrepareModuleInput's
+`use_local_output=False`): its gradient is then a reduce-scatter, which inductor's micro-pipeline pass
+fuses with the matmul; a local tensor there makes the backward an all-reduce (twice the traffic) that
+async TP cannot fuse (`scripts/async_tp_patterns.py` counts what the pass finds).
 `enable_async_tp`: torch's async TP as torchtitan turns it on (inductor's micro-pipeline TP pass and
 symmetric memory for the group); it acts on what is compiled afterwards. `async_tp_unavailable` says
 why it cannot run here (it needs CUDA symmetric memory).
@@ -32,12 +36,11 @@ def parallelize_layer(layer: torch.nn.Module, mesh: Any) -> torch.nn.Module:
     from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
                                                    SequenceParallel, parallelize_module)
 
-    gather = {"input_layouts": (Shard(1),), "desired_input_layouts": (Replicate(),), "use_local_output": True}
+    gather = {"input_layouts": (Shard(1),), "desired_input_layouts": (Replicate(),)}
     plan = {
         "input_layernorm": SequenceParallel(),
         "self_attn": PrepareModuleInput(input_kwarg_layouts={"hidden_states": Shard(1)},
-                                        desired_input_kwarg_layouts={"hidden_states": Replicate()},
-                                        use_local_output=True),
+                                        desired_input_kwarg_layouts={"hidden_states": Replicate()}),
         "self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
         "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel(output_layouts=Shard(1)),
         "post_attention_layernorm": SequenceParallel(),
