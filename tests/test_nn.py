@@ -853,6 +853,51 @@ def test_bench_train_layer_checks_and_times_on_cpu(world) -> None:
     assert any("torch-async-tp skipped" in n for n in result["notes"])
 
 
+def test_fused_parts_fed_once_join_their_gradients_with_one_cat() -> None:
+    """FusedPart's pieces from feed_parts: the same values and gradients as slicing, no zero-filled slice
+    gradient of the whole width (slice_backward), and a call on any other tensor slices that tensor."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from autofuse.nn.linear import FusedPart, feed_parts
+
+    class Count(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.seen: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    block = nn.Module()
+    block.q, block.k, block.v = FusedPart(0, 4), FusedPart(4, 6), FusedPart(6, 8)
+    names = ("q", "k", "v")
+    g = torch.Generator().manual_seed(0)
+    y0 = torch.randn(3, 5, 8, generator=g, dtype=torch.float64)
+    dq, dk, dv = (torch.randn(3, 5, n, generator=g, dtype=torch.float64) for n in (4, 2, 2))
+    grads, modes = [], []
+    for feed in (False, True):
+        y = y0.clone().requires_grad_()
+        if feed:
+            feed_parts(block, names, y)
+        with Count() as mode:
+            q, k, v = block.q(y), block.k(y), block.v(y)
+            torch.autograd.backward((q * 2, k, v), (dq, dk, dv))
+        assert torch.equal(q, y0[..., :4] * 1) and torch.equal(v, y0[..., 6:])
+        grads.append(y.grad)
+        modes.append(mode.seen)
+    assert torch.equal(grads[0], grads[1])
+    assert any("slice_backward" in f for f in modes[0])
+    assert not any("slice_backward" in f for f in modes[1])
+    y, other = y0.clone().requires_grad_(), torch.randn(3, 5, 8, generator=g)
+    feed_parts(block, names, y)
+    assert torch.equal(block.k(other), other[..., 4:6])  # a piece is taken only by its own tensor
+    assert torch.equal(block.k(y), y0[..., 4:6])  # ... and only once: sliced again after it was taken
+    with torch.no_grad():
+        feed_parts(block, names, y)
+    assert block.q._fed is None  # nothing kept where no gradient flows
+
+
 def test_train_layer_flops_count_the_matmuls() -> None:
     """The layer's model FLOPs: 3x (2 x T x weights + causal attention), e.g. Llama-3-8B at 2K tokens."""
     from types import SimpleNamespace

@@ -95,7 +95,7 @@ from torch import nn
 
 from autofuse.nn import functional as tpf
 from autofuse.nn.grads import GradSum
-from autofuse.nn.linear import ColumnParallelLinear, FusedPart, RowParallelLinear, fuse_columns
+from autofuse.nn.linear import ColumnParallelLinear, FusedPart, RowParallelLinear, feed_parts, fuse_columns
 from autofuse.nn import moe_tp
 from autofuse.nn.moe import ExpertParallelMoE, is_moe_block
 from autofuse.nn.norm import ShardedRMSNorm
@@ -589,8 +589,9 @@ class _SequenceParallel(GradSum):
         hidden, keyword = _hidden(args, kwargs)
         b, t, h = hidden.shape
         fused = module._modules.get("qkv_proj_parallel") or module.qkv_proj  # Phi-3's own, or q/k/v fused
-        qkv = fused(hidden.reshape(b * t, h)).view(b, t * self.world, -1)
-        return _with_hidden(args, kwargs, qkv[:, :_seq_len(kwargs)], keyword)
+        qkv = fused(hidden.reshape(b * t, h)).view(b, t * self.world, -1)[:, :_seq_len(kwargs)]
+        feed_parts(module, fused.part_names, qkv)
+        return _with_hidden(args, kwargs, qkv, keyword)
 
     def latent_in(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         """A latent attention's input: every rank's rows gathered (B, S, H), the gradient reduce-scattered (its
@@ -617,7 +618,9 @@ class _SequenceParallel(GradSum):
     def mlp_in(self, module: nn.Module, args: tuple) -> tuple:
         x = args[0]
         b, t, h = x.shape
-        return (module.gate_up_proj(x.reshape(b * t, h)).view(b, t * self.world, -1), *args[1:])
+        gate_up = module.gate_up_proj(x.reshape(b * t, h)).view(b, t * self.world, -1)
+        feed_parts(module, module.gate_up_proj.part_names, gate_up)
+        return (gate_up, *args[1:])
 
     def mlp_out(self, module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
         b, sp = args[0].shape[:2]
