@@ -4,8 +4,8 @@ per contender of `autofuse bench train_layer` (autofuse eager, autofuse compiled
 Issue 44 measured eager autofuse 0.6-1.4% behind torch TP at 70B T=4096-8192, and the bench's per-op shares
 put the gap outside the projections ("rest" = layer - ops). This script says which kernels: per contender,
 torch.profiler over `--steps` steps after warm-up (CUDA activity only), the GPU kernel time grouped by
-kernel class (`classify`: GEMM, NCCL, autofuse's Triton kernels, attention, copies, elementwise,
-reductions, other), the kernel count and busy time per step, and the step's wall time, rank 0's. The busy
+kernel class (`classify`: NCCL, attention, copies, elementwise, reductions, GEMMs (autofuse's fused
+GEMM kernels among them), other Triton kernels (autofuse's collectives), other), the kernel count and busy time per step, and the step's wall time, rank 0's. The busy
 time (kernel time summed) against the wall time separates device work from host gaps.
 
     python3 scripts/profile_train_layer_gpu.py --world 2 --model 70b --tokens 8192 --out profile.json
@@ -26,12 +26,12 @@ import torch
 
 CLASSES = (  # (class, pattern on the kernel name), first match wins
     ("nccl", r"nccl"),
-    ("attention", r"flash|fmha|attention|sdpa|cutlass.*mha"),
-    ("gemm", r"gemm|sm90_xmma|cutlass|cublas|nvjet|_mm_|matmul|::mm$|addmm|bmm"),
-    ("autofuse-triton", r"_kernel|triton_"),
-    ("copy", r"copy|memcpy|cat|Memcpy|Memset|memset"),
-    ("reduction", r"reduce|norm|sum|softmax"),
-    ("elementwise", r"elementwise|vectorized|unrolled|fill|mul|add"),
+    ("attention", r"flash|fmha|attention|sdpa"),
+    ("copy", r"copy|memcpy|memset|catarray|cat_"),
+    ("elementwise", r"elementwise|triton_poi|::(mul|add|silu|neg|cos|sin)$"),
+    ("reduction", r"reduce|triton_red|triton_per|norm|softmax|::(sum|mean)$"),
+    ("gemm", r"gemm|xmma|cutlass|cublas|nvjet|matmul|::mm$|addmm|bmm"),  # autofuse's fused GEMM kernels too
+    ("triton", r"triton|_kernel"),
 )
 
 
