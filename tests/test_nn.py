@@ -853,6 +853,37 @@ def test_bench_train_layer_checks_and_times_on_cpu(world) -> None:
     assert any("torch-async-tp skipped" in n for n in result["notes"])
 
 
+def _torch_tp_comms(world) -> dict:
+    from torch.distributed.tensor.debug import CommDebugMode
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+
+    from autofuse.bench import torch_tp
+    from autofuse.bench.bench_train_layer import MODELS, _first
+
+    torch.set_num_threads(1)
+    config = LlamaConfig(**MODELS["tiny"], num_hidden_layers=1, vocab_size=128, rms_norm_eps=1e-5,
+                         attn_implementation="sdpa")
+    layer = torch_tp.parallelize_layer(LlamaDecoderLayer(config, 0), torch_tp.mesh(world))
+    x = torch.randn(1, 16 // world.size, config.hidden_size, requires_grad=True)
+    pos = torch.arange(16)[None]
+    pe = LlamaRotaryEmbedding(config)(x, pos)
+    mode = CommDebugMode()
+    with mode:
+        _first(layer(x, position_embeddings=pe, position_ids=pos)).sum().backward()
+    return {str(k).split(".")[-1]: v for k, v in mode.get_comm_counts().items()}
+
+
+def test_torch_tp_baseline_communicates_as_torchtitan_lays_it_out() -> None:
+    """The training benchmarks' torch TP: one all-gather per column-parallel input forward and backward, one
+    reduce-scatter per row-parallel output forward and per column-parallel input gradient backward, no
+    all-reduce (a local tensor handed to the linears makes the input gradients all-reduces, which async TP
+    cannot fuse: round 22)."""
+    counts = spawn(_torch_tp_comms, 2, timeout_s=300)[0]
+    assert counts.get("all_reduce", 0) == 0, counts
+    assert counts.get("all_gather_into_tensor") == 4 and counts.get("reduce_scatter_tensor") == 4, counts
+
+
 def test_fused_parts_fed_once_join_their_gradients_with_one_cat() -> None:
     """FusedPart's pieces from feed_parts: the same values and gradients as slicing, no zero-filled slice
     gradient of the whole width (slice_backward), and a call on any other tensor slices that tensor."""
