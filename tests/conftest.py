@@ -44,6 +44,34 @@ isolate(os.environ)
 def pytest_unconfigure(config) -> None:
     shutil.rmtree(SESSION_HOME, ignore_errors=True)
 
+
+# -- how many processes run the tests (pyproject's `--numprocesses=auto`; a given `-n N` overrides) -------
+CPU_WORKERS = 2  # each test's ranks are processes of their own and a serial run waits on them a third of its
+# wall time: 2 workers, a file each at a time (--dist loadfile: a module's shared job runs once), took a
+# 2-core host's suite from about 25 to 19 minutes (round 22); more were not tried
+
+
+def pytest_addoption(parser, pluginmanager) -> None:
+    """Where pytest-xdist is missing or disabled (`-p no:xdist`; a GPU machine with only the project's own
+    dependencies), pyproject's xdist options are accepted and ignored: the tests run in this process."""
+    if not pluginmanager.has_plugin("xdist"):
+        parser.addoption("--numprocesses", default=None, help="ignored: pytest-xdist is not installed")
+        parser.addoption("--dist", default="no", help="ignored: pytest-xdist is not installed")
+
+
+@pytest.hookimpl(optionalhook=True)  # xdist's hook: unknown where xdist is not installed
+def pytest_xdist_auto_num_workers(config) -> int:
+    """Worker processes for `-n auto`: CPU_WORKERS on a host with that many CPUs, none (this process runs
+    every test) where a GPU test may run, since its ranks take every GPU: `-m gpu` or CUDA present."""
+    marks = config.getoption("markexpr") or ""
+    if re.search(r"(?<!not )\bgpu\b", marks):
+        return 0
+    import torch
+
+    if torch.cuda.is_available():
+        return 0
+    return CPU_WORKERS if (os.cpu_count() or 1) >= CPU_WORKERS else 0
+
 def t36_python(environ: dict) -> tuple[Path, str]:
     """The python of a side venv with the GPU machines' Triton (3.6), where a developer has one
     (AUTOFUSE_T36_PYTHON, else /tmp/t36/bin/python), and the reason its checks are skipped without it:

@@ -82,3 +82,29 @@ def test_readme_lists_the_settings_a_test_run_takes():
     missing = [name for name in TEST_SETTINGS if not any(line.startswith(f"| `{name}`") for line in table)]
     assert not missing, missing
     assert re.search(r"The whole suite \(`pytest -q`\) takes about \d+-\d+ minutes", readme), "no time for the tests"
+
+
+def test_workers_only_where_no_gpu_test_can_run(monkeypatch):
+    """`-n auto` runs CPU tests in conftest.CPU_WORKERS processes, and a GPU run (`-m gpu`, or CUDA present)
+    in this one, since a GPU test's ranks take every GPU."""
+    import conftest
+    import torch
+
+    class Config:
+        def __init__(self, marks: str) -> None:
+            self.marks = marks
+
+        def getoption(self, name: str) -> str:
+            assert name == "markexpr"
+            return self.marks
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    auto = conftest.pytest_xdist_auto_num_workers
+    assert auto(Config("not sweep")) == auto(Config("not gpu")) == conftest.CPU_WORKERS == 2
+    assert auto(Config("gpu")) == auto(Config("gpu and not sweep")) == 0
+    monkeypatch.setattr(os, "cpu_count", lambda: 1)
+    assert auto(Config("not sweep")) == 0
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert auto(Config("not sweep")) == 0
