@@ -72,6 +72,7 @@ def pytest_xdist_auto_num_workers(config) -> int:
         return 0
     return CPU_WORKERS if (os.cpu_count() or 1) >= CPU_WORKERS else 0
 
+
 def t36_python(environ: dict) -> tuple[Path, str]:
     """The python of a side venv with the GPU machines' Triton (3.6), where a developer has one
     (AUTOFUSE_T36_PYTHON, else /tmp/t36/bin/python), and the reason its checks are skipped without it:
