@@ -831,6 +831,33 @@ def test_example_generate_starts_its_ranks_and_agrees() -> None:
     assert "the same tokens" in out.stdout, out.stdout
 
 
+def test_profile_train_layer_script_splits_each_contenders_step_by_kernel_class(tmp_path) -> None:
+    """scripts/profile_train_layer_gpu.py on CPU ranks: every contender's step profiled, its time split into
+    classes (the matmuls in `gemm`), and GPU kernel names classed as the round 22 profiles named them."""
+    import json
+
+    sys.path.insert(0, str(EXAMPLES.parent / "scripts"))
+    try:
+        from profile_train_layer_gpu import classify
+    finally:
+        sys.path.pop(0)
+    assert classify("void at::native::elementwise_kernel<128, 4, at::native::gpu_kernel_impl_nocast<at::native"
+                    "::direct_copy_kernel_cuda") == "copy"
+    assert classify("void at::native::vectorized_elementwise_kernel<8, at::native::CUDAFunctor_add") == "elementwise"
+    assert classify("nvjet_sm90_tst_320x128_64x3_1x2_h_bz_coopB_NNT") == classify("ag_gemm_kernel") == "gemm"
+    assert classify("ncclDevKernel_AllGather_RING_LL") == "nccl" and classify("all_gather_kernel") == "triton"
+    out = tmp_path / "profile.json"
+    run = subprocess.run([sys.executable, "scripts/profile_train_layer_gpu.py", "--cpu", "--contenders",
+                          "autofuse,torch-tp", "--steps", "1", "--top", "3", "--out", str(out)],
+                         capture_output=True, text=True, timeout=300, cwd=EXAMPLES.parent)
+    assert run.returncode == 0, run.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    assert set(doc["contenders"]) == {"autofuse", "torch-tp"}
+    for name, c in doc["contenders"].items():
+        assert c["wall_us"] > 0 and c["kernels_per_step"] > 0 and c["by_class_us"].get("gemm", 0) > 0, (name, c)
+        assert abs(sum(c["by_class_us"].values()) - c["busy_us"]) < 1e-6 * c["busy_us"] + 1e-9, (name, c)
+
+
 @pytest.mark.parametrize("world", [2, 4])
 def test_bench_train_layer_checks_and_times_on_cpu(world) -> None:
     """`autofuse bench train_layer` on 2 and 4 CPU ranks: autofuse's layer, eager and compiled
