@@ -14,7 +14,6 @@ time (kernel time summed) against the wall time separates device work from host 
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import re
 import sys
@@ -49,8 +48,7 @@ def _rank(world: Any, cfg: dict) -> dict:
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
     from autofuse.bench import torch_tp
-    from autofuse.bench.bench_train_layer import MODELS, _first
-    from autofuse.nn.llama import parallelize_layer
+    from autofuse.bench.bench_train_layer import MODELS, _first, contenders
 
     cuda = world.device.type == "cuda"
     dev, dtype = world.device, (torch.bfloat16 if cuda else torch.float32)
@@ -61,19 +59,7 @@ def _rank(world: Any, cfg: dict) -> dict:
     torch.manual_seed(0)
     whole = LlamaDecoderLayer(config, 0).to(dev, dtype)
     rotary = LlamaRotaryEmbedding(config).to(dev)
-    mesh = torch_tp.mesh(world)
-    layers: dict[str, torch.nn.Module] = {}
-    for name in cfg["contenders"]:
-        if name == "autofuse":
-            layers[name] = parallelize_layer(copy.deepcopy(whole), world.group, sequence_parallel=True)
-        elif name == "autofuse-compiled":
-            layers[name] = torch.compile(parallelize_layer(copy.deepcopy(whole), world.group, sequence_parallel=True),
-                                         fullgraph=True)
-        elif name == "torch-tp":
-            layers[name] = torch_tp.parallelize_layer(copy.deepcopy(whole), mesh)
-        elif name == "torch-async-tp" and torch_tp.async_tp_unavailable(world) is None:
-            torch_tp.enable_async_tp(world)
-            layers[name] = torch.compile(torch_tp.parallelize_layer(copy.deepcopy(whole), mesh), fullgraph=True)
+    layers, _ = contenders(whole, world, torch_tp.mesh(world), cfg["contenders"])
     t, w, r = cfg["tokens"], world.size, world.rank
     g = torch.Generator(device=dev).manual_seed(t)
     x = torch.randn(1, t // w, config.hidden_size, generator=g, device=dev).to(dtype).requires_grad_()
@@ -137,9 +123,14 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     from autofuse.comm.world import spawn
 
+    from autofuse.bench.bench_train_layer import CONTENDERS
+
+    names = [c.strip() for c in a.contenders.split(",") if c.strip()]
+    if not names or set(names) - set(CONTENDERS):
+        p.error(f"--contenders: one or more of {', '.join(CONTENDERS)}, comma-separated")
     kind = "cpu" if a.cpu or not torch.cuda.is_available() else "cuda"
     cfg = {"model": a.model or ("70b" if kind == "cuda" else "tiny"), "tokens": a.tokens or (8192 if kind == "cuda" else 32),
-           "contenders": [c.strip() for c in a.contenders.split(",") if c.strip()], "steps": a.steps,
+           "contenders": names, "steps": a.steps,
            "warmup": a.warmup if kind == "cuda" else 1, "top": a.top}
     res = spawn(_rank, a.world, cfg, device_kind=kind, timeout_s=1800)[0]
     dev = torch.cuda.get_device_name(0) if kind == "cuda" else "cpu"

@@ -105,6 +105,29 @@ def _compiled_async_tp(layer: torch.nn.Module, world: World) -> torch.nn.Module:
     return torch.compile(layer, fullgraph=True)
 
 
+def contenders(whole: torch.nn.Module, world: World, mesh: Any,
+               names: list[str]) -> tuple[dict[str, torch.nn.Module], list[str]]:
+    """Each contender `names` picks (CONTENDERS) made from a copy of the unsharded layer `whole`, by name, and
+    notes on those that cannot run here (torch-async-tp without symmetric memory)."""
+    from autofuse.nn.llama import parallelize_layer
+
+    layers: dict[str, torch.nn.Module] = {}
+    notes: list[str] = []
+    for name in names:
+        if name == "autofuse":
+            layers[name] = parallelize_layer(copy.deepcopy(whole), world.group, sequence_parallel=True)
+        elif name == "autofuse-compiled":
+            layers[name] = torch.compile(parallelize_layer(copy.deepcopy(whole), world.group, sequence_parallel=True),
+                                         fullgraph=True)
+        elif name == "torch-tp":
+            layers[name] = torch_tp.parallelize_layer(copy.deepcopy(whole), mesh)
+        elif (why := torch_tp.async_tp_unavailable(world)) is None:
+            layers[name] = _compiled_async_tp(torch_tp.parallelize_layer(copy.deepcopy(whole), mesh), world)
+        else:
+            notes.append(f"torch-async-tp skipped: {why}")
+    return layers, notes
+
+
 def _first(output: Any) -> torch.Tensor:
     return output[0] if isinstance(output, tuple) else output
 
@@ -159,7 +182,6 @@ def _model_rows(world: World, cfg: dict, model: str, mesh: Any) -> dict:
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
     from autofuse.measure.timing import time_in_turns
-    from autofuse.nn.llama import parallelize_layer
 
     cuda = world.device.type == "cuda"
     dev, dtype = world.device, (torch.bfloat16 if cuda else torch.float32)
@@ -170,20 +192,7 @@ def _model_rows(world: World, cfg: dict, model: str, mesh: Any) -> dict:
     torch.manual_seed(cfg["seed"])
     whole = LlamaDecoderLayer(config, 0).to(dev, dtype)
     rotary = LlamaRotaryEmbedding(config).to(dev)
-    layers: dict[str, torch.nn.Module] = {}
-    notes: list[str] = []
-    for name in cfg["contenders"]:
-        if name == "autofuse":
-            layers[name] = parallelize_layer(copy.deepcopy(whole), world.group, sequence_parallel=True)
-        elif name == "autofuse-compiled":
-            layers[name] = torch.compile(parallelize_layer(copy.deepcopy(whole), world.group, sequence_parallel=True),
-                                         fullgraph=True)
-        elif name == "torch-tp":
-            layers[name] = torch_tp.parallelize_layer(copy.deepcopy(whole), mesh)
-        elif (why := torch_tp.async_tp_unavailable(world)) is None:
-            layers[name] = _compiled_async_tp(torch_tp.parallelize_layer(copy.deepcopy(whole), mesh), world)
-        else:
-            notes.append(f"torch-async-tp skipped: {why}")
+    layers, notes = contenders(whole, world, mesh, cfg["contenders"])
     say = world.rank == 0 and cfg["progress"]
     warmup = 3 if cuda else 1
 
