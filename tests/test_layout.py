@@ -81,6 +81,12 @@ def test_comm_knows_no_op():
     assert _offenders(("autofuse.comm",), above) == {}
 
 
+def test_core_knows_no_comm():
+    """core stands below comm: what a runner asks of a World or a workspace is a Protocol of its own
+    (autofuse/core/contracts.py), which comm's classes implement (type-only imports count too)."""
+    assert _offenders(("autofuse.core",), ("autofuse.comm",)) == {}
+
+
 TOP = ("autofuse.tuning", "autofuse.bench", "autofuse.commands", "autofuse.cli")
 
 
@@ -175,6 +181,7 @@ def test_no_import_cycle():
                                        ("autofuse.comm.rounds", "autofuse.comm.workspace"),
                                        ("autofuse.nn.llama", "autofuse.nn.parallelize"),
                                        ("autofuse.core.op", "autofuse.core.runner"),
+                                       ("autofuse.core.runner", "autofuse.comm.workspace"),
                                        ("autofuse.dispatch.entry", "autofuse.library")])
 def test_removed_cycles_stay_removed(one, other):
     assert not any({one, other} <= c for c in _cycles())

@@ -23,7 +23,7 @@ from autofuse.core.problem import (DTYPES, FP8, OUTPUT_DTYPES, SCALINGS, Config,
 if TYPE_CHECKING:
     from autofuse.core.custom import CustomOp
     from autofuse.core.runner import Runner
-    from autofuse.comm.world import World
+    from autofuse.core.contracts import World
 
 __all__ = ["DTYPES", "FP8", "OUTPUT_DTYPES", "SCALINGS", "Config", "InvalidConfig", "InvalidInput", "Problem",
            "config_key", "dtype_name", "Op", "Variant", "SearchSpace", "FAMILIES", "default_tolerance", "rel_error",

@@ -24,10 +24,9 @@ from typing import TYPE_CHECKING, Any, Sequence
 import torch
 
 from autofuse.core.problem import InvalidInput, Problem
-from autofuse.comm.workspace import Workspace
 
 if TYPE_CHECKING:
-    from autofuse.comm.world import World
+    from autofuse.core.contracts import World, Workspace
 
 LAYOUTS = ("contiguous", "dense", "rows")
 
