@@ -30,7 +30,7 @@ import os
 import sys
 import time
 import warnings
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import pytest
 import torch
@@ -113,13 +113,18 @@ NO_GLOO_GRAPH = "graph replay skipped: ranks share a GPU, so BSP runs on gloo, w
 
 
 def run_cases(world: Any, op: Op, cases: Sequence[Case], calls: int = 3, graph: bool | None = None,
-              allow_invalid: bool = False) -> list[tuple]:
+              allow_invalid: bool = False, relayout: Callable[[tuple], tuple] | None = None) -> list[tuple]:
     """Per case: (name, worst relative error, tolerance, checksum of the last output, note); see the module
     doc. A skipped case has error None and its reason as note. `allow_invalid`: a case the World's size
     makes invalid (InvalidInput / InvalidConfig at build, e.g. rows not divisible by 4 ranks) is skipped
     too (for case tables written for 2 ranks and run at another size), as is one whose inputs the op's
-    `problem_of` refuses at this size."""
+    `problem_of` refuses at this size. `relayout`: applied to every call's inputs (the same values in
+    another memory layout, e.g. a column-major B), graph replays' static inputs included."""
     from autofuse.core.op import InvalidConfig, InvalidInput
+
+    def inputs_of(problem: Problem, seed: int) -> tuple:
+        inputs = op.inputs(world, problem, seed)
+        return tuple(relayout(inputs)) if relayout else inputs
 
     graph = world.device.type == "cuda" if graph is None else graph
     built, skipped = [], []
@@ -145,7 +150,7 @@ def run_cases(world: Any, op: Op, cases: Sequence[Case], calls: int = 3, graph: 
     last: dict[str, int] = {}
 
     def call(name: str, problem: Problem, runner: Any, seed: int) -> None:
-        inputs = op.inputs(world, problem, seed)
+        inputs = inputs_of(problem, seed)
         ref = op.reference(world, problem, seed)
         out = _out_like(ref, problem, world.device)
         assert runner(*inputs, out=out) is out
@@ -160,25 +165,28 @@ def run_cases(world: Any, op: Op, cases: Sequence[Case], calls: int = 3, graph: 
         call(name, problem, runner, 100)
     for name, problem, runner, replay in built:
         if replay:
-            worst[name] = max(worst[name], _graph_replays(world, op, problem, runner, seeds=(200, 201, 202)))
+            worst[name] = max(worst[name], _graph_replays(world, op, problem, runner, seeds=(200, 201, 202),
+                                                              inputs_of=inputs_of))
     notes = {b[0]: ("" if b[3] or not graph else NO_GLOO_GRAPH) for b in built}
     return [(name, worst[name], op.tolerance(problem), last[name], notes[name]) for name, problem, _, _ in built] + skipped
 
 
-def gpu_cases(world: Any, op: Op, cases: Sequence[Case], calls: int = 2) -> list[tuple]:
+def gpu_cases(world: Any, op: Op, cases: Sequence[Case], calls: int = 2,
+              relayout: Callable[[tuple], tuple] | None = None) -> list[tuple]:
     """run_cases for a GPU case table written for 2 ranks, on however many ranks gpu_world() spawned:
     at other sizes the cases those ranks cannot take are skipped with the reason."""
-    return run_cases(world, op, cases, calls, allow_invalid=world.size != 2)
+    return run_cases(world, op, cases, calls, allow_invalid=world.size != 2, relayout=relayout)
 
 
-def _graph_replays(world: Any, op: Op, problem: Problem, runner: Any, seeds: Sequence[int]) -> float:
+def _graph_replays(world: Any, op: Op, problem: Problem, runner: Any, seeds: Sequence[int],
+                   inputs_of: Callable[[Problem, int], tuple]) -> float:
     """Capture one call in a CUDA graph, replay it with each seed's inputs copied in; worst error."""
-    static = [x.clone() for x in op.inputs(world, problem, seeds[0])]
+    static = [x.clone() for x in inputs_of(problem, seeds[0])]  # clone keeps a column-major layout
     out = runner(*static)
     g = capture(world, lambda: runner(*static, out=out))
     worst = 0.0
     for seed in seeds:
-        for s, x in zip(static, op.inputs(world, problem, seed)):
+        for s, x in zip(static, inputs_of(problem, seed)):
             s.copy_(x)
         out.fill_(math.nan)
         world.sync()

@@ -122,6 +122,58 @@ def test_cases_match_reference(nranks):
 
 
 # ------------------------------------------------------------------------------------------------
+# B column-major (b = w.t() of a contiguous N x K weight, as the backward formulas of gemm_rs and the
+# linears pass it): every variant reads it in place; the fused kernel's K-major read (B_T) and the
+# row-major one alternate on the same runner, so both compiles share the workspace and its epochs.
+def column_major_b(inputs: tuple) -> tuple:
+    a, b, *rest = inputs
+    return (a, b.t().contiguous().t(), *rest)
+
+
+COLUMN_MAJOR_CASES = {
+    2: [("bsp", rows(8, 32, 32), "bfloat16", {}), ("bsp", kform(4, 32, 64), "float32", {}),
+        ("heap_mm", rows(8, 32, 64), "bfloat16", OP.variant("heap_mm").defaults(
+            harness.problem_of(OP, 2, rows(8, 32, 64), "bfloat16"))[0]),
+        ("heap_mm_overlap", kform(8, 32, 64), "float16", OP.variant("heap_mm_overlap").defaults(
+            harness.problem_of(OP, 2, kform(8, 32, 64), "float16"))[0]),
+        ("pull", rows(12, 40, 32), "bfloat16", cfg(flag="tile", tma=True)),
+        ("pull", kform(6, 24, 96), "float32", cfg(bk=32, flag="row_block", tma=False)),
+        ("push", rows(12, 40, 32), "float16", cfg(flag="shard", layout="gathered", split=2, tma=False)),
+        ("push", kform(6, 24, 96), "bfloat16", cfg(bk=32, bn=16, flag="tile", layout="gathered", tma=True)),
+        ("push_ws", rows(24, 48, 64), "bfloat16", cfg(flag="row_block", swap=True, tma=True)),
+        ("push_ws", kform(24, 48, 64), "float32", cfg(flag="shard", layout="gathered", split=2, tma=False))],
+    4: [("push", rows(32, 32, 64), "bfloat16", cfg(flag="row_block", tma=True)),
+        ("push_ws", kform(32, 32, 64), "float16", cfg(flag="tile", layout="gathered", tma=False)),
+        ("heap_mm_overlap", rows(8, 32, 64), "bfloat16", OP.variant("heap_mm_overlap").defaults(
+            harness.problem_of(OP, 4, rows(8, 32, 64), "bfloat16"))[0]),
+        ("bsp", kform(4, 32, 64), "bfloat16", {})],
+}
+
+
+def _run_column_major(world):
+    """Each case's runner called with B column-major, then row-major, then column-major again."""
+    cases = COLUMN_MAJOR_CASES[world.size]
+    out = harness.run_cases(world, OP, cases, calls=1, relayout=column_major_b)
+    out += harness.run_cases(world, OP, cases, calls=1)
+    return out + harness.run_cases(world, OP, cases, calls=1, relayout=column_major_b)
+
+
+@pytest.mark.parametrize("nranks", [2, 4])
+def test_column_major_b_matches_reference(nranks):
+    results = spawn(_run_column_major, nranks, timeout_s=900)
+    harness.assert_ok(results)
+    assert len(results[0]) == 3 * len(COLUMN_MAJOR_CASES[nranks])
+
+
+def test_column_major_b_is_accepted_and_other_strides_are_not():
+    w = _world(2)
+    a, b = torch.randn(4, 32), torch.randn(16, 32).t()  # B = W^T of a contiguous 16 x 32 weight
+    assert OP.problem_of(w, a, b) == OP.problem_of(w, a, b.contiguous())  # one problem, one dispatch key's runner
+    with pytest.raises(InvalidInput, match="row- or column-major"):
+        OP.problem_of(w, a, torch.randn(32, 32)[:, ::2])
+
+
+# ------------------------------------------------------------------------------------------------
 # faults: every fused variant, every scenario, on one pair of ranks (the workspace is rebuilt
 # between scenarios); dead_peer also at a size with 8x as many waiting programs.
 SMALL, BIG = rows(24, 48, 64), rows(256, 64, 32)
@@ -469,6 +521,23 @@ def test_gpu_cases_match_reference_with_graph_replay(part, monkeypatch):
         results = spawn(_run_gpu, harness.gpu_world(), on_ce, device_kind="cuda", timeout_s=900)
         harness.assert_ok(results)
         assert len(results[0]) == len(on_ce)
+
+
+GPU_COLUMN_MAJOR = [c for dims, dt in ((rows(1000, 3584, 8192), "bfloat16"), (kform(96, 1536, 2048), "float16"))
+                    for c in _gpu_cases(dims, dt)]
+
+
+def _run_gpu_column_major(world):
+    return harness.gpu_cases(world, OP, GPU_COLUMN_MAJOR, relayout=column_major_b)
+
+
+@harness.gpu()
+def test_gpu_column_major_b_with_graph_replay():
+    """Every variant at its first default with B column-major (the fused kernel's K-major read), graph
+    replays included (their static inputs keep the layout)."""
+    results = spawn(_run_gpu_column_major, harness.gpu_world(), device_kind="cuda", timeout_s=900)
+    harness.assert_ok(results)
+    assert len(results[0]) == len(GPU_COLUMN_MAJOR)
 
 
 @harness.gpu()

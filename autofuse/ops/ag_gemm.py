@@ -10,8 +10,9 @@ Two forms, the problem dimension `gather`:
   (torch's fused_all_gather_matmul with gather_dim=1.)
 Problem dims: M (global rows), N (columns of B, per rank), K (global), gather.
 
-Requirements (InvalidInput otherwise): A and B 2-D, contiguous, same dtype (bf16, fp16, fp32), on
-the World's device, 16-byte aligned; M divisible by W (rows form) or K by W (k form); N and the
+Requirements (InvalidInput otherwise): A and B 2-D, same dtype (bf16, fp16, fp32), on the World's
+device, 16-byte aligned; A contiguous, B row-major or column-major (b = w.t() of a contiguous N x K
+weight: the backward formulas hand B^T so; the fused kernels read it K-major, as FP8's, no copy); M divisible by W (rows form) or K by W (k form); N and the
 K each rank holds (K rows form, K/W k form) multiples of 16 bytes (8 elements in bf16/fp16, 4 in
 fp32). Any M >= W, any number of rows per rank (1 included), blocks need not divide anything.
 
@@ -137,8 +138,9 @@ def problem_of(world: World, a: torch.Tensor, b: torch.Tensor, scale_a: Any = No
     if a.device != world.device or b.device != world.device:
         raise InvalidInput(f"ag_gemm: inputs on {a.device} and {b.device}, but this rank's device is {world.device}")
     extra = gemm.fp8_dims(world.device, a, b, scale_a, scale_b, NAME)  # FP8: scaling; b stored N x K
-    if not extra and (not a.is_contiguous() or not b.is_contiguous()):
-        raise InvalidInput("ag_gemm: A and B must be contiguous (row-major); call .contiguous() first")
+    if not extra and (not a.is_contiguous() or not (b.is_contiguous() or b.t().is_contiguous())):
+        raise InvalidInput("ag_gemm: A must be contiguous (row-major) and B row- or column-major; "
+                           "call .contiguous() first")
     if a.data_ptr() % 16 or b.data_ptr() % 16:
         raise InvalidInput("ag_gemm: A and B must start at 16-byte aligned addresses")
     if gather not in (None, *GATHERS):
@@ -471,11 +473,11 @@ class PushWs(Fused):
 # ------------------------------------------------------------------------------------------------
 # runners
 def _specs(problem: Problem) -> tuple[list[TensorSpec], TensorSpec]:
-    """a and b contiguous (FP8: b stored N x K, then the two float32 scales); out M x N."""
+    """a contiguous, b row- or column-major (FP8: b stored N x K, then the two float32 scales); out M x N."""
     r, c = _shard_shape(problem)
     dt = problem.torch_dtype
     if problem.dtype != FP8:
-        return ([TensorSpec("a", (r, c), dt), TensorSpec("b", (problem["K"], problem["N"]), dt)],
+        return ([TensorSpec("a", (r, c), dt), TensorSpec("b", (problem["K"], problem["N"]), dt, "dense")],
                 TensorSpec("out", (problem["M"], problem["N"]), dt))
     rowwise = problem["scaling"] == "rowwise"
     return ([TensorSpec("a", (r, c), dt), TensorSpec("b", (problem["K"], problem["N"]), dt, "dense"),
@@ -535,6 +537,9 @@ class FusedRunner(Runner):
         self.meta = dict(cfg.fused_kwargs(), FLAG=FLAGS[config["FLAG"]], GATHER_K=problem["gather"] == "k",
                          GATHERED=layout == "gathered", PULL=pull, PERSISTENT=persistent,
                          B_T=problem.dtype == FP8, SCALE=gemm.SCALINGS[problem.get("scaling", "none")])
+        # bf16/fp16/fp32 B column-major (b = w.t(), as the backward formulas pass it): the same kernel read
+        # K-major (B_T), its own compile, picked per call from B's strides
+        self.meta_b_t = dict(self.meta, B_T=True)
 
     def gathered_copy(self, a: torch.Tensor) -> torch.Tensor:
         """push, push_ws: a fresh M x K copy of the A this runner's last call multiplied, from my own
@@ -559,15 +564,19 @@ class FusedRunner(Runner):
         return g.transpose(0, 1).reshape(r, w * c)
 
     def launch(self, a: torch.Tensor, b: torch.Tensor, *scales: torch.Tensor, out: torch.Tensor) -> None:
-        if self.meta["B_T"] and b.stride(0) != 1:
+        if not self.meta["B_T"]:
+            meta = self.meta if b.is_contiguous() else self.meta_b_t  # the spec admits row- or column-major
+        elif b.stride(0) != 1:
             raise InvalidInput(f"{NAME}: FP8 needs b stored N x K (b = w.t(), as torch._scaled_mm takes it)")
+        else:
+            meta = self.meta
         if self.tma:
             if (a.data_ptr() | b.data_ptr() | out.data_ptr()) & 15:
                 raise InvalidInput(f"{NAME}: A, B and out must start at 16-byte aligned addresses (TMA)")
             gemm.ensure_allocator()  # per thread: autograd's backward launches from its own
         sa, sb = scales or (out, out)  # FP8's scales; unused by the kernel otherwise
         self.kernel[self.grid](a, b, out, sa, sb, self.data, self.scales, self.ws.flags, self.partials, self.counts,
-                               self.ws.ctx, *self.args, **self.meta)
+                               self.ws.ctx, *self.args, **meta)
 
 
 class BspRunner(Runner):

@@ -283,16 +283,17 @@ def bound(world: World, problem: Problem, seed: int) -> dict[str, Callable[[], A
 # -- the custom op (autofuse/library registers it) ------------------------------------------------------
 # C_r = rows r of sum_q A_q @ B_q; with G = all_gather_rows(dC): dA_q = G @ B_q^T = ag_gemm(dC, B_q^T) and
 # dB_q = A_q^T @ G: one ag_gemm_gathered call when both are needed (dC is gathered once), else
-# ag_gemm(dC, B_q^T), or for dB alone ag_gemm(dC^T, A_q)^T in the k form.
+# ag_gemm(dC, B_q^T), or for dB alone ag_gemm(dC^T, A_q)^T in the k form. B_q^T is passed as the
+# view it is (column-major where B_q is row-major): ag_gemm reads it in place, no transposed copy.
 def _grads(kept: dict[str, Any], grad: torch.Tensor, needs: tuple[bool, ...], group_name: str) -> tuple:
     a, b = kept["a"], kept["b"]
     need_a, need_b = needs[:2]
     grad = grad.contiguous()
     if need_a and need_b:
-        da, full = ag_gemm_any(grad, b.t().contiguous(), group_name, gathered=True)
+        da, full = ag_gemm_any(grad, b.t(), group_name, gathered=True)
         return da, a.t() @ full
     if need_a:
-        return ag_gemm_any(grad, b.t().contiguous(), group_name), None
+        return ag_gemm_any(grad, b.t(), group_name), None
     return None, ag_gemm_any(grad.t().contiguous(), a, group_name).t()
 
 

@@ -38,7 +38,8 @@ def ag_gemm_any(a: torch.Tensor, b: torch.Tensor, group_name: str, gathered: boo
             b = F.pad(b.reshape(w, c, n), (0, 0, 0, cp - c)).reshape(w * cp, n)
     if np_ != n:
         b = F.pad(b, (0, np_ - n))
-    a, b = a.contiguous(), b.contiguous()
+    a = a.contiguous()
+    b = b if b.is_contiguous() or b.t().is_contiguous() else b.contiguous()  # ag_gemm reads either layout of B
     if not gathered:
         out = torch.ops.autofuse.ag_gemm(a, b, group_name)
         return out if np_ == n else out[:, :n]
