@@ -71,7 +71,8 @@ def run_line(stats: dict) -> str:
 
 
 def coverage_line(stats: dict) -> str:
-    """Problems covered per op (baselines and every tunable variant's first default measured)."""
+    """Problems covered per op (baselines and the previous winner, else every tunable variant's first default,
+    measured)."""
     per = stats.get("coverage") or {}
     return "covered: " + ", ".join(f"{op} {done}/{total} problems" for op, (done, total) in per.items())
 
@@ -136,10 +137,13 @@ def tune(
                                         "papers' sweeps), models, gpu, llama70b, scaling (the same global problems at "
                                         "every --world: strong scaling), train (ag_gemm, gemm_rs: the forward and backward "
                                         "GEMMs of a sequence-parallel training step of Llama-3 70B and 8B), fp8 (ag_gemm, "
-                                        "gemm_ar, gemm_rs: the default problems in FP8, both scalings) or cpu (default: "
-                                        "default with GPUs, else cpu)."),
+                                        "gemm_ar, gemm_rs: the default problems in FP8, both scalings), cpu, or stored "
+                                        "(the problems --db holds for this hardware and --world, measured with any code "
+                                        "of their op: after a code change, a re-tune of a table that re-measures each "
+                                        "problem's previous winners first; every stored problem unless --limit) "
+                                        "(default: default with GPUs, else cpu)."),
     limit: Optional[int] = typer.Option(None, "--limit", help="Only the first N problems of each op per world size "
-                                        "(0: every problem; default: 2 on CPU, every problem on GPUs)."),
+                                        "(0: every problem; default: 2 on CPU, every problem on GPUs and with --sweep stored)."),
     reps: Optional[int] = typer.Option(None, help="Timed batches per measurement (default: 10 GPU, 5 CPU)."),
     budget: Optional[float] = typer.Option(None, help="Seconds one trial may take before it is failed as too slow."),
     time_limit: Optional[float] = typer.Option(None, help="Minutes: no new trial starts after this (default on "
@@ -154,8 +158,9 @@ def tune(
 ) -> None:
     """Tune every hybrid and fused variant's config per problem with Optuna; resumable. Every op is covered first
     (baselines and each variant's first default, problem by problem), then the other defaults, then a search where
-    it matters most; on GPUs the run is budgeted (--time-limit). SIGINT / SIGTERM finish the current trial and exit
-    130 / 143 (a second one abandons the trial)."""
+    it matters most; on GPUs the run is budgeted (--time-limit). After a change to an op's code, the configs that
+    won with the older code (rows in --db) are measured first, each problem's winner in its coverage. SIGINT /
+    SIGTERM finish the current trial and exit 130 / 143 (a second one abandons the trial)."""
     ops = _split(op)
     if not quiet and os.environ.get("RANK", "0") == "0":  # under torchrun, rank 0 speaks for the job
         say(f"autofuse tune: {', '.join(ops) if ops else 'every op'} into {db}; finding GPUs and reading the sweeps")

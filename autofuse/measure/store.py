@@ -643,6 +643,50 @@ class Store:
         rows = self._query(sql, params)
         return self._decode(rows[0]) if rows else None
 
+    def earlier_best(self, problem: str, mode: str, hardware_id: str, op_digest: str) -> list[dict]:
+        """Per (variant, config, op code), the fastest OK row of `problem` in `mode` on `hardware_id` measured
+        with other code of its op (any op_digest but `op_digest`), configs that failed with that code left out;
+        fastest first, each with `code_last` (when that code last measured this problem: which code is the
+        newest). What a re-tune after a change to the op's code measures first (`tuning.study`: the previous
+        winners); rows of the current code are `best`'s. Keys as in `best`, plus code_last."""
+        sql = """
+            WITH code AS (
+              SELECT op_digest, MAX(created_at) AS code_last FROM measurements INDEXED BY measurements_config
+              WHERE problem = :p AND hardware_id = :hw AND op_digest != :digest GROUP BY op_digest
+            ), good AS (
+              SELECT m.*, ROW_NUMBER() OVER (PARTITION BY m.variant, m.config_id, m.op_digest
+                                             ORDER BY m.median_us, m.id) AS rk
+              FROM measurements m INDEXED BY measurements_config
+              WHERE m.problem = :p AND m.hardware_id = :hw AND m.op_digest != :digest AND m.mode = :mode
+                AND m.ok = 1 AND m.median_us IS NOT NULL
+                AND NOT EXISTS (SELECT 1 FROM measurements b WHERE b.problem = m.problem
+                                AND b.config_id = m.config_id AND b.hardware_id = m.hardware_id
+                                AND b.op_digest = m.op_digest AND b.ok = 0)
+            )
+            SELECT problem, op, variant, config, config_id, median_us, p10_us, p90_us, mode, fingerprint,
+                   hardware_id, software_id, op_digest, source, extra, code.code_last AS code_last
+            FROM good JOIN code USING (op_digest) WHERE rk = 1 ORDER BY median_us, variant, config_id"""
+        return [self._decode(r) for r in self._query(sql, {"p": problem, "hw": hardware_id, "digest": op_digest,
+                                                            "mode": mode})]
+
+    def earlier_problems(self, hardware_id: str, mode: str, digests: Mapping[str, str]) -> set[str]:
+        """Keys of the problems of the ops in `digests` ({op: its current digest}) with OK rows in `mode` on
+        `hardware_id` measured with other code of the op: those whose previous winners a tune re-measures first."""
+        out: set[str] = set()
+        for op, digest in digests.items():
+            out.update(r["problem"] for r in self._query(
+                "SELECT DISTINCT problem FROM measurements WHERE hardware_id = ? AND op = ? AND op_digest != ? "
+                "AND mode = ? AND ok = 1", [hardware_id, op, digest, mode]))
+        return out
+
+    def problem_keys(self, hardware_id: str) -> list[dict]:
+        """Every problem with a measurement on `hardware_id` (any op code, mode or verdict): {key, op, world}
+        as written, keys not parsed (one an op no longer reads is the caller's to skip); by op, then key.
+        What `autofuse tune --sweep stored` re-measures."""
+        return self._query(
+            "SELECT p.key AS key, p.op AS op, p.world AS world FROM problems p WHERE EXISTS (SELECT 1 FROM "
+            "measurements m WHERE m.problem = p.key AND m.hardware_id = ?) ORDER BY p.op, p.key", [hardware_id])
+
     def code_versions(self, op: str | None = None, mode: str | None = None,
                       fingerprint_id: str | None = None) -> list[dict]:
         """Each (op, op_digest) with successful rows (of one environment if `fingerprint_id`, in one mode

@@ -68,7 +68,8 @@ class Progress:
         self.log(f"  re-measured in turns {problem.key} (x BSP off its neighbours'): {found or 'timing failed'}")
 
     def coverage(self, per_op: Mapping[str, tuple[int, int]], time_left: float | None) -> None:
-        """Problems covered per op (baselines and every variant's first default) and the time left."""
+        """Problems covered per op (baselines and each study's coverage: its previous winner, else every variant's
+        first default) and the time left."""
         text = "covered " + ", ".join(f"{op} {done}/{total}" for op, (done, total) in per_op.items())
         if time_left is not None:
             text += f"; {time_left / 60:.1f} min left"

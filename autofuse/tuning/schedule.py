@@ -1,17 +1,22 @@
 """The order of a tuning run: which measurement comes next (rank 0's side; DESIGN.md, Tuning and store).
 
 The whole run is planned first (every world size, op and problem: a `Slot` each), then measured in
-three passes, so that a run cut short at any moment (`--time-limit`, Ctrl-C, a kill) has spent its
+four passes, so that a run cut short at any moment (`--time-limit`, Ctrl-C, a kill) has spent its
 time where it matters most and leaves every op something to fit:
 
 1. **coverage**, in rounds: round r takes, for each (world size, op) in turn, its r-th problem (an
    op's problems in `spread` order: the ends of its size range first, then the middles) and measures
-   its baselines (bsp, peer) and the first known-good default of each tunable variant, with full reps
-   in every mode. After round r every op has r + 1 problems covered; round 0 is always completed
-   (a time limit is checked after it, a signal is not), so even a tiny `--time-limit` gives every op
-   a problem with BSP and every variant measured.
-2. **defaults**: every study's other known-good configs, one per problem in turn.
-3. **search**: the next sampled trial goes to the problem of highest `priority`: the closer its best
+   its baselines (bsp, peer) and its study's coverage (`StudyDriver.stage`): the previous winner where
+   the store holds rows of the problem measured with other code of the op (a re-tune after a code
+   change: one config re-confirms the winner), else the first known-good default of each tunable
+   variant; full reps in every mode. After round r every op has r + 1 problems covered; round 0 is
+   always completed (a time limit is checked after it, a signal is not), so even a tiny `--time-limit`
+   gives every op a problem with BSP and its best variants measured.
+2. **priors**: every study's other previous winners (each variant's best with the earlier code, and the
+   first default of a variant without one), one per problem in turn: a re-tune measures every
+   problem's previous winners before any other default or sampled config.
+3. **defaults**: every study's other known-good configs, one per problem in turn.
+4. **search**: the next sampled trial goes to the problem of highest `priority`: the closer its best
    and runner-up variants (the decision the search can still change) and the fewer trials it has had
    this run, the higher.
 
@@ -24,7 +29,7 @@ done, a problem whose x BSP deviates from its neighbours' (`measure.compare.devi
 `confirm` step: its BSP and its best are re-measured in turns and stored marked `confirmed`, which
 the store prefers to their first rows. Each (problem, best config) is confirmed at most once a run.
 
-**Compiling ahead**: the known-good configs of passes 1-2 are known before the run (`upcoming`); in the
+**Compiling ahead**: the known-good configs of passes 1-3 are known before the run (`upcoming`); in the
 search, each sampled trial handed out is followed by the next one of the same study asked ahead
 (`StudyDriver.ask_ahead`), whose config `on_ahead` passes on (the run's compile-ahead workers compile it
 while the current trial is measured); `release` fails the trials asked ahead and never handed out.
@@ -131,20 +136,34 @@ class Board:
         return per[v], v
 
 
+def _defaults(slot: Slot) -> list[tuple[str, str, Config]]:
+    """A study's known-good configs without previous winners: (stage, variant, config), each variant's first
+    default the coverage, the others defaults, round-robin over variants."""
+    lists = {v: list(slot.op.variants[v].defaults(slot.problem)) for v in slot.tunable}
+    return [("coverage" if i == 0 else "defaults", v, dict(configs[i]))
+            for i in range(max((len(c) for c in lists.values()), default=0))
+            for v, configs in lists.items() if i < len(configs)]
+
+
 class Scheduler:
     """Rank 0's plan and order of a run (see the module docstring).
 
     `make_driver(slot)` opens the slot's study (a `tuning.study.StudyDriver`); `known(slot, variant,
     config)` says whether the store already holds that baseline; `deadline` is a `time.monotonic()`
-    time after which nothing new starts (None: no limit) except the rest of coverage round 0.
+    time after which nothing new starts (None: no limit) except the rest of coverage round 0;
+    `known_good(slot)` lists the study's known-good configs as (stage, variant, config), in its order
+    (`tuning.study.known_good`; default: each variant's defaults, the first ones the coverage), for
+    `upcoming`.
     """
 
     def __init__(self, slots: Sequence[Slot], mode: str, make_driver: Callable[[Slot], Any],
                  known: Callable[[Slot, str, Config], bool], deadline: float | None = None,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic,
+                 known_good: Callable[[Slot], list[tuple[str, str, Config]]] | None = None):
         self.slots = list(slots)
         self.mode = mode
         self.make_driver, self.known = make_driver, known
+        self.known_good = known_good or _defaults
         self.deadline, self.clock = deadline, clock
         self.board = Board()
         self.urgent: list[Step] = []
@@ -217,16 +236,16 @@ class Scheduler:
                 s.driver.release()
 
     def upcoming(self) -> list[tuple[Slot, str, Config]]:
-        """Every known-good config the coverage and defaults passes will measure, in their order (what
-        the compile-ahead workers are given): per round, per slot, each variant's defaults."""
-        first: list[tuple[Slot, str, Config]] = []
-        rest: list[tuple[Slot, str, Config]] = []
+        """Every known-good config the coverage, priors and defaults passes will measure, in their order (what
+        the compile-ahead workers are given): per pass, per round, per slot, as its study lists them."""
+        passes: dict[str, list[tuple[Slot, str, Config]]] = {"coverage": [], "priors": [], "defaults": []}
         for s in sorted(self.slots, key=lambda s: s.round):
-            for v in s.tunable:
-                for i, c in enumerate(s.op.variants[v].defaults(s.problem)):
-                    if s.op.variants[v].check(s.problem, c) is None:
-                        (first if i == 0 else rest).append((s, v, dict(c)))
-        return first + rest
+            if not s.tunable:
+                continue
+            for stage, v, c in self.known_good(s):
+                if stage in passes and s.op.variants[v].check(s.problem, c) is None:
+                    passes[stage].append((s, v, dict(c)))
+        return [item for items in passes.values() for item in items]
 
     # -- the passes ----------------------------------------------------------------------------------
 
@@ -276,20 +295,13 @@ class Scheduler:
                 if s.round == r:
                     yield from self._cover(s)
         self._round = rounds
-        self.phase = "defaults"
+        self.phase = "priors"
         if self.out_of_time():
             return
         self.audit()
-        waiting = [s for s in sorted(self.slots, key=lambda s: s.round) if s.tunable]
-        while waiting:
-            for s in list(waiting):
-                step = None
-                if not s.done and self._driver(s).stage() in ("coverage", "defaults"):
-                    step = self._trial(s, "defaults", screen=True)
-                if step is None:
-                    waiting.remove(s)
-                else:
-                    yield step
+        yield from self._known_good_pass("priors", ("coverage", "priors"))
+        self.phase = "defaults"
+        yield from self._known_good_pass("defaults", ("coverage", "priors", "defaults"))
         self.phase = "search"
         self.audit()
         while True:
@@ -300,6 +312,19 @@ class Scheduler:
             step = self._trial(slot, "search", screen=True)
             if step is not None:
                 yield step
+
+    def _known_good_pass(self, phase: str, stages: tuple[str, ...]) -> Iterator[Step]:
+        """One known-good config per study in turn (by round) while its stage is among `stages`, screened."""
+        waiting = [s for s in sorted(self.slots, key=lambda s: s.round) if s.tunable]
+        while waiting:
+            for s in list(waiting):
+                step = None
+                if not s.done and self._driver(s).stage() in stages:
+                    step = self._trial(s, phase, screen=True)
+                if step is None:
+                    waiting.remove(s)
+                else:
+                    yield step
 
     def priority(self, slot: Slot) -> float:
         """How much the next sampled trial of `slot` may change what is decided: 1 / ((log gap between its

@@ -5,11 +5,18 @@
 - **Space**: a trial first picks the variant (categorical over the tunable variants available), then
   the variant's own `space(trial, problem)`, its parameters namespaced `<variant>.<name>` so
   variants may share names with different ranges.
-- **Queue**: known-good configs (every variant's `defaults(problem)`, round-robin over variants),
-  and the configs of trials whose worker died, are enqueued one at a time, just before the ask that
-  takes them, so no WAITING trial is left behind when the budget ends. `stage()` tells the run's
-  scheduler (`tuning.schedule`) whether the study is still in its coverage (first defaults),
-  its other defaults, or its sampled search. A config is retried once
+- **Queue**: known-good configs, and the configs of trials whose worker died, are enqueued one at a
+  time, just before the ask that takes them, so no WAITING trial is left behind when the budget ends.
+  Known-good configs (`known_good`) are every variant's `defaults(problem)` (round-robin over variants)
+  and, where the store holds rows of this problem, hardware and mode measured with other code of the op
+  (`Store.earlier_best`: the op's code changed since), the **previous winners** (`previous_winners`):
+  each variant's best config with the newest earlier code, two of the fastest variant's, marked
+  `prior` (`prior_index` 0: the previous winner), enqueued before the defaults; a variant not
+  available now, or a config its `check` refuses, is left out, and a config the study has seen is not
+  enqueued again. `stage()` tells the run's scheduler (`tuning.schedule`) what the study measures
+  next: its **coverage** (a retry; the previous winner where there is one, else every variant's first
+  default), the **priors** (the other previous winners, and the first default of a variant that has
+  none), its other **defaults**, or its sampled **search**. A config is retried once
   after its worker died (a config that kills its process twice is not tried again).
 - **Recorded parameters equal the measured config**: an enqueued config is given to the space as
   `fixed`; each draw returns the config's value, recorded in Optuna only where that value lies in
@@ -25,7 +32,7 @@
   (the variant's `check`, or what this World's heap refuses: `refuses`) is told PRUNED with its
   reason (attribute `invalid`) before anything is launched, and never counts as a measured trial; a config the store
   or the study already holds is not measured again: the trial is told the known verdict.
-- **The race**: a sampled (not enqueued) trial of a variant whose best measured config of the problem
+- **The race**: a sampled (not enqueued: defaults, previous winners and retries are never held back) trial of a variant whose best measured config of the problem
   is over `RACE_FACTOR` (2x) the problem's best, while another tunable variant is within it, is told PRUNED (attribute `out_of_the_race`) without
   being measured: TPE then learns to draw that variant less, and the search spends its builds on
   variants that can still win.
@@ -61,11 +68,76 @@ if TYPE_CHECKING:
 MAX_ATTEMPTS = 2  # a config whose worker died this often is not queued again
 RACE_FACTOR = 2.0  # a variant whose best is over this many times the problem's best is not sampled again
 AHEAD_ASKS = 3  # asks `ask_ahead` makes at most (a draw the store already holds, say, is settled at once)
+PRIOR_TOP = 2  # configs of the previous winner's variant re-measured first (its best and runner-up)
+STAGES = ("coverage", "priors", "defaults", "search", "done")  # a study's stages, in the order a run takes them
 
 
 def study_name(problem: Problem, mode: str, hardware_id: str, op_digest: str) -> str:
     """`<problem key>|<mode>|<hardware id>|<op digest>`."""
     return f"{problem.key}|{mode}|{hardware_id}|{op_digest}"
+
+
+def _refused(variant: Any, problem: Problem, config: Config) -> bool:
+    """Whether `variant` refuses `config` now (its `check` gives a reason, or cannot read the config)."""
+    try:
+        return variant.check(problem, config) is not None
+    except Exception:  # noqa: BLE001 - a config of older code may lack what the check reads
+        return True
+
+
+def previous_winners(rows: Sequence[Mapping[str, Any]], op: Op, problem: Problem,
+                     variants: Sequence[str]) -> list[tuple[str, Config, dict]]:
+    """The configs a re-tune after a change to the op's code measures first, from `Store.earlier_best`'s
+    rows (fastest first): per variant of `variants`, its best config with the newest earlier code that
+    measured it here (PRIOR_TOP for the fastest variant's), fastest first, as (variant, config, attrs);
+    attrs {"prior": True, "prior_index": i (0: the previous winner), "prior_us", "prior_digest"}. A variant
+    not in `variants` (not available now) and a config its `check` refuses are left out."""
+    valid = [r for r in rows if r["variant"] in variants and not _refused(op.variants[r["variant"]], problem,
+                                                                          r["config"])]
+    newest: dict[str, str] = {}
+    for r in valid:
+        newest[r["variant"]] = max(newest.get(r["variant"], ""), r["code_last"] or "")
+    per: dict[str, list[Mapping[str, Any]]] = {}
+    for r in valid:
+        if (r["code_last"] or "") == newest[r["variant"]]:
+            per.setdefault(r["variant"], []).append(r)
+    if not per:
+        return []
+    winner = min(per, key=lambda v: per[v][0]["median_us"])
+    chosen = sorted((r for v, rs in per.items() for r in rs[:PRIOR_TOP if v == winner else 1]),
+                    key=lambda r: r["median_us"])
+    return [(r["variant"], dict(r["config"]), {"prior": True, "prior_index": i, "prior_us": r["median_us"],
+                                               "prior_digest": r["op_digest"]}) for i, r in enumerate(chosen)]
+
+
+def known_good(op: Op, problem: Problem, variants: Sequence[str],
+               previous: Sequence[tuple[str, Config, dict]] = ()) -> list[tuple[str, str, Config, dict]]:
+    """A study's known-good configs in the order it measures them: (stage, variant, config, attrs), by stage
+    (STAGES). With previous winners (`previous_winners`): the winner is the coverage, the other previous
+    winners and the first default of each variant without one are the priors; else every variant's first
+    default is the coverage. The defaults go round-robin over variants (every first default, then every
+    second, ...); a config listed twice is measured once, in the earlier stage, with both attributes."""
+    entries: dict[tuple[str, str], list] = {}
+
+    def add(stage: str, variant: str, config: Config, attrs: dict) -> None:
+        key = (variant, config_key(config))
+        if key in entries:
+            held = entries[key]
+            held[0] = min(held[0], stage, key=STAGES.index)
+            held[3] = {**attrs, **held[3]}
+        else:
+            entries[key] = [stage, variant, dict(config), dict(attrs)]
+
+    for i, (v, config, attrs) in enumerate(previous):
+        add("coverage" if i == 0 else "priors", v, config, attrs)
+    with_prior = {v for v, _, _ in previous}
+    lists = {v: list(op.variants[v].defaults(problem)) for v in variants}
+    for i in range(max((len(c) for c in lists.values()), default=0)):
+        for v, configs in lists.items():
+            if i < len(configs):
+                first = "coverage" if not previous else "priors" if v not in with_prior else "defaults"
+                add(first if i == 0 else "defaults", v, configs[i], {"default": True, "default_index": i})
+    return [tuple(e) for e in sorted(entries.values(), key=lambda e: STAGES.index(e[0]))]
 
 
 @dataclass
@@ -161,6 +233,9 @@ class StudyDriver:
         self.idle_asks = 0
         self.measured_here = 0
         self.compile_s = 0.0
+        # The previous winners: read once, since rows of other code are not written during the run.
+        self.previous = previous_winners(
+            store.earlier_best(problem.key, mode, fingerprint["hardware_id"], op_digest), op, problem, variants)
         self.recover()
         self.initially_measured = self.measured()
 
@@ -189,45 +264,43 @@ class StudyDriver:
             warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
             optuna.storages.fail_stale_trials(self.study)
 
-    def pending(self) -> list[tuple[str, Config, dict]]:
-        """Configs to enqueue before sampling, in order: (variant, config, user attributes).
+    def _queue(self) -> list[tuple[str, str, Config, dict]]:
+        """Configs to enqueue before sampling, in order: (stage, variant, config, user attributes).
 
         First the configs of trials whose worker died (FAIL while measured), unless measured since
-        or tried MAX_ATTEMPTS times; then the known-good configs the study has not seen, round-robin
-        over variants (the first default of every variant, then the second, ...), so that a small
-        budget still sees every variant.
+        or tried MAX_ATTEMPTS times (coverage); then the known-good configs (`known_good`: previous
+        winners, then defaults) the study has not seen.
         """
         seen: dict[tuple[str, str], list[optuna.trial.FrozenTrial]] = {}
         for t in self._trials():
             if "config" in t.user_attrs:
                 key = (t.user_attrs.get("variant", t.params.get("variant")), config_key(t.user_attrs["config"]))
                 seen.setdefault(key, []).append(t)
-        out: list[tuple[str, Config, dict]] = []
+        out: list[tuple[str, str, Config, dict]] = []
         for (variant, _), ts in seen.items():
             died = [t for t in ts if t.state == TrialState.FAIL and t.user_attrs.get("measured")
                     and "duplicate_of" not in t.user_attrs]
             settled = [t for t in ts if t.state != TrialState.FAIL]
             if died and not settled and len(died) < MAX_ATTEMPTS and variant in self.variants:
                 last = max(died, key=lambda t: t.number)
-                out.append((variant, dict(last.user_attrs["config"]), {"retry_of": last.number}))
-        lists = {v: list(self.op.variants[v].defaults(self.problem)) for v in self.variants}
-        for i in range(max((len(c) for c in lists.values()), default=0)):
-            for v, configs in lists.items():
-                if i < len(configs) and (v, config_key(configs[i])) not in seen:
-                    out.append((v, dict(configs[i]), {"default": True, "default_index": i}))
-                    seen[(v, config_key(configs[i]))] = []
+                out.append(("coverage", variant, dict(last.user_attrs["config"]), {"retry_of": last.number}))
+        out += [e for e in known_good(self.op, self.problem, self.variants, self.previous)
+                if (e[1], config_key(e[2])) not in seen]
         return out
 
+    def pending(self) -> list[tuple[str, Config, dict]]:
+        """Configs to enqueue before sampling, in order: (variant, config, user attributes) (`_queue`)."""
+        return [(v, c, attrs) for _, v, c, attrs in self._queue()]
+
     def stage(self) -> str:
-        """What this study measures next: 'coverage' (a retry, or some variant's first default not yet
-        seen), 'defaults' (later known-good configs), 'search' (sampled configs), or 'done' (its
-        budget of measured trials is spent)."""
+        """What this study measures next (STAGES): 'coverage' (a retry, the previous winner, or where there is
+        none some variant's first default, not yet seen), 'priors' (the other previous winners, the first
+        default of a variant without one), 'defaults' (later known-good configs), 'search' (sampled configs),
+        or 'done' (its budget of measured trials is spent)."""
         if self.measured() >= self.trials:
             return "done"
-        queue = self.pending()
-        if any(attrs.get("default_index", 0) == 0 for _, _, attrs in queue):
-            return "coverage"
-        return "defaults" if queue else "search"
+        queue = self._queue()
+        return queue[0][0] if queue else "search"
 
     def _enqueue(self, variant: str, config: Config, attrs: dict) -> None:
         params = {"variant": variant, **{f"{variant}.{k}": val for k, val in config.items()}}

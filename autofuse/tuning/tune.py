@@ -1,11 +1,14 @@
 """Tuning on every rank: the whole run planned first, then measured in the order `tuning.schedule` picks
 (DESIGN.md, Tuning and store).
 
-- **Plan**: the ops (every registered one by default), their problems (the device's sweep, or
-  `--shapes`) and world sizes; `describe_plan` says what will run, on what, and roughly how long.
+- **Plan**: the ops (every registered one by default), their problems (the device's sweep, `--shapes`, or
+  `--sweep stored`: the problems the database holds for this hardware and world size, any code of their
+  op, `stored_problems`) and world sizes; `describe_plan` says what will run, on what, and roughly how
+  long, and rank 0 how many problems hold rows of older code of their op (`describe_previous`).
 - **Order** (`tuning.schedule.Scheduler`, rank 0): coverage rounds interleaving the ops (each
-  problem's baselines and every tunable variant's first default), then the other defaults, then a
-  sampled search where the gap between a problem's best and runner-up is smallest; trials after
+  problem's baselines and its previous winner, where older code of the op measured it, else every
+  tunable variant's first default), then every problem's other previous winners, then the other
+  defaults, then a sampled search where the gap between a problem's best and runner-up is smallest; trials after
   coverage are screened with few reps and re-timed with full reps in every mode only if within a few
   % of the problem's best. A run cut short at any moment has covered the ops evenly.
 - **Ranks**: rank 0 owns the studies (`tuning.study.StudyDriver`, one per problem), the store and the
@@ -61,7 +64,7 @@ from autofuse.tuning.lifecycle import STOP, ParentLink
 from autofuse.tuning.progress import Progress, first_line
 from autofuse.tuning.schedule import Scheduler, Slot, Step, spread
 from autofuse.tuning.storage import check_writable, default_storage, open_storage
-from autofuse.tuning.study import StudyDriver, study_name
+from autofuse.tuning.study import StudyDriver, known_good, previous_winners, study_name
 
 if TYPE_CHECKING:
     from autofuse.comm.world import World
@@ -76,6 +79,7 @@ DEFAULTS = {  # per device type: trials per study (None: one per tunable variant
 }
 # Rough seconds per measured trial and per baseline, and to start the ranks: for `describe_plan` only.
 ESTIMATE_S = {"cpu": (2.0, 1.0, 15.0), "cuda": (1.0, 0.5, 30.0)}
+STORED = "stored"  # `--sweep stored`: the problems the database holds for this hardware, instead of a named sweep
 DEPRECATIONS = (  # torch deprecations the ops trigger on every rank: said once by the lead's ops, not 7x here
     r".*`enable_symm_mem_for_group` is deprecated",
 )
@@ -166,14 +170,15 @@ def resolve_op(name: str) -> Op:
     return registry.get(name)
 
 
-def problems_for(op: Op, sweep: str, world: int, shapes: Sequence[str] = ()) -> list[Problem]:
-    """The problems to tune: the sweep, or `shapes`.
+def problems_for(op: Op, sweep: str, world: int, shapes: Sequence[str] = (),
+                 base: Sequence[Problem] | None = None) -> list[Problem]:
+    """The problems to tune: the sweep (or `base`: the problems a database holds, `--sweep stored`), or `shapes`.
 
     Each shape is a full problem key ('ag_gemm|K=64,M=64,N=64|float32|w2'), sizes that override
     the sweep's first problem ('M=64,N=64,K=64'), or M (or batch) values that filter the sweep
     ('64,128', as `autofuse bench --shapes`).
     """
-    base = op.sweep(sweep, world)
+    base = op.sweep(sweep, world) if base is None else list(base)
     if not shapes:
         return base
     out: list[Problem] = []
@@ -225,6 +230,7 @@ class Plan:
     sweep: str
     worlds: list[int]
     items: list[tuple[int, Op, list[Problem], list[str]]]
+    skipped: list[str] = field(default_factory=list)  # `--sweep stored`: one line per problem or op left out
 
     @property
     def problems(self) -> int:
@@ -234,23 +240,35 @@ class Plan:
         return sum(len(ps) * options.trials_for(self.device_type, vs) for _, _, ps, vs in self.items if vs)
 
 
-def make_plan(options: TuneOptions, device_type: str, ranks: int) -> Plan:
+def make_plan(options: TuneOptions, device_type: str, ranks: int, hardware_id: str | None = None) -> Plan:
     """The run's plan on `ranks` local ranks (raises ValueError / KeyError for unknown ops, sweeps, shapes).
     Without --op, the ops that have no such sweep are left out (e.g. `--sweep train` or `fp8` runs the GEMM
-    ops only); an op named with --op that lacks it is an error."""
+    ops only); an op named with --op that lacks it is an error. `--sweep stored` takes the problems the
+    database holds for `hardware_id` (default: this machine's) instead (`stored_problems`)."""
     mode = options.mode_for(device_type)
     sweep = options.sweep or ("default" if device_type == "cuda" else "cpu")
     worlds = sorted(set(options.worlds or [ranks]))
     if worlds[-1] > ranks or worlds[0] < 1:
         raise ValueError(f"world sizes {worlds} must be within 1..{ranks}")
     ops = [resolve_op(n) for n in (options.ops or registry.names())]
-    limit = options.value("limit", device_type) or None  # 0: every problem
+    stored, skipped = None, []
+    if sweep == STORED:
+        if hardware_id is None:
+            hardware_id = environment.fingerprint(device_type)["hardware_id"]
+        stored, skipped = stored_problems(options.db, hardware_id, ops, worlds, every_op=not options.ops)
+        limit = options.limit or None  # every stored problem unless --limit says otherwise
+    else:
+        limit = options.value("limit", device_type) or None  # 0: every problem
     items, missing = [], []
     for w in worlds:
         stand_in = SimpleNamespace(device=torch.device(device_type), size=w, rank=0)
         for op in ops:
             try:
-                if sweep == "scaling" and device_type == "cpu":
+                if stored is not None:
+                    if not stored.get((w, op.name)):
+                        continue
+                    problems = problems_for(op, sweep, w, options.shapes, base=stored[(w, op.name)])
+                elif sweep == "scaling" and device_type == "cpu":
                     problems = cpu_scaling(op, w, worlds[-1], options.shapes)
                 else:
                     problems = problems_for(op, sweep, w, options.shapes)
@@ -261,8 +279,63 @@ def make_plan(options: TuneOptions, device_type: str, ranks: int) -> Plan:
                 continue  # train sweep) sit out
             items.append((w, op, problems[:limit], tunable_variants(op, stand_in)))
     if not items:
+        if stored is not None:
+            raise ValueError(f"--sweep stored: {options.db} holds no problem of "
+                             f"{', '.join(op.name for op in ops) if options.ops else 'any registered op'} "
+                             f"measured on this hardware at world {', '.join(map(str, worlds))}"
+                             + (f" ({len(skipped)} left out: {skipped[0]})" if skipped else ""))
         raise ValueError(f"no op has a sweep {sweep!r} ({missing[0]})" if missing else f"nothing to tune in {sweep!r}")
-    return Plan(device_type, mode, sweep, worlds, items)
+    return Plan(device_type, mode, sweep, worlds, items, skipped)
+
+
+def stored_problems(db: str, hardware_id: str, ops: Sequence[Op], worlds: Sequence[int],
+                    every_op: bool = True) -> tuple[dict[tuple[int, str], list[Problem]], list[str]]:
+    """`--sweep stored`: the problems `db` holds measurements of on `hardware_id` (any op code: a re-tune after
+    a code change re-measures every problem of a shipped table), per (world, op name), each op's smallest
+    first; and one line per problem left out (its key does not parse, or `op.features` cannot read it: the
+    op's problem changed) or, with `every_op`, per op the database holds that is not registered. Problems of
+    other ops, world sizes or hardware are not taken. ValueError where the database cannot be read."""
+    try:
+        store = Store.open(db, readonly=True, fingerprint={})
+    except StoreError as exc:
+        raise ValueError(f"--sweep stored reads the problems of the database: {exc}") from None
+    try:
+        rows = store.problem_keys(hardware_id)
+    finally:
+        store.close()
+    by_name = {op.name: op for op in ops}
+    out: dict[tuple[int, str], list[Problem]] = {}
+    skipped: list[str] = []
+    unknown: dict[str, int] = {}
+    for r in rows:
+        if r["world"] not in worlds:
+            continue
+        op = by_name.get(r["op"])
+        if op is None:
+            if every_op and r["op"] not in registry.names():
+                unknown[r["op"]] = unknown.get(r["op"], 0) + 1
+            continue
+        try:
+            problem = Problem.from_key(r["key"])
+            if problem.op != op.name or problem.world != r["world"]:
+                raise ValueError(f"it is not a problem of {op.name} at world {r['world']}")
+            op.features(problem)
+        except Exception as exc:  # noqa: BLE001 - any key the op no longer reads: said, and left out
+            skipped.append(f"skipped stored problem {r['key']}: {op.name} no longer reads it "
+                           f"({first_line(f'{type(exc).__name__}: {exc}', 120)})")
+            continue
+        out.setdefault((problem.world, op.name), []).append(problem)
+    skipped += [f"skipped {n} stored problem{'s' if n > 1 else ''} of {name}: no op {name} is registered"
+                for name, n in sorted(unknown.items())]
+    return {k: sorted(ps, key=_size_order) for k, ps in out.items()}, skipped
+
+
+def _size_order(problem: Problem) -> tuple:
+    """A stored problem's place in its op's list: by dtype and categorical dims, then by size (the product of
+    its integer dims), so that `spread` takes the ends of the size range first as it does a sweep's."""
+    ints = [v for _, v in problem.dims if isinstance(v, int)]
+    named = tuple((k, str(v)) for k, v in problem.dims if not isinstance(v, int))
+    return problem.dtype, named, math.prod(ints), problem.key
 
 
 def cpu_scaling(op: Op, world: int, largest: int, shapes: Sequence[str] = ()) -> list[Problem]:
@@ -279,7 +352,8 @@ def cpu_scaling(op: Op, world: int, largest: int, shapes: Sequence[str] = ()) ->
 
 
 def describe_plan(plan: Plan, options: TuneOptions, ranks: int) -> str:
-    """One line: what will be tuned, on what, in which mode, into which database, and roughly how long."""
+    """One line: what will be tuned, on what, in which mode, into which database, and roughly how long; then
+    (`--sweep stored`) one line per stored problem or op left out."""
     per_op: dict[str, int] = {}
     for _, op, ps, _ in plan.items:
         per_op[op.name] = per_op.get(op.name, 0) + len(ps)
@@ -300,13 +374,33 @@ def describe_plan(plan: Plan, options: TuneOptions, ranks: int) -> str:
                    else f"up to {per} trials per problem" if limit_s is not None else f"{per} trials per problem")
     budget = (f"; time limit {limit_s / 60:g} min (--time-limit; 0: none): every op covered first, then the "
               "search goes where the gap between a problem's best variants is smallest" if limit_s is not None else "")
-    limit = options.value("limit", plan.device_type)
-    sweep = f"sweep {plan.sweep}" + (f" (its first {limit} problems per op; --limit 0: all)" if limit else "")
+    if plan.sweep == STORED:
+        limit = options.limit
+        sweep = (f"sweep stored ({plan.problems} problems from the database, measured on this hardware with any "
+                 "code of their op" + (f"; at most {limit} per op" if limit else "")
+                 + (f"; {len(plan.skipped)} left out, below" if plan.skipped else "")
+                 + "; where older code measured one, its previous winners re-measured first)")
+    else:
+        limit = options.value("limit", plan.device_type)
+        sweep = f"sweep {plan.sweep}" + (f" (its first {limit} problems per op; --limit 0: all)" if limit else "")
     base = (f"; world {', '.join(map(str, only_base))}: baselines only (nothing to communicate)" if only_base else "")
     base += (f"; {', '.join(untunable)}: baselines only (no tunable variant)" if untunable else "")
     return (f"tuning {plan.problems} problems ({', '.join(f'{k} {v}' for k, v in per_op.items())}) at world "
             f"{', '.join(map(str, plan.worlds))} on {where}, {sweep}: baselines, then {trials_text} ({trials} in all"
-            f"{base}){budget}, {plan.mode} mode, {rough} if nothing is stored yet; database {options.db}")
+            f"{base}){budget}, {plan.mode} mode, {rough} if nothing is stored yet; database {options.db}"
+            + "".join(f"\n{line}" for line in plan.skipped))
+
+
+def describe_previous(plan: Plan, store: Store, hardware_id: str, digests: dict[str, str]) -> str:
+    """One line where planned problems hold rows of other code of their op on this hardware: how many, and that
+    their previous winners are re-measured first ('' where none do)."""
+    held = store.earlier_problems(hardware_id, plan.mode, digests)
+    n = sum(p.key in held for _, _, ps, _ in plan.items for p in ps)
+    if not n:
+        return ""
+    return (f"{n} of the {plan.problems} problems hold measurements of older code of their op: each one's previous "
+            "winner is re-measured first (with its baselines), then every variant's previous best, before the "
+            "other defaults and the search")
 
 
 # -- collectives -------------------------------------------------------------------------------------
@@ -413,7 +507,12 @@ def _scheduler(world: World, plan: Plan, options: TuneOptions, state: RunState, 
         return store.lookup(slot.key, config_id(slot.op.name, variant, config), plan.mode, hardware_id=hw,
                             op_digest=state.digests[slot.op.name]) is not None
 
-    sched = Scheduler(_slots(plan, world), plan.mode, make_driver, known, state.deadline)
+    def known_configs(slot: Slot) -> list[tuple[str, str, dict]]:
+        previous = previous_winners(store.earlier_best(slot.key, plan.mode, hw, state.digests[slot.op.name]),
+                                    slot.op, slot.problem, slot.tunable)
+        return [(stage, v, c) for stage, v, c, _ in known_good(slot.op, slot.problem, slot.tunable, previous)]
+
+    sched = Scheduler(_slots(plan, world), plan.mode, make_driver, known, state.deadline, known_good=known_configs)
     for name in {s.op.name for s in sched.slots}:
         sched.load(store.best(name, plan.mode, hardware_id=hw, op_digest=state.digests[name]))
     return sched
@@ -597,8 +696,8 @@ def _compile_ahead(world: World, options: TuneOptions, sched: Scheduler) -> Any:
 def _tune(world: World, options: TuneOptions, supervised: bool) -> dict:
     dev = world.device.type
     options.validate(dev, world.size)
-    plan = make_plan(options, dev, world.size)
     fp = environment.fingerprint(dev)
+    plan = make_plan(options, dev, world.size, hardware_id=fp["hardware_id"])
     ops = {op.name: op for _, op, _, _ in plan.items}
     limit_s = options.time_limit_for(dev)
     t0 = time.monotonic()
@@ -621,6 +720,9 @@ def _tune(world: World, options: TuneOptions, supervised: bool) -> dict:
         note = describe_stale(state.store.stale())
         if note:
             progress.log(note, style="yellow")
+        note = describe_previous(plan, state.store, fp["hardware_id"], state.digests)
+        if note:
+            progress.log(note)
         state.scheduler = _scheduler(world, plan, options, state, subs)
         try:
             ahead = _compile_ahead(world, options, state.scheduler)
