@@ -14,7 +14,9 @@ One SQLite file, schema version 2 (table `meta`), five tables with foreign keys:
 Reads (`best`, `lookup`, `measurements`) select by hardware id and op digest: rows of other hardware,
 or of an op whose code changed since, are kept but not used; rows of other software (driver, CUDA,
 torch, Triton, NCCL) are used, and `stale` reports both. A failed config (ok = 0) is stored so that it
-is not retried, and is never returned by `best` (not even its OK rows in another mode or run).
+is not retried, and is never returned by `best` (not even its OK rows in another mode or run). Rows of
+older code of an op are read in one place: `earlier_best`, the configs that won with it, which a tune
+measures first (`tuning.study`); `problem_keys` lists the problems of one hardware (`--sweep stored`).
 
 `Store.open(path, readonly=True)` (show, export, fit) never writes: the file is opened with SQLite's
 read-only URI mode, nothing is created or converted, and a missing, foreign, corrupt or truncated
