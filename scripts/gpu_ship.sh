@@ -6,13 +6,16 @@
 # $OUT/ship-wWORLD.tgz after every step, so a run cut short still returns what it did.
 #   bash scripts/gpu_ship.sh WORLD GPUS [STEPS]
 #     WORLD  ranks (one per GPU)          GPUS  CUDA_VISIBLE_DEVICES, e.g. 0,1
-#     STEPS  comma-separated among tune, fit, export, eval, layer, train, train_model, warmup, moe, shipped
+#     STEPS  comma-separated among tune, retune, fit, export, eval, layer, train, train_model, warmup, moe, shipped
 #            (default tune,fit,export,eval,layer); shipped: instead of tune and fit, the policies dispatch would
 #            find on this machine (models/, by fingerprint) become the run's policy-{graph,eager}.json; train: `autofuse bench train_layer --sweep 70b,8b` with the fitted policy
 #            train_model: `autofuse bench train_model --sweep 8b --layers 4` (whole training steps) with it
 #            warmup: scripts/eval_warmup_gpu.py, first requests cold vs after `autofuse warmup` (fitted policy)
 #            tune: TUNE_OPS (e.g. ag_gemm,gemm_ar: re-tune only the ops whose code changed, then merge) and
 #            TUNE_MINUTES (--time-limit) narrow it
+#            retune: after a code change, every problem of BASE_DB (a shipped table, copied, never changed) re-measured
+#            into the copy, `--sweep stored`: baselines and the previous winners first (TUNE_MINUTES, default 5);
+#            later steps fit and export the copy
 #            tune-moe / tune-train: `autofuse tune --sweep moe` (MOE_OPS, MOE_MINUTES, default 3: one minute covered 15 of 21 problems per op at
 #            4 GPUs once moe_dispatch had its fused variant) / `--sweep train` (ag_gemm,
 #            gemm_rs, or TRAIN_OPS; TRAIN_MINUTES, default 3) into the run's database; merge: BASE_DB (e.g. the shipped
@@ -53,6 +56,9 @@ for s in ${STEPS//,/ }; do
   case $s in
     tune) step tune 560 python3 -m autofuse tune --world "$WORLD" --db "$DB" ${TUNE_OPS:+--op $TUNE_OPS} \
             ${TUNE_MINUTES:+--time-limit $TUNE_MINUTES} ;;
+    retune) step retune 470 bash -c "cp $BASE_DB $W/retuned.db && python3 -m autofuse tune --world $WORLD --db $W/retuned.db \
+              --sweep stored --time-limit ${TUNE_MINUTES:-5}"
+            DB=$W/retuned.db ;;
     tune-moe) step tune-moe 300 python3 -m autofuse tune --world "$WORLD" --db "$DB" --sweep moe \
                 --op "${MOE_OPS:-moe_dispatch,moe_combine}" --time-limit "${MOE_MINUTES:-3}" ;;
     tune-train) step tune-train 300 python3 -m autofuse tune --world "$WORLD" --db "$DB" --sweep train \
