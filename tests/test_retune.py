@@ -21,20 +21,12 @@ from autofuse.measure.store import Store
 from autofuse.measure.timing import Measurement
 from autofuse.tuning.storage import default_storage, open_storage
 
+from test_tune import _inputs, _reference  # the toy op's inputs and float64 reference: test_tune's
+
 OLD = "0ld0ld0ld0ld0ld0"  # the op digest of the code before the change
 
 
 # -- the op: out = sum over ranks of x_r, in chunks ------------------------------------------------------
-
-def _inputs(world, problem: Problem, seed: int) -> tuple[torch.Tensor]:
-    g = torch.Generator().manual_seed(seed * 1000 + world.rank)
-    return (torch.randn(problem["N"], generator=g).to(world.device),)
-
-
-def _reference(world, problem: Problem, seed: int) -> torch.Tensor:
-    gens = [torch.Generator().manual_seed(seed * 1000 + r) for r in range(world.size)]
-    return sum(torch.randn(problem["N"], generator=g).double() for g in gens)
-
 
 class Bsp(Variant):
     name, family = "bsp", "bsp"

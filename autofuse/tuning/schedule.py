@@ -136,13 +136,42 @@ class Board:
         return per[v], v
 
 
+STAGES = ("coverage", "priors", "defaults", "search", "done")  # a study's stages, in the order a run takes them
+
+
+def known_good(op: Op, problem: Problem, variants: Sequence[str],
+               previous: Sequence[tuple[str, Config, dict]] = ()) -> list[tuple[str, str, Config, dict]]:
+    """A study's known-good configs in the order it measures them: (stage, variant, config, attrs), by stage
+    (STAGES). With previous winners (`tuning.study.previous_winners`): the winner is the coverage, the other previous
+    winners and the first default of each variant without one are the priors; else every variant's first
+    default is the coverage. The defaults go round-robin over variants (every first default, then every
+    second, ...); a config listed twice is measured once, in the earlier stage, with both attributes."""
+    entries: dict[tuple[str, str], list] = {}
+
+    def add(stage: str, variant: str, config: Config, attrs: dict) -> None:
+        key = (variant, config_key(config))
+        if key in entries:
+            held = entries[key]
+            held[0] = min(held[0], stage, key=STAGES.index)
+            held[3] = {**attrs, **held[3]}
+        else:
+            entries[key] = [stage, variant, dict(config), dict(attrs)]
+
+    for i, (v, config, attrs) in enumerate(previous):
+        add("coverage" if i == 0 else "priors", v, config, attrs)
+    with_prior = {v for v, _, _ in previous}
+    lists = {v: list(op.variants[v].defaults(problem)) for v in variants}
+    for i in range(max((len(c) for c in lists.values()), default=0)):
+        for v, configs in lists.items():
+            if i < len(configs):
+                first = "coverage" if not previous else "priors" if v not in with_prior else "defaults"
+                add(first if i == 0 else "defaults", v, configs[i], {"default": True, "default_index": i})
+    return [tuple(e) for e in sorted(entries.values(), key=lambda e: STAGES.index(e[0]))]
+
+
 def _defaults(slot: Slot) -> list[tuple[str, str, Config]]:
-    """A study's known-good configs without previous winners: (stage, variant, config), each variant's first
-    default the coverage, the others defaults, round-robin over variants."""
-    lists = {v: list(slot.op.variants[v].defaults(slot.problem)) for v in slot.tunable}
-    return [("coverage" if i == 0 else "defaults", v, dict(configs[i]))
-            for i in range(max((len(c) for c in lists.values()), default=0))
-            for v, configs in lists.items() if i < len(configs)]
+    """A study's known-good configs without previous winners: (stage, variant, config) (`known_good`)."""
+    return [(stage, v, c) for stage, v, c, _ in known_good(slot.op, slot.problem, slot.tunable)]
 
 
 class Scheduler:
@@ -152,7 +181,7 @@ class Scheduler:
     config)` says whether the store already holds that baseline; `deadline` is a `time.monotonic()`
     time after which nothing new starts (None: no limit) except the rest of coverage round 0;
     `known_good(slot)` lists the study's known-good configs as (stage, variant, config), in its order
-    (`tuning.study.known_good`; default: each variant's defaults, the first ones the coverage), for
+    (`known_good` with the previous winners; default: each variant's defaults, the first ones the coverage), for
     `upcoming`.
     """
 

@@ -60,6 +60,7 @@ from optuna.trial import TrialState
 from autofuse.measure.timing import Measurement
 from autofuse.core.op import Config, Op, Problem, config_key
 from autofuse.measure.store import Store, config_id
+from autofuse.tuning.schedule import known_good
 from autofuse.tuning.storage import Heartbeat, alive, this_worker
 
 if TYPE_CHECKING:
@@ -69,7 +70,6 @@ MAX_ATTEMPTS = 2  # a config whose worker died this often is not queued again
 RACE_FACTOR = 2.0  # a variant whose best is over this many times the problem's best is not sampled again
 AHEAD_ASKS = 3  # asks `ask_ahead` makes at most (a draw the store already holds, say, is settled at once)
 PRIOR_TOP = 2  # configs of the previous winner's variant re-measured first (its best and runner-up)
-STAGES = ("coverage", "priors", "defaults", "search", "done")  # a study's stages, in the order a run takes them
 
 
 def study_name(problem: Problem, mode: str, hardware_id: str, op_digest: str) -> str:
@@ -108,36 +108,6 @@ def previous_winners(rows: Sequence[Mapping[str, Any]], op: Op, problem: Problem
                     key=lambda r: r["median_us"])
     return [(r["variant"], dict(r["config"]), {"prior": True, "prior_index": i, "prior_us": r["median_us"],
                                                "prior_digest": r["op_digest"]}) for i, r in enumerate(chosen)]
-
-
-def known_good(op: Op, problem: Problem, variants: Sequence[str],
-               previous: Sequence[tuple[str, Config, dict]] = ()) -> list[tuple[str, str, Config, dict]]:
-    """A study's known-good configs in the order it measures them: (stage, variant, config, attrs), by stage
-    (STAGES). With previous winners (`previous_winners`): the winner is the coverage, the other previous
-    winners and the first default of each variant without one are the priors; else every variant's first
-    default is the coverage. The defaults go round-robin over variants (every first default, then every
-    second, ...); a config listed twice is measured once, in the earlier stage, with both attributes."""
-    entries: dict[tuple[str, str], list] = {}
-
-    def add(stage: str, variant: str, config: Config, attrs: dict) -> None:
-        key = (variant, config_key(config))
-        if key in entries:
-            held = entries[key]
-            held[0] = min(held[0], stage, key=STAGES.index)
-            held[3] = {**attrs, **held[3]}
-        else:
-            entries[key] = [stage, variant, dict(config), dict(attrs)]
-
-    for i, (v, config, attrs) in enumerate(previous):
-        add("coverage" if i == 0 else "priors", v, config, attrs)
-    with_prior = {v for v, _, _ in previous}
-    lists = {v: list(op.variants[v].defaults(problem)) for v in variants}
-    for i in range(max((len(c) for c in lists.values()), default=0)):
-        for v, configs in lists.items():
-            if i < len(configs):
-                first = "coverage" if not previous else "priors" if v not in with_prior else "defaults"
-                add(first if i == 0 else "defaults", v, configs[i], {"default": True, "default_index": i})
-    return [tuple(e) for e in sorted(entries.values(), key=lambda e: STAGES.index(e[0]))]
 
 
 @dataclass
@@ -293,7 +263,7 @@ class StudyDriver:
         return [(v, c, attrs) for _, v, c, attrs in self._queue()]
 
     def stage(self) -> str:
-        """What this study measures next (STAGES): 'coverage' (a retry, the previous winner, or where there is
+        """What this study measures next (`schedule.STAGES`): 'coverage' (a retry, the previous winner, or where there is
         none some variant's first default, not yet seen), 'priors' (the other previous winners, the first
         default of a variant without one), 'defaults' (later known-good configs), 'search' (sampled configs),
         or 'done' (its budget of measured trials is spent)."""

@@ -62,9 +62,9 @@ from autofuse.core.op import Op, Problem
 from autofuse.measure.store import Store, StoreError, config_id, describe_stale
 from autofuse.tuning.lifecycle import STOP, ParentLink
 from autofuse.tuning.progress import Progress, first_line
-from autofuse.tuning.schedule import Scheduler, Slot, Step, spread
+from autofuse.tuning.schedule import Scheduler, Slot, Step, known_good, spread
 from autofuse.tuning.storage import check_writable, default_storage, open_storage
-from autofuse.tuning.study import StudyDriver, known_good, previous_winners, study_name
+from autofuse.tuning.study import StudyDriver, previous_winners, study_name
 
 if TYPE_CHECKING:
     from autofuse.comm.world import World
