@@ -5,7 +5,9 @@ Issue 44 measured eager autofuse 0.6-1.4% behind torch TP at 70B T=4096-8192, an
 put the gap outside the projections ("rest" = layer - ops). This script says which kernels: per contender,
 torch.profiler over `--steps` steps after warm-up (CUDA activity only), the GPU kernel time grouped by
 kernel class (`classify`: NCCL, attention, copies, elementwise, reductions, GEMMs (autofuse's fused
-GEMM kernels among them), other Triton kernels (autofuse's collectives), other), the kernel count and busy time per step, and the step's wall time, rank 0's. The busy
+GEMM kernels among them), other Triton kernels (autofuse's collectives), other), the kernel count and busy time per step, and the step's wall time, rank 0's; then the top kernels' time on
+every rank (a kernel that waits for its peers, a barrier or a fused kernel's flags, runs longer on the rank
+that arrives first: where the ranks differ, one of them is late). The busy
 time (kernel time summed) against the wall time separates device work from host gaps.
 
     python3 scripts/profile_train_layer_gpu.py --world 2 --model 70b --tokens 8192 --out profile.json
@@ -104,7 +106,8 @@ def _rank(world: Any, cfg: dict) -> dict:
         top = sorted(by_kernel.items(), key=lambda kv: -kv[1][0])[:cfg["top"]]
         out[name] = {"wall_us": wall_us, "busy_us": sum(by_class.values()), "kernels_per_step": count / cfg["steps"],
                      "by_class_us": dict(by_class),
-                     "top": [{"kernel": k[:140], "us": v[0], "calls_per_step": v[1] / cfg["steps"]} for k, v in top]}
+                     "top": [{"kernel": k[:140], "us": v[0], "calls_per_step": v[1] / cfg["steps"]} for k, v in top],
+                     "kernels": {k[:140]: v[0] for k, v in by_kernel.items()}}
         world.sync()
     return out
 
@@ -132,9 +135,11 @@ def main(argv: list[str] | None = None) -> int:
     cfg = {"model": a.model or ("70b" if kind == "cuda" else "tiny"), "tokens": a.tokens or (8192 if kind == "cuda" else 32),
            "contenders": names, "steps": a.steps,
            "warmup": a.warmup if kind == "cuda" else 1, "top": a.top}
-    res = spawn(_rank, a.world, cfg, device_kind=kind, timeout_s=1800)[0]
+    ranks = spawn(_rank, a.world, cfg, device_kind=kind, timeout_s=1800)
+    res = ranks[0]
     dev = torch.cuda.get_device_name(0) if kind == "cuda" else "cpu"
-    doc = {"device": dev, "world": a.world, **cfg, "contenders": res}
+    doc = {"device": dev, "world": a.world, **cfg, "contenders": res,
+           "kernels_by_rank": {name: [r[name]["kernels"] for r in ranks] for name in res}}
     if a.out:
         with open(a.out, "w") as f:
             json.dump(doc, f, indent=1)
@@ -148,6 +153,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\n{name}: top kernels")
         for k in v["top"]:
             print(f"  {k['us']:>9.0f} us  x{k['calls_per_step']:<4.0f} {k['kernel'][:100]}")
+        if len(ranks) > 1:  # a kernel that waits on its peers runs longer on the rank that arrives first
+            print(f"{name}: the same kernels on every rank (us per step; wall per rank: "
+                  + ", ".join(f"{r[name]['wall_us']:.0f}" for r in ranks) + ")")
+            for k in v["top"]:
+                print("  " + "".join(f"{r[name]['kernels'].get(k['kernel'], 0.0):>9.0f}" for r in ranks)
+                      + f"  {k['kernel'][:90]}")
     return 0
 
 

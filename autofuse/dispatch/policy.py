@@ -48,6 +48,7 @@ FORMAT = "autofuse-policy"
 FORMAT_VERSION = 1
 BSP = "bsp"
 MEASURED_MARGIN = 0.02  # a tuned problem leaves BSP only for a measured gain above 2% (timing noise)
+NEAR_CLOSE = 0.05  # variants within this of the nearest tuned problem's fastest: its timing could not tell them apart
 # Bounds of what a policy file may hold (far above what `autofuse fit` writes: depth 6, 200 trees of depth 3;
 # the shipped policies are about 1 MiB). Every rank of a job parses the file, so its size bounds each one's memory.
 MAX_FILE_BYTES = 16 << 20
@@ -335,20 +336,52 @@ class Policy:
                                 k: int = 3) -> tuple[list[tuple[str, Config]], int]:
         """(what a confirmation on first use measures besides bsp, how many of them it times): the k most
         promising candidates (`candidates`; twice as many listed, the later ones standing in for those
-        that cannot run), and every `peer` variant (torch's own ops: what users run instead) that can run
-        here and is not among those k, timed as well (k + their number). A confirmed pick is then never
-        slower than the alternative by more than the timing's noise."""
+        that cannot run); then, where the model ranks them lower, the variants that won the nearest tuned
+        problem or ran within 5% of its winner (`nearest_winners`: the strongest evidence beside the model's
+        interpolation; on 2x H200 the model left heap_mm_overlap, within 3% of the winner on the nearest
+        tuned k-form ag_gemm problems, out of a held-out k-form problem's top 3 in two rounds, and the
+        pick was 1.13x slower than it); and every `peer`
+        variant (torch's own ops: what users run instead) that can run here and is not among those,
+        timed as well (k + their number). A confirmed pick is then never slower than the alternative or
+        the neighbour's winners by more than the timing's noise."""
         cands = self.candidates(problem, op, available, 2 * k)
+        if not cands:
+            return cands, k
         allowed = None if available is None else set(available)
+        first = {v for v, _ in cands[:k]}
+        extra: list[tuple[str, Config]] = []
+        for near in self.nearest_winners(problem, op, available):
+            if near not in first:
+                extra += [(near, c) for c in self.configs_for(problem, near, op, 1)]
         peers = [v for v, var in op.variants.items()
                  if var.family == "peer" and (allowed is None or v in allowed)]
-        first = {v for v, _ in cands[:k]}
-        alts = [c for c in (self.candidates(problem, op, peers, len(peers)) if peers and cands else [])
-                if c[0] not in first]
-        if not alts:
+        taken = first | {v for v, _ in extra}
+        alts = [c for c in (self.candidates(problem, op, peers, len(peers)) if peers else []) if c[0] not in taken]
+        extra += alts
+        if not extra:
             return cands, k
-        added = {v for v, _ in alts}
-        return cands[:k] + alts + [c for c in cands[k:] if c[0] not in added], k + len(alts)
+        added = {v for v, _ in extra}
+        return cands[:k] + extra + [c for c in cands[k:] if c[0] not in added], k + len(extra)
+
+    def nearest_winners(self, problem: Problem, op: Op, available: Iterable[str] | None = None,
+                        close: float = NEAR_CLOSE) -> list[str]:
+        """The variants other than bsp (among `available`, and the op's fitted ones) that ran within `close`
+        (relative) of the fastest on the tuned problem nearest to `problem` (standardised feature distance,
+        as `config_for` ranks configs) and beat bsp there, fastest first: what that problem's timing could
+        not tell apart. Empty where bsp won there or nothing is tuned."""
+        data = self.ops.get(problem.op)
+        if self.refused or data is None or not data["problems"]:
+            return []
+        allowed = set(data["variants"]) if available is None else set(available) & set(data["variants"])
+        x, scale = self.features(problem, op), data["scale"]
+        _, entry = min(data["problems"].items(),
+                       key=lambda kv: (sum(((a - b) / s) ** 2 for a, b, s in zip(x, kv[1]["x"], scale)), kv[0]))
+        us = {v: t for v, t in entry["us"].items() if v in allowed or v == BSP}
+        if not us:
+            return []
+        best = min(us.values())
+        bsp = us.get(BSP, math.inf)
+        return [v for v in sorted(us, key=lambda v: (us[v], v)) if v != BSP and us[v] <= best * (1 + close) and us[v] < bsp]
 
     def configs_for(self, problem: Problem, variant: str, op: Op, n: int = 1) -> list[Config]:
         """Up to `n` distinct configs of `variant` that accept `problem`, in `config_for`'s order."""
