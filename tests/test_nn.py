@@ -256,6 +256,7 @@ def _llama(world) -> dict:
         out[f"full_state_dict sp={sp}"] = (sorted(full) == sorted(want),
                                            max(float((full[k] - want[k]).abs().max()) for k in want if k in full))
         out[f"modules sp={sp}"] = {type(m).__name__ for m in model.modules()}
+        out[f"swiglu sp={sp}"] = [type(vars(layer.mlp).get("forward")).__name__ for layer in model.model.layers]
     out["ref keys"] = sorted(ref.state_dict())
     out["qwen2"] = _qwen2(world, ids)
     try:  # 3 KV heads: neither divisible by the group size nor dividing it (the check parallelize makes)
@@ -751,12 +752,14 @@ def test_llama_compiled_generation_matches(job) -> None:
 
 def test_llama_modules_and_state_dict(job) -> None:
     """Without sequence parallelism the state_dict keeps transformers' keys (each a shard); with it,
-    q/k/v and gate/up are one layer each; full_state_dict gives back the unsharded model's."""
+    q/k/v and gate/up are one layer each, and each MLP runs its SwiGLU as one kernel on the fused output
+    (autofuse.nn.swiglu); full_state_dict gives back the unsharded model's."""
     _, ranks = job
     llama = ranks[0]["llama"]
     assert llama["keys sp=False"] == llama["ref keys"]
     assert {"ColumnParallelLinear", "RowParallelLinear"} <= llama["modules sp=False"]
     assert "Linear" in llama["modules sp=False"]  # lm_head stays whole
+    assert llama["swiglu sp=False"] == ["NoneType"] * 2 and llama["swiglu sp=True"] == ["FusedForward"] * 2
     fused = {k for k in llama["keys sp=True"] if "qkv_proj" in k or "gate_up_proj" in k}
     assert len(fused) == 4 and not any(k.endswith(("q_proj.weight", "gate_proj.weight")) for k in llama["keys sp=True"])
     for sp in (False, True):  # gathered, fused layers split back: the unsharded model's state_dict exactly

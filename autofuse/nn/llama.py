@@ -96,6 +96,7 @@ from torch import nn
 from autofuse.nn import functional as tpf
 from autofuse.nn.grads import GradSum
 from autofuse.nn.linear import ColumnParallelLinear, FusedPart, RowParallelLinear, feed_parts, fuse_columns
+from autofuse.nn.swiglu import fuse_gated_mlp
 from autofuse.nn import moe_tp
 from autofuse.nn.moe import ExpertParallelMoE, is_moe_block
 from autofuse.nn.norm import ShardedRMSNorm
@@ -558,6 +559,7 @@ class _SequenceParallel(GradSum):
         elif len(form.columns) > 1:
             fuse_columns(mlp, form.columns, "gate_up_proj", g, sequence_parallel=True)
             setattr(mlp, form.row, RowParallelLinear.from_linear(getattr(mlp, form.row), g, sequence_parallel=True))
+            fuse_gated_mlp(mlp)  # a SiLU-gated MLP: one SwiGLU kernel each way, eagerly
             mlp.register_forward_pre_hook(self.mlp_in)
             mlp.register_forward_hook(self.mlp_out)
             getattr(mlp, form.row).register_forward_pre_hook(self.rows_in)
