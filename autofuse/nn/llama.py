@@ -96,7 +96,7 @@ from torch import nn
 from autofuse.nn import functional as tpf
 from autofuse.nn.grads import GradSum
 from autofuse.nn.linear import ColumnParallelLinear, FusedPart, RowParallelLinear, feed_parts, fuse_columns
-from autofuse.nn.swiglu import fuse_gated_mlp
+from autofuse.nn.swiglu import FusedForward, fuse_gated_mlp
 from autofuse.nn import moe_tp
 from autofuse.nn.moe import ExpertParallelMoE, is_moe_block
 from autofuse.nn.norm import ShardedRMSNorm
@@ -621,7 +621,8 @@ class _SequenceParallel(GradSum):
         x = args[0]
         b, t, h = x.shape
         gate_up = module.gate_up_proj(x.reshape(b * t, h)).view(b, t * self.world, -1)
-        feed_parts(module, module.gate_up_proj.part_names, gate_up)
+        if not isinstance(vars(module).get("forward"), FusedForward):  # one SwiGLU reads the whole output
+            feed_parts(module, module.gate_up_proj.part_names, gate_up)
         return (gate_up, *args[1:])
 
     def mlp_out(self, module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
