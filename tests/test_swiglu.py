@@ -49,7 +49,8 @@ def test_swiglu_matches_float64(dtype, shape, layout) -> None:
 
 
 def test_swiglu_edges() -> None:
-    """No rows: empty results, no launch; an odd last dim is refused; float64 takes torch's formula."""
+    """No rows: empty results, no launch; an odd last dim is refused; float64 and fake tensors take torch's
+    formula."""
     x = torch.zeros(0, 8, requires_grad=True)
     y = swiglu(x)
     y.sum().backward()
@@ -58,6 +59,13 @@ def test_swiglu_edges() -> None:
         swiglu(torch.zeros(2, 7))
     x = torch.randn(3, 6, dtype=torch.float64)
     assert torch.equal(swiglu(x), swiglu_reference(x))
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():  # shape inference: no data to launch a kernel on
+        fake = torch.empty(4, 10, requires_grad=True)
+        out = swiglu(fake)
+        out.sum().backward()
+    assert out.shape == (4, 5) and fake.grad.shape == (4, 10)
 
 
 def _mlp(act: str = "silu") -> nn.Module:

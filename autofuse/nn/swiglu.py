@@ -75,11 +75,12 @@ class _SwiGLU(torch.autograd.Function):
 
 def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up, where gate and up are the two halves of `gate_up`'s last dim (even), differentiable.
-    One kernel each way on GPUs (and under Triton's interpreter); torch's ops elsewhere, under
-    torch.compile, and for dtypes the kernel does not take."""
+    One kernel each way on GPUs (and under Triton's interpreter); torch's ops elsewhere: under
+    torch.compile, for tensor subclasses (fake, meta-like or distributed tensors hold no data to launch on)
+    and for dtypes the kernel does not take."""
     if gate_up.shape[-1] % 2:
         raise ValueError(f"swiglu: the last dim ({gate_up.shape[-1]}) must hold gate and up side by side (even)")
-    if (torch.compiler.is_compiling() or not _launch_ok(gate_up)
+    if (torch.compiler.is_compiling() or type(gate_up) is not torch.Tensor or not _launch_ok(gate_up)
             or gate_up.dtype not in (torch.float16, torch.bfloat16, torch.float32)):
         return swiglu_reference(gate_up)
     return _SwiGLU.apply(gate_up)
