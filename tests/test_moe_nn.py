@@ -150,7 +150,9 @@ def _model_case(world, make, kind: str, shape: tuple[int, int], sp: bool = False
     if aux:
         got["aux"] = rel(auxes[1], auxes[0])
     return {**got, "received": received, "expert dtypes": sorted(dtypes),
-            "blocks": sum(isinstance(m, autofuse.nn.ExpertParallelMoE) for m in model.modules())}
+            "blocks": sum(isinstance(m, autofuse.nn.ExpertParallelMoE) for m in model.modules()),
+            "shared swiglu": sorted({type(vars(m).get("forward")).__name__ for m in model.modules()
+                                     if getattr(m, "gate_up_proj", None) is not None and hasattr(m, "act_fn")})}
 
 
 def _copies(world) -> dict:
@@ -356,7 +358,8 @@ def job(request) -> tuple[int, list[dict]]:
 def test_parallel_moe_models_match_the_unsharded_float64_model(job) -> None:
     """Mixtral, Qwen2-MoE and Qwen3-MoE (per-head q/k norms: their gradients summed over the group): logits,
     loss and every weight gradient (gathered back into transformers' keys and layouts) match, with the
-    models' routing, a skewed one and one leaving experts empty."""
+    models' routing, a skewed one and one leaving experts empty; with sequence parallelism Qwen2-MoE's shared
+    expert runs its SwiGLU through autofuse.nn.swiglu."""
     w, ranks = job
     for r, res in enumerate(ranks):
         for case, v in res.items():
@@ -366,6 +369,8 @@ def test_parallel_moe_models_match_the_unsharded_float64_model(job) -> None:
             assert v["grad keys"] and v["state keys"] and v["worst grad"] <= GRAD_TOL, (w, r, case, v)
             assert v["blocks"] == (2 if case[0] == "mixtral" else 1), (case, v)
             assert v.get("aux", 0.0) <= TOL, (w, r, case, v)
+            if case[0] == "qwen2_moe" and case[-1] == "sp":  # its shared expert's SwiGLU: one kernel each way
+                assert v["shared swiglu"] == ["FusedForward"], (case, v["shared swiglu"])
     sp = [case for case in ranks[0] if isinstance(case, tuple) and case[-1] == "sp"]
     assert len(sp) == len(SP_CASES[w]) and (w == 4 or {c[1] for c in sp} >= {"aux", "copied", "skewed", "compiled"}), sp
 

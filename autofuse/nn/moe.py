@@ -56,6 +56,7 @@ from torch import nn
 from autofuse.nn import functional as tpf
 from autofuse.nn import public
 from autofuse.nn.linear import RowParallelLinear, fuse_columns
+from autofuse.nn.swiglu import fuse_gated_mlp
 from autofuse.nn.plan import apply_plan
 
 SHARED_PLAN = {"gate_proj": "column", "up_proj": "column", "down_proj": "row"}
@@ -315,6 +316,7 @@ def _shared_expert(shared: nn.Module, group: Any, sequence_parallel: bool) -> nn
     fuse_columns(shared, ("gate_proj", "up_proj"), "gate_up_proj", group, sequence_parallel=True)
     shared.down_proj = RowParallelLinear.from_linear(shared.down_proj, group, sequence_parallel=True)
     shared.register_forward_pre_hook(_gate_up_in)
+    fuse_gated_mlp(shared)  # a SiLU-gated shared expert: one SwiGLU kernel each way, eagerly
     return shared
 
 
