@@ -21,7 +21,7 @@ from autofuse.measure.store import Store
 from autofuse.measure.timing import Measurement
 from autofuse.tuning.storage import default_storage, open_storage
 
-from test_tune import _inputs, _reference  # the toy op's inputs and float64 reference: test_tune's
+from test_tune import _build_chunked, _inputs, _reference  # test_tune's toy op: its chunked all-reduce, inputs, float64 reference
 
 OLD = "0ld0ld0ld0ld0ld0"  # the op digest of the code before the change
 
@@ -57,17 +57,7 @@ class Chunked(Variant):
         return None
 
     def runner(self, world, problem, config):
-        chunk = config["chunk"]
-
-        def run(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-            out = torch.empty_like(x) if out is None else out
-            out.copy_(x)
-            for i in range(0, x.numel(), chunk):
-                part = out[i:i + chunk].clone()
-                dist.all_reduce(part, group=world.group)
-                out[i:i + chunk] = part
-            return out
-        return run
+        return _build_chunked(world, problem, {"chunk": config["chunk"], "bias": 0})
 
 
 def _op(name: str, variants: list[Variant]) -> Op:

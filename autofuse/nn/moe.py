@@ -56,7 +56,7 @@ from torch import nn
 from autofuse.nn import functional as tpf
 from autofuse.nn import public
 from autofuse.nn.linear import RowParallelLinear, fuse_columns
-from autofuse.nn.swiglu import fuse_gated_mlp
+from autofuse.nn.swiglu import fuse_gated_mlp, silu_like
 from autofuse.nn.plan import apply_plan
 
 SHARED_PLAN = {"gate_proj": "column", "up_proj": "column", "down_proj": "row"}
@@ -320,17 +320,6 @@ def _shared_expert(shared: nn.Module, group: Any, sequence_parallel: bool) -> nn
     return shared
 
 
-def _silu_like(act: Any) -> bool:
-    """Whether `act` computes SiLU (what the ops' SwiGLU applies to the gate)."""
-    if not callable(act):
-        return False
-    x = torch.linspace(-4, 4, 9)
-    try:
-        return torch.allclose(act(x), F.silu(x))
-    except Exception:  # noqa: BLE001 - anything that is not an elementwise activation
-        return False
-
-
 def _check_reads_like(block: nn.Module, gate: nn.Module, w1: torch.Tensor, w2: torch.Tensor, name: str) -> None:
     """ValueError unless `block`'s forward on 5 random rows (eval mode, no grad) equals, within its dtype's
     rounding, what ExpertParallelMoE computes from `gate` (the router it will run: (logits, weights, ids)),
@@ -383,7 +372,7 @@ def _experts_of(experts: nn.Module, name: str) -> tuple[torch.Tensor, torch.Tens
     if isinstance(gate_up, torch.Tensor):
         flags = {"has_bias": False, "has_gate": True, "has_post_expert_norm": False, "is_concatenated": True}
         bad = [k for k, v in flags.items() if getattr(experts, k, v) != v]
-        if bad or not _silu_like(getattr(experts, "act_fn", None)):
+        if bad or not silu_like(getattr(experts, "act_fn", None)):
             raise ValueError(f"{name}: experts with {', '.join(bad) or 'an activation other than SiLU'} are not "
                              "supported (SwiGLU experts only)")
         down = experts.down_proj
@@ -398,7 +387,7 @@ def _experts_of(experts: nn.Module, name: str) -> tuple[torch.Tensor, torch.Tens
         gates, ups, downs = [], [], []
         for i, ex in enumerate(experts):
             lins = [getattr(ex, a) for a in names]
-            if any(lin.bias is not None for lin in lins) or not _silu_like(getattr(ex, "act_fn", None)):
+            if any(lin.bias is not None for lin in lins) or not silu_like(getattr(ex, "act_fn", None)):
                 raise ValueError(f"{name}: expert {i} has biases or an activation other than SiLU (SwiGLU only)")
             gates.append(lins[0].weight.t())
             ups.append(lins[1].weight.t())

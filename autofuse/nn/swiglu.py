@@ -104,11 +104,15 @@ def _same_code(fn: Any) -> bool:
                                     and code.co_argcount == c.co_argcount for c in _FORMS)
 
 
-def _is_silu(act: Any) -> bool:
-    if isinstance(act, nn.SiLU):
-        return True
-    cls = type(act)
-    return cls.__name__ == "SiLUActivation" and cls.__module__.startswith("transformers.")
+def silu_like(act: Any) -> bool:
+    """Whether `act` computes SiLU (on a few points: nn.SiLU, transformers' SiLUActivation, any callable)."""
+    if not callable(act):
+        return False
+    x = torch.linspace(-4, 4, 9)
+    try:
+        return torch.allclose(act(x), nn.functional.silu(x))
+    except Exception:  # noqa: BLE001 - anything that is not an elementwise activation
+        return False
 
 
 def gated_silu_mlp(mlp: nn.Module) -> bool:
@@ -116,7 +120,7 @@ def gated_silu_mlp(mlp: nn.Module) -> bool:
     widths, the gate first (what `fuse_gated_mlp` can run as one SwiGLU)."""
     gate, up = getattr(mlp, "gate_proj", None), getattr(mlp, "up_proj", None)
     return (isinstance(gate, FusedPart) and isinstance(up, FusedPart) and gate.start == 0
-            and gate.stop == up.start and up.stop - up.start == gate.stop and _is_silu(getattr(mlp, "act_fn", None))
+            and gate.stop == up.start and up.stop - up.start == gate.stop and silu_like(getattr(mlp, "act_fn", None))
             and "forward" not in vars(mlp) and _same_code(type(mlp).forward))
 
 
@@ -132,7 +136,6 @@ class FusedForward:
         mlp = self.mlp
         if torch.compiler.is_compiling() or not isinstance(x, torch.Tensor) or x.shape[-1] != mlp.up_proj.stop:
             return type(mlp).forward(mlp, x)
-        mlp.gate_proj._fed = mlp.up_proj._fed = None  # pieces `feed_parts` cut for the block's own forward
         return mlp.down_proj(swiglu(x))
 
 
