@@ -13,7 +13,7 @@
 #            warmup: scripts/eval_warmup_gpu.py, first requests cold vs after `autofuse warmup` (fitted policy)
 #            tune: TUNE_OPS (e.g. ag_gemm,gemm_ar: re-tune only the ops whose code changed, then merge) and
 #            TUNE_MINUTES (--time-limit) narrow it
-#            retune: after a code change, every problem of BASE_DB (a shipped table, copied, never changed) re-measured
+#            retune: after a code change, every problem of BASE_DB (a shipped table, copied, never changed; TUNE_OPS: of those ops) re-measured
 #            into the copy, `--sweep stored`: baselines and the previous winners first (TUNE_MINUTES, default 5);
 #            later steps fit and export the copy
 #            tune-moe / tune-train: `autofuse tune --sweep moe` (MOE_OPS, MOE_MINUTES, default 3: one minute covered 15 of 21 problems per op at
@@ -56,7 +56,7 @@ for s in ${STEPS//,/ }; do
   case $s in
     tune) step tune 560 python3 -m autofuse tune --world "$WORLD" --db "$DB" ${TUNE_OPS:+--op $TUNE_OPS} \
             ${TUNE_MINUTES:+--time-limit $TUNE_MINUTES} ;;
-    retune) step retune 470 bash -c "cp $BASE_DB $W/retuned.db && python3 -m autofuse tune --world $WORLD --db $W/retuned.db \
+    retune) step retune 470 bash -c "cp $BASE_DB $W/retuned.db && python3 -m autofuse tune --world $WORLD --db $W/retuned.db ${TUNE_OPS:+--op $TUNE_OPS} \
               --sweep stored --time-limit ${TUNE_MINUTES:-5}"
             DB=$W/retuned.db ;;
     tune-moe) step tune-moe 300 python3 -m autofuse tune --world "$WORLD" --db "$DB" --sweep moe \

@@ -28,7 +28,8 @@ from autofuse.core import gemm
 from autofuse.core.op import InvalidInput, Problem
 from autofuse.ops import gemm_rs
 from autofuse.comm.world import spawn
-from conftest import CTX, VERSIONS, assert_spills_within, compile_table, needs_t36
+from conftest import (CTX, VERSIONS, assert_spills_within, assert_uniform, compile_request, compile_sm90_many,
+                      compile_table, needs_t36)
 
 OP = gemm_rs.OP
 _defaults = partial(default_cases, OP)  # (variant, dims, dtype, pick: the first `pick` defaults or a slice, world)
@@ -49,6 +50,8 @@ CPU_CASES = [
     ("push_reducer", ODD, "float16", tiny(BLOCK_N=32, PARTIAL="out", FLAG="tile", COMM_SMS=1, SPLIT_K=2)),
     ("push_reducer", ONE_ROW, "float32", tiny(BLOCK_N=32, PARTIAL="fp32", FLAG="row_block", COMM_SMS=2)),
     *_defaults("mm_heap", ODD, "bfloat16", slice(0, 1)), *_defaults("mm_heap_overlap", ODD, "float32", slice(2, 3)),
+    ("mm_ring", ODD, "bfloat16", {"CHUNKS": 2}), ("mm_ring", ODD, "float32", {"CHUNKS": 1}),
+    ("mm_ring", ONE_ROW, "float16", {"CHUNKS": 4}),
 ]
 FOUR = {"M": 20, "N": 24, "K": 32}  # 5 rows per rank
 CPU4_CASES = [
@@ -56,6 +59,7 @@ CPU4_CASES = [
     ("push_last", FOUR, "bfloat16", tiny(PARTIAL="out", SWAP_AB=True)),
     ("push_reducer", FOUR, "float32", tiny(PARTIAL="fp32", FLAG="tile", COMM_SMS=2)),
     ("push_reducer", FOUR, "float16", tiny(PARTIAL="out", FLAG="row_block", COMM_SMS=1, TMA=False)),
+    ("mm_ring", FOUR, "bfloat16", {"CHUNKS": 2}), ("mm_ring", FOUR, "float32", {"CHUNKS": 8}),
 ]
 
 # GPU sizes: the sweeps' N=8192, K=14336 and shapes outside every sweep (odd, Qwen2.5-72B's down).
@@ -78,13 +82,16 @@ GPU_CASES = [
     ("push_last", ODD_GPU, "bfloat16", {**MID_TILE, "PARTIAL": "fp32", "TMA": False, "SPLIT_K": 2}),
     ("push_reducer", ODD_GPU, "float16", {**MID_TILE, "PARTIAL": "out", "FLAG": "tile", "COMM_SMS": 8,
                                           "TMA": False}),
+    *_defaults("mm_ring", BIG, pick=3), *_defaults("mm_ring", SMALL, pick=1), ("mm_ring", MID, "float16", {"CHUNKS": 8}),
+    ("mm_ring", ODD_GPU, "float32", {"CHUNKS": 2}), ("mm_ring", QWEN, "bfloat16", {"CHUNKS": 4}),
 ]
 
 
 # -- faults: a late peer, a skipped call, a dead peer (at 1 and at 8 tiles per rank) -------------------------
 SMALL_FAULT, LARGE_FAULT = {"M": 32, "N": 16, "K": 32}, {"M": 128, "N": 128, "K": 32}
 FAULT_PLAN = fault_plan(SMALL_FAULT, "float32", (("push_last", tiny(PARTIAL="fp32")),
-                                                 ("push_reducer", tiny(PARTIAL="out", FLAG="row_block", COMM_SMS=2))))
+                                                 ("push_reducer", tiny(PARTIAL="out", FLAG="row_block", COMM_SMS=2)),
+                                                 ("mm_ring", {"CHUNKS": 2})))
 FAULT_PLAN.append(("push_last", LARGE_FAULT, "float32", tiny(BLOCK_M=32, BLOCK_N=32, PARTIAL="fp32"), "dead_peer"))
 
 
@@ -119,7 +126,8 @@ def test_gpu_cases_eager_and_graph_replay(part):
 def test_gpu_faults():
     check_faults_on_gpus(OP, fault_plan(MID, "bfloat16", (
         ("push_last", {**MID_TILE, "PARTIAL": "out"}),
-        ("push_reducer", {**MID_TILE, "PARTIAL": "fp32", "FLAG": "tile", "COMM_SMS": 8}))))
+        ("push_reducer", {**MID_TILE, "PARTIAL": "fp32", "FLAG": "tile", "COMM_SMS": 8}),
+        ("mm_ring", {"CHUNKS": 2}))))
 
 
 @harness.gpu()
@@ -195,6 +203,9 @@ def test_invalid_configs_rejected_before_launch():
         ("push_reducer", {**red, "COMM_SMS": 0}, "COMM_SMS=0 must be an int"),
         ("push_reducer", {k: v for k, v in red.items() if k != "COMM_SMS"}, "missing ['COMM_SMS']"),
         ("bsp", {"BLOCK_M": 16}, "takes no config"),
+        ("mm_ring", {"CHUNKS": 3}, "CHUNKS must be one of"),
+        ("mm_ring", {}, "CHUNKS must be one of"),
+        ("mm_ring", {"CHUNKS": 2, "PRIORITY": "high"}, "unknown config keys ['PRIORITY']"),
     ]
     for variant, config, msg in bad:
         assert_rejected(w, p, OP.variant(variant), config, msg)
@@ -208,6 +219,31 @@ def test_invalid_configs_rejected_before_launch():
     assert "warp specialisation rejects" in OP.variant("push_last").check(bf16, ws_ok)
     huge = Problem.make("gemm_rs", "bfloat16", 2, M=65536, N=65536, K=1024)
     assert "2^31" in OP.variant("push_reducer").check(huge, red)
+
+
+def test_mm_ring_refuses_fp8_and_heaps_without_peer_views_and_cuts_rows_in_whole_tiles():
+    fp8 = Problem.make("gemm_rs", "float8_e4m3fn", 2, M=256, N=256, K=256, scaling="tensorwise")
+    ring = OP.variant("mm_ring")
+    assert "cannot accumulate" in ring.check(fp8, {"CHUNKS": 2}) and ring.defaults(fp8) == []
+    bf16 = Problem.make("gemm_rs", "bfloat16", 2, M=4096, N=8192, K=14336)
+    assert [c["CHUNKS"] for c in ring.defaults(bf16)] == [2, 4, 1]
+
+    class Heap:
+        provider = "iris"
+
+    class NoPeers:
+        heap = Heap()
+
+    assert "peer-mapped" in ring.refuses(NoPeers(), bf16, {"CHUNKS": 2})
+    assert gemm_rs.ring_chunks(2048, 4) == [(0, 512), (512, 1024), (1024, 1536), (1536, 2048)]
+    assert gemm_rs.ring_chunks(20, 2) == [(0, 16), (16, 20)]  # whole 16-row tiles, the rest last
+    assert gemm_rs.ring_chunks(5, 8) == [(0, 5)] and gemm_rs.ring_chunks(1000, 8)[-1] == (896, 1000)
+    for rows in (1, 7, 16, 17, 100, 1000, 4096):
+        for chunks in gemm_rs.RING_CHUNKS:
+            cut = gemm_rs.ring_chunks(rows, chunks)
+            assert cut[0][0] == 0 and cut[-1][1] == rows and len(cut) <= chunks
+            assert all(hi > lo and (hi - lo) % 16 == 0 for lo, hi in cut[:-1]) and cut[-1][1] > cut[-1][0]
+            assert all(a[1] == b[0] for a, b in zip(cut, cut[1:]))
 
 
 def test_space_draws_runnable_configs_without_warp_specialisation():
@@ -268,6 +304,28 @@ def compiled() -> dict:
 # tile on 8 warps holds 128 accumulator registers a thread beside the push state. Known, not yet
 # measured for speed; the test keeps them from growing and every other row at zero.
 KNOWN_SPILLS = {"push_last_tma": 88, "fp8_push_last_rowwise": 280}
+
+
+RING = "autofuse.kernels.ring"
+
+
+def test_ring_kernels_compile_for_sm90_with_sys_release_flags_and_bounded_waits():
+    """kernels/ring.py (mm_ring's flags): the waits poll and are bounded in time, flags are raised with
+    a system-scope release, and no barrier sits in a per-thread branch."""
+    flags = {"ctx": CTX, "flags": "*i32"}
+    reqs = [compile_request(RING, "begin_kernel", flags, num_warps=4, num_stages=1, name="begin"),
+            compile_request(RING, "signal_kernel", {**flags, "word": "i32", "step": "i32"}, num_warps=4, num_stages=1,
+                            name="signal"),
+            compile_request(RING, "wait_kernel", {**flags, "word": "i32"}, num_warps=4, num_stages=1, name="wait"),
+            compile_request(RING, "finish_kernel", {**flags, "out": "*bf16", "numel": "i32", "BLOCK": "constexpr"},
+                            {"BLOCK": 1024}, num_warps=4, num_stages=1, divisible=["out"], name="finish")]
+    kernels = compile_sm90_many(reqs)
+    for name, k in kernels.items():
+        assert_uniform(k, name)
+    for name in ("begin", "wait"):
+        assert "ld.volatile.global" in kernels[name]["ptx"] and "%globaltimer" in kernels[name]["ptx"], name
+    assert "atom.global.sys.release.exch.b32" in kernels["signal"]["ptx"]
+    assert "%globaltimer" not in kernels["signal"]["ptx"] + kernels["finish"]["ptx"]  # neither ever waits
 
 
 @needs_t36

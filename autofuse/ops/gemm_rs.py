@@ -16,6 +16,13 @@ Variants:
   inbox with an epoch flag; the owner adds the arrivals to its own tile's accumulator.
 - `push_reducer` (fused): every partial tile, own ones too, goes to the owner's inbox; COMM_SMS
   reducer programs wait per tile or per row block (FLAG) and sum.
+- `mm_ring` (hybrid): the reduction runs around the ring inside cuBLAS's epilogue. At step s rank r
+  computes owner (r - s - 1) mod W's rows: step 0 `torch.mm` into a heap buffer, later steps pull the
+  previous rank's partial of the same rows with the copy engine (into a heap buffer, or into `out`
+  at the last step, whose owner is r) and `addmm_` onto it (beta = 1). No SM moves data and no
+  reduction kernel reads the partials again; CHUNKS row chunks per owner pipeline the pulls under
+  the GEMMs. Partials are rounded to the output dtype once per step. kernels/ring.py orders it.
+  Not FP8 (torch._scaled_mm cannot accumulate onto C).
 kernels/gemm_rs.py has the algorithms; the fused configs are the GEMM core's (autofuse/core/gemm.py)
 plus PARTIAL ("fp32" | "out": the inbox dtype) and, for push_reducer, FLAG and COMM_SMS.
 
@@ -42,7 +49,7 @@ from autofuse.ops import hybrid
 from autofuse.comm import collectives
 from autofuse.comm.heap import torch_symm_group, torch_symm_unavailable
 from autofuse.comm.world import reduce_scatter_single
-from autofuse.core.op import Config, InvalidInput, Op, Problem, Variant
+from autofuse.core.op import Config, InvalidInput, Op, Problem, SearchSpace, Variant
 from autofuse.ops import row_parallel as rp
 from autofuse.core.runner import Runner
 from autofuse.core.sizes import cdiv
@@ -270,6 +277,127 @@ class MMHeapRSOverlap(rp.RowParallelHybrid):
         return _RSRunner(world, problem, rs, True, config.get("PRIORITY", "high"))
 
 
+# -- mm_ring: the ring reduction in cuBLAS's epilogue, copy-engine pulls ---------------------------------
+RING_CHUNKS = (1, 2, 4, 8)
+RING_ALIGN = 16          # chunk rows are a multiple of this (the GEMMs' row tiles stay whole)
+PEER_HEAPS = ("torch", "shm", "symm")  # heaps whose peers' memory the host can view (copy-engine pulls)
+_FINISH_PROGRAMS, _FINISH_BLOCK = 8, 1024
+
+
+def ring_chunks(rows: int, chunks: int) -> list[tuple[int, int]]:
+    """[lo, hi) row ranges cutting `rows` into at most `chunks` pieces of a multiple of RING_ALIGN rows."""
+    size = max(1, cdiv(cdiv(rows, chunks), RING_ALIGN) * RING_ALIGN) if rows > RING_ALIGN else rows
+    return [(lo, min(rows, lo + size)) for lo in range(0, rows, size)] or [(0, 0)]
+
+
+class RingRunner(Runner):
+    """mm_ring on one problem (see the module docstring); the flags' kernels: kernels/ring.py.
+
+    Heap (workspace "gemm_rs.ring"): the partials of steps 0..W-2, each M/W x N in the output dtype,
+    which the next rank pulls; flags CURRENT, TAKEN, then READY per (step, chunk).
+    """
+
+    def __init__(self, world: World, problem: Problem, config: Config):
+        from autofuse.kernels import ring as k
+
+        m, n, _, w = hybrid.dims(problem)
+        per = m // w
+        specs, out = rp.io_specs(problem, per)
+        dtype = problem.out_dtype
+        self.chunks = ring_chunks(per, config["CHUNKS"])
+        steps = w - 1
+        nbytes = steps * per * n * dtype.itemsize
+        self.ws = workspace(world, f"{NAME}.ring", cdiv(nbytes, 2),
+                            cdiv(k.READY.value + max(steps, 1) * len(self.chunks), 2))
+        super().__init__(world, problem, specs, out, workspaces=(self.ws,))
+        self.k, self.per, self.rank = k, per, world.rank
+        self.partials = self.ws.data[:nbytes].view(dtype).view(steps, per, n)
+        self.previous = world.heap.peer_tensor(self.partials, (world.rank - 1) % w) if steps else self.partials
+        self.pull, self.signals = hybrid.comm_stream(world.device, "high"), hybrid.comm_stream(world.device, "normal")
+        cuda = world.device.type == "cuda"
+        self.pulled = [torch.cuda.Event() if cuda else None for _ in range(steps * len(self.chunks))]
+        self.made = [torch.cuda.Event() if cuda else None for _ in range(steps * len(self.chunks))]
+
+    def launch(self, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
+        k, ws, w, per = self.k, self.ws, self.problem.world, self.per
+        ctx, flags, nc = ws.ctx, ws.flags, len(self.chunks)
+        k.begin_kernel[(1,)](ctx, flags, num_warps=4)
+        compute = torch.cuda.current_stream(self.device) if self.pull is not None else None
+        if compute is not None:
+            self.pull.wait_stream(compute)
+            self.signals.wait_stream(compute)
+        for s in range(w):
+            rows0 = (self.rank - s - 1) % w * per
+            for c, (lo, hi) in enumerate(self.chunks):
+                dst = out[lo:hi] if s == w - 1 else self.partials[s, lo:hi]
+                a_rows = a[rows0 + lo:rows0 + hi]
+                if s == 0:
+                    torch.mm(a_rows, b, out=dst)
+                else:
+                    i = (s - 1) * nc + c
+                    with _on(self.pull):
+                        k.wait_kernel[(1,)](ctx, flags, k.READY.value + i, num_warps=4)
+                        dst.copy_(self.previous[s - 1, lo:hi])
+                        if compute is not None:
+                            self.pulled[i].record(self.pull)
+                    if compute is not None:
+                        compute.wait_event(self.pulled[i])
+                    dst.addmm_(a_rows, b)
+                if s < w - 1:
+                    i = s * nc + c
+                    if compute is not None:
+                        self.made[i].record(compute)
+                        self.signals.wait_event(self.made[i])
+                    with _on(self.signals):
+                        k.signal_kernel[(1,)](ctx, flags, k.READY.value + i, 1, num_warps=4)
+        if w > 1:
+            with _on(self.pull):
+                k.signal_kernel[(1,)](ctx, flags, k.TAKEN.value, -1, num_warps=4)
+        if compute is not None:
+            compute.wait_stream(self.pull)
+            compute.wait_stream(self.signals)
+        k.finish_kernel[(_FINISH_PROGRAMS,)](ctx, flags, out, out.numel(), BLOCK=_FINISH_BLOCK, num_warps=4)
+
+
+def _on(stream: Any) -> Any:
+    """`torch.cuda.stream(stream)`, or nothing on CPU (every launch runs inline, in host order)."""
+    return torch.cuda.stream(stream) if stream is not None else hybrid._Nothing()
+
+
+class MMRing(Variant):
+    """gemm_rs mm_ring: GEMM chunks summing around the ring in cuBLAS's epilogue, copy-engine pulls."""
+
+    name, family = "mm_ring", "hybrid"
+
+    def check(self, problem: Problem, config: Config) -> str | None:
+        if problem.op != NAME:
+            return f"{self.name} serves {NAME}, not {problem.op}"
+        if rp.is_fp8(problem):
+            return "FP8: torch._scaled_mm cannot accumulate onto a partial (no beta); use the fused variants"
+        unknown = sorted(set(config) - {"CHUNKS"})
+        if unknown:
+            return f"unknown config keys {unknown} (takes CHUNKS)"
+        if config.get("CHUNKS") not in RING_CHUNKS:
+            return f"CHUNKS must be one of {RING_CHUNKS}, got {config.get('CHUNKS')!r}"
+        return None
+
+    def space(self, trial: SearchSpace, problem: Problem) -> Config:
+        return {"CHUNKS": trial.suggest_categorical("CHUNKS", list(RING_CHUNKS))}
+
+    def defaults(self, problem: Problem) -> list[Config]:
+        """Two chunks per owner first (the last pull hides under the other chunk's GEMM), then four, one."""
+        return [] if self.check(problem, {"CHUNKS": 2}) else [{"CHUNKS": c} for c in (2, 4, 1)]
+
+    def refuses(self, world: World, problem: Problem, config: Config) -> str | None:
+        provider = getattr(world.heap, "provider", "?")
+        if provider not in PEER_HEAPS:
+            return f"the copy engine pulls need peer-mapped heap tensors, which the {provider} heap does not provide"
+        return None
+
+    def runner(self, world: World, problem: Problem, config: Config) -> Runner:
+        return RingRunner(world, problem, config)
+
+
 def bound(world: World, problem: Problem, seed: int) -> dict[str, Callable[[], Any]]:
     """The pieces of the BSP bound: this rank's matmul alone and the reduce-scatter alone."""
     a, b, *scales = rp.inputs(world, problem, seed)
@@ -305,7 +433,7 @@ OP = Op(
     name=NAME,
     args=("a", "b"),
     optional=("scale_a", "scale_b"),
-    variants=[Bsp(), TorchSymm(), MMHeapRS(), MMHeapRSOverlap(), PushLast(), PushReducer()],
+    variants=[Bsp(), TorchSymm(), MMHeapRS(), MMHeapRSOverlap(), PushLast(), PushReducer(), MMRing()],
     problem_of=problem_of,
     inputs=rp.inputs,
     reference=reference,
