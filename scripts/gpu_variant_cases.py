@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -26,6 +27,7 @@ def main() -> int:
     ap.add_argument("--faults", metavar="CONFIG", help="also the fault scenarios at this config (JSON)")
     args = ap.parse_args()
     sys.path.insert(0, str(TESTS))
+    os.environ.setdefault("AUTOFUSE_RING_MIN_GFLOP", "0")  # the test tables' sizes, as the tests run them
     import harness
     from _row_parallel import check_faults_on_gpus, fault_plan
     from autofuse.comm.world import spawn

@@ -26,6 +26,7 @@ from _row_parallel import (TINY, assert_rejected, cases_and_faults, check_compil
                            fault_ids, fault_plan, tiny)
 from autofuse.core import gemm
 from autofuse.core.op import InvalidInput, Problem
+from autofuse.core.settings import SettingError
 from autofuse.ops import gemm_rs
 from autofuse.comm.world import spawn
 from conftest import (CTX, VERSIONS, assert_spills_within, assert_uniform, compile_request, compile_sm90_many,
@@ -219,6 +220,20 @@ def test_invalid_configs_rejected_before_launch():
     assert "warp specialisation rejects" in OP.variant("push_last").check(bf16, ws_ok)
     huge = Problem.make("gemm_rs", "bfloat16", 2, M=65536, N=65536, K=1024)
     assert "2^31" in OP.variant("push_reducer").check(huge, red)
+
+
+def test_mm_ring_refuses_problems_below_its_size_floor(monkeypatch):
+    ring = OP.variant("mm_ring")
+    small = Problem.make("gemm_rs", "bfloat16", 2, M=4096, N=4096, K=4096)   # 68.7 GFLOP per rank
+    large = Problem.make("gemm_rs", "bfloat16", 2, M=8192, N=8192, K=28672)  # 1924 GFLOP per rank
+    monkeypatch.delenv("AUTOFUSE_RING_MIN_GFLOP")
+    assert "below AUTOFUSE_RING_MIN_GFLOP=300" in ring.check(small, {"CHUNKS": 2}) and ring.defaults(small) == []
+    assert ring.check(large, {"CHUNKS": 2}) is None
+    monkeypatch.setenv("AUTOFUSE_RING_MIN_GFLOP", "50")
+    assert ring.check(small, {"CHUNKS": 2}) is None
+    monkeypatch.setenv("AUTOFUSE_RING_MIN_GFLOP", "-1")
+    with pytest.raises(SettingError, match="AUTOFUSE_RING_MIN_GFLOP"):
+        ring.check(small, {"CHUNKS": 2})
 
 
 def test_mm_ring_refuses_fp8_and_heaps_without_peer_views_and_cuts_rows_in_whole_tiles():

@@ -33,6 +33,8 @@ NAMES = {
     "AUTOFUSE_RANKS_PER_GPU": "tests and diagnostics: up to N ranks share each GPU (gloo, IPC heap, no timing)",
     "AUTOFUSE_SAVE_GATHERED": "1 | 0: a differentiable ag_gemm keeps all_gather(A) for backward (default 1) "
                               "or gathers it again there",
+    "AUTOFUSE_RING_MIN_GFLOP": "GFLOP per rank below which gemm_rs's mm_ring refuses a problem (default 300; "
+                               "0 where every call is graph-replayed)",
 }
 DEFAULT_WAIT_TIMEOUT_S = {"cuda": 10.0, "cpu": 120.0}  # the interpreter runs a peer's programs one by one
 MAX_SECONDS = 7 * 24 * 3600.0  # a week: beyond it a wait budget overflows the kernels' int64 nanoseconds
@@ -41,6 +43,7 @@ HEAP_PROVIDERS = ("torch", "symm", "iris", "shm")
 MIN_HEAP_SIZE = 1 << 16
 MAX_HEAP_SIZE = 1 << 40
 DEFAULT_CONFIRM_K = 3
+DEFAULT_RING_MIN_GFLOP = 300.0
 # Everything the commands write by default goes under ./autofuse-out/ (git-ignored) or the user data
 # folder (policies): the checkout's tuning_db/ and models/ hold shipped files only.
 OUT_DIR = Path("autofuse-out")
@@ -153,6 +156,23 @@ def confirm_k() -> int:
     if not text.isdigit() or not 1 <= int(text) <= 16:
         raise SettingError(f"AUTOFUSE_CONFIRM_K={text!r}: a number of candidates in 1..16")
     return int(text)
+
+
+def ring_min_gflop() -> float:
+    """AUTOFUSE_RING_MIN_GFLOP (>= 0, default 300): the per-rank GFLOP below which gemm_rs's mm_ring refuses a
+    problem. Its calls cost 0.5-1 ms of host launches (two H200, 2026-11-30), which pace a call that is not
+    replayed from a CUDA graph (eager code, compiled training) where the GPU work is shorter; 0 lets
+    code whose calls are all graph-replayed take it on every size."""
+    text = _text("AUTOFUSE_RING_MIN_GFLOP")
+    if not text:
+        return DEFAULT_RING_MIN_GFLOP
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0.0 <= value < float("inf"):
+        raise SettingError(f"AUTOFUSE_RING_MIN_GFLOP={text!r}: GFLOP per rank, a number >= 0")
+    return value
 
 
 def ranks_per_gpu() -> int:

@@ -22,7 +22,8 @@ Variants:
   at the last step, whose owner is r) and `addmm_` onto it (beta = 1). No SM moves data and no
   reduction kernel reads the partials again; CHUNKS row chunks per owner pipeline the pulls under
   the GEMMs. Partials are rounded to the output dtype once per step. kernels/ring.py orders it.
-  Not FP8 (torch._scaled_mm cannot accumulate onto C).
+  Not FP8 (torch._scaled_mm cannot accumulate onto C), and not below AUTOFUSE_RING_MIN_GFLOP per rank
+  (default 300): its 0.5-1 ms of host launches per call would pace calls that are not graph-replayed.
 kernels/gemm_rs.py has the algorithms; the fused configs are the GEMM core's (autofuse/core/gemm.py)
 plus PARTIAL ("fp32" | "out": the inbox dtype) and, for push_reducer, FLAG and COMM_SMS.
 
@@ -43,7 +44,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping
 import torch
 import torch.distributed as dist
 
-from autofuse.core import gemm
+from autofuse.core import gemm, settings
 from autofuse.core.custom import Backward, CustomOp
 from autofuse.ops import hybrid
 from autofuse.comm import collectives
@@ -379,6 +380,11 @@ class MMRing(Variant):
             return f"unknown config keys {unknown} (takes CHUNKS)"
         if config.get("CHUNKS") not in RING_CHUNKS:
             return f"CHUNKS must be one of {RING_CHUNKS}, got {config.get('CHUNKS')!r}"
+        gflop = 2.0 * problem["M"] * problem["N"] * problem["K"] / problem.world / 1e9
+        floor = settings.ring_min_gflop()
+        if gflop < floor:
+            return (f"{gflop:.3g} GFLOP per rank is below AUTOFUSE_RING_MIN_GFLOP={floor:g}: the host's 0.5-1 ms of "
+                    "launches per call would outweigh the GPU work where calls are not graph-replayed")
         return None
 
     def space(self, trial: SearchSpace, problem: Problem) -> Config:
