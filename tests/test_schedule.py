@@ -152,6 +152,31 @@ def test_a_deviating_baseline_is_queued_for_confirmation_once():
     assert not sched.urgent
 
 
+def test_a_deviating_alternative_is_queued_for_confirmation_once():
+    """torch's op timed during a hiccup (round 25: torch_symm 3508 us where its neighbours took about 1.1x the
+    best) makes x alt deviate: the alternative and the best are re-measured in turns, once."""
+    slots = _slots(ops=("a_op",), problems=3)
+    for s in slots:
+        s.op.variants["torch"] = SimpleNamespace(family="peer", defaults=lambda p: [{}], check=lambda p, c: None)
+    sched = _scheduler(slots)
+    keys = [s.key for s in slots]
+    sched.load([_board_row(k, v, us) for k, rows in ((keys[0], (("bsp", 12.0), ("fast", 10.0), ("torch", 11.0))),
+                                                     (keys[2], (("bsp", 48.0), ("fast", 40.0), ("torch", 44.0))),
+                                                     (keys[1], (("bsp", 24.0), ("fast", 20.0))))
+                for v, us in rows])
+    step = SimpleNamespace(kind="baseline", slot=slots[1], variant="torch", config={}, phase="coverage")
+    sched.record(step, _result(step, 200.0))  # x alt 10 where the neighbours' are 1.1
+    confirm = sched.next()
+    assert confirm.kind == "confirm" and confirm.slot is slots[1]
+    assert [v for v, _ in confirm.candidates] == ["torch", "fast"]
+    sched.record(confirm, _result(SimpleNamespace(slot=slots[1], variant="torch", config={}), 22.0))
+    assert sched.board.us[keys[1]]["torch"] == 22.0
+    sched.record(step, _result(step, 200.0))
+    assert sched.next().kind != "confirm", "an alternative is confirmed once a run"
+    sched.audit()
+    assert not sched.urgent
+
+
 # -- the rule itself, in measure.compare ----------------------------------------------------------------
 
 def test_neighbours_and_deviation():
@@ -186,6 +211,29 @@ def test_show_prints_no_speedup_resting_on_an_unconfirmed_outlier():
     assert table[0]["speedup_vs_bsp"] == pytest.approx(200 / 180) and not table[0].get("unconfirmed")
     sure = _table(confirmed=True)[1]
     assert sure["speedup_vs_bsp"] == pytest.approx(1977.6 / 366.2) and not sure.get("unconfirmed")
+
+
+def test_show_prints_no_x_alt_resting_on_an_unconfirmed_alternative():
+    from autofuse.bench.tables import problem_table
+
+    def table(confirmed: bool) -> list[dict]:
+        rows = []
+        for m, bsp, best, alt in ((2048, 210.0, 190.0, 200.0), (4096, 400.0, 323.0, 3508.4), (8192, 800.0, 650.0, 720.0)):
+            key = f"gemm_rs|K=14336,M={m},N=4096|bfloat16|w2"
+            sure = confirmed and m == 4096
+            rows += [{"problem": key, "op": "gemm_rs", "variant": v, "median_us": us, "config": {},
+                      "extra": {"confirmed": sure and v != "bsp"}}
+                     for v, us in (("bsp", bsp), ("mm_ring", best), ("torch_symm", alt))]
+        return problem_table(rows)
+
+    outlier = table(confirmed=False)[1]
+    assert outlier["unconfirmed_alt"] and not outlier.get("unconfirmed")
+    assert outlier["speedup_vs_alternative"] is None and outlier["own_vs_alternative"] is None
+    assert outlier["speedup_vs_bsp"] == pytest.approx(400.0 / 323.0)  # x BSP does not rest on torch's op
+    others = table(confirmed=False)[::2]
+    assert all(not e.get("unconfirmed_alt") and e["speedup_vs_alternative"] for e in others)
+    sure = table(confirmed=True)[1]
+    assert not sure.get("unconfirmed_alt") and sure["speedup_vs_alternative"] == pytest.approx(3508.4 / 323.0)
 
 
 def test_show_and_export_say_unconfirmed(tmp_path, monkeypatch):

@@ -153,7 +153,7 @@ def print_problems(console: Console, table: list[dict], mode: str, where: str = 
     bound and ceiling (where timed); interpreter timings get latencies and best only; a `stale` column
     where some problem's rows were measured with older code of the op; a `*` on a latency timed eagerly in
     graph mode (the variant cannot be captured), with a footnote."""
-    from autofuse.measure.compare import INTERPRETED_NOTE, TIMED_EAGER_NOTE, UNCONFIRMED_NOTE
+    from autofuse.measure.compare import INTERPRETED_NOTE, TIMED_EAGER_NOTE, UNCONFIRMED_ALT_NOTE, UNCONFIRMED_NOTE
 
     interpreted = False
     for name in sorted({e["op"] for e in table}):
@@ -177,8 +177,10 @@ def print_problems(console: Console, table: list[dict], mode: str, where: str = 
         if stale:
             cols.append(("stale", lambda e: "stale" if e.get("stale") else ""))
         unconfirmed = any(e.get("unconfirmed") for e in entries)
-        if unconfirmed:
-            cols.append(("check", lambda e: "unconfirmed" if e.get("unconfirmed") else ""))
+        alt_unconfirmed = any(e.get("unconfirmed_alt") for e in entries)
+        if unconfirmed or alt_unconfirmed:
+            cols.append(("check", lambda e: "unconfirmed" if e.get("unconfirmed")
+                         else "alt unconfirmed" if e.get("unconfirmed_alt") else ""))
         star = lambda e, v: "*" if e.get("timed_eager", {}).get(v) else ""  # noqa: E731
         body = [[*cells[e["problem"]], *[fmt(e["us"].get(v)) + star(e, v) for v in variants], *[f(e) for _, f in cols]]
                 for e in entries]
@@ -190,6 +192,8 @@ def print_problems(console: Console, table: list[dict], mode: str, where: str = 
             console.print(TIMED_EAGER_NOTE)
         if unconfirmed:
             console.print(UNCONFIRMED_NOTE)
+        if alt_unconfirmed:
+            console.print(UNCONFIRMED_ALT_NOTE)
     if interpreted:
         console.print(INTERPRETED_NOTE, style="yellow")
     elif table:

@@ -338,6 +338,7 @@ def _records(table: list[dict], mode: str, fp_id: str) -> list[dict]:
                                "bound_us": e.get("bound_us"), "ceiling": e["ceiling"],
                                "timing": "cpu-interpreter" if e["interpreted"] else "gpu",
                                "stale": bool(e.get("stale")), "unconfirmed": bool(e.get("unconfirmed")),
+                               "unconfirmed_alt": bool(e.get("unconfirmed_alt")),
                                "timed_eager": ",".join(sorted(v for v, x in e.get("timed_eager", {}).items() if x))}
         rec.update({f"{v}_us": e["us"].get(v) for v in variants})
         records.append(rec)

@@ -25,7 +25,10 @@
   winner). The tuner re-measures such a problem's BSP and best in turns and stores the result
   marked `confirmed` (superseding the first rows); `withhold` keeps every table (tune, show,
   export) from printing a ratio of a deviating problem whose BSP and best rows are not both
-  confirmed: it is shown `unconfirmed`, with latencies only.
+  confirmed: it is shown `unconfirmed`, with latencies only. The same rule holds for `x alt`: a
+  problem whose x alt deviates from its neighbours' (torch's op timed during a hiccup: 3.5 ms where
+  its neighbours took 0.4) gets its alternative and best re-measured in turns, and until both are
+  confirmed its x alt and own/alt are withheld (`unconfirmed_alt`).
 """
 from __future__ import annotations
 
@@ -41,6 +44,9 @@ MAX_OCTAVES = 4.0  # problems further apart than this (sum of |log2| size differ
 UNCONFIRMED_NOTE = ("unconfirmed: the problem's x BSP deviates from its neighbouring problems' by more than noise "
                     "and its BSP and best were not re-measured in turns, so no speedup is shown for it (rerun "
                     "`autofuse tune` with the same options to confirm it)")
+UNCONFIRMED_ALT_NOTE = ("alt unconfirmed: the problem's x alt deviates from its neighbouring problems' by more than "
+                        "noise and torch's op and the best were not re-measured in turns, so x alt and own/alt are "
+                        "not shown for it")
 TIMED_EAGER_NOTE = ("*: timed eagerly in graph mode: the variant cannot be captured in a CUDA graph (it reads device "
                     "data on the host), so a captured model runs it eagerly; its time is what a user who picks it gets")
 INTERPRETED_NOTE = ("CPU emulation: latencies are Triton-interpreter and gloo timings on CPU ranks, not GPU "
@@ -61,7 +67,7 @@ def families(op: Any) -> dict[str, str]:
             op = registry.get(op)
         except (KeyError, ImportError):
             return {}
-    return {name: v.family for name, v in op.variants.items()}
+    return {name: getattr(v, "family", "") for name, v in op.variants.items()}
 
 
 def alternatives(op: Any) -> list[str]:
@@ -196,28 +202,57 @@ def bsp_ratio(us: Mapping[str, float]) -> float | None:
     return ratio(us.get("bsp"), min(finite)) if finite else None
 
 
+def alternative_ratio(op: Any, us: Mapping[str, float]) -> tuple[str | None, float | None]:
+    """(the fastest alternative, its latency / the fastest of `us`): x alt without the interpreter rule."""
+    fam = families(op)
+    finite = {v: t for v, t in us.items() if t is not None and math.isfinite(t) and t > 0}
+    alt, alt_us = _fastest(finite, [v for v in finite if fam.get(v) in ALTERNATIVE_FAMILIES])
+    return alt, (ratio(alt_us, min(finite.values())) if alt is not None else None)
+
+
 def outliers(us_by_problem: Mapping[str, Mapping[str, float]]) -> list[str]:
     """The problems whose x BSP `deviates` from their neighbours' ({problem: {variant: us}})."""
     x = {k: bsp_ratio(us) for k, us in us_by_problem.items()}
+    return _deviating(x)
+
+
+def alternative_outliers(op_of: Mapping[str, Any], us_by_problem: Mapping[str, Mapping[str, float]]) -> list[str]:
+    """The problems whose x alt `deviates` from their neighbours' ({problem: {variant: us}}; `op_of`:
+    {problem: its op}, whose families say which variants are alternatives)."""
+    return _deviating({k: alternative_ratio(op_of[k], us)[1] for k, us in us_by_problem.items()})
+
+
+def _deviating(x: Mapping[str, float | None]) -> list[str]:
     have = [k for k, v in x.items() if v is not None]
     return [k for k in have if deviates(x[k], [x[n] for n in neighbours(k, have)])]
 
 
 WITHHELD = ("speedup_vs_bsp", "speedup_vs_alternative", "own_vs_bsp", "own_vs_alternative", "ceiling_captured")
+WITHHELD_ALT = ("speedup_vs_alternative", "own_vs_alternative")
 
 
 def withhold(table: list[dict]) -> list[dict]:
     """Mark `unconfirmed` (and clear every ratio of) the entries of a problem table (one dict per
-    problem: `problem`, `us` {variant: latency}, `best`, `confirmed` {variant: bool}, the fields of
+    problem: `op`, `problem`, `us` {variant: latency}, `best`, `confirmed` {variant: bool}, the fields of
     `Comparison`) whose x BSP deviates from their neighbours' unless their BSP and best rows are
-    both confirmed; returns the table."""
+    both confirmed, and `unconfirmed_alt` (x alt and own/alt cleared) those whose x alt deviates unless
+    their alternative's and best rows are both confirmed; returns the table."""
     us = {e["problem"]: e["us"] for e in table if not e.get("interpreted")}
+    by_key = {e["problem"]: e for e in table}
     for key in outliers(us):
-        e = next(e for e in table if e["problem"] == key)
+        e = by_key[key]
         confirmed = e.get("confirmed") or {}
         if confirmed.get("bsp") and confirmed.get(e.get("best")):
             continue
         e["unconfirmed"] = True
         for name in WITHHELD:
+            e[name] = None
+    for key in alternative_outliers({k: by_key[k]["op"] for k in us}, us):
+        e = by_key[key]
+        confirmed = e.get("confirmed") or {}
+        if confirmed.get(e.get("alternative")) and confirmed.get(e.get("best")):
+            continue
+        e["unconfirmed_alt"] = True
+        for name in WITHHELD_ALT:
             e[name] = None
     return table

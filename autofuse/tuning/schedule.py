@@ -28,6 +28,7 @@ than `SCREEN_MARGIN`; only the others are timed with full reps, in every mode.
 done, a problem whose x BSP deviates from its neighbours' (`measure.compare.deviates`) gets a
 `confirm` step: its BSP and its best are re-measured in turns and stored marked `confirmed`, which
 the store prefers to their first rows. Each (problem, best config) is confirmed at most once a run.
+Likewise a problem whose x alt deviates: its fastest alternative (torch's op) and its best.
 
 **Compiling ahead**: the known-good configs of passes 1-3 are known before the run (`upcoming`); in the
 search, each sampled trial handed out is followed by the next one of the same study asked ahead
@@ -45,7 +46,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 from autofuse.core.op import Config, Op, Problem, config_key
-from autofuse.measure.compare import bsp_ratio, deviates, neighbours
+from autofuse.measure.compare import alternative_ratio, bsp_ratio, deviates, neighbours
 from autofuse.measure.timing import Measurement
 
 SCREEN_MARGIN = 0.05  # a screened trial slower than the problem's best by more than this is rejected
@@ -197,6 +198,7 @@ class Scheduler:
         self.board = Board()
         self.urgent: list[Step] = []
         self.checked: dict[str, str] = {}  # problem -> the best config already confirmed (or found fine)
+        self.checked_alt: dict[str, str] = {}  # problem -> the (alternative, best) already confirmed (or found fine)
         self.covered: set[str] = set()
         self.phase = "coverage"
         self.on_ahead: Callable[[Slot, str, Config], None] | None = None  # a sampled config asked ahead
@@ -365,6 +367,37 @@ class Scheduler:
     # -- outliers ------------------------------------------------------------------------------------
 
     def _check(self, slot: Slot) -> None:
+        """Queue the confirmations `slot` needs: its x BSP's (`_check_bsp`) and its x alt's (`_check_alt`)."""
+        self._check_bsp(slot)
+        self._check_alt(slot)
+
+    def _check_alt(self, slot: Slot) -> None:
+        """Queue a confirmation of `slot`'s fastest alternative (torch's op) and its best variant where its
+        x alt deviates from its neighbours' (a torch op timed during a hiccup makes autofuse look 10x
+        ahead), once per problem, alternative and best config a run, and not where both are confirmed."""
+        key = slot.key
+        us = self.board.us.get(key) or {}
+        alt, x = alternative_ratio(slot.op, us)
+        _, best = self.board.best(key)
+        if alt is None or best is None or best == alt:
+            return
+        configs = self.board.configs[key]
+        tag = f"{alt}|{best}:{config_key(configs[best])}"
+        if self.checked_alt.get(key) == tag:
+            return
+        same = [s.key for s in self.slots if s.op.name == slot.op.name and s.key != key]
+        ratios = {k: alternative_ratio(slot.op, self.board.us.get(k) or {})[1] for k in same}
+        have = [k for k, r in ratios.items() if r is not None]
+        if not deviates(x, [ratios[k] for k in neighbours(key, have)]):
+            return
+        self.checked_alt[key] = tag
+        confirmed = self.board.confirmed.get(key, {})
+        if confirmed.get(alt) and confirmed.get(best):
+            return
+        self.urgent.append(Step("confirm", slot, candidates=[(alt, dict(configs[alt])), (best, dict(configs[best]))],
+                                phase="confirm"))
+
+    def _check_bsp(self, slot: Slot) -> None:
         """Queue a confirmation of `slot`'s BSP and best non-BSP variant where its x BSP deviates from its
         neighbours' (once per problem and best config a run, and not where both are confirmed already)."""
         key = slot.key
