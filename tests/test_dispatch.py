@@ -275,6 +275,48 @@ def test_a_full_heap_sends_a_chosen_variant_to_bsp_and_a_forced_one_raises(polic
         assert "symmetric heap full" in r["forced"], (rank, r["forced"])
 
 
+def _refused_job(world, policies: dict) -> dict:
+    """The policy's fused (M=256) is one this World refuses (`Variant.refuses`, as mm_ring's copy-engine pulls on a
+    heap without peer views); then fused forced."""
+    import warnings
+
+    import torch
+
+    from autofuse import dispatch
+    from autofuse.core.op import InvalidConfig
+    from autofuse.dispatch.decide import WorldFallback
+
+    torch.set_num_threads(1)
+    os.environ["AUTOFUSE_POLICY"] = _write_policies(policies, world.rank)["good"]
+    dispatch.reset()
+    TOY.variant("fused").refuses = lambda w, p, c: "this heap has no peer views"
+    res: dict = {}
+    a, b = _inputs(world, 256)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = dispatch.call(TOY, a, b)
+    ex = dispatch.explain(TOY, a, b)
+    res["chosen"] = {"rel": _rel(out, a, b), "variant": ex.variant, "basis": ex.basis, "reason": ex.reason,
+                     "warned": [str(w.message) for w in caught if issubclass(w.category, WorldFallback)]}
+    try:
+        dispatch.call(TOY, *_inputs(world, 512), variant="fused")
+        res["forced"] = "ran"
+    except InvalidConfig as exc:
+        res["forced"] = f"{type(exc).__name__}: {exc}"
+    return res
+
+
+def test_a_variant_the_world_refuses_sends_a_chosen_call_to_bsp_and_a_forced_one_raises(policies):
+    """A variant dispatch chose that this World refuses (its heap, its devices) runs bsp on every rank, warned,
+    explained and right; forced with variant=, it raises InvalidConfig naming the reason."""
+    for rank, r in enumerate(spawn(_refused_job, 2, policies, timeout_s=300)):
+        c = r["chosen"]
+        assert c["variant"] == "bsp" and c["basis"] == "fallback", (rank, c)
+        assert "this World refuses fused" in c["reason"] and "no peer views" in c["reason"], (rank, c)
+        assert c["rel"] < 1e-5 and len(c["warned"]) == 1, (rank, c)
+        assert r["forced"].startswith("InvalidConfig: toy_mm.fused: this heap has no peer views"), (rank, r["forced"])
+
+
 def test_first_call_decides_once(results):
     for r in results:
         s = r["first"]["stats"]

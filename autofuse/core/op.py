@@ -103,7 +103,8 @@ class Variant:
         raise NotImplementedError(f"{self.name} builds no runner")
 
     def build(self, world: World, problem: Problem, config: Config) -> "Runner":
-        """Check, then build this variant's runner for `problem` on `world` (collective).
+        """Check (`check`, then `refuses` for this World), then build this variant's runner for `problem` on
+        `world` (collective; every rank refuses alike, before any collective).
 
         Built outside inference mode and outside any CUDA graph's memory pool whatever the caller's
         state: a runner's buffers outlive the call that built it, and buffers made under
@@ -116,7 +117,7 @@ class Variant:
         why = self.unavailable(world)
         if why:
             raise InvalidConfig(f"{problem.op}.{self.name} is not available: {why}")
-        reason = self.check(problem, config)
+        reason = self.check(problem, config) or self.refuses(world, problem, config)
         if reason:
             raise InvalidConfig(f"{problem.op}.{self.name}: {reason}")
         def make() -> "Runner":

@@ -97,14 +97,20 @@ class HeapFallback(UserWarning):
     """A chosen variant's workspaces did not fit in the symmetric heap: its problem runs bsp instead."""
 
 
+class WorldFallback(UserWarning):
+    """A chosen variant this World cannot run (`Variant.refuses`: e.g. copy-engine pulls on a heap without peer
+    views), though the policy's machine could: its problem runs bsp instead."""
+
+
 FORCED = ("override", "env")  # Choice bases a user set: never replaced behind their back
 
 
 def build(world: World, op: Op, choice: Choice) -> tuple[Any, Choice]:
     """Build the runner of `choice`, or where the symmetric heap cannot hold its variant's workspaces
     (HeapFull), give a variant dispatch chose (policy, measurement, confirmation) way to bsp, with one warning
-    naming AUTOFUSE_HEAP_SIZE: the model runs, and the shape's choice says why (`explain`). A variant the user
-    forced (variant=, AUTOFUSE_VARIANT), or bsp itself, raises HeapFull instead.
+    naming AUTOFUSE_HEAP_SIZE: the model runs, and the shape's choice says why (`explain`); likewise, with a
+    WorldFallback warning, a variant this World refuses (`Variant.refuses`: its heap, its devices). A variant
+    the user forced (variant=, AUTOFUSE_VARIANT), or bsp itself, raises instead.
 
     The heap is symmetric: every rank makes the same allocations in the same order (each one's offset is
     checked across the ranks), so every rank of the group finds it full at the same allocation, before the
@@ -118,10 +124,13 @@ def build(world: World, op: Op, choice: Choice) -> tuple[Any, Choice]:
         why = str(exc).splitlines()[0]
         if choice.basis in FORCED or choice.variant == "bsp":
             raise HeapFull(f"autofuse.{op.name}: {choice.variant} cannot run {choice.problem.key} here: {why}") from exc
+        because, kind = (f"{choice.variant}'s workspaces do not fit in the symmetric heap ({why}); bsp instead (a larger "
+                         "AUTOFUSE_HEAP_SIZE, alike on every rank, lets it run)"), HeapFallback
+    except InvalidConfig as exc:
+        if choice.basis in FORCED or choice.variant == "bsp":
+            raise
+        because, kind = f"this World refuses {choice.variant} ({exc}); bsp instead", WorldFallback
     fallback = bsp_fallback(op, choice.problem, policy_for(world),
-                            f"fallback: {choice.variant}'s workspaces do not fit in the symmetric heap ({why}); bsp "
-                            f"instead (a larger AUTOFUSE_HEAP_SIZE, alike on every rank, lets it run) of "
-                            f"[{choice.basis}] {choice.reason}")
-    warnings.warn(f"autofuse.{op.name} {choice.problem.key}: {fallback.reason}", HeapFallback,
-                  stacklevel=user_stacklevel())
+                            f"fallback: {because} of [{choice.basis}] {choice.reason}")
+    warnings.warn(f"autofuse.{op.name} {choice.problem.key}: {fallback.reason}", kind, stacklevel=user_stacklevel())
     return op.variant("bsp").build(world, choice.problem, fallback.config), fallback
