@@ -28,6 +28,8 @@ gemm_rs (dims M, N, K; rank r holds A_r (M x K/W), B_r (K/W x N), returns rows r
     mm_heap_overlap  the matmul in row chunks, owners' rows first (FLAG shard: one chunk per
                      owner; row_block: CHUNKS per owner), each chunk pushed to its owner on the
                      communication stream as soon as it is written; my own rows last, then the sum.
+    mm_ring          (in autofuse/ops/gemm_rs.py, not on this base: no heap collective) the sum
+                     around the ring in cuBLAS's epilogue, partials pulled by the copy engine.
 gemm_ar (dims M, N, K; returns the whole sum, bitwise the same on every rank):
     mm_heap          torch.matmul into `out`, then the heap all-reduce in place (ALGO one_shot |
                      two_shot, ENGINE sm | ce for one_shot).
