@@ -312,7 +312,9 @@ def test_variants_serve_only_their_op():
     problem = Problem.make("gemm_rs", BF, 2, **_mk(8, 64, 64))
     assert "serves ag_gemm" in ag_gemm.HeapMM().check(problem, {})
     assert [v.name for v in hybrids("ag_gemm")] == ["heap_mm", "heap_mm_overlap"]
-    assert [v.name for v in hybrids("gemm_rs")] == ["mm_heap", "mm_heap_overlap"]
+    assert [v.name for v in hybrids("gemm_rs")] == ["mm_heap", "mm_heap_overlap", "mm_ring"]  # mm_ring: no heap collective
+    ag = Problem.make("ag_gemm", BF, 2, **_ag(8, 64, 64, "rows"))
+    assert "serves gemm_rs" in OPS["gemm_rs"].variant("mm_ring").check(ag, {"CHUNKS": 2})
     assert [v.name for v in hybrids("gemm_ar")] == ["mm_heap", "mm_ll"]
     assert [v.name for v in hybrids("flash_decode")] == ["split_heap"]  # its own kind: partials, not a GEMM
 
