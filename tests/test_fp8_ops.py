@@ -342,6 +342,9 @@ def test_fp8_sweeps_defaults_and_features():
             feats = {**op.features(p)}
             assert all(v == v for v in feats.values())
             for v in op.variants.values():
+                if v.name == "mm_ring":  # by design: torch._scaled_mm cannot accumulate onto a partial
+                    assert v.defaults(p) == [] and "FP8" in v.check(p, {"CHUNKS": 2}), p
+                    continue
                 if v.family in ("fused", "hybrid"):
                     assert v.defaults(p) and all(v.check(p, c) is None for c in v.defaults(p)), (v, p)
                 if v.family == "fused":
