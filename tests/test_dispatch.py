@@ -230,41 +230,57 @@ def results(policies) -> list[dict]:
     return spawn(_dispatch_job, 2, policies)
 
 
-def _heap_full_job(world, policies: dict) -> dict:
-    """The heap filled to its last bytes; then the policy's fused (M=256) needs a workspace, then fused forced."""
+def _fallback_job(world, policies: dict, prepare, warning: str, forced_error: type) -> dict:
+    """`prepare(world)`, then the policy's fused (M=256) through dispatch (what it ran, why, which `warning`s of
+    autofuse.dispatch.decide it gave, right and cached), then fused forced (the `forced_error` it raised)."""
     import warnings
 
     import torch
 
     from autofuse import dispatch
-    from autofuse.dispatch.decide import HeapFallback
+    from autofuse.dispatch import decide
 
     torch.set_num_threads(1)
     os.environ["AUTOFUSE_POLICY"] = _write_policies(policies, world.rank)["good"]
     dispatch.reset()
-    heap = world.heap
-    heap.empty(heap.size - heap._top - 256, dtype=torch.uint8, name="filler")  # every rank alike: symmetric
+    prepare(world)
     res: dict = {}
     a, b = _inputs(world, 256)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         out = dispatch.call(TOY, a, b)
     ex = dispatch.explain(TOY, a, b)
+    kind = getattr(decide, warning)
     res["chosen"] = {"rel": _rel(out, a, b), "variant": ex.variant, "basis": ex.basis, "reason": ex.reason,
-                     "warned": [str(w.message) for w in caught if issubclass(w.category, HeapFallback)],
+                     "warned": [str(w.message) for w in caught if issubclass(w.category, kind)],
                      "again": _rel(dispatch.call(TOY, a, b), a, b)}
     try:
         dispatch.call(TOY, *_inputs(world, 512), variant="fused")
         res["forced"] = "ran"
-    except MemoryError as exc:
+    except forced_error as exc:
         res["forced"] = f"{type(exc).__name__}: {exc}"
     return res
+
+
+def _fill_heap(world) -> None:
+    """The heap filled to its last bytes, every rank alike (it is symmetric)."""
+    import torch
+
+    heap = world.heap
+    heap.empty(heap.size - heap._top - 256, dtype=torch.uint8, name="filler")
+
+
+def _refuse_fused(world) -> None:
+    """fused becomes a variant this World refuses (`Variant.refuses`, as mm_ring's copy-engine pulls on a heap
+    without peer views)."""
+    TOY.variant("fused").refuses = lambda w, p, c: "this heap has no peer views"
 
 
 def test_a_full_heap_sends_a_chosen_variant_to_bsp_and_a_forced_one_raises(policies):
     """A variant dispatch chose that cannot get its heap workspaces runs bsp on every rank (warned once, explained,
     right, cached); forced with variant=, it raises HeapFull on every rank, naming the variant and the heap."""
-    for rank, r in enumerate(spawn(_heap_full_job, 2, policies, timeout_s=300)):
+    for rank, r in enumerate(spawn(_fallback_job, 2, policies, _fill_heap, "HeapFallback", MemoryError,
+                                   timeout_s=300)):
         c = r["chosen"]
         assert c["variant"] == "bsp" and c["basis"] == "fallback", (rank, c)
         assert "do not fit in the symmetric heap (symmetric heap full: 'toy_mm." in c["reason"], (rank, c)
@@ -275,45 +291,17 @@ def test_a_full_heap_sends_a_chosen_variant_to_bsp_and_a_forced_one_raises(polic
         assert "symmetric heap full" in r["forced"], (rank, r["forced"])
 
 
-def _refused_job(world, policies: dict) -> dict:
-    """The policy's fused (M=256) is one this World refuses (`Variant.refuses`, as mm_ring's copy-engine pulls on a
-    heap without peer views); then fused forced."""
-    import warnings
-
-    import torch
-
-    from autofuse import dispatch
-    from autofuse.core.op import InvalidConfig
-    from autofuse.dispatch.decide import WorldFallback
-
-    torch.set_num_threads(1)
-    os.environ["AUTOFUSE_POLICY"] = _write_policies(policies, world.rank)["good"]
-    dispatch.reset()
-    TOY.variant("fused").refuses = lambda w, p, c: "this heap has no peer views"
-    res: dict = {}
-    a, b = _inputs(world, 256)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        out = dispatch.call(TOY, a, b)
-    ex = dispatch.explain(TOY, a, b)
-    res["chosen"] = {"rel": _rel(out, a, b), "variant": ex.variant, "basis": ex.basis, "reason": ex.reason,
-                     "warned": [str(w.message) for w in caught if issubclass(w.category, WorldFallback)]}
-    try:
-        dispatch.call(TOY, *_inputs(world, 512), variant="fused")
-        res["forced"] = "ran"
-    except InvalidConfig as exc:
-        res["forced"] = f"{type(exc).__name__}: {exc}"
-    return res
-
-
 def test_a_variant_the_world_refuses_sends_a_chosen_call_to_bsp_and_a_forced_one_raises(policies):
     """A variant dispatch chose that this World refuses (its heap, its devices) runs bsp on every rank, warned,
     explained and right; forced with variant=, it raises InvalidConfig naming the reason."""
-    for rank, r in enumerate(spawn(_refused_job, 2, policies, timeout_s=300)):
+    from autofuse.core.op import InvalidConfig
+
+    for rank, r in enumerate(spawn(_fallback_job, 2, policies, _refuse_fused, "WorldFallback", InvalidConfig,
+                                   timeout_s=300)):
         c = r["chosen"]
         assert c["variant"] == "bsp" and c["basis"] == "fallback", (rank, c)
         assert "this World refuses fused" in c["reason"] and "no peer views" in c["reason"], (rank, c)
-        assert c["rel"] < 1e-5 and len(c["warned"]) == 1, (rank, c)
+        assert c["rel"] < 1e-5 and c["again"] < 1e-5 and len(c["warned"]) == 1, (rank, c)
         assert r["forced"].startswith("InvalidConfig: toy_mm.fused: this heap has no peer views"), (rank, r["forced"])
 
 

@@ -376,26 +376,29 @@ class Scheduler:
         x alt deviates from its neighbours' (a torch op timed during a hiccup makes autofuse look 10x
         ahead), once per problem, alternative and best config a run, and not where both are confirmed."""
         key = slot.key
-        us = self.board.us.get(key) or {}
-        alt, x = alternative_ratio(slot.op, us)
+        alt, _ = alternative_ratio(slot.op, self.board.us.get(key) or {})
         _, best = self.board.best(key)
         if alt is None or best is None or best == alt:
             return
-        configs = self.board.configs[key]
-        tag = f"{alt}|{best}:{config_key(configs[best])}"
-        if self.checked_alt.get(key) == tag:
-            return
-        same = [s.key for s in self.slots if s.op.name == slot.op.name and s.key != key]
-        ratios = {k: alternative_ratio(slot.op, self.board.us.get(k) or {})[1] for k in same}
+        tag = f"{alt}|{best}:{config_key(self.board.configs[key][best])}"
+        if self.checked_alt.get(key) != tag and self._deviating(slot, lambda us: alternative_ratio(slot.op, us)[1]):
+            self.checked_alt[key] = tag
+            self._confirm(slot, (alt, best))
+
+    def _deviating(self, slot: Slot, ratio: Callable[[Mapping[str, float]], float | None]) -> bool:
+        """Whether `ratio` of `slot`'s latencies deviates from that of the nearest planned problems of its op."""
+        ratios = {s.key: ratio(self.board.us.get(s.key) or {}) for s in self.slots if s.op.name == slot.op.name}
         have = [k for k, r in ratios.items() if r is not None]
-        if not deviates(x, [ratios[k] for k in neighbours(key, have)]):
+        return deviates(ratios[slot.key], [ratios[k] for k in neighbours(slot.key, have)])
+
+    def _confirm(self, slot: Slot, variants: tuple[str, str]) -> None:
+        """Queue `variants` of `slot`, at their board configs, to be re-measured in turns, unless both are
+        confirmed already."""
+        confirmed = self.board.confirmed.get(slot.key, {})
+        if all(confirmed.get(v) for v in variants):
             return
-        self.checked_alt[key] = tag
-        confirmed = self.board.confirmed.get(key, {})
-        if confirmed.get(alt) and confirmed.get(best):
-            return
-        self.urgent.append(Step("confirm", slot, candidates=[(alt, dict(configs[alt])), (best, dict(configs[best]))],
-                                phase="confirm"))
+        configs = self.board.configs[slot.key]
+        self.urgent.append(Step("confirm", slot, candidates=[(v, dict(configs[v])) for v in variants], phase="confirm"))
 
     def _check_bsp(self, slot: Slot) -> None:
         """Queue a confirmation of `slot`'s BSP and best non-BSP variant where its x BSP deviates from its
@@ -406,18 +409,7 @@ class Scheduler:
         if "bsp" not in us or not others:
             return
         rival = min(others, key=others.get)
-        rival_config = self.board.configs[key][rival]
-        tag = f"{rival}:{config_key(rival_config)}"
-        if self.checked.get(key) == tag:
-            return
-        same = [s.key for s in self.slots if s.op.name == slot.op.name and s.key != key]
-        have = [k for k in same if bsp_ratio(self.board.us.get(k) or {}) is not None]
-        around = [bsp_ratio(self.board.us[k]) for k in neighbours(key, have)]
-        if not deviates(bsp_ratio(us), around):
-            return
-        self.checked[key] = tag
-        confirmed = self.board.confirmed.get(key, {})
-        if confirmed.get("bsp") and confirmed.get(rival):
-            return
-        self.urgent.append(Step("confirm", slot, candidates=[("bsp", dict(self.board.configs[key]["bsp"])),
-                                                             (rival, dict(rival_config))], phase="confirm"))
+        tag = f"{rival}:{config_key(self.board.configs[key][rival])}"
+        if self.checked.get(key) != tag and self._deviating(slot, bsp_ratio):
+            self.checked[key] = tag
+            self._confirm(slot, ("bsp", rival))
