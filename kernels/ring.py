@@ -3,19 +3,23 @@
 The host runs the data path: cuBLAS GEMMs on the compute stream (each accumulating onto the partial
 that the previous rank of the ring handed on, `addmm_` with beta = 1, so no reduction kernel runs)
 and copy-engine pulls of those partials from the previous rank's heap on a pull stream (no SM moves
-data). These one-program kernels order it across ranks:
+data). Flags are raised by the copy engine too: a 4-byte copy of my CURRENT word into a neighbour's
+flag word, on a stream that first waited for the work it announces (a copy starts only when the
+stream's earlier work is complete and visible), so raising a flag launches no kernel. These
+one-program kernels do what a copy cannot, read and wait:
 
     begin_kernel   compute stream, first: the call's epoch (one more than the last finished call's,
                    kept on the device so CUDA-graph replays advance it) into CURRENT; then it waits
                    until the next rank pulled every partial of my previous call (TAKEN == epoch - 1),
                    so this call's GEMMs may overwrite them
-    signal_kernel  raise a flag on a neighbour with the current epoch: READY + i on the next rank
-                   (my partial i of this call is in my heap), or TAKEN on the previous rank (I pulled
-                   all of its partials of this call)
     wait_kernel    pull stream: wait until READY + i holds the current epoch (the previous rank's
                    partial i is complete), before the copy that pulls it
     finish_kernel  compute stream, last: NaN into `out` where this rank's workspace saw a fault (a
                    wait ran out here or on a peer), then the epoch published as finished
+
+The copies (autofuse/ops/gemm_rs.py, RingRunner): READY + i on the next rank once my partial i is
+written (signal stream, after the GEMM's event), TAKEN on the previous rank once I pulled all of its
+partials of this call (pull stream, after the last pull).
 
 Flags (int32 words of the workspace's flags, read by exact epoch, never cleared: epochs only grow,
 so a flag another layout left behind never matches): CURRENT (word 0, mine), TAKEN (word 1, raised
@@ -24,8 +28,10 @@ ahead: its begin_kernel waits for my TAKEN of the call before, and its READY fla
 are raised after that, when I have pulled (and waited for) every partial of this one.
 
 Faults: as everywhere (kernels/shmem.py): waits are bounded, the first to run out aborts every
-peer, an unhealthy workspace waits for nothing and signals nothing, and finish_kernel leaves NaN
-in the output of every call that saw a fault.
+peer, an unhealthy workspace waits for nothing, and finish_kernel leaves NaN in the output of every
+call that saw a fault. The copies raise their flags whether or not a fault was seen: a peer they
+release is aborted already (its waits return at once and its output is NaN), or it was past its last
+wait with the right data.
 """
 import triton
 import triton.language as tl
@@ -54,16 +60,6 @@ def begin_kernel(ctx, flags):
     if _healthy(ctx):
         if ctx.world > 1:
             shmem.wait_until(flags + TAKEN, epoch - 1, ctx)
-
-
-@triton.jit
-def signal_kernel(ctx, flags, word, step):
-    """grid = (1,): raise flag `word` with the current epoch on rank (rank + step) mod W (releasing
-    every write that the stream ordered before this kernel)."""
-    epoch = shmem.read_uniform(flags + CURRENT, "relaxed")
-    if _healthy(ctx):
-        peer = (ctx.rank + step + ctx.world) % ctx.world
-        shmem.signal(flags + word, epoch, ctx.rank, peer, ctx.heap_bases)
 
 
 @triton.jit

@@ -39,6 +39,7 @@ ranks against stand-ins of torch's op (tests/_symm_cpu.py) and passed on two H10
 """
 from __future__ import annotations
 
+import contextlib
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import torch
@@ -295,7 +296,10 @@ class RingRunner(Runner):
     """mm_ring on one problem (see the module docstring); the flags' kernels: kernels/ring.py.
 
     Heap (workspace "gemm_rs.ring"): the partials of steps 0..W-2, each M/W x N in the output dtype,
-    which the next rank pulls; flags CURRENT, TAKEN, then READY per (step, chunk).
+    which the next rank pulls; flags CURRENT, TAKEN, then READY per (step, chunk). Flags are raised by
+    the copy engine: a 4-byte copy of my CURRENT word into the neighbour's flag, ordered after the work it
+    announces by the stream it runs on (no kernel launch; the host's cost per call is what keeps mm_ring
+    off small problems).
     """
 
     def __init__(self, world: World, problem: Problem, config: Config):
@@ -313,47 +317,63 @@ class RingRunner(Runner):
         super().__init__(world, problem, specs, out, workspaces=(self.ws,))
         self.k, self.per, self.rank = k, per, world.rank
         self.partials = self.ws.data[:nbytes].view(dtype).view(steps, per, n)
-        self.previous = world.heap.peer_tensor(self.partials, (world.rank - 1) % w) if steps else self.partials
+        flags = self.ws.flags
+        self.current = flags[k.CURRENT.value:k.CURRENT.value + 1]
+        if steps:
+            self.previous = world.heap.peer_tensor(self.partials, (world.rank - 1) % w)
+            after = world.heap.peer_tensor(flags, (world.rank + 1) % w)
+            before = world.heap.peer_tensor(flags, (world.rank - 1) % w)
+            self.ready_after = [after[k.READY.value + i:k.READY.value + i + 1] for i in range(steps * len(self.chunks))]
+            self.taken_before = before[k.TAKEN.value:k.TAKEN.value + 1]
         self.pull, self.signals = hybrid.comm_stream(world.device, "high"), hybrid.comm_stream(world.device, "normal")
         cuda = world.device.type == "cuda"
         self.pulled = [torch.cuda.Event() if cuda else None for _ in range(steps * len(self.chunks))]
         self.made = [torch.cuda.Event() if cuda else None for _ in range(steps * len(self.chunks))]
 
     def launch(self, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
-        k, ws, w, per = self.k, self.ws, self.problem.world, self.per
-        ctx, flags, nc = ws.ctx, ws.flags, len(self.chunks)
+        """Per step: the pulls of every chunk (pull stream), the GEMMs (compute stream), the flags raised
+        (signal stream); each stream entered once per step, since the host's cost per call is what keeps
+        mm_ring off small problems. The streams run concurrently: chunk c's GEMM waits for its own pull
+        only, and its flag for its own GEMM only. On CPU everything runs inline, in this order."""
+        k, ws, w, per, nc = self.k, self.ws, self.problem.world, self.per, len(self.chunks)
+        ctx, flags, compute = ws.ctx, ws.flags, None
         k.begin_kernel[(1,)](ctx, flags, num_warps=4)
-        compute = torch.cuda.current_stream(self.device) if self.pull is not None else None
-        if compute is not None:
+        if self.pull is not None:
+            compute = torch.cuda.current_stream(self.device)
             self.pull.wait_stream(compute)
             self.signals.wait_stream(compute)
         for s in range(w):
             rows0 = (self.rank - s - 1) % w * per
-            for c, (lo, hi) in enumerate(self.chunks):
-                dst = out[lo:hi] if s == w - 1 else self.partials[s, lo:hi]
-                a_rows = a[rows0 + lo:rows0 + hi]
-                if s == 0:
-                    torch.mm(a_rows, b, out=dst)
-                else:
-                    i = (s - 1) * nc + c
-                    with _on(self.pull):
+            last = s == w - 1
+            targets = [out[lo:hi] if last else self.partials[s, lo:hi] for lo, hi in self.chunks]
+            if s:  # pull the previous rank's partials of these rows, chunk by chunk as each is ready
+                with _on(self.pull):
+                    for c, (lo, hi) in enumerate(self.chunks):
+                        i = (s - 1) * nc + c
                         k.wait_kernel[(1,)](ctx, flags, k.READY.value + i, num_warps=4)
-                        dst.copy_(self.previous[s - 1, lo:hi])
+                        targets[c].copy_(self.previous[s - 1, lo:hi])
                         if compute is not None:
                             self.pulled[i].record(self.pull)
+            for c, (lo, hi) in enumerate(self.chunks):
+                a_rows = a[rows0 + lo:rows0 + hi]
+                if s == 0:
+                    torch.mm(a_rows, b, out=targets[c])
+                else:
                     if compute is not None:
-                        compute.wait_event(self.pulled[i])
-                    dst.addmm_(a_rows, b)
-                if s < w - 1:
-                    i = s * nc + c
-                    if compute is not None:
-                        self.made[i].record(compute)
-                        self.signals.wait_event(self.made[i])
-                    with _on(self.signals):
-                        k.signal_kernel[(1,)](ctx, flags, k.READY.value + i, 1, num_warps=4)
-        if w > 1:
+                        compute.wait_event(self.pulled[(s - 1) * nc + c])
+                    targets[c].addmm_(a_rows, b)
+                if compute is not None and not last:
+                    self.made[s * nc + c].record(compute)
+            if not last:  # my partial i is complete: READY + i on the next rank := my epoch
+                with _on(self.signals):
+                    for c in range(nc):
+                        i = s * nc + c
+                        if compute is not None:
+                            self.signals.wait_event(self.made[i])
+                        self.ready_after[i].copy_(self.current)
+        if w > 1:  # every partial of the previous rank pulled: its TAKEN := my epoch
             with _on(self.pull):
-                k.signal_kernel[(1,)](ctx, flags, k.TAKEN.value, -1, num_warps=4)
+                self.taken_before.copy_(self.current)
         if compute is not None:
             compute.wait_stream(self.pull)
             compute.wait_stream(self.signals)
@@ -362,7 +382,7 @@ class RingRunner(Runner):
 
 def _on(stream: Any) -> Any:
     """`torch.cuda.stream(stream)`, or nothing on CPU (every launch runs inline, in host order)."""
-    return torch.cuda.stream(stream) if stream is not None else hybrid._Nothing()
+    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
 
 
 class MMRing(Variant):
