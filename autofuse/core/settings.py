@@ -160,7 +160,7 @@ def confirm_k() -> int:
 
 def ring_min_gflop() -> float:
     """AUTOFUSE_RING_MIN_GFLOP (>= 0, default 300): the per-rank GFLOP below which gemm_rs's mm_ring refuses a
-    problem. Its calls cost 0.5-1 ms of host launches (two H200, 2026-11-30), which pace a call that is not
+    problem. Its calls cost 0.3-1 ms of host work (two H200, 2026-11-30), which pace a call that is not
     replayed from a CUDA graph (eager code, compiled training) where the GPU work is shorter; 0 lets
     code whose calls are all graph-replayed take it on every size."""
     text = _text("AUTOFUSE_RING_MIN_GFLOP")

@@ -23,7 +23,8 @@ Variants:
   reduction kernel reads the partials again; CHUNKS row chunks per owner pipeline the pulls under
   the GEMMs. Partials are rounded to the output dtype once per step. kernels/ring.py orders it.
   Not FP8 (torch._scaled_mm cannot accumulate onto C), and not below AUTOFUSE_RING_MIN_GFLOP per rank
-  (default 300): its 0.5-1 ms of host launches per call would pace calls that are not graph-replayed.
+  (default 300): its 0.3-1 ms of host work per call (ten-odd torch and stream operations per chunk)
+  would pace calls that are not graph-replayed.
 kernels/gemm_rs.py has the algorithms; the fused configs are the GEMM core's (autofuse/core/gemm.py)
 plus PARTIAL ("fp32" | "out": the inbox dtype) and, for push_reducer, FLAG and COMM_SMS.
 
