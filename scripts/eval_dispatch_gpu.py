@@ -11,13 +11,16 @@ For each, on every rank:
 2. every available variant at the config the policy would give it (its nearest tuned config), and
    the choice itself: each checked against the float64 reference, then all timed in turns, batch
    by batch (`autofuse.measure.timing.time_in_turns`: a drift of the host, large in eager mode, is shared
-   by every candidate instead of charged to whichever ran last).
+   by every candidate instead of charged to whichever ran last), in `--repeat` independent runs (new
+   graphs each; default 3), a candidate's time the median over them: one run moved a candidate by
+   20-77% between runs (round 24) and put mm_ring in a state 28% slower than its others (round 26).
 The oracle is the fastest measured candidate. Reported per op and overall: the share of calls
 within 5% of the oracle, the geomean of choice / oracle and of choice / BSP, the worst choice / BSP,
 the bases, and the first-call cost (median; with confirmation's build and timing medians). Prints a
-table and writes JSON (per call also each candidate's time keyed "variant config", and, where the decision was
-confirmed, what the confirmation timed, keyed alike, and which candidates its second pass took: the two
-timings side by side). Usage:
+table and writes JSON (per call also each candidate's time keyed "variant config" and each run's, and, where the
+decision was confirmed, what the confirmation timed, keyed alike, which candidates its second pass took, and the
+pick's time here over its confirmation's: the two timings side by side; a pick more than 10% away from its
+confirmation's time is flagged in the printed line). Usage:
 
     python3 scripts/eval_dispatch_gpu.py --policy POLICY.json --mode graph --out eval.json
 """
@@ -27,6 +30,7 @@ import argparse
 import json
 import math
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -36,6 +40,7 @@ from autofuse.core.op import Problem, config_key
 from autofuse.comm.world import spawn
 
 OPS = ("ag_gemm", "gemm_rs", "gemm_ar", "flash_decode")
+DISAGREE = 0.10  # a pick timed this much away from its confirmation's time is flagged
 
 
 def held_out(op: str, world: int) -> list[Problem]:
@@ -78,7 +83,13 @@ def _time_together(world, op, problem, cands: list[tuple[str, dict]], mode: str,
     return [next(it).median_us if r is not None else math.inf for r in runners]
 
 
-def job(world, policy_path: str, ops: list[str], mode: str, reps: int, confirm: bool, cpu: bool) -> dict:
+def _confirm_us(conf) -> dict | None:
+    """What a confirmation timed, keyed "variant config" (None where the decision was not confirmed)."""
+    return {f"{v} {config_key(c)}": t for v, c, t in conf.timed} if conf else None
+
+
+def job(world, policy_path: str, ops: list[str], mode: str, reps: int, confirm: bool, cpu: bool,
+        repeat: int = 1) -> dict:
     import autofuse
     from autofuse import dispatch
     from autofuse.dispatch.policy import Policy
@@ -101,34 +112,42 @@ def job(world, policy_path: str, ops: list[str], mode: str, reps: int, confirm: 
             world.sync()
             first_s = time.perf_counter() - t0
             choice = autofuse.explain(name, *inputs, group=world)
+            conf = choice.confirmation
             cands = [(v, config) for v in avail
                      for config in policy.configs_for(problem, v, op, n=1) or ([{}] if v == "bsp" else [])]
             keys = [(v, config_key(c)) for v, c in cands]
             if (choice.variant, config_key(choice.config)) not in keys:
                 cands.append((choice.variant, dict(choice.config)))
                 keys.append((choice.variant, config_key(choice.config)))
-            times = _time_together(world, op, problem, cands, mode, reps)
+            runs = [_time_together(world, op, problem, cands, mode, reps) for _ in range(repeat)]
+            times = [statistics.median(ts) if all(map(math.isfinite, ts)) else math.inf for ts in zip(*runs)]
             pick = times[keys.index((choice.variant, config_key(choice.config)))]
             us: dict[str, float] = {}
             for (v, _), t in zip(cands, times):
                 if math.isfinite(t):
                     us[v] = min(us.get(v, math.inf), t)
-            conf = choice.confirmation
             by_config = {f"{v} {k}": t for (v, k), t in zip(keys, times) if math.isfinite(t)}
+            runs_by_config = {f"{v} {k}": list(ts) for (v, k), ts in zip(keys, zip(*runs))
+                              if all(map(math.isfinite, ts))}
+            conf_us = _confirm_us(conf)
+            confirmed_us = conf_us.get(f"{choice.variant} {config_key(choice.config)}") if conf_us else None
             row = {"problem": problem.key, "op": name, "us": us, "us_by_config": by_config, "pick": choice.variant,
                    "basis": choice.basis,
                    "config": choice.config, "reason": choice.reason, "pick_us": pick, "first_call_s": first_s,
                    "confirm_s": conf.seconds if conf else None,
                    "confirm_build_s": conf.build_seconds if conf else None,
                    "confirm_timing_s": conf.timing_seconds if conf else None,
-                   "confirm_us": {f"{v} {config_key(c)}": t for v, c, t in conf.timed} if conf else None,
-                   "confirm_again": list(conf.again) if conf else None}
+                   "confirm_us": conf_us, "confirm_again": list(conf.again) if conf else None,
+                   "us_runs_by_config": runs_by_config,
+                   "pick_vs_confirmed": pick / confirmed_us if confirmed_us else None}
             out.append(row)
             if world.rank == 0:
                 cost = f" (build {conf.build_seconds:.2f} s, timing {conf.timing_seconds * 1e3:.0f} ms)" if conf else ""
+                moved = (f"; DISAGREES: confirmation timed it {confirmed_us:.1f} us" if confirmed_us
+                         and abs(pick / confirmed_us - 1) > DISAGREE else "")
                 print(f"{problem.key}: {choice.variant} [{choice.basis}] {pick:.1f} us, first call {first_s:.2f} s"
-                      f"{cost}; " + ", ".join(f"{v} {t:.1f}" for v, t in sorted(us.items(), key=lambda x: x[1])),
-                      flush=True)
+                      f"{cost}; " + ", ".join(f"{v} {t:.1f}" for v, t in sorted(us.items(), key=lambda x: x[1]))
+                      + moved, flush=True)
     return {"rows": out, "policy": policy_path, "mode": mode, "refused": policy.refused, "confirm": confirm}
 
 
@@ -164,14 +183,20 @@ def main() -> int:
     ap.add_argument("--ops", default=",".join(OPS))
     ap.add_argument("--mode", default="graph")
     ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument("--repeat", type=int, default=3,
+                    help="independent timing runs of the candidates per problem (new captures each); a candidate's "
+                         "time is the median over them")
     ap.add_argument("--world", type=int, default=2)
     ap.add_argument("--no-confirm", action="store_true", help="dispatch on the policy's prediction alone")
     ap.add_argument("--out", default=os.path.join("autofuse-out", "eval_dispatch.json"))
     ap.add_argument("--cpu", action="store_true", help="dry run of the code path on CPU ranks (tiny problems)")
     a = ap.parse_args()
     ops = [o for o in a.ops.split(",") if o]
-    res = spawn(job, a.world, os.path.abspath(a.policy), ops, a.mode, a.reps, not a.no_confirm, a.cpu,
+    if a.repeat < 1:
+        ap.error(f"--repeat must be at least 1, got {a.repeat}")
+    res = spawn(job, a.world, os.path.abspath(a.policy), ops, a.mode, a.reps, not a.no_confirm, a.cpu, a.repeat,
                 device_kind="cpu" if a.cpu else "cuda", timeout_s=1200)[0]
+    res["repeat"] = a.repeat
     res["summary"] = {"all": summarize(res["rows"])}
     for o in ops:
         rows = [r for r in res["rows"] if r["op"] == o]

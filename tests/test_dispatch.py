@@ -783,8 +783,8 @@ def test_gpu_dispatch_every_op_eager_and_graph():
 
 def test_eval_dispatch_script_times_every_candidate_in_turns(tmp_path):
     """scripts/eval_dispatch_gpu.py's CPU dry run: every CPU variant of gemm_ar is checked, then timed
-    in turns, and the pick's time is the time measured for that variant (a mislabelled turn would
-    give the pick another candidate's time or leave a candidate out)."""
+    in turns in two independent runs, and the pick's time is the median measured for that variant (a
+    mislabelled turn would give the pick another candidate's time or leave a candidate out)."""
     import subprocess
     import sys
 
@@ -793,8 +793,8 @@ def test_eval_dispatch_script_times_every_candidate_in_turns(tmp_path):
     policy = tmp_path / "malformed.json"
     policy.write_text("{}")  # refused with a warning: dispatch falls back to bsp, the evaluation still times all
     done = subprocess.run([sys.executable, os.path.join(root, "scripts", "eval_dispatch_gpu.py"), "--cpu",
-                           "--ops", "gemm_ar", "--reps", "2", "--mode", "eager", "--policy", str(policy),
-                           "--out", str(out)], capture_output=True, text=True, timeout=300, cwd=root)
+                           "--ops", "gemm_ar", "--reps", "2", "--repeat", "2", "--mode", "eager", "--policy",
+                           str(policy), "--out", str(out)], capture_output=True, text=True, timeout=300, cwd=root)
     assert done.returncode == 0, done.stderr[-2000:]
     rows = json.loads(out.read_text())["rows"]
     assert len(rows) == 1
@@ -804,6 +804,10 @@ def test_eval_dispatch_script_times_every_candidate_in_turns(tmp_path):
     assert row["pick"] == "bsp" and row["pick_us"] == row["us"]["bsp"], row
     assert {k.split()[0] for k in row["us_by_config"]} == set(row["us"]), row["us_by_config"]
     assert row["confirm_us"] is None and row["confirm_again"] is None, row  # no policy: nothing confirmed
+    assert row["pick_vs_confirmed"] is None, row
+    runs = row["us_runs_by_config"]  # two independent runs; each candidate's time is their median (mean of two)
+    assert set(runs) == set(row["us_by_config"]) and all(len(ts) == 2 for ts in runs.values()), runs
+    assert all(math.isclose(row["us_by_config"][k], sum(ts) / 2) for k, ts in runs.items()), (runs, row["us_by_config"])
 
 
 def _no_policy_job(world, models_dir: str) -> list[tuple[str, str]]:
