@@ -14,6 +14,7 @@ import math
 import os
 import re
 from pathlib import Path
+from typing import Callable
 
 from autofuse.core import modes
 
@@ -58,17 +59,24 @@ def _text(name: str) -> str:
     return os.environ.get(name, "").strip()
 
 
-def _seconds(name: str, default: float) -> float:
+def _number(name: str, default: float, ok: Callable[[float], bool], not_number: str, out_of_range: str) -> float:
+    """`name`'s value as a finite float accepted by `ok`, else `default` where unset; SettingError otherwise,
+    with `not_number` or `out_of_range` after "NAME='text'"."""
     text = _text(name)
     if not text:
         return default
     try:
         value = float(text)
     except ValueError:
-        raise SettingError(f"{name}={text!r} is not a number of seconds (e.g. 10 or 0.5)") from None
-    if not math.isfinite(value) or not 0 < value <= MAX_SECONDS:
-        raise SettingError(f"{name}={text!r} must be a positive number of seconds, at most {MAX_SECONDS:.0f}")
+        raise SettingError(f"{name}={text!r}{not_number}") from None
+    if not (math.isfinite(value) and ok(value)):
+        raise SettingError(f"{name}={text!r}{out_of_range}")
     return value
+
+
+def _seconds(name: str, default: float) -> float:
+    return _number(name, default, lambda v: 0 < v <= MAX_SECONDS, " is not a number of seconds (e.g. 10 or 0.5)",
+                   f" must be a positive number of seconds, at most {MAX_SECONDS:.0f}")
 
 
 def wait_timeout_s(device_type: str) -> float:
@@ -163,16 +171,8 @@ def ring_min_gflop() -> float:
     problem. Its calls cost 0.3-1 ms of host work (two H200, 2026-11-30), which pace a call that is not
     replayed from a CUDA graph (eager code, compiled training) where the GPU work is shorter; 0 lets
     code whose calls are all graph-replayed take it on every size."""
-    text = _text("AUTOFUSE_RING_MIN_GFLOP")
-    if not text:
-        return DEFAULT_RING_MIN_GFLOP
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not 0.0 <= value < float("inf"):
-        raise SettingError(f"AUTOFUSE_RING_MIN_GFLOP={text!r}: GFLOP per rank, a number >= 0")
-    return value
+    why = ": GFLOP per rank, a number >= 0"
+    return _number("AUTOFUSE_RING_MIN_GFLOP", DEFAULT_RING_MIN_GFLOP, lambda v: v >= 0, why, why)
 
 
 def ranks_per_gpu() -> int:
