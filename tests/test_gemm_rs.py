@@ -222,15 +222,21 @@ def test_invalid_configs_rejected_before_launch():
     assert "2^31" in OP.variant("push_reducer").check(huge, red)
 
 
-def test_mm_ring_refuses_problems_below_its_size_floor(monkeypatch):
+def test_mm_ring_refuses_problems_below_its_size_floor_which_grows_with_chunks(monkeypatch):
     ring = OP.variant("mm_ring")
     small = Problem.make("gemm_rs", "bfloat16", 2, M=4096, N=4096, K=4096)   # 68.7 GFLOP per rank
+    mid = Problem.make("gemm_rs", "bfloat16", 2, M=4096, N=4096, K=28672)    # 481 GFLOP per rank (8B's gate_up dX)
     large = Problem.make("gemm_rs", "bfloat16", 2, M=8192, N=8192, K=28672)  # 1924 GFLOP per rank
     monkeypatch.delenv("AUTOFUSE_RING_MIN_GFLOP")
-    assert "below AUTOFUSE_RING_MIN_GFLOP=300" in ring.check(small, {"CHUNKS": 2}) and ring.defaults(small) == []
-    assert ring.check(large, {"CHUNKS": 2}) is None
+    why = ring.check(small, {"CHUNKS": 2})
+    assert "floor at CHUNKS=2: 300" in why and "AUTOFUSE_RING_MIN_GFLOP=300" in why and ring.defaults(small) == []
+    assert [gemm_rs.ring_floor(300, c) for c in gemm_rs.RING_CHUNKS] == [200, 300, 500, 900]
+    assert ring.check(mid, {"CHUNKS": 1}) is None and ring.check(mid, {"CHUNKS": 2}) is None
+    assert "floor at CHUNKS=4: 500" in ring.check(mid, {"CHUNKS": 4}) and ring.check(mid, {"CHUNKS": 8})
+    assert [c["CHUNKS"] for c in ring.defaults(mid)] == [2, 1]
+    assert all(ring.check(large, {"CHUNKS": c}) is None for c in gemm_rs.RING_CHUNKS)
     monkeypatch.setenv("AUTOFUSE_RING_MIN_GFLOP", "50")
-    assert ring.check(small, {"CHUNKS": 2}) is None
+    assert ring.check(small, {"CHUNKS": 2}) is None and "floor at CHUNKS=8: 150" in ring.check(small, {"CHUNKS": 8})
     monkeypatch.setenv("AUTOFUSE_RING_MIN_GFLOP", "-1")
     with pytest.raises(SettingError, match="AUTOFUSE_RING_MIN_GFLOP"):
         ring.check(small, {"CHUNKS": 2})
@@ -329,14 +335,16 @@ def test_ring_kernels_compile_for_sm90_with_bounded_waits():
     per-thread branch (the copy engine raises the flags: no kernel to check)."""
     flags = {"ctx": CTX, "flags": "*i32"}
     reqs = [compile_request(RING, "begin_kernel", flags, num_warps=4, num_stages=1, name="begin"),
-            compile_request(RING, "wait_kernel", {**flags, "word": "i32"}, num_warps=4, num_stages=1, name="wait"),
+            *(compile_request(RING, "wait_kernel", {**flags, "word": "i32", "BEHIND": "constexpr"}, {"BEHIND": behind},
+                              num_warps=4, num_stages=1, name=f"wait{behind}") for behind in (0, 1)),
             compile_request(RING, "finish_kernel", {**flags, "out": "*bf16", "numel": "i32", "BLOCK": "constexpr"},
                             {"BLOCK": 1024}, num_warps=4, num_stages=1, divisible=["out"], name="finish")]
     kernels = compile_sm90_many(reqs)
     for name, k in kernels.items():
         assert_uniform(k, name)
-    for name in ("begin", "wait"):
+    for name in ("wait0", "wait1"):  # READY (pull stream) and TAKEN (signal stream): the only waits
         assert "ld.volatile.global" in kernels[name]["ptx"] and "%globaltimer" in kernels[name]["ptx"], name
+    assert "ld.volatile.global" not in kernels["begin"]["ptx"]  # the compute stream never waits on a neighbour
     assert "%globaltimer" not in kernels["finish"]["ptx"]  # it never waits
 
 

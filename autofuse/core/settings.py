@@ -34,8 +34,8 @@ NAMES = {
     "AUTOFUSE_RANKS_PER_GPU": "tests and diagnostics: up to N ranks share each GPU (gloo, IPC heap, no timing)",
     "AUTOFUSE_SAVE_GATHERED": "1 | 0: a differentiable ag_gemm keeps all_gather(A) for backward (default 1) "
                               "or gathers it again there",
-    "AUTOFUSE_RING_MIN_GFLOP": "GFLOP per rank below which gemm_rs's mm_ring refuses a problem (default 300; "
-                               "0 where every call is graph-replayed)",
+    "AUTOFUSE_RING_MIN_GFLOP": "GFLOP per rank below which gemm_rs's mm_ring refuses a problem at CHUNKS=2 "
+                               "(default 300; x (1 + CHUNKS) / 3 at other CHUNKS; 0 where every call is graph-replayed)",
 }
 DEFAULT_WAIT_TIMEOUT_S = {"cuda": 10.0, "cpu": 120.0}  # the interpreter runs a peer's programs one by one
 MAX_SECONDS = 7 * 24 * 3600.0  # a week: beyond it a wait budget overflows the kernels' int64 nanoseconds
@@ -168,7 +168,8 @@ def confirm_k() -> int:
 
 def ring_min_gflop() -> float:
     """AUTOFUSE_RING_MIN_GFLOP (>= 0, default 300): the per-rank GFLOP below which gemm_rs's mm_ring refuses a
-    problem. Its calls cost 0.3-1 ms of host work (two H200, 2026-11-30), which pace a call that is not
+    problem at CHUNKS=2 (x (1 + CHUNKS) / 3 at other CHUNKS: gemm_rs.ring_floor). Its calls cost 0.3-1 ms of
+    host work, growing with CHUNKS (two H200, 2026-11-30), which pace a call that is not
     replayed from a CUDA graph (eager code, compiled training) where the GPU work is shorter; 0 lets
     code whose calls are all graph-replayed take it on every size."""
     why = ": GFLOP per rank, a number >= 0"
