@@ -2,35 +2,30 @@
 
 The host runs the data path: cuBLAS GEMMs on the compute stream (each accumulating onto the partial
 that the previous rank of the ring handed on, `addmm_` with beta = 1, so no reduction kernel runs)
-into a local work buffer; copies of each finished partial into this rank's heap (signal stream), and
-copy-engine pulls of the previous rank's heap partials (pull stream; no SM moves data). Flags are
-raised by the copy engine too: a 4-byte copy of my CURRENT word into a neighbour's flag word, on a
-stream that first waited for the work it announces (a copy starts only when the stream's earlier
-work is complete and visible), so raising a flag launches no kernel. These one-program kernels do
-what a copy cannot, read and wait:
+and copy-engine pulls of those partials from the previous rank's heap on a pull stream (no SM moves
+data). Flags are raised by the copy engine too: a 4-byte copy of my CURRENT word into a neighbour's
+flag word, on a stream that first waited for the work it announces (a copy starts only when the
+stream's earlier work is complete and visible), so raising a flag launches no kernel. These
+one-program kernels do what a copy cannot, read and wait:
 
     begin_kernel   compute stream, first: the call's epoch (one more than the last finished call's,
-                   kept on the device so CUDA-graph replays advance it) into CURRENT
-    wait_kernel    wait until a flag word holds the current epoch minus BEHIND: on the pull stream
-                   READY + i == epoch (the previous rank's partial i is in its heap), before the copy
-                   that pulls it; on the signal stream TAKEN == epoch - 1 (the next rank pulled every
-                   heap partial of my previous call), before this call's first copy into the heap
+                   kept on the device so CUDA-graph replays advance it) into CURRENT; then it waits
+                   until the next rank pulled every partial of my previous call (TAKEN == epoch - 1),
+                   so this call's GEMMs may overwrite them
+    wait_kernel    pull stream: wait until READY + i holds the current epoch (the previous rank's
+                   partial i is complete), before the copy that pulls it
     finish_kernel  compute stream, last: NaN into `out` where this rank's workspace saw a fault (a
                    wait ran out here or on a peer), then the epoch published as finished
 
-The GEMMs write a local buffer, not the heap, so the compute stream never waits for a neighbour to
-have pulled the previous call (only the signal stream's copies into the heap do): two ranks replaying
-calls back to back are coupled by the data they exchange within a call, not by the call before.
-
 The copies (autofuse/ops/gemm_rs.py, RingRunner): READY + i on the next rank once my partial i is
-in my heap (signal stream, after the copy), TAKEN on the previous rank once I pulled all of its
+written (signal stream, after the GEMM's event), TAKEN on the previous rank once I pulled all of its
 partials of this call (pull stream, after the last pull).
 
 Flags (int32 words of the workspace's flags, read by exact epoch, never cleared: epochs only grow,
 so a flag another layout left behind never matches): CURRENT (word 0, mine), TAKEN (word 1, raised
 by the next rank), READY + i (words 2.., raised by the previous rank). A peer is at most one call
-ahead in the heap: its copies of a call's partials wait for my TAKEN of the call before, and its
-READY flags of that call are raised after them.
+ahead: its begin_kernel waits for my TAKEN of the call before, and its READY flags of the next call
+are raised after that, when I have pulled (and waited for) every partial of this one.
 
 Faults: as everywhere (kernels/shmem.py): waits are bounded, the first to run out aborts every
 peer, an unhealthy workspace waits for nothing, and finish_kernel leaves NaN in the output of every
@@ -59,17 +54,21 @@ def _healthy(ctx):
 
 @triton.jit
 def begin_kernel(ctx, flags):
-    """grid = (1,): CURRENT = the call's epoch (one more than the last finished call's)."""
-    tl.store(flags + CURRENT, shmem.read_uniform(ctx.counter, "relaxed") + 1)
+    """grid = (1,): CURRENT = the call's epoch; wait until the next rank pulled my last call's partials."""
+    epoch = shmem.read_uniform(ctx.counter, "relaxed") + 1
+    tl.store(flags + CURRENT, epoch)
+    if _healthy(ctx):
+        if ctx.world > 1:
+            shmem.wait_until(flags + TAKEN, epoch - 1, ctx)
 
 
 @triton.jit
-def wait_kernel(ctx, flags, word, BEHIND: tl.constexpr):
-    """grid = (1,): hold the stream until my flag `word` holds the current epoch minus BEHIND (bounded; a
-    wait that runs out records the fault, and finish_kernel poisons the output)."""
+def wait_kernel(ctx, flags, word):
+    """grid = (1,): hold the stream until my flag `word` holds the current epoch (bounded; a wait that
+    runs out records the fault, and finish_kernel poisons the output)."""
     epoch = shmem.read_uniform(flags + CURRENT, "relaxed")
     if _healthy(ctx):
-        shmem.wait_until(flags + word, epoch - BEHIND, ctx)
+        shmem.wait_until(flags + word, epoch, ctx)
 
 
 @triton.jit

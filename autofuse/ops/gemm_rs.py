@@ -17,15 +17,14 @@ Variants:
 - `push_reducer` (fused): every partial tile, own ones too, goes to the owner's inbox; COMM_SMS
   reducer programs wait per tile or per row block (FLAG) and sum.
 - `mm_ring` (hybrid): the reduction runs around the ring inside cuBLAS's epilogue. At step s rank r
-  computes owner (r - s - 1) mod W's rows: step 0 `torch.mm` into a local work buffer, later steps pull
-  the previous rank's partial of the same rows from its heap with the copy engine (into the work
-  buffer, or into `out` at the last step, whose owner is r) and `addmm_` onto it (beta = 1); each
-  finished partial is copied into the heap for the next rank. No SM moves data and no reduction kernel
-  reads the partials again; CHUNKS row chunks per owner pipeline the pulls under the GEMMs, and the
-  GEMMs never wait for a neighbour's previous call. Partials are rounded to the output dtype once per
-  step. kernels/ring.py orders it. Not FP8 (torch._scaled_mm cannot accumulate onto C), and not below
-  AUTOFUSE_RING_MIN_GFLOP x (1 + CHUNKS) / 3 per rank (default 300 at CHUNKS=2): its 0.3-1 ms of host
-  work per call (ten-odd torch and stream operations per chunk) would pace calls that are not
+  computes owner (r - s - 1) mod W's rows: step 0 `torch.mm` into a heap buffer, later steps pull the
+  previous rank's partial of the same rows with the copy engine (into a heap buffer, or into `out`
+  at the last step, whose owner is r) and `addmm_` onto it (beta = 1). No SM moves data and no
+  reduction kernel reads the partials again; CHUNKS row chunks per owner pipeline the pulls under
+  the GEMMs. Partials are rounded to the output dtype once per step. kernels/ring.py orders it.
+  Not FP8 (torch._scaled_mm cannot accumulate onto C), and not below AUTOFUSE_RING_MIN_GFLOP x
+  (1 + CHUNKS) / 3 per rank (default 300 at CHUNKS=2): its 0.3-1 ms of host work per call (ten-odd
+  torch and stream operations per chunk, growing with CHUNKS) would pace calls that are not
   graph-replayed.
 kernels/gemm_rs.py has the algorithms; the fused configs are the GEMM core's (autofuse/core/gemm.py)
 plus PARTIAL ("fp32" | "out": the inbox dtype) and, for push_reducer, FLAG and COMM_SMS.
@@ -305,12 +304,10 @@ class RingRunner(Runner):
     """mm_ring on one problem (see the module docstring); the flags' kernels: kernels/ring.py.
 
     Heap (workspace "gemm_rs.ring"): the partials of steps 0..W-2, each M/W x N in the output dtype,
-    which the next rank pulls; flags CURRENT, TAKEN, then READY per (step, chunk). The GEMMs of steps
-    0..W-2 write a local work buffer of the same shape; the signal stream copies each finished chunk into
-    the heap once the next rank took my previous call's partials, so only those copies, never the GEMMs,
-    wait on a neighbour's previous call. Flags are raised by the copy engine: a 4-byte copy of my CURRENT
-    word into the neighbour's flag, ordered after the work it announces by the stream it runs on (no
-    kernel launch; the host's cost per call is what keeps mm_ring off small problems).
+    which the next rank pulls; flags CURRENT, TAKEN, then READY per (step, chunk). Flags are raised by
+    the copy engine: a 4-byte copy of my CURRENT word into the neighbour's flag, ordered after the work it
+    announces by the stream it runs on (no kernel launch; the host's cost per call is what keeps mm_ring
+    off small problems).
     """
 
     def __init__(self, world: World, problem: Problem, config: Config):
@@ -328,7 +325,6 @@ class RingRunner(Runner):
         super().__init__(world, problem, specs, out, workspaces=(self.ws,))
         self.k, self.per, self.rank = k, per, world.rank
         self.partials = self.ws.data[:nbytes].view(dtype).view(steps, per, n)
-        self.work = torch.empty(steps, per, n, dtype=dtype, device=world.device)
         flags = self.ws.flags
         self.current = flags[k.CURRENT.value:k.CURRENT.value + 1]
         if steps:
@@ -343,11 +339,10 @@ class RingRunner(Runner):
         self.made = [torch.cuda.Event() if cuda else None for _ in range(steps * len(self.chunks))]
 
     def launch(self, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
-        """Per step: the pulls of every chunk (pull stream), the GEMMs (compute stream), the copies into the
-        heap and the flags raised (signal stream); each stream entered once per step, since the host's cost
-        per call is what keeps mm_ring off small problems. The streams run concurrently: chunk c's GEMM
-        waits for its own pull only, and its copy and flag for its own GEMM only. On CPU everything runs
-        inline, in this order."""
+        """Per step: the pulls of every chunk (pull stream), the GEMMs (compute stream), the flags raised
+        (signal stream); each stream entered once per step, since the host's cost per call is what keeps
+        mm_ring off small problems. The streams run concurrently: chunk c's GEMM waits for its own pull
+        only, and its flag for its own GEMM only. On CPU everything runs inline, in this order."""
         k, ws, w, per, nc = self.k, self.ws, self.problem.world, self.per, len(self.chunks)
         ctx, flags, compute = ws.ctx, ws.flags, None
         k.begin_kernel[(1,)](ctx, flags, num_warps=4)
@@ -355,18 +350,15 @@ class RingRunner(Runner):
             compute = torch.cuda.current_stream(self.device)
             self.pull.wait_stream(compute)
             self.signals.wait_stream(compute)
-        if w > 1:  # my heap partials are free again once the next rank took those of my previous call
-            with _on(self.signals):
-                k.wait_kernel[(1,)](ctx, flags, k.TAKEN.value, BEHIND=1, num_warps=4)
         for s in range(w):
             rows0 = (self.rank - s - 1) % w * per
             last = s == w - 1
-            targets = [out[lo:hi] if last else self.work[s, lo:hi] for lo, hi in self.chunks]
+            targets = [out[lo:hi] if last else self.partials[s, lo:hi] for lo, hi in self.chunks]
             if s:  # pull the previous rank's partials of these rows, chunk by chunk as each is ready
                 with _on(self.pull):
                     for c, (lo, hi) in enumerate(self.chunks):
                         i = (s - 1) * nc + c
-                        k.wait_kernel[(1,)](ctx, flags, k.READY.value + i, BEHIND=0, num_warps=4)
+                        k.wait_kernel[(1,)](ctx, flags, k.READY.value + i, num_warps=4)
                         targets[c].copy_(self.previous[s - 1, lo:hi])
                         if compute is not None:
                             self.pulled[i].record(self.pull)
@@ -380,13 +372,12 @@ class RingRunner(Runner):
                     targets[c].addmm_(a_rows, b)
                 if compute is not None and not last:
                     self.made[s * nc + c].record(compute)
-            if not last:  # my partial i into my heap, then READY + i on the next rank := my epoch
+            if not last:  # my partial i is complete: READY + i on the next rank := my epoch
                 with _on(self.signals):
-                    for c, (lo, hi) in enumerate(self.chunks):
+                    for c in range(nc):
                         i = s * nc + c
                         if compute is not None:
                             self.signals.wait_event(self.made[i])
-                        self.partials[s, lo:hi].copy_(targets[c])
                         self.ready_after[i].copy_(self.current)
         if w > 1:  # every partial of the previous rank pulled: its TAKEN := my epoch
             with _on(self.pull):
