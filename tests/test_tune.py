@@ -587,25 +587,30 @@ def test_a_tune_cut_short_covers_every_op_and_fit_has_an_entry_for_each(tmp_path
 
 
 def test_an_outlier_baseline_is_re_measured_in_turns_before_it_counts(tmp_path):
-    """BSP of the middle problem is timed while the host hiccups (30 ms a call, its first calls only), so
+    """BSP of the middle problem is timed while the host hiccups (150 ms a call, its first calls only), so
     its x BSP is far off its neighbours': its BSP and best are re-measured in turns, stored confirmed, and
-    that confirmed BSP is what the store reads; the neighbours are left alone."""
+    that confirmed BSP is what the store reads; the neighbours are left alone. (The hiccup is several times
+    the interpreter's chunked time, which varies 2x on a busy CI machine: at 30 ms the x BSP was once 1.48,
+    inside the noise band, and nothing was re-measured.) `--limit 0`: all three problems, so the middle one
+    has a neighbour on each side."""
     db = tmp_path / "o.db"
-    proc = _run(_tune_cmd(db, "--op", "test_tune:FAKE_OP", "--world", "2", "--trials", "1", "--shapes", "N=64",
-                          "--shapes", "N=96", "--shapes", "N=128"), timeout=300, AUTOFUSE_FAKE_SLOW="96:12:30")
+    proc = _run(_tune_cmd(db, "--op", "test_tune:FAKE_OP", "--world", "2", "--trials", "1", "--limit", "0",
+                          "--shapes", "N=64", "--shapes", "N=96", "--shapes", "N=128"), timeout=300,
+                AUTOFUSE_FAKE_SLOW="96:12:150")
     assert "re-measured in turns fake_sum|N=96|float32|w2" in proc.stdout, proc.stdout[-3000:]
     with Store.open(db, readonly=True) as store:
         rows = store.measurements(op="fake_sum", mode="eager")
         slow = [r for r in rows if r["problem"].startswith("fake_sum|N=96|") and r["variant"] == "bsp"]
         first = min(slow, key=lambda r: r["id"])
-        assert first["median_us"] > 25_000 and not first["extra"].get("confirmed")
+        assert first["median_us"] > 100_000 and not first["extra"].get("confirmed")
         confirmed = {r["variant"]: r for r in rows if r["extra"].get("confirmed")
                      and r["problem"].startswith("fake_sum|N=96|")}
-        assert set(confirmed) == {"bsp", "chunked"} and confirmed["bsp"]["median_us"] < 25_000
+        assert set(confirmed) == {"bsp", "chunked"} and confirmed["bsp"]["median_us"] < 100_000
         (bsp,) = [r for r in store.best("fake_sum", "eager") if r["problem"].startswith("fake_sum|N=96|")
                   and r["variant"] == "bsp"]
         assert bsp["median_us"] == confirmed["bsp"]["median_us"] and bsp["extra"]["confirmed"]
-        assert not [r for r in rows if r["extra"].get("confirmed") and r["problem"].startswith("fake_sum|N=64|")]
+        assert {r["problem"].split("|")[1] for r in rows} == {"N=64", "N=96", "N=128"}
+        assert not [r for r in rows if r["extra"].get("confirmed") and not r["problem"].startswith("fake_sum|N=96|")]
 
 
 def record_compile(op_ref: str, problem_key: str, variant: str, config: dict, device_kind: str) -> None:
