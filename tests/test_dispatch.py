@@ -880,11 +880,12 @@ def test_a_later_process_decides_from_the_online_store_as_the_first_did():
     world, policy = SimpleNamespace(device=torch.device("cpu")), SimpleNamespace(path="test-policy.json")
     saved = dict(STATE.confirmed)
     try:
-        STATE.confirmed["cpu"] = {problem.key: {"bsp": (100.0, {}), "fused": (99.0, {"BLOCK": 16})}}
-        got = online.confirmed_choice(TOY, world, problem, ["bsp", "fused"], policy)
-        assert got.variant == "bsp" and got.basis == "confirmed", got
-        STATE.confirmed["cpu"] = {problem.key: {"bsp": (100.0, {}), "fused": (90.0, {"BLOCK": 16})}}
-        got = online.confirmed_choice(TOY, world, problem, ["bsp", "fused"], policy)
+        STATE.confirmed["cpu", "eager"] = {problem.key: {"bsp": (100.0, {}), "fused": (99.0, {"BLOCK": 16})}}
+        STATE.confirmed["cpu", "graph"] = {problem.key: {"bsp": (100.0, {}), "fused": (50.0, {"BLOCK": 16})}}
+        got = online.confirmed_choice(TOY, world, problem, ["bsp", "fused"], policy, "eager")
+        assert got.variant == "bsp" and got.basis == "confirmed", got  # the eager confirmations, not graph's
+        STATE.confirmed["cpu", "eager"] = {problem.key: {"bsp": (100.0, {}), "fused": (90.0, {"BLOCK": 16})}}
+        got = online.confirmed_choice(TOY, world, problem, ["bsp", "fused"], policy, "eager")
         assert got.variant == "fused" and got.config == {"BLOCK": 16}, got
     finally:
         STATE.confirmed.clear()

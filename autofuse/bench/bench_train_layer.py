@@ -19,10 +19,11 @@ gradient (the input's gradient and every weight's). Contenders, all from one set
   the job): torch-tp
   under torch.compile with inductor's micro-pipeline pass (torch's async TP), which fuses the
   all-gathers and reduce-scatters with the matmuls.
-Every autofuse call dispatches with the default policy of the machine (graph mode on GPUs: its timings
-are GPU time alone, which is what a training step at 2K-8K tokens is bound by, eager or compiled; an
-eager policy would rank variants by host launch cost, which a GPU-bound step hides); AUTOFUSE_MODE
-still overrides it. MFU per contender: the layer's model FLOPs (forward + backward = 3x the forward's
+Every autofuse call of the step is a training call (autograd records it or runs it in the backward), so
+it dispatches as `autofuse.parallelize`d training does, with no setting: decided in AUTOFUSE_TRAIN_MODE's
+timing mode, eager by default (the step is run, not replayed from a CUDA graph, so a variant's launches
+count beside its GPU time: round 27 measured the graph policy's picks 1-2.3 ms per layer step slower than
+BSP on the host-bound 8B layer); AUTOFUSE_TRAIN_MODE=graph decides them on GPU time alone. MFU per contender: the layer's model FLOPs (forward + backward = 3x the forward's
 matmuls, attention causal) over the step's time and the GPUs' dense bf16 peak (`PEAK_TFLOPS`).
 First, each contender's output and input gradient against the unsharded layer (rank-max relative
 difference, norm-wise, vs TOLERANCE). Then the contenders are timed in turns

@@ -23,6 +23,9 @@ NAMES = {
     "AUTOFUSE_POLICY": "path of a policy JSON to use instead of searching the models folders",
     "AUTOFUSE_MODELS_DIR": "extra folders searched first for policies (os.pathsep-separated)",
     "AUTOFUSE_MODE": "graph | eager: the timing mode decisions are made for (default graph on GPUs)",
+    "AUTOFUSE_TRAIN_MODE": "eager | graph: the timing mode training calls (autograd records them or runs them in a "
+                           "backward) are decided for (default eager; graph where the training step is CUDA-graph "
+                           "replayed)",
     "AUTOFUSE_ONLINE": "1 | 0: confirm predicted decisions by measuring on first use (default on GPUs)",
     "AUTOFUSE_CONFIRM_K": "1..16: candidates measured beside BSP when confirming (default 3)",
     "AUTOFUSE_ONLINE_DB": "path of this machine's online store of confirmed measurements",
@@ -197,6 +200,19 @@ def mode(device_type: str) -> str:
     return text
 
 
+def train_mode(device_type: str) -> str:
+    """The timing mode training calls are decided for: AUTOFUSE_TRAIN_MODE, else eager.
+
+    A training call is one autograd records (grad mode on, an input requires grad) or runs in a backward.
+    A training step, eager or compiled, is run rather than replayed from a CUDA graph, so each call's host
+    work (its launches) counts beside its GPU time: eager timings hold both, graph timings GPU time alone.
+    graph: for steps captured in CUDA graphs (torch.compile's mode="reduce-overhead")."""
+    text = _text("AUTOFUSE_TRAIN_MODE") or "eager"
+    if text not in modes.supported(device_type):
+        raise SettingError(f"AUTOFUSE_TRAIN_MODE={text!r}: use eager, or graph (GPUs only)")
+    return text
+
+
 def parse_variants(text: str, source: str = "AUTOFUSE_VARIANT") -> dict[str, str]:
     """'op:variant,op:variant' (or '*:variant' for every op) as {op or '*': variant}; the last item of
     an op wins, the first '*' item wins."""
@@ -264,5 +280,6 @@ def lockstep(device_type: str) -> dict[str, object]:
     return {"AUTOFUSE_WAIT_TIMEOUT": wait_timeout_s(device_type), "AUTOFUSE_HEAP_SIZE": heap_size(),
             "AUTOFUSE_HEAP_PROVIDER": heap_provider(), "AUTOFUSE_HEAP_TIMEOUT": heap_timeout_s(),
             "AUTOFUSE_CHECK": check_every_call(), "AUTOFUSE_MODE": mode(device_type),
+            "AUTOFUSE_TRAIN_MODE": train_mode(device_type),
             "AUTOFUSE_ONLINE": online(device_type), "AUTOFUSE_CONFIRM_K": confirm_k(),
             "AUTOFUSE_RANKS_PER_GPU": ranks_per_gpu(), "AUTOFUSE_SAVE_GATHERED": save_gathered()}

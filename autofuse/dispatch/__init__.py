@@ -21,7 +21,9 @@ count and links of the visible GPUs; this machine's own policies first, another 
 every decision confirmed, `explain` naming the layer it matched by) in the folders
 `autofuse/dispatch/policy_files.py` searches, in order: AUTOFUSE_MODELS_DIR, the user folder
 `autofuse fit` writes to ($XDG_DATA_HOME/autofuse/models), models/ beside the package, the package's
-own models/, <prefix>/share/autofuse/models (preferring `AUTOFUSE_MODE`, default graph on GPUs);
+own models/, <prefix>/share/autofuse/models (preferring the call's timing mode: `AUTOFUSE_MODE`, default
+graph on GPUs; for a training call, one autograd records or runs in a backward, `AUTOFUSE_TRAIN_MODE`,
+default eager, under a cache key of its own where the two differ: `entry.training_mode`);
 else BSP for every op not forced, with a one-time warning. Then every rank agrees: each publishes its validation outcome and a hash of (problem,
 variant, config) through the job's store and waits, bounded (the wait budget + 2 s), for all the
 others. If any rank's input was invalid, every rank raises InvalidInput naming that rank and the

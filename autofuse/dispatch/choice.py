@@ -21,7 +21,9 @@ class Choice:
     basis: override (variant= argument) | env (AUTOFUSE_VARIANT) | measured (the problem was tuned) |
     confirmed (measured on first use, now or earlier on this machine) | policy (the model's pick) |
     unsure (predicted gain within the model's error, so BSP) | fallback (no usable policy or model).
-    `gain` is the predicted or measured log gain over BSP where the policy knows one.
+    `gain` is the predicted or measured log gain over BSP where the policy knows one. `mode`: the timing
+    mode it was decided for (its policy's and confirmation's: AUTOFUSE_MODE, or a training call's
+    AUTOFUSE_TRAIN_MODE).
     """
 
     op: str
@@ -38,6 +40,7 @@ class Choice:
     keep: int = 0  # how many of `candidates` to time (AUTOFUSE_CONFIRM_K, + 1 where torch's op was added)
     confirmation: Any = None  # the confirm.Confirmation this decision came from (its costs, timings)
     gain: float | None = None
+    mode: str = ""
 
     def __str__(self) -> str:
         config = (f"none ({self.variant} takes no parameters)" if not self.config else config_key(self.config)
@@ -48,6 +51,8 @@ class Choice:
                  f"  variant: {self.variant}",
                  f"  config:  {config}",
                  f"  why:     [{self.basis}] {reason}"]
+        if self.mode:
+            lines.append(f"  mode:    {self.mode} (the timing mode it was decided for)")
         if self.policy_path:
             lines.append(f"  policy:  {self.policy_path}")
         if self.cached:

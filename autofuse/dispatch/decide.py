@@ -17,8 +17,18 @@ from autofuse.dispatch.policy_files import policy_for
 from autofuse.dispatch.state import STATE, user_stacklevel
 
 
-def decide(op: Op, world: World, args: tuple, variant: str | None, config: Config | None) -> Choice:
-    """The Choice for `op(*args)` on this rank (validates the inputs; no collective, builds nothing)."""
+def decide(op: Op, world: World, args: tuple, variant: str | None, config: Config | None,
+           mode: str | None = None) -> Choice:
+    """The Choice for `op(*args)` on this rank (validates the inputs; no collective, builds nothing), decided for
+    timing `mode` (None: AUTOFUSE_MODE's; a training call's is AUTOFUSE_TRAIN_MODE's): the policy fitted in
+    it, confirmations made in it."""
+    mode = mode or settings.mode(world.device.type)
+    choice = _decide(op, world, args, variant, config, mode)
+    choice.mode = mode
+    return choice
+
+
+def _decide(op: Op, world: World, args: tuple, variant: str | None, config: Config | None, mode: str) -> Choice:
     for name, a in zip(op.args, args):
         if name in op.handles:
             if not isinstance(a, Handle):
@@ -34,7 +44,7 @@ def decide(op: Op, world: World, args: tuple, variant: str | None, config: Confi
     if variant is None:
         variant = settings.variant_override(op.name)
         basis, reason = "env", f"override: AUTOFUSE_VARIANT={settings.variant_text()}"
-    policy = policy_for(world)
+    policy = policy_for(world, mode)
     if variant is not None:
         v = op.variant(variant)
         if variant not in available:
@@ -50,7 +60,7 @@ def decide(op: Op, world: World, args: tuple, variant: str | None, config: Confi
             if why:
                 raise InvalidConfig(f"{op.name}.{variant} cannot run {problem.key} with {config_key(config)}: {why}")
         return Choice(op.name, problem, variant, config, reason, basis, policy.path, config_source)
-    confirmed = online.confirmed_choice(op, world, problem, available, policy)
+    confirmed = online.confirmed_choice(op, world, problem, available, policy, mode)
     if confirmed is not None:
         return confirmed
     choice = policy.decide(problem, op, available)
@@ -73,18 +83,19 @@ def confirm(world: World, op: Op, choice: Choice, args: tuple) -> Choice:
     record the measurements in this machine's online store."""
     from autofuse.dispatch.confirm import confirm as measure_candidates
 
-    policy: Any = policy_for(world)
+    mode = choice.mode or settings.mode(world.device.type)
+    policy: Any = policy_for(world, mode)
     bsp_config, _ = policy.config_for(choice.problem, "bsp", op)
-    result = measure_candidates(world, op, choice.problem, args, choice.candidates, settings.mode(world.device.type),
+    result = measure_candidates(world, op, choice.problem, args, choice.candidates, mode,
                                 bsp_config=bsp_config, keep=choice.keep or settings.confirm_k())
     STATE.stats.confirmations += 1
     if world.rank == 0:
         online.record(world, choice.problem, result)
-    online.remember(world, choice.problem, result.timed)
+    online.remember(world, choice.problem, result.timed, mode)
     stale = "stale: confirmed: " if choice.reason.startswith("stale:") else ""
     return Choice(op.name, choice.problem, result.variant, result.config,
                   f"{stale}{result.describe()}; the policy said: [{choice.basis}] {choice.reason}", "confirmed",
-                  choice.policy_path, "measured on first use", confirmation=result)
+                  choice.policy_path, "measured on first use", confirmation=result, mode=mode)
 
 
 def bsp_fallback(op: Op, problem: Any, policy: Any, reason: str) -> Choice:
@@ -130,7 +141,8 @@ def build(world: World, op: Op, choice: Choice) -> tuple[Any, Choice]:
         if choice.basis in FORCED or choice.variant == "bsp":
             raise
         because, kind = f"this World refuses {choice.variant} ({exc}); bsp instead", WorldFallback
-    fallback = bsp_fallback(op, choice.problem, policy_for(world),
+    fallback = bsp_fallback(op, choice.problem, policy_for(world, choice.mode or None),
                             f"fallback: {because} of [{choice.basis}] {choice.reason}")
+    fallback.mode = choice.mode
     warnings.warn(f"autofuse.{op.name} {choice.problem.key}: {fallback.reason}", kind, stacklevel=user_stacklevel())
     return op.variant("bsp").build(world, choice.problem, fallback.config), fallback

@@ -64,29 +64,63 @@ def call(op: str | Op, *args: Any, group: Any = None, variant: str | None = None
             tell(group, name, exc, args)
         if result is not None:
             return result
-    key = key_of(name, group, variant, config, args)
+    return dispatched(op, args, group, variant, config, out, None)
+
+
+def dispatched(op: str | Op, args: tuple, group: Any, variant: str | None, config: Config | None,
+               out: torch.Tensor | None, mode: str | None) -> torch.Tensor:
+    """`call` below the library-path test: the cached runner, or the miss path deciding for timing `mode`
+    (None: AUTOFUSE_MODE's; `training_mode` for a training call)."""
+    name = op if op.__class__ is str else op.name
+    key = key_of(name, group, variant, config, args, mode)
     entry = STATE.cache.get(key)
     if entry is None:
-        return miss(key, op, args, group, variant, config, out)
+        return miss(key, op, args, group, variant, config, out, mode)
     STATE.stats.hits += 1
     return run(entry, args, out)
 
 
-def library_call(name: str, args: tuple, group: Any, variant: str | None, config: str | None) -> tuple[Any, Entry | None]:
+def library_call(name: str, args: tuple, group: Any, variant: str | None, config: str | None,
+                 training: bool = False) -> tuple[Any, Entry | None]:
     """`call` for the custom ops' implementations (autofuse/library): the result and the Entry that ran it
     (an extra output reads its runner, `Extra.take`), `config` as the canonical JSON the custom ops take.
 
     The hot path without the library-path test: an implementation runs below autograd, on real tensors,
-    never while Dynamo traces. A miss, a config text that is not canonical, an input that is neither a
-    tensor nor a handle, or a running trace takes `call` itself (key, decision and checks as ever)."""
-    key = None if compiling() else _key(name, group, variant, config, args)
+    never while Dynamo traces. A training call (`training`: autograd recorded it; or it runs in a backward,
+    `in_backward`) is decided in `training_mode`, under a key of its own where that mode is not the
+    process's. A miss, a config text that is not canonical, an input that is neither a tensor nor a handle,
+    or a running trace takes `dispatched` (key, decision and checks as ever)."""
+    mode = training_mode(args) if training or in_backward() else None
+    key = None if compiling() else _key(name, group, variant, config, args, mode)
     entry = None if key is None else STATE.cache.get(key)
     if entry is None:
         parsed = None if config is None else json.loads(config)
-        result = call(name, *args, group=group, variant=variant, config=parsed)
-        return result, STATE.cache.get(key_of(name, group, variant, parsed, args))
+        result = dispatched(name, args, group, variant, parsed, None, mode)
+        return result, STATE.cache.get(key_of(name, group, variant, parsed, args, mode))
     STATE.stats.hits += 1
     return run(entry, args, None), entry
+
+
+def in_backward() -> bool:
+    """Whether autograd's engine runs a backward on this thread (eager or compiled): its calls train."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def training_mode(args: tuple) -> str | None:
+    """The timing mode training calls on `args`' device kind are decided in (AUTOFUSE_TRAIN_MODE), or None where
+    it is the process's own (AUTOFUSE_MODE: training and other calls of a problem then share one decision).
+    Read once per process and kind (`reset` forgets it); a value that cannot be used reads as None here and
+    raises at the call's agreement, on every rank (`settings.lockstep`)."""
+    kind = next((a.device.type for a in args if isinstance(a, torch.Tensor)), None)
+    if kind is None:
+        return None
+    if kind not in STATE.train_modes:
+        try:
+            mode = settings.train_mode(kind)
+            STATE.train_modes[kind] = None if mode == settings.mode(kind) else mode
+        except settings.SettingError:
+            return None
+    return STATE.train_modes[kind]
 
 
 def library_path(args: tuple) -> bool:
@@ -264,28 +298,33 @@ def public(name: str) -> Callable[..., torch.Tensor]:
 
 
 def explain(op: str | Op, *args: Any, group: Any = None, variant: str | None = None,
-            config: Config | None = None) -> Choice:
+            config: Config | None = None, training: bool = False) -> Choice:
     """Which variant and config `op(*args)` runs with, and why; builds nothing, no collective.
 
-    Returns this process's cached decision where there is one; `str()` of the result reads well.
+    `training`: as a training call (autograd records it or runs it in a backward), decided in
+    AUTOFUSE_TRAIN_MODE's timing mode. Returns this process's cached decision where there is one; `str()`
+    of the result reads well.
     """
     name = op if isinstance(op, str) else op.name
-    entry = STATE.cache.get(key_of(name, group, variant, config, args))
+    mode = training_mode(args) if training else None
+    entry = STATE.cache.get(key_of(name, group, variant, config, args, mode))
     if entry is not None:
         c = entry.choice
         return Choice(c.op, c.problem, c.variant, dict(c.config), c.reason, c.basis, c.policy_path, c.config_source,
-                      True, confirmation=c.confirmation, gain=c.gain)
-    return decide(op_of(op), world_of(group), args, variant, config)
+                      True, confirmation=c.confirmation, gain=c.gain, mode=c.mode)
+    return decide(op_of(op), world_of(group), args, variant, config, mode)
 
 
 def runner_of(op: str | Op, *args: Any, group: Any = None, variant: str | None = None,
-              config: Config | None = None) -> Any:
-    """The runner a cached call of `op(*args)` runs (to call it without dispatch, e.g. to time dispatch).
+              config: Config | None = None, training: bool = False) -> Any:
+    """The runner a cached call of `op(*args)` runs (to call it without dispatch, e.g. to time dispatch);
+    `training`: the runner of the training calls (`explain`).
 
     Raises LookupError if these shapes have not been called yet in this process.
     """
     name = op if isinstance(op, str) else op.name
-    entry = STATE.cache.get(key_of(name, group, variant, config, args))
+    mode = training_mode(args) if training else None
+    entry = STATE.cache.get(key_of(name, group, variant, config, args, mode))
     if entry is None:
         raise LookupError(f"autofuse.{name}: no cached decision for these arguments; call it once first")
     return entry.runner
@@ -310,17 +349,20 @@ def reset() -> None:
     STATE.reset()
 
 
-def key_of(name: str, group: Any, variant: str | None, config: Config | None, args: tuple) -> tuple | None:
+def key_of(name: str, group: Any, variant: str | None, config: Config | None, args: tuple,
+           mode: str | None = None) -> tuple | None:
     """The cache key: op, group, overrides, and each input's shape, dtype, device and contiguity (a
-    handle: its static key; None where an argument is neither).
+    handle: its static key; None where an argument is neither); then the timing mode where a call is
+    decided in another than the process's (`training_mode`).
 
     Contiguity rather than strides: ops that need contiguous inputs reject the others in
     `problem_of` (a new key is a miss, so it runs); ops that take strides read them per call.
     """
-    return _key(name, group, variant, None if config is None else config_key(config), args)
+    return _key(name, group, variant, None if config is None else config_key(config), args, mode)
 
 
-def _key(name: str, group: Any, variant: str | None, config_text: str | None, args: tuple) -> tuple | None:
+def _key(name: str, group: Any, variant: str | None, config_text: str | None, args: tuple,
+         mode: str | None = None) -> tuple | None:
     """`key_of` with the config as its canonical text (`config_key`; the custom ops pass it as such)."""
     key: list = [name, id(group), variant, config_text]
     for a in args:
@@ -330,6 +372,8 @@ def _key(name: str, group: Any, variant: str | None, config_text: str | None, ar
             return None  # no cached call takes it: the miss path names it, with every rank
         else:
             key += (a.shape, a.dtype, a.device, a.is_contiguous())
+    if mode is not None:
+        key.append(mode)
     return tuple(key)
 
 
@@ -370,8 +414,9 @@ def take_part(entry: Entry, args: tuple, out: Any, refused: InvalidInput, checke
 
 
 def miss(key: tuple | None, op: str | Op, args: tuple, group: Any, variant: str | None, config: Config | None,
-         out: torch.Tensor | None) -> torch.Tensor:
-    """A problem this process has not seen: decide, agree, confirm, build, cache, run."""
+         out: torch.Tensor | None, mode: str | None = None) -> torch.Tensor:
+    """A problem this process has not seen: decide (for timing `mode`; None: AUTOFUSE_MODE's), agree,
+    confirm, build, cache, run."""
     op = op_of(op)
     if tracing(args):
         raise trace_miss(op.name, args)
@@ -384,7 +429,7 @@ def miss(key: tuple | None, op: str | Op, args: tuple, group: Any, variant: str 
     STATE.stats.misses += 1
     world = world_of(group)
     try:
-        choice, invalid = decide(op, world, args, variant, config), None
+        choice, invalid = decide(op, world, args, variant, config, mode), None
     except Exception as exc:  # noqa: BLE001 - any reason this rank cannot run it (an unknown variant=, ...) is shared
         choice, invalid = None, exc
     agree(world, op.name, choice, invalid)

@@ -22,12 +22,13 @@ def online_db(fingerprint: dict) -> Path:
     return settings.online_db(fingerprint["hardware_id"])
 
 
-def confirmed_choice(op: Op, world: World, problem: Problem, available: list[str], policy: Any) -> Choice | None:
-    """The decision an earlier confirmation on this machine measured for `problem`, if any."""
+def confirmed_choice(op: Op, world: World, problem: Problem, available: list[str], policy: Any,
+                     mode: str) -> Choice | None:
+    """The decision an earlier confirmation on this machine measured for `problem` in timing `mode`, if any."""
     kind = world.device.type
-    if kind not in STATE.confirmed:
-        STATE.confirmed[kind] = _load(world)
-    measured = STATE.confirmed[kind].get(problem.key)
+    if (kind, mode) not in STATE.confirmed:
+        STATE.confirmed[kind, mode] = _load(world, mode)
+    measured = STATE.confirmed[kind, mode].get(problem.key)
     if not measured:
         return None
     ok = {v: m for v, m in measured.items() if v in available and op.variant(v).check(problem, m[1]) is None}
@@ -39,8 +40,8 @@ def confirmed_choice(op: Op, world: World, problem: Problem, available: list[str
                   "confirmed", policy.path, "measured on first use")
 
 
-def _load(world: World) -> dict[str, dict]:
-    """{problem key: {variant: (us, config)}} of this machine's online store in this mode (none if absent)."""
+def _load(world: World, mode: str) -> dict[str, dict]:
+    """{problem key: {variant: (us, config)}} of this machine's online store in `mode` (none if absent)."""
     from autofuse.measure import environment
     from autofuse.measure.store import Store, StoreError
 
@@ -53,7 +54,7 @@ def _load(world: World) -> dict[str, dict]:
         # process already has (the store's own default would compute it again: seconds of a first call)
         store = Store.open(path, readonly=True, fingerprint=fp)
         try:
-            rows = store.best(None, settings.mode(world.device.type))
+            rows = store.best(None, mode)
         finally:
             store.close()
     except StoreError as exc:
@@ -65,9 +66,9 @@ def _load(world: World) -> dict[str, dict]:
     return out
 
 
-def remember(world: World, problem: Problem, timed: list) -> None:
-    """Keep this process's view of the store up to date with a confirmation's (variant, config, us)."""
-    entry = STATE.confirmed.setdefault(world.device.type, {}).setdefault(problem.key, {})
+def remember(world: World, problem: Problem, timed: list, mode: str) -> None:
+    """Keep this process's view of the store in `mode` up to date with a confirmation's (variant, config, us)."""
+    entry = STATE.confirmed.setdefault((world.device.type, mode), {}).setdefault(problem.key, {})
     for variant, config, us in timed:
         if us < entry.get(variant, (float("inf"),))[0]:
             entry[variant] = (us, config)

@@ -60,25 +60,27 @@ def no_policy_reason(fp: dict) -> str:
     return f"no policy fitted on this machine's hardware kind (fingerprint {fp['id']}) in {'; '.join(searched)}: {runs}"
 
 
-def policy_for(world: World) -> Any:
-    """The Policy decisions on `world`'s device kind use (loaded once per process and kind)."""
+def policy_for(world: World, mode: str | None = None) -> Any:
+    """The Policy decisions on `world`'s device kind use in timing `mode` (None: AUTOFUSE_MODE's), loaded once
+    per process, kind and mode: the file fitted in that mode where this machine's kind has one, else another."""
     if STATE.forced_policy is not None:
         return STATE.forced_policy
     kind = world.device.type
-    if kind not in STATE.policies:
+    mode = mode or settings.mode(kind)
+    if (kind, mode) not in STATE.policies:
         from autofuse.dispatch.policy import Policy
         from autofuse.measure import environment
 
         STATE.stats.policy_loads += 1
         fp = environment.fingerprint(kind)
-        path = settings.policy_path() or find_policy(fp, settings.mode(kind))
+        path = settings.policy_path() or find_policy(fp, mode)
         if path is not None:
-            STATE.policies[kind] = Policy.load(path, fp)
+            STATE.policies[kind, mode] = Policy.load(path, fp)
         else:
             reason = no_policy_reason(fp)
             warn_once(f"autofuse: {reason}. To fit one here: autofuse tune, then autofuse fit.")
-            STATE.policies[kind] = Policy.bsp(reason)
-    return STATE.policies[kind]
+            STATE.policies[kind, mode] = Policy.bsp(reason)
+    return STATE.policies[kind, mode]
 
 
 def set_policy(policy: Any) -> None:

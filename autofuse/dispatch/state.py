@@ -43,15 +43,18 @@ class State:
     cache: dict[tuple, Entry] = field(default_factory=dict)
     worlds: dict[int, tuple[Any, World]] = field(default_factory=dict)  # id(group) -> (group, World)
     ops: dict[str, Op] = field(default_factory=dict)
-    policies: dict[str, Any] = field(default_factory=dict)  # device kind -> Policy
+    policies: dict[tuple[str, str], Any] = field(default_factory=dict)  # (device kind, timing mode) -> Policy
     forced_policy: Any = None  # set_policy's Policy
     warned: set[str] = field(default_factory=set)
-    confirmed: dict[str, dict[str, dict]] = field(default_factory=dict)  # kind -> problem key -> {variant: (us, config)}
+    confirmed: dict[tuple[str, str], dict[str, dict]] = field(  # (kind, mode) -> problem key -> {variant: (us, config)}
+        default_factory=dict)
+    train_modes: dict[str, str | None] = field(default_factory=dict)  # kind -> the mode training calls decide in,
+    # None where it is the process's own (autofuse.dispatch.entry.training_mode)
     stats: Stats = field(default_factory=Stats)
 
     def reset(self) -> None:
         """Forget cached decisions, runners, Worlds, policies, warnings and counters (tests)."""
-        for d in (self.cache, self.worlds, self.ops, self.policies, self.warned, self.confirmed):
+        for d in (self.cache, self.worlds, self.ops, self.policies, self.warned, self.confirmed, self.train_modes):
             d.clear()
         self.forced_policy = None
         for f in fields(self.stats):

@@ -1,11 +1,13 @@
 """Every registered op as a torch custom op (`torch.ops.autofuse.<op>`), generated from its declaration.
 
 `define(op)` reads the op's `Op.args` and `Op.custom` (autofuse/core/custom.py) and registers:
-- `autofuse::<op>(Tensor <arg>, ..., str group_name, *, str? variant=None, str? config=None) -> Tensor`
-  (`group_name`: the process group by name, as torch's symm_mem ops take it; `variant`, `config`:
-  dispatch's overrides, the config as canonical JSON; keyword arguments go after the `*`, where
-  optional inputs can be added without breaking earlier callers), e.g.
-  `ag_gemm(Tensor a, Tensor b, str group_name, *, str? variant=None, str? config=None) -> Tensor`;
+- `autofuse::<op>(Tensor <arg>, ..., str group_name, *, str? variant=None, str? config=None,
+  bool training=False) -> Tensor` (`group_name`: the process group by name, as torch's symm_mem ops take
+  it; `variant`, `config`: dispatch's overrides, the config as canonical JSON; `training`: autograd
+  records the call, so dispatch decides it as a training call (AUTOFUSE_TRAIN_MODE's timing mode; a call
+  in a backward is one without it); keyword arguments go after the `*`, where optional inputs can be
+  added without breaking earlier callers), e.g.
+  `ag_gemm(Tensor a, Tensor b, str group_name, *, str? variant=None, str? config=None, bool training=False) -> Tensor`;
 - for each extra output `<name>`: `autofuse::<op>_<name>(...) -> (Tensor, Tensor)`, the output and the
   extra (ag_gemm's `ag_gemm_gathered`: also all_gather(A), M x K, the A every rank multiplied);
 - a fake implementation (the declared shapes, the first input's dtype and device; it reads the
@@ -23,7 +25,9 @@ weights) like through any input.
 
 Each real implementation is one dispatched call (`autofuse.dispatch.entry.library_call`: the cached
 variant, or the first-call decision on a new problem), so a traced graph holds one opaque node per call
-and the variant is chosen when the graph runs, on real tensors, never while tracing. An extra output is
+and the variant is chosen when the graph runs, on real tensors, never while tracing. The library path's
+function passes `training=True` where grad mode is on and an input requires grad: read while tracing,
+so a compiled training step's forward graph carries it as a constant. An extra output is
 taken from the runner that ran the call (`Extra.take`), found by the same cache lookup.
 """
 from __future__ import annotations
@@ -40,7 +44,7 @@ from autofuse.dispatch.entry import library_call
 from autofuse.library.groups import group_of, name_of, world_size
 
 NAMESPACE = "autofuse"
-_KW = "*, str? variant=None, str? config=None"
+_KW = "*, str? variant=None, str? config=None, bool training=False"
 DEFINED: dict[str, Any] = {}  # custom-op name -> its OpOverload (`torch.ops.autofuse.<op>.default`, `<op>_<extra>`)
 FUNCTIONS: dict[str, Callable[..., torch.Tensor]] = {}  # op name -> `function(op)`, what the library path calls
 OPS: dict[str, Op] = {}  # op name -> the Op defined (read while Dynamo traces: no registry import there)
@@ -58,14 +62,16 @@ def config_text(config: dict | None) -> str | None:
     return None if config is None else config_key(config)
 
 
-def _dispatch(name: str, args: tuple, group_name: str, variant: str | None, config: str | None) -> Any:
+def _dispatch(name: str, args: tuple, group_name: str, variant: str | None, config: str | None,
+              training: bool) -> Any:
     """One dispatched call (the cached runner, or the first-call decision): its result."""
-    return library_call(name, args, group_of(group_name), variant, config)[0]
+    return library_call(name, args, group_of(group_name), variant, config, training)[0]
 
 
-def _dispatch_runner(name: str, args: tuple, group_name: str, variant: str | None, config: str | None) -> tuple:
+def _dispatch_runner(name: str, args: tuple, group_name: str, variant: str | None, config: str | None,
+                     training: bool) -> tuple:
     """One dispatched call and the runner that ran it (what an extra output reads), one cache lookup."""
-    out, entry = library_call(name, args, group_of(group_name), variant, config)
+    out, entry = library_call(name, args, group_of(group_name), variant, config, training)
     if entry is None:
         raise LookupError(f"autofuse.{name}: no cached decision for these arguments; call it once first")
     return out, entry.runner
@@ -91,13 +97,13 @@ def _define(qualname: str, schema_text: str, impl: Callable, fake_impl: Callable
 
 
 def _register(qualname: str, op: Op, outputs: int, real: Callable, fake: Callable) -> Any:
-    """The custom op taking the op's tensors, then group_name, variant, config (`_define`)."""
+    """The custom op taking the op's tensors, then group_name, variant, config, training (`_define`)."""
     n = len(op.args)
 
-    def impl(*args: Any, variant: str | None = None, config: str | None = None) -> Any:
-        return real(args[:n], args[n], variant, config)
+    def impl(*args: Any, variant: str | None = None, config: str | None = None, training: bool = False) -> Any:
+        return real(args[:n], args[n], variant, config, training)
 
-    def fake_impl(*args: Any, variant: str | None = None, config: str | None = None) -> Any:
+    def fake_impl(*args: Any, variant: str | None = None, config: str | None = None, training: bool = False) -> Any:
         return fake(args[:n], args[n])
 
     return _define(qualname, schema(op, outputs), impl, fake_impl)
@@ -157,8 +163,8 @@ def define(op: Op) -> None:
         return
     name = op.name
 
-    def real(args: tuple, group_name: str, variant: str | None, config: str | None) -> Any:
-        return _dispatch(name, args, group_name, variant, config)
+    def real(args: tuple, group_name: str, variant: str | None, config: str | None, training: bool) -> Any:
+        return _dispatch(name, args, group_name, variant, config, training)
 
     def fake(args: tuple, group_name: str) -> Any:
         return args[0].new_empty(decl.out_shape(args, world_size(group_name)))
@@ -166,9 +172,9 @@ def define(op: Op) -> None:
     DEFINED[name] = _register(name, op, 1, real, fake)
     _autograd(DEFINED[name], op, decl, None)
     for extra_name, extra in decl.extras.items():
-        def real_extra(args: tuple, group_name: str, variant: str | None, config: str | None,
+        def real_extra(args: tuple, group_name: str, variant: str | None, config: str | None, training: bool,
                        take: Callable = extra.take) -> Any:
-            out, runner = _dispatch_runner(name, args, group_name, variant, config)
+            out, runner = _dispatch_runner(name, args, group_name, variant, config, training)
             return out, take(runner, args)
 
         def fake_extra(args: tuple, group_name: str, shape: Callable = extra.shape) -> Any:
@@ -192,13 +198,15 @@ def function(op: Op) -> Callable[..., torch.Tensor]:
     def call(*args: Any, variant: str | None = None, config: dict | None = None) -> torch.Tensor:
         *tensors, group = args
         text = config_text(config)
-        if torch.is_grad_enabled():
-            if decl.backward is None and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors):
+        training = torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
+        if training:
+            if decl.backward is None:
                 refuse_grad(name, tuple((a, t) for a, t in zip(op.args, tensors) if isinstance(t, torch.Tensor)))
             for extra_name, extra in decl.extras.items():
                 if extra.for_backward is not None and extra.for_backward(tuple(tensors)):
-                    return DEFINED[f"{name}_{extra_name}"](*tensors, name_of(group), variant=variant, config=text)[0]
-        return custom(*tensors, name_of(group), variant=variant, config=text)
+                    return DEFINED[f"{name}_{extra_name}"](*tensors, name_of(group), variant=variant, config=text,
+                                                           training=True)[0]
+        return custom(*tensors, name_of(group), variant=variant, config=text, training=training)
 
     call.__name__ = call.__qualname__ = name
     call.__doc__ = f"autofuse.{name} through its custom op `torch.ops.autofuse.{name}` (differentiable unless inference only)."
@@ -251,8 +259,8 @@ class Structured:
         returns = "Tensor" if self.returns == 1 else f"({', '.join(['Tensor'] * self.returns)})"
         return f"({params}, str group_name, {_KW}) -> {returns}"
 
-    def real(self, flat: tuple, group_name: str, variant: str | None, config: str | None) -> Any:
-        out = _dispatch(self.op.name, self.unflatten(flat), group_name, variant, config)
+    def real(self, flat: tuple, group_name: str, variant: str | None, config: str | None, training: bool) -> Any:
+        out = _dispatch(self.op.name, self.unflatten(flat), group_name, variant, config, training)
         if self.returns == 1:
             return out
         tensors = list(out[:self.tensor_outputs])
@@ -274,10 +282,11 @@ class Structured:
     def define(self) -> None:
         op, decl, n = self.op, self.decl, len(self.flat)
 
-        def impl(*args: Any, variant: str | None = None, config: str | None = None) -> Any:
-            return self.real(args[:n], args[n], variant, config)
+        def impl(*args: Any, variant: str | None = None, config: str | None = None, training: bool = False) -> Any:
+            return self.real(args[:n], args[n], variant, config, training)
 
-        def fake_impl(*args: Any, variant: str | None = None, config: str | None = None) -> Any:
+        def fake_impl(*args: Any, variant: str | None = None, config: str | None = None,
+                      training: bool = False) -> Any:
             return self.fake(args[:n], args[n])
 
         custom = _define(op.name, self.schema(), impl, fake_impl)
@@ -314,11 +323,11 @@ class Structured:
         def call(*args: Any, variant: str | None = None, config: dict | None = None) -> Any:
             *tensors, group = args
             flat = self.flatten(tuple(tensors))
-            if torch.is_grad_enabled() and decl.backward is None and any(
-                    isinstance(t, torch.Tensor) and t.requires_grad for t in flat):
+            training = torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in flat)
+            if training and decl.backward is None:
                 refuse_grad(name, tuple((a, t) for (_, a), t in zip(self.flat, flat) if isinstance(t, torch.Tensor)))
             group_name = name_of(group)
-            res = custom(*flat, group_name, variant=variant, config=config_text(config))
+            res = custom(*flat, group_name, variant=variant, config=config_text(config), training=training)
             if self.returns == 1 and not self.made:
                 return res
             res = res if isinstance(res, tuple) else (res,)
