@@ -39,6 +39,15 @@ def test_contenders_default_to_every_known_one_and_name_the_unknown() -> None:
         target_options.contenders(["autofuse", "nope"], known)
 
 
+def test_optional_contenders_run_only_by_name() -> None:
+    known, optional = ("autofuse", "torch-tp"), ("autofuse-compiled-graph",)
+    assert target_options.contenders(None, known, optional) == ["autofuse", "torch-tp"]
+    assert target_options.contenders(["autofuse-compiled-graph", "torch-tp"], known, optional) == [
+        "autofuse-compiled-graph", "torch-tp"]
+    with pytest.raises(ValueError, match="choose among autofuse, torch-tp, autofuse-compiled-graph"):
+        target_options.contenders(["nope"], known, optional)
+
+
 def test_token_counts_parse_items_and_check_the_world() -> None:
     assert target_options.token_counts(None, (16, 32)) == [16, 32]
     assert target_options.token_counts(["T=16,32", "64"], (1,), world=2) == [16, 32, 64]

@@ -117,6 +117,19 @@ def _routing(world, train_mode: str | None) -> dict:
     res["compiled"] = {k: v for k, v in _entries(STATE.cache).items() if k not in before}
     res["graph_training"] = [[bool(n.kwargs.get("training")) for n in gm.graph.nodes
                               if n.op == "call_function" and str(n.target).startswith("autofuse.")] for gm in graphs]
+    if train_mode == "graph":  # set_train_mode("eager") over the setting, then back: each mode's entries serve it
+        dispatch.set_train_mode("eager")
+        before = set(STATE.cache)
+        res["switched_errors"] = step(compiled)
+        res["switched"] = {k: v for k, v in _entries(STATE.cache).items() if k not in before}
+        dispatch.set_train_mode(None)
+        before = set(STATE.cache)
+        step(compiled)
+        res["back"] = {k: v for k, v in _entries(STATE.cache).items() if k not in before}
+        try:
+            dispatch.set_train_mode("replay")
+        except ValueError as exc:
+            res["refused"] = str(exc)
     return res
 
 
@@ -124,8 +137,9 @@ def _routing(world, train_mode: str | None) -> dict:
 def test_training_calls_are_decided_in_the_training_mode(train_mode):
     """AUTOFUSE_TRAIN_MODE=graph (graph let through on CPU): inference calls decide with the eager policy
     (bsp), the training step's forward and backward calls with the graph one (fused), under keys of their
-    own, eager and compiled; the gradients equal the unsharded float64 ones. Unset on CPU (eager, the
-    process's own mode): training calls share the inference calls' keys and decisions."""
+    own, eager and compiled; the gradients equal the unsharded float64 ones; `set_train_mode` switches it
+    at run time and back. Unset on CPU (eager, the process's own mode): training calls share the inference
+    calls' keys and decisions."""
     for r in spawn(_routing, 2, train_mode, timeout_s=300):
         for case in ("eager_errors", "compiled_errors"):
             assert max(r[case].values()) < TOL, (case, r[case])
@@ -145,6 +159,13 @@ def test_training_calls_are_decided_in_the_training_mode(train_mode):
             assert suffix == "graph" and mode == "graph" and "the graph test policy" in reason, (op, reason)
             assert variant not in ("bsp", "torch_symm"), (op, variant)
         assert "mode:    graph" in r["explain"] and "the graph test policy" in r["explain"]
+        # set_train_mode("eager"): the backward's problems, new to eager mode, decided with the eager policy under
+        # the plain keys (the forward's are the inference calls' entries); back to the setting: no new entry
+        assert max(r["switched_errors"].values()) < TOL, r["switched_errors"]
+        assert r["switched"] and all(s is None and v == "bsp" and mode == "eager"
+                                     for _, s, v, mode, _ in r["switched"].values()), r["switched"]
+        assert r["back"] == {}, r["back"]
+        assert "set_train_mode('replay')" in r["refused"], r["refused"]
 
 
 def test_the_training_mode_setting():

@@ -12,6 +12,9 @@ gradient (the input's gradient and every weight's). Contenders, all from one set
 - `autofuse-compiled`: the same layer under `torch.compile(fullgraph=True)` (inductor), what the docs
   recommend for training: the ops are custom ops, so the graph holds one node per call and inductor
   fuses the elementwise work around them.
+- `autofuse-compiled-graph` (by name only, GPUs): `autofuse-compiled` with its training calls decided
+  for graph timing (`autofuse.dispatch.set_train_mode("graph")` around its steps), to compare the two
+  timing modes' decisions on one layer in one run.
 - `torch-tp`: torch's DTensor tensor parallelism on the same layer, as torchtitan lays it out
   (SequenceParallel norms, PrepareModuleInput all-gathers, ColwiseParallel q/k/v/gate/up,
   RowwiseParallel o/down reduce-scattering to Shard(1)): NCCL + cuBLAS, one after the other.
@@ -45,6 +48,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 from autofuse.bench import target_options, torch_tp
+from autofuse.core import modes
 
 if TYPE_CHECKING:
     from autofuse.comm.world import World
@@ -59,7 +63,9 @@ MODELS = {  # one decoder layer's transformers LlamaConfig fields
 }
 TOKENS = {"cuda": (2048, 4096, 8192), "cpu": (16, 32)}
 CONTENDERS = ("autofuse", "autofuse-compiled", "torch-tp", "torch-async-tp")
-COMPILED = {"autofuse-compiled", "torch-async-tp"}  # contenders under torch.compile
+OPTIONAL = ("autofuse-compiled-graph",)  # run only where --variants names them
+COMPILED = {"autofuse-compiled", "autofuse-compiled-graph", "torch-async-tp"}  # contenders under torch.compile
+TRAIN_MODES = {"autofuse-compiled-graph": "graph"}  # contenders whose training calls decide in another timing mode
 PEAK_TFLOPS = {"H100": 989.4, "H200": 989.4}  # dense bf16 per GPU (SXM datasheets), by a word of the device name
 BASELINE = "torch-tp"
 OPS = ("qkv", "o_proj", "gate_up", "down")
@@ -81,7 +87,7 @@ def run(options: Any) -> dict:
                          f"{', '.join(MODELS)}, comma-separated")
     for model in models:
         check_sizes(MODELS[model], world)
-    contenders = target_options.contenders(options.variants, CONTENDERS)
+    contenders = target_options.contenders(options.variants, CONTENDERS, OPTIONAL)
     tokens = target_options.token_counts(options.shapes, TOKENS[kind], world)
     cfg = {"models": models, "tokens": tokens[:options.limit or None], "reps": s.reps,
            "contenders": contenders, "progress": bool(options.progress), "seed": 0, "interpreted": s.interpreted}
@@ -117,7 +123,10 @@ def contenders(whole: torch.nn.Module, world: World, mesh: Any,
     for name in names:
         if name == "autofuse":
             layers[name] = parallelize_layer(copy.deepcopy(whole), world.group, sequence_parallel=True)
-        elif name == "autofuse-compiled":
+        elif name in ("autofuse-compiled", "autofuse-compiled-graph"):
+            if TRAIN_MODES.get(name, "eager") not in modes.supported(world.device.type):
+                notes.append(f"{name} skipped: {world.device.type} has no {TRAIN_MODES[name]} timing mode")
+                continue
             layers[name] = torch.compile(parallelize_layer(copy.deepcopy(whole), world.group, sequence_parallel=True),
                                          fullgraph=True)
         elif name == "torch-tp":
@@ -127,6 +136,21 @@ def contenders(whole: torch.nn.Module, world: World, mesh: Any,
         else:
             notes.append(f"torch-async-tp skipped: {why}")
     return layers, notes
+
+
+def in_mode(name: str, fn: Callable[[], Any]) -> Callable[[], Any]:
+    """`fn` with the training calls it makes decided in contender `name`'s timing mode (TRAIN_MODES; every other
+    autofuse contender: AUTOFUSE_TRAIN_MODE's), set before each call: the contenders take turns."""
+    from autofuse.dispatch import set_train_mode
+
+    if not name.startswith("autofuse"):
+        return fn
+    mode = TRAIN_MODES.get(name)
+
+    def go() -> Any:
+        set_train_mode(mode)
+        return fn()
+    return go
 
 
 def _first(output: Any) -> torch.Tensor:
@@ -216,20 +240,20 @@ def _model_rows(world: World, cfg: dict, model: str, mesh: Any) -> dict:
         want_grads = {n: p.grad for n, p in whole.named_parameters()}
         x_r, dy_r = x[:, mine].contiguous().requires_grad_(), dy[:, mine].contiguous()
 
-        def step(layer: torch.nn.Module) -> Callable[[], None]:
-            return lambda: _first(layer(x_r, position_embeddings=pe, position_ids=pos)).backward(dy_r)
+        def step(name: str, layer: torch.nn.Module) -> Callable[[], None]:
+            return in_mode(name, lambda: _first(layer(x_r, position_embeddings=pe, position_ids=pos)).backward(dy_r))
 
         diffs, weight_diffs = {}, {}
         for name, layer in layers.items():
             x_r.grad = None
             layer.zero_grad(set_to_none=True)
-            got = _first(layer(x_r, position_embeddings=pe, position_ids=pos))
-            got.backward(dy_r)
+            got = in_mode(name, lambda: _first(layer(x_r, position_embeddings=pe, position_ids=pos)))()
+            in_mode(name, lambda: got.backward(dy_r))()
             diffs[name] = world.rank_max(max(_rel(got, want[:, mine]), _rel(x_r.grad, xw.grad[:, mine])))
             if name.startswith("autofuse"):
                 weight_diffs[name] = world.rank_max(_weight_grad_diff(layer, want_grads))
         whole.zero_grad(set_to_none=True)
-        times, _ = time_in_turns(world, [step(layer) for layer in layers.values()], "eager", reps=cfg["reps"],
+        times, _ = time_in_turns(world, [step(n, layer) for n, layer in layers.items()], "eager", reps=cfg["reps"],
                                  warmup=warmup, rounds=cfg["reps"])
         us = {name: tm.median_us for name, tm in zip(layers, times)}
         ops = _op_times(world, layers, config, t, dev, dtype, gathered, cfg, warmup)

@@ -45,13 +45,13 @@ def setting(options: Any, cpu_reps: int, interpreted_note: str | None = None) ->
                    interpreted=interpreted(kind), notes=notes)
 
 
-def contenders(chosen: Sequence[str] | None, known: Sequence[str]) -> list[str]:
-    """The contenders `chosen` (`--variants`; None or empty: every one `known`), in their order; ValueError
-    naming any unknown."""
+def contenders(chosen: Sequence[str] | None, known: Sequence[str], optional: Sequence[str] = ()) -> list[str]:
+    """The contenders `chosen` (`--variants`; None or empty: every one `known`, not the `optional` ones, which
+    run only by name), in their order; ValueError naming any unknown."""
     names = list(chosen or known)
-    unknown = sorted(set(names) - set(known))
+    unknown = sorted(set(names) - set(known) - set(optional))
     if unknown:
-        raise ValueError(f"unknown contenders {unknown}: choose among {', '.join(known)}")
+        raise ValueError(f"unknown contenders {unknown}: choose among {', '.join([*known, *optional])}")
     return names
 
 

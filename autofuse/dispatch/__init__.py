@@ -72,7 +72,7 @@ from __future__ import annotations
 from autofuse.dispatch.agreement import DispatchMismatch, agree_timeout_s
 from autofuse.dispatch.choice import Choice
 from autofuse.dispatch.entry import (CaptureMiss, TraceMiss, call, entry_point, explain, public,
-                                    rebuild, reset, runner_of)
+                                    rebuild, reset, runner_of, set_train_mode)
 from autofuse.dispatch.online import online_db
 from autofuse.dispatch.policy_files import find_policy, models_dirs, set_policy
 from autofuse.dispatch.state import STATE
@@ -80,4 +80,4 @@ from autofuse.dispatch.state import STATE
 stats = STATE.stats
 
 __all__ = ["CaptureMiss", "TraceMiss", "Choice", "DispatchMismatch", "STATE", "agree_timeout_s", "call", "entry_point", "explain",
-           "find_policy", "models_dirs", "online_db", "public", "rebuild", "reset", "runner_of", "set_policy", "stats"]
+           "find_policy", "models_dirs", "online_db", "public", "rebuild", "reset", "runner_of", "set_policy", "set_train_mode", "stats"]

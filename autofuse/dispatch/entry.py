@@ -24,7 +24,7 @@ from typing import Any, Callable, NoReturn
 
 import torch
 
-from autofuse.core import registry, settings
+from autofuse.core import modes, registry, settings
 from autofuse.core.op import Config, InvalidInput, Op, config_key
 from autofuse.core.runner import Handle
 from autofuse.dispatch import agreement
@@ -116,11 +116,24 @@ def training_mode(args: tuple) -> str | None:
         return None
     if kind not in STATE.train_modes:
         try:
-            mode = settings.train_mode(kind)
-            STATE.train_modes[kind] = None if mode == settings.mode(kind) else mode
+            mode, default = STATE.train_mode or settings.train_mode(kind), settings.mode(kind)
         except settings.SettingError:
             return None
+        if mode not in modes.supported(kind):
+            raise ValueError(f"autofuse.dispatch.set_train_mode({mode!r}): {kind} times only "
+                             f"{' and '.join(modes.supported(kind))} mode")
+        STATE.train_modes[kind] = None if mode == default else mode
     return STATE.train_modes[kind]
+
+
+def set_train_mode(mode: str | None) -> None:
+    """Decide training calls in timing `mode` from now on (None: AUTOFUSE_TRAIN_MODE's again), e.g. to compare
+    both on one model (`bench train_layer`'s autofuse-compiled-graph). Decisions made in either mode stay
+    cached, so switching back costs nothing; every rank calls it alike."""
+    if mode is not None and mode not in modes.MODES:
+        raise ValueError(f"set_train_mode({mode!r}): use one of {', '.join(modes.MODES)}, or None")
+    STATE.train_mode = mode
+    STATE.train_modes.clear()
 
 
 def library_path(args: tuple) -> bool:

@@ -50,13 +50,14 @@ class State:
         default_factory=dict)
     train_modes: dict[str, str | None] = field(default_factory=dict)  # kind -> the mode training calls decide in,
     # None where it is the process's own (autofuse.dispatch.entry.training_mode)
+    train_mode: str | None = None  # set_train_mode's mode (None: AUTOFUSE_TRAIN_MODE)
     stats: Stats = field(default_factory=Stats)
 
     def reset(self) -> None:
         """Forget cached decisions, runners, Worlds, policies, warnings and counters (tests)."""
         for d in (self.cache, self.worlds, self.ops, self.policies, self.warned, self.confirmed, self.train_modes):
             d.clear()
-        self.forced_policy = None
+        self.forced_policy = self.train_mode = None
         for f in fields(self.stats):
             setattr(self.stats, f.name, 0)
 
