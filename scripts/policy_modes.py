@@ -19,8 +19,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from autofuse.core import registry  # noqa: E402
-from autofuse.core.op import config_key  # noqa: E402
+from autofuse.core import registry, shapes  # noqa: E402
+from autofuse.core.op import Problem, config_key  # noqa: E402
 from autofuse.dispatch.policy import Policy  # noqa: E402
 from autofuse.measure.store import Store  # noqa: E402
 
@@ -43,6 +43,22 @@ def eager_us(rows: dict, variant: str, config: dict) -> tuple[float, bool]:
         return own, False
     best = [us for (v, _), us in rows.items() if v == variant]
     return (min(best), True) if best else (math.nan, True)
+
+
+def step_sums(rows: list[dict], world: int) -> list[dict]:
+    """Per model and token count of the `train` sweep, one layer step's calls (`shapes.train_gemms`, the
+    gathered input kept): the sums of BSP's and each policy's picks' eager times (NaN where one is missing)."""
+    by_key = {r["problem"]: r for r in rows}
+    out = []
+    for model in shapes.TRAIN_MODELS:
+        for t in shapes.TRAIN_TOKENS:
+            calls = [Problem.make(g.op, "bfloat16", world, **dict(g.dims)).key
+                     for g in shapes.train_gemms(shapes.MODELS[model], world, t)]
+            got = [by_key.get(k) for k in calls]
+            total = {m: sum(r[m]["eager_us"] if r else math.nan for r in got) for m in ("graph", "eager")}
+            out.append({"model": model, "tokens": t, "calls": len(calls),
+                        "bsp": sum(r["bsp_us"] if r else math.nan for r in got), **total})
+    return out
 
 
 def main() -> None:
@@ -80,6 +96,11 @@ def main() -> None:
                 cells.append(f"{label + ('*' if other else ''):24s} {us:8.1f} {us / bsp:6.2f}")
             rows_out.append(row)
             print(f"{p.key:52s} {bsp:8.1f} | " + " | ".join(cells))
+    steps = step_sums(rows_out, a.world)
+    print(f"\none layer's forward + backward (the gathered input kept), sum of its calls' eager times, us:")
+    print(f"{'model':8s} {'T':>6s} {'calls':>5s} {'bsp':>9s} {'graph picks':>12s} {'eager picks':>12s}")
+    for st in steps:
+        print(f"{st['model']:8s} {st['tokens']:6d} {st['calls']:5d} {st['bsp']:9.0f} {st['graph']:12.0f} {st['eager']:12.0f}")
     totals = {m: {"problems": len(r), "geomean_x_bsp": math.exp(sum(map(math.log, r)) / len(r)) if r else None,
                   "max_x_bsp": max(r, default=None), "above_bsp": sum(x > 1.0 for x in r)} for m, r in ratios.items()}
     for m, t in totals.items():
@@ -88,7 +109,7 @@ def main() -> None:
     print("*: the pick's own config has no eager row in the table; the variant's fastest eager config instead")
     if a.json:
         Path(a.json).write_text(json.dumps({"db": a.db, "sweep": a.sweep, "world": a.world, "rows": rows_out,
-                                            "totals": totals}, indent=1))
+                                            "totals": totals, "steps": steps}, indent=1))
 
 
 if __name__ == "__main__":
