@@ -187,3 +187,34 @@ def test_the_training_mode_setting():
         os.environ.pop("AUTOFUSE_TRAIN_MODE", None)
         if saved is not None:
             os.environ["AUTOFUSE_TRAIN_MODE"] = saved
+
+
+def _one_rank_trains(world) -> str:
+    import autofuse
+    from autofuse.core import modes
+    from autofuse.dispatch.state import STATE
+    from autofuse import dispatch
+
+    torch.set_num_threads(1)
+    modes.supported = lambda device_type: modes.MODES  # see the module doc
+    os.environ["AUTOFUSE_TRAIN_MODE"] = "graph"
+    dispatch.reset()
+    STATE.policies["cpu", "eager"] = Policy.bsp("the eager test policy")
+    STATE.policies["cpu", "graph"] = FusedPicks.bsp("the graph test policy")
+    m = _data(world.size, world.rank)["mine"]
+    x, w1 = m["x"], m["w1"].clone().requires_grad_(world.rank == 0)
+    try:
+        autofuse.ag_gemm(x, w1, group=world)
+    except Exception as exc:  # noqa: BLE001 - the test reads what each rank raised
+        return f"{type(exc).__name__}: {exc}"
+    return "ran"
+
+
+def test_a_rank_whose_call_alone_trains_raises_on_every_rank():
+    """Rank 0's weight requires grad, rank 1's does not: rank 0's call is a training call (graph mode's
+    fused pick), rank 1's is not (eager mode's BSP); every rank raises DispatchMismatch naming each rank's
+    choice and the timing mode it was decided for, and says that grad must agree; nothing runs."""
+    for text in spawn(_one_rank_trains, 2, timeout_s=300):
+        assert text.startswith("DispatchMismatch"), text
+        assert "decided for graph timing" in text and "decided for eager timing" in text, text
+        assert "require grad on every rank or on none" in text, text

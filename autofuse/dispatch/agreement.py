@@ -57,7 +57,7 @@ def agree(world: World, op: str, choice: Choice | None, invalid: Exception | Non
         mine = {"ok": True, "hash": hashlib.sha256(
             f"{choice.problem.key}|{choice.variant}|{config_key(choice.config)}|{cands}".encode()).hexdigest()[:16],
             "said": f"{choice.variant} {config_key(choice.config)} for {choice.problem.key} "
-                    f"([{choice.basis}] {choice.reason})", "settings": shared}
+                    f"([{choice.basis}] {choice.reason}; decided for {choice.mode or '?'} timing)", "settings": shared}
     try:
         every = exchange(world, op, mine)
     except DispatchMismatch as exc:
@@ -88,7 +88,8 @@ def agree(world: World, op: str, choice: Choice | None, invalid: Exception | Non
         raise told(DispatchMismatch(
             f"autofuse.{op}: ranks disagree on what to run, so nothing was launched:\n{lines}\n"
             "Give every rank the same policy (AUTOFUSE_POLICY / models/), the same AUTOFUSE_VARIANT and "
-            "variant=/config= arguments, and the same input shapes."))
+            "variant=/config= arguments, the same input shapes, and inputs that require grad on every rank or "
+            "on none (a training call is decided for AUTOFUSE_TRAIN_MODE's timing)."))
 
 
 def told(exc: BaseException) -> BaseException:
