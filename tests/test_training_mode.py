@@ -1,4 +1,4 @@
-"""Training calls are decided in AUTOFUSE_TRAIN_MODE's timing mode, other calls in AUTOFUSE_MODE's (2 CPU ranks).
+"""Training calls are decided in AUTOFUSE_TRAIN_MODE's timing mode, other calls in AUTOFUSE_MODE's (2 and 4 CPU ranks).
 
 A training call is one autograd records (grad mode on, an input requires grad: the library path's function
 passes `training=True` to the custom op, also as a constant in a compiled forward graph) or one made in a
@@ -133,14 +133,14 @@ def _routing(world, train_mode: str | None) -> dict:
     return res
 
 
-@pytest.mark.parametrize("train_mode", [None, "graph"])
-def test_training_calls_are_decided_in_the_training_mode(train_mode):
+@pytest.mark.parametrize("train_mode,world", [(None, 2), ("graph", 2), ("graph", 4)])
+def test_training_calls_are_decided_in_the_training_mode(train_mode, world):
     """AUTOFUSE_TRAIN_MODE=graph (graph let through on CPU): inference calls decide with the eager policy
     (bsp), the training step's forward and backward calls with the graph one (fused), under keys of their
     own, eager and compiled; the gradients equal the unsharded float64 ones; `set_train_mode` switches it
     at run time and back. Unset on CPU (eager, the process's own mode): training calls share the inference
     calls' keys and decisions."""
-    for r in spawn(_routing, 2, train_mode, timeout_s=300):
+    for r in spawn(_routing, world, train_mode, timeout_s=300):
         for case in ("eager_errors", "compiled_errors"):
             assert max(r[case].values()) < TOL, (case, r[case])
         inference, training = r["inference"], {**r["eager"], **r["compiled"]}
