@@ -851,6 +851,30 @@ def test_no_policy_warning_names_every_place_searched_and_the_callers_line(tmp_p
     assert "unless variant= or AUTOFUSE_VARIANT forces another" in text
 
 
+def test_doctor_names_the_policy_each_kind_of_call_would_load(tmp_path, monkeypatch, policies):
+    """`autofuse doctor`'s policy rows: for calls (AUTOFUSE_MODE) and training calls (AUTOFUSE_TRAIN_MODE),
+    the file dispatch would load, a file fitted in another mode said so, none found said so, an unusable
+    AUTOFUSE_POLICY or setting named."""
+    from autofuse.commands.doctor import policy_rows
+
+    for name in ("AUTOFUSE_POLICY", "AUTOFUSE_MODE", "AUTOFUSE_TRAIN_MODE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "data"))
+    monkeypatch.setenv("AUTOFUSE_MODELS_DIR", str(tmp_path / "models"))
+    rows = dict(policy_rows("cpu", FP))
+    assert set(rows) == {"policy for calls (eager mode)", "policy for training calls (eager mode)"}, rows
+    assert all(v.startswith("none fitted on this hardware kind") for v in rows.values()), rows
+    (tmp_path / "models").mkdir()
+    fitted = tmp_path / "models" / "toy-graph.json"
+    fitted.write_text(json.dumps(dict(policies["data"], fingerprint=FP, mode="graph")))
+    rows = dict(policy_rows("cpu", FP))
+    assert rows["policy for training calls (eager mode)"] == f"{fitted} (fitted in graph mode: none of eager mode found)"
+    monkeypatch.setenv("AUTOFUSE_POLICY", str(tmp_path / "missing.json"))
+    assert dict(policy_rows("cpu", FP))["policy for calls (eager mode)"].startswith(f"{tmp_path / 'missing.json'}: unusable")
+    monkeypatch.setenv("AUTOFUSE_TRAIN_MODE", "graph")
+    assert "AUTOFUSE_TRAIN_MODE='graph'" in dict(policy_rows("cpu", FP))["policy for training calls"]
+
+
 def test_confirmation_keeps_bsp_unless_a_candidate_beats_it_by_the_margin():
     """First-use confirmation picks the fastest timed candidate, but a lead over BSP within the margin
     (2%) is noise at its few batches: BSP stays (2026-11-27, 2x H200: mm_heap 51.5 vs bsp 52.3 us was

@@ -30,6 +30,33 @@ def _rank_job(world, measure: bool) -> dict:
     return out
 
 
+def policy_rows(kind: str, fingerprint: dict) -> list[tuple[str, str]]:
+    """(label, what dispatch would load) for each timing mode calls are decided in here: other calls'
+    (AUTOFUSE_MODE) and training calls' (AUTOFUSE_TRAIN_MODE), the policy file found for it (a file fitted
+    in the other mode where none of its own exists) or why there is none."""
+    from autofuse.core import settings
+    from autofuse.dispatch.policy import read_file
+    from autofuse.dispatch.policy_files import find_policy
+
+    rows = []
+    for calls, read in (("calls", settings.mode), ("training calls", settings.train_mode)):
+        try:
+            mode = read(kind)
+        except settings.SettingError as exc:
+            rows.append((f"policy for {calls}", f"unusable setting: {exc}"))
+            continue
+        path = settings.policy_path() or find_policy(fingerprint, mode)
+        if path is None:
+            what = "none fitted on this hardware kind: BSP for every op (autofuse tune, then autofuse fit)"
+        else:
+            data, why = read_file(Path(path))
+            fitted = data.get("mode") if isinstance(data, dict) else None
+            what = (f"{path}: unusable ({why})" if data is None else f"{path}"
+                    + (f" (fitted in {fitted} mode: none of {mode} mode found)" if fitted not in (None, mode) else ""))
+        rows.append((f"policy for {calls} ({mode} mode)", what))
+    return rows
+
+
 def doctor(
     world: Optional[int] = typer.Option(None, "--world", min=1, help="World size: ranks to run (default: every "
                                         "local GPU, or 2 CPU ranks)."),
@@ -65,6 +92,9 @@ def doctor(
     info.add_row("torch / Triton / NCCL", f"{torch.__version__} / {triton.__version__} / {nccl}")
     info.add_row("python", platform.python_version())
     info.add_row("fingerprint", fp["id"])
+    policies = policy_rows(kind, fp)
+    for label, what in policies:
+        info.add_row(label, what)
     console.print(info)
     topo = environment.topology_matrix()
     if topo:
@@ -88,7 +118,8 @@ def doctor(
                           ["pull GB/s", "copy engine GB/s", "flag round trip us"], body)
         if kind == "cpu":
             console.print("(CPU emulation: latencies are the interpreter's, not a GPU's)")
-    doc = json.dumps({"fingerprint": fp, "topology": topo, "world": n, "ranks": results, "ok": not failed},
+    doc = json.dumps({"fingerprint": fp, "topology": topo, "policies": dict(policies), "world": n, "ranks": results,
+                      "ok": not failed},
                      indent=2, default=str) + "\n"
     if out_path:
         try:
