@@ -77,3 +77,19 @@ def test_bench_moe_keeps_the_ranks_notes_beside_its_own(monkeypatch) -> None:
                                                          "modes": ["eager"], "device": "cpu"}])
     result = bench_moe.run(BenchOptions(target="moe", device_kind="cpu", world=2, reps=5, progress=False))
     assert result["notes"] == [INTERPRETED_NOTE, "reps capped at 3 on CPU (asked for 5)", refused], result["notes"]
+
+
+def test_each_autofuse_contender_runs_in_its_training_mode() -> None:
+    """bench_train_layer.in_mode (both training benches): before each call, autofuse-compiled-graph's training
+    calls are set to graph mode, every other autofuse contender's back to AUTOFUSE_TRAIN_MODE's; torch's
+    contenders are left as they are."""
+    from autofuse.bench.bench_train_layer import in_mode
+    from autofuse.dispatch.state import STATE
+
+    seen = []
+    try:
+        for name in ("autofuse-compiled-graph", "torch-tp", "autofuse-compiled", "autofuse-compiled-graph", "autofuse"):
+            in_mode(name, lambda: seen.append(STATE.train_mode))()
+    finally:
+        STATE.train_mode = None
+    assert seen == ["graph", "graph", None, "graph", None]

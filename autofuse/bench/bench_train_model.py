@@ -14,6 +14,9 @@ Every contender starts from the same weights and trains on the same token batche
   too), the first layer scatters the token rows and the last gathers them.
 - `autofuse-compiled`: the same, each decoder layer compiled in place (`layer.compile(fullgraph=True)`,
   per block as torchtitan compiles; the first and last layers' row scatter and gather hooks inside).
+- `autofuse-compiled-graph` (by name only, GPUs): `autofuse-compiled` with its training calls decided for
+  graph timing (`autofuse.dispatch.set_train_mode("graph")` around its steps; the others: the default,
+  eager), to compare the two timing modes' decisions on one model in one run.
 - `torch-tp`: torch's DTensor TP with sequence parallelism on every decoder layer, torchtitan's plan
   (`autofuse.bench.torch_tp`), the first layer's input split along the sequence and the last's
   output gathered (PrepareModuleInput / PrepareModuleOutput), eager.
@@ -46,7 +49,8 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 from autofuse.bench import target_options, torch_tp
-from autofuse.bench.bench_train_layer import MODELS as LAYERS_OF, layer_flops, peak_tflops
+from autofuse.bench.bench_train_layer import MODELS as LAYERS_OF, OPTIONAL, TRAIN_MODES, in_mode, layer_flops, peak_tflops
+from autofuse.core import modes
 
 if TYPE_CHECKING:
     from autofuse.comm.world import World
@@ -57,7 +61,7 @@ DEFAULT_SWEEP = {"cuda": "8b", "cpu": "tiny"}
 DEFAULT_LAYERS = {"cuda": 4, "cpu": 2}
 TOKENS = {"cuda": (2048, 4096, 8192), "cpu": (16,)}
 CONTENDERS = ("autofuse", "autofuse-compiled", "torch-tp", "torch-async-tp")
-COMPILED = {"autofuse-compiled", "torch-async-tp"}
+COMPILED = {"autofuse-compiled", "autofuse-compiled-graph", "torch-async-tp"}
 BASELINE = "torch-async-tp"  # x = its step time / the contender's
 REFERENCES = ("torch-tp", "unsharded")  # whose losses each contender's are compared with
 LOSS_STEPS = 3
@@ -78,7 +82,7 @@ def run(options: Any) -> dict:
         raise ValueError(f"unknown model {model}: use one of {', '.join(MODELS)}")
     check_sizes(MODELS[model], world)
     layers = getattr(options, "layers", None) or DEFAULT_LAYERS[kind]
-    contenders = target_options.contenders(options.variants, CONTENDERS)
+    contenders = target_options.contenders(options.variants, CONTENDERS, OPTIONAL)
     tokens = target_options.token_counts(options.shapes, TOKENS[kind], world)
     cfg = {"model": model, "layers": layers, "tokens": tokens[:options.limit or None],
            "reps": s.reps, "contenders": contenders, "progress": bool(options.progress), "seed": 0,
@@ -145,7 +149,7 @@ def contender(name: str, model: torch.nn.Module, world: World, mesh: Any) -> tor
     """`model` (a fresh copy, changed in place) made into contender `name` (module doc)."""
     import autofuse
 
-    if name in ("autofuse", "autofuse-compiled"):
+    if name in ("autofuse", "autofuse-compiled", *OPTIONAL):
         autofuse.parallelize(model, world.group, sequence_parallel=True)
     elif name in ("torch-tp", "torch-async-tp"):
         _torch_tp_layers(model, mesh)
@@ -206,6 +210,10 @@ def _rank(world: World, cfg: dict) -> dict:
     if "torch-async-tp" in names and (why := torch_tp.async_tp_unavailable(world)) is not None:
         names.remove("torch-async-tp")
         notes.append(f"torch-async-tp skipped: {why}")
+    for name, mode in TRAIN_MODES.items():
+        if name in names and mode not in modes.supported(world.device.type):
+            names.remove(name)
+            notes.append(f"{name} skipped: {world.device.type} has no {mode} timing mode")
     device = torch.cuda.get_device_name(world.device) if cuda else "cpu"
     peak = None if cfg["interpreted"] else peak_tflops(device)
     rows = [_tokens_row(world, cfg, config, t, mesh, names, peak) for t in cfg["tokens"]]
@@ -231,7 +239,7 @@ def _tokens_row(world: World, cfg: dict, config: Any, t: int, mesh: Any, names: 
     for name in ["unsharded", *names]:
         model = contender(name, copy.deepcopy(base), world, mesh)
         opt = optimizer(model)
-        losses[name] = [float(train_step(model, opt, ids)) for ids in batches]
+        losses[name] = [float(in_mode(name, lambda ids=ids: train_step(model, opt, ids))()) for ids in batches]
         if name == "unsharded":
             del model, opt
             _free(cuda)
@@ -245,10 +253,10 @@ def _tokens_row(world: World, cfg: dict, config: Any, t: int, mesh: Any, names: 
                  for ref in REFERENCES if ref in losses and ref != n} for n in names}
     ids = batches[0]
 
-    def step(model: torch.nn.Module, opt: torch.optim.Optimizer) -> Callable[[], None]:
-        return lambda: train_step(model, opt, ids)
+    def step(name: str, model: torch.nn.Module, opt: torch.optim.Optimizer) -> Callable[[], None]:
+        return in_mode(name, lambda: train_step(model, opt, ids))
 
-    times, _ = time_in_turns(world, [step(*models[n]) for n in names], "eager", reps=cfg["reps"], warmup=1,
+    times, _ = time_in_turns(world, [step(n, *models[n]) for n in names], "eager", reps=cfg["reps"], warmup=1,
                              rounds=cfg["reps"])
     ms = {n: tm.median_us / 1e3 for n, tm in zip(names, times)}
     del models
