@@ -19,8 +19,8 @@ from autofuse.comm.world import spawn
 from autofuse.core.op import Op, Problem
 from autofuse.dispatch.choice import Choice
 from autofuse.dispatch.policy import Policy
+from test_autograd import F, T, _mlp_data
 
-T, H, F = 8, 16, 32
 TOL = 1e-4
 MODES = ("eager", "graph")
 
@@ -40,20 +40,16 @@ class FusedPicks(Policy):
 
 
 def _data(w: int, r: int) -> dict:
-    """The unsharded MLP (float64) and this rank's float32 shards: x rows, W1 columns, W2 rows."""
-    gen = torch.Generator().manual_seed(11)
-    full = {"x": torch.randn(T, H, generator=gen, dtype=torch.float64),
-            "w1": torch.randn(H, F, generator=gen, dtype=torch.float64) * H ** -0.5,
-            "w2": torch.randn(F, H, generator=gen, dtype=torch.float64) * F ** -0.5,
-            "g": torch.randn(T, H, generator=gen, dtype=torch.float64)}
-    rows, cols = slice(r * T // w, (r + 1) * T // w), slice(r * F // w, (r + 1) * F // w)
-    mine = {"x": full["x"][rows], "w1": full["w1"][:, cols], "w2": full["w2"][cols], "g": full["g"][rows]}
-    return {"full": full, "mine": {k: v.float().contiguous() for k, v in mine.items()}, "rows": rows, "cols": cols}
+    """test_autograd's MLP: the unsharded float64 tensors, this rank's float32 shards, its rows and columns; `t`
+    (the target there) is the output gradient here."""
+    d = _mlp_data(w, r)
+    d["rows"], d["cols"] = slice(r * T // w, (r + 1) * T // w), slice(r * F // w, (r + 1) * F // w)
+    return d
 
 
 def _reference(full: dict) -> dict:
     leaves = {k: full[k].clone().requires_grad_() for k in ("x", "w1", "w2")}
-    ((torch.relu(leaves["x"] @ leaves["w1"]) @ leaves["w2"]) * full["g"]).sum().backward()
+    ((torch.relu(leaves["x"] @ leaves["w1"]) @ leaves["w2"]) * full["t"]).sum().backward()
     return {k: v.grad for k, v in leaves.items()}
 
 
@@ -89,7 +85,7 @@ def _routing(world, train_mode: str | None) -> dict:
 
     def step(fn) -> dict:
         leaves = {k: m[k].clone().requires_grad_() for k in ("x", "w1", "w2")}
-        (fn(leaves["x"], leaves["w1"], leaves["w2"]) * m["g"]).sum().backward()
+        (fn(leaves["x"], leaves["w1"], leaves["w2"]) * m["t"]).sum().backward()
         mine = {"x": ref["x"][d["rows"]], "w1": ref["w1"][:, d["cols"]], "w2": ref["w2"][d["cols"]]}
         return {k: float((leaves[k].grad.double() - mine[k]).norm() / mine[k].norm()) for k in leaves}
 

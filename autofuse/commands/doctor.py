@@ -36,7 +36,7 @@ def policy_rows(kind: str, fingerprint: dict) -> list[tuple[str, str]]:
     in the other mode where none of its own exists) or why there is none."""
     from autofuse.core import settings
     from autofuse.dispatch.policy import read_file
-    from autofuse.dispatch.policy_files import find_policy
+    from autofuse.dispatch.policy_files import policy_file
 
     rows = []
     for calls, read in (("calls", settings.mode), ("training calls", settings.train_mode)):
@@ -45,11 +45,11 @@ def policy_rows(kind: str, fingerprint: dict) -> list[tuple[str, str]]:
         except settings.SettingError as exc:
             rows.append((f"policy for {calls}", f"unusable setting: {exc}"))
             continue
-        path = settings.policy_path() or find_policy(fingerprint, mode)
+        path = policy_file(fingerprint, mode)
         if path is None:
             what = "none fitted on this hardware kind: BSP for every op (autofuse tune, then autofuse fit)"
         else:
-            data, why = read_file(Path(path))
+            data, why = read_file(path)
             fitted = data.get("mode") if isinstance(data, dict) else None
             what = (f"{path}: unusable ({why})" if data is None else f"{path}"
                     + (f" (fitted in {fitted} mode: none of {mode} mode found)" if fitted not in (None, mode) else ""))

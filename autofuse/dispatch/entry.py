@@ -111,7 +111,9 @@ def training_mode(args: tuple) -> str | None:
     it is the process's own (AUTOFUSE_MODE: training and other calls of a problem then share one decision).
     Read once per process and kind (`reset` forgets it); a value that cannot be used reads as None here and
     raises at the call's agreement, on every rank (`settings.lockstep`)."""
-    kind = next((a.device.type for a in args if isinstance(a, torch.Tensor)), None)
+    first = args[0] if args else None  # the ops' first input is a tensor: one attribute read on the hot path
+    kind = first.device.type if isinstance(first, torch.Tensor) else next(
+        (a.device.type for a in args if isinstance(a, torch.Tensor)), None)
     if kind is None:
         return None
     if kind not in STATE.train_modes:

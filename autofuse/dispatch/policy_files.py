@@ -60,6 +60,11 @@ def no_policy_reason(fp: dict) -> str:
     return f"no policy fitted on this machine's hardware kind (fingerprint {fp['id']}) in {'; '.join(searched)}: {runs}"
 
 
+def policy_file(fingerprint: dict, mode: str) -> Path | None:
+    """The policy file decisions in timing `mode` load on this hardware: AUTOFUSE_POLICY, else `find_policy`'s."""
+    return settings.policy_path() or find_policy(fingerprint, mode)
+
+
 def policy_for(world: World, mode: str | None = None) -> Any:
     """The Policy decisions on `world`'s device kind use in timing `mode` (None: AUTOFUSE_MODE's), loaded once
     per process, kind and mode: the file fitted in that mode where this machine's kind has one, else another."""
@@ -73,7 +78,7 @@ def policy_for(world: World, mode: str | None = None) -> Any:
 
         STATE.stats.policy_loads += 1
         fp = environment.fingerprint(kind)
-        path = settings.policy_path() or find_policy(fp, mode)
+        path = policy_file(fp, mode)
         if path is not None:
             STATE.policies[kind, mode] = Policy.load(path, fp)
         else:
